@@ -1,0 +1,8 @@
+//! antiphon: a realtime voice server for the MiniCPM-o 4.5 speech path.
+//!
+//! See `ARCHITECTURE.md` for the bird's-eye view and the code map.
+
+pub mod checkpoint;
+pub mod models;
+pub mod synth;
+pub mod tokenizer;

@@ -1,0 +1,369 @@
+//! The decoder-only transformer shared by the Thinker LLM (Qwen3: per-head q/k RMSNorm) and the
+//! Talker backbone (Llama: no q/k norm): pre-norm blocks, RoPE (rotate-half), grouped-query
+//! attention, SwiGLU MLP.
+//!
+//! Checkpoint names below `<prefix>.model.`: `layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj,
+//! self_attn.{q,k}_norm, post_attention_layernorm, mlp.{gate,up,down}_proj}`, `norm`.
+//!
+//! Batching: one call advances any number of streams, each with its own KV cache and any number of
+//! new positions (prefill and decode mix freely). The rows of all streams are packed into one
+//! matrix for every position-wise op (projections, norms, MLP); only attention runs per stream,
+//! against that stream's own cache.
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{Linear, RmsNorm, VarBuilder};
+
+/// Shape of one decoder stack.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecoderConfig {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub max_positions: usize,
+    /// Qwen3's per-head RMSNorm of q and k before RoPE.
+    pub qk_norm: bool,
+}
+
+/// Per-stream KV cache of one decoder stack: for every layer, K and V as `[kv_heads, len,
+/// head_dim]` in a buffer that grows by doubling.
+///
+/// Not `Clone`: appends write into the buffer in place, so two owners would corrupt each other.
+#[derive(Debug)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
+}
+
+impl KvCache {
+    pub fn new(num_layers: usize) -> Self {
+        Self { layers: (0..num_layers).map(|_| None).collect(), len: 0 }
+    }
+
+    /// Positions held (= the position of the next token).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Forgets everything; the buffers are released.
+    pub fn reset(&mut self) {
+        for l in self.layers.iter_mut() {
+            *l = None;
+        }
+        self.len = 0;
+    }
+
+    /// Marks `n` more positions as held, once every layer has appended them.
+    pub(crate) fn advance(&mut self, n: usize) {
+        self.len += n;
+    }
+
+    /// Drops the positions from `len` on (keeps the buffers).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    /// Bytes held by the buffers (capacity, not length).
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
+            .sum()
+    }
+
+    /// Writes `k`, `v` (`[kv_heads, n, head_dim]`) of `layer` at position `self.len` and returns
+    /// views of the whole history including them.
+    pub(crate) fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (h, n, d) = k.dims3()?;
+        let need = self.len + n;
+        let slot = &mut self.layers[layer];
+        let cap = slot.as_ref().map(|(k, _)| k.dim(1)).transpose()?.unwrap_or(0);
+        if need > cap {
+            let new_cap = need.max(cap * 2).max(64).next_multiple_of(64);
+            let nk = Tensor::zeros((h, new_cap, d), k.dtype(), k.device())?;
+            let nv = Tensor::zeros((h, new_cap, d), v.dtype(), v.device())?;
+            if let Some((ok, ov)) = slot.as_ref() {
+                if self.len > 0 {
+                    nk.slice_set(&ok.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
+                    nv.slice_set(&ov.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
+                }
+            }
+            *slot = Some((nk, nv));
+        }
+        let (bk, bv) = slot.as_ref().expect("allocated above");
+        bk.slice_set(&k.contiguous()?, 1, self.len)?;
+        bv.slice_set(&v.contiguous()?, 1, self.len)?;
+        Ok((bk.narrow(1, 0, need)?, bv.narrow(1, 0, need)?))
+    }
+}
+
+/// Rotary position tables (`cos`, `sin`: `[max_positions, head_dim / 2]`).
+#[derive(Debug, Clone)]
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    pub fn new(head_dim: usize, theta: f64, max_positions: usize, dtype: DType, dev: &Device) -> Result<Self> {
+        let half = head_dim / 2;
+        let inv_freq: Vec<f32> =
+            (0..half).map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / head_dim as f32)).collect();
+        let inv_freq = Tensor::from_vec(inv_freq, (1, half), dev)?;
+        let pos = Tensor::arange(0u32, max_positions as u32, dev)?.to_dtype(DType::F32)?.reshape((max_positions, 1))?;
+        let freqs = pos.broadcast_mul(&inv_freq)?;
+        Ok(Self { cos: freqs.cos()?.to_dtype(dtype)?, sin: freqs.sin()?.to_dtype(dtype)? })
+    }
+
+    pub fn max_positions(&self) -> usize {
+        self.cos.dim(0).unwrap_or(0)
+    }
+
+    /// `cos`, `sin` rows for the given positions, shaped `[n, 1, half]` to broadcast over heads.
+    pub fn tables(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        let cos = self.cos.index_select(positions, 0)?.unsqueeze(1)?;
+        let sin = self.sin.index_select(positions, 0)?.unsqueeze(1)?;
+        Ok((cos, sin))
+    }
+
+    /// Rotate-half RoPE of `x: [n, heads, head_dim]`.
+    pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let half = x.dim(D::Minus1)? / 2;
+        let x1 = x.narrow(D::Minus1, 0, half)?;
+        let x2 = x.narrow(D::Minus1, half, half)?;
+        let a = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
+        let b = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
+        Tensor::cat(&[a, b], D::Minus1)
+    }
+}
+
+/// Softmax attention of one stream: `q: [heads, n, d]` (already scaled) against `k`, `v:
+/// [kv_heads, L, d]`, the new positions being the last `n` of `L`. With `causal` they see each
+/// other causally; without, they all see the whole history and each other.
+pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
+    let (hq, n, d) = q.dims3()?;
+    let (hkv, l, _) = k.dims3()?;
+    let group = hq / hkv;
+    // Query heads h = j * group + r share KV head j: group them without copying K and V.
+    let qg = q.contiguous()?.reshape((hkv, group * n, d))?;
+    let mut att = qg.matmul(&k.t()?)?.to_dtype(DType::F32)?;
+    if causal && n > 1 {
+        let offset = l - n;
+        let mask: Vec<f32> = (0..n)
+            .flat_map(|i| (0..l).map(move |j| if j > offset + i { f32::NEG_INFINITY } else { 0.0 }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (1, 1, n, l), q.device())?;
+        att = att.reshape((hkv, group, n, l))?.broadcast_add(&mask)?.reshape((hkv, group * n, l))?;
+    }
+    let att = candle_nn::ops::softmax_last_dim(&att)?.to_dtype(v.dtype())?;
+    att.matmul(v)?.reshape((hq, n, d))
+}
+
+#[derive(Debug, Clone)]
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+fn linear_no_bias(vb: &VarBuilder, name: &str, in_dim: usize, out_dim: usize) -> Result<Linear> {
+    Ok(Linear::new(vb.get((out_dim, in_dim), &format!("{name}.weight"))?, None))
+}
+
+impl Attention {
+    fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<Self> {
+        let (h, hq, hkv, d) = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let (q_norm, k_norm) = if cfg.qk_norm {
+            (
+                Some(candle_nn::rms_norm(d, cfg.rms_norm_eps, vb.pp("q_norm"))?),
+                Some(candle_nn::rms_norm(d, cfg.rms_norm_eps, vb.pp("k_norm"))?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(Self {
+            q_proj: linear_no_bias(&vb, "q_proj", h, hq * d)?,
+            k_proj: linear_no_bias(&vb, "k_proj", h, hkv * d)?,
+            v_proj: linear_no_bias(&vb, "v_proj", h, hkv * d)?,
+            o_proj: linear_no_bias(&vb, "o_proj", hq * d, h)?,
+            q_norm,
+            k_norm,
+            num_heads: hq,
+            num_kv_heads: hkv,
+            head_dim: d,
+        })
+    }
+
+    /// `x: [N, hidden]` packed rows of all streams; `spans[i] = (start, n)` rows of stream i.
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        layer: usize,
+        caches: &mut [&mut KvCache],
+        spans: &[(usize, usize)],
+    ) -> Result<Tensor> {
+        let total = x.dim(0)?;
+        let d = self.head_dim;
+        let mut q = self.q_proj.forward(x)?.reshape((total, self.num_heads, d))?;
+        let mut k = self.k_proj.forward(x)?.reshape((total, self.num_kv_heads, d))?;
+        let v = self.v_proj.forward(x)?.reshape((total, self.num_kv_heads, d))?;
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let q = (Rope::apply(&q, cos, sin)? * (d as f64).powf(-0.5))?;
+        let k = Rope::apply(&k, cos, sin)?;
+        let mut outs = Vec::with_capacity(spans.len());
+        for (cache, &(start, n)) in caches.iter_mut().zip(spans) {
+            let qs = q.narrow(0, start, n)?.transpose(0, 1)?;
+            let ks = k.narrow(0, start, n)?.transpose(0, 1)?;
+            let vs = v.narrow(0, start, n)?.transpose(0, 1)?;
+            let (ka, va) = cache.append(layer, &ks, &vs)?;
+            let o = attend(&qs, &ka, &va, true)?;
+            outs.push(o.transpose(0, 1)?.reshape((n, self.num_heads * d))?);
+        }
+        let o = if outs.len() == 1 { outs.pop().expect("one") } else { Tensor::cat(&outs, 0)? };
+        self.o_proj.forward(&o)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Ok(Self {
+            gate_proj: linear_no_bias(&vb, "gate_proj", h, i)?,
+            up_proj: linear_no_bias(&vb, "up_proj", h, i)?,
+            down_proj: linear_no_bias(&vb, "down_proj", i, h)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let g = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
+        self.down_proj.forward(&(g * self.up_proj.forward(x)?)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Layer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// One stream's share of a batched step: its cache and the embeddings of its new positions.
+pub struct StreamStep<'a> {
+    pub cache: &'a mut KvCache,
+    /// `[n, hidden]`, n >= 1.
+    pub embeds: Tensor,
+}
+
+/// The decoder stack (`<prefix>.model.layers.*` and `<prefix>.model.norm`).
+#[derive(Debug, Clone)]
+pub struct Decoder {
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    rope: Rope,
+    cfg: DecoderConfig,
+    device: Device,
+}
+
+impl Decoder {
+    /// `vb` points at `<prefix>.model`.
+    pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<Self> {
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let lvb = vb.pp("layers").pp(i);
+            layers.push(Layer {
+                input_layernorm: candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, lvb.pp("input_layernorm"))?,
+                self_attn: Attention::load(lvb.pp("self_attn"), cfg)?,
+                post_attention_layernorm: candle_nn::rms_norm(
+                    cfg.hidden_size,
+                    cfg.rms_norm_eps,
+                    lvb.pp("post_attention_layernorm"),
+                )?,
+                mlp: Mlp::load(lvb.pp("mlp"), cfg)?,
+            });
+        }
+        let norm = candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("norm"))?;
+        let rope = Rope::new(cfg.head_dim, cfg.rope_theta, cfg.max_positions, vb.dtype(), vb.device())?;
+        Ok(Self { layers, norm, rope, cfg: *cfg, device: vb.device().clone() })
+    }
+
+    pub fn config(&self) -> &DecoderConfig {
+        &self.cfg
+    }
+
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.cfg.num_layers)
+    }
+
+    /// Advances every stream by its new positions and returns, per stream, the last layer's
+    /// hidden states after the final norm (`[n, hidden]`).
+    pub fn forward(&self, streams: &mut [StreamStep<'_>]) -> Result<Vec<Tensor>> {
+        if streams.is_empty() {
+            return Ok(vec![]);
+        }
+        let mut spans = Vec::with_capacity(streams.len());
+        let mut positions: Vec<u32> = Vec::new();
+        let mut start = 0;
+        for s in streams.iter() {
+            let n = s.embeds.dim(0)?;
+            if n == 0 {
+                candle_core::bail!("a stream step needs at least one new position");
+            }
+            let offset = s.cache.len();
+            if offset + n > self.rope.max_positions() {
+                candle_core::bail!(
+                    "context of {} positions exceeds max_position_embeddings {}",
+                    offset + n,
+                    self.rope.max_positions()
+                );
+            }
+            positions.extend((offset..offset + n).map(|p| p as u32));
+            spans.push((start, n));
+            start += n;
+        }
+        let embeds: Vec<&Tensor> = streams.iter().map(|s| &s.embeds).collect();
+        let mut x = if embeds.len() == 1 { embeds[0].clone() } else { Tensor::cat(&embeds, 0)? };
+        let positions = Tensor::from_vec(positions, start, &self.device)?;
+        let (cos, sin) = self.rope.tables(&positions)?;
+        let mut caches: Vec<&mut KvCache> = streams.iter_mut().map(|s| &mut *s.cache).collect();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = layer.input_layernorm.forward(&x)?;
+            let a = layer.self_attn.forward(&h, &cos, &sin, li, &mut caches, &spans)?;
+            x = (x + a)?;
+            let h = layer.post_attention_layernorm.forward(&x)?;
+            x = (&x + layer.mlp.forward(&h)?)?;
+        }
+        for (cache, &(_, n)) in caches.iter_mut().zip(&spans) {
+            cache.advance(n);
+        }
+        let x = self.norm.forward(&x)?;
+        spans.iter().map(|&(s, n)| x.narrow(0, s, n)).collect()
+    }
+}

@@ -1,0 +1,207 @@
+//! Spectral front ends on the CPU (candle has no FFT): the Whisper log-mel (80 bins for the audio
+//! encoder, 128 bins for the S3 speech tokenizer) and the shared pieces (periodic Hann window,
+//! Slaney mel filter bank, power STFT) that the other feature extractors reuse.
+//!
+//! Computed in f64 and returned as f32, so results match the reference's float32 numbers to
+//! rounding.
+
+use std::sync::Arc;
+
+use realfft::{RealFftPlanner, RealToComplex};
+
+/// Periodic Hann window of length `n` (torch.hann_window / transformers' "hann").
+pub fn hann_periodic(n: usize) -> Vec<f64> {
+    (0..n).map(|i| 0.5 - 0.5 * (2.0 * std::f64::consts::PI * i as f64 / n as f64).cos()).collect()
+}
+
+fn hz_to_mel_slaney(f: f64) -> f64 {
+    let logstep = 27.0 / 6.4f64.ln();
+    if f >= 1000.0 {
+        15.0 + (f / 1000.0).ln() * logstep
+    } else {
+        3.0 * f / 200.0
+    }
+}
+
+fn mel_to_hz_slaney(m: f64) -> f64 {
+    let logstep = 27.0 / 6.4f64.ln();
+    if m >= 15.0 {
+        1000.0 * ((m - 15.0) / logstep).exp()
+    } else {
+        200.0 * m / 3.0
+    }
+}
+
+/// Triangular mel filters on the Slaney scale with Slaney area normalization (librosa's default,
+/// transformers' `mel_filter_bank(norm="slaney", mel_scale="slaney")`), `[n_mels][n_fft/2+1]`.
+pub fn mel_filters_slaney(sample_rate: usize, n_fft: usize, n_mels: usize, fmin: f64, fmax: f64) -> Vec<Vec<f64>> {
+    let n_freq = n_fft / 2 + 1;
+    let (mmin, mmax) = (hz_to_mel_slaney(fmin), hz_to_mel_slaney(fmax));
+    let pts: Vec<f64> = (0..n_mels + 2)
+        .map(|i| mel_to_hz_slaney(mmin + (mmax - mmin) * i as f64 / (n_mels + 1) as f64))
+        .collect();
+    let fft_freqs: Vec<f64> =
+        (0..n_freq).map(|k| (sample_rate as f64 / 2.0) * k as f64 / (n_freq - 1) as f64).collect();
+    (0..n_mels)
+        .map(|m| {
+            let (lo, mid, hi) = (pts[m], pts[m + 1], pts[m + 2]);
+            let enorm = 2.0 / (hi - lo);
+            fft_freqs
+                .iter()
+                .map(|&f| {
+                    let down = (f - lo) / (mid - lo);
+                    let up = (hi - f) / (hi - mid);
+                    down.min(up).max(0.0) * enorm
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Short-time Fourier transform of framed, windowed real signals.
+pub struct Stft {
+    n_fft: usize,
+    hop: usize,
+    window: Vec<f64>,
+    plan: Arc<dyn RealToComplex<f64>>,
+}
+
+impl Stft {
+    /// `window` shorter than `n_fft` is centered in the frame (torch.stft's convention).
+    pub fn new(n_fft: usize, hop: usize, window: Vec<f64>) -> Self {
+        let mut w = vec![0.0; n_fft];
+        let off = (n_fft - window.len()) / 2;
+        w[off..off + window.len()].copy_from_slice(&window);
+        let plan = RealFftPlanner::<f64>::new().plan_fft_forward(n_fft);
+        Self { n_fft, hop, window: w, plan }
+    }
+
+    pub fn n_fft(&self) -> usize {
+        self.n_fft
+    }
+
+    /// |X|^2 of every full frame of `signal` (already padded as the caller wants):
+    /// `frames x (n_fft/2 + 1)`.
+    pub fn power(&self, signal: &[f64]) -> Vec<Vec<f64>> {
+        if signal.len() < self.n_fft {
+            return vec![];
+        }
+        let frames = 1 + (signal.len() - self.n_fft) / self.hop;
+        let mut input = self.plan.make_input_vec();
+        let mut spec = self.plan.make_output_vec();
+        let mut out = Vec::with_capacity(frames);
+        for t in 0..frames {
+            let s = &signal[t * self.hop..t * self.hop + self.n_fft];
+            for ((i, x), w) in input.iter_mut().zip(s).zip(&self.window) {
+                *i = x * w;
+            }
+            self.plan.process(&mut input, &mut spec).expect("fft sizes match the plan");
+            out.push(spec.iter().map(|c| c.norm_sqr()).collect());
+        }
+        out
+    }
+}
+
+/// Reflect-pads `x` by `pad` on both sides (numpy/torch "reflect"); a signal too short to reflect
+/// is zero-extended first.
+pub fn reflect_pad(x: &[f32], pad: usize) -> Vec<f64> {
+    let mut src: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    if src.len() <= pad {
+        src.resize(pad + 1, 0.0);
+    }
+    let n = src.len();
+    let mut out = Vec::with_capacity(n + 2 * pad);
+    out.extend((1..=pad).rev().map(|i| src[i]));
+    out.extend_from_slice(&src);
+    out.extend((0..pad).map(|i| src[n - 2 - i]));
+    out
+}
+
+/// Whisper's log-mel spectrogram: 16 kHz, n_fft 400, hop 160, centered with reflect padding,
+/// power spectrum, Slaney mel filters up to 8 kHz, log10 clamped at 1e-10, the last frame dropped,
+/// floored at (max - 8), then (x + 4) / 4.
+pub struct WhisperLogMel {
+    stft: Stft,
+    filters: Vec<Vec<f64>>,
+    hop: usize,
+}
+
+impl std::fmt::Debug for WhisperLogMel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "WhisperLogMel({} bins)", self.filters.len())
+    }
+}
+
+impl WhisperLogMel {
+    pub const SAMPLE_RATE: usize = 16_000;
+    pub const N_FFT: usize = 400;
+    pub const HOP: usize = 160;
+
+    pub fn new(n_mels: usize) -> Self {
+        Self {
+            stft: Stft::new(Self::N_FFT, Self::HOP, hann_periodic(Self::N_FFT)),
+            filters: mel_filters_slaney(Self::SAMPLE_RATE, Self::N_FFT, n_mels, 0.0, 8000.0),
+            hop: Self::HOP,
+        }
+    }
+
+    pub fn n_mels(&self) -> usize {
+        self.filters.len()
+    }
+
+    /// Frames produced for `samples` samples (one per hop).
+    pub fn frames_for(&self, samples: usize) -> usize {
+        samples / self.hop
+    }
+
+    /// `[n_mels, frames]` row-major, and `frames`.
+    pub fn compute(&self, samples: &[f32]) -> (Vec<f32>, usize) {
+        let padded = reflect_pad(samples, self.stft.n_fft() / 2);
+        let mut power = self.stft.power(&padded);
+        power.truncate(self.frames_for(samples.len()));
+        let frames = power.len();
+        let n_mels = self.n_mels();
+        let mut logmel = vec![0f64; n_mels * frames];
+        let mut max = f64::NEG_INFINITY;
+        for (t, p) in power.iter().enumerate() {
+            for (m, f) in self.filters.iter().enumerate() {
+                let e: f64 = f.iter().zip(p).map(|(a, b)| a * b).sum();
+                let v = e.max(1e-10).log10();
+                max = max.max(v);
+                logmel[m * frames + t] = v;
+            }
+        }
+        let out = logmel.iter().map(|&v| ((v.max(max - 8.0) + 4.0) / 4.0) as f32).collect();
+        (out, frames)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filters_are_triangles_with_slaney_area() {
+        let f = mel_filters_slaney(16_000, 400, 80, 0.0, 8000.0);
+        assert_eq!(f.len(), 80);
+        assert_eq!(f[0].len(), 201);
+        for row in &f {
+            assert!(row.iter().all(|&v| v >= 0.0));
+            assert!(row.iter().any(|&v| v > 0.0), "every filter covers some bin");
+        }
+    }
+
+    #[test]
+    fn a_sine_lights_the_right_band() {
+        let mel = WhisperLogMel::new(80);
+        let s: Vec<f32> = (0..16_000).map(|i| (2.0 * std::f32::consts::PI * 440.0 * i as f32 / 16_000.0).sin()).collect();
+        let (m, frames) = mel.compute(&s);
+        assert_eq!(frames, 100);
+        let t = 50;
+        let col: Vec<f32> = (0..80).map(|b| m[b * frames + t]).collect();
+        let peak = col.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+        // 440 Hz lies at mel 6.6 on the Slaney scale; with 80 bands up to 8 kHz (~ mel 47.2 / 81
+        // per band) that is band 10 or 11.
+        assert!((9..=12).contains(&peak), "peak band {peak}");
+    }
+}

@@ -1,0 +1,300 @@
+//! Token sampling on the host: repetition penalty, temperature, top-k, top-p, seeded per request.
+//!
+//! The Talker's penalty is frequency-style over a window of recent codes (`logit / a` for a
+//! non-negative logit, `logit * a` otherwise, `a = penalty ^ count`); the Thinker's is the usual
+//! presence-style penalty over everything seen. Top-k and top-p keep at least `min_keep` tokens.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PenaltyKind {
+    /// Each distinct earlier token once (HF / vLLM `repetition_penalty`).
+    Presence,
+    /// Each earlier token as often as it occurs (the Talker's codec penalty).
+    Frequency,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// 0 = off.
+    pub top_k: usize,
+    /// 1 = off.
+    pub top_p: f32,
+    /// 1 = off.
+    pub repetition_penalty: f32,
+    pub penalty_kind: PenaltyKind,
+    /// How many of the most recent tokens the penalty looks at (0 = all).
+    pub penalty_window: usize,
+    pub min_keep: usize,
+}
+
+impl SamplingParams {
+    /// The Talker's defaults (MiniCPM-o 4.5 `TTSSamplingParams`).
+    pub fn talker() -> Self {
+        Self {
+            temperature: 0.8,
+            top_k: 25,
+            top_p: 0.85,
+            repetition_penalty: 1.05,
+            penalty_kind: PenaltyKind::Frequency,
+            penalty_window: 16,
+            min_keep: 3,
+        }
+    }
+
+    /// Greedy text decoding with the served Thinker's repetition penalty.
+    pub fn thinker_greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            repetition_penalty: 1.1,
+            penalty_kind: PenaltyKind::Presence,
+            penalty_window: 0,
+            min_keep: 1,
+        }
+    }
+}
+
+/// A seeded sampler with the token history its penalty needs.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: ChaCha8Rng,
+    history: Vec<u32>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams, seed: u64) -> Self {
+        Self { params, rng: ChaCha8Rng::seed_from_u64(seed), history: Vec::new() }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Adds tokens the penalty should see without sampling them (e.g. the prompt).
+    pub fn observe(&mut self, ids: &[u32]) {
+        self.history.extend_from_slice(ids);
+    }
+
+    pub fn history(&self) -> &[u32] {
+        &self.history
+    }
+
+    fn penalize(&self, logits: &mut [f32]) {
+        let p = self.params.repetition_penalty;
+        if p == 1.0 || self.history.is_empty() {
+            return;
+        }
+        let window = match self.params.penalty_window {
+            0 => &self.history[..],
+            w => &self.history[self.history.len().saturating_sub(w)..],
+        };
+        let mut counts: std::collections::HashMap<u32, i32> = std::collections::HashMap::new();
+        for &t in window {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (&t, &c) in &counts {
+            let Some(l) = logits.get_mut(t as usize) else { continue };
+            let a = match self.params.penalty_kind {
+                PenaltyKind::Presence => p,
+                PenaltyKind::Frequency => p.powi(c),
+            };
+            *l = if *l >= 0.0 { *l / a } else { *l * a };
+        }
+    }
+
+    /// Picks the next token from `logits`, never one in `forbid`, and records it.
+    pub fn sample(&mut self, logits: &[f32], forbid: &[u32]) -> u32 {
+        let mut l = logits.to_vec();
+        for &f in forbid {
+            if let Some(x) = l.get_mut(f as usize) {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+        self.penalize(&mut l);
+        let id = self.pick(&l);
+        self.history.push(id);
+        id
+    }
+
+    fn pick(&mut self, l: &[f32]) -> u32 {
+        let argmax = || l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).unwrap_or(0);
+        let prm = &self.params;
+        if prm.temperature <= 0.0 {
+            return argmax();
+        }
+        let mut idx: Vec<usize> = (0..l.len()).filter(|&i| l[i].is_finite()).collect();
+        if idx.is_empty() {
+            return argmax();
+        }
+        idx.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+        if prm.top_k > 0 {
+            idx.truncate(prm.top_k.max(prm.min_keep));
+        }
+        let t = prm.temperature;
+        let m = l[idx[0]] / t;
+        let mut probs: Vec<f32> = idx.iter().map(|&i| (l[i] / t - m).exp()).collect();
+        let sum: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= sum);
+        if prm.top_p < 1.0 {
+            let mut cum = 0.0;
+            let mut keep = probs.len();
+            for (k, p) in probs.iter().enumerate() {
+                cum += p;
+                if cum >= prm.top_p {
+                    keep = k + 1;
+                    break;
+                }
+            }
+            let keep = keep.max(prm.min_keep).min(probs.len());
+            idx.truncate(keep);
+            probs.truncate(keep);
+            let s: f32 = probs.iter().sum();
+            probs.iter_mut().for_each(|p| *p /= s);
+        }
+        let u: f32 = self.rng.random();
+        let mut cum = 0.0;
+        for (k, p) in probs.iter().enumerate() {
+            cum += p;
+            if u < cum {
+                return idx[k] as u32;
+            }
+        }
+        idx[probs.len() - 1] as u32
+    }
+}
+
+/// Length control around a sampler: the end token is forbidden before `min` tokens and forced at
+/// `max` (min = max forces an exact length).
+#[derive(Debug, Clone)]
+pub struct LengthPolicy {
+    pub end: Vec<u32>,
+    pub min: usize,
+    pub max: usize,
+    generated: usize,
+}
+
+impl LengthPolicy {
+    pub fn new(end: Vec<u32>, min: usize, max: usize) -> Self {
+        Self { end, min: min.min(max), max, generated: 0 }
+    }
+
+    pub fn generated(&self) -> usize {
+        self.generated
+    }
+
+    /// Next token: forced end at `max`, otherwise sampled with ends forbidden before `min`.
+    /// `extra_forbid` is always forbidden. Ending tokens are not counted.
+    pub fn next(&mut self, sampler: &mut Sampler, logits: &[f32], extra_forbid: &[u32]) -> u32 {
+        if self.generated >= self.max {
+            let e = self.end[0];
+            sampler.observe(&[e]);
+            return e;
+        }
+        let mut forbid = extra_forbid.to_vec();
+        if self.generated < self.min {
+            forbid.extend_from_slice(&self.end);
+        }
+        let id = sampler.sample(logits, &forbid);
+        if !self.end.contains(&id) {
+            self.generated += 1;
+        }
+        id
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        (0..100).map(|i| ((i * 37 % 100) as f32) / 20.0).collect()
+    }
+
+    #[test]
+    fn same_seed_same_tokens_other_seed_differs() {
+        let run = |seed| {
+            let mut s = Sampler::new(SamplingParams::talker(), seed);
+            (0..50).map(|_| s.sample(&logits(), &[])).collect::<Vec<_>>()
+        };
+        assert_eq!(run(7), run(7));
+        assert_ne!(run(7), run(8));
+    }
+
+    #[test]
+    fn top_k_limits_choices() {
+        let mut p = SamplingParams::talker();
+        p.top_p = 1.0;
+        p.repetition_penalty = 1.0;
+        p.top_k = 3;
+        let l = logits();
+        let mut order: Vec<usize> = (0..100).collect();
+        order.sort_by(|&a, &b| l[b].total_cmp(&l[a]));
+        let top: Vec<u32> = order[..3].iter().map(|&i| i as u32).collect();
+        let mut s = Sampler::new(p, 1);
+        for _ in 0..200 {
+            assert!(top.contains(&s.sample(&l, &[])));
+        }
+    }
+
+    #[test]
+    fn top_p_keeps_the_nucleus_but_at_least_min_keep() {
+        let mut l = vec![-10.0f32; 10];
+        l[4] = 10.0; // ~all the mass
+        let mut p = SamplingParams::talker();
+        p.repetition_penalty = 1.0;
+        p.min_keep = 1;
+        let mut s = Sampler::new(p.clone(), 3);
+        assert!((0..100).all(|_| s.sample(&l, &[]) == 4));
+        p.min_keep = 3;
+        p.temperature = 100.0; // flatten so the two extra kept tokens get picked sometimes
+        let mut s = Sampler::new(p, 3);
+        let picks: std::collections::HashSet<u32> = (0..300).map(|_| s.sample(&l, &[])).collect();
+        assert!(picks.len() > 1 && picks.len() <= 3, "{picks:?}");
+    }
+
+    #[test]
+    fn frequency_penalty_counts_repeats_in_window() {
+        let mut p = SamplingParams::talker();
+        p.repetition_penalty = 2.0;
+        let mut s = Sampler::new(p, 0);
+        s.observe(&[1, 1, 2]);
+        let mut l = vec![4.0, 4.0, -4.0];
+        s.penalize(&mut l);
+        assert_eq!(l, vec![4.0, 1.0, -8.0]);
+        // outside the window of 16 the tokens no longer count
+        s.observe(&[0; 16]);
+        let mut l = vec![4.0, 4.0, -4.0];
+        s.penalize(&mut l);
+        assert_eq!(l[1], 4.0);
+        assert!(l[0] < 1e-3);
+    }
+
+    #[test]
+    fn greedy_with_presence_penalty() {
+        let mut s = Sampler::new(SamplingParams::thinker_greedy(), 0);
+        assert_eq!(s.sample(&[1.0, 1.05, 0.0], &[]), 1);
+        // 1.05 / 1.1 < 1.0 now
+        assert_eq!(s.sample(&[1.0, 1.05, 0.0], &[]), 0);
+        assert_eq!(s.sample(&[1.0, 1.05, 0.0], &[0, 1]), 2);
+    }
+
+    #[test]
+    fn length_policy_forces_exact_lengths() {
+        let mut l = vec![0.0f32; 10];
+        l[9] = 50.0; // the end token would always win
+        let mut s = Sampler::new(SamplingParams::talker(), 5);
+        let mut lp = LengthPolicy::new(vec![9], 4, 4);
+        let out: Vec<u32> = (0..5).map(|_| lp.next(&mut s, &l, &[])).collect();
+        assert!(out[..4].iter().all(|&t| t != 9));
+        assert_eq!(out[4], 9);
+        // without a minimum the end token comes at once
+        let mut lp = LengthPolicy::new(vec![9], 0, 100);
+        assert_eq!(lp.next(&mut s, &l, &[]), 9);
+    }
+}

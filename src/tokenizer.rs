@@ -1,0 +1,328 @@
+//! The Thinker's tokenizer (`tokenizer.json`, Qwen byte-level BPE via the `tokenizers` crate),
+//! the special tokens the pipeline needs (looked up by name, never hard-coded), the chat template
+//! of a spoken reply, the hand-off slice to the Talker, and incremental detokenization for text
+//! deltas.
+//!
+//! Prompts are assembled piece by piece: special tokens go in by id, text is encoded with special
+//! token parsing off, so a user who types `<|im_end|>` gets those characters, not the token.
+
+use std::path::Path;
+
+use anyhow::{anyhow, Context, Result};
+
+/// Ids of the special tokens the pipeline uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpecialTokens {
+    pub endoftext: u32,
+    pub im_start: u32,
+    pub im_end: u32,
+    pub think: u32,
+    pub think_end: u32,
+    pub audio_start: u32,
+    pub audio_end: u32,
+    /// The multimodal placeholder `<unk>`.
+    pub unk: u32,
+    pub unit: u32,
+    pub unit_end: u32,
+    pub tts_bos: u32,
+    pub tts_eos: u32,
+    pub listen: u32,
+    pub speak: u32,
+    pub turn_eos: u32,
+    pub chunk_eos: u32,
+    pub chunk_tts_eos: u32,
+    pub tts_pad: u32,
+}
+
+impl SpecialTokens {
+    /// Every token by its text, in one place (the generator of synthetic tokenizers uses it too).
+    pub const NAMES: [&'static str; 18] = [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<think>",
+        "</think>",
+        "<|audio_start|>",
+        "<|audio_end|>",
+        "<unk>",
+        "<unit>",
+        "</unit>",
+        "<|tts_bos|>",
+        "<|tts_eos|>",
+        "<|listen|>",
+        "<|speak|>",
+        "<|turn_eos|>",
+        "<|chunk_eos|>",
+        "<|chunk_tts_eos|>",
+        "<|tts_pad|>",
+    ];
+
+    /// Looks every token up; names all the missing ones if any is.
+    pub fn lookup(find: impl Fn(&str) -> Option<u32>) -> Result<Self> {
+        let mut ids = [0u32; 18];
+        let mut missing = Vec::new();
+        for (slot, name) in ids.iter_mut().zip(Self::NAMES) {
+            match find(name) {
+                Some(id) => *slot = id,
+                None => missing.push(name),
+            }
+        }
+        if !missing.is_empty() {
+            return Err(anyhow!("tokenizer lacks special token(s) {}", missing.join(", ")));
+        }
+        let [endoftext, im_start, im_end, think, think_end, audio_start, audio_end, unk, unit, unit_end, tts_bos, tts_eos, listen, speak, turn_eos, chunk_eos, chunk_tts_eos, tts_pad] =
+            ids;
+        Ok(Self {
+            endoftext,
+            im_start,
+            im_end,
+            think,
+            think_end,
+            audio_start,
+            audio_end,
+            unk,
+            unit,
+            unit_end,
+            tts_bos,
+            tts_eos,
+            listen,
+            speak,
+            turn_eos,
+            chunk_eos,
+            chunk_tts_eos,
+            tts_pad,
+        })
+    }
+
+    pub fn audio_markers(&self) -> crate::models::thinker::AudioMarkers {
+        crate::models::thinker::AudioMarkers { start: self.audio_start, end: self.audio_end, placeholder: self.unk }
+    }
+
+    /// Tokens that end the text handed to the Talker.
+    pub fn handoff_boundaries(&self) -> [u32; 8] {
+        [
+            self.tts_eos,
+            self.tts_pad,
+            self.listen,
+            self.chunk_eos,
+            self.chunk_tts_eos,
+            self.unit,
+            self.unit_end,
+            self.im_end,
+        ]
+    }
+}
+
+/// Who speaks a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    System,
+    User,
+    Assistant,
+}
+
+impl Role {
+    fn as_str(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+        }
+    }
+}
+
+/// A piece of message content: text, or an audio clip given as its number of embeddings.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Part {
+    Text(String),
+    Audio(usize),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Message {
+    pub role: Role,
+    pub parts: Vec<Part>,
+}
+
+impl Message {
+    pub fn text(role: Role, text: impl Into<String>) -> Self {
+        Self { role, parts: vec![Part::Text(text.into())] }
+    }
+}
+
+/// The system prompt of voice cloning (`get_sys_prompt(mode="audio_assistant")`), the reference
+/// clip given as its number of audio embeddings.
+pub fn voice_clone_system(ref_audio_embeds: usize) -> Message {
+    Message {
+        role: Role::System,
+        parts: vec![
+            Part::Text("Use the voice in the audio prompt to synthesize new content.\n".into()),
+            Part::Audio(ref_audio_embeds),
+            Part::Text("\nYou are a helpful assistant with the above voice style.".into()),
+        ],
+    }
+}
+
+enum Piece {
+    Special(u32),
+    Text(String),
+}
+
+/// The tokenizer with the pipeline's special tokens resolved.
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    special: SpecialTokens,
+}
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextTokenizer").field("special", &self.special).finish_non_exhaustive()
+    }
+}
+
+impl TextTokenizer {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        Self::from_bytes(&bytes).with_context(|| format!("loading {}", path.display()))
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let mut inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| anyhow!("tokenizer.json: {e}"))?;
+        let special = SpecialTokens::lookup(|t| inner.token_to_id(t))?;
+        inner.set_encode_special_tokens(true);
+        Ok(Self { inner, special })
+    }
+
+    pub fn special(&self) -> &SpecialTokens {
+        &self.special
+    }
+
+    /// Plain text to ids; special-token text is not recognized.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self.inner.encode(text, false).map_err(|e| anyhow!("tokenize: {e}"))?.get_ids().to_vec())
+    }
+
+    /// Ids to text, special tokens left out.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, true).map_err(|e| anyhow!("detokenize: {e}"))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    fn render(&self, pieces: Vec<Piece>) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        let mut text = String::new();
+        for p in pieces {
+            match p {
+                Piece::Text(t) => text.push_str(&t),
+                Piece::Special(id) => {
+                    if !text.is_empty() {
+                        ids.extend(self.encode(&text)?);
+                        text.clear();
+                    }
+                    ids.push(id);
+                }
+            }
+        }
+        if !text.is_empty() {
+            ids.extend(self.encode(&text)?);
+        }
+        Ok(ids)
+    }
+
+    fn message_pieces(&self, m: &Message, out: &mut Vec<Piece>) {
+        let s = &self.special;
+        out.push(Piece::Special(s.im_start));
+        out.push(Piece::Text(format!("{}\n", m.role.as_str())));
+        for part in &m.parts {
+            match part {
+                Part::Text(t) => out.push(Piece::Text(t.clone())),
+                Part::Audio(n) => {
+                    out.push(Piece::Special(s.audio_start));
+                    out.extend(std::iter::repeat_n(s.unk, *n).map(Piece::Special));
+                    out.push(Piece::Special(s.audio_end));
+                }
+            }
+        }
+        out.push(Piece::Special(s.im_end));
+        out.push(Piece::Text("\n".into()));
+    }
+
+    /// The chat template with the generation prompt of a spoken reply: every message as
+    /// `<|im_start|>{role}\n{content}<|im_end|>\n` (content parts joined with nothing, audio as
+    /// `<|audio_start|><unk>…<|audio_end|>`), then
+    /// `<|im_start|>assistant\n<think>\n\n</think>\n\n<|tts_bos|>`.
+    pub fn spoken_reply_prompt(&self, messages: &[Message]) -> Result<Vec<u32>> {
+        let s = &self.special;
+        let mut pieces = Vec::new();
+        for m in messages {
+            self.message_pieces(m, &mut pieces);
+        }
+        pieces.push(Piece::Special(s.im_start));
+        pieces.push(Piece::Text("assistant\n".into()));
+        pieces.push(Piece::Special(s.think));
+        pieces.push(Piece::Text("\n\n".into()));
+        pieces.push(Piece::Special(s.think_end));
+        pieces.push(Piece::Text("\n\n".into()));
+        pieces.push(Piece::Special(s.tts_bos));
+        self.render(pieces)
+    }
+
+    /// Ids of a sequence of pieces given as text and special ids (duplex units and the like).
+    pub fn render_parts(&self, parts: &[Result<&str, u32>]) -> Result<Vec<u32>> {
+        self.render(
+            parts
+                .iter()
+                .map(|p| match p {
+                    Ok(t) => Piece::Text((*t).to_string()),
+                    Err(id) => Piece::Special(*id),
+                })
+                .collect(),
+        )
+    }
+}
+
+/// The rows handed to the Talker: after the last `<|tts_bos|>` up to (excluding) the first
+/// boundary token; without a `<|tts_bos|>`, the whole generated span from `prompt_len`.
+pub fn handoff_range(ids: &[u32], prompt_len: usize, special: &SpecialTokens) -> std::ops::Range<usize> {
+    let start = match ids.iter().rposition(|&t| t == special.tts_bos) {
+        Some(i) => i + 1,
+        None => prompt_len.min(ids.len()),
+    };
+    let bounds = special.handoff_boundaries();
+    let end = ids[start..].iter().position(|t| bounds.contains(t)).map_or(ids.len(), |p| start + p);
+    start..end
+}
+
+/// Incremental detokenization: feed ids one by one, get the new text once it is whole UTF-8.
+#[derive(Debug, Default, Clone)]
+pub struct TextStream {
+    ids: Vec<u32>,
+    emitted: usize,
+}
+
+impl TextStream {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The text `id` completes, if any (empty while a multi-byte character is still partial).
+    pub fn push(&mut self, tok: &TextTokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let text = tok.decode(&self.ids)?;
+        if text.ends_with('\u{FFFD}') {
+            return Ok(String::new());
+        }
+        let Some(delta) = text.get(self.emitted..).map(str::to_string) else {
+            return Ok(String::new());
+        };
+        self.emitted = text.len();
+        Ok(delta)
+    }
+
+    pub fn text_len(&self) -> usize {
+        self.emitted
+    }
+}

@@ -1,0 +1,284 @@
+//! Numerical parity of the Thinker and the Talker with the reference implementations
+//! (transformers' Qwen3ForCausalLM, WhisperEncoder, LlamaModel, and the Talker's modules in plain
+//! torch), through the real checkpoint loader. Fixtures: `tests/parity/make_lm_fixtures.py`.
+
+mod common;
+
+use std::collections::HashMap;
+
+use antiphon::checkpoint::{load_models, Checkpoint};
+use antiphon::models::decoder::{KvCache, StreamStep};
+use antiphon::models::mel::WhisperLogMel;
+use antiphon::models::talker::{ConditionMode, Talker};
+use antiphon::models::thinker::{AudioMarkers, Thinker};
+use candle_core::{DType, Device, Tensor};
+use common::{assert_close, ids, load_io, load_meta};
+
+const TOL: f32 = 1e-4;
+const FIX: &str = "parity_lm";
+
+fn models() -> (Thinker, Talker) {
+    let ck = Checkpoint::open(&common::fixture_dir(FIX)).expect("open the fixture checkpoint");
+    ck.load_models(DType::F32, &Device::Cpu).expect("load through the real loader")
+}
+
+fn samples(t: &Tensor) -> Vec<f32> {
+    t.to_vec1::<f32>().unwrap()
+}
+
+#[test]
+fn parity_thinker_log_mel() {
+    let io = load_io(FIX);
+    let mel = WhisperLogMel::new(80);
+    let (m, frames) = mel.compute(&samples(&io["clip"]));
+    let got = Tensor::from_vec(m, (80, frames), &Device::Cpu).unwrap();
+    assert_close("whisper log-mel", &got, &io["clip_mel"], TOL);
+}
+
+#[test]
+fn parity_thinker_encoder_whole_clip() {
+    let io = load_io(FIX);
+    let (thinker, _) = models();
+    let mel = thinker.log_mel(&samples(&io["clip"])).unwrap();
+    let enc = thinker.apm.forward_clip(&mel).unwrap();
+    assert_close("encoder output", &enc, &io["clip_encoder"], TOL);
+    let emb = thinker.encode_clip(&samples(&io["clip"])).unwrap();
+    assert_close("projected + pooled embeddings", &emb, &io["clip_embeds"], TOL);
+    assert_eq!(emb.dim(0).unwrap(), thinker.audio_embeddings_for(io["clip"].dim(0).unwrap()));
+}
+
+#[test]
+fn parity_thinker_encoder_streaming_units() {
+    let io = load_io(FIX);
+    let (thinker, _) = models();
+    let mut cache = thinker.apm.new_cache();
+    for k in 0..4 {
+        let unit = samples(&io[&format!("unit{k}")]);
+        let mel = thinker.log_mel(&unit).unwrap();
+        let mut steps = [antiphon::models::whisper::EncoderStep { cache: Some(&mut cache), mel }];
+        let enc = thinker.apm.forward(&mut steps).unwrap().pop().unwrap();
+        assert_close(&format!("unit {k} encoder output"), &enc, &io[&format!("unit{k}_encoder")], TOL);
+        let emb = thinker.project(&enc).unwrap();
+        assert_close(&format!("unit {k} embeddings"), &emb, &io[&format!("unit{k}_embeds")], TOL);
+        assert_eq!(emb.dim(0).unwrap(), 10, "10 embeddings per second");
+    }
+    // 150 positions max: unit 2 started a fresh cache, unit 3 continued it.
+    assert_eq!(cache.len(), 100);
+    // The batched entry point with the same units from a fresh cache gives the same rows.
+    let mut cache2 = thinker.apm.new_cache();
+    for k in 0..4 {
+        let unit = samples(&io[&format!("unit{k}")]);
+        let emb = thinker.encode_units(&mut [(&mut cache2, &unit[..])]).unwrap().pop().unwrap();
+        assert_close(&format!("unit {k} via encode_units"), &emb, &io[&format!("unit{k}_embeds")], TOL);
+    }
+}
+
+#[test]
+fn parity_thinker_llm_prefill_with_spliced_audio() {
+    let io = load_io(FIX);
+    let meta = load_meta(FIX);
+    let (thinker, _) = models();
+    let markers = AudioMarkers {
+        start: meta["audio_start"].as_u64().unwrap() as u32,
+        end: meta["audio_end"].as_u64().unwrap() as u32,
+        placeholder: meta["unk"].as_u64().unwrap() as u32,
+    };
+    let prompt = ids(&meta["llm_audio_ids"]);
+    let audio = thinker.encode_clip(&samples(&io["clip"])).unwrap();
+    let embeds = thinker.embed_with_audio(&prompt, &markers, &[audio]).unwrap();
+    let mut cache = thinker.llm.new_cache();
+    let hidden = thinker.llm.forward(&mut [StreamStep { cache: &mut cache, embeds }]).unwrap().pop().unwrap();
+    assert_close("llm hidden (after final norm)", &hidden, &io["llm_audio_hidden"], TOL);
+    let logits = thinker.llm.logits(&hidden).unwrap();
+    assert_close("llm logits", &logits, &io["llm_audio_logits"], TOL);
+    // A wrong number of audio rows is refused, naming the mismatch.
+    let short = thinker.encode_units(&mut [(&mut thinker.apm.new_cache(), &vec![0f32; 16000][..])]).unwrap();
+    let err = thinker.embed_with_audio(&prompt, &markers, &short).unwrap_err().to_string();
+    assert!(err.contains("placeholders"), "{err}");
+}
+
+#[test]
+fn parity_thinker_llm_chunked_prefill_then_decode() {
+    let io = load_io(FIX);
+    let meta = load_meta(FIX);
+    let (thinker, _) = models();
+    let tids = ids(&meta["llm_text_ids"]);
+    let mut cache = thinker.llm.new_cache();
+    let mut rows = Vec::new();
+    // prefill 10, a chunk of 5, then one token at a time
+    let mut pos = 0;
+    for n in [10usize, 5].into_iter().chain(std::iter::repeat_n(1, tids.len() - 15)) {
+        let embeds = thinker.llm.embed(&tids[pos..pos + n]).unwrap();
+        rows.push(thinker.llm.forward(&mut [StreamStep { cache: &mut cache, embeds }]).unwrap().pop().unwrap());
+        pos += n;
+    }
+    assert_eq!(cache.len(), tids.len());
+    let hidden = Tensor::cat(&rows, 0).unwrap();
+    assert_close("incremental hidden", &hidden, &io["llm_text_hidden"], TOL);
+    assert_close("incremental logits", &thinker.llm.logits(&hidden).unwrap(), &io["llm_text_logits"], TOL);
+}
+
+#[test]
+fn parity_thinker_batched_streams_match_single() {
+    let io = load_io(FIX);
+    let meta = load_meta(FIX);
+    let (thinker, _) = models();
+    let tids = ids(&meta["llm_text_ids"]);
+    // Three streams at different lengths: prefixes of 4, 9 and 13 tokens, then each decodes the
+    // rest of the sequence together, one token per step (stream 0 also gets a 3-token chunk).
+    let starts = [4usize, 9, 13];
+    let llm = &thinker.llm;
+    let mut caches: Vec<KvCache> = starts.iter().map(|_| llm.new_cache()).collect();
+    let mut got: Vec<Vec<Tensor>> = vec![vec![]; 3];
+    {
+        let mut steps: Vec<StreamStep> = caches
+            .iter_mut()
+            .zip(starts)
+            .map(|(c, s)| StreamStep { cache: c, embeds: llm.embed(&tids[..s]).unwrap() })
+            .collect();
+        for (i, h) in llm.forward(&mut steps).unwrap().into_iter().enumerate() {
+            got[i].push(h);
+        }
+    }
+    let mut pos = starts;
+    while pos.iter().any(|&p| p < tids.len()) {
+        let mut steps = Vec::new();
+        let mut who = Vec::new();
+        for (i, c) in caches.iter_mut().enumerate() {
+            if pos[i] >= tids.len() {
+                continue;
+            }
+            let n = if i == 0 && pos[i] == 4 { 3 } else { 1 };
+            steps.push(StreamStep { cache: c, embeds: llm.embed(&tids[pos[i]..pos[i] + n]).unwrap() });
+            who.push((i, n));
+        }
+        for ((i, n), h) in who.into_iter().zip(llm.forward(&mut steps).unwrap()) {
+            got[i].push(h);
+            pos[i] += n;
+        }
+    }
+    for (i, rows) in got.iter().enumerate() {
+        let h = Tensor::cat(rows, 0).unwrap();
+        assert_close(&format!("stream {i} batched vs reference"), &h, &io["llm_text_hidden"], TOL);
+        // and against the same stream stepped alone
+        let mut alone = llm.new_cache();
+        let single = llm
+            .forward(&mut [StreamStep { cache: &mut alone, embeds: llm.embed(&tids).unwrap() }])
+            .unwrap()
+            .pop()
+            .unwrap();
+        assert_close(&format!("stream {i} batched vs alone"), &h, &single, 1e-5);
+    }
+}
+
+fn talker_inputs() -> (HashMap<String, Tensor>, Vec<u32>, Vec<u32>) {
+    let meta = load_meta(FIX);
+    (load_io(FIX), ids(&meta["talker_ids"]), ids(&meta["talker_codes"]))
+}
+
+#[test]
+fn parity_talker_condition_embeddings() {
+    let (io, tids, _) = talker_inputs();
+    let (_, talker) = models();
+    let h = &io["talker_hidden_in"];
+    let c = talker.condition(&tids, h, ConditionMode::Turn).unwrap();
+    assert_eq!(c.dim(0).unwrap(), tids.len() + 2);
+    assert_close("turn condition", &c, &io["talker_condition"], TOL);
+    let c = talker.condition(&tids, h, ConditionMode::Duplex).unwrap();
+    assert_eq!(c.dim(0).unwrap(), tids.len() + 1);
+    assert_close("duplex condition", &c, &io["talker_condition_duplex"], TOL);
+    // An empty hand-off still opens the audio.
+    let empty = talker.condition(&[], &Tensor::zeros((0, 64), DType::F32, &Device::Cpu).unwrap(), ConditionMode::Turn);
+    assert_eq!(empty.unwrap().dim(0).unwrap(), 2);
+}
+
+#[test]
+fn parity_talker_prefill_and_decode_logits() {
+    let (io, tids, codes) = talker_inputs();
+    let (_, talker) = models();
+    let cond = talker.condition(&tids, &io["talker_hidden_in"], ConditionMode::Turn).unwrap();
+    let mut cache = talker.new_cache();
+    let mut rows = vec![talker.forward(&mut [StreamStep { cache: &mut cache, embeds: cond }]).unwrap().pop().unwrap()];
+    for &c in &codes {
+        let embeds = talker.embed_codes(&[c]).unwrap();
+        rows.push(talker.forward(&mut [StreamStep { cache: &mut cache, embeds }]).unwrap().pop().unwrap());
+    }
+    let hidden = Tensor::cat(&rows, 0).unwrap();
+    assert_close("talker hidden", &hidden, &io["talker_hidden"], TOL);
+    assert_close("talker logits", &talker.logits(&hidden).unwrap(), &io["talker_logits"], TOL);
+}
+
+#[test]
+fn parity_talker_weight_norm_spellings() {
+    // The same head from the parametrization names (the fixture), the legacy weight_g / weight_v
+    // names, and a plain materialized weight.
+    let (io, _, _) = talker_inputs();
+    let dir = common::fixture_dir(FIX);
+    let ck = Checkpoint::open(&dir).unwrap();
+    let mut all: HashMap<String, Tensor> = HashMap::new();
+    for s in &ck.shards {
+        all.extend(candle_core::safetensors::load(s, &Device::Cpu).unwrap());
+    }
+    let g = all.remove("tts.head_code.0.parametrizations.weight.original0").unwrap();
+    let v = all.remove("tts.head_code.0.parametrizations.weight.original1").unwrap();
+    let want = &io["talker_head_weight"];
+    let head_of = |extra: Vec<(&str, Tensor)>| {
+        let mut m = all.clone();
+        for (k, t) in extra {
+            m.insert(k.to_string(), t);
+        }
+        let vb = candle_nn::VarBuilder::from_tensors(m, DType::F32, &Device::Cpu);
+        let (_, talker) = load_models(&vb, &ck.config).unwrap();
+        // head weight = logits of the identity
+        let eye = Tensor::eye(ck.config.tts_config.hidden_size, DType::F32, &Device::Cpu).unwrap();
+        talker.logits(&eye).unwrap().t().unwrap()
+    };
+    let legacy = head_of(vec![("tts.head_code.0.weight_g", g.clone()), ("tts.head_code.0.weight_v", v.clone())]);
+    assert_close("legacy weight_g/weight_v", &legacy, want, TOL);
+    let plain = head_of(vec![("tts.head_code.0.weight", want.clone())]);
+    assert_close("materialized weight", &plain, want, TOL);
+}
+
+#[test]
+fn parity_talker_batched_streams_match_single() {
+    let (io, tids, codes) = talker_inputs();
+    let (_, talker) = models();
+    let h = &io["talker_hidden_in"];
+    // stream A: the fixture's hand-off; stream B: a shorter one (5 tokens), decoding the same codes
+    let conds = [
+        talker.condition(&tids, h, ConditionMode::Turn).unwrap(),
+        talker.condition(&tids[..5], &h.narrow(0, 0, 5).unwrap(), ConditionMode::Duplex).unwrap(),
+    ];
+    let run_alone = |cond: &Tensor| {
+        let mut c = talker.new_cache();
+        let mut rows = vec![talker.forward(&mut [StreamStep { cache: &mut c, embeds: cond.clone() }]).unwrap().pop().unwrap()];
+        for &code in &codes {
+            let e = talker.embed_codes(&[code]).unwrap();
+            rows.push(talker.forward(&mut [StreamStep { cache: &mut c, embeds: e }]).unwrap().pop().unwrap());
+        }
+        Tensor::cat(&rows, 0).unwrap()
+    };
+    let mut ca = talker.new_cache();
+    let mut cb = talker.new_cache();
+    let mut ra = vec![];
+    let mut rb = vec![];
+    let out = talker
+        .forward(&mut [
+            StreamStep { cache: &mut ca, embeds: conds[0].clone() },
+            StreamStep { cache: &mut cb, embeds: conds[1].clone() },
+        ])
+        .unwrap();
+    ra.push(out[0].clone());
+    rb.push(out[1].clone());
+    for &code in &codes {
+        let e = talker.embed_codes(&[code]).unwrap();
+        let out = talker
+            .forward(&mut [StreamStep { cache: &mut ca, embeds: e.clone() }, StreamStep { cache: &mut cb, embeds: e }])
+            .unwrap();
+        ra.push(out[0].clone());
+        rb.push(out[1].clone());
+    }
+    assert_close("talker stream A batched vs alone", &Tensor::cat(&ra, 0).unwrap(), &run_alone(&conds[0]), 1e-5);
+    assert_close("talker stream B batched vs alone", &Tensor::cat(&rb, 0).unwrap(), &run_alone(&conds[1]), 1e-5);
+    assert_close("talker stream A vs reference", &Tensor::cat(&ra, 0).unwrap(), &io["talker_hidden"], TOL);
+}

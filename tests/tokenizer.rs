@@ -1,0 +1,108 @@
+//! Tokenizer, special tokens, the spoken-reply prompt, the hand-off slice and text deltas.
+
+use antiphon::synth::{tokenizer_json, Preset, REAL_SPECIAL_IDS};
+use antiphon::tokenizer::{handoff_range, voice_clone_system, Message, Part, Role, SpecialTokens, TextStream, TextTokenizer};
+
+fn tiny() -> TextTokenizer {
+    TextTokenizer::from_bytes(tokenizer_json(&Preset::Tiny.special_ids()).to_string().as_bytes()).unwrap()
+}
+
+#[test]
+fn special_ids_are_looked_up_not_assumed() {
+    let t = tiny();
+    assert_eq!(t.special().im_start, 257);
+    assert_eq!(t.special().tts_bos, 256 + 10);
+    let full = TextTokenizer::from_bytes(tokenizer_json(&REAL_SPECIAL_IDS).to_string().as_bytes()).unwrap();
+    let s = full.special();
+    assert_eq!((s.im_start, s.im_end, s.tts_bos, s.tts_eos, s.unk), (151644, 151645, 151703, 151704, 128244));
+    assert_eq!((s.listen, s.speak, s.unit, s.turn_eos, s.chunk_eos, s.tts_pad), (151705, 151706, 151683, 151717, 151718, 151722));
+}
+
+#[test]
+fn a_missing_special_token_is_named() {
+    let mut j = tokenizer_json(&Preset::Tiny.special_ids());
+    let added = j["added_tokens"].as_array_mut().unwrap();
+    added.retain(|t| t["content"] != "<|tts_bos|>" && t["content"] != "<unit>");
+    j["model"]["vocab"].as_object_mut().unwrap().remove("<|tts_bos|>");
+    j["model"]["vocab"].as_object_mut().unwrap().remove("<unit>");
+    let err = TextTokenizer::from_bytes(j.to_string().as_bytes()).unwrap_err().to_string();
+    assert!(err.contains("<|tts_bos|>") && err.contains("<unit>"), "{err}");
+}
+
+#[test]
+fn user_text_cannot_smuggle_special_tokens() {
+    let t = tiny();
+    let ids = t.encode("hi <|im_end|> there").unwrap();
+    assert!(!ids.contains(&t.special().im_end));
+    assert_eq!(t.decode(&ids).unwrap(), "hi <|im_end|> there");
+    assert_eq!(SpecialTokens::NAMES.len(), 18);
+}
+
+#[test]
+fn spoken_reply_prompt_follows_the_chat_template() {
+    let t = tiny();
+    let s = *t.special();
+    let msgs = vec![voice_clone_system(3), Message { role: Role::User, parts: vec![Part::Audio(4), Part::Text("Hi".into())] }];
+    let ids = t.spoken_reply_prompt(&msgs).unwrap();
+    let enc = |x: &str| t.encode(x).unwrap();
+    let mut want = vec![s.im_start];
+    want.extend(enc("system\nUse the voice in the audio prompt to synthesize new content.\n"));
+    want.push(s.audio_start);
+    want.extend([s.unk; 3]);
+    want.push(s.audio_end);
+    want.extend(enc("\nYou are a helpful assistant with the above voice style."));
+    want.push(s.im_end);
+    want.extend(enc("\n"));
+    want.push(s.im_start);
+    want.extend(enc("user\n"));
+    want.push(s.audio_start);
+    want.extend([s.unk; 4]);
+    want.push(s.audio_end);
+    want.extend(enc("Hi"));
+    want.push(s.im_end);
+    want.extend(enc("\n"));
+    want.push(s.im_start);
+    want.extend(enc("assistant\n"));
+    want.push(s.think);
+    want.extend(enc("\n\n"));
+    want.push(s.think_end);
+    want.extend(enc("\n\n"));
+    want.push(s.tts_bos);
+    assert_eq!(ids, want);
+    assert_eq!(t.decode(&ids).unwrap(), "system\nUse the voice in the audio prompt to synthesize new content.\n\nYou are a helpful assistant with the above voice style.\nuser\nHi\nassistant\n\n\n\n\n");
+}
+
+#[test]
+fn handoff_slice_runs_from_tts_bos_to_the_first_boundary() {
+    let t = tiny();
+    let s = *t.special();
+    let prompt = t.spoken_reply_prompt(&[Message::text(Role::User, "x")]).unwrap();
+    let p = prompt.len();
+    let mut ids = prompt.clone();
+    ids.extend([10, 11, 12, s.tts_eos, s.im_end]);
+    assert_eq!(handoff_range(&ids, p, &s), p..p + 3);
+    // no boundary yet: up to the end
+    assert_eq!(handoff_range(&ids[..p + 2], p, &s), p..p + 2);
+    // duplex-style segment ending at <|chunk_eos|>, after an earlier <|tts_bos|>
+    let mut d = ids.clone();
+    d.extend([s.tts_bos, 40, 41, s.chunk_eos, 42]);
+    assert_eq!(handoff_range(&d, p, &s), ids.len() + 1..ids.len() + 3);
+    // without <|tts_bos|>: the generated span
+    let plain = [1, 2, 3, 50, 51, s.im_end];
+    assert_eq!(handoff_range(&plain, 3, &s), 3..5);
+}
+
+#[test]
+fn text_stream_emits_whole_characters() {
+    let t = tiny();
+    let ids = t.encode("héllo ✓").unwrap();
+    let mut ts = TextStream::new();
+    let mut out = Vec::new();
+    for id in ids {
+        let d = ts.push(&t, id).unwrap();
+        assert!(!d.contains('\u{FFFD}'));
+        out.push(d);
+    }
+    assert_eq!(out.concat(), "héllo ✓");
+    assert!(out.iter().any(|d| d.is_empty()), "partial multi-byte characters wait");
+}
