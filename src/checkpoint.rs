@@ -156,3 +156,21 @@ impl SimpleBackend for Checked {
         self.inner.contains_tensor(name)
     }
 }
+
+/// A `VarBuilder` over a torch state dict (`.pt`, zip or legacy pickle), with an optional key prefix
+/// stripped (`generator.` in some HiFT files); tensors are checked like checkpoint tensors.
+pub fn pth_var_builder(path: &Path, strip_prefix: Option<&str>, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
+    let all = candle_core::pickle::read_all(path).with_context(|| format!("reading torch state dict {}", path.display()))?;
+    let map: std::collections::HashMap<String, Tensor> = all
+        .into_iter()
+        .map(|(k, v)| {
+            let k = match strip_prefix {
+                Some(p) => k.strip_prefix(p).map(str::to_string).unwrap_or(k),
+                None => k,
+            };
+            (k, v)
+        })
+        .collect();
+    let backend = Checked { inner: Box::new(map), origin: path.display().to_string(), seen: None };
+    Ok(VarBuilder::from_backend(Box::new(backend), dtype, device.clone()))
+}

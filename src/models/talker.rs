@@ -36,14 +36,16 @@ pub struct Talker {
 
 /// `torch._weight_norm(v, g, dim=0)`: every output row of `v` rescaled to norm `g`.
 pub fn weight_norm(g: &Tensor, v: &Tensor) -> Result<Tensor> {
-    let v32 = v.to_dtype(DType::F32)?;
+    // computed in f32 (or f64 when the weights are f64)
+    let ct = if v.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+    let v32 = v.to_dtype(ct)?;
     let dims: Vec<usize> = (1..v.rank()).collect();
     let mut norm = v32.sqr()?;
     for &d in dims.iter().rev() {
         norm = norm.sum_keepdim(d)?;
     }
     let norm = norm.sqrt()?;
-    v32.broadcast_mul(&g.to_dtype(DType::F32)?.broadcast_div(&norm)?)?.to_dtype(v.dtype())
+    v32.broadcast_mul(&g.to_dtype(ct)?.broadcast_div(&norm)?)?.to_dtype(v.dtype())
 }
 
 /// Loads a weight-normed weight `<prefix>` of shape `shape`, accepting the three spellings: the

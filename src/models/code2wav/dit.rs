@@ -1,0 +1,361 @@
+//! The flow's decoder: conditional flow matching (`decoder.`) whose velocity estimator is a DiT
+//! (`decoder.estimator.`).
+//!
+//! Estimator: `t_embedder.mlp.{0,2}` (sinusoidal timestep × 1000, 256 frequencies), `in_proj`
+//! (concat of x, mu, speaker, condition: 4 × 80 channels), `blocks.N` (adaLN-zero modulation
+//! `adaLN_modulation.1` into 9 parts; attention `attn.{to_q,to_k,to_v,q_norm,k_norm,proj}`;
+//! a causal conv block `conv.block.{1,3,6}` with Mish; MLP `mlp.{fc1,fc2}` with tanh-GELU),
+//! `final_layer.{adaLN_modulation.1, linear}`.
+//!
+//! Streaming caches per Euler step and block: the attention K | V of everything seen so far,
+//! newest chunk first (the reference's order; attention itself is order-free), and the two causal
+//! convs' 2-frame input tails.
+
+use candle_core::{Module, Result, Tensor, D};
+use candle_nn::{Conv1d, Conv1dConfig, LayerNorm, Linear, VarBuilder};
+
+use super::conformer::{conv1d, linear, mish};
+
+/// Hyper-parameters (`flow.decoder.estimator` in `flow.yaml`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DitConfig {
+    pub in_channels: usize,
+    pub out_channels: usize,
+    pub hidden_size: usize,
+    pub depth: usize,
+    pub num_heads: usize,
+    pub head_dim: usize,
+    pub mlp_ratio: f64,
+}
+
+impl Default for DitConfig {
+    fn default() -> Self {
+        Self { in_channels: 320, out_channels: 80, hidden_size: 512, depth: 16, num_heads: 8, head_dim: 64, mlp_ratio: 4.0 }
+    }
+}
+
+const FREQ_EMB: usize = 256;
+
+fn layer_norm_plain(x: &Tensor, eps: f64) -> Result<Tensor> {
+    // LayerNorm without affine parameters
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let xc = x.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    xc.broadcast_div(&(var + eps)?.sqrt()?)
+}
+
+fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    x.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(shift)
+}
+
+#[derive(Debug, Clone)]
+struct Attention {
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    q_norm: LayerNorm,
+    k_norm: LayerNorm,
+    proj: Linear,
+    heads: usize,
+    hd: usize,
+}
+
+#[derive(Debug, Clone)]
+struct ConvBlock {
+    conv1: Conv1d,
+    norm: LayerNorm,
+    conv2: Conv1d,
+    channels: usize,
+}
+
+impl ConvBlock {
+    /// `x: [N, T, C]`, `cache: [N, 2C, 2]` -> (`[N, T, C]`, new cache).
+    fn forward(&self, x: &Tensor, cache: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+        let (n, _, c) = x.dims3()?;
+        let causal = |conv: &Conv1d, x: &Tensor, cache: Option<Tensor>| -> Result<(Tensor, Tensor)> {
+            let pre = match cache {
+                Some(t) => t,
+                None => Tensor::zeros((n, c, 2), x.dtype(), x.device())?,
+            };
+            let xin = Tensor::cat(&[&pre, x], 2)?;
+            let l = xin.dim(2)?;
+            Ok((conv.forward(&xin)?, xin.narrow(2, l - 2, 2)?))
+        };
+        let (c1, c2) = match cache {
+            Some(t) => (Some(t.narrow(1, 0, self.channels)?), Some(t.narrow(1, self.channels, self.channels)?)),
+            None => (None, None),
+        };
+        let (y, nc1) = causal(&self.conv1, &x.transpose(1, 2)?.contiguous()?, c1)?;
+        let y = mish(&self.norm.forward(&y.transpose(1, 2)?)?)?;
+        let (y, nc2) = causal(&self.conv2, &y.transpose(1, 2)?.contiguous()?, c2)?;
+        Ok((y.transpose(1, 2)?, Tensor::cat(&[&nc1, &nc2], 1)?))
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Block {
+    attn: Attention,
+    fc1: Linear,
+    fc2: Linear,
+    conv: ConvBlock,
+    ada: Linear,
+}
+
+impl Block {
+    fn load(vb: VarBuilder, cfg: &DitConfig) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let inner = cfg.num_heads * cfg.head_dim;
+        let a = vb.pp("attn");
+        let mlp = (h as f64 * cfg.mlp_ratio) as usize;
+        let cv = vb.pp("conv").pp("block");
+        let nopad = Conv1dConfig::default();
+        Ok(Self {
+            attn: Attention {
+                to_q: linear(a.pp("to_q"), h, inner, true)?,
+                to_k: linear(a.pp("to_k"), h, inner, true)?,
+                to_v: linear(a.pp("to_v"), h, inner, true)?,
+                q_norm: candle_nn::layer_norm(cfg.head_dim, 1e-5, a.pp("q_norm"))?,
+                k_norm: candle_nn::layer_norm(cfg.head_dim, 1e-5, a.pp("k_norm"))?,
+                proj: linear(a.pp("proj"), inner, h, true)?,
+                heads: cfg.num_heads,
+                hd: cfg.head_dim,
+            },
+            fc1: linear(vb.pp("mlp").pp("fc1"), h, mlp, true)?,
+            fc2: linear(vb.pp("mlp").pp("fc2"), mlp, h, true)?,
+            conv: ConvBlock {
+                conv1: conv1d(cv.pp(1), h, h, 3, nopad, true)?,
+                norm: candle_nn::layer_norm(h, 1e-5, cv.pp(3))?,
+                conv2: conv1d(cv.pp(6), h, h, 3, nopad, true)?,
+                channels: h,
+            },
+            ada: linear(vb.pp("adaLN_modulation").pp(1), h, 9 * h, true)?,
+        })
+    }
+
+    /// `x: [N, T, H]`, `c: [N, 1, H]`.
+    fn forward(&self, x: &Tensor, c: &Tensor, cnn: Option<&Tensor>, att: Option<&Tensor>) -> Result<(Tensor, Tensor, Tensor)> {
+        let m = self.ada.forward(&candle_nn::ops::silu(c)?)?.chunk(9, D::Minus1)?;
+        let (shift_msa, scale_msa, gate_msa) = (&m[0], &m[1], &m[2]);
+        let (shift_mlp, scale_mlp, gate_mlp) = (&m[3], &m[4], &m[5]);
+        let (shift_conv, scale_conv, gate_conv) = (&m[6], &m[7], &m[8]);
+        // attention
+        let (a, new_att) = self.attn_forward(&modulate(&layer_norm_plain(x, 1e-6)?, shift_msa, scale_msa)?, att)?;
+        let x = (x + a.broadcast_mul(gate_msa)?)?;
+        // conv
+        let (cv, new_cnn) = self.conv.forward(&modulate(&layer_norm_plain(&x, 1e-6)?, shift_conv, scale_conv)?, cnn)?;
+        let x = (&x + cv.broadcast_mul(gate_conv)?)?;
+        // mlp
+        let h = modulate(&layer_norm_plain(&x, 1e-6)?, shift_mlp, scale_mlp)?;
+        let h = self.fc2.forward(&self.fc1.forward(&h)?.gelu()?)?;
+        let x = (&x + h.broadcast_mul(gate_mlp)?)?;
+        Ok((x, new_cnn, new_att))
+    }
+
+    /// Attention over `[new; cache]` keys (no mask): returns the output and the new cache
+    /// `[N, h, T + L, 2 hd]`, newest first.
+    fn attn_forward(&self, x: &Tensor, cache: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+        let a = &self.attn;
+        let (n, t, _) = x.dims3()?;
+        let heads = |y: Tensor| y.reshape((n, t, a.heads, a.hd))?.transpose(1, 2);
+        let q = a.q_norm.forward(&heads(a.to_q.forward(x)?)?)?;
+        let mut k = a.k_norm.forward(&heads(a.to_k.forward(x)?)?)?;
+        let mut v = heads(a.to_v.forward(x)?)?;
+        if let Some(c) = cache {
+            if c.dim(2)? > 0 {
+                k = Tensor::cat(&[&k, &c.narrow(3, 0, a.hd)?], 2)?;
+                v = Tensor::cat(&[&v, &c.narrow(3, a.hd, a.hd)?], 2)?;
+            }
+        }
+        let new_cache = Tensor::cat(&[&k, &v], 3)?;
+        let q = (q * (a.hd as f64).powf(-0.5))?.contiguous()?;
+        let att = q.matmul(&k.transpose(2, 3)?.contiguous()?)?;
+        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let o = att.matmul(&v.contiguous()?)?.transpose(1, 2)?.reshape((n, t, a.heads * a.hd))?;
+        Ok((a.proj.forward(&o)?, new_cache))
+    }
+}
+
+/// Per-step estimator caches of a batch: `att: [steps, depth, N, h, L, 2 hd]`,
+/// `cnn: [steps, depth, N, 2 H, 2]` (N = rows of the CFG-doubled batch).
+#[derive(Debug, Clone)]
+pub struct EstimatorCache {
+    pub att: Tensor,
+    pub cnn: Tensor,
+}
+
+impl EstimatorCache {
+    pub fn len(&self) -> usize {
+        self.att.dim(4).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The reference's trim (`Token2wav._trim_estimator_cache`): once longer than
+    /// `prompt_frames + history`, keep the first `prompt_frames` entries and the last `history`.
+    /// (The cache is newest-first, so this keeps the newest frames plus the oldest prompt frames'
+    /// tail; reproduced as the reference does it.)
+    pub fn trim(&mut self, prompt_frames: usize, history: usize) -> Result<()> {
+        let l = self.len();
+        if l > prompt_frames + history {
+            self.att = Tensor::cat(&[&self.att.narrow(4, 0, prompt_frames)?, &self.att.narrow(4, l - history, history)?], 4)?;
+        }
+        Ok(())
+    }
+}
+
+/// The velocity estimator.
+#[derive(Debug, Clone)]
+pub struct Dit {
+    t_mlp0: Linear,
+    t_mlp2: Linear,
+    in_proj: Linear,
+    blocks: Vec<Block>,
+    final_ada: Linear,
+    final_linear: Linear,
+    cfg: DitConfig,
+}
+
+impl Dit {
+    /// `vb` points at `decoder.estimator`.
+    pub fn load(vb: VarBuilder, cfg: &DitConfig) -> Result<Self> {
+        let h = cfg.hidden_size;
+        if cfg.num_heads * cfg.head_dim != h {
+            candle_core::bail!("DiT: num_heads × head_dim must equal hidden_size");
+        }
+        let t = vb.pp("t_embedder").pp("mlp");
+        Ok(Self {
+            t_mlp0: linear(t.pp(0), FREQ_EMB, h, true)?,
+            t_mlp2: linear(t.pp(2), h, h, true)?,
+            in_proj: linear(vb.pp("in_proj"), cfg.in_channels, h, true)?,
+            blocks: (0..cfg.depth).map(|i| Block::load(vb.pp("blocks").pp(i), cfg)).collect::<Result<_>>()?,
+            final_ada: linear(vb.pp("final_layer").pp("adaLN_modulation").pp(1), h, 2 * h, true)?,
+            final_linear: linear(vb.pp("final_layer").pp("linear"), h, cfg.out_channels, true)?,
+            cfg: cfg.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &DitConfig {
+        &self.cfg
+    }
+
+    fn time_embedding(&self, t: f32, n: usize, dev: &candle_core::Device) -> Result<Tensor> {
+        let half = FREQ_EMB / 2;
+        let ts = t * 1000.0;
+        let mut e = vec![0f32; FREQ_EMB];
+        for i in 0..half {
+            let f = (-(10000f32.ln()) * i as f32 / half as f32).exp();
+            let a = ts * f;
+            e[i] = a.cos();
+            e[half + i] = a.sin();
+        }
+        let e = Tensor::from_vec(e, (1, FREQ_EMB), dev)?.to_dtype(self.in_proj.weight().dtype())?;
+        let e = self.t_mlp2.forward(&candle_nn::ops::silu(&self.t_mlp0.forward(&e)?)?)?;
+        e.unsqueeze(0)?.broadcast_as((n, 1, self.cfg.hidden_size))?.contiguous()
+    }
+
+    /// One estimator evaluation over a chunk. `x`, `mu`, `cond`: `[N, 80, T]`; `spks`: `[N, 80]`;
+    /// `t`: the (shared) flow time; caches `[depth, N, …]`. Returns the velocity `[N, 80, T]` and
+    /// the new caches.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_chunk(
+        &self,
+        x: &Tensor,
+        mu: &Tensor,
+        t: f32,
+        spks: &Tensor,
+        cond: &Tensor,
+        cnn: Option<&Tensor>,
+        att: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (n, _, tl) = x.dims3()?;
+        let c = self.time_embedding(t, n, x.device())?;
+        let s = spks.unsqueeze(2)?.broadcast_as((n, spks.dim(1)?, tl))?;
+        let h = Tensor::cat(&[x, mu, &s, cond], 1)?.transpose(1, 2)?.contiguous()?;
+        let mut h = self.in_proj.forward(&h)?;
+        let mut new_cnn = Vec::with_capacity(self.blocks.len());
+        let mut new_att = Vec::with_capacity(self.blocks.len());
+        for (i, b) in self.blocks.iter().enumerate() {
+            let cc = cnn.map(|t| t.get(i)).transpose()?;
+            let ac = att.map(|t| t.get(i)).transpose()?;
+            let (y, nc, na) = b.forward(&h, &c, cc.as_ref(), ac.as_ref())?;
+            h = y;
+            new_cnn.push(nc);
+            new_att.push(na);
+        }
+        let m = self.final_ada.forward(&candle_nn::ops::silu(&c)?)?.chunk(2, D::Minus1)?;
+        let h = modulate(&layer_norm_plain(&h, 1e-6)?, &m[0], &m[1])?;
+        let out = self.final_linear.forward(&h)?.transpose(1, 2)?;
+        Ok((out, Tensor::stack(&new_cnn, 0)?, Tensor::stack(&new_att, 0)?))
+    }
+}
+
+/// The Euler schedule on the cosine time grid: `t_k = 1 - cos(k / n · π / 2)`, computed in f32 as
+/// the reference does.
+pub fn cosine_t_span(n: usize) -> Vec<f32> {
+    let steps = n + 1;
+    let step = 1.0f32 / n as f32;
+    (0..steps)
+        .map(|i| {
+            // torch.linspace: from the start in the first half, from the end in the second
+            let l = if i < steps / 2 { i as f32 * step } else { 1.0 - (steps - 1 - i) as f32 * step };
+            1.0 - (l * 0.5 * std::f32::consts::PI).cos()
+        })
+        .collect()
+}
+
+/// Conditional flow matching with classifier-free guidance over the DiT.
+#[derive(Debug, Clone)]
+pub struct Cfm {
+    pub estimator: Dit,
+    pub cfg_rate: f64,
+    /// The fixed noise buffer `[out_channels, frames]`.
+    pub noise: Tensor,
+}
+
+impl Cfm {
+    /// Solves one chunk for a batch of `B` streams. `mu`, `cond`: `[B, 80, T]`, `spks: [B, 80]`;
+    /// `cache` rows are `[cond rows of all B; uncond rows of all B]`. Noise starts at the cache
+    /// length. Returns `[B, 80, T]` and the new caches.
+    pub fn solve_chunk(
+        &self,
+        mu: &Tensor,
+        spks: &Tensor,
+        cond: &Tensor,
+        n_timesteps: usize,
+        cache: Option<&EstimatorCache>,
+    ) -> Result<(Tensor, EstimatorCache)> {
+        let (b, ch, t) = mu.dims3()?;
+        let offset = cache.map(|c| c.len()).unwrap_or(0);
+        if offset + t > self.noise.dim(1)? {
+            candle_core::bail!("noise buffer of {} frames is too short for offset {offset} + {t}", self.noise.dim(1)?);
+        }
+        let mut x = self.noise.narrow(1, offset, t)?.unsqueeze(0)?.broadcast_as((b, ch, t))?.to_dtype(mu.dtype())?.contiguous()?;
+        let span = cosine_t_span(n_timesteps);
+        let mu_in = Tensor::cat(&[mu, &mu.zeros_like()?], 0)?;
+        let spks_in = Tensor::cat(&[spks, &spks.zeros_like()?], 0)?;
+        let cond_in = Tensor::cat(&[cond, &cond.zeros_like()?], 0)?;
+        let mut tt = span[0];
+        let mut dt = span[1] - span[0];
+        let mut cnns = Vec::with_capacity(n_timesteps);
+        let mut atts = Vec::with_capacity(n_timesteps);
+        for step in 1..=n_timesteps {
+            let x_in = Tensor::cat(&[&x, &x], 0)?;
+            let cc = cache.map(|c| c.cnn.get(step - 1)).transpose()?;
+            let ac = cache.map(|c| c.att.get(step - 1)).transpose()?;
+            let (v, nc, na) = self.estimator.forward_chunk(&x_in, &mu_in, tt, &spks_in, &cond_in, cc.as_ref(), ac.as_ref())?;
+            let vc = v.narrow(0, 0, b)?;
+            let vu = v.narrow(0, b, b)?;
+            let v = ((vc * (1.0 + self.cfg_rate))? - (vu * self.cfg_rate)?)?;
+            x = (x + (v * dt as f64)?)?;
+            tt += dt;
+            if step < n_timesteps {
+                dt = span[step + 1] - tt;
+            }
+            cnns.push(nc);
+            atts.push(na);
+        }
+        Ok((x, EstimatorCache { att: Tensor::stack(&atts, 0)?, cnn: Tensor::stack(&cnns, 0)? }))
+    }
+}

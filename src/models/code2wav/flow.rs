@@ -1,0 +1,224 @@
+//! The flow (`flow.pt`, `CausalMaskedDiffWithXvec`): speech codes -> 80-bin mel at 50 frames/s.
+//!
+//! `input_embedding` (codes -> 512), `encoder` (the Conformer, ×2 upsampling), `encoder_proj`
+//! (-> 80 = `mu`), `spk_embed_affine_layer` (L2-normalized 192-d speaker embedding -> 80),
+//! `decoder` (CFM over the DiT).
+//!
+//! Streaming per stream: [`Flow::setup`] runs the prompt (prompt codes + 3 look-ahead codes, with
+//! the prompt mel as condition) to fill the caches; [`Flow::chunk_batch`] turns each next chunk of
+//! codes (its first codes being the previous chunk's look-ahead) into mel, for several streams at
+//! once when their cache shapes agree; after every chunk the caches are trimmed to the prompt plus
+//! the last 100 mel frames.
+
+use candle_core::{DType, Module, Result, Tensor, D};
+use candle_nn::{Embedding, Linear, VarBuilder};
+
+use super::conformer::{linear, ConformerCache, ConformerConfig, ConformerEncoder};
+use super::dit::{Cfm, Dit, DitConfig, EstimatorCache};
+
+/// Hyper-parameters (`flow.yaml`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlowConfig {
+    pub input_size: usize,
+    pub output_size: usize,
+    pub spk_embed_dim: usize,
+    pub vocab_size: usize,
+    pub encoder: ConformerConfig,
+    pub estimator: DitConfig,
+    pub inference_cfg_rate: f64,
+    /// Euler steps (10 in the reference servers).
+    pub n_timesteps: usize,
+    /// Mel frames of history kept after the prompt (`CONFORMER_HISTORY_FRAMES` and the estimator's
+    /// trim: 100).
+    pub history_frames: usize,
+}
+
+impl Default for FlowConfig {
+    fn default() -> Self {
+        Self {
+            input_size: 512,
+            output_size: 80,
+            spk_embed_dim: 192,
+            vocab_size: 6561,
+            encoder: ConformerConfig::default(),
+            estimator: DitConfig::default(),
+            inference_cfg_rate: 0.7,
+            n_timesteps: 10,
+            history_frames: 100,
+        }
+    }
+}
+
+/// Per-stream flow state.
+#[derive(Debug, Clone)]
+pub struct FlowState {
+    pub conformer: ConformerCache,
+    /// Rows `[cond, uncond]` of this stream: `att [steps, depth, 2, h, L, 2 hd]`.
+    pub estimator: EstimatorCache,
+    /// Mel frames of the prompt (the caches' fixed origin).
+    pub prompt_frames: usize,
+}
+
+impl FlowState {
+    /// A shape signature: streams with equal signatures can share a batched chunk.
+    pub fn signature(&self) -> (usize, usize, usize) {
+        (self.conformer.token_len(), self.estimator.len(), self.prompt_frames)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Flow {
+    input_embedding: Embedding,
+    spk_embed_affine_layer: Linear,
+    encoder: ConformerEncoder,
+    encoder_proj: Linear,
+    pub decoder: Cfm,
+    cfg: FlowConfig,
+}
+
+impl Flow {
+    /// `vb` over the `flow.pt` state dict; `noise`: the CFM's fixed noise `[80, frames]`.
+    pub fn load(vb: VarBuilder, cfg: &FlowConfig, noise: Tensor) -> Result<Self> {
+        let c = cfg.encoder.output_size;
+        Ok(Self {
+            input_embedding: Embedding::new(vb.pp("input_embedding").get((cfg.vocab_size, cfg.input_size), "weight")?, cfg.input_size),
+            spk_embed_affine_layer: linear(vb.pp("spk_embed_affine_layer"), cfg.spk_embed_dim, cfg.output_size, true)?,
+            encoder: ConformerEncoder::load(vb.pp("encoder"), &cfg.encoder)?,
+            encoder_proj: linear(vb.pp("encoder_proj"), c, cfg.output_size, true)?,
+            decoder: Cfm {
+                estimator: Dit::load(vb.pp("decoder").pp("estimator"), &cfg.estimator)?,
+                cfg_rate: cfg.inference_cfg_rate,
+                noise: noise.to_dtype(vb.dtype())?.to_device(vb.device())?,
+            },
+            cfg: cfg.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &FlowConfig {
+        &self.cfg
+    }
+
+    pub fn up_rate(&self) -> usize {
+        self.cfg.encoder.up_stride
+    }
+
+    pub fn lookahead(&self) -> usize {
+        self.cfg.encoder.pre_lookahead_len
+    }
+
+    fn device(&self) -> &candle_core::Device {
+        self.input_embedding.embeddings().device()
+    }
+
+    fn dtype(&self) -> DType {
+        self.input_embedding.embeddings().dtype()
+    }
+
+    fn embed(&self, codes: &[&[u32]]) -> Result<Tensor> {
+        let rows = codes
+            .iter()
+            .map(|c| {
+                if let Some(&bad) = c.iter().find(|&&x| x as usize >= self.cfg.vocab_size) {
+                    candle_core::bail!("speech code {bad} is outside the flow's {} codes", self.cfg.vocab_size);
+                }
+                self.input_embedding.forward(&Tensor::new(*c, self.device())?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::stack(&rows, 0)
+    }
+
+    /// `L2normalize(spk) -> affine`: `[B, 192]` -> `[B, 80]`.
+    fn speaker(&self, spk: &Tensor) -> Result<Tensor> {
+        let s = spk.to_dtype(DType::F32)?;
+        let norm = s.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.maximum(1e-12)?;
+        let s = s.broadcast_div(&norm)?.to_dtype(self.dtype())?;
+        self.spk_embed_affine_layer.forward(&s)
+    }
+
+    /// Fills a stream's caches from its prompt: `prompt_codes` already ends with the look-ahead
+    /// codes; `prompt_mel: [frames, 80]` with frames = up_rate × (codes - look-ahead);
+    /// `spk: [192]`.
+    pub fn setup(&self, prompt_codes: &[u32], prompt_mel: &Tensor, spk: &Tensor) -> Result<FlowState> {
+        let la = self.lookahead();
+        let frames = prompt_mel.dim(0)?;
+        if prompt_codes.len() <= la || (prompt_codes.len() - la) * self.up_rate() != frames {
+            candle_core::bail!(
+                "prompt of {} codes (with {la} look-ahead) does not match {frames} prompt mel frames",
+                prompt_codes.len()
+            );
+        }
+        let xs = self.embed(&[prompt_codes])?;
+        let (h, conformer) = self.encoder.forward_chunk(&xs, false, None)?;
+        let mu = self.encoder_proj.forward(&h)?.transpose(1, 2)?.contiguous()?;
+        let spk = self.speaker(&spk.unsqueeze(0)?)?;
+        let cond = prompt_mel.to_dtype(self.dtype())?.t()?.unsqueeze(0)?.contiguous()?;
+        let (_, estimator) = self.decoder.solve_chunk(&mu, &spk, &cond, self.cfg.n_timesteps, None)?;
+        Ok(FlowState { conformer, estimator, prompt_frames: frames })
+    }
+
+    /// One chunk for a batch of streams whose caches have equal shapes and whose chunks have equal
+    /// lengths and the same `last` flag. `codes[i]` includes the leading context and trailing
+    /// look-ahead; `spks[i]: [192]`. Returns each stream's mel `[80, frames]` and advances (and
+    /// trims) its state.
+    pub fn chunk_batch(&self, codes: &[&[u32]], spks: &[&Tensor], states: &mut [&mut FlowState], last: bool) -> Result<Vec<Tensor>> {
+        let b = codes.len();
+        if b == 0 {
+            return Ok(vec![]);
+        }
+        if spks.len() != b || states.len() != b {
+            candle_core::bail!("chunk_batch: {} codes, {} speakers, {} states", b, spks.len(), states.len());
+        }
+        let sig = states[0].signature();
+        if states.iter().any(|s| s.signature() != sig) || codes.iter().any(|c| c.len() != codes[0].len()) {
+            candle_core::bail!("chunk_batch needs equal cache shapes and chunk lengths");
+        }
+        if !last && codes[0].len() <= self.lookahead() {
+            candle_core::bail!("a chunk that is not the last needs new codes plus {} look-ahead codes", self.lookahead());
+        }
+        // 1. encoder over the batch
+        let conf = if b == 1 {
+            states[0].conformer.clone()
+        } else {
+            ConformerCache::stack(&states.iter().map(|s| &s.conformer).collect::<Vec<_>>())?
+        };
+        let xs = self.embed(codes)?;
+        let (h, conf) = self.encoder.forward_chunk(&xs, last, Some(&conf))?;
+        let mu = self.encoder_proj.forward(&h)?.transpose(1, 2)?.contiguous()?;
+        // 2. estimator caches in the CFG layout [cond rows; uncond rows]
+        let est = if b == 1 {
+            states[0].estimator.clone()
+        } else {
+            let part = |k: usize, f: &dyn Fn(&EstimatorCache) -> &Tensor| -> Result<Tensor> {
+                Tensor::cat(&states.iter().map(|s| f(&s.estimator).narrow(2, k, 1)).collect::<Result<Vec<_>>>()?, 2)
+            };
+            EstimatorCache {
+                att: Tensor::cat(&[part(0, &|e| &e.att)?, part(1, &|e| &e.att)?], 2)?,
+                cnn: Tensor::cat(&[part(0, &|e| &e.cnn)?, part(1, &|e| &e.cnn)?], 2)?,
+            }
+        };
+        let spk = self.speaker(&Tensor::stack(spks, 0)?)?;
+        let cond = mu.zeros_like()?;
+        let (mel, est) = self.decoder.solve_chunk(&mu, &spk, &cond, self.cfg.n_timesteps, Some(&est))?;
+        // 3. split back, trim
+        let hist = self.cfg.history_frames;
+        let mut out = Vec::with_capacity(b);
+        for (i, st) in states.iter_mut().enumerate() {
+            st.conformer = if b == 1 { conf.clone() } else { conf.row(i)? };
+            st.estimator = if b == 1 {
+                est.clone()
+            } else {
+                let pick = |t: &Tensor| -> Result<Tensor> { Tensor::cat(&[&t.narrow(2, i, 1)?, &t.narrow(2, b + i, 1)?], 2) };
+                EstimatorCache { att: pick(&est.att)?, cnn: pick(&est.cnn)? }
+            };
+            st.estimator.trim(st.prompt_frames, hist)?;
+            st.conformer.trim(st.prompt_frames, hist)?;
+            out.push(mel.get(i)?);
+        }
+        Ok(out)
+    }
+
+    /// One chunk of one stream.
+    pub fn chunk(&self, codes: &[u32], spk: &Tensor, state: &mut FlowState, last: bool) -> Result<Tensor> {
+        Ok(self.chunk_batch(&[codes], &[spk], &mut [state], last)?.pop().expect("one in, one out"))
+    }
+}

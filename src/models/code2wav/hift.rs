@@ -1,0 +1,872 @@
+//! Vocoders: 80-bin mel at 50 frames/s -> 24 kHz audio (480 samples per frame).
+//!
+//! Two generators share one structure (HiFT: neural source filter + iSTFT):
+//! - the causal HiFT that minicpmo-utils 1.0.7 streams (`hift.pt` + `config.yaml`): causal convs, a
+//!   right-looking first conv (`conv_pre`, 4 frames) and F0 predictor (3 frames), streamed by
+//!   [`HiftGenerator::stream`] with bounded history (the reference's `BoundedVocoder`): F0 in f64,
+//!   a continuous f64 excitation phase, a fixed noise table, 16-frame internal blocks;
+//! - the original whole-utterance HiFT (`hift.pt` in the older layout, or `hift_original.pt`):
+//!   symmetric convs, transposed-conv upsampling, random source phase and noise.
+//!
+//! Checkpoint names: `conv_pre`, `ups.N`, `source_downs.N`, `source_resblocks.N`, `resblocks.N`
+//! (`convs1.K`, `convs2.K`, `activations{1,2}.K.alpha`), `conv_post`, `m_source.l_linear`,
+//! `f0_predictor.condnet.{0,2,4,6,8}`, `f0_predictor.classifier`; weight-normed convs in any of the
+//! three spellings; an optional `generator.` prefix.
+
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::{Linear, VarBuilder};
+use rand::SeedableRng;
+use rand_distr::{Distribution, StandardNormal};
+
+use crate::models::talker::load_weight_norm;
+
+/// Generator hyper-parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HiftConfig {
+    pub in_channels: usize,
+    pub base_channels: usize,
+    pub nb_harmonics: usize,
+    pub sampling_rate: usize,
+    pub nsf_alpha: f64,
+    pub nsf_sigma: f64,
+    pub nsf_voiced_threshold: f64,
+    pub upsample_rates: Vec<usize>,
+    pub upsample_kernel_sizes: Vec<usize>,
+    pub istft_n_fft: usize,
+    pub istft_hop: usize,
+    pub resblock_kernel_sizes: Vec<usize>,
+    pub resblock_dilation_sizes: Vec<Vec<usize>>,
+    pub source_resblock_kernel_sizes: Vec<usize>,
+    pub source_resblock_dilation_sizes: Vec<Vec<usize>>,
+    pub lrelu_slope: f64,
+    pub audio_limit: f64,
+    /// Right context of the causal `conv_pre` (0 for the original generator).
+    pub conv_pre_look_right: usize,
+    /// Width of the F0 predictor.
+    pub f0_channels: usize,
+    pub causal: bool,
+}
+
+impl HiftConfig {
+    /// The CosyVoice2 24 kHz HiFT (the original generator's defaults).
+    pub fn original() -> Self {
+        Self {
+            in_channels: 80,
+            base_channels: 512,
+            nb_harmonics: 8,
+            sampling_rate: 24000,
+            nsf_alpha: 0.1,
+            nsf_sigma: 0.003,
+            nsf_voiced_threshold: 10.0,
+            upsample_rates: vec![8, 5, 3],
+            upsample_kernel_sizes: vec![16, 11, 7],
+            istft_n_fft: 16,
+            istft_hop: 4,
+            resblock_kernel_sizes: vec![3, 7, 11],
+            resblock_dilation_sizes: vec![vec![1, 3, 5]; 3],
+            source_resblock_kernel_sizes: vec![7, 7, 11],
+            source_resblock_dilation_sizes: vec![vec![1, 3, 5]; 3],
+            lrelu_slope: 0.1,
+            audio_limit: 0.99,
+            conv_pre_look_right: 0,
+            f0_channels: 512,
+            causal: false,
+        }
+    }
+
+    /// The causal generator with CosyVoice3's values (4-frame `conv_pre` look-right).
+    pub fn causal() -> Self {
+        Self { conv_pre_look_right: 4, causal: true, ..Self::original() }
+    }
+
+    /// Audio samples per mel frame.
+    pub fn hop(&self) -> usize {
+        self.upsample_rates.iter().product::<usize>() * self.istft_hop
+    }
+}
+
+/// `CausalConv1d`'s padding: `(k·d − d) / 2 · 2 + (k + 1) mod 2`.
+fn causal_padding(k: usize, d: usize) -> usize {
+    (k * d - d) / 2 * 2 + (k + 1) % 2
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum ConvKind {
+    /// Symmetric zero padding.
+    Plain { padding: usize, stride: usize },
+    /// `padding` zeros (or a cache) before the input.
+    Left { padding: usize },
+    /// `padding` zeros (or the real future frames) after the input.
+    Right { padding: usize },
+    /// Causal strided downsampling: `stride - 1` zeros before.
+    Down { stride: usize },
+    /// Nearest upsampling by `scale`, then `k - 1` zeros before.
+    Up { scale: usize },
+    /// Transposed convolution.
+    Transpose { stride: usize, padding: usize },
+}
+
+#[derive(Debug, Clone)]
+struct Conv {
+    w: Tensor,
+    b: Option<Tensor>,
+    kind: ConvKind,
+    dilation: usize,
+}
+
+impl Conv {
+    #[allow(clippy::too_many_arguments)]
+    fn load(vb: VarBuilder, i: usize, o: usize, k: usize, kind: ConvKind, dilation: usize, weight_norm: bool, bias: bool) -> Result<Self> {
+        let shape = match kind {
+            ConvKind::Transpose { .. } => [i, o, k],
+            _ => [o, i, k],
+        };
+        let w = if weight_norm { load_weight_norm(&vb, &shape)? } else { vb.get(&shape[..], "weight")? };
+        let b = if bias { Some(vb.get(o, "bias")?) } else { None };
+        Ok(Self { w, b, kind, dilation })
+    }
+
+    fn kernel(&self) -> usize {
+        self.w.dim(2).unwrap_or(1)
+    }
+
+    /// `x: [B, C, T]`; `right`: the frames after `x` for a right-looking conv (zeros if `None`).
+    fn forward(&self, x: &Tensor, right: Option<&Tensor>) -> Result<Tensor> {
+        let (b, c, _) = x.dims3()?;
+        let zeros = |n: usize| Tensor::zeros((b, c, n), x.dtype(), x.device());
+        let y = match self.kind {
+            ConvKind::Plain { padding, stride } => x.conv1d(&self.w, padding, stride, self.dilation, 1)?,
+            ConvKind::Left { padding } => Tensor::cat(&[&zeros(padding)?, x], 2)?.conv1d(&self.w, 0, 1, self.dilation, 1)?,
+            ConvKind::Right { padding } => {
+                let r = match right {
+                    Some(r) => r.clone(),
+                    None => zeros(padding)?,
+                };
+                Tensor::cat(&[x, &r], 2)?.conv1d(&self.w, 0, 1, self.dilation, 1)?
+            }
+            ConvKind::Down { stride } => Tensor::cat(&[&zeros(stride - 1)?, x], 2)?.conv1d(&self.w, 0, stride, 1, 1)?,
+            ConvKind::Up { scale } => {
+                let t = x.dim(2)?;
+                let up = x.unsqueeze(3)?.broadcast_as((b, c, t, scale))?.reshape((b, c, t * scale))?;
+                let k = self.kernel();
+                Tensor::cat(&[&Tensor::zeros((b, c, k - 1), x.dtype(), x.device())?, &up], 2)?.conv1d(&self.w, 0, 1, 1, 1)?
+            }
+            ConvKind::Transpose { stride, padding } => x.conv_transpose1d(&self.w, padding, 0, stride, 1, 1)?,
+        };
+        match &self.b {
+            Some(bias) => y.broadcast_add(&bias.reshape((1, (), 1))?),
+            None => Ok(y),
+        }
+    }
+}
+
+/// Snake: `x + sin²(αx) / (α + 1e-9)`.
+fn snake(x: &Tensor, alpha: &Tensor) -> Result<Tensor> {
+    let a = alpha.reshape((1, (), 1))?;
+    let s = x.broadcast_mul(&a)?.sin()?.sqr()?;
+    x + s.broadcast_div(&(a + 1e-9)?)?
+}
+
+#[derive(Debug, Clone)]
+struct ResBlock {
+    convs1: Vec<Conv>,
+    convs2: Vec<Conv>,
+    alpha1: Vec<Tensor>,
+    alpha2: Vec<Tensor>,
+}
+
+impl ResBlock {
+    fn load(vb: VarBuilder, ch: usize, k: usize, dilations: &[usize], causal: bool) -> Result<Self> {
+        let mut s = Self { convs1: vec![], convs2: vec![], alpha1: vec![], alpha2: vec![] };
+        for (i, &d) in dilations.iter().enumerate() {
+            let kind = |d: usize| {
+                if causal {
+                    ConvKind::Left { padding: causal_padding(k, d) }
+                } else {
+                    ConvKind::Plain { padding: (k * d - d) / 2, stride: 1 }
+                }
+            };
+            s.convs1.push(Conv::load(vb.pp("convs1").pp(i), ch, ch, k, kind(d), d, true, true)?);
+            s.convs2.push(Conv::load(vb.pp("convs2").pp(i), ch, ch, k, kind(1), 1, true, true)?);
+            s.alpha1.push(vb.pp("activations1").pp(i).get(ch, "alpha")?);
+            s.alpha2.push(vb.pp("activations2").pp(i).get(ch, "alpha")?);
+        }
+        Ok(s)
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut x = x.clone();
+        for i in 0..self.convs1.len() {
+            let t = self.convs1[i].forward(&snake(&x, &self.alpha1[i])?, None)?;
+            let t = self.convs2[i].forward(&snake(&t, &self.alpha2[i])?, None)?;
+            x = (t + x)?;
+        }
+        Ok(x)
+    }
+
+    fn history(&self) -> usize {
+        let pad = |c: &Conv| match c.kind {
+            ConvKind::Left { padding } => padding,
+            _ => 0,
+        };
+        self.convs1.iter().chain(&self.convs2).map(pad).sum()
+    }
+}
+
+/// The F0 predictor (`f0_predictor.`), run in f64.
+#[derive(Debug, Clone)]
+struct F0Predictor {
+    condnet: Vec<Conv>,
+    classifier: Linear,
+}
+
+impl F0Predictor {
+    fn load(vb: VarBuilder, cfg: &HiftConfig) -> Result<Self> {
+        let vb = vb.set_dtype(DType::F64);
+        let c = cfg.f0_channels;
+        let mut condnet = Vec::with_capacity(5);
+        for i in 0..5 {
+            let inp = if i == 0 { cfg.in_channels } else { c };
+            let (k, kind) = match (cfg.causal, i) {
+                (true, 0) => (4, ConvKind::Right { padding: causal_padding(4, 1) }),
+                (true, _) => (3, ConvKind::Left { padding: causal_padding(3, 1) }),
+                (false, _) => (3, ConvKind::Plain { padding: 1, stride: 1 }),
+            };
+            condnet.push(Conv::load(vb.pp("condnet").pp(2 * i), inp, c, k, kind, 1, true, true)?);
+        }
+        let classifier = Linear::new(vb.pp("classifier").get((1, c), "weight")?, Some(vb.pp("classifier").get(1, "bias")?));
+        Ok(Self { condnet, classifier })
+    }
+
+    fn right(&self) -> usize {
+        match self.condnet[0].kind {
+            ConvKind::Right { padding } => padding,
+            _ => 0,
+        }
+    }
+
+    fn left(&self) -> usize {
+        self.condnet[1..]
+            .iter()
+            .map(|c| match c.kind {
+                ConvKind::Left { padding } => padding,
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// `mel: [1, 80, F]` -> F0 `[F']` (f32) where F' = F, or F - right when not finalizing.
+    fn forward(&self, mel: &Tensor, finalize: bool) -> Result<Tensor> {
+        let x = mel.to_dtype(DType::F64)?;
+        let r = self.right();
+        let mut x = if finalize || r == 0 {
+            self.condnet[0].forward(&x, None)?
+        } else {
+            let f = x.dim(2)?;
+            self.condnet[0].forward(&x.narrow(2, 0, f - r)?, Some(&x.narrow(2, f - r, r)?))?
+        };
+        x = x.elu(1.0)?;
+        for c in &self.condnet[1..] {
+            x = c.forward(&x, None)?.elu(1.0)?;
+        }
+        let y = self.classifier.forward(&x.transpose(1, 2)?)?.abs()?; // [1, F', 1]
+        y.squeeze(2)?.squeeze(0)?.to_dtype(DType::F32)
+    }
+}
+
+/// Fixed STFT / iSTFT bases (n_fft 16 with a periodic Hann window): small convolutions that run the
+/// same on any device.
+#[derive(Debug, Clone)]
+struct Spectral {
+    n_fft: usize,
+    hop: usize,
+    /// `[n_fft + 2, 1, n_fft]`: windowed cos rows then −sin rows.
+    analysis: Tensor,
+    /// `[n_fft, n_freq]` each: inverse real DFT basis with the synthesis window.
+    inv_cos: Tensor,
+    inv_sin: Tensor,
+    /// `[n_fft, 1, n_fft]` identity for overlap-add by transposed convolution.
+    ola: Tensor,
+    window: Vec<f64>,
+}
+
+impl Spectral {
+    fn new(n_fft: usize, hop: usize, dev: &Device, dtype: DType) -> Result<Self> {
+        let nf = n_fft / 2 + 1;
+        let w = crate::models::mel::hann_periodic(n_fft);
+        let tau = 2.0 * std::f64::consts::PI;
+        let mut a = vec![0f32; 2 * nf * n_fft];
+        for k in 0..nf {
+            for n in 0..n_fft {
+                let ang = tau * (k * n) as f64 / n_fft as f64;
+                a[k * n_fft + n] = (w[n] * ang.cos()) as f32;
+                a[(nf + k) * n_fft + n] = (-w[n] * ang.sin()) as f32;
+            }
+        }
+        let mut ic = vec![0f32; n_fft * nf];
+        let mut is = vec![0f32; n_fft * nf];
+        for n in 0..n_fft {
+            for k in 0..nf {
+                let c = if k == 0 || 2 * k == n_fft { 1.0 } else { 2.0 };
+                let ang = tau * (k * n) as f64 / n_fft as f64;
+                ic[n * nf + k] = (w[n] * c * ang.cos() / n_fft as f64) as f32;
+                is[n * nf + k] = (-w[n] * c * ang.sin() / n_fft as f64) as f32;
+            }
+        }
+        let mut ola = vec![0f32; n_fft * n_fft];
+        for i in 0..n_fft {
+            ola[i * n_fft + i] = 1.0;
+        }
+        let t = |v: Vec<f32>, s: &[usize]| Tensor::from_vec(v, s, dev)?.to_dtype(dtype);
+        Ok(Self {
+            n_fft,
+            hop,
+            analysis: t(a, &[2 * nf, 1, n_fft])?,
+            inv_cos: t(ic, &[n_fft, nf])?,
+            inv_sin: t(is, &[n_fft, nf])?,
+            ola: t(ola, &[n_fft, 1, n_fft])?,
+            window: w,
+        })
+    }
+
+    /// `torch.stft(center=True, reflect)` as `[B, 2 n_freq, frames]` (real rows, then imaginary).
+    fn stft(&self, s: &Tensor) -> Result<Tensor> {
+        let (b, l) = s.dims2()?;
+        let p = self.n_fft / 2;
+        let mut idx: Vec<u32> = Vec::with_capacity(l + 2 * p);
+        let refl = |i: i64| -> u32 {
+            let n = l as i64;
+            let mut j = i;
+            if j < 0 {
+                j = -j;
+            }
+            if j >= n {
+                j = 2 * (n - 1) - j;
+            }
+            j.clamp(0, n - 1) as u32
+        };
+        for i in -(p as i64)..(l + p) as i64 {
+            idx.push(refl(i));
+        }
+        let idx = Tensor::from_vec(idx, l + 2 * p, s.device())?;
+        let padded = s.index_select(&idx, 1)?.reshape((b, 1, l + 2 * p))?;
+        padded.conv1d(&self.analysis, 0, self.hop, 1, 1)
+    }
+
+    /// `torch.istft(center=True)` of `mag · e^{i·phase}`, `[B, n_freq, T]` -> `[B, hop (T − 1)]`.
+    fn istft(&self, mag: &Tensor, phase: &Tensor) -> Result<Tensor> {
+        let (b, _, t) = mag.dims3()?;
+        let mag = mag.clamp(f64::NEG_INFINITY, 1e2)?;
+        let re = (&mag * phase.cos()?)?;
+        let im = (&mag * phase.sin()?)?;
+        let frames = (self.inv_cos.broadcast_matmul(&re)? + self.inv_sin.broadcast_matmul(&im)?)?; // [B, n_fft, T]
+        let y = frames.conv_transpose1d(&self.ola, 0, 0, self.hop, 1, 1)?; // [B, 1, n_fft + hop (T-1)]
+        let total = self.n_fft + self.hop * (t - 1);
+        let mut env = vec![0f64; total];
+        for f in 0..t {
+            for n in 0..self.n_fft {
+                env[f * self.hop + n] += self.window[n] * self.window[n];
+            }
+        }
+        let p = self.n_fft / 2;
+        let out_len = self.hop * (t - 1);
+        let inv: Vec<f32> = env[p..p + out_len].iter().map(|&e| if e > 1e-11 { (1.0 / e) as f32 } else { 0.0 }).collect();
+        let inv = Tensor::from_vec(inv, (1, out_len), y.device())?.to_dtype(y.dtype())?;
+        y.reshape((b, total))?.narrow(1, p, out_len)?.broadcast_mul(&inv)
+    }
+}
+
+/// Per-stream state of the streaming (bounded) vocoder.
+#[derive(Debug, Clone)]
+pub struct HiftState {
+    mel: Tensor,
+    source: Tensor,
+    phase: [f64; 16],
+    mel_offset: usize,
+    source_offset: usize,
+    source_end: usize,
+    speech_offset: usize,
+    finalized: bool,
+    first_chunk: bool,
+}
+
+/// The streaming limits (the reference's `BoundedVocoder.limits`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamLimits {
+    pub f0_left: usize,
+    pub f0_right: usize,
+    pub history: usize,
+    pub decoder_right: usize,
+    pub block_frames: usize,
+}
+
+impl StreamLimits {
+    /// Frames of delay: audio for a mel frame comes out this many frames later.
+    pub fn delay(&self) -> usize {
+        self.f0_right + self.decoder_right
+    }
+}
+
+/// Exact rational arithmetic for the history bound.
+#[derive(Debug, Clone, Copy)]
+struct Frac(i128, i128);
+
+impl Frac {
+    fn new(n: i128, d: i128) -> Self {
+        fn gcd(a: i128, b: i128) -> i128 {
+            if b == 0 {
+                a.abs()
+            } else {
+                gcd(b, a % b)
+            }
+        }
+        let g = gcd(n, d).max(1);
+        Frac(n / g, d / g)
+    }
+    fn add(self, o: Frac) -> Frac {
+        Frac::new(self.0 * o.1 + o.0 * self.1, self.1 * o.1)
+    }
+    fn max(self, o: Frac) -> Frac {
+        if self.0 * o.1 >= o.0 * self.1 {
+            self
+        } else {
+            o
+        }
+    }
+    fn ceil(self) -> i128 {
+        (self.0 + self.1 - 1).div_euclid(self.1)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct HiftGenerator {
+    conv_pre: Conv,
+    ups: Vec<Conv>,
+    source_downs: Vec<Conv>,
+    source_resblocks: Vec<ResBlock>,
+    resblocks: Vec<ResBlock>,
+    conv_post: Conv,
+    f0_predictor: F0Predictor,
+    l_linear: Linear,
+    spectral: Spectral,
+    /// The causal source's fixed noise table `[samples, harmonics + 1]` (on the host too).
+    noise_table: Vec<f32>,
+    noise_rows: usize,
+    cfg: HiftConfig,
+    limits: Option<StreamLimits>,
+}
+
+impl HiftGenerator {
+    /// `vb` over the generator's state dict (without any `generator.` prefix); `noise_table`:
+    /// `[rows, harmonics + 1]` uniform [0, 1) values for the causal source (ignored by the original
+    /// generator).
+    pub fn load(vb: VarBuilder, cfg: &HiftConfig, noise_table: Option<&Tensor>) -> Result<Self> {
+        let base = cfg.base_channels;
+        let n = cfg.upsample_rates.len();
+        let nfft2 = cfg.istft_n_fft + 2;
+        let conv_pre = if cfg.causal {
+            let k = cfg.conv_pre_look_right + 1;
+            Conv::load(vb.pp("conv_pre"), cfg.in_channels, base, k, ConvKind::Right { padding: causal_padding(k, 1) }, 1, true, true)?
+        } else {
+            Conv::load(vb.pp("conv_pre"), cfg.in_channels, base, 7, ConvKind::Plain { padding: 3, stride: 1 }, 1, true, true)?
+        };
+        let mut ups = Vec::with_capacity(n);
+        for (i, (&u, &k)) in cfg.upsample_rates.iter().zip(&cfg.upsample_kernel_sizes).enumerate() {
+            let (ci, co) = (base >> i, base >> (i + 1));
+            let kind = if cfg.causal { ConvKind::Up { scale: u } } else { ConvKind::Transpose { stride: u, padding: (k - u) / 2 } };
+            ups.push(Conv::load(vb.pp("ups").pp(i), ci, co, k, kind, 1, true, true)?);
+        }
+        // downsampling of the source spectrum to each stage's rate
+        let mut down_rates: Vec<usize> = vec![1];
+        down_rates.extend(cfg.upsample_rates.iter().rev().take(n - 1));
+        let mut cum: Vec<usize> = down_rates
+            .iter()
+            .scan(1usize, |acc, &r| {
+                *acc *= r;
+                Some(*acc)
+            })
+            .collect();
+        cum.reverse();
+        let mut source_downs = Vec::with_capacity(n);
+        let mut source_resblocks = Vec::with_capacity(n);
+        for (i, &u) in cum.iter().enumerate() {
+            let co = base >> (i + 1);
+            let (k, kind) = match (u, cfg.causal) {
+                (1, true) => (1, ConvKind::Left { padding: 0 }),
+                (1, false) => (1, ConvKind::Plain { padding: 0, stride: 1 }),
+                (u, true) => (2 * u, ConvKind::Down { stride: u }),
+                (u, false) => (2 * u, ConvKind::Plain { padding: u / 2, stride: u }),
+            };
+            source_downs.push(Conv::load(vb.pp("source_downs").pp(i), nfft2, co, k, kind, 1, false, true)?);
+            source_resblocks.push(ResBlock::load(
+                vb.pp("source_resblocks").pp(i),
+                co,
+                cfg.source_resblock_kernel_sizes[i],
+                &cfg.source_resblock_dilation_sizes[i],
+                cfg.causal,
+            )?);
+        }
+        let mut resblocks = Vec::new();
+        for i in 0..n {
+            let ch = base >> (i + 1);
+            for (j, (&k, d)) in cfg.resblock_kernel_sizes.iter().zip(&cfg.resblock_dilation_sizes).enumerate() {
+                let idx = i * cfg.resblock_kernel_sizes.len() + j;
+                resblocks.push(ResBlock::load(vb.pp("resblocks").pp(idx), ch, k, d, cfg.causal)?);
+            }
+        }
+        let ch = base >> n;
+        let post_kind = if cfg.causal { ConvKind::Left { padding: causal_padding(7, 1) } } else { ConvKind::Plain { padding: 3, stride: 1 } };
+        let conv_post = Conv::load(vb.pp("conv_post"), ch, nfft2, 7, post_kind, 1, true, true)?;
+        let f0_predictor = F0Predictor::load(vb.pp("f0_predictor"), cfg)?;
+        let h1 = cfg.nb_harmonics + 1;
+        if h1 > 16 {
+            candle_core::bail!("at most 15 harmonics are supported");
+        }
+        let l = vb.pp("m_source").pp("l_linear");
+        let l_linear = Linear::new(l.get((1, h1), "weight")?, Some(l.get(1, "bias")?));
+        let spectral = Spectral::new(cfg.istft_n_fft, cfg.istft_hop, vb.device(), vb.dtype())?;
+        let (noise_table, noise_rows) = match (cfg.causal, noise_table) {
+            (true, Some(t)) => {
+                let (r, c) = t.dims2()?;
+                if c != h1 || r == 0 {
+                    candle_core::bail!("vocoder noise table must be [rows, {h1}], got [{r}, {c}]");
+                }
+                (t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, r)
+            }
+            (true, None) => candle_core::bail!("the causal vocoder needs its noise table"),
+            (false, _) => (vec![], 0),
+        };
+        let mut g = Self {
+            conv_pre,
+            ups,
+            source_downs,
+            source_resblocks,
+            resblocks,
+            conv_post,
+            f0_predictor,
+            l_linear,
+            spectral,
+            noise_table,
+            noise_rows,
+            cfg: cfg.clone(),
+            limits: None,
+        };
+        if cfg.causal {
+            g.limits = Some(g.compute_limits());
+        }
+        Ok(g)
+    }
+
+    pub fn config(&self) -> &HiftConfig {
+        &self.cfg
+    }
+
+    /// Streaming limits (causal generator only).
+    pub fn limits(&self) -> Option<StreamLimits> {
+        self.limits
+    }
+
+    fn compute_limits(&self) -> StreamLimits {
+        let cfg = &self.cfg;
+        let rate = cfg.upsample_rates.iter().product::<usize>() as i128;
+        let hop = rate * cfg.istft_hop as i128;
+        let transform = Frac::new(cfg.istft_n_fft as i128, hop);
+        let nk = cfg.resblock_kernel_sizes.len();
+        let mut history = Frac::new(0, 1);
+        let mut scale: i128 = 1;
+        for (stage, up) in self.ups.iter().enumerate() {
+            scale *= cfg.upsample_rates[stage] as i128;
+            history = history.add(Frac::new(up.kernel() as i128 - 1, scale));
+            let down = &self.source_downs[stage];
+            let source_history = transform
+                .add(Frac::new((down.kernel() as i128 - 1) * down.dilation as i128, rate))
+                .add(Frac::new(self.source_resblocks[stage].history() as i128, scale));
+            let res = self.resblocks[stage * nk..(stage + 1) * nk].iter().map(|r| r.history()).max().unwrap_or(0);
+            history = history.max(source_history).add(Frac::new(res as i128, scale));
+        }
+        let post = match self.conv_post.kind {
+            ConvKind::Left { padding } => padding,
+            _ => 0,
+        };
+        history = history.add(Frac::new(post as i128 + 1, rate)).add(transform);
+        StreamLimits {
+            f0_left: self.f0_predictor.left(),
+            f0_right: self.f0_predictor.right(),
+            history: (history.ceil() + 2) as usize,
+            decoder_right: cfg.conv_pre_look_right + 1,
+            block_frames: 16,
+        }
+    }
+
+    /// F0 of `mel: [1, 80, F]` (f32 out, computed in f64).
+    pub fn f0(&self, mel: &Tensor, finalize: bool) -> Result<Tensor> {
+        self.f0_predictor.forward(mel, finalize)
+    }
+
+    /// Mel + excitation -> audio. `x: [1, 80, F]`, `s: [1, 1, F · hop]`. The causal generator
+    /// without `finalize` treats the last `conv_pre_look_right` frames as right context only and
+    /// holds back one more frame.
+    pub fn decode(&self, x: &Tensor, s: &Tensor, finalize: bool) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let mut st = self.spectral.stft(&s.squeeze(1)?)?;
+        let lr = cfg.conv_pre_look_right;
+        let mut x = if cfg.causal && !finalize {
+            let f = x.dim(2)?;
+            let rate = cfg.upsample_rates.iter().product::<usize>();
+            let frames = st.dim(2)?;
+            st = st.narrow(2, 0, frames - rate * lr)?;
+            self.conv_pre.forward(&x.narrow(2, 0, f - lr)?, Some(&x.narrow(2, f - lr, lr)?))?
+        } else {
+            self.conv_pre.forward(x, None)?
+        };
+        let nk = cfg.resblock_kernel_sizes.len();
+        let n = self.ups.len();
+        for i in 0..n {
+            x = candle_nn::ops::leaky_relu(&x, cfg.lrelu_slope)?;
+            x = self.ups[i].forward(&x, None)?;
+            if i == n - 1 {
+                // ReflectionPad1d((1, 0))
+                x = Tensor::cat(&[&x.narrow(2, 1, 1)?, &x], 2)?;
+            }
+            let si = self.source_resblocks[i].forward(&self.source_downs[i].forward(&st, None)?)?;
+            x = (x + si)?;
+            let mut xs = self.resblocks[i * nk].forward(&x)?;
+            for j in 1..nk {
+                xs = (xs + self.resblocks[i * nk + j].forward(&x)?)?;
+            }
+            x = (xs / nk as f64)?;
+        }
+        x = candle_nn::ops::leaky_relu(&x, 0.01)?;
+        x = self.conv_post.forward(&x, None)?;
+        let nf = cfg.istft_n_fft / 2 + 1;
+        let mag = x.narrow(1, 0, nf)?.exp()?;
+        let phase = x.narrow(1, nf, nf)?.sin()?;
+        let mut y = self.spectral.istft(&mag, &phase)?;
+        if cfg.causal && !finalize {
+            let l = y.dim(1)?;
+            y = y.narrow(1, 0, l - cfg.hop())?;
+        }
+        y.clamp(-cfg.audio_limit, cfg.audio_limit)
+    }
+
+    // ---------------------------------------------------------------- causal streaming
+
+    /// A fresh streaming state.
+    pub fn new_state(&self) -> Result<HiftState> {
+        let dev = self.conv_pre.w.device();
+        let dt = self.conv_pre.w.dtype();
+        Ok(HiftState {
+            mel: Tensor::zeros((1, self.cfg.in_channels, 0), dt, dev)?,
+            source: Tensor::zeros((1, 1, 0), dt, dev)?,
+            phase: [0.0; 16],
+            mel_offset: 0,
+            source_offset: 0,
+            source_end: 0,
+            speech_offset: 0,
+            finalized: false,
+            first_chunk: true,
+        })
+    }
+
+    /// The causal excitation for frames `f0` starting at frame `frame_offset`, advancing the phase.
+    fn source(&self, st: &mut HiftState, f0: &[f32], frame_offset: usize) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let hop = cfg.hop();
+        let h1 = cfg.nb_harmonics + 1;
+        let n = f0.len();
+        let sr = cfg.sampling_rate as f32;
+        let amp = cfg.nsf_alpha as f32;
+        let thr = cfg.nsf_voiced_threshold as f32;
+        // cycles = cumsum(increments) · hop + phase, in f64, as the reference orders it
+        let mut sums = [0f64; 16];
+        let mut last = [0f64; 16];
+        let mut per_frame = vec![0f32; n * h1];
+        let mut noise_amp = vec![0f32; n];
+        for (t, &f) in f0.iter().enumerate() {
+            let voiced = if f > thr { 1.0f32 } else { 0.0 };
+            for h in 0..h1 {
+                let inc = (f * (h + 1) as f32 / sr).rem_euclid(1.0);
+                sums[h] += inc as f64;
+                let cycles = sums[h] * hop as f64 + st.phase[h];
+                last[h] = cycles;
+                let sine = ((cycles.rem_euclid(1.0)) * (2.0 * std::f64::consts::PI)).sin() as f32;
+                per_frame[t * h1 + h] = sine * amp * voiced;
+            }
+            noise_amp[t] = voiced * cfg.nsf_sigma as f32 + (1.0 - voiced) * amp / 3.0;
+        }
+        if n > 0 {
+            for h in 0..h1 {
+                st.phase[h] = last[h].rem_euclid(1.0);
+            }
+        }
+        // per sample: the frame's sine plus table noise
+        let mut exc = vec![0f32; n * hop * h1];
+        for t in 0..n {
+            for j in 0..hop {
+                let pos = ((frame_offset * hop + t * hop + j) % self.noise_rows) * h1;
+                let row = &mut exc[(t * hop + j) * h1..(t * hop + j + 1) * h1];
+                for h in 0..h1 {
+                    row[h] = per_frame[t * h1 + h] + noise_amp[t] * self.noise_table[pos + h];
+                }
+            }
+        }
+        let dev = self.conv_pre.w.device();
+        let exc = Tensor::from_vec(exc, (1, n * hop, h1), dev)?.to_dtype(self.l_linear.weight().dtype())?;
+        self.l_linear.forward(&exc)?.tanh()?.transpose(1, 2)
+    }
+
+    fn process(&self, st: &mut HiftState, finalize: bool) -> Result<Tensor> {
+        let lim = self.limits.expect("causal generator");
+        let hop = self.cfg.hop();
+        let mut emitted = st.speech_offset / hop;
+        let received = st.mel_offset + st.mel.dim(2)?;
+        let available_source = received.saturating_sub(if finalize { 0 } else { lim.f0_right });
+        if available_source > st.source_end {
+            let start = st.source_end.saturating_sub(lim.f0_left);
+            let feats = st.mel.narrow(2, start - st.mel_offset, received - start)?;
+            let f0 = self.f0_predictor.forward(&feats, finalize)?.to_vec1::<f32>()?;
+            let f0 = &f0[st.source_end - start..];
+            let mut parts = vec![st.source.clone()];
+            for block in f0.chunks(lim.block_frames) {
+                let offset = st.source_end;
+                parts.push(self.source(st, block, offset)?);
+                st.source_end += block.len();
+            }
+            st.source = Tensor::cat(&parts, 2)?;
+        }
+        let available_speech = st.source_end.saturating_sub(if finalize { 0 } else { lim.decoder_right });
+        let mut speech = Tensor::zeros((1, 0), st.mel.dtype(), st.mel.device())?;
+        if available_speech > emitted {
+            let start = emitted.saturating_sub(lim.history);
+            let feats = st.mel.narrow(2, start - st.mel_offset, st.source_end - start)?;
+            let src_from = (start - st.source_offset) * hop;
+            let src = st.source.narrow(2, src_from, st.source.dim(2)? - src_from)?;
+            let y = self.decode(&feats, &src, finalize)?;
+            let skip = (emitted - start) * hop;
+            let want = (available_speech - emitted) * hop;
+            if y.dim(1)? != skip + want {
+                candle_core::bail!("streaming vocoder: {} samples where {} were expected", y.dim(1)?, skip + want);
+            }
+            speech = y.narrow(1, skip, want)?;
+            emitted = available_speech;
+            st.speech_offset = emitted * hop;
+        }
+        let keep_mel = emitted.saturating_sub(lim.history).min(st.source_end.saturating_sub(lim.f0_left));
+        let keep_source = emitted.saturating_sub(lim.history);
+        let ml = st.mel.dim(2)?;
+        st.mel = st.mel.narrow(2, keep_mel - st.mel_offset, ml - (keep_mel - st.mel_offset))?.contiguous()?;
+        let sl = st.source.dim(2)?;
+        let cut = (keep_source - st.source_offset) * hop;
+        st.source = st.source.narrow(2, cut, sl - cut)?.contiguous()?;
+        st.mel_offset = keep_mel;
+        st.source_offset = keep_source;
+        Ok(speech)
+    }
+
+    /// Streams fresh mel `[1, 80, frames]` (possibly empty) through the causal vocoder: returns the
+    /// audio `[samples]` that is ready. The first audio is preceded by the delay's worth of
+    /// silence (unless the stream ends right away), so audio stays aligned with mel; `last` flushes
+    /// everything.
+    pub fn stream(&self, st: &mut HiftState, mel: &Tensor, last: bool) -> Result<Tensor> {
+        if self.limits.is_none() {
+            candle_core::bail!("the original HiFT has no streaming mode");
+        }
+        if st.finalized {
+            candle_core::bail!("vocoder stream already finalized");
+        }
+        let lim = self.limits.expect("checked");
+        let mut chunks = Vec::new();
+        let frames = mel.dim(2)?;
+        let mut pos = 0;
+        while pos < frames {
+            let n = lim.block_frames.min(frames - pos);
+            st.mel = Tensor::cat(&[&st.mel, &mel.narrow(2, pos, n)?.to_dtype(st.mel.dtype())?], 2)?;
+            chunks.push(self.process(st, false)?);
+            pos += n;
+        }
+        if last {
+            chunks.push(self.process(st, true)?);
+            st.finalized = true;
+        }
+        let speech = if chunks.is_empty() { Tensor::zeros((1, 0), st.mel.dtype(), st.mel.device())? } else { Tensor::cat(&chunks, 1)? };
+        let mut speech = speech.squeeze(0)?;
+        if speech.dim(0)? > 0 && st.first_chunk {
+            st.first_chunk = false;
+            if !last {
+                let silence = Tensor::zeros(lim.delay() * self.cfg.hop(), speech.dtype(), speech.device())?;
+                speech = Tensor::cat(&[&silence, &speech], 0)?;
+            }
+        }
+        Ok(speech)
+    }
+
+    // ---------------------------------------------------------------- original generator
+
+    /// The original generator's source for a whole utterance: harmonics of the F0 upsampled to the
+    /// sample rate, phase integrated per frame; `rng` draws the initial phases and the noise (`None`
+    /// = no randomness, for comparisons).
+    pub fn source_original(&self, f0: &[f32], rng: Option<u64>) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let hop = cfg.hop();
+        let h1 = cfg.nb_harmonics + 1;
+        let n = f0.len();
+        let sr = cfg.sampling_rate as f32;
+        let amp = cfg.nsf_alpha as f32;
+        let thr = cfg.nsf_voiced_threshold as f32;
+        // per-frame phase increments (the linear downsampling picks each frame's value), cumulated
+        let mut phase = vec![0f32; n * h1];
+        let mut acc = vec![0f32; h1];
+        for t in 0..n {
+            for h in 0..h1 {
+                let rad = (f0[t] * (h + 1) as f32 / sr).rem_euclid(1.0);
+                acc[h] += rad;
+                phase[t * h1 + h] = acc[h] * 2.0 * std::f32::consts::PI * hop as f32;
+            }
+        }
+        let mut rng = rng.map(rand_chacha::ChaCha8Rng::seed_from_u64);
+        let mut ini = vec![0f32; h1];
+        if let Some(r) = rng.as_mut() {
+            for v in ini.iter_mut().skip(1) {
+                *v = rand::Rng::random::<f32>(r) * 2.0 * std::f32::consts::PI;
+            }
+        }
+        let total = n * hop;
+        let mut exc = vec![0f32; total * h1];
+        for j in 0..total {
+            // linear upsampling (align_corners = false)
+            let src = ((j as f32 + 0.5) / hop as f32 - 0.5).max(0.0);
+            let i0 = (src.floor() as usize).min(n - 1);
+            let i1 = (i0 + 1).min(n - 1);
+            let l1 = src - i0 as f32;
+            let l0 = 1.0 - l1;
+            let t = j / hop;
+            let voiced = if f0[t] > thr { 1.0 } else { 0.0 };
+            let na = voiced * cfg.nsf_sigma as f32 + (1.0 - voiced) * amp / 3.0;
+            for h in 0..h1 {
+                let p = l0 * phase[i0 * h1 + h] + l1 * phase[i1 * h1 + h] + ini[h];
+                let noise: f32 = match rng.as_mut() {
+                    Some(r) => StandardNormal.sample(r),
+                    None => 0.0,
+                };
+                exc[j * h1 + h] = p.sin() * amp * voiced + na * noise;
+            }
+        }
+        let dev = self.conv_pre.w.device();
+        let exc = Tensor::from_vec(exc, (1, total, h1), dev)?.to_dtype(self.l_linear.weight().dtype())?;
+        self.l_linear.forward(&exc)?.tanh()?.transpose(1, 2)
+    }
+
+    /// A whole utterance through the original generator: `mel: [1, 80, F]` -> `[F · hop]`.
+    pub fn vocode_whole(&self, mel: &Tensor, seed: u64) -> Result<Tensor> {
+        let f0 = self.f0(mel, true)?.to_vec1::<f32>()?;
+        let s = self.source_original(&f0, Some(seed))?;
+        self.decode(mel, &s, true)?.squeeze(0)
+    }
+}
+
+/// A deterministic noise table `[rows, cols]` of uniform [0, 1) values (the causal source's).
+pub fn noise_table(rows: usize, cols: usize, seed: u64, dev: &Device) -> Result<Tensor> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let v: Vec<f32> = (0..rows * cols).map(|_| rand::Rng::random::<f32>(&mut rng)).collect();
+    Tensor::from_vec(v, (rows, cols), dev)
+}
