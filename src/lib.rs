@@ -2,7 +2,9 @@
 //!
 //! See `ARCHITECTURE.md` for the bird's-eye view and the code map.
 
+pub mod audio;
 pub mod checkpoint;
 pub mod models;
+pub mod onnx;
 pub mod synth;
 pub mod tokenizer;

@@ -176,6 +176,121 @@ impl WhisperLogMel {
     }
 }
 
+/// Kaldi-compatible log mel filter bank (torchaudio.compliance.kaldi.fbank defaults: 25 ms frames
+/// every 10 ms without edge padding, DC removal, pre-emphasis 0.97, Povey window, 512-point power
+/// spectrum, Kaldi mel banks from 20 Hz to Nyquist, log floored at f32 epsilon; no dither).
+/// Returns `[frames][n_mels]` row-major and `frames`.
+pub fn kaldi_fbank(samples: &[f32], sample_rate: usize, n_mels: usize) -> (Vec<f32>, usize) {
+    let win = sample_rate * 25 / 1000;
+    let shift = sample_rate * 10 / 1000;
+    let nfft = win.next_power_of_two();
+    if samples.len() < win {
+        return (vec![], 0);
+    }
+    let frames = 1 + (samples.len() - win) / shift;
+    let povey: Vec<f64> = (0..win)
+        .map(|i| (0.5 - 0.5 * (2.0 * std::f64::consts::PI * i as f64 / (win - 1) as f64).cos()).powf(0.85))
+        .collect();
+    // mel banks over the first nfft/2 bins (the Nyquist bin gets no weight)
+    let mel = |f: f64| 1127.0 * (1.0 + f / 700.0).ln();
+    let nyq = sample_rate as f64 / 2.0;
+    let (lo, hi) = (mel(20.0), mel(nyq));
+    let delta = (hi - lo) / (n_mels + 1) as f64;
+    let width = sample_rate as f64 / nfft as f64;
+    let banks: Vec<Vec<f64>> = (0..n_mels)
+        .map(|m| {
+            let (l, c, r) = (lo + m as f64 * delta, lo + (m + 1) as f64 * delta, lo + (m + 2) as f64 * delta);
+            (0..nfft / 2 + 1)
+                .map(|k| {
+                    if k == nfft / 2 {
+                        return 0.0;
+                    }
+                    let x = mel(width * k as f64);
+                    ((x - l) / (c - l)).min((r - x) / (r - c)).max(0.0)
+                })
+                .collect()
+        })
+        .collect();
+    let plan = RealFftPlanner::<f64>::new().plan_fft_forward(nfft);
+    let mut input = plan.make_input_vec();
+    let mut spec = plan.make_output_vec();
+    let eps = f32::EPSILON as f64;
+    let mut out = vec![0f32; frames * n_mels];
+    for t in 0..frames {
+        let fr: Vec<f64> = samples[t * shift..t * shift + win].iter().map(|&v| v as f64).collect();
+        let mean = fr.iter().sum::<f64>() / win as f64;
+        let fr: Vec<f64> = fr.iter().map(|v| v - mean).collect();
+        input.iter_mut().for_each(|v| *v = 0.0);
+        for i in 0..win {
+            let prev = if i == 0 { fr[0] } else { fr[i - 1] };
+            input[i] = (fr[i] - 0.97 * prev) * povey[i];
+        }
+        plan.process(&mut input, &mut spec).expect("fft sizes match the plan");
+        let power: Vec<f64> = spec.iter().map(|c| c.norm_sqr()).collect();
+        for (m, b) in banks.iter().enumerate() {
+            let e: f64 = b.iter().zip(&power).map(|(w, p)| w * p).sum();
+            out[t * n_mels + m] = e.max(eps).ln() as f32;
+        }
+    }
+    (out, frames)
+}
+
+/// Subtracts each column's mean over time (cepstral mean normalization) of `[frames][dim]`.
+pub fn mean_normalize(x: &mut [f32], dim: usize) {
+    let frames = x.len() / dim.max(1);
+    if frames == 0 {
+        return;
+    }
+    for d in 0..dim {
+        let mean = (0..frames).map(|t| x[t * dim + d] as f64).sum::<f64>() / frames as f64;
+        for t in 0..frames {
+            x[t * dim + d] = (x[t * dim + d] as f64 - mean) as f32;
+        }
+    }
+}
+
+/// The flow's mel (matcha `mel_spectrogram`: 24 kHz, n_fft 1920, hop 480, Hann, no centering but
+/// (n_fft − hop)/2 reflect padding, magnitude, Slaney mel filters 0–8 kHz, natural log floored at
+/// 1e-5). Returns `[n_mels][frames]` row-major and `frames` (50 per second).
+pub struct FlowMel {
+    stft: Stft,
+    filters: Vec<Vec<f64>>,
+    n_fft: usize,
+    hop: usize,
+}
+
+impl FlowMel {
+    pub fn new(sample_rate: usize, n_fft: usize, hop: usize, n_mels: usize, fmax: f64) -> Self {
+        Self {
+            stft: Stft::new(n_fft, hop, hann_periodic(n_fft)),
+            filters: mel_filters_slaney(sample_rate, n_fft, n_mels, 0.0, fmax),
+            n_fft,
+            hop,
+        }
+    }
+
+    /// The configuration the token2wav assets check for.
+    pub fn standard() -> Self {
+        Self::new(24_000, 1920, 480, 80, 8000.0)
+    }
+
+    pub fn compute(&self, samples: &[f32]) -> (Vec<f32>, usize) {
+        let padded = reflect_pad(samples, (self.n_fft - self.hop) / 2);
+        let power = self.stft.power(&padded);
+        let frames = power.len();
+        let n_mels = self.filters.len();
+        let mut out = vec![0f32; n_mels * frames];
+        for (t, p) in power.iter().enumerate() {
+            let mag: Vec<f64> = p.iter().map(|v| (v + 1e-9).sqrt()).collect();
+            for (m, f) in self.filters.iter().enumerate() {
+                let e: f64 = f.iter().zip(&mag).map(|(a, b)| a * b).sum();
+                out[m * frames + t] = e.max(1e-5).ln() as f32;
+            }
+        }
+        (out, frames)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,9 +1,222 @@
 //! Stage 2, Code2Wav: speech codes -> 24 kHz audio. The flow (Conformer encoder + DiT flow
 //! matching) makes mel, the HiFT vocoder makes audio; reference-voice preparation (S3 speech
 //! tokens, CAM++ speaker embedding, prompt mel) feeds the flow's prompt.
+//!
+//! Streaming API per stream: [`Code2Wav::prepare`] (reference -> features),
+//! [`Code2Wav::setup`] (features -> flow caches over the prompt), [`Code2Wav::start`] (a stream
+//! state from features and setup caches), [`Code2Wav::chunk_batch`] / [`Code2Wav::chunk`]
+//! (codes -> audio; the last chunk flushes).
 
+pub mod campplus;
 pub mod conformer;
 pub mod dit;
 pub mod flow;
 pub mod hift;
+pub mod prompt;
+pub mod s3tokenizer;
 pub mod yaml;
+
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use rand::SeedableRng;
+use rand_distr::{Distribution, StandardNormal};
+
+use campplus::CamPlusPlus;
+use flow::{Flow, FlowConfig, FlowState};
+use hift::{HiftGenerator, HiftState, OriginalStreamState};
+use prompt::{PromptFeatures, Reference};
+use s3tokenizer::S3Tokenizer;
+
+use crate::models::mel::FlowMel;
+
+/// The code that stands for silence (the first chunk's left context and the prompt's look-ahead).
+pub const SILENCE_CODE: u32 = 4218;
+
+/// Files of `assets/token2wav/`.
+pub const FLOW_YAML: &str = "flow.yaml";
+pub const FLOW_PT: &str = "flow.pt";
+pub const HIFT_PT: &str = "hift.pt";
+pub const HIFT_CONFIG: &str = "config.yaml";
+pub const HIFT_ORIGINAL_PT: &str = "hift_original.pt";
+pub const CAMPPLUS_ONNX: &str = "campplus.onnx";
+pub const TOKENIZER_ONNX: &str = "speech_tokenizer_v2_25hz.onnx";
+
+/// Seeds and sizes of the fixed random buffers the reference creates at start-up (they are not
+/// stored in any checkpoint file).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BufferSeeds {
+    pub seed: u64,
+    /// CFM noise frames (the reference: 600 s at 50 frames/s).
+    pub noise_frames: usize,
+    /// Causal vocoder noise table length in samples (the reference: 300 s; it wraps around).
+    pub table_samples: usize,
+}
+
+impl Default for BufferSeeds {
+    fn default() -> Self {
+        Self { seed: 20_241_120, noise_frames: 30_000, table_samples: 30 * 24_000 }
+    }
+}
+
+/// The vocoder in use.
+#[derive(Debug, Clone)]
+pub enum Vocoder {
+    /// minicpmo-utils 1.0.7 layout: the causal generator streams.
+    Causal(HiftGenerator),
+    /// Older layout: the original generator, streamed by overlap and cross-fade.
+    Original(HiftGenerator),
+}
+
+#[derive(Debug, Clone)]
+enum VocoderState {
+    Causal(HiftState),
+    Original(OriginalStreamState),
+}
+
+/// One stream's state.
+#[derive(Debug, Clone)]
+pub struct StreamState {
+    pub flow: FlowState,
+    vocoder: VocoderState,
+    speaker: Tensor,
+    /// Mel frames produced so far.
+    pub frames: usize,
+    pub finished: bool,
+}
+
+impl StreamState {
+    /// Flow cache signature: streams with equal signatures and chunk lengths can share a batch.
+    pub fn signature(&self) -> (usize, usize, usize) {
+        self.flow.signature()
+    }
+}
+
+/// Stage 2's models.
+#[derive(Debug, Clone)]
+pub struct Code2Wav {
+    pub flow: Flow,
+    pub vocoder: Vocoder,
+    pub s3: S3Tokenizer,
+    pub campplus: CamPlusPlus,
+    flow_mel: std::sync::Arc<FlowMel>,
+    device: Device,
+}
+
+impl std::fmt::Debug for FlowMel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "FlowMel")
+    }
+}
+
+/// Gaussian noise `[rows, cols]` from a seed.
+pub fn gaussian(rows: usize, cols: usize, seed: u64, dev: &Device) -> candle_core::Result<Tensor> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let v: Vec<f32> = (0..rows * cols).map(|_| StandardNormal.sample(&mut rng)).collect();
+    Tensor::from_vec(v, (rows, cols), dev)
+}
+
+impl Code2Wav {
+    /// Assembles Stage 2 from loaded parts.
+    pub fn new(flow: Flow, vocoder: Vocoder, s3: S3Tokenizer, campplus: CamPlusPlus, device: &Device) -> Self {
+        Self { flow, vocoder, s3, campplus, flow_mel: std::sync::Arc::new(FlowMel::standard()), device: device.clone() }
+    }
+
+    /// Loads `assets/token2wav/` (the directory itself). The vocoder is chosen by the files
+    /// present: `config.yaml` + `hift.pt` (+ `hift_original.pt`) is the minicpmo-utils 1.0.7
+    /// layout whose causal `hift.pt` streams; otherwise `hift.pt` is the original generator.
+    pub fn load_dir(dir: &Path, dtype: DType, device: &Device, seeds: BufferSeeds) -> Result<Self> {
+        let need = [FLOW_YAML, FLOW_PT, HIFT_PT, CAMPPLUS_ONNX, TOKENIZER_ONNX];
+        let missing: Vec<&str> = need.iter().copied().filter(|f| !dir.join(f).is_file()).collect();
+        if !missing.is_empty() {
+            bail!("{}: missing token2wav asset(s) {}", dir.display(), missing.join(", "));
+        }
+        let flow_cfg = yaml::flow_config(&std::fs::read_to_string(dir.join(FLOW_YAML))?)?;
+        let noise = gaussian(flow_cfg.output_size, seeds.noise_frames, seeds.seed, device)?;
+        let vb = crate::checkpoint::pth_var_builder(&dir.join(FLOW_PT), None, dtype, device)?;
+        let flow = Flow::load(vb, &flow_cfg, noise).context("loading flow.pt")?;
+        let vocoder = if dir.join(HIFT_CONFIG).is_file() {
+            let cfg = yaml::causal_hift_config(&std::fs::read_to_string(dir.join(HIFT_CONFIG))?)?;
+            let table = hift::noise_table(seeds.table_samples, cfg.nb_harmonics + 1, seeds.seed ^ 0x5eed, &Device::Cpu)?;
+            let vb = crate::checkpoint::pth_var_builder(&dir.join(HIFT_PT), Some("generator."), DType::F32, device)?;
+            Vocoder::Causal(HiftGenerator::load(vb, &cfg, Some(&table)).context("loading the causal hift.pt")?)
+        } else {
+            let vb = crate::checkpoint::pth_var_builder(&dir.join(HIFT_PT), Some("generator."), DType::F32, device)?;
+            Vocoder::Original(HiftGenerator::load(vb, &hift::HiftConfig::original(), None).context("loading hift.pt (original HiFT)")?)
+        };
+        let s3 = load_tokenizer(&dir.join(TOKENIZER_ONNX), dtype, device)?;
+        let campplus = CamPlusPlus::from_model(&crate::onnx::read_model(&dir.join(CAMPPLUS_ONNX))?)?;
+        Ok(Self::new(flow, vocoder, s3, campplus, device))
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn flow_config(&self) -> &FlowConfig {
+        self.flow.config()
+    }
+
+    /// Step 2 of reference preparation (step 1 is [`Reference::materialize`]).
+    pub fn prepare(&self, reference: &Reference) -> Result<PromptFeatures> {
+        let a16 = crate::audio::resample(&reference.samples, prompt::PROMPT_RATE, prompt::TOKENIZER_RATE)?;
+        prompt::prepare_features(&a16, &reference.samples, &self.s3, &self.campplus, &self.flow_mel, self.flow.up_rate(), &self.device)
+    }
+
+    /// Step 3: the flow over the prompt (prompt codes + look-ahead silence), filling the caches.
+    pub fn setup(&self, f: &PromptFeatures) -> Result<FlowState> {
+        let mut codes = f.codes.clone();
+        codes.extend(std::iter::repeat_n(SILENCE_CODE, self.flow.lookahead()));
+        Ok(self.flow.setup(&codes, &f.mel, &f.speaker)?)
+    }
+
+    /// A new stream from prepared features and setup caches (the caches are copied on write).
+    pub fn start(&self, f: &PromptFeatures, setup: &FlowState) -> Result<StreamState> {
+        let vocoder = match &self.vocoder {
+            Vocoder::Causal(h) => VocoderState::Causal(h.new_state()?),
+            Vocoder::Original(_) => VocoderState::Original(OriginalStreamState::new(0x0a11ce)),
+        };
+        Ok(StreamState { flow: setup.clone(), vocoder, speaker: f.speaker.clone(), frames: 0, finished: false })
+    }
+
+    /// One chunk for several streams with equal cache signatures and chunk lengths: the flow runs
+    /// batched, the vocoder per stream. `codes[i]` = left context + new codes + look-ahead (the
+    /// last chunk may end without look-ahead). Returns each stream's new 24 kHz samples.
+    pub fn chunk_batch(&self, streams: &mut [&mut StreamState], codes: &[&[u32]], last: bool) -> Result<Vec<Tensor>> {
+        if streams.iter().any(|s| s.finished) {
+            bail!("a finished stream got another chunk");
+        }
+        let spks: Vec<Tensor> = streams.iter().map(|s| s.speaker.clone()).collect();
+        let spk_refs: Vec<&Tensor> = spks.iter().collect();
+        let mels = {
+            let mut flows: Vec<&mut FlowState> = streams.iter_mut().map(|s| &mut s.flow).collect();
+            self.flow.chunk_batch(codes, &spk_refs, &mut flows, last)?
+        };
+        let mut out = Vec::with_capacity(streams.len());
+        for (st, mel) in streams.iter_mut().zip(mels) {
+            st.frames += mel.dim(1)?;
+            let mel = mel.unsqueeze(0)?.to_dtype(DType::F32)?;
+            let audio = match (&self.vocoder, &mut st.vocoder) {
+                (Vocoder::Causal(h), VocoderState::Causal(vs)) => h.stream(vs, &mel, last)?,
+                (Vocoder::Original(h), VocoderState::Original(vs)) => h.stream_original(vs, &mel, last)?,
+                _ => return Err(anyhow!("vocoder state does not match the vocoder")),
+            };
+            st.finished = last;
+            out.push(audio);
+        }
+        Ok(out)
+    }
+
+    /// One chunk of one stream.
+    pub fn chunk(&self, st: &mut StreamState, codes: &[u32], last: bool) -> Result<Tensor> {
+        Ok(self.chunk_batch(&mut [st], &[codes], last)?.pop().expect("one in, one out"))
+    }
+}
+
+/// Loads the S3 tokenizer from its ONNX file.
+pub fn load_tokenizer(path: &Path, dtype: DType, device: &Device) -> Result<S3Tokenizer> {
+    let m = crate::onnx::read_model(path)?;
+    let sd = s3tokenizer::state_dict_from_onnx(&m).with_context(|| format!("mapping {}", path.display()))?;
+    S3Tokenizer::from_state_dict(sd, dtype, device).with_context(|| format!("loading {}", path.display()))
+}

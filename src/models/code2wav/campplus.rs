@@ -1,0 +1,500 @@
+//! The speaker model (`campplus.onnx`, CAM++): 80-bin kaldi fbank `[frames, 80]` (mean-normalized)
+//! -> a 192-d speaker embedding.
+//!
+//! The file is an exported graph whose batch norms are partly folded into convolutions and whose
+//! initializers are partly anonymous, so it is not mapped onto module names: the graph itself is
+//! walked and evaluated node by node, on the CPU, as the reference servers run it (onnxruntime on
+//! the CPU). The evaluator covers the operators such exports contain (convolutions, batch norm,
+//! pooling, reductions, elementwise arithmetic and the shape plumbing around them); an operator
+//! outside that set is reported by name when the file is opened.
+
+use std::collections::HashMap;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor, D};
+
+use crate::onnx::{dtype, to_tensor, ModelProto, NodeProto};
+
+const SUPPORTED: &[&str] = &[
+    "Abs", "Add", "AveragePool", "BatchNormalization", "Cast", "Clip", "Concat", "Constant", "ConstantOfShape", "Conv", "Div",
+    "Equal", "Exp", "Expand", "Flatten", "Gather", "Gemm", "Identity", "Log", "MatMul", "Max", "Min", "Mul", "Neg", "Pow",
+    "ReduceMean", "ReduceProd", "ReduceSum", "Relu", "Reshape", "Shape", "Sigmoid", "Slice", "Sqrt", "Squeeze", "Sub", "Tanh",
+    "Transpose", "Unsqueeze", "Where",
+];
+
+/// An ONNX graph ready to evaluate.
+#[derive(Debug, Clone)]
+pub struct OnnxGraph {
+    nodes: Vec<NodeProto>,
+    inits: HashMap<String, Tensor>,
+    input: String,
+    output: String,
+}
+
+impl OnnxGraph {
+    pub fn from_model(m: &ModelProto, what: &str) -> Result<Self> {
+        let g = m.graph.as_ref().ok_or_else(|| anyhow!("{what}: no graph"))?;
+        let unsupported: Vec<&str> = g
+            .node
+            .iter()
+            .map(|n| n.op_type.as_str())
+            .filter(|op| !SUPPORTED.contains(op))
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        if !unsupported.is_empty() {
+            bail!("{what}: unsupported ONNX operators {}", unsupported.join(", "));
+        }
+        let mut inits = HashMap::new();
+        for t in &g.initializer {
+            inits.insert(t.name.clone(), to_tensor(t).with_context(|| format!("{what}: initializer {}", t.name))?);
+        }
+        let input = g
+            .input
+            .iter()
+            .map(|v| v.name.clone())
+            .find(|n| !inits.contains_key(n))
+            .ok_or_else(|| anyhow!("{what}: the graph has no data input"))?;
+        let output = g.output.first().map(|v| v.name.clone()).ok_or_else(|| anyhow!("{what}: the graph has no output"))?;
+        Ok(Self { nodes: g.node.clone(), inits, input, output })
+    }
+
+    /// Parameters held by the graph (a size figure for logs).
+    pub fn parameter_count(&self) -> usize {
+        self.inits.values().map(|t| t.elem_count()).sum()
+    }
+
+    /// Evaluates the graph on one input (f32, CPU).
+    pub fn run(&self, x: &Tensor) -> Result<Tensor> {
+        let mut env: HashMap<&str, Tensor> = HashMap::new();
+        env.insert(self.input.as_str(), x.to_device(&Device::Cpu)?.to_dtype(DType::F32)?);
+        for n in &self.nodes {
+            let get = |i: usize| -> Result<Option<Tensor>> {
+                match n.input.get(i) {
+                    None => Ok(None),
+                    Some(s) if s.is_empty() => Ok(None),
+                    Some(s) => env
+                        .get(s.as_str())
+                        .or_else(|| self.inits.get(s))
+                        .cloned()
+                        .map(Some)
+                        .ok_or_else(|| anyhow!("node {} ({}) reads {s}, which nothing produced", n.name, n.op_type)),
+                }
+            };
+            let out = eval(n, &get).with_context(|| format!("evaluating node {} ({})", n.name, n.op_type))?;
+            let name = n.output.first().ok_or_else(|| anyhow!("node {} has no output", n.name))?;
+            env.insert(name.as_str(), out);
+        }
+        env.remove(self.output.as_str()).ok_or_else(|| anyhow!("the graph never produced its output {}", self.output))
+    }
+}
+
+fn need(t: Result<Option<Tensor>>, what: &str) -> Result<Tensor> {
+    t?.ok_or_else(|| anyhow!("missing input {what}"))
+}
+
+fn ints(t: &Tensor) -> Result<Vec<i64>> {
+    Ok(t.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?)
+}
+
+fn axis(a: i64, rank: usize) -> usize {
+    if a < 0 {
+        (a + rank as i64) as usize
+    } else {
+        a as usize
+    }
+}
+
+/// Same dtype for both operands of a binary op (integers stay integers when both are).
+fn unify(a: Tensor, b: Tensor) -> Result<(Tensor, Tensor)> {
+    if a.dtype() == b.dtype() {
+        return Ok((a, b));
+    }
+    Ok((a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?))
+}
+
+fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>) -> Result<Tensor> {
+    let x = || need(get(0), "0");
+    let y = || need(get(1), "1");
+    Ok(match n.op_type.as_str() {
+        "Identity" => x()?,
+        "Constant" => {
+            if let Some(t) = n.attr("value").and_then(|a| a.t.as_ref()) {
+                to_tensor(t)?
+            } else if let Some(a) = n.attr("value_float") {
+                Tensor::new(a.f, &Device::Cpu)?
+            } else if let Some(a) = n.attr("value_int") {
+                Tensor::new(a.i, &Device::Cpu)?
+            } else if let Some(a) = n.attr("value_ints") {
+                Tensor::new(a.ints.as_slice(), &Device::Cpu)?
+            } else {
+                bail!("Constant without a supported value attribute")
+            }
+        }
+        "Shape" => {
+            let dims: Vec<i64> = x()?.dims().iter().map(|&d| d as i64).collect();
+            let r = dims.len() as i64;
+            let s = n.attr("start").map(|a| a.i).unwrap_or(0);
+            let e = n.attr("end").map(|a| a.i).unwrap_or(r);
+            let (s, e) = (if s < 0 { s + r } else { s }.clamp(0, r), if e < 0 { e + r } else { e }.clamp(0, r));
+            let v: Vec<i64> = dims[s as usize..e.max(s) as usize].to_vec();
+            let len = v.len();
+            Tensor::from_vec(v, len, &Device::Cpu)?
+        }
+        "Gather" => {
+            let data = x()?;
+            let idx = y()?;
+            let ax = axis(n.attr_i("axis", 0), data.rank());
+            let size = data.dim(ax)? as i64;
+            let iv: Vec<u32> = ints(&idx)?.iter().map(|&i| if i < 0 { i + size } else { i } as u32).collect();
+            let count = iv.len();
+            let sel = data.index_select(&Tensor::from_vec(iv, count, &Device::Cpu)?, ax)?;
+            let mut shape: Vec<usize> = data.dims()[..ax].to_vec();
+            shape.extend(idx.dims());
+            shape.extend(&data.dims()[ax + 1..]);
+            sel.reshape(shape)?
+        }
+        "Unsqueeze" => {
+            let t = x()?;
+            let axes = match get(1)? {
+                Some(a) => ints(&a)?,
+                None => n.attr_ints("axes").map(|a| a.to_vec()).unwrap_or_default(),
+            };
+            let out_rank = t.rank() + axes.len();
+            let mut axes: Vec<usize> = axes.iter().map(|&a| axis(a, out_rank)).collect();
+            axes.sort();
+            let mut shape = t.dims().to_vec();
+            for a in axes {
+                shape.insert(a, 1);
+            }
+            t.reshape(shape)?
+        }
+        "Squeeze" => {
+            let t = x()?;
+            let axes = match get(1)? {
+                Some(a) => Some(ints(&a)?),
+                None => n.attr_ints("axes").map(|a| a.to_vec()),
+            };
+            let r = t.rank();
+            let shape: Vec<usize> = match axes {
+                Some(ax) => {
+                    let ax: Vec<usize> = ax.iter().map(|&a| axis(a, r)).collect();
+                    t.dims().iter().enumerate().filter(|(i, _)| !ax.contains(i)).map(|(_, &d)| d).collect()
+                }
+                None => t.dims().iter().copied().filter(|&d| d != 1).collect(),
+            };
+            t.reshape(shape)?
+        }
+        "Concat" => {
+            let mut parts = Vec::new();
+            let mut i = 0;
+            while let Some(t) = get(i)? {
+                parts.push(t);
+                i += 1;
+            }
+            let ax = axis(n.attr_i("axis", 0), parts[0].rank());
+            if parts.iter().any(|p| p.dtype() != parts[0].dtype()) {
+                parts = parts.into_iter().map(|p| p.to_dtype(DType::F32)).collect::<candle_core::Result<_>>()?;
+            }
+            Tensor::cat(&parts, ax)?
+        }
+        "Reshape" => {
+            let t = x()?;
+            let spec = ints(&y()?)?;
+            let total = t.elem_count();
+            let mut shape: Vec<usize> = spec
+                .iter()
+                .enumerate()
+                .map(|(i, &s)| if s == 0 { t.dims()[i] } else if s < 0 { 0 } else { s as usize })
+                .collect();
+            if let Some(p) = spec.iter().position(|&s| s == -1) {
+                let known: usize = shape.iter().enumerate().filter(|(i, _)| *i != p).map(|(_, &d)| d).product();
+                shape[p] = total / known.max(1);
+            }
+            t.reshape(shape)?
+        }
+        "Flatten" => {
+            let t = x()?;
+            let ax = axis(n.attr_i("axis", 1), t.rank());
+            let a: usize = t.dims()[..ax].iter().product();
+            t.reshape((a, ()))?
+        }
+        "Expand" => {
+            let t = x()?;
+            let spec: Vec<usize> = ints(&y()?)?.iter().map(|&d| d as usize).collect();
+            let r = spec.len().max(t.rank());
+            let mut a = vec![1usize; r - t.rank()];
+            a.extend(t.dims());
+            let mut b = vec![1usize; r - spec.len()];
+            b.extend(&spec);
+            let out: Vec<usize> = a.iter().zip(&b).map(|(&p, &q)| p.max(q)).collect();
+            t.reshape(a)?.broadcast_as(out)?.contiguous()?
+        }
+        "Slice" => {
+            let t = x()?;
+            let starts = ints(&need(get(1), "starts")?)?;
+            let ends = ints(&need(get(2), "ends")?)?;
+            let axes: Vec<i64> = match get(3)? {
+                Some(a) => ints(&a)?,
+                None => (0..starts.len() as i64).collect(),
+            };
+            if let Some(s) = get(4)? {
+                if ints(&s)?.iter().any(|&v| v != 1) {
+                    bail!("Slice with steps other than 1");
+                }
+            }
+            let mut t = t;
+            for ((&s, &e), &a) in starts.iter().zip(&ends).zip(&axes) {
+                let ax = axis(a, t.rank());
+                let d = t.dim(ax)? as i64;
+                let norm = |v: i64| if v < 0 { (v + d).max(0) } else { v.min(d) };
+                let (s, e) = (norm(s), norm(e));
+                t = t.narrow(ax, s as usize, (e - s).max(0) as usize)?;
+            }
+            t.contiguous()?
+        }
+        "ConstantOfShape" => {
+            let shape: Vec<usize> = ints(&x()?)?.iter().map(|&d| d as usize).collect();
+            let v = match n.attr("value").and_then(|a| a.t.as_ref()) {
+                Some(t) => to_tensor(t)?,
+                None => Tensor::new(&[0f32], &Device::Cpu)?,
+            };
+            v.flatten_all()?.get(0)?.broadcast_as(shape)?.contiguous()?
+        }
+        "Equal" => {
+            let (a, b) = unify(x()?, y()?)?;
+            a.broadcast_eq(&b)?
+        }
+        "Where" => {
+            let c = x()?;
+            let (a, b) = unify(y()?, need(get(2), "2")?)?;
+            let shape = c.shape().broadcast_shape_binary_op(a.shape(), "where")?;
+            let shape = shape.broadcast_shape_binary_op(b.shape(), "where")?;
+            c.broadcast_as(shape.clone())?.where_cond(&a.broadcast_as(shape.clone())?, &b.broadcast_as(shape)?)?
+        }
+        "Add" => {
+            let (a, b) = unify(x()?, y()?)?;
+            a.broadcast_add(&b)?
+        }
+        "Sub" => {
+            let (a, b) = unify(x()?, y()?)?;
+            a.broadcast_sub(&b)?
+        }
+        "Mul" => {
+            let (a, b) = unify(x()?, y()?)?;
+            a.broadcast_mul(&b)?
+        }
+        "Div" => {
+            let (a, b) = unify(x()?, y()?)?;
+            a.broadcast_div(&b)?
+        }
+        "Pow" => {
+            let a = x()?.to_dtype(DType::F32)?;
+            let b = y()?.to_dtype(DType::F32)?;
+            a.broadcast_pow(&b)?
+        }
+        "Max" => {
+            let (a, b) = unify(x()?, y()?)?;
+            a.broadcast_maximum(&b)?
+        }
+        "Min" => {
+            let (a, b) = unify(x()?, y()?)?;
+            a.broadcast_minimum(&b)?
+        }
+        "Clip" => {
+            let mut t = x()?;
+            if let Some(lo) = get(1)? {
+                t = t.broadcast_maximum(&lo.to_dtype(t.dtype())?)?;
+            }
+            if let Some(hi) = get(2)? {
+                t = t.broadcast_minimum(&hi.to_dtype(t.dtype())?)?;
+            }
+            t
+        }
+        "Sqrt" => x()?.sqrt()?,
+        "Exp" => x()?.exp()?,
+        "Log" => x()?.log()?,
+        "Tanh" => x()?.tanh()?,
+        "Abs" => x()?.abs()?,
+        "Neg" => x()?.neg()?,
+        "Relu" => x()?.relu()?,
+        "Sigmoid" => candle_nn::ops::sigmoid(&x()?)?,
+        "Cast" => {
+            let to = n.attr_i("to", dtype::FLOAT as i64) as i32;
+            match to {
+                dtype::FLOAT | dtype::DOUBLE | dtype::FLOAT16 => x()?.to_dtype(DType::F32)?,
+                dtype::INT64 | dtype::INT32 => x()?.to_dtype(DType::I64)?,
+                dtype::BOOL | dtype::UINT8 => x()?.ne(0f64)?.to_dtype(DType::U8)?,
+                other => bail!("Cast to ONNX type {other}"),
+            }
+        }
+        "ReduceMean" | "ReduceSum" | "ReduceProd" => {
+            let t = x()?;
+            let r = t.rank();
+            let axes: Vec<usize> = match get(1)? {
+                Some(a) => ints(&a)?.iter().map(|&v| axis(v, r)).collect(),
+                None => match n.attr_ints("axes") {
+                    Some(a) => a.iter().map(|&v| axis(v, r)).collect(),
+                    None => (0..r).collect(),
+                },
+            };
+            let keep = n.attr_i("keepdims", 1) == 1;
+            let mut out = t.clone();
+            let mut sorted = axes.clone();
+            sorted.sort();
+            for &a in sorted.iter().rev() {
+                out = match n.op_type.as_str() {
+                    "ReduceMean" => out.mean_keepdim(a)?,
+                    "ReduceSum" => out.sum_keepdim(a)?,
+                    _ => {
+                        // products of small integer shape values, on the host
+                        let dims = out.dims().to_vec();
+                        let v = out.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+                        let (outer, len, inner): (usize, usize, usize) =
+                            (dims[..a].iter().product(), dims[a], dims[a + 1..].iter().product());
+                        let mut res = vec![1f64; outer * inner];
+                        for o in 0..outer {
+                            for l in 0..len {
+                                for i in 0..inner {
+                                    res[o * inner + i] *= v[(o * len + l) * inner + i];
+                                }
+                            }
+                        }
+                        let mut nd = dims.clone();
+                        nd[a] = 1;
+                        Tensor::from_vec(res, nd, &Device::Cpu)?.to_dtype(out.dtype())?
+                    }
+                };
+            }
+            if !keep {
+                let shape: Vec<usize> = out.dims().iter().enumerate().filter(|(i, _)| !sorted.contains(i)).map(|(_, &d)| d).collect();
+                out = out.reshape(shape)?;
+            }
+            out
+        }
+        "Transpose" => {
+            let t = x()?;
+            let perm: Vec<usize> = match n.attr_ints("perm") {
+                Some(p) => p.iter().map(|&v| v as usize).collect(),
+                None => (0..t.rank()).rev().collect(),
+            };
+            t.permute(perm)?.contiguous()?
+        }
+        "MatMul" => {
+            let (a, b) = unify(x()?, y()?)?;
+            a.broadcast_matmul(&b)?
+        }
+        "Gemm" => {
+            let mut a = x()?;
+            let mut b = y()?;
+            if n.attr_i("transA", 0) == 1 {
+                a = a.t()?;
+            }
+            if n.attr_i("transB", 0) == 1 {
+                b = b.t()?;
+            }
+            let mut out = (a.matmul(&b)? * n.attr_f("alpha", 1.0) as f64)?;
+            if let Some(c) = get(2)? {
+                out = out.broadcast_add(&(c * n.attr_f("beta", 1.0) as f64)?)?;
+            }
+            out
+        }
+        "BatchNormalization" => {
+            let t = x()?;
+            let (scale, bias, mean, var) = (need(get(1), "scale")?, need(get(2), "B")?, need(get(3), "mean")?, need(get(4), "var")?);
+            let eps = n.attr_f("epsilon", 1e-5) as f64;
+            let mut shape = vec![1usize; t.rank()];
+            shape[1] = t.dim(1)?;
+            let r = |v: Tensor| v.reshape(shape.clone());
+            let inv = (r(var)? + eps)?.sqrt()?.recip()?;
+            t.broadcast_sub(&r(mean)?)?.broadcast_mul(&inv)?.broadcast_mul(&r(scale)?)?.broadcast_add(&r(bias)?)?
+        }
+        "Conv" => conv(n, x()?, y()?, get(2)?)?,
+        "AveragePool" => avg_pool(n, x()?)?,
+        other => bail!("operator {other}"),
+    })
+}
+
+fn conv(n: &NodeProto, x: Tensor, w: Tensor, b: Option<Tensor>) -> Result<Tensor> {
+    let spatial = w.rank() - 2;
+    let strides = n.attr_ints("strides").map(|v| v.to_vec()).unwrap_or(vec![1; spatial]);
+    let dil = n.attr_ints("dilations").map(|v| v.to_vec()).unwrap_or(vec![1; spatial]);
+    let pads = n.attr_ints("pads").map(|v| v.to_vec()).unwrap_or(vec![0; 2 * spatial]);
+    let group = n.attr_i("group", 1) as usize;
+    let mut x = x;
+    for s in 0..spatial {
+        x = x.pad_with_zeros(2 + s, pads[s] as usize, pads[spatial + s] as usize)?;
+    }
+    let y = match spatial {
+        1 => x.conv1d(&w, 0, strides[0] as usize, dil[0] as usize, group)?,
+        2 => {
+            if strides[0] != strides[1] || dil[0] != dil[1] {
+                // candle's conv2d takes one stride / dilation for both axes: do rows via subsampling
+                if dil[0] != 1 || dil[1] != 1 {
+                    bail!("Conv2d with unequal dilations");
+                }
+                let full = x.conv2d(&w, 0, 1, 1, group)?;
+                let (_, _, h, wd) = full.dims4()?;
+                let rows: Vec<u32> = (0..h).step_by(strides[0] as usize).map(|v| v as u32).collect();
+                let cols: Vec<u32> = (0..wd).step_by(strides[1] as usize).map(|v| v as u32).collect();
+                let (nr, nc) = (rows.len(), cols.len());
+                full.index_select(&Tensor::from_vec(rows, nr, &Device::Cpu)?, 2)?
+                    .index_select(&Tensor::from_vec(cols, nc, &Device::Cpu)?, 3)?
+            } else {
+                x.conv2d(&w, 0, strides[0] as usize, dil[0] as usize, group)?
+            }
+        }
+        _ => bail!("Conv with {spatial} spatial dimensions"),
+    };
+    Ok(match b {
+        Some(b) => {
+            let mut shape = vec![1usize; y.rank()];
+            shape[1] = b.elem_count();
+            y.broadcast_add(&b.reshape(shape)?)?
+        }
+        None => y,
+    })
+}
+
+/// 1-D average pooling (the CAM layer's segment pooling): windows past the end are clipped and
+/// averaged over the elements they hold.
+fn avg_pool(n: &NodeProto, x: Tensor) -> Result<Tensor> {
+    let k = n.attr_ints("kernel_shape").ok_or_else(|| anyhow!("AveragePool without kernel_shape"))?;
+    if k.len() != 1 {
+        bail!("AveragePool over {} dimensions", k.len());
+    }
+    let k = k[0] as usize;
+    let s = n.attr_ints("strides").map(|v| v[0] as usize).unwrap_or(1);
+    let pads = n.attr_ints("pads").map(|v| v.to_vec()).unwrap_or(vec![0, 0]);
+    if pads.iter().any(|&p| p != 0) {
+        bail!("AveragePool with padding");
+    }
+    let ceil = n.attr_i("ceil_mode", 0) == 1;
+    let l = x.dim(D::Minus1)?;
+    let out = if ceil { (l.saturating_sub(k) + s - 1) / s + 1 } else { (l - k) / s + 1 };
+    let mut parts = Vec::with_capacity(out);
+    for o in 0..out {
+        let start = o * s;
+        let len = k.min(l - start.min(l));
+        parts.push(x.narrow(D::Minus1, start, len)?.mean_keepdim(D::Minus1)?);
+    }
+    Ok(Tensor::cat(&parts, D::Minus1)?)
+}
+
+/// The speaker model.
+#[derive(Debug, Clone)]
+pub struct CamPlusPlus {
+    graph: OnnxGraph,
+}
+
+impl CamPlusPlus {
+    pub fn from_model(m: &ModelProto) -> Result<Self> {
+        Ok(Self { graph: OnnxGraph::from_model(m, "campplus.onnx")? })
+    }
+
+    /// Mean-normalized fbank `[frames, 80]` -> `[192]`.
+    pub fn embed(&self, fbank: &Tensor) -> Result<Tensor> {
+        let out = self.graph.run(&fbank.unsqueeze(0)?)?;
+        Ok(out.flatten_all()?)
+    }
+}

@@ -1,0 +1,102 @@
+//! Reference-voice preparation, in the three steps whose costs differ:
+//! 1. [`Reference::materialize`]: mono audio at any rate -> 24 kHz, cut or zero-padded to exactly
+//!    6 s, content hash (the cache key);
+//! 2. [`prepare`]: S3 speech codes (16 kHz, 150 for 6 s), CAM++ speaker embedding (kaldi fbank at
+//!    16 kHz, mean-normalized), the prompt mel (24 kHz, padded to 2 × the code count);
+//! 3. setup (the flow over the prompt) lives in [`super::Code2Wav::setup`].
+
+use anyhow::{bail, Result};
+use candle_core::{Device, Tensor};
+use sha2::{Digest, Sha256};
+
+use super::campplus::CamPlusPlus;
+use super::s3tokenizer::S3Tokenizer;
+use crate::models::mel::{kaldi_fbank, mean_normalize, FlowMel, WhisperLogMel};
+
+pub const PROMPT_RATE: u32 = 24_000;
+pub const PROMPT_SECONDS: f64 = 6.0;
+pub const TOKENIZER_RATE: u32 = 16_000;
+
+/// A reference voice normalized onto the 6 s / 24 kHz grid, with its content hash.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reference {
+    pub samples: Vec<f32>,
+    /// Hex SHA-256 of the f32 little-endian samples followed by "24000".
+    pub key: String,
+}
+
+impl Reference {
+    /// Step 1: mono samples at `rate` -> the normalized reference. Empty or non-finite audio is
+    /// refused.
+    pub fn materialize(samples: &[f32], rate: u32) -> Result<Self> {
+        if samples.is_empty() {
+            bail!("reference audio is empty");
+        }
+        if samples.iter().any(|s| !s.is_finite()) {
+            bail!("reference audio holds non-finite samples");
+        }
+        let mut x = crate::audio::resample(samples, rate, PROMPT_RATE)?;
+        x.resize((PROMPT_SECONDS * PROMPT_RATE as f64) as usize, 0.0);
+        let mut h = Sha256::new();
+        for s in &x {
+            h.update(s.to_le_bytes());
+        }
+        h.update(PROMPT_RATE.to_string().as_bytes());
+        let key = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        Ok(Self { samples: x, key })
+    }
+
+    /// A short id for logs and metrics.
+    pub fn short_id(&self) -> &str {
+        &self.key[..24.min(self.key.len())]
+    }
+}
+
+/// What the flow needs of a reference (step 2's output).
+#[derive(Debug, Clone)]
+pub struct PromptFeatures {
+    /// S3 speech codes of the reference.
+    pub codes: Vec<u32>,
+    /// `[192]` speaker embedding.
+    pub speaker: Tensor,
+    /// `[2 · codes, 80]` prompt mel.
+    pub mel: Tensor,
+}
+
+/// Step 2 on the reference's 16 kHz and 24 kHz audio.
+pub fn prepare_features(
+    audio_16k: &[f32],
+    audio_24k: &[f32],
+    s3: &S3Tokenizer,
+    campplus: &CamPlusPlus,
+    flow_mel: &FlowMel,
+    up_rate: usize,
+    dev: &Device,
+) -> Result<PromptFeatures> {
+    // speech codes: 128-bin Whisper log-mel -> S3 tokenizer
+    let wm = WhisperLogMel::new(s3.n_mels());
+    let (m, frames) = wm.compute(audio_16k);
+    let mel128 = Tensor::from_vec(m, (s3.n_mels(), frames), dev)?;
+    let codes = s3.quantize(&mel128)?;
+    if codes.is_empty() {
+        bail!("reference audio is too short for speech codes");
+    }
+    // speaker: kaldi fbank, mean-normalized, CAM++ (on the CPU)
+    let (mut fb, nf) = kaldi_fbank(audio_16k, TOKENIZER_RATE as usize, 80);
+    mean_normalize(&mut fb, 80);
+    let fb = Tensor::from_vec(fb, (nf, 80), &Device::Cpu)?;
+    let speaker = campplus.embed(&fb)?.to_device(dev)?;
+    // prompt mel at 24 kHz, replicate-padded (or cut) to up_rate × codes frames
+    let (pm, pf) = flow_mel.compute(audio_24k);
+    let n_mels = pm.len() / pf.max(1);
+    let mut rows = vec![0f32; codes.len() * up_rate * n_mels];
+    let want = codes.len() * up_rate;
+    for t in 0..want {
+        let src = t.min(pf.saturating_sub(1));
+        for m in 0..n_mels {
+            rows[t * n_mels + m] = if pf == 0 { 0.0 } else { pm[m * pf + src] };
+        }
+    }
+    let mel = Tensor::from_vec(rows, (want, n_mels), dev)?;
+    Ok(PromptFeatures { codes, speaker, mel })
+}
