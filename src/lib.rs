@@ -8,3 +8,4 @@ pub mod models;
 pub mod onnx;
 pub mod synth;
 pub mod tokenizer;
+pub mod torchsave;

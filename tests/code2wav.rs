@@ -1,0 +1,141 @@
+//! Code2Wav end to end on synthetic assets: the generator writes the real formats, the loaders read
+//! them back, and a reference voice streams through prepare -> setup -> chunks -> audio.
+
+use antiphon::models::code2wav::prompt::Reference;
+use antiphon::models::code2wav::{BufferSeeds, Code2Wav, SILENCE_CODE};
+use antiphon::synth::{self, Preset};
+use candle_core::{DType, Device, Tensor};
+
+fn reference() -> Reference {
+    let sr = 16_000;
+    let x: Vec<f32> = (0..sr * 3)
+        .map(|i| {
+            let t = i as f32 / sr as f32;
+            0.3 * (2.0 * std::f32::consts::PI * (150.0 + 30.0 * t) * t).sin() * (0.5 + 0.5 * (6.0 * t).sin().abs())
+        })
+        .collect();
+    Reference::materialize(&x, sr as u32).unwrap()
+}
+
+fn codes(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 2654435761u32.wrapping_add(salt)) % 6561).collect()
+}
+
+/// Chunks of [3 context + n new] codes, the first context being silence; the last has no look-ahead.
+fn payloads(all: &[u32], sizes: &[usize]) -> Vec<Vec<u32>> {
+    let mut out = Vec::new();
+    let mut prev = vec![SILENCE_CODE; 3];
+    let mut pos = 0;
+    for &n in sizes {
+        let mut p = prev.clone();
+        p.extend_from_slice(&all[pos..pos + n]);
+        prev = p[p.len() - 3..].to_vec();
+        out.push(p);
+        pos += n;
+    }
+    out
+}
+
+fn samples(t: &Tensor) -> Vec<f32> {
+    t.to_vec1::<f32>().unwrap()
+}
+
+#[test]
+fn synthetic_assets_round_trip_and_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    synth::write_token2wav(dir.path(), Preset::Tiny, 3).unwrap();
+    for f in ["flow.pt", "flow.yaml", "hift.pt", "config.yaml", "hift_original.pt", "campplus.onnx", "speech_tokenizer_v2_25hz.onnx"] {
+        assert!(dir.path().join(f).is_file(), "{f} written");
+    }
+    let seeds = BufferSeeds { seed: 3, ..BufferSeeds::default() };
+    let from_files = Code2Wav::load_dir(dir.path(), DType::F32, &Device::Cpu, seeds).unwrap();
+    let in_memory = synth::code2wav_in_memory(Preset::Tiny, 3, DType::F32, &Device::Cpu).unwrap();
+    let r = reference();
+    let fa = from_files.prepare(&r).unwrap();
+    let fb = in_memory.prepare(&r).unwrap();
+    assert_eq!(fa.codes.len(), 150, "6 s of reference -> 150 speech codes");
+    assert_eq!(fa.codes, fb.codes, "the same weights from the files and from memory");
+    assert_eq!(fa.mel.dims(), &[300, 80]);
+    let all = codes(60, 7);
+    let chunks = payloads(&all, &[25, 25, 10]);
+    let run = |c2w: &Code2Wav, f: &antiphon::models::code2wav::prompt::PromptFeatures| {
+        let setup = c2w.setup(f).unwrap();
+        let mut st = c2w.start(f, &setup).unwrap();
+        chunks
+            .iter()
+            .enumerate()
+            .map(|(i, p)| samples(&c2w.chunk(&mut st, p, i == chunks.len() - 1).unwrap()))
+            .collect::<Vec<_>>()
+    };
+    let a = run(&from_files, &fa);
+    let b = run(&in_memory, &fb);
+    assert_eq!(a, b);
+    // 3 silence positions + 60 codes, 2 mel frames each, 480 samples per frame, plus the
+    // vocoder's 8-frame delay emitted as silence before the first audio
+    let total: usize = a.iter().map(|c| c.len()).sum();
+    assert_eq!(total, (3 + 60) * 2 * 480 + 3840);
+    assert_eq!(a[0].len(), 25 * 2 * 480, "a steady chunk: 25 positions = 1 s");
+    assert!(a.iter().flatten().all(|s| s.is_finite() && s.abs() <= 0.99));
+    assert!(a[1].iter().any(|&s| s.abs() > 1e-4), "synthetic weights still make sound");
+}
+
+#[test]
+fn chunk0_is_identical_whether_setup_is_fresh_or_reused() {
+    // The basis of reference prefetch: setup caches computed ahead of time (and shared) give
+    // bit-identical chunk-0 audio.
+    let c2w = synth::code2wav_in_memory(Preset::Tiny, 9, DType::F32, &Device::Cpu).unwrap();
+    let f = c2w.prepare(&reference()).unwrap();
+    let early = c2w.setup(&f).unwrap();
+    let p = payloads(&codes(25, 1), &[25]);
+    let mut s1 = c2w.start(&f, &early).unwrap();
+    let first = samples(&c2w.chunk(&mut s1, &p[0], false).unwrap());
+    // a second stream from the same (shared) setup caches
+    let mut s2 = c2w.start(&f, &early).unwrap();
+    let second = samples(&c2w.chunk(&mut s2, &p[0], false).unwrap());
+    // and one from a setup made inline, after other work
+    let f_again = c2w.prepare(&reference()).unwrap();
+    let inline = c2w.setup(&f_again).unwrap();
+    let mut s3 = c2w.start(&f_again, &inline).unwrap();
+    let third = samples(&c2w.chunk(&mut s3, &p[0], false).unwrap());
+    assert_eq!(first, second);
+    assert_eq!(first, third);
+}
+
+#[test]
+fn batched_streams_match_single_streams() {
+    let c2w = synth::code2wav_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap();
+    let f = c2w.prepare(&reference()).unwrap();
+    let setup = c2w.setup(&f).unwrap();
+    let pa = payloads(&codes(50, 1), &[25, 25]);
+    let pb = payloads(&codes(50, 2), &[25, 25]);
+    let (mut a1, mut b1) = (c2w.start(&f, &setup).unwrap(), c2w.start(&f, &setup).unwrap());
+    let (mut a2, mut b2) = (c2w.start(&f, &setup).unwrap(), c2w.start(&f, &setup).unwrap());
+    for i in 0..2 {
+        let together = c2w.chunk_batch(&mut [&mut a1, &mut b1], &[&pa[i], &pb[i]], false).unwrap();
+        let ya = samples(&c2w.chunk(&mut a2, &pa[i], false).unwrap());
+        let yb = samples(&c2w.chunk(&mut b2, &pb[i], false).unwrap());
+        let err = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(err(&samples(&together[0]), &ya) < 1e-5);
+        assert!(err(&samples(&together[1]), &yb) < 1e-5);
+    }
+}
+
+#[test]
+fn missing_assets_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    synth::write_token2wav(dir.path(), Preset::Tiny, 1).unwrap();
+    std::fs::remove_file(dir.path().join("campplus.onnx")).unwrap();
+    let err = Code2Wav::load_dir(dir.path(), DType::F32, &Device::Cpu, BufferSeeds::default()).unwrap_err().to_string();
+    assert!(err.contains("campplus.onnx"), "{err}");
+}
+
+#[test]
+fn a_chunk_after_the_last_is_refused() {
+    let c2w = synth::code2wav_in_memory(Preset::Tiny, 2, DType::F32, &Device::Cpu).unwrap();
+    let f = c2w.prepare(&reference()).unwrap();
+    let setup = c2w.setup(&f).unwrap();
+    let mut st = c2w.start(&f, &setup).unwrap();
+    let p = payloads(&codes(5, 1), &[5]);
+    c2w.chunk(&mut st, &p[0], true).unwrap();
+    assert!(c2w.chunk(&mut st, &p[0], true).is_err());
+}
