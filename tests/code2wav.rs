@@ -139,3 +139,54 @@ fn a_chunk_after_the_last_is_refused() {
     c2w.chunk(&mut st, &p[0], true).unwrap();
     assert!(c2w.chunk(&mut st, &p[0], true).is_err());
 }
+
+/// Counts what a loader asks for without allocating (every tensor is one value broadcast).
+struct Counting(std::sync::Mutex<Vec<(String, usize)>>);
+
+impl candle_nn::var_builder::SimpleBackend for Counting {
+    fn get(&self, s: candle_core::Shape, name: &str, _: candle_nn::Init, d: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.0.lock().unwrap().push((name.to_string(), s.elem_count()));
+        Tensor::ones(1, d, dev)?.broadcast_as(s)
+    }
+    fn get_unchecked(&self, n: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        candle_core::bail!("no {n}")
+    }
+    fn contains_tensor(&self, n: &str) -> bool {
+        !(n.ends_with("weight_g") || n.ends_with("weight_v"))
+    }
+}
+
+fn count<T>(build: impl FnOnce(candle_nn::VarBuilder<'static>) -> T) -> (usize, usize) {
+    let c = std::sync::Arc::new(Counting(Default::default()));
+    struct Shared(std::sync::Arc<Counting>);
+    impl candle_nn::var_builder::SimpleBackend for Shared {
+        fn get(&self, s: candle_core::Shape, n: &str, h: candle_nn::Init, d: DType, dev: &Device) -> candle_core::Result<Tensor> {
+            self.0.get(s, n, h, d, dev)
+        }
+        fn get_unchecked(&self, n: &str, d: DType, dev: &Device) -> candle_core::Result<Tensor> {
+            self.0.get_unchecked(n, d, dev)
+        }
+        fn contains_tensor(&self, n: &str) -> bool {
+            self.0.contains_tensor(n)
+        }
+    }
+    let vb = candle_nn::VarBuilder::from_backend(Box::new(Shared(c.clone())), DType::F32, Device::Cpu);
+    let _ = build(vb);
+    let v = c.0.lock().unwrap();
+    (v.len(), v.iter().map(|(_, n)| n).sum())
+}
+
+#[test]
+fn full_code2wav_preset_has_the_real_sizes() {
+    use antiphon::models::code2wav::flow::Flow;
+    use antiphon::models::code2wav::hift::{HiftConfig, HiftGenerator};
+    let d = Preset::Full.code2wav();
+    let noise = Tensor::zeros((80, 1), DType::F32, &Device::Cpu).unwrap();
+    let (tensors, params) = count(|vb| Flow::load(vb, &d.flow, noise).unwrap());
+    // checkpoint.md: flow.pt ≈ 155.80 M parameters in 605 tensors (623,466,603 bytes of fp32)
+    assert_eq!(tensors, 605);
+    assert!((155_700_000..155_900_000).contains(&params), "flow parameters {params}");
+    // the original HiFT: 328 tensors, 20,821,295 parameters
+    let (tensors, params) = count(|vb| HiftGenerator::load(vb, &HiftConfig::original(), None).unwrap());
+    assert_eq!((tensors, params), (328, 20_821_295));
+}

@@ -92,5 +92,20 @@ fn materialize_normalizes_to_six_seconds_and_hashes_content() {
     let long = prompt::Reference::materialize(&v(&io["audio_24k"]).repeat(2), 24_000).unwrap();
     assert_eq!(long.samples.len(), 144_000, "cut to 6 s");
     assert!(prompt::Reference::materialize(&[], 16_000).is_err());
+    // from a stereo 48 kHz WAV: mixed down, resampled, normalized
+    let stereo: Vec<f32> = v(&io["audio_24k"]).iter().flat_map(|&s| [s, s]).collect();
+    let wav = {
+        let spec = hound::WavSpec { channels: 2, sample_rate: 24_000, bits_per_sample: 32, sample_format: hound::SampleFormat::Float };
+        let mut c = std::io::Cursor::new(Vec::new());
+        let mut w = hound::WavWriter::new(&mut c, spec).unwrap();
+        for s in &stereo {
+            w.write_sample(*s).unwrap();
+        }
+        w.finalize().unwrap();
+        c.into_inner()
+    };
+    let r = prompt::Reference::from_wav(&wav).unwrap();
+    assert_eq!(r.samples, v(&io["audio_24k"]), "24 kHz mono input passes through unchanged");
+    assert!(prompt::Reference::from_wav(b"RIFF....garbage").is_err());
     assert!(prompt::Reference::materialize(&[f32::NAN; 10], 16_000).is_err());
 }

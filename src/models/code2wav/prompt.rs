@@ -46,6 +46,12 @@ impl Reference {
         Ok(Self { samples: x, key })
     }
 
+    /// Step 1 from a WAV file's bytes (any rate, any channel count up to 8).
+    pub fn from_wav(bytes: &[u8]) -> Result<Self> {
+        let (x, rate) = crate::audio::decode_wav(bytes)?;
+        Self::materialize(&x, rate)
+    }
+
     /// A short id for logs and metrics.
     pub fn short_id(&self) -> &str {
         &self.key[..24.min(self.key.len())]
