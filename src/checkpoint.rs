@@ -174,3 +174,21 @@ pub fn pth_var_builder(path: &Path, strip_prefix: Option<&str>, dtype: DType, de
     let backend = Checked { inner: Box::new(map), origin: path.display().to_string(), seen: None };
     Ok(VarBuilder::from_backend(Box::new(backend), dtype, device.clone()))
 }
+
+/// A backend shared through an `Arc`, so its owner can inspect it (e.g. what was read) after a
+/// `VarBuilder` has been handed to a loader.
+pub struct SharedBackend<T: SimpleBackend>(pub std::sync::Arc<T>);
+
+impl<T: SimpleBackend> SimpleBackend for SharedBackend<T> {
+    fn get(&self, s: Shape, name: &str, h: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.0.get(s, name, h, dtype, dev)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.0.get_unchecked(name, dtype, dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.contains_tensor(name)
+    }
+}

@@ -588,19 +588,7 @@ impl SimpleBackend for LazySynthetic {
 /// Runs `build` over a lazy synthetic `VarBuilder` and returns what it built and the tensors read.
 fn synthesize<T>(seed: u64, dtype: DType, dev: &Device, record: bool, build: impl FnOnce(VarBuilder<'static>) -> Result<T>) -> Result<(T, Vec<(String, Tensor)>)> {
     let lazy = std::sync::Arc::new(LazySynthetic::new(seed, record));
-    struct Shared(std::sync::Arc<LazySynthetic>);
-    impl SimpleBackend for Shared {
-        fn get(&self, s: Shape, n: &str, h: candle_nn::Init, d: DType, dev: &Device) -> candle_core::Result<Tensor> {
-            self.0.get(s, n, h, d, dev)
-        }
-        fn get_unchecked(&self, n: &str, d: DType, dev: &Device) -> candle_core::Result<Tensor> {
-            self.0.get_unchecked(n, d, dev)
-        }
-        fn contains_tensor(&self, n: &str) -> bool {
-            self.0.contains_tensor(n)
-        }
-    }
-    let vb = VarBuilder::from_backend(Box::new(Shared(lazy.clone())), dtype, dev.clone());
+    let vb = VarBuilder::from_backend(Box::new(crate::checkpoint::SharedBackend(lazy.clone())), dtype, dev.clone());
     let built = build(vb)?;
     Ok((built, lazy.take()))
 }

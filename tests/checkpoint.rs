@@ -50,19 +50,7 @@ fn loader_reads_exactly_the_spec_list() {
         .collect();
     let names: HashSet<String> = specs.keys().cloned().collect();
     let checked = std::sync::Arc::new(Checked::recording(Box::new(specs), "specs"));
-    struct Shared(std::sync::Arc<Checked>);
-    impl candle_nn::var_builder::SimpleBackend for Shared {
-        fn get(&self, s: candle_core::Shape, n: &str, h: candle_nn::Init, d: DType, dev: &Device) -> candle_core::Result<Tensor> {
-            self.0.get(s, n, h, d, dev)
-        }
-        fn get_unchecked(&self, n: &str, d: DType, dev: &Device) -> candle_core::Result<Tensor> {
-            self.0.get_unchecked(n, d, dev)
-        }
-        fn contains_tensor(&self, n: &str) -> bool {
-            self.0.contains_tensor(n)
-        }
-    }
-    let vb = VarBuilder::from_backend(Box::new(Shared(checked.clone())), DType::F32, Device::Cpu);
+    let vb = VarBuilder::from_backend(Box::new(antiphon::checkpoint::SharedBackend(checked.clone())), DType::F32, Device::Cpu);
     load_models(&vb, &cfg).unwrap();
     assert_eq!(checked.seen(), names, "the loader reads every listed tensor and nothing else");
 }

@@ -158,19 +158,7 @@ impl candle_nn::var_builder::SimpleBackend for Counting {
 
 fn count<T>(build: impl FnOnce(candle_nn::VarBuilder<'static>) -> T) -> (usize, usize) {
     let c = std::sync::Arc::new(Counting(Default::default()));
-    struct Shared(std::sync::Arc<Counting>);
-    impl candle_nn::var_builder::SimpleBackend for Shared {
-        fn get(&self, s: candle_core::Shape, n: &str, h: candle_nn::Init, d: DType, dev: &Device) -> candle_core::Result<Tensor> {
-            self.0.get(s, n, h, d, dev)
-        }
-        fn get_unchecked(&self, n: &str, d: DType, dev: &Device) -> candle_core::Result<Tensor> {
-            self.0.get_unchecked(n, d, dev)
-        }
-        fn contains_tensor(&self, n: &str) -> bool {
-            self.0.contains_tensor(n)
-        }
-    }
-    let vb = candle_nn::VarBuilder::from_backend(Box::new(Shared(c.clone())), DType::F32, Device::Cpu);
+    let vb = candle_nn::VarBuilder::from_backend(Box::new(antiphon::checkpoint::SharedBackend(c.clone())), DType::F32, Device::Cpu);
     let _ = build(vb);
     let v = c.0.lock().unwrap();
     (v.len(), v.iter().map(|(_, n)| n).sum())

@@ -15,13 +15,10 @@ inputs and outputs:
 
     python3 tests/parity/make_c2w_fixtures.py [--check]
 """
-import argparse
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
 import types
 
 import numpy as np
@@ -31,6 +28,8 @@ from safetensors.numpy import load_file, save_file
 from stepaudio2.causal_vocoder.bounded_vocoder import BoundedVocoder
 from stepaudio2.flashcosyvoice.modules.hifigan import HiFTGenerator
 from stepaudio2.token2wav import Token2wav, _load_config
+
+import fixturecheck  # noqa: E402 (beside this script)
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "fixtures", "parity_c2w")
 SILENCE = 4218
@@ -283,38 +282,5 @@ def build(out_dir):
         json.dump(meta, fh, indent=1, sort_keys=True)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args()
-    if not args.check:
-        build(OUT)
-        print("wrote", os.path.abspath(OUT))
-        return
-    tmp = tempfile.mkdtemp()
-    try:
-        build(tmp)
-        bad = 0
-        ta, tb = load_file(os.path.join(OUT, "io.safetensors")), load_file(os.path.join(tmp, "io.safetensors"))
-        for k in ta:
-            if k not in tb or not np.array_equal(ta[k], tb[k]):
-                print("differs:", k)
-                bad += 1
-        for f in ["io.json", "token2wav/flow.yaml", "token2wav/config.yaml"]:
-            if open(os.path.join(OUT, f), "rb").read() != open(os.path.join(tmp, f), "rb").read():
-                print("differs:", f)
-                bad += 1
-        for f in ["flow.pt", "hift.pt", "hift_original.pt"]:
-            a = torch.load(os.path.join(OUT, "token2wav", f))
-            b = torch.load(os.path.join(tmp, "token2wav", f))
-            if a.keys() != b.keys() or any(not torch.equal(a[k], b[k]) for k in a):
-                print("differs:", f)
-                bad += 1
-        print("fixtures reproduce" if bad == 0 else f"{bad} differences")
-        sys.exit(1 if bad else 0)
-    finally:
-        shutil.rmtree(tmp)
-
-
 if __name__ == "__main__":
-    main()
+    fixturecheck.main(build, OUT)

@@ -15,13 +15,10 @@ Run from the repository root:
     python3 tests/parity/make_lm_fixtures.py            # (re)write the fixtures
     python3 tests/parity/make_lm_fixtures.py --check    # regenerate in a temp dir, compare
 """
-import argparse
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
 
 import numpy as np
 import torch
@@ -30,6 +27,8 @@ from safetensors.numpy import load_file, save_file
 from transformers import (LlamaConfig, LlamaModel, Qwen3Config, Qwen3ForCausalLM, WhisperConfig,
                           WhisperFeatureExtractor)
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+import fixturecheck  # noqa: E402 (beside this script)
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "fixtures", "parity_lm")
 
@@ -271,34 +270,5 @@ def build(out_dir):
         json.dump(meta, fh, indent=1, sort_keys=True)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--check", action="store_true", help="regenerate into a temp dir and compare")
-    args = ap.parse_args()
-    if not args.check:
-        build(OUT)
-        print("wrote", os.path.abspath(OUT))
-        return
-    tmp = tempfile.mkdtemp()
-    try:
-        build(tmp)
-        bad = 0
-        for f in sorted(os.listdir(OUT)):
-            a, b = os.path.join(OUT, f), os.path.join(tmp, f)
-            if f.endswith(".safetensors"):
-                ta, tb = load_file(a), load_file(b)
-                for k in ta:
-                    if k not in tb or not np.array_equal(ta[k], tb[k]):
-                        print("differs:", f, k)
-                        bad += 1
-            elif open(a, "rb").read() != open(b, "rb").read():
-                print("differs:", f)
-                bad += 1
-        print("fixtures reproduce" if bad == 0 else f"{bad} differences")
-        sys.exit(1 if bad else 0)
-    finally:
-        shutil.rmtree(tmp)
-
-
 if __name__ == "__main__":
-    main()
+    fixturecheck.main(build, OUT)

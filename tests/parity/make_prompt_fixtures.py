@@ -10,13 +10,10 @@ CAMPPlus exported to ONNX by torch, evaluated by onnxruntime as the reference se
 
     python3 tests/parity/make_prompt_fixtures.py [--check]
 """
-import argparse
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
 
 import numpy as np
 import onnx
@@ -32,6 +29,8 @@ from s3tokenizer.model_v2 import ModelConfig, S3TokenizerV2
 from s3tokenizer.utils import onnx2torch
 from speakerlab.models.campplus.DTDNN import CAMPPlus
 from stepaudio2.flashcosyvoice.utils.audio import mel_spectrogram
+
+import fixturecheck  # noqa: E402 (beside this script)
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "fixtures", "parity_prompt")
 
@@ -154,37 +153,5 @@ def build(out_dir):
         json.dump(meta, fh, indent=1, sort_keys=True)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args()
-    if not args.check:
-        build(OUT)
-        print("wrote", os.path.abspath(OUT))
-        return
-    tmp = tempfile.mkdtemp()
-    try:
-        build(tmp)
-        bad = 0
-        ta, tb = load_file(os.path.join(OUT, "io.safetensors")), load_file(os.path.join(tmp, "io.safetensors"))
-        for k in ta:
-            if k not in tb or not np.array_equal(ta[k], tb[k]):
-                print("differs:", k)
-                bad += 1
-        for f in ["io.json", "speech_tokenizer_v2_25hz.onnx"]:
-            if open(os.path.join(OUT, f), "rb").read() != open(os.path.join(tmp, f), "rb").read():
-                print("differs:", f)
-                bad += 1
-        a = {i.name: numpy_helper.to_array(i) for i in onnx.load(os.path.join(OUT, "campplus.onnx")).graph.initializer}
-        b = {i.name: numpy_helper.to_array(i) for i in onnx.load(os.path.join(tmp, "campplus.onnx")).graph.initializer}
-        if a.keys() != b.keys() or any(not np.array_equal(a[k], b[k]) for k in a):
-            print("differs: campplus.onnx")
-            bad += 1
-        print("fixtures reproduce" if bad == 0 else f"{bad} differences")
-        sys.exit(1 if bad else 0)
-    finally:
-        shutil.rmtree(tmp)
-
-
 if __name__ == "__main__":
-    main()
+    fixturecheck.main(build, OUT)

@@ -668,15 +668,25 @@ impl HiftGenerator {
         })
     }
 
+    /// (hop, harmonics + 1, sample rate, sine amplitude, voicing threshold) of the source.
+    fn source_params(&self) -> (usize, usize, f32, f32, f32) {
+        let cfg = &self.cfg;
+        (cfg.hop(), cfg.nb_harmonics + 1, cfg.sampling_rate as f32, cfg.nsf_alpha as f32, cfg.nsf_voiced_threshold as f32)
+    }
+
+    /// Merges per-sample harmonic excitation `[samples × (harmonics + 1)]` into the source signal
+    /// `[1, 1, samples]` (`m_source.l_linear`, tanh).
+    fn merge_harmonics(&self, exc: Vec<f32>, samples: usize, h1: usize) -> Result<Tensor> {
+        let dev = self.conv_pre.w.device();
+        let exc = Tensor::from_vec(exc, (1, samples, h1), dev)?.to_dtype(self.l_linear.weight().dtype())?;
+        self.l_linear.forward(&exc)?.tanh()?.transpose(1, 2)
+    }
+
     /// The causal excitation for frames `f0` starting at frame `frame_offset`, advancing the phase.
     fn source(&self, st: &mut HiftState, f0: &[f32], frame_offset: usize) -> Result<Tensor> {
         let cfg = &self.cfg;
-        let hop = cfg.hop();
-        let h1 = cfg.nb_harmonics + 1;
+        let (hop, h1, sr, amp, thr) = self.source_params();
         let n = f0.len();
-        let sr = cfg.sampling_rate as f32;
-        let amp = cfg.nsf_alpha as f32;
-        let thr = cfg.nsf_voiced_threshold as f32;
         // cycles = cumsum(increments) · hop + phase, in f64, as the reference orders it
         let mut sums = [0f64; 16];
         let mut last = [0f64; 16];
@@ -710,9 +720,7 @@ impl HiftGenerator {
                 }
             }
         }
-        let dev = self.conv_pre.w.device();
-        let exc = Tensor::from_vec(exc, (1, n * hop, h1), dev)?.to_dtype(self.l_linear.weight().dtype())?;
-        self.l_linear.forward(&exc)?.tanh()?.transpose(1, 2)
+        self.merge_harmonics(exc, n * hop, h1)
     }
 
     fn process(&self, st: &mut HiftState, finalize: bool) -> Result<Tensor> {
@@ -807,12 +815,8 @@ impl HiftGenerator {
     /// = no randomness, for comparisons).
     pub fn source_original(&self, f0: &[f32], rng: Option<u64>) -> Result<Tensor> {
         let cfg = &self.cfg;
-        let hop = cfg.hop();
-        let h1 = cfg.nb_harmonics + 1;
+        let (hop, h1, sr, amp, thr) = self.source_params();
         let n = f0.len();
-        let sr = cfg.sampling_rate as f32;
-        let amp = cfg.nsf_alpha as f32;
-        let thr = cfg.nsf_voiced_threshold as f32;
         // per-frame phase increments (the linear downsampling picks each frame's value), cumulated
         let mut phase = vec![0f32; n * h1];
         let mut acc = vec![0f32; h1];
@@ -851,9 +855,7 @@ impl HiftGenerator {
                 exc[j * h1 + h] = p.sin() * amp * voiced + na * noise;
             }
         }
-        let dev = self.conv_pre.w.device();
-        let exc = Tensor::from_vec(exc, (1, total, h1), dev)?.to_dtype(self.l_linear.weight().dtype())?;
-        self.l_linear.forward(&exc)?.tanh()?.transpose(1, 2)
+        self.merge_harmonics(exc, total, h1)
     }
 
     /// A whole utterance through the original generator: `mel: [1, 80, F]` -> `[F · hop]`.
