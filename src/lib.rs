@@ -4,6 +4,7 @@
 
 pub mod audio;
 pub mod checkpoint;
+pub mod engine;
 pub mod models;
 pub mod onnx;
 pub mod synth;

@@ -662,3 +662,13 @@ pub fn write_token2wav(dir: &Path, preset: Preset, seed: u64) -> Result<()> {
     crate::onnx::write_model(&dir.join(c2w::CAMPPLUS_ONNX), &cam)?;
     Ok(())
 }
+
+/// Every model of a preset from synthetic weights, in memory (the embedded default's models).
+pub fn models_in_memory(preset: Preset, seed: u64, dtype: DType, dev: &Device) -> Result<crate::engine::Models> {
+    let cfg = preset.config();
+    let vb = SyntheticBackend::var_builder(&cfg, seed, dtype, dev);
+    let (thinker, talker) = crate::checkpoint::load_models(&vb, &cfg)?;
+    let tokenizer = crate::tokenizer::TextTokenizer::from_bytes(tokenizer_json(&preset.special_ids()).to_string().as_bytes())?;
+    let code2wav = code2wav_in_memory(preset, seed, dtype, dev)?;
+    Ok(crate::engine::Models { thinker, talker, code2wav, tokenizer })
+}

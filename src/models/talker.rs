@@ -106,22 +106,27 @@ impl Talker {
         self.emb_text.forward(&Tensor::new(ids, self.device())?)
     }
 
-    /// Prefill embeddings for a hand-off: `emb_text(id_i) + L2normalize(projector_semantic(h_i))`
-    /// per Thinker token, then `emb_text(text_eos)` (turn mode) and `emb_text(audio_bos)`.
-    /// `hidden: [n, llm_dim]` (any float dtype).
+    /// Prefill embeddings for a hand-off:
+    /// `emb_text(id_i) + L2normalize(projector_semantic(h_i))` per Thinker token, then
+    /// `emb_text(text_eos)` (turn mode) and `emb_text(audio_bos)`. `hidden: [n, llm_dim]` (any float
+    /// dtype).
     pub fn condition(&self, ids: &[u32], hidden: &Tensor, mode: ConditionMode) -> Result<Tensor> {
+        let tail = self.condition_tail(mode)?;
+        if ids.is_empty() {
+            if hidden.dim(0)? != 0 {
+                candle_core::bail!("{} hidden rows for 0 text ids", hidden.dim(0)?);
+            }
+            return Ok(tail);
+        }
+        Tensor::cat(&[self.condition_rows(ids, hidden)?, tail], 0)
+    }
+
+    /// The per-token part of the condition (so it can be prefilled while the text is still being
+    /// written).
+    pub fn condition_rows(&self, ids: &[u32], hidden: &Tensor) -> Result<Tensor> {
         let n = ids.len();
         if hidden.dim(0)? != n {
             candle_core::bail!("{} hidden rows for {n} text ids", hidden.dim(0)?);
-        }
-        let mut suffix = Vec::with_capacity(2);
-        if mode == ConditionMode::Turn {
-            suffix.push(self.cfg.text_eos_token_id);
-        }
-        suffix.push(self.cfg.audio_bos_token_id);
-        let tail = self.embed_text(&suffix)?;
-        if n == 0 {
-            return Ok(tail);
         }
         let dtype = self.emb_text.embeddings().dtype();
         let h = hidden.to_device(self.device())?.to_dtype(dtype)?;
@@ -131,8 +136,17 @@ impl Talker {
             let norm = p.to_dtype(DType::F32)?.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.maximum(1e-12)?;
             p = p.to_dtype(DType::F32)?.broadcast_div(&norm)?.to_dtype(dtype)?;
         }
-        let cond = (self.embed_text(ids)? + p)?;
-        Tensor::cat(&[cond, tail], 0)
+        self.embed_text(ids)? + p
+    }
+
+    /// The closing part of the condition: `emb_text(text_eos)` (turn mode) and `emb_text(audio_bos)`.
+    pub fn condition_tail(&self, mode: ConditionMode) -> Result<Tensor> {
+        let mut suffix = Vec::with_capacity(2);
+        if mode == ConditionMode::Turn {
+            suffix.push(self.cfg.text_eos_token_id);
+        }
+        suffix.push(self.cfg.audio_bos_token_id);
+        self.embed_text(&suffix)
     }
 
     /// Embeddings of codes fed back as decode inputs.

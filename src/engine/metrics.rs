@@ -1,0 +1,85 @@
+//! Engine metrics in a Prometheus registry of their own (the server exposes it at /metrics).
+
+use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+
+/// Every figure the stages report.
+#[derive(Clone)]
+pub struct EngineMetrics {
+    pub registry: Registry,
+    pub step_seconds: HistogramVec,
+    pub batch_size: HistogramVec,
+    pub queue_depth: IntGaugeVec,
+    pub prefetch: IntCounterVec,
+    pub prefetch_skips: IntCounterVec,
+    pub requests: IntCounterVec,
+    pub first_audio_seconds: Histogram,
+}
+
+impl Default for EngineMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl EngineMetrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let step_seconds = HistogramVec::new(
+            HistogramOpts::new("antiphon_stage_step_seconds", "Duration of one batched step per stage")
+                .buckets(vec![0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]),
+            &["stage"],
+        )
+        .expect("valid metric");
+        let batch_size = HistogramVec::new(
+            HistogramOpts::new("antiphon_stage_batch_size", "Streams advanced by one step per stage")
+                .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]),
+            &["stage"],
+        )
+        .expect("valid metric");
+        let queue_depth =
+            IntGaugeVec::new(Opts::new("antiphon_stage_queue_depth", "Requests held by a stage"), &["stage"]).expect("valid metric");
+        let prefetch = IntCounterVec::new(
+            Opts::new("antiphon_prefetch_total", "Reference prefetch events (phase runs, chunk-0 claims, inline preparations)"),
+            &["event"],
+        )
+        .expect("valid metric");
+        let prefetch_skips =
+            IntCounterVec::new(Opts::new("antiphon_prefetch_skips_total", "Idle steps that did not prefetch, by gate"), &["reason"])
+                .expect("valid metric");
+        let requests = IntCounterVec::new(Opts::new("antiphon_engine_requests_total", "Finished requests by status"), &["status"])
+            .expect("valid metric");
+        let first_audio_seconds = Histogram::with_opts(
+            HistogramOpts::new("antiphon_engine_first_audio_seconds", "Engine-side time from admission to the first audio samples")
+                .buckets(vec![0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0]),
+        )
+        .expect("valid metric");
+        for c in [
+            Box::new(step_seconds.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(batch_size.clone()),
+            Box::new(queue_depth.clone()),
+            Box::new(prefetch.clone()),
+            Box::new(prefetch_skips.clone()),
+            Box::new(requests.clone()),
+            Box::new(first_audio_seconds.clone()),
+        ] {
+            registry.register(c).expect("unique metric");
+        }
+        Self { registry, step_seconds, batch_size, queue_depth, prefetch, prefetch_skips, requests, first_audio_seconds }
+    }
+
+    pub fn prefetch_count(&self, event: &str) -> u64 {
+        self.prefetch.with_label_values(&[event]).get()
+    }
+
+    pub fn skip_count(&self, reason: &str) -> u64 {
+        self.prefetch_skips.with_label_values(&[reason]).get()
+    }
+
+    /// The registry in Prometheus text format.
+    pub fn render(&self) -> String {
+        use prometheus::Encoder;
+        let mut buf = Vec::new();
+        prometheus::TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding");
+        String::from_utf8(buf).expect("utf-8")
+    }
+}

@@ -1,0 +1,265 @@
+//! The engine: three stages, each one OS thread running a blocking loop — gather the ready work of
+//! all its streams, run one batched step, hand results on. Async code never runs model code: the
+//! server calls [`Engine::submit`] / [`Engine::cancel`], which only send messages, and receives
+//! events through the request's sink.
+//!
+//! ```text
+//!  submit ──► Stage 0 Thinker ──handoff──► Stage 1 Talker ──chunks──► Stage 2 Code2Wav ──► audio
+//!    └──────────── placeholder (the reference voice, at admission) ─────────►┘
+//! ```
+//!
+//! Every hand-off carries the request id and epoch; a stage drops work whose request is no longer
+//! live at that epoch. Stage 2 uses its idle steps to prepare a waiting request's reference voice
+//! (reference prefetch, see [`stage2`]).
+
+pub mod chunker;
+pub mod metrics;
+pub mod refcache;
+pub mod stage0;
+pub mod stage1;
+pub mod stage2;
+pub mod types;
+
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use candle_core::Tensor;
+
+pub use metrics::EngineMetrics;
+pub use types::*;
+
+use crate::models::code2wav::Code2Wav;
+use crate::models::sampling::SamplingParams;
+use crate::models::talker::Talker;
+use crate::models::thinker::Thinker;
+use crate::tokenizer::TextTokenizer;
+
+/// Engine knobs (the `[engine]` table of the configuration file).
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Streams a Thinker step advances at most.
+    pub thinker_max_batch: usize,
+    /// Prompt positions a Thinker step prefills at most (chunked prefill).
+    pub thinker_prefill_tokens: usize,
+    pub talker_max_batch: usize,
+    pub code2wav_max_batch: usize,
+    /// New codes in the first Code2Wav chunk (a smaller first chunk lowers first-audio time).
+    pub first_chunk_codes: usize,
+    pub chunk_codes: usize,
+    pub context_codes: usize,
+    /// Feed the Talker's prefill row by row while the Thinker is still writing (same input).
+    pub talker_streaming_prefill: bool,
+    pub ref_cache_capacity: usize,
+    pub setup_cache_capacity: usize,
+    /// Reference prefetch, phase A (materialize + prepare).
+    pub prefetch: bool,
+    /// Reference prefetch, phase B (setup), off by default.
+    pub prefetch_setup: bool,
+    /// How long an idle Stage 2 with waiting references sleeps between idle steps.
+    pub idle_tick: Duration,
+    pub thinker_sampling: SamplingParams,
+    pub talker_sampling: SamplingParams,
+    pub default_max_text_tokens: usize,
+    pub default_min_audio_tokens: usize,
+    pub default_max_audio_tokens: usize,
+    /// Put the reference voice into the Thinker's system prompt (MiniCPM-o's voice-cloning prompt).
+    pub thinker_hears_reference: bool,
+    pub channel_capacity: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            thinker_max_batch: 16,
+            thinker_prefill_tokens: 1024,
+            talker_max_batch: 32,
+            code2wav_max_batch: 8,
+            first_chunk_codes: 25,
+            chunk_codes: 25,
+            context_codes: 3,
+            talker_streaming_prefill: false,
+            ref_cache_capacity: 4,
+            setup_cache_capacity: 1,
+            prefetch: true,
+            prefetch_setup: false,
+            idle_tick: Duration::from_millis(2),
+            thinker_sampling: SamplingParams::thinker_greedy(),
+            talker_sampling: SamplingParams::talker(),
+            default_max_text_tokens: 512,
+            default_min_audio_tokens: 50,
+            default_max_audio_tokens: 2048,
+            thinker_hears_reference: true,
+            channel_capacity: 1024,
+        }
+    }
+}
+
+/// The models the engine runs (each moves into its stage's thread).
+pub struct Models {
+    pub thinker: Thinker,
+    pub talker: Talker,
+    pub code2wav: Code2Wav,
+    pub tokenizer: TextTokenizer,
+}
+
+/// Messages to Stage 0.
+pub enum Stage0Msg {
+    Admit(RequestSpec),
+    Cancel(RequestId),
+}
+
+/// What Stage 0 hands Stage 1.
+pub enum Stage1Msg {
+    /// Start of a request (the Talker's parameters).
+    Begin { id: RequestId, epoch: u64, mode: Mode, voice: RefInput, min_codes: usize, max_codes: usize, seed: u64 },
+    /// Thinker tokens after `<|tts_bos|>` and their last-layer hidden rows `[n, llm_dim]`.
+    Rows { id: RequestId, epoch: u64, ids: Vec<u32>, hidden: Tensor },
+    /// The text is complete: prefill the text end / audio start and decode.
+    End { id: RequestId, epoch: u64 },
+    Cancel(RequestId),
+}
+
+/// What reaches Stage 2.
+pub enum Stage2Msg {
+    /// At admission: the request exists; `prefetch` carries its reference when it may be prefetched
+    /// (never for duplex).
+    Placeholder { id: RequestId, epoch: u64, prefetch: Option<RefInput> },
+    /// Codes for Code2Wav; chunk 0 carries the reference to use.
+    Chunk { id: RequestId, epoch: u64, seq: usize, codes: Vec<u32>, last: bool, reference: Option<RefInput> },
+    Cancel(RequestId),
+}
+
+/// What a stage does between messages.
+pub trait StageLoop: Send + 'static {
+    type Msg: Send + 'static;
+    fn on_message(&mut self, m: Self::Msg);
+    /// Runs one step if there is work; false when idle.
+    fn step(&mut self) -> bool;
+    /// When idle: how long to wait for a message before calling [`StageLoop::idle`]
+    /// (`None` = until a message comes).
+    fn idle_wait(&self) -> Option<Duration> {
+        None
+    }
+    fn idle(&mut self) {}
+}
+
+fn run_stage<S: StageLoop>(mut s: S, rx: Receiver<S::Msg>) {
+    loop {
+        loop {
+            match rx.try_recv() {
+                Ok(m) => s.on_message(m),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => return,
+            }
+        }
+        if s.step() {
+            continue;
+        }
+        let got = match s.idle_wait() {
+            None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            Some(d) => rx.recv_timeout(d),
+        };
+        match got {
+            Ok(m) => s.on_message(m),
+            Err(RecvTimeoutError::Timeout) => s.idle(),
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
+/// The running engine. Dropping it stops the stage threads.
+pub struct Engine {
+    to0: Option<SyncSender<Stage0Msg>>,
+    to1: Option<SyncSender<Stage1Msg>>,
+    to2: Option<SyncSender<Stage2Msg>>,
+    registry: Registry,
+    metrics: EngineMetrics,
+    cfg: Arc<EngineConfig>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Engine {
+    pub fn start(models: Models, cfg: EngineConfig) -> Result<Self> {
+        let cfg = Arc::new(cfg);
+        let registry = Registry::default();
+        let metrics = EngineMetrics::new();
+        let cap = cfg.channel_capacity;
+        let (tx0, rx0) = mpsc::sync_channel::<Stage0Msg>(cap);
+        let (tx1, rx1) = mpsc::sync_channel::<Stage1Msg>(cap);
+        let (tx2, rx2) = mpsc::sync_channel::<Stage2Msg>(cap);
+        let s0 = stage0::Stage0::new(models.thinker, models.tokenizer, cfg.clone(), registry.clone(), metrics.clone(), tx1.clone());
+        let s1 = stage1::Stage1::new(models.talker, cfg.clone(), registry.clone(), metrics.clone(), tx2.clone());
+        let s2 = stage2::Stage2::new(models.code2wav, cfg.clone(), registry.clone(), metrics.clone());
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| std::thread::Builder::new().name(name.to_string()).spawn(f);
+        let threads = vec![
+            spawn("stage0-thinker", Box::new(move || run_stage(s0, rx0)))?,
+            spawn("stage1-talker", Box::new(move || run_stage(s1, rx1)))?,
+            spawn("stage2-code2wav", Box::new(move || run_stage(s2, rx2)))?,
+        ];
+        Ok(Self { to0: Some(tx0), to1: Some(tx1), to2: Some(tx2), registry, metrics, cfg, threads })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    pub fn metrics(&self) -> &EngineMetrics {
+        &self.metrics
+    }
+
+    /// Live requests.
+    pub fn active(&self) -> usize {
+        self.registry.live_count()
+    }
+
+    /// Admits a request; its events go to `sink`. Stage 2 learns of it at once (with its reference,
+    /// unless it is a duplex request).
+    pub fn submit(&self, spec: RequestSpec, sink: EventSink) -> Result<()> {
+        if !self.registry.insert(spec.id.clone(), spec.epoch, sink) {
+            bail!("request {} is already live", spec.id);
+        }
+        let prefetch = (spec.mode == Mode::Turn).then(|| spec.voice.clone());
+        let placeholder = Stage2Msg::Placeholder { id: spec.id.clone(), epoch: spec.epoch, prefetch };
+        let (id, epoch) = (spec.id.clone(), spec.epoch);
+        let sent = self.to2.as_ref().map(|t| t.send(placeholder).is_ok()).unwrap_or(false)
+            && self.to0.as_ref().map(|t| t.send(Stage0Msg::Admit(spec)).is_ok()).unwrap_or(false);
+        if !sent {
+            self.registry.finish(&id, epoch, Status::Failed("engine stopped".into()));
+            bail!("the engine has stopped");
+        }
+        Ok(())
+    }
+
+    /// Cancels a request at any point: `Done { Cancelled }` is its last event, and every stage frees
+    /// its state.
+    pub fn cancel(&self, id: &RequestId, epoch: u64) -> bool {
+        let ended = self.registry.finish(id, epoch, Status::Cancelled).is_some();
+        if ended {
+            self.metrics.requests.with_label_values(&["cancelled"]).inc();
+        }
+        if let Some(t) = &self.to0 {
+            let _ = t.send(Stage0Msg::Cancel(id.clone()));
+        }
+        if let Some(t) = &self.to1 {
+            let _ = t.send(Stage1Msg::Cancel(id.clone()));
+        }
+        if let Some(t) = &self.to2 {
+            let _ = t.send(Stage2Msg::Cancel(id.clone()));
+        }
+        ended
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.to0.take();
+        self.to1.take();
+        self.to2.take();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,314 @@
+//! Stage 0, the Thinker loop: admit requests (build the prompt, encode audio, splice), then advance
+//! all of them together — chunked prefill and one-token decode steps in the same batched forward —
+//! emitting text deltas, and hand each one to the Talker at `<|tts_eos|>` (or, with streaming
+//! prefill, row by row as the text is written).
+
+use std::collections::VecDeque;
+use std::sync::mpsc::SyncSender;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Tensor};
+
+use super::{EngineConfig, EngineMetrics, Mode, RequestId, RequestSpec, Registry, Stage0Msg, Stage1Msg, StageLoop, Status, UserInput};
+use crate::models::decoder::{KvCache, StreamStep};
+use crate::models::sampling::{LengthPolicy, Sampler};
+use crate::models::thinker::Thinker;
+use crate::tokenizer::{handoff_range, Message, Part, Role, TextStream, TextTokenizer};
+
+struct Active {
+    id: RequestId,
+    epoch: u64,
+    cache: KvCache,
+    /// Prompt embeddings still to prefill.
+    prefill: Option<Tensor>,
+    prefill_pos: usize,
+    /// Prompt + generated ids.
+    ids: Vec<u32>,
+    prompt_len: usize,
+    next: Option<u32>,
+    sampler: Sampler,
+    length: LengthPolicy,
+    text: TextStream,
+    /// Hidden rows of generated tokens, in order.
+    rows: Vec<Tensor>,
+    /// Rows already streamed to the Talker.
+    streamed: usize,
+}
+
+pub struct Stage0 {
+    thinker: Thinker,
+    tok: TextTokenizer,
+    cfg: Arc<EngineConfig>,
+    registry: Registry,
+    metrics: EngineMetrics,
+    to_talker: SyncSender<Stage1Msg>,
+    queue: VecDeque<RequestSpec>,
+    active: Vec<Active>,
+    forbid: Vec<u32>,
+}
+
+impl Stage0 {
+    pub fn new(
+        thinker: Thinker,
+        tok: TextTokenizer,
+        cfg: Arc<EngineConfig>,
+        registry: Registry,
+        metrics: EngineMetrics,
+        to_talker: SyncSender<Stage1Msg>,
+    ) -> Self {
+        let s = *tok.special();
+        // Tokens a spoken reply never contains (synthetic weights would otherwise emit them).
+        let forbid = vec![
+            s.tts_pad, s.tts_bos, s.listen, s.speak, s.unit, s.unit_end, s.chunk_eos, s.chunk_tts_eos, s.turn_eos, s.audio_start,
+            s.audio_end, s.im_start, s.think, s.think_end, s.unk,
+        ];
+        Self { thinker, tok, cfg, registry, metrics, to_talker, queue: VecDeque::new(), active: Vec::new(), forbid }
+    }
+
+    fn fail(&self, id: &RequestId, epoch: u64, why: String) {
+        tracing::warn!(request = %id, "thinker failed: {why}");
+        if self.registry.finish(id, epoch, Status::Failed(why)).is_some() {
+            self.metrics.requests.with_label_values(&["failed"]).inc();
+        }
+    }
+
+    /// Prompt ids and embeddings for a request.
+    fn build_prompt(&self, spec: &RequestSpec) -> Result<(Vec<u32>, Tensor)> {
+        let mut audio = Vec::new();
+        let mut messages = Vec::new();
+        let instructions = spec.instructions.clone().unwrap_or_else(|| "You are a helpful assistant with the above voice style.".into());
+        if self.cfg.thinker_hears_reference {
+            let r16 = crate::audio::resample(&spec.voice.samples, spec.voice.sample_rate, 16_000)?;
+            let r16 = &r16[..r16.len().min(16_000 * 6)];
+            let emb = self.thinker.encode_clip(r16)?;
+            messages.push(Message {
+                role: Role::System,
+                parts: vec![
+                    Part::Text("Use the voice in the audio prompt to synthesize new content.\n".into()),
+                    Part::Audio(emb.dim(0)?),
+                    Part::Text(format!("\n{instructions}")),
+                ],
+            });
+            audio.push(emb);
+        } else {
+            messages.push(Message::text(Role::System, instructions));
+        }
+        for t in &spec.history {
+            messages.push(Message::text(Role::User, t.user.clone()));
+            messages.push(Message::text(Role::Assistant, t.assistant.clone()));
+        }
+        match &spec.input {
+            UserInput::Text(t) => messages.push(Message::text(Role::User, t.clone())),
+            UserInput::Audio(samples) => {
+                let emb = self.thinker.encode_clip(samples)?;
+                messages.push(Message { role: Role::User, parts: vec![Part::Audio(emb.dim(0)?)] });
+                audio.push(emb);
+            }
+        }
+        let ids = self.tok.spoken_reply_prompt(&messages)?;
+        let embeds = self.thinker.embed_with_audio(&ids, &self.tok.special().audio_markers(), &audio)?;
+        Ok((ids, embeds))
+    }
+
+    fn admit(&mut self, spec: RequestSpec) {
+        if !self.registry.is_live(&spec.id, spec.epoch) {
+            return;
+        }
+        let (ids, embeds) = match self.build_prompt(&spec).context("building the prompt") {
+            Ok(v) => v,
+            Err(e) => return self.fail(&spec.id, spec.epoch, format!("{e:#}")),
+        };
+        let g = &spec.generation;
+        let s = self.tok.special();
+        let max = g.max_text_tokens.unwrap_or(self.cfg.default_max_text_tokens);
+        let min = g.min_text_tokens.unwrap_or(0);
+        let mut params = self.cfg.thinker_sampling.clone();
+        if let Some(t) = g.temperature {
+            params.temperature = t;
+        }
+        let seed = g.seed.unwrap_or(0);
+        let mut sampler = Sampler::new(params, seed);
+        sampler.observe(&ids);
+        let codes_seed = seed.wrapping_add(1);
+        let _ = self.to_talker.send(Stage1Msg::Begin {
+            id: spec.id.clone(),
+            epoch: spec.epoch,
+            mode: spec.mode,
+            voice: spec.voice.clone(),
+            min_codes: g.min_audio_tokens.unwrap_or(match spec.mode {
+                Mode::Turn => self.cfg.default_min_audio_tokens,
+                Mode::Duplex => 0,
+            }),
+            max_codes: g.max_audio_tokens.unwrap_or(self.cfg.default_max_audio_tokens),
+            seed: codes_seed,
+        });
+        let prompt_len = ids.len();
+        self.active.push(Active {
+            id: spec.id,
+            epoch: spec.epoch,
+            cache: self.thinker.llm.new_cache(),
+            prefill: Some(embeds),
+            prefill_pos: 0,
+            ids,
+            prompt_len,
+            next: None,
+            sampler,
+            length: LengthPolicy::new(vec![s.tts_eos, s.im_end], min, max),
+            text: TextStream::new(),
+            rows: Vec::new(),
+            streamed: 0,
+        });
+    }
+
+    fn run(&mut self) -> Result<Vec<usize>> {
+        let mut budget = self.cfg.thinker_prefill_tokens;
+        let mut order = Vec::new();
+        let mut steps = Vec::new();
+        for (i, a) in self.active.iter_mut().enumerate().take(self.cfg.thinker_max_batch) {
+            let embeds = if let Some(p) = &a.prefill {
+                let total = p.dim(0)?;
+                if budget == 0 {
+                    continue;
+                }
+                let n = (total - a.prefill_pos).min(budget);
+                budget -= n;
+                p.narrow(0, a.prefill_pos, n)?
+            } else if let Some(t) = a.next {
+                self.thinker.llm.embed(&[t])?
+            } else {
+                continue;
+            };
+            order.push(i);
+            steps.push(StreamStep { cache: &mut a.cache, embeds });
+        }
+        if steps.is_empty() {
+            return Ok(vec![]);
+        }
+        let n = steps.len();
+        let t0 = Instant::now();
+        let hidden = self.thinker.llm.forward(&mut steps)?;
+        drop(steps);
+        // logits of the streams that finished prefilling or decode
+        let mut finished = Vec::new();
+        let mut want = Vec::new();
+        for (k, &i) in order.iter().enumerate() {
+            let a = &mut self.active[i];
+            let rows = hidden[k].dim(0)?;
+            if let Some(p) = &a.prefill {
+                a.prefill_pos += rows;
+                if a.prefill_pos < p.dim(0)? {
+                    continue;
+                }
+                a.prefill = None;
+            } else {
+                // the fed token was generated: keep its row for the Talker
+                a.rows.push(hidden[k].narrow(0, rows - 1, 1)?.to_dtype(DType::F32)?);
+            }
+            want.push((i, hidden[k].narrow(0, rows - 1, 1)?));
+        }
+        if !want.is_empty() {
+            let last = Tensor::cat(&want.iter().map(|(_, h)| h.clone()).collect::<Vec<_>>(), 0)?;
+            let logits = self.thinker.llm.logits(&last)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            for ((i, _), l) in want.into_iter().zip(logits) {
+                let a = &mut self.active[i];
+                if !self.registry.is_live(&a.id, a.epoch) {
+                    finished.push(i);
+                    continue;
+                }
+                let tok = a.length.next(&mut a.sampler, &l, &self.forbid);
+                let s = self.tok.special();
+                if tok == s.tts_eos || tok == s.im_end {
+                    finished.push(i);
+                    let range = handoff_range(&a.ids, a.prompt_len, s);
+                    let upto = range.end - a.prompt_len;
+                    // (rows exist for every generated token fed back, i.e. all before the end)
+                    let upto = upto.min(a.rows.len());
+                    send_rows(&self.to_talker, a, upto)?;
+                    self.registry.mark(&a.id, |t| t.handoff = Some(Instant::now()));
+                    let _ = self.to_talker.send(Stage1Msg::End { id: a.id.clone(), epoch: a.epoch });
+                    continue;
+                }
+                a.ids.push(tok);
+                a.next = Some(tok);
+                let delta = a.text.push(&self.tok, tok)?;
+                if !delta.is_empty() {
+                    self.registry.emit(&a.id, a.epoch, super::EngineEvent::TextDelta(delta));
+                }
+            }
+        }
+        // streaming prefill: hand the Talker every row written so far
+        if self.cfg.talker_streaming_prefill {
+            for i in 0..self.active.len() {
+                if finished.contains(&i) {
+                    continue;
+                }
+                let a = &mut self.active[i];
+                let upto = a.rows.len();
+                send_rows(&self.to_talker, a, upto)?;
+            }
+        }
+        self.metrics.step_seconds.with_label_values(&["thinker"]).observe(t0.elapsed().as_secs_f64());
+        self.metrics.batch_size.with_label_values(&["thinker"]).observe(n as f64);
+        Ok(finished)
+    }
+}
+
+/// Sends the text's hidden rows written since the last call (up to `upto`) to the Talker.
+fn send_rows(to_talker: &SyncSender<Stage1Msg>, a: &mut Active, upto: usize) -> Result<()> {
+    if upto <= a.streamed {
+        return Ok(());
+    }
+    let ids = a.ids[a.prompt_len + a.streamed..a.prompt_len + upto].to_vec();
+    let hidden = Tensor::cat(&a.rows[a.streamed..upto], 0)?;
+    let _ = to_talker.send(Stage1Msg::Rows { id: a.id.clone(), epoch: a.epoch, ids, hidden });
+    a.streamed = upto;
+    Ok(())
+}
+
+impl StageLoop for Stage0 {
+    type Msg = Stage0Msg;
+
+    fn on_message(&mut self, m: Stage0Msg) {
+        match m {
+            Stage0Msg::Admit(spec) => self.queue.push_back(spec),
+            Stage0Msg::Cancel(id) => {
+                self.queue.retain(|s| s.id != id);
+                self.active.retain(|a| a.id != id);
+            }
+        }
+    }
+
+    fn step(&mut self) -> bool {
+        // admission: prompts are built and queued for prefill
+        while self.active.len() < self.cfg.thinker_max_batch {
+            match self.queue.pop_front() {
+                Some(spec) => self.admit(spec),
+                None => break,
+            }
+        }
+        // drop requests that ended elsewhere (cancelled, failed)
+        let registry = self.registry.clone();
+        self.active.retain(|a| registry.is_live(&a.id, a.epoch));
+        self.metrics.queue_depth.with_label_values(&["thinker"]).set((self.active.len() + self.queue.len()) as i64);
+        if self.active.is_empty() {
+            return false;
+        }
+        match self.run() {
+            Ok(mut finished) => {
+                finished.sort_unstable();
+                for i in finished.into_iter().rev() {
+                    self.active.remove(i);
+                }
+            }
+            Err(e) => {
+                let msg = format!("thinker step: {e:#}");
+                for a in std::mem::take(&mut self.active) {
+                    self.fail(&a.id, a.epoch, msg.clone());
+                }
+            }
+        }
+        true
+    }
+}

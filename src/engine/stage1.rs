@@ -1,0 +1,225 @@
+//! Stage 1, the Talker loop: per request, prefill the condition (the Thinker's text rows, then the
+//! text-end and audio-start embeddings), then decode one code per step for every stream at once;
+//! codes are chunked and handed to Code2Wav (chunk 0 with the reference voice).
+
+use std::collections::HashMap;
+use std::sync::mpsc::SyncSender;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::{DType, Tensor};
+
+use super::chunker::{Chunker, Payload};
+use super::{EngineConfig, EngineMetrics, Mode, RefInput, Registry, RequestId, Stage1Msg, Stage2Msg, StageLoop, Status};
+use crate::models::code2wav::SILENCE_CODE;
+use crate::models::decoder::{KvCache, StreamStep};
+use crate::models::sampling::{LengthPolicy, Sampler};
+use crate::models::talker::{ConditionMode, Talker};
+
+struct Req {
+    epoch: u64,
+    mode: Mode,
+    voice: RefInput,
+    cache: KvCache,
+    /// Condition rows waiting to be prefilled.
+    pending: Vec<Tensor>,
+    /// The text is complete (the closing embeddings are queued).
+    ended: bool,
+    /// Everything up to the audio start is prefilled: decoding.
+    decoding: bool,
+    last_code: Option<u32>,
+    sampler: Sampler,
+    length: LengthPolicy,
+    chunker: Chunker,
+    codes: usize,
+}
+
+pub struct Stage1 {
+    talker: Talker,
+    cfg: Arc<EngineConfig>,
+    registry: Registry,
+    metrics: EngineMetrics,
+    to_c2w: SyncSender<Stage2Msg>,
+    reqs: HashMap<RequestId, Req>,
+    /// Admission order, for fair batching.
+    order: Vec<RequestId>,
+}
+
+impl Stage1 {
+    pub fn new(talker: Talker, cfg: Arc<EngineConfig>, registry: Registry, metrics: EngineMetrics, to_c2w: SyncSender<Stage2Msg>) -> Self {
+        Self { talker, cfg, registry, metrics, to_c2w, reqs: HashMap::new(), order: Vec::new() }
+    }
+
+    fn remove(&mut self, id: &RequestId) {
+        self.reqs.remove(id);
+        self.order.retain(|x| x != id);
+    }
+
+    fn fail(&mut self, id: &RequestId, why: String) {
+        if let Some(r) = self.reqs.get(id) {
+            tracing::warn!(request = %id, "talker failed: {why}");
+            if self.registry.finish(id, r.epoch, Status::Failed(why)).is_some() {
+                self.metrics.requests.with_label_values(&["failed"]).inc();
+            }
+        }
+        self.remove(id);
+    }
+
+    fn send(&self, id: &RequestId, r: &Req, p: Payload) {
+        let reference = (p.seq == 0).then(|| r.voice.clone());
+        let _ = self.to_c2w.send(Stage2Msg::Chunk { id: id.clone(), epoch: r.epoch, seq: p.seq, codes: p.codes, last: p.last, reference });
+    }
+
+    fn run(&mut self) -> Result<bool> {
+        let mut ids = Vec::new();
+        let mut embeds = Vec::new();
+        for id in self.order.iter().take(self.cfg.talker_max_batch) {
+            let r = &self.reqs[id];
+            let e = if !r.pending.is_empty() {
+                Tensor::cat(&r.pending, 0)?
+            } else if let (true, Some(c)) = (r.decoding, r.last_code) {
+                self.talker.embed_codes(&[c])?
+            } else {
+                continue;
+            };
+            ids.push(id.clone());
+            embeds.push(e);
+        }
+        if ids.is_empty() {
+            return Ok(false);
+        }
+        let t0 = Instant::now();
+        let n = ids.len();
+        let hidden = {
+            let mut caches: Vec<(RequestId, KvCache)> = ids.iter().map(|id| (id.clone(), std::mem::replace(&mut self.reqs.get_mut(id).expect("listed").cache, KvCache::new(0)))).collect();
+            let mut steps: Vec<StreamStep> = caches.iter_mut().zip(embeds).map(|((_, c), e)| StreamStep { cache: c, embeds: e }).collect();
+            let out = self.talker.forward(&mut steps);
+            drop(steps);
+            for (id, c) in caches {
+                self.reqs.get_mut(&id).expect("listed").cache = c;
+            }
+            out?
+        };
+        // which streams sample a code now
+        let mut sample = Vec::new();
+        for (k, id) in ids.iter().enumerate() {
+            let r = self.reqs.get_mut(id).expect("listed");
+            r.pending.clear();
+            if r.decoding || r.ended {
+                if !r.decoding {
+                    r.decoding = true;
+                }
+                let rows = hidden[k].dim(0)?;
+                sample.push((id.clone(), hidden[k].narrow(0, rows - 1, 1)?));
+            }
+        }
+        if !sample.is_empty() {
+            let last = Tensor::cat(&sample.iter().map(|(_, h)| h.clone()).collect::<Vec<_>>(), 0)?;
+            let logits = self.talker.logits(&last)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let eos = self.talker.eos_code();
+            for ((id, _), l) in sample.into_iter().zip(logits) {
+                let r = self.reqs.get_mut(&id).expect("listed");
+                if !self.registry.is_live(&id, r.epoch) {
+                    self.remove(&id);
+                    continue;
+                }
+                let code = r.length.next(&mut r.sampler, &l, &[]);
+                if code == eos {
+                    let p = r.chunker.flush();
+                    let r = self.reqs.remove(&id).expect("listed");
+                    self.order.retain(|x| *x != id);
+                    if let Some(p) = p {
+                        self.send(&id, &r, p);
+                    }
+                    continue;
+                }
+                r.codes += 1;
+                r.last_code = Some(code);
+                self.registry.add_codes(&id, 1);
+                if let Some(p) = r.chunker.push(code) {
+                    let r = &self.reqs[&id];
+                    self.send(&id, r, p);
+                }
+            }
+        }
+        self.metrics.step_seconds.with_label_values(&["talker"]).observe(t0.elapsed().as_secs_f64());
+        self.metrics.batch_size.with_label_values(&["talker"]).observe(n as f64);
+        Ok(true)
+    }
+}
+
+impl StageLoop for Stage1 {
+    type Msg = Stage1Msg;
+
+    fn on_message(&mut self, m: Stage1Msg) {
+        match m {
+            Stage1Msg::Begin { id, epoch, mode, voice, min_codes, max_codes, seed } => {
+                let r = Req {
+                    epoch,
+                    mode,
+                    voice,
+                    cache: self.talker.new_cache(),
+                    pending: Vec::new(),
+                    ended: false,
+                    decoding: false,
+                    last_code: None,
+                    sampler: Sampler::new(self.cfg.talker_sampling.clone(), seed),
+                    length: LengthPolicy::new(vec![self.talker.eos_code()], min_codes, max_codes),
+                    chunker: Chunker::new(self.cfg.first_chunk_codes, self.cfg.chunk_codes, self.cfg.context_codes, SILENCE_CODE),
+                    codes: 0,
+                };
+                self.remove(&id);
+                self.order.push(id.clone());
+                self.reqs.insert(id, r);
+            }
+            Stage1Msg::Rows { id, epoch, ids, hidden } => {
+                let Some(r) = self.reqs.get_mut(&id) else { return };
+                if r.epoch != epoch {
+                    return;
+                }
+                match self.talker.condition_rows(&ids, &hidden) {
+                    Ok(c) => r.pending.push(c),
+                    Err(e) => self.fail(&id, format!("talker condition: {e:#}")),
+                }
+            }
+            Stage1Msg::End { id, epoch } => {
+                let Some(r) = self.reqs.get_mut(&id) else { return };
+                if r.epoch != epoch {
+                    return;
+                }
+                let mode = match r.mode {
+                    Mode::Turn => ConditionMode::Turn,
+                    Mode::Duplex => ConditionMode::Duplex,
+                };
+                match self.talker.condition_tail(mode) {
+                    Ok(t) => {
+                        r.pending.push(t);
+                        r.ended = true;
+                    }
+                    Err(e) => self.fail(&id, format!("talker condition: {e:#}")),
+                }
+            }
+            Stage1Msg::Cancel(id) => self.remove(&id),
+        }
+    }
+
+    fn step(&mut self) -> bool {
+        let registry = self.registry.clone();
+        let gone: Vec<RequestId> = self.reqs.iter().filter(|(id, r)| !registry.is_live(id, r.epoch)).map(|(id, _)| id.clone()).collect();
+        for id in gone {
+            self.remove(&id);
+        }
+        self.metrics.queue_depth.with_label_values(&["talker"]).set(self.reqs.len() as i64);
+        match self.run() {
+            Ok(worked) => worked,
+            Err(e) => {
+                let msg = format!("talker step: {e:#}");
+                for id in self.order.clone() {
+                    self.fail(&id, msg.clone());
+                }
+                true
+            }
+        }
+    }
+}

@@ -1,0 +1,451 @@
+//! Stage 2, the Code2Wav loop, and reference prefetch.
+//!
+//! Work: chunks of codes, in order per request, batched across requests whose flow caches have the
+//! same shape. Chunk 0 of a request resolves its reference voice: it **claims** a prefetched cache
+//! entry, or **retires** a placeholder that was never prefetched and prepares the reference
+//! **inline**; a chunk 0 whose reference differs from the prefetched one prepares inline and
+//! **evicts** the prefetched entry. Setup caches are reused from the setup cache when present.
+//!
+//! Reference prefetch: at admission Stage 2 receives a placeholder carrying the reference (never for
+//! duplex requests). On its idle steps it runs one phase of preparation for a waiting reference:
+//! phase A = materialize + prepare (on by default), phase B = setup (off by default). A phase runs
+//! only on an idle step that follows an idle step, only while no stream is live in this stage (the
+//! busy gate), only when exactly one reference waits (the lone-waiter gate), and only while pins
+//! stay below the reference cache's capacity (the pin cap). A failed phase is dropped and its pin
+//! released (chunk 0 then prepares inline); a cancelled request releases its pins. Chunk 0 is
+//! bit-identical with or without prefetch: the same deterministic computation, done earlier.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Result};
+
+use super::refcache::{RefCache, SetupCache};
+use super::{EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId, Stage2Msg, StageLoop, Status};
+use crate::models::code2wav::prompt::Reference;
+use crate::models::code2wav::{Code2Wav, StreamState};
+
+#[derive(Debug, Clone, PartialEq)]
+enum Phase {
+    Queued,
+    Prepared(String),
+    SetUp(String),
+    Failed,
+}
+
+struct Waiting {
+    id: RequestId,
+    epoch: u64,
+    /// The reference to prefetch (`None`: never prefetched, e.g. duplex).
+    reference: Option<RefInput>,
+    phase: Phase,
+}
+
+impl Waiting {
+    fn needs_phase(&self, with_setup: bool) -> bool {
+        self.reference.is_some() && (self.phase == Phase::Queued || (with_setup && matches!(self.phase, Phase::Prepared(_))))
+    }
+    fn pinned_key(&self) -> Option<&str> {
+        match &self.phase {
+            Phase::Prepared(k) | Phase::SetUp(k) => Some(k),
+            _ => None,
+        }
+    }
+}
+
+struct Live {
+    epoch: u64,
+    stream: StreamState,
+    next_seq: usize,
+}
+
+struct ChunkWork {
+    id: RequestId,
+    epoch: u64,
+    seq: usize,
+    codes: Vec<u32>,
+    last: bool,
+    reference: Option<RefInput>,
+}
+
+/// What an idle step did (for tests and metrics).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IdleOutcome {
+    Nothing,
+    Skipped(&'static str),
+    PhaseA(RequestId),
+    PhaseB(RequestId),
+    Failed(RequestId),
+}
+
+pub struct Stage2 {
+    model: Code2Wav,
+    cfg: Arc<EngineConfig>,
+    registry: Registry,
+    metrics: EngineMetrics,
+    cache: RefCache,
+    setup: SetupCache,
+    waiting: Vec<Waiting>,
+    live: HashMap<RequestId, Live>,
+    queue: VecDeque<ChunkWork>,
+    prev_idle: bool,
+}
+
+impl Stage2 {
+    pub fn new(model: Code2Wav, cfg: Arc<EngineConfig>, registry: Registry, metrics: EngineMetrics) -> Self {
+        Self {
+            cache: RefCache::new(cfg.ref_cache_capacity),
+            setup: SetupCache::new(cfg.setup_cache_capacity),
+            model,
+            cfg,
+            registry,
+            metrics,
+            waiting: Vec::new(),
+            live: HashMap::new(),
+            queue: VecDeque::new(),
+            prev_idle: false,
+        }
+    }
+
+    /// Reference cache (inspection for tests and metrics).
+    pub fn ref_cache(&self) -> &RefCache {
+        &self.cache
+    }
+
+    pub fn setup_cache(&self) -> &SetupCache {
+        &self.setup
+    }
+
+    pub fn live_streams(&self) -> usize {
+        self.live.len()
+    }
+
+    fn count(&self, event: &str) {
+        self.metrics.prefetch.with_label_values(&[event]).inc();
+    }
+
+    /// Frees everything a request holds in this stage.
+    fn abort(&mut self, id: &RequestId) {
+        self.waiting.retain(|w| &w.id != id);
+        self.live.remove(id);
+        self.queue.retain(|c| &c.id != id);
+        let gone = self.cache.release(id);
+        for k in gone {
+            self.setup.remove(&k);
+        }
+    }
+
+    fn finish(&mut self, id: &RequestId, epoch: u64, status: Status) {
+        let label = match &status {
+            Status::Completed => "completed",
+            Status::Cancelled => "cancelled",
+            Status::Failed(_) => "failed",
+        };
+        if let Status::Failed(why) = &status {
+            tracing::warn!(request = %id, "code2wav failed: {why}");
+        }
+        if self.registry.finish(id, epoch, status).is_some() {
+            self.metrics.requests.with_label_values(&[label]).inc();
+        }
+        self.abort(id);
+    }
+
+    /// Chunk 0: the reference (claimed, or prepared inline), the setup caches, a new stream.
+    fn start_stream(&mut self, c: &ChunkWork) -> Result<()> {
+        let pos = self.waiting.iter().position(|w| w.id == c.id);
+        let w = pos.map(|i| self.waiting.remove(i));
+        let reference = c
+            .reference
+            .clone()
+            .or_else(|| w.as_ref().and_then(|w| w.reference.clone()))
+            .ok_or_else(|| anyhow!("chunk 0 came without a reference voice"))?;
+        let mut key = None;
+        if let Some(w) = &w {
+            match (w.pinned_key(), &w.reference) {
+                (Some(k), Some(pre)) if pre.same_as(&reference) && self.cache.get(k).is_some_and(|e| e.features.is_some()) => {
+                    // claim: the pin becomes ownership
+                    let k = k.to_string();
+                    self.cache.unpin(&c.id);
+                    self.cache.own(&k, &c.id);
+                    self.count("claimed");
+                    key = Some(k);
+                }
+                (Some(k), _) => {
+                    // a different reference at chunk 0: drop the prefetched one
+                    let k = k.to_string();
+                    self.cache.unpin(&c.id);
+                    if self.cache.evict(&k) {
+                        self.setup.remove(&k);
+                    }
+                    self.count("evicted");
+                }
+                (None, _) => {
+                    if w.phase == Phase::Queued && w.reference.is_some() {
+                        self.count("retired");
+                    }
+                }
+            }
+        }
+        let key = match key {
+            Some(k) => k,
+            None => {
+                let r = Reference::materialize(&reference.samples, reference.sample_rate)?;
+                let k = r.key.clone();
+                let needs = self.cache.entry(r).features.is_none();
+                if needs {
+                    let r = self.cache.get(&k).expect("just inserted").reference.clone();
+                    let f = self.model.prepare(&r)?;
+                    self.cache.entry_mut(&k).expect("present").features = Some(f);
+                    self.count("inline");
+                } else {
+                    self.count("cache_hit");
+                }
+                self.cache.own(&k, &c.id);
+                for gone in self.cache.trim() {
+                    self.setup.remove(&gone);
+                }
+                k
+            }
+        };
+        let features = self.cache.get(&key).and_then(|e| e.features.clone()).ok_or_else(|| anyhow!("reference features vanished"))?;
+        let state = match self.setup.get(&key) {
+            Some(s) => {
+                self.count("setup_hit");
+                s
+            }
+            None => {
+                let s = self.model.setup(&features)?;
+                self.setup.put(key.clone(), s.clone());
+                s
+            }
+        };
+        let stream = self.model.start(&features, &state)?;
+        self.live.insert(c.id.clone(), Live { epoch: c.epoch, stream, next_seq: 0 });
+        Ok(())
+    }
+
+    /// One phase of prefetch, if the gates allow it.
+    pub fn idle_step(&mut self) -> IdleOutcome {
+        let double = self.prev_idle;
+        self.prev_idle = true;
+        if !self.cfg.prefetch {
+            return IdleOutcome::Nothing;
+        }
+        let with_setup = self.cfg.prefetch_setup;
+        let candidates: Vec<usize> = (0..self.waiting.len()).filter(|&i| self.waiting[i].needs_phase(with_setup)).collect();
+        if candidates.is_empty() {
+            return IdleOutcome::Nothing;
+        }
+        let skip = |s: &Self, reason: &'static str| {
+            s.metrics.prefetch_skips.with_label_values(&[reason]).inc();
+            IdleOutcome::Skipped(reason)
+        };
+        if !double {
+            return skip(self, "single_idle");
+        }
+        if !self.live.is_empty() {
+            return skip(self, "busy");
+        }
+        if candidates.len() != 1 {
+            return skip(self, "burst");
+        }
+        let i = candidates[0];
+        let id = self.waiting[i].id.clone();
+        let reference = self.waiting[i].reference.clone().expect("a candidate has a reference");
+        match self.waiting[i].phase.clone() {
+            Phase::Queued => {
+                if self.cache.pin_count() >= self.cache.capacity().max(1) {
+                    return skip(self, "pin_cap");
+                }
+                let t0 = Instant::now();
+                let done: Result<String> = (|| {
+                    let r = Reference::materialize(&reference.samples, reference.sample_rate)?;
+                    let k = r.key.clone();
+                    if self.cache.entry(r).features.is_none() {
+                        let r = self.cache.get(&k).expect("just inserted").reference.clone();
+                        let f = self.model.prepare(&r)?;
+                        self.cache.entry_mut(&k).expect("present").features = Some(f);
+                    }
+                    self.cache.pin(&k, &id);
+                    Ok(k)
+                })();
+                self.metrics.step_seconds.with_label_values(&["prefetch"]).observe(t0.elapsed().as_secs_f64());
+                match done {
+                    Ok(k) => {
+                        self.waiting[i].phase = Phase::Prepared(k);
+                        self.count("phase_a");
+                        IdleOutcome::PhaseA(id)
+                    }
+                    Err(e) => {
+                        tracing::debug!(request = %id, "prefetch phase A failed: {e:#}");
+                        self.cache.unpin(&id);
+                        self.cache.trim();
+                        self.waiting[i].phase = Phase::Failed;
+                        self.count("failed");
+                        IdleOutcome::Failed(id)
+                    }
+                }
+            }
+            Phase::Prepared(k) => {
+                let t0 = Instant::now();
+                let done: Result<()> = (|| {
+                    if !self.setup.contains(&k) {
+                        let f = self.cache.get(&k).and_then(|e| e.features.clone()).ok_or_else(|| anyhow!("prefetched entry gone"))?;
+                        let s = self.model.setup(&f)?;
+                        self.setup.put(k.clone(), s);
+                    }
+                    Ok(())
+                })();
+                self.metrics.step_seconds.with_label_values(&["prefetch"]).observe(t0.elapsed().as_secs_f64());
+                match done {
+                    Ok(()) => {
+                        self.waiting[i].phase = Phase::SetUp(k);
+                        self.count("phase_b");
+                        IdleOutcome::PhaseB(id)
+                    }
+                    Err(_) => {
+                        self.cache.unpin(&id);
+                        self.waiting[i].phase = Phase::Failed;
+                        self.count("failed");
+                        IdleOutcome::Failed(id)
+                    }
+                }
+            }
+            _ => IdleOutcome::Nothing,
+        }
+    }
+
+    /// One work step: every chunk that is next in its request's order, batched by cache shape.
+    fn work(&mut self) -> bool {
+        // drop work of requests that ended elsewhere
+        let registry = self.registry.clone();
+        let stale: Vec<RequestId> = self
+            .waiting
+            .iter()
+            .filter(|w| !registry.is_live(&w.id, w.epoch))
+            .map(|w| w.id.clone())
+            .chain(self.live.iter().filter(|(id, l)| !registry.is_live(id, l.epoch)).map(|(id, _)| id.clone()))
+            .chain(self.queue.iter().filter(|c| !registry.is_live(&c.id, c.epoch)).map(|c| c.id.clone()))
+            .collect();
+        for id in stale {
+            self.abort(&id);
+        }
+        self.metrics.queue_depth.with_label_values(&["code2wav"]).set((self.live.len() + self.waiting.len()) as i64);
+        // the chunks that are next in order
+        let mut ready = Vec::new();
+        let mut rest = VecDeque::new();
+        let mut taken = std::collections::HashSet::new();
+        while let Some(c) = self.queue.pop_front() {
+            let expected = self.live.get(&c.id).map(|l| l.next_seq).unwrap_or(0);
+            if c.seq == expected && !taken.contains(&c.id) && ready.len() < self.cfg.code2wav_max_batch {
+                taken.insert(c.id.clone());
+                ready.push(c);
+            } else {
+                rest.push_back(c);
+            }
+        }
+        self.queue = rest;
+        if ready.is_empty() {
+            return false;
+        }
+        self.prev_idle = false;
+        let t0 = Instant::now();
+        // chunk 0s: resolve the reference and open the stream
+        let mut runnable = Vec::new();
+        for c in ready {
+            if c.seq == 0 {
+                self.registry.mark(&c.id, |t| t.first_chunk = Some(Instant::now()));
+                if let Err(e) = self.start_stream(&c) {
+                    self.finish(&c.id, c.epoch, Status::Failed(format!("reference voice: {e:#}")));
+                    continue;
+                }
+            }
+            runnable.push(c);
+        }
+        // batch by (cache signature, chunk length, last)
+        let mut groups: Vec<((usize, usize, usize), usize, bool, Vec<ChunkWork>)> = Vec::new();
+        for c in runnable {
+            let sig = self.live[&c.id].stream.signature();
+            match groups.iter_mut().find(|g| g.0 == sig && g.1 == c.codes.len() && g.2 == c.last) {
+                Some(g) => g.3.push(c),
+                None => groups.push((sig, c.codes.len(), c.last, vec![c])),
+            }
+        }
+        let mut batch_total = 0;
+        for (_, _, last, group) in groups {
+            batch_total += group.len();
+            let mut states: Vec<(RequestId, Live)> = group.iter().map(|c| (c.id.clone(), self.live.remove(&c.id).expect("live"))).collect();
+            let out = {
+                let mut refs: Vec<&mut StreamState> = states.iter_mut().map(|(_, l)| &mut l.stream).collect();
+                let codes: Vec<&[u32]> = group.iter().map(|c| c.codes.as_slice()).collect();
+                self.model.chunk_batch(&mut refs, &codes, last)
+            };
+            match out {
+                Ok(audio) => {
+                    for ((c, (id, mut live)), a) in group.into_iter().zip(states).zip(audio) {
+                        live.next_seq += 1;
+                        let samples = match a.to_vec1::<f32>() {
+                            Ok(s) => s,
+                            Err(e) => {
+                                self.finish(&id, c.epoch, Status::Failed(e.to_string()));
+                                continue;
+                            }
+                        };
+                        let first = c.seq == 0;
+                        self.registry.emit(&id, c.epoch, EngineEvent::Audio { samples, chunk: c.seq, last: c.last });
+                        if first {
+                            if let Some(ms) = self.registry.timings(&id).and_then(|t| t.first_audio_ms()) {
+                                self.metrics.first_audio_seconds.observe(ms / 1000.0);
+                            }
+                        }
+                        if c.last {
+                            self.finish(&id, c.epoch, Status::Completed);
+                        } else {
+                            self.live.insert(id, live);
+                        }
+                    }
+                }
+                Err(e) => {
+                    let msg = format!("code2wav chunk: {e:#}");
+                    for c in group {
+                        self.finish(&c.id, c.epoch, Status::Failed(msg.clone()));
+                    }
+                }
+            }
+        }
+        self.metrics.step_seconds.with_label_values(&["code2wav"]).observe(t0.elapsed().as_secs_f64());
+        self.metrics.batch_size.with_label_values(&["code2wav"]).observe(batch_total as f64);
+        true
+    }
+}
+
+impl StageLoop for Stage2 {
+    type Msg = Stage2Msg;
+
+    fn on_message(&mut self, m: Stage2Msg) {
+        match m {
+            Stage2Msg::Placeholder { id, epoch, prefetch } => {
+                let reference = if self.cfg.prefetch { prefetch } else { None };
+                self.waiting.push(Waiting { id, epoch, reference, phase: Phase::Queued });
+            }
+            Stage2Msg::Chunk { id, epoch, seq, codes, last, reference } => {
+                self.queue.push_back(ChunkWork { id, epoch, seq, codes, last, reference });
+            }
+            Stage2Msg::Cancel(id) => self.abort(&id),
+        }
+    }
+
+    fn step(&mut self) -> bool {
+        self.work()
+    }
+
+    fn idle_wait(&self) -> Option<Duration> {
+        let with_setup = self.cfg.prefetch_setup;
+        (self.cfg.prefetch && self.waiting.iter().any(|w| w.needs_phase(with_setup))).then_some(self.cfg.idle_tick)
+    }
+
+    fn idle(&mut self) {
+        self.idle_step();
+    }
+}

@@ -1,0 +1,269 @@
+//! What goes into the engine and what comes out: request specifications, events, per-request
+//! timestamps, and the shared registry through which every stage checks that a request is still
+//! live (same epoch, not cancelled) before it does work or emits output.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// A request id chosen by the caller (the session layer), unique among live requests.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub String);
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&str> for RequestId {
+    fn from(s: &str) -> Self {
+        Self(s.to_string())
+    }
+}
+
+/// Turn mode answers one input; duplex requests belong to a long-lived duplex session (never
+/// prefetched).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Turn,
+    Duplex,
+}
+
+/// A reference voice as given (any rate, mono); identity is the shared buffer and its rate.
+#[derive(Debug, Clone)]
+pub struct RefInput {
+    pub samples: Arc<Vec<f32>>,
+    pub sample_rate: u32,
+}
+
+impl RefInput {
+    pub fn new(samples: Vec<f32>, sample_rate: u32) -> Self {
+        Self { samples: Arc::new(samples), sample_rate }
+    }
+
+    /// Same audio (cheap when it is the same buffer).
+    pub fn same_as(&self, o: &RefInput) -> bool {
+        self.sample_rate == o.sample_rate && (Arc::ptr_eq(&self.samples, &o.samples) || self.samples == o.samples)
+    }
+}
+
+/// What the user said.
+#[derive(Debug, Clone)]
+pub enum UserInput {
+    Text(String),
+    /// 16 kHz mono samples.
+    Audio(Vec<f32>),
+}
+
+/// An earlier turn of the conversation (for the prompt).
+#[derive(Debug, Clone)]
+pub struct Turn {
+    pub user: String,
+    pub assistant: String,
+}
+
+/// Generation parameters (the protocol's `generation`). `None` = the engine's default.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GenerationParams {
+    pub max_text_tokens: Option<usize>,
+    pub min_text_tokens: Option<usize>,
+    pub max_audio_tokens: Option<usize>,
+    pub min_audio_tokens: Option<usize>,
+    pub temperature: Option<f32>,
+    pub seed: Option<u64>,
+}
+
+/// One request (one response).
+#[derive(Debug, Clone)]
+pub struct RequestSpec {
+    pub id: RequestId,
+    pub epoch: u64,
+    pub mode: Mode,
+    pub input: UserInput,
+    pub instructions: Option<String>,
+    pub history: Vec<Turn>,
+    /// The voice: conditions the Thinker's system prompt and is the Code2Wav reference.
+    pub voice: RefInput,
+    pub generation: GenerationParams,
+}
+
+/// How a response ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Status {
+    Completed,
+    Cancelled,
+    Failed(String),
+}
+
+/// Per-request timestamps.
+#[derive(Debug, Clone, Default)]
+pub struct Timings {
+    pub admitted: Option<Instant>,
+    pub first_text: Option<Instant>,
+    pub handoff: Option<Instant>,
+    pub first_code: Option<Instant>,
+    pub first_chunk: Option<Instant>,
+    pub first_audio: Option<Instant>,
+    pub done: Option<Instant>,
+}
+
+impl Timings {
+    fn ms(&self, t: Option<Instant>) -> Option<f64> {
+        Some(t?.duration_since(self.admitted?).as_secs_f64() * 1000.0)
+    }
+    pub fn first_text_ms(&self) -> Option<f64> {
+        self.ms(self.first_text)
+    }
+    pub fn first_code_ms(&self) -> Option<f64> {
+        self.ms(self.first_code)
+    }
+    pub fn first_chunk_ms(&self) -> Option<f64> {
+        self.ms(self.first_chunk)
+    }
+    pub fn first_audio_ms(&self) -> Option<f64> {
+        self.ms(self.first_audio)
+    }
+}
+
+/// What a request produces, in order; `Done` is always last and comes exactly once.
+#[derive(Debug, Clone)]
+pub enum EngineEvent {
+    TextDelta(String),
+    /// 24 kHz mono samples; `chunk` counts Code2Wav chunks from 0.
+    Audio { samples: Vec<f32>, chunk: usize, last: bool },
+    Done { status: Status, text: String, codes: usize, audio_samples: usize, chunks: usize, timings: Timings },
+}
+
+/// Where a request's events go.
+pub type EventSink = Arc<dyn Fn(EngineEvent) + Send + Sync>;
+
+#[derive(Debug, Default)]
+struct Progress {
+    text: String,
+    codes: usize,
+    audio_samples: usize,
+    chunks: usize,
+    timings: Timings,
+    done: bool,
+}
+
+struct Entry {
+    epoch: u64,
+    sink: EventSink,
+    progress: Mutex<Progress>,
+}
+
+/// Live requests, shared by the stages: a stage checks liveness before working and emits through
+/// here, so nothing is emitted after a request is done or cancelled.
+#[derive(Clone, Default)]
+pub struct Registry {
+    inner: Arc<Mutex<HashMap<RequestId, Arc<Entry>>>>,
+}
+
+impl Registry {
+    pub fn insert(&self, id: RequestId, epoch: u64, sink: EventSink) -> bool {
+        let mut m = self.inner.lock().expect("registry");
+        if m.contains_key(&id) {
+            return false;
+        }
+        let progress = Progress { timings: Timings { admitted: Some(Instant::now()), ..Default::default() }, ..Default::default() };
+        m.insert(id, Arc::new(Entry { epoch, sink, progress: Mutex::new(progress) }));
+        true
+    }
+
+    fn get(&self, id: &RequestId) -> Option<Arc<Entry>> {
+        self.inner.lock().expect("registry").get(id).cloned()
+    }
+
+    /// Live with this epoch (work of a stale epoch is dropped).
+    pub fn is_live(&self, id: &RequestId, epoch: u64) -> bool {
+        self.get(id).is_some_and(|e| e.epoch == epoch && !e.progress.lock().expect("progress").done)
+    }
+
+    pub fn live_count(&self) -> usize {
+        self.inner.lock().expect("registry").len()
+    }
+
+    /// Emits a non-final event and updates the counters; false if the request is gone.
+    pub fn emit(&self, id: &RequestId, epoch: u64, ev: EngineEvent) -> bool {
+        let Some(e) = self.get(id) else { return false };
+        if e.epoch != epoch {
+            return false;
+        }
+        {
+            let mut p = e.progress.lock().expect("progress");
+            if p.done {
+                return false;
+            }
+            let now = Instant::now();
+            match &ev {
+                EngineEvent::TextDelta(t) => {
+                    p.text.push_str(t);
+                    p.timings.first_text.get_or_insert(now);
+                }
+                EngineEvent::Audio { samples, chunk, .. } => {
+                    p.audio_samples += samples.len();
+                    p.chunks = p.chunks.max(chunk + 1);
+                    if !samples.is_empty() {
+                        p.timings.first_audio.get_or_insert(now);
+                    }
+                }
+                EngineEvent::Done { .. } => return false,
+            }
+            // emitted under the lock: a concurrent finish cannot overtake it
+            (e.sink)(ev);
+        }
+        true
+    }
+
+    /// Records a timestamp or a code count.
+    pub fn mark(&self, id: &RequestId, f: impl FnOnce(&mut Timings)) {
+        if let Some(e) = self.get(id) {
+            f(&mut e.progress.lock().expect("progress").timings);
+        }
+    }
+
+    pub fn add_codes(&self, id: &RequestId, n: usize) {
+        if let Some(e) = self.get(id) {
+            let mut p = e.progress.lock().expect("progress");
+            p.codes += n;
+            if n > 0 {
+                p.timings.first_code.get_or_insert(Instant::now());
+            }
+        }
+    }
+
+    pub fn timings(&self, id: &RequestId) -> Option<Timings> {
+        self.get(id).map(|e| e.progress.lock().expect("progress").timings.clone())
+    }
+
+    /// Ends a request: emits `Done` once (if this epoch is current) and forgets it. Returns the
+    /// timings when this call ended it.
+    pub fn finish(&self, id: &RequestId, epoch: u64, status: Status) -> Option<Timings> {
+        let e = self.get(id)?;
+        if e.epoch != epoch {
+            return None;
+        }
+        let out = {
+            let mut p = e.progress.lock().expect("progress");
+            if p.done {
+                return None;
+            }
+            p.done = true;
+            p.timings.done = Some(Instant::now());
+            let ev = EngineEvent::Done {
+                status,
+                text: p.text.clone(),
+                codes: p.codes,
+                audio_samples: p.audio_samples,
+                chunks: p.chunks,
+                timings: p.timings.clone(),
+            };
+            (e.sink)(ev);
+            p.timings.clone()
+        };
+        self.inner.lock().expect("registry").remove(id);
+        Some(out)
+    }
+}

@@ -1,0 +1,294 @@
+//! Reference prefetch in Stage 2, one rule per test, driving the stage step by step (no threads,
+//! no timing): the double-idle rule, the busy gate, the lone-waiter gate, the pin cap, phase B off by
+//! default, claim / retire / inline / evict at chunk 0, failures, aborts, duplex, owner/pin
+//! separation, and bit-identical chunk 0.
+
+use std::sync::{Arc, Mutex};
+
+use antiphon::engine::chunker::Chunker;
+use antiphon::engine::stage2::{IdleOutcome, Stage2};
+use antiphon::engine::{EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId, Stage2Msg, StageLoop};
+use antiphon::models::code2wav::prompt::Reference;
+use antiphon::models::code2wav::{Code2Wav, SILENCE_CODE};
+use antiphon::synth::{code2wav_in_memory, Preset};
+use candle_core::{DType, Device};
+
+fn model() -> Code2Wav {
+    static M: std::sync::OnceLock<Code2Wav> = std::sync::OnceLock::new();
+    M.get_or_init(|| code2wav_in_memory(Preset::Tiny, 21, DType::F32, &Device::Cpu).unwrap()).clone()
+}
+
+fn voice(freq: f32) -> RefInput {
+    RefInput::new((0..16_000 * 2).map(|i| 0.3 * (i as f32 * freq / 16_000.0 * std::f32::consts::TAU).sin()).collect(), 16_000)
+}
+
+type Log = Arc<Mutex<Vec<EngineEvent>>>;
+
+struct Rig {
+    stage: Stage2,
+    registry: Registry,
+    metrics: EngineMetrics,
+}
+
+impl Rig {
+    fn new(cfg: EngineConfig) -> Self {
+        let registry = Registry::default();
+        let metrics = EngineMetrics::new();
+        Self { stage: Stage2::new(model(), Arc::new(cfg), registry.clone(), metrics.clone()), registry, metrics }
+    }
+
+    fn admit(&mut self, id: &str, reference: Option<RefInput>) -> Log {
+        let log: Log = Arc::default();
+        let l = log.clone();
+        assert!(self.registry.insert(RequestId(id.into()), 0, Arc::new(move |e| l.lock().unwrap().push(e))));
+        self.stage.on_message(Stage2Msg::Placeholder { id: RequestId(id.into()), epoch: 0, prefetch: reference });
+        log
+    }
+
+    fn chunk(&mut self, id: &str, seq: usize, codes: Vec<u32>, last: bool, reference: Option<RefInput>) {
+        self.stage.on_message(Stage2Msg::Chunk { id: RequestId(id.into()), epoch: 0, seq, codes, last, reference });
+    }
+
+    fn idle(&mut self) -> IdleOutcome {
+        self.stage.idle_step()
+    }
+}
+
+fn key(r: &RefInput) -> String {
+    Reference::materialize(&r.samples, r.sample_rate).unwrap().key
+}
+
+fn chunk0_codes() -> Vec<u32> {
+    let mut c = Chunker::new(25, 25, 3, SILENCE_CODE);
+    (0..25u32).find_map(|i| c.push((i * 211 + 5) % 6561)).unwrap().codes
+}
+
+fn audio(log: &Log) -> Vec<Vec<f32>> {
+    log.lock()
+        .unwrap()
+        .iter()
+        .filter_map(|e| match e {
+            EngineEvent::Audio { samples, .. } => Some(samples.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn id(s: &str) -> RequestId {
+    RequestId(s.into())
+}
+
+#[test]
+fn prefetch_runs_only_on_an_idle_step_after_an_idle_step() {
+    let mut r = Rig::new(EngineConfig::default());
+    let v = voice(180.0);
+    r.admit("a", Some(v.clone()));
+    assert_eq!(r.idle(), IdleOutcome::Skipped("single_idle"));
+    assert_eq!(r.idle(), IdleOutcome::PhaseA(id("a")));
+    let e = r.stage.ref_cache().get(&key(&v)).unwrap();
+    assert!(e.features.is_some() && e.pins.contains(&id("a")) && e.owners.is_empty());
+    // a busy step resets the rule
+    r.chunk("a", 0, chunk0_codes(), false, Some(v));
+    assert!(r.stage.step());
+    r.admit("b", Some(voice(220.0)));
+    assert_eq!(r.idle(), IdleOutcome::Skipped("single_idle"));
+    assert_eq!(r.metrics.skip_count("single_idle"), 2);
+}
+
+#[test]
+fn prefetch_phase_b_is_off_by_default_and_on_when_asked() {
+    let mut r = Rig::new(EngineConfig::default());
+    r.admit("a", Some(voice(180.0)));
+    r.idle();
+    assert_eq!(r.idle(), IdleOutcome::PhaseA(id("a")));
+    assert_eq!(r.idle(), IdleOutcome::Nothing, "phase B is off by default");
+    assert!(r.stage.setup_cache().is_empty());
+
+    let mut r = Rig::new(EngineConfig { prefetch_setup: true, ..EngineConfig::default() });
+    let v = voice(180.0);
+    r.admit("a", Some(v.clone()));
+    r.idle();
+    assert_eq!(r.idle(), IdleOutcome::PhaseA(id("a")));
+    assert_eq!(r.idle(), IdleOutcome::PhaseB(id("a")), "one phase per idle step");
+    assert!(r.stage.setup_cache().contains(&key(&v)));
+    assert_eq!(r.idle(), IdleOutcome::Nothing);
+    // chunk 0 reuses both
+    r.chunk("a", 0, chunk0_codes(), false, Some(v));
+    assert!(r.stage.step());
+    assert_eq!(r.metrics.prefetch_count("claimed"), 1);
+    assert_eq!(r.metrics.prefetch_count("setup_hit"), 1);
+    assert_eq!(r.metrics.prefetch_count("inline"), 0);
+}
+
+#[test]
+fn prefetch_skips_a_burst_of_placeholders() {
+    let mut r = Rig::new(EngineConfig::default());
+    r.admit("a", Some(voice(180.0)));
+    r.admit("b", Some(voice(200.0)));
+    r.idle();
+    assert_eq!(r.idle(), IdleOutcome::Skipped("burst"));
+    assert_eq!(r.idle(), IdleOutcome::Skipped("burst"));
+    assert_eq!(r.stage.ref_cache().len(), 0);
+    assert!(r.metrics.skip_count("burst") >= 2);
+}
+
+#[test]
+fn prefetch_never_runs_while_a_stream_is_live() {
+    let mut r = Rig::new(EngineConfig::default());
+    let va = voice(180.0);
+    r.admit("a", Some(va.clone()));
+    r.chunk("a", 0, chunk0_codes(), false, Some(va));
+    assert!(r.stage.step());
+    assert_eq!(r.stage.live_streams(), 1);
+    r.admit("b", Some(voice(200.0)));
+    r.idle();
+    assert_eq!(r.idle(), IdleOutcome::Skipped("busy"));
+    assert_eq!(r.idle(), IdleOutcome::Skipped("busy"));
+    assert!(r.stage.ref_cache().pinned_by(&id("b")).is_none());
+}
+
+#[test]
+fn prefetch_pins_never_exceed_the_cache_capacity() {
+    let mut r = Rig::new(EngineConfig { ref_cache_capacity: 1, ..EngineConfig::default() });
+    r.admit("a", Some(voice(180.0)));
+    r.idle();
+    assert_eq!(r.idle(), IdleOutcome::PhaseA(id("a")));
+    r.admit("b", Some(voice(200.0)));
+    assert_eq!(r.idle(), IdleOutcome::Skipped("pin_cap"));
+    assert_eq!(r.stage.ref_cache().pin_count(), 1);
+}
+
+#[test]
+fn prefetch_chunk0_claims_the_prefetched_entry() {
+    let mut r = Rig::new(EngineConfig::default());
+    let v = voice(180.0);
+    let log = r.admit("a", Some(v.clone()));
+    r.idle();
+    r.idle();
+    r.chunk("a", 0, chunk0_codes(), false, Some(v.clone()));
+    assert!(r.stage.step());
+    assert_eq!(r.metrics.prefetch_count("claimed"), 1);
+    assert_eq!(r.metrics.prefetch_count("inline"), 0);
+    let e = r.stage.ref_cache().get(&key(&v)).unwrap();
+    assert!(e.pins.is_empty() && e.owners.contains(&id("a")), "the pin became ownership");
+    assert_eq!(audio(&log).len(), 1);
+}
+
+#[test]
+fn prefetch_chunk0_retires_a_pending_placeholder_and_runs_inline() {
+    let mut r = Rig::new(EngineConfig::default());
+    let v = voice(180.0);
+    r.admit("a", Some(v.clone()));
+    r.chunk("a", 0, chunk0_codes(), false, Some(v));
+    assert!(r.stage.step());
+    assert_eq!(r.metrics.prefetch_count("retired"), 1);
+    assert_eq!(r.metrics.prefetch_count("inline"), 1);
+    assert_eq!(r.metrics.prefetch_count("phase_a"), 0);
+    assert_eq!(r.idle(), IdleOutcome::Nothing, "nothing is left to prefetch");
+}
+
+#[test]
+fn prefetch_a_different_reference_at_chunk0_runs_inline_and_evicts_the_prefetched_one() {
+    let mut r = Rig::new(EngineConfig::default());
+    let (x, y) = (voice(180.0), voice(260.0));
+    r.admit("a", Some(x.clone()));
+    r.idle();
+    r.idle();
+    assert!(r.stage.ref_cache().get(&key(&x)).is_some());
+    r.chunk("a", 0, chunk0_codes(), false, Some(y.clone()));
+    assert!(r.stage.step());
+    assert_eq!(r.metrics.prefetch_count("evicted"), 1);
+    assert_eq!(r.metrics.prefetch_count("inline"), 1);
+    assert!(r.stage.ref_cache().get(&key(&x)).is_none(), "the prefetched reference is gone");
+    assert!(r.stage.ref_cache().get(&key(&y)).unwrap().owners.contains(&id("a")));
+}
+
+#[test]
+fn prefetch_a_failed_phase_is_dropped_and_unpinned() {
+    let mut r = Rig::new(EngineConfig::default());
+    let bad = RefInput::new(vec![f32::NAN; 1000], 16_000);
+    let log = r.admit("a", Some(bad));
+    r.idle();
+    assert_eq!(r.idle(), IdleOutcome::Failed(id("a")));
+    assert_eq!(r.stage.ref_cache().pin_count(), 0);
+    assert_eq!(r.metrics.prefetch_count("failed"), 1);
+    assert_eq!(r.idle(), IdleOutcome::Nothing, "a failed phase is not retried");
+    // chunk 0 with a usable reference prepares inline
+    r.chunk("a", 0, chunk0_codes(), false, Some(voice(180.0)));
+    assert!(r.stage.step());
+    assert_eq!(r.metrics.prefetch_count("inline"), 1);
+    assert_eq!(audio(&log).len(), 1);
+}
+
+#[test]
+fn prefetch_abort_releases_pins() {
+    let mut r = Rig::new(EngineConfig::default());
+    let v = voice(180.0);
+    r.admit("a", Some(v.clone()));
+    r.idle();
+    r.idle();
+    assert_eq!(r.stage.ref_cache().pin_count(), 1);
+    r.registry.finish(&id("a"), 0, antiphon::engine::Status::Cancelled);
+    r.stage.on_message(Stage2Msg::Cancel(id("a")));
+    assert_eq!(r.stage.ref_cache().pin_count(), 0);
+    assert!(r.stage.ref_cache().get(&key(&v)).unwrap().evictable());
+}
+
+#[test]
+fn prefetch_owner_and_pin_cannot_alias() {
+    // Two requests share a reference; the second's id is spelled like a pin key of the first.
+    let mut r = Rig::new(EngineConfig::default());
+    let v = voice(180.0);
+    r.admit("req-1", Some(v.clone()));
+    r.idle();
+    assert_eq!(r.idle(), IdleOutcome::PhaseA(id("req-1")));
+    r.admit("pin:req-1", None);
+    r.chunk("pin:req-1", 0, chunk0_codes(), false, Some(v.clone()));
+    assert!(r.stage.step());
+    assert_eq!(r.metrics.prefetch_count("cache_hit"), 1, "the second request found the prepared entry");
+    let e = r.stage.ref_cache().get(&key(&v)).unwrap();
+    assert!(e.pins.contains(&id("req-1")) && e.owners.contains(&id("pin:req-1")));
+    // ending the pinning request leaves the owner; ending the owner leaves nothing
+    r.registry.finish(&id("req-1"), 0, antiphon::engine::Status::Cancelled);
+    r.stage.on_message(Stage2Msg::Cancel(id("req-1")));
+    let e = r.stage.ref_cache().get(&key(&v)).unwrap();
+    assert!(e.pins.is_empty() && e.owners.contains(&id("pin:req-1")));
+    assert!(!e.evictable());
+}
+
+#[test]
+fn prefetch_duplex_requests_carry_no_reference_and_block_others() {
+    let mut r = Rig::new(EngineConfig::default());
+    // a duplex request: its placeholder carries no reference (Engine::submit attaches none)
+    r.admit("duplex", None);
+    r.idle();
+    assert_eq!(r.idle(), IdleOutcome::Nothing, "nothing to prefetch for duplex");
+    r.chunk("duplex", 0, chunk0_codes(), false, Some(voice(150.0)));
+    assert!(r.stage.step());
+    assert_eq!(r.metrics.prefetch_count("inline"), 1);
+    // its live stream blocks a turn-mode request's prefetch
+    r.admit("turn", Some(voice(200.0)));
+    r.idle();
+    assert_eq!(r.idle(), IdleOutcome::Skipped("busy"));
+}
+
+#[test]
+fn prefetch_chunk0_output_is_bit_identical_on_and_off() {
+    let v = voice(180.0);
+    let run = |cfg: EngineConfig, idle_steps: usize| {
+        let mut r = Rig::new(cfg);
+        let log = r.admit("a", Some(v.clone()));
+        for _ in 0..idle_steps {
+            r.idle();
+        }
+        r.chunk("a", 0, chunk0_codes(), false, Some(v.clone()));
+        assert!(r.stage.step());
+        audio(&log).remove(0)
+    };
+    let off = run(EngineConfig { prefetch: false, ..EngineConfig::default() }, 3);
+    let on_a = run(EngineConfig::default(), 3);
+    let on_ab = run(EngineConfig { prefetch_setup: true, ..EngineConfig::default() }, 3);
+    assert!(!off.is_empty());
+    assert_eq!(on_a, off);
+    assert_eq!(on_ab, off);
+}
