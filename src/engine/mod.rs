@@ -144,6 +144,8 @@ pub trait StageLoop: Send + 'static {
         None
     }
     fn idle(&mut self) {}
+    /// After a panic inside a step: end every request this stage holds, as failed.
+    fn fail_all(&mut self, why: &str);
 }
 
 fn run_stage<S: StageLoop>(mut s: S, rx: Receiver<S::Msg>) {
@@ -155,8 +157,16 @@ fn run_stage<S: StageLoop>(mut s: S, rx: Receiver<S::Msg>) {
                 Err(TryRecvError::Disconnected) => return,
             }
         }
-        if s.step() {
-            continue;
+        let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.step()));
+        match stepped {
+            Ok(true) => continue,
+            Ok(false) => {}
+            Err(p) => {
+                let what = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+                tracing::error!("a stage step panicked: {}", what.as_deref().unwrap_or("?"));
+                s.fail_all("internal error");
+                continue;
+            }
         }
         let got = match s.idle_wait() {
             None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
@@ -218,6 +228,15 @@ impl Engine {
     /// Admits a request; its events go to `sink`. Stage 2 learns of it at once (with its reference,
     /// unless it is a duplex request).
     pub fn submit(&self, spec: RequestSpec, sink: EventSink) -> Result<()> {
+        let v = &spec.voice;
+        if v.samples.is_empty() || v.sample_rate == 0 || v.samples.iter().any(|s| !s.is_finite()) {
+            bail!("the reference voice must be non-empty, finite audio with a sample rate");
+        }
+        if let UserInput::Audio(a) = &spec.input {
+            if a.iter().any(|s| !s.is_finite()) {
+                bail!("input audio holds non-finite samples");
+            }
+        }
         if !self.registry.insert(spec.id.clone(), spec.epoch, sink) {
             bail!("request {} is already live", spec.id);
         }

@@ -270,6 +270,15 @@ fn send_rows(to_talker: &SyncSender<Stage1Msg>, a: &mut Active, upto: usize) -> 
 impl StageLoop for Stage0 {
     type Msg = Stage0Msg;
 
+    fn fail_all(&mut self, why: &str) {
+        for a in std::mem::take(&mut self.active) {
+            self.fail(&a.id, a.epoch, why.to_string());
+        }
+        for q in std::mem::take(&mut self.queue) {
+            self.fail(&q.id, q.epoch, why.to_string());
+        }
+    }
+
     fn on_message(&mut self, m: Stage0Msg) {
         match m {
             Stage0Msg::Admit(spec) => self.queue.push_back(spec),

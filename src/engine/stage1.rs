@@ -152,6 +152,12 @@ impl Stage1 {
 impl StageLoop for Stage1 {
     type Msg = Stage1Msg;
 
+    fn fail_all(&mut self, why: &str) {
+        for id in self.order.clone() {
+            self.fail(&id, why.to_string());
+        }
+    }
+
     fn on_message(&mut self, m: Stage1Msg) {
         match m {
             Stage1Msg::Begin { id, epoch, mode, voice, min_codes, max_codes, seed } => {

@@ -423,6 +423,15 @@ impl Stage2 {
 impl StageLoop for Stage2 {
     type Msg = Stage2Msg;
 
+    fn fail_all(&mut self, why: &str) {
+        let mut all: Vec<(RequestId, u64)> = self.waiting.iter().map(|w| (w.id.clone(), w.epoch)).collect();
+        all.extend(self.live.iter().map(|(id, l)| (id.clone(), l.epoch)));
+        all.extend(self.queue.iter().map(|c| (c.id.clone(), c.epoch)));
+        for (id, epoch) in all {
+            self.finish(&id, epoch, Status::Failed(why.to_string()));
+        }
+    }
+
     fn on_message(&mut self, m: Stage2Msg) {
         match m {
             Stage2Msg::Placeholder { id, epoch, prefetch } => {

@@ -115,14 +115,16 @@ impl Thinker {
     /// A whole clip of 16 kHz audio -> LLM-width audio embeddings. Clips longer than the encoder's
     /// window (30 s) are encoded window by window.
     pub fn encode_clip(&self, samples: &[f32]) -> Result<Tensor> {
+        if self.mel.frames_for(samples.len()) == 0 {
+            // shorter than one mel hop: no embeddings
+            let h = self.audio_projection_layer.linear2.weight().dim(0)?;
+            return Tensor::zeros((0, h), self.llm_dtype(), self.llm_device());
+        }
         let window = self.apm.config().max_source_positions * 2 * WhisperLogMel::HOP;
         let mut parts = Vec::new();
-        for chunk in samples.chunks(window) {
+        for chunk in samples.chunks(window).filter(|c| self.mel.frames_for(c.len()) > 0) {
             let mel = self.log_mel(chunk)?;
             parts.push(self.project(&self.apm.forward_clip(&mel)?)?);
-        }
-        if parts.is_empty() {
-            parts.push(self.project(&self.apm.forward_clip(&self.log_mel(&[])?)?)?);
         }
         Tensor::cat(&parts, 0)
     }

@@ -146,6 +146,9 @@ impl WhisperEncoder {
         let mut spans = Vec::with_capacity(steps.len());
         let mut start = 0;
         for s in steps.iter_mut() {
+            if s.mel.dim(1)? == 0 {
+                candle_core::bail!("audio encoder input has no frames");
+            }
             let x = self.front(&s.mel)?;
             let n = x.dim(0)?;
             let offset = match s.cache.as_deref_mut() {

@@ -1,0 +1,258 @@
+//! The threaded engine on the tiny synthetic models: whole requests, forced lengths, chunking,
+//! cancellation, batching, streaming prefill, duplex requests and metrics.
+
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use antiphon::engine::{
+    Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, UserInput,
+};
+use antiphon::synth::{models_in_memory, Preset};
+use candle_core::{DType, Device};
+
+fn engine(cfg: EngineConfig) -> Engine {
+    Engine::start(models_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap(), cfg).unwrap()
+}
+
+fn voice() -> RefInput {
+    RefInput::new((0..16_000 * 3).map(|i| 0.3 * (i as f32 * 0.07).sin() * (i as f32 * 0.0004).cos()).collect(), 16_000)
+}
+
+fn spec(id: &str, text: &str, text_tokens: usize, codes: usize, seed: u64) -> RequestSpec {
+    RequestSpec {
+        id: RequestId(id.into()),
+        epoch: 0,
+        mode: Mode::Turn,
+        input: UserInput::Text(text.into()),
+        instructions: None,
+        history: vec![],
+        voice: voice(),
+        generation: GenerationParams {
+            min_text_tokens: Some(text_tokens),
+            max_text_tokens: Some(text_tokens),
+            min_audio_tokens: Some(codes),
+            max_audio_tokens: Some(codes),
+            temperature: None,
+            seed: Some(seed),
+        },
+    }
+}
+
+struct Outcome {
+    text: String,
+    audio: Vec<Vec<f32>>,
+    status: Status,
+    codes: usize,
+    first_audio_ms: f64,
+    events: Vec<EngineEvent>,
+}
+
+fn submit(e: &Engine, s: RequestSpec) -> mpsc::Receiver<EngineEvent> {
+    let (tx, rx) = mpsc::channel();
+    let tx = std::sync::Mutex::new(tx);
+    e.submit(s, Arc::new(move |ev| {
+        let _ = tx.lock().unwrap().send(ev);
+    }))
+    .unwrap();
+    rx
+}
+
+fn collect(rx: mpsc::Receiver<EngineEvent>) -> Outcome {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut events = vec![];
+    loop {
+        let ev = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("the request finishes");
+        let done = matches!(ev, EngineEvent::Done { .. });
+        events.push(ev);
+        if done {
+            break;
+        }
+    }
+    // nothing after Done
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(rx.try_recv().is_err(), "an event came after Done");
+    let mut text = String::new();
+    let mut audio = vec![];
+    let mut out = None;
+    for ev in &events {
+        match ev {
+            EngineEvent::TextDelta(t) => text.push_str(t),
+            EngineEvent::Audio { samples, .. } => audio.push(samples.clone()),
+            EngineEvent::Done { status, codes, timings, text: t, .. } => {
+                assert_eq!(t, &text, "Done carries the whole text");
+                out = Some((status.clone(), *codes, timings.first_audio_ms().unwrap_or(f64::NAN)));
+            }
+        }
+    }
+    let (status, codes, first_audio_ms) = out.unwrap();
+    Outcome { text, audio, status, codes, first_audio_ms, events }
+}
+
+#[test]
+fn a_turn_request_gives_text_then_audio_of_the_forced_length() {
+    let e = engine(EngineConfig::default());
+    let o = collect(submit(&e, spec("r1", "Read this sentence.", 12, 60, 1)));
+    assert_eq!(o.status, Status::Completed);
+    assert_eq!(o.codes, 60);
+    // 60 codes in chunks of 25 + 25 + 10 (each with 3 codes of context)
+    assert_eq!(o.audio.len(), 3);
+    let total: usize = o.audio.iter().map(|a| a.len()).sum();
+    assert_eq!(total, (3 + 60) * 2 * 480 + 3840, "(codes + 3 look-ahead) × 40 ms, plus the vocoder delay");
+    assert!(o.first_audio_ms > 0.0);
+    assert!(o.audio.iter().flatten().all(|s| s.is_finite()));
+    // audio events come after the text is complete (turn mode hands off at <|tts_eos|>)
+    let first_audio = o.events.iter().position(|e| matches!(e, EngineEvent::Audio { .. })).unwrap();
+    assert!(o.events[first_audio..].iter().all(|e| !matches!(e, EngineEvent::TextDelta(_))));
+    assert_eq!(e.active(), 0);
+    let m = e.metrics().render();
+    assert!(m.contains("antiphon_stage_step_seconds_count{stage=\"thinker\"}"), "{m}");
+    assert!(m.contains("antiphon_engine_requests_total{status=\"completed\"} 1"));
+}
+
+#[test]
+fn the_same_seed_gives_the_same_response() {
+    let e = engine(EngineConfig::default());
+    let a = collect(submit(&e, spec("a", "hello", 10, 30, 7)));
+    let b = collect(submit(&e, spec("b", "hello", 10, 30, 7)));
+    let c = collect(submit(&e, spec("c", "hello", 10, 30, 8)));
+    assert_eq!(a.text, b.text);
+    assert_eq!(a.audio, b.audio);
+    assert_ne!(a.audio, c.audio, "another seed samples other codes");
+}
+
+#[test]
+fn requests_batched_together_match_requests_alone() {
+    let e = engine(EngineConfig::default());
+    let alone: Vec<Outcome> =
+        (0..3).map(|i| collect(submit(&e, spec(&format!("alone{i}"), &format!("prompt {i}"), 8 + i, 30 + 5 * i, i as u64)))).collect();
+    let rxs: Vec<_> =
+        (0..3).map(|i| submit(&e, spec(&format!("together{i}"), &format!("prompt {i}"), 8 + i, 30 + 5 * i, i as u64))).collect();
+    let together: Vec<Outcome> = rxs.into_iter().map(collect).collect();
+    assert!(e.metrics().render().contains("antiphon_stage_batch_size_bucket{stage=\"talker\",le=\"1\"}"));
+    for (a, t) in alone.iter().zip(&together) {
+        assert_eq!(a.text, t.text);
+        assert_eq!(a.codes, t.codes);
+        assert_eq!(a.audio.len(), t.audio.len());
+        for (x, y) in a.audio.iter().zip(&t.audio) {
+            assert_eq!(x.len(), y.len());
+            let err = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+            assert!(err < 1e-4, "batched audio differs by {err}");
+        }
+    }
+}
+
+#[test]
+fn cancel_stops_output_and_frees_every_stage() {
+    let e = engine(EngineConfig::default());
+    let rx = submit(&e, spec("long", "talk a lot", 8, 400, 3));
+    // wait for the first audio, then cancel
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).unwrap() {
+            EngineEvent::Audio { .. } => break,
+            EngineEvent::Done { .. } => panic!("finished before the cancel"),
+            _ => {}
+        }
+    }
+    let t = Instant::now();
+    assert!(e.cancel(&RequestId("long".into()), 0));
+    let mut after = vec![];
+    while let Ok(ev) = rx.recv_timeout(Duration::from_millis(500)) {
+        after.push(ev);
+    }
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert!(matches!(after.last(), Some(EngineEvent::Done { status: Status::Cancelled, .. })), "{after:?}");
+    assert!(after.iter().filter(|e| matches!(e, EngineEvent::Audio { .. })).count() == 0, "no audio after the cancel");
+    assert_eq!(e.active(), 0);
+    assert!(!e.cancel(&RequestId("long".into()), 0), "a second cancel does nothing");
+    // the engine keeps serving
+    let o = collect(submit(&e, spec("next", "again", 6, 20, 4)));
+    assert_eq!(o.status, Status::Completed);
+}
+
+#[test]
+fn cancel_before_any_output() {
+    let e = engine(EngineConfig::default());
+    let rx = submit(&e, spec("early", "x", 50, 200, 3));
+    assert!(e.cancel(&RequestId("early".into()), 0));
+    let o = collect(rx);
+    assert_eq!(o.status, Status::Cancelled);
+    assert!(o.audio.is_empty());
+}
+
+#[test]
+fn a_smaller_first_chunk_comes_first() {
+    let e = engine(EngineConfig { first_chunk_codes: 5, ..EngineConfig::default() });
+    let o = collect(submit(&e, spec("small", "hi", 6, 40, 2)));
+    assert_eq!(o.status, Status::Completed);
+    // chunks of 5, 25 and the remaining 10 new codes
+    assert_eq!(o.audio.len(), 3);
+    assert!(o.audio[0].len() < o.audio[1].len());
+    let total: usize = o.audio.iter().map(|a| a.len()).sum();
+    assert_eq!(total, (3 + 40) * 2 * 480 + 3840);
+}
+
+#[test]
+fn streaming_prefill_gives_the_same_response() {
+    let a = collect(submit(&engine(EngineConfig::default()), spec("a", "same input", 16, 30, 11)));
+    let b = collect(submit(&engine(EngineConfig { talker_streaming_prefill: true, ..EngineConfig::default() }), spec("a", "same input", 16, 30, 11)));
+    assert_eq!(a.text, b.text);
+    assert_eq!(a.codes, b.codes);
+    let (x, y): (Vec<f32>, Vec<f32>) = (a.audio.concat(), b.audio.concat());
+    assert_eq!(x.len(), y.len());
+    let err = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+    assert!(err < 1e-4, "streaming prefill changed the audio by {err}");
+}
+
+#[test]
+fn spoken_input_and_history_are_accepted() {
+    let e = engine(EngineConfig::default());
+    let mut s = spec("voice", "", 6, 20, 1);
+    s.input = UserInput::Audio((0..16_000 * 2).map(|i| 0.2 * (i as f32 * 0.05).sin()).collect());
+    s.history = vec![antiphon::engine::Turn { user: "hi".into(), assistant: "hello there".into() }];
+    s.instructions = Some("Be brief.".into());
+    let o = collect(submit(&e, s));
+    assert_eq!(o.status, Status::Completed);
+    assert_eq!(o.codes, 20);
+}
+
+#[test]
+fn a_duplex_request_is_never_prefetched() {
+    let e = engine(EngineConfig::default());
+    let mut s = spec("d", "duplex segment", 6, 25, 1);
+    s.mode = Mode::Duplex;
+    let o = collect(submit(&e, s));
+    assert_eq!(o.status, Status::Completed);
+    let m = e.metrics();
+    assert_eq!(m.prefetch_count("phase_a"), 0);
+    assert_eq!(m.prefetch_count("inline") + m.prefetch_count("cache_hit"), 1);
+}
+
+#[test]
+fn a_bad_reference_is_refused_and_the_engine_keeps_serving() {
+    let e = engine(EngineConfig::default());
+    let sink = || -> antiphon::engine::EventSink { Arc::new(|_| {}) };
+    let mut s = spec("bad", "x", 4, 10, 1);
+    s.voice = RefInput::new(vec![], 16_000);
+    assert!(e.submit(s, sink()).is_err());
+    let mut s = spec("nan", "x", 4, 10, 1);
+    s.voice = RefInput::new(vec![f32::NAN; 100], 16_000);
+    assert!(e.submit(s, sink()).is_err());
+    // audio shorter than one mel hop is accepted (it just gives no embeddings)
+    let mut s = spec("tiny-audio", "", 4, 10, 1);
+    s.input = UserInput::Audio(vec![0.1; 50]);
+    assert_eq!(collect(submit(&e, s)).status, Status::Completed);
+    assert_eq!(collect(submit(&e, spec("ok", "x", 4, 10, 1))).status, Status::Completed);
+}
+
+#[test]
+fn duplicate_live_ids_are_refused() {
+    let e = engine(EngineConfig::default());
+    let rx = submit(&e, spec("dup", "x", 30, 100, 1));
+    let (tx, _rx2) = mpsc::channel::<EngineEvent>();
+    let tx = std::sync::Mutex::new(tx);
+    assert!(e.submit(spec("dup", "x", 3, 10, 1), Arc::new(move |ev| drop(tx.lock().unwrap().send(ev)))).is_err());
+    e.cancel(&RequestId("dup".into()), 0);
+    let _ = collect(rx);
+}
