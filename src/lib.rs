@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod engine;
 pub mod models;
 pub mod onnx;
+pub mod server;
 pub mod synth;
 pub mod tokenizer;
 pub mod torchsave;

@@ -1,0 +1,339 @@
+//! The server: axum over tokio. `/v1/realtime` (the WebSocket protocol), operations endpoints
+//! (`/healthz`, `/readyz`, `/metrics`, `/api/build_info`), the browser demo at `/`, graceful
+//! shutdown. Sessions and the audio edge live here; model code lives in the engine's threads.
+
+pub mod audio_edge;
+pub mod config;
+pub mod journal;
+pub mod protocol;
+pub mod session;
+pub mod ws;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use axum::extract::{Query, State, WebSocketUpgrade};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use candle_core::{DType, Device};
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use tokio::net::TcpListener;
+
+use crate::engine::{Engine, EngineEvent, GenerationParams, Mode, Models, RefInput, RequestId, RequestSpec, Status, UserInput};
+use config::{Config, ModelSource};
+use session::SessionManager;
+
+/// Server-side metrics (the engine's are rendered beside them).
+#[derive(Clone)]
+pub struct ServerMetrics {
+    pub registry: Registry,
+    pub sessions: IntGauge,
+    pub parked: IntGauge,
+    pub journal_bytes: IntGauge,
+    pub sessions_created: IntCounter,
+    pub connections: IntCounter,
+    pub errors: IntCounterVec,
+    pub responses: IntCounterVec,
+    pub ttfa: Histogram,
+}
+
+impl ServerMetrics {
+    fn new() -> Self {
+        let registry = Registry::new();
+        let sessions = IntGauge::new("antiphon_sessions", "Live sessions (attached or parked)").expect("metric");
+        let parked = IntGauge::new("antiphon_sessions_parked", "Sessions waiting for a resume").expect("metric");
+        let journal_bytes = IntGauge::new("antiphon_journal_bytes", "Bytes held by all replay journals").expect("metric");
+        let sessions_created = IntCounter::new("antiphon_sessions_created_total", "Sessions created").expect("metric");
+        let connections = IntCounter::new("antiphon_connections_total", "WebSocket connections accepted").expect("metric");
+        let errors = IntCounterVec::new(Opts::new("antiphon_errors_total", "Protocol errors sent, by code"), &["code"]).expect("metric");
+        let responses = IntCounterVec::new(Opts::new("antiphon_responses_total", "Responses by final status"), &["status"]).expect("metric");
+        let ttfa = Histogram::with_opts(
+            HistogramOpts::new("antiphon_ttfa_seconds", "Server-side time from a turn's input to its first audio packet")
+                .buckets(vec![0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]),
+        )
+        .expect("metric");
+        for c in [
+            Box::new(sessions.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(parked.clone()),
+            Box::new(journal_bytes.clone()),
+            Box::new(sessions_created.clone()),
+            Box::new(connections.clone()),
+            Box::new(errors.clone()),
+            Box::new(responses.clone()),
+            Box::new(ttfa.clone()),
+        ] {
+            registry.register(c).expect("unique metric");
+        }
+        for code in protocol::ErrorCode::ALL {
+            errors.with_label_values(&[code.as_str()]);
+        }
+        Self { registry, sessions, parked, journal_bytes, sessions_created, connections, errors, responses, ttfa }
+    }
+}
+
+/// What every connection and session shares.
+pub struct Shared {
+    pub config: Arc<Config>,
+    pub engine: Arc<Engine>,
+    pub sessions: Arc<SessionManager>,
+    pub voices: HashMap<String, RefInput>,
+    pub default_voice: String,
+    pub metrics: ServerMetrics,
+    pub synthetic: bool,
+    pub ready: AtomicBool,
+    shutting_down: AtomicBool,
+    pub started: Instant,
+}
+
+impl Shared {
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+}
+
+fn parse_device(s: &str) -> Result<Device> {
+    if s == "cpu" {
+        return Ok(Device::Cpu);
+    }
+    let ordinal = s.strip_prefix("cuda").map(|r| r.trim_start_matches(':')).unwrap_or("0");
+    let ordinal: usize = if ordinal.is_empty() { 0 } else { ordinal.parse().context("cuda device ordinal")? };
+    Device::new_cuda(ordinal).with_context(|| format!("device {s}: this build has no CUDA, or no GPU is present"))
+}
+
+/// Loads (or makes) the models a configuration names.
+pub fn load_models(cfg: &Config) -> Result<Models> {
+    let device = parse_device(&cfg.model.device)?;
+    let dtype = if cfg.model.dtype == "bf16" { DType::BF16 } else { DType::F32 };
+    match cfg.model.source {
+        ModelSource::Synthetic => crate::synth::models_in_memory(cfg.model.preset, cfg.model.seed, dtype, &device),
+        ModelSource::Checkpoint => {
+            let dir = cfg.model.path.as_ref().expect("validated");
+            let ck = crate::checkpoint::Checkpoint::open(dir)?;
+            let (thinker, talker) = ck.load_models(dtype, &device)?;
+            let tokenizer = ck.tokenizer()?;
+            let code2wav = crate::models::code2wav::Code2Wav::load_dir(
+                &dir.join("assets").join("token2wav"),
+                dtype,
+                &device,
+                crate::models::code2wav::BufferSeeds { seed: cfg.model.seed, ..Default::default() },
+            )?;
+            Ok(Models { thinker, talker, code2wav, tokenizer })
+        }
+    }
+}
+
+fn load_voices(cfg: &Config) -> Result<HashMap<String, RefInput>> {
+    let mut out = HashMap::new();
+    for v in &cfg.voices {
+        let bytes = std::fs::read(&v.wav).with_context(|| format!("voice {}: reading {}", v.id, v.wav.display()))?;
+        let (samples, rate) = crate::audio::decode_wav(&bytes).with_context(|| format!("voice {}", v.id))?;
+        out.insert(v.id.clone(), RefInput::new(samples, rate));
+    }
+    Ok(out)
+}
+
+/// A running server: its address and the means to stop it.
+pub struct Server {
+    pub addr: SocketAddr,
+    pub shared: Arc<Shared>,
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<Result<()>>,
+}
+
+impl Server {
+    /// Stops accepting, tells every session (`session.closing`), lets responses finish for up to
+    /// the drain period, then returns.
+    pub async fn shutdown(self) -> Result<()> {
+        let _ = self.stop.send(true);
+        self.task.await.context("server task")?
+    }
+}
+
+/// Builds everything and starts serving on `cfg.server.listen` (port 0 picks a free port).
+pub async fn start(cfg: Config, models: Models) -> Result<Server> {
+    let cfg = Arc::new(cfg);
+    let voices = load_voices(&cfg)?;
+    let default_voice = cfg.voices[0].id.clone();
+    let engine = Arc::new(Engine::start(models, cfg.engine.to_engine())?);
+    let shared = Arc::new(Shared {
+        config: cfg.clone(),
+        engine,
+        sessions: Arc::new(SessionManager::default()),
+        voices,
+        default_voice,
+        metrics: ServerMetrics::new(),
+        synthetic: cfg.model.source == ModelSource::Synthetic,
+        ready: AtomicBool::new(false),
+        shutting_down: AtomicBool::new(false),
+        started: Instant::now(),
+    });
+    let listener = TcpListener::bind(&cfg.server.listen).await.with_context(|| format!("binding {}", cfg.server.listen))?;
+    let addr = listener.local_addr()?;
+    let app = router(shared.clone());
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    // warm-up before ready: one short request through all three stages
+    let warm = shared.clone();
+    tokio::spawn(async move {
+        match warm_up(&warm).await {
+            Ok(ms) => tracing::info!("warm-up done in {ms:.0} ms; ready"),
+            Err(e) => tracing::error!("warm-up failed: {e:#}"),
+        }
+        warm.ready.store(true, Ordering::SeqCst);
+    });
+    let sh = shared.clone();
+    let task = tokio::spawn(async move {
+        let signal = async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        };
+        let drain_shared = sh.clone();
+        let served = axum::serve(listener, app.into_make_service()).with_graceful_shutdown(async move {
+            signal.await;
+            drain(&drain_shared).await;
+        });
+        served.await.context("serving")?;
+        Ok(())
+    });
+    tracing::info!("listening on {addr}");
+    Ok(Server { addr, shared, stop, task })
+}
+
+/// Tells every session the server is going, waits for them to finish (bounded).
+async fn drain(shared: &Arc<Shared>) {
+    shared.shutting_down.store(true, Ordering::SeqCst);
+    shared.ready.store(false, Ordering::SeqCst);
+    let retry = shared.config.server.retry_after_ms;
+    for h in shared.sessions.all() {
+        let _ = h.tx.send(session::SessionMsg::Shutdown { retry_after_ms: retry });
+    }
+    let deadline = Instant::now() + Duration::from_secs(shared.config.server.shutdown_drain_s);
+    while !shared.sessions.is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tracing::info!(left = shared.sessions.len(), "drained");
+}
+
+async fn warm_up(shared: &Arc<Shared>) -> Result<f64> {
+    let t0 = Instant::now();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let spec = RequestSpec {
+        id: RequestId("warm-up".into()),
+        epoch: 0,
+        mode: Mode::Turn,
+        input: UserInput::Text("warm up".into()),
+        instructions: None,
+        history: vec![],
+        voice: shared.voices[&shared.default_voice].clone(),
+        generation: GenerationParams {
+            min_text_tokens: Some(4),
+            max_text_tokens: Some(4),
+            min_audio_tokens: Some(30),
+            max_audio_tokens: Some(30),
+            temperature: None,
+            seed: Some(0),
+        },
+    };
+    shared.engine.submit(spec, Arc::new(move |e| drop(tx.send(e))))?;
+    while let Some(e) = rx.recv().await {
+        if let EngineEvent::Done { status, .. } = e {
+            anyhow::ensure!(status == Status::Completed, "warm-up ended {status:?}");
+            break;
+        }
+    }
+    Ok(t0.elapsed().as_secs_f64() * 1000.0)
+}
+
+pub fn router(shared: Arc<Shared>) -> Router {
+    let web = tower_http::services::ServeDir::new(&shared.config.server.web_dir);
+    Router::new()
+        .route("/v1/realtime", get(realtime))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/api/build_info", get(build_info))
+        .fallback_service(web)
+        .layer(tower_http::trace::TraceLayer::new_for_http())
+        .with_state(shared)
+}
+
+#[derive(serde::Deserialize)]
+struct RealtimeQuery {
+    token: Option<String>,
+}
+
+async fn realtime(State(shared): State<Arc<Shared>>, headers: HeaderMap, q: Query<RealtimeQuery>, ws: WebSocketUpgrade) -> Response {
+    let auth = &shared.config.auth;
+    if !auth.api_keys.is_empty() {
+        let bearer = headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::to_string);
+        let key = bearer.or_else(|| q.token.clone());
+        if !key.is_some_and(|k| auth.api_keys.contains(&k)) {
+            return (StatusCode::UNAUTHORIZED, "missing or wrong API key").into_response();
+        }
+    }
+    if !auth.allowed_origins.is_empty() {
+        if let Some(origin) = headers.get(axum::http::header::ORIGIN).and_then(|v| v.to_str().ok()) {
+            if !auth.allowed_origins.iter().any(|o| o == origin) {
+                return (StatusCode::FORBIDDEN, "origin not allowed").into_response();
+            }
+        }
+    }
+    if shared.is_shutting_down() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response();
+    }
+    let limit = shared.config.server.max_text_frame.max(shared.config.server.max_binary_frame) * 4 + 1024;
+    ws.max_message_size(limit).max_frame_size(limit).on_upgrade(move |socket| ws::handle_socket(socket, shared))
+}
+
+async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
+    let left = shared.config.server.max_sessions.saturating_sub(shared.sessions.len());
+    let ready = shared.ready.load(Ordering::SeqCst) && !shared.is_shutting_down();
+    let body = Json(serde_json::json!({"ready": ready, "capacity_left": left, "sessions": shared.sessions.len()}));
+    if ready && left > 0 {
+        (StatusCode::OK, body).into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, body).into_response()
+    }
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
+    use prometheus::Encoder;
+    let m = &shared.metrics;
+    m.sessions.set(shared.sessions.len() as i64);
+    m.parked.set(shared.sessions.parked() as i64);
+    m.journal_bytes.set(shared.sessions.journal_bytes() as i64);
+    let mut buf = Vec::new();
+    let _ = prometheus::TextEncoder::new().encode(&m.registry.gather(), &mut buf);
+    let mut text = String::from_utf8(buf).unwrap_or_default();
+    text.push_str(&shared.engine.metrics().render());
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+async fn build_info(State(shared): State<Arc<Shared>>) -> Json<serde_json::Value> {
+    let c = &shared.config.model;
+    Json(serde_json::json!({
+        "name": "antiphon",
+        "version": env!("CARGO_PKG_VERSION"),
+        "git": option_env!("ANTIPHON_GIT").unwrap_or("unknown"),
+        "protocol": protocol::PROTOCOL_VERSION,
+        "model": {
+            "source": match c.source { ModelSource::Synthetic => "synthetic", ModelSource::Checkpoint => "checkpoint" },
+            "preset": format!("{:?}", c.preset).to_lowercase(),
+            "path": c.path.as_ref().map(|p| p.display().to_string()),
+            "device": c.device,
+            "dtype": c.dtype,
+        },
+        "synthetic_weights": shared.synthetic,
+        "voices": shared.config.voices.iter().map(|v| v.id.clone()).collect::<Vec<_>>(),
+        "uptime_s": shared.started.elapsed().as_secs(),
+        "cuda": cfg!(feature = "cuda"),
+    }))
+}

@@ -1,0 +1,484 @@
+//! Wire protocol v1 (docs/protocol.md): the only module that (de)serializes. Client events arrive
+//! as JSON text frames, server events leave as JSON with a `seq` (except connection-level ones),
+//! audio travels in binary frames with a 12-byte header.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+pub const PROTOCOL_VERSION: u32 = 1;
+pub const FRAME_HEADER: usize = 12;
+pub const KIND_AUDIO: u8 = 1;
+pub const FLAG_LAST: u8 = 1;
+
+/// Stable error codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorCode {
+    BadJson,
+    UnknownEvent,
+    BadField,
+    NotInSession,
+    SessionNotFound,
+    BadResumeToken,
+    SessionExpired,
+    SessionInUse,
+    Capacity,
+    BadAudio,
+    MessageTooLarge,
+    JournalOverflow,
+    Internal,
+}
+
+impl ErrorCode {
+    pub const ALL: [ErrorCode; 13] = [
+        ErrorCode::BadJson,
+        ErrorCode::UnknownEvent,
+        ErrorCode::BadField,
+        ErrorCode::NotInSession,
+        ErrorCode::SessionNotFound,
+        ErrorCode::BadResumeToken,
+        ErrorCode::SessionExpired,
+        ErrorCode::SessionInUse,
+        ErrorCode::Capacity,
+        ErrorCode::BadAudio,
+        ErrorCode::MessageTooLarge,
+        ErrorCode::JournalOverflow,
+        ErrorCode::Internal,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::BadJson => "bad_json",
+            ErrorCode::UnknownEvent => "unknown_event",
+            ErrorCode::BadField => "bad_field",
+            ErrorCode::NotInSession => "not_in_session",
+            ErrorCode::SessionNotFound => "session_not_found",
+            ErrorCode::BadResumeToken => "bad_resume_token",
+            ErrorCode::SessionExpired => "session_expired",
+            ErrorCode::SessionInUse => "session_in_use",
+            ErrorCode::Capacity => "capacity",
+            ErrorCode::BadAudio => "bad_audio",
+            ErrorCode::MessageTooLarge => "message_too_large",
+            ErrorCode::JournalOverflow => "journal_overflow",
+            ErrorCode::Internal => "internal",
+        }
+    }
+}
+
+/// A protocol error: the code, a message, and whether it ends the session or connection.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WireError {
+    pub code: ErrorCode,
+    pub message: String,
+    pub fatal: bool,
+    pub retry_after_ms: Option<u64>,
+}
+
+impl WireError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self { code, message: message.into(), fatal: false, retry_after_ms: None }
+    }
+    pub fn fatal(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self { code, message: message.into(), fatal: true, retry_after_ms: None }
+    }
+    pub fn retry_after(mut self, ms: u64) -> Self {
+        self.retry_after_ms = Some(ms);
+        self
+    }
+}
+
+// ------------------------------------------------------------------------------------ client
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Codec {
+    Opus,
+    Pcm16,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+pub struct InputAudio {
+    pub codec: Codec,
+    pub sample_rate: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+pub struct OutputAudio {
+    pub codec: Codec,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frame_ms: Option<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum Voice {
+    Configured { id: String },
+    Uploaded { ref_audio_b64: String, sample_rate: u32 },
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+pub struct Generation {
+    pub max_text_tokens: Option<usize>,
+    pub min_text_tokens: Option<usize>,
+    pub max_audio_tokens: Option<usize>,
+    pub min_audio_tokens: Option<usize>,
+    pub temperature: Option<f32>,
+    pub seed: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "policy", rename_all = "snake_case")]
+pub enum DuplexPolicy {
+    Model,
+    SpeakEvery { k: u32 },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Turn,
+    Duplex,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct SessionCreate {
+    pub mode: Mode,
+    pub input_audio: InputAudio,
+    pub output_audio: OutputAudio,
+    #[serde(default)]
+    pub voice: Option<Voice>,
+    #[serde(default)]
+    pub instructions: Option<String>,
+    #[serde(default)]
+    pub generation: Option<Generation>,
+    #[serde(default)]
+    pub duplex: Option<DuplexPolicy>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct SessionUpdate {
+    #[serde(default)]
+    pub input_audio: Option<InputAudio>,
+    #[serde(default)]
+    pub output_audio: Option<OutputAudio>,
+    #[serde(default)]
+    pub voice: Option<Voice>,
+    #[serde(default)]
+    pub instructions: Option<String>,
+    #[serde(default)]
+    pub generation: Option<Generation>,
+    #[serde(default)]
+    pub duplex: Option<DuplexPolicy>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct SessionResume {
+    pub session_id: String,
+    pub resume_token: String,
+    #[serde(default)]
+    pub last_seq: u64,
+}
+
+/// A client event after parsing; `seq` is the client's own input sequence number, if given.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ClientEvent {
+    SessionCreate(Box<SessionCreate>),
+    SessionResume(SessionResume),
+    SessionUpdate(Box<SessionUpdate>),
+    InputText { text: String, generation: Option<Generation> },
+    InputCommit { generation: Option<Generation> },
+    InputClear,
+    ResponseCancel { response_id: Option<u32> },
+    Playback { response_id: u32, played_ms: u64 },
+    Ack { seq: u64 },
+    Ping { id: Option<Value> },
+    SessionClose,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Incoming {
+    pub seq: Option<u64>,
+    pub event: ClientEvent,
+}
+
+fn typed<T: serde::de::DeserializeOwned>(v: Value) -> Result<T, WireError> {
+    serde_path_to_error::deserialize::<_, T>(v).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        let field = if path == "." || path.is_empty() {
+            // a missing field is named in the message: "missing field `mode`"
+            inner.split('`').nth(1).unwrap_or("?").to_string()
+        } else {
+            path
+        };
+        WireError::new(ErrorCode::BadField, format!("field `{field}`: {inner}"))
+    })
+}
+
+#[derive(Deserialize)]
+struct TextBody {
+    text: String,
+    #[serde(default)]
+    generation: Option<Generation>,
+}
+#[derive(Deserialize)]
+struct CommitBody {
+    #[serde(default)]
+    generation: Option<Generation>,
+}
+#[derive(Deserialize)]
+struct CancelBody {
+    #[serde(default)]
+    response_id: Option<u32>,
+}
+#[derive(Deserialize)]
+struct PlaybackBody {
+    response_id: u32,
+    played_ms: u64,
+}
+#[derive(Deserialize)]
+struct AckBody {
+    seq: u64,
+}
+#[derive(Deserialize)]
+struct PingBody {
+    #[serde(default)]
+    id: Option<Value>,
+}
+
+/// Parses one text frame.
+pub fn parse_client(text: &str) -> Result<Incoming, WireError> {
+    let v: Value = serde_json::from_str(text).map_err(|e| WireError::new(ErrorCode::BadJson, format!("not JSON: {e}")))?;
+    let Value::Object(obj) = &v else {
+        return Err(WireError::new(ErrorCode::BadJson, "a text frame must hold one JSON object"));
+    };
+    let ty = match obj.get("type") {
+        Some(Value::String(t)) => t.clone(),
+        Some(_) => return Err(WireError::new(ErrorCode::BadField, "field `type`: must be a string")),
+        None => return Err(WireError::new(ErrorCode::BadField, "field `type`: missing")),
+    };
+    let seq = match obj.get("seq") {
+        None | Some(Value::Null) => None,
+        Some(Value::Number(n)) if n.as_u64().is_some() && ty != "ack" => n.as_u64(),
+        Some(Value::Number(_)) if ty == "ack" => None,
+        Some(_) => return Err(WireError::new(ErrorCode::BadField, "field `seq`: must be a non-negative integer")),
+    };
+    let event = match ty.as_str() {
+        "session.create" => ClientEvent::SessionCreate(Box::new(typed(v)?)),
+        "session.resume" => ClientEvent::SessionResume(typed(v)?),
+        "session.update" => {
+            if obj.contains_key("mode") {
+                return Err(WireError::new(ErrorCode::BadField, "field `mode`: cannot change after session.create"));
+            }
+            ClientEvent::SessionUpdate(Box::new(typed(v)?))
+        }
+        "input.text" => {
+            let b: TextBody = typed(v)?;
+            ClientEvent::InputText { text: b.text, generation: b.generation }
+        }
+        "input.commit" => ClientEvent::InputCommit { generation: typed::<CommitBody>(v)?.generation },
+        "input.clear" => ClientEvent::InputClear,
+        "response.cancel" => ClientEvent::ResponseCancel { response_id: typed::<CancelBody>(v)?.response_id },
+        "playback" => {
+            let b: PlaybackBody = typed(v)?;
+            ClientEvent::Playback { response_id: b.response_id, played_ms: b.played_ms }
+        }
+        "ack" => ClientEvent::Ack { seq: typed::<AckBody>(v)?.seq },
+        "ping" => ClientEvent::Ping { id: typed::<PingBody>(v)?.id },
+        "session.close" => ClientEvent::SessionClose,
+        other => return Err(WireError::new(ErrorCode::UnknownEvent, format!("unknown event type `{other}`"))),
+    };
+    Ok(Incoming { seq, event })
+}
+
+// ------------------------------------------------------------------------------------ server
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Limits {
+    pub max_text_frame: usize,
+    pub max_binary_frame: usize,
+    pub journal_max_bytes: usize,
+    pub journal_max_audio_ms: u64,
+}
+
+/// Server events. `seq` is filled in by the session when the event is sent.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(tag = "type")]
+pub enum ServerEvent {
+    #[serde(rename = "session.created")]
+    SessionCreated {
+        seq: u64,
+        session_id: String,
+        resume_token: String,
+        protocol: u32,
+        mode: Mode,
+        output_audio: OutputAudio,
+        resume_grace_s: u64,
+        limits: Limits,
+        synthetic_weights: bool,
+    },
+    #[serde(rename = "session.resumed")]
+    SessionResumed { session_id: String, input_seq: u64 },
+    #[serde(rename = "response.created")]
+    ResponseCreated { seq: u64, response_id: u32, trigger: &'static str },
+    #[serde(rename = "response.text.delta")]
+    ResponseTextDelta { seq: u64, response_id: u32, text: String },
+    #[serde(rename = "response.done")]
+    ResponseDone { seq: u64, response_id: u32, status: &'static str, audio_ms: u64, packets: u64 },
+    #[serde(rename = "duplex.listen")]
+    DuplexListen { seq: u64, unit: u64 },
+    #[serde(rename = "duplex.speak")]
+    DuplexSpeak { seq: u64, unit: u64 },
+    #[serde(rename = "ack")]
+    Ack { input_seq: u64 },
+    #[serde(rename = "pong")]
+    Pong {
+        #[serde(skip_serializing_if = "Option::is_none")]
+        id: Option<Value>,
+    },
+    #[serde(rename = "session.closing")]
+    SessionClosing {
+        seq: u64,
+        reason: &'static str,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        retry_after_ms: Option<u64>,
+    },
+    #[serde(rename = "error")]
+    Error {
+        #[serde(skip_serializing_if = "Option::is_none")]
+        seq: Option<u64>,
+        code: &'static str,
+        message: String,
+        fatal: bool,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        retry_after_ms: Option<u64>,
+    },
+}
+
+impl ServerEvent {
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("server events serialize")
+    }
+
+    /// Connection-level events carry no seq and are never journaled.
+    pub fn is_connection_level(&self) -> bool {
+        matches!(self, ServerEvent::SessionResumed { .. } | ServerEvent::Ack { .. } | ServerEvent::Pong { .. })
+            || matches!(self, ServerEvent::Error { seq: None, .. })
+    }
+
+    /// Sets the session sequence number of an event that carries one.
+    pub fn with_seq(mut self, n: u64) -> Self {
+        match &mut self {
+            ServerEvent::SessionCreated { seq, .. }
+            | ServerEvent::ResponseCreated { seq, .. }
+            | ServerEvent::ResponseTextDelta { seq, .. }
+            | ServerEvent::ResponseDone { seq, .. }
+            | ServerEvent::DuplexListen { seq, .. }
+            | ServerEvent::DuplexSpeak { seq, .. }
+            | ServerEvent::SessionClosing { seq, .. } => *seq = n,
+            ServerEvent::Error { seq, .. } => *seq = Some(n),
+            _ => {}
+        }
+        self
+    }
+
+    pub fn error(e: &WireError) -> Self {
+        ServerEvent::Error { seq: None, code: e.code.as_str(), message: e.message.clone(), fatal: e.fatal, retry_after_ms: e.retry_after_ms }
+    }
+}
+
+// ------------------------------------------------------------------------------------ binary
+
+/// A binary frame: audio payload plus header fields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AudioFrame {
+    pub kind: u8,
+    pub last: bool,
+    pub seq: u32,
+    pub response_id: u32,
+    pub payload: Vec<u8>,
+}
+
+impl AudioFrame {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(FRAME_HEADER + self.payload.len());
+        b.push(self.kind);
+        b.push(if self.last { FLAG_LAST } else { 0 });
+        b.extend_from_slice(&[0, 0]);
+        b.extend_from_slice(&self.seq.to_le_bytes());
+        b.extend_from_slice(&self.response_id.to_le_bytes());
+        b.extend_from_slice(&self.payload);
+        b
+    }
+
+    /// `None` for a frame shorter than its header.
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() < FRAME_HEADER {
+            return None;
+        }
+        Some(Self {
+            kind: b[0],
+            last: b[1] & FLAG_LAST != 0,
+            seq: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+            response_id: u32::from_le_bytes([b[8], b[9], b[10], b[11]]),
+            payload: b[FRAME_HEADER..].to_vec(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip() {
+        let f = AudioFrame { kind: 1, last: true, seq: 77, response_id: 3, payload: vec![9, 8, 7] };
+        let b = f.encode();
+        assert_eq!(&b[..4], &[1, 1, 0, 0]);
+        assert_eq!(AudioFrame::decode(&b).unwrap(), f);
+        assert!(AudioFrame::decode(&b[..11]).is_none());
+    }
+
+    #[test]
+    fn parse_errors_name_what_is_wrong() {
+        assert_eq!(parse_client("{nope").unwrap_err().code, ErrorCode::BadJson);
+        assert_eq!(parse_client("[1]").unwrap_err().code, ErrorCode::BadJson);
+        assert_eq!(parse_client(r#"{"type":"dance"}"#).unwrap_err().code, ErrorCode::UnknownEvent);
+        let e = parse_client(r#"{"type":"session.create","input_audio":{"codec":"pcm16","sample_rate":16000},"output_audio":{"codec":"opus"}}"#)
+            .unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadField);
+        assert!(e.message.contains("mode"), "{}", e.message);
+        let e = parse_client(r#"{"type":"session.create","mode":"turn","input_audio":{"codec":"mp3","sample_rate":16000},"output_audio":{"codec":"opus"}}"#)
+            .unwrap_err();
+        assert!(e.message.contains("input_audio.codec"), "{}", e.message);
+        let e = parse_client(r#"{"type":"playback","response_id":"x","played_ms":3}"#).unwrap_err();
+        assert!(e.message.contains("response_id"), "{}", e.message);
+        let e = parse_client(r#"{"type":"session.update","mode":"duplex"}"#).unwrap_err();
+        assert!(e.message.contains("mode"));
+    }
+
+    #[test]
+    fn client_events_parse() {
+        let i = parse_client(r#"{"type":"input.text","text":"hi","seq":4}"#).unwrap();
+        assert_eq!(i.seq, Some(4));
+        assert_eq!(i.event, ClientEvent::InputText { text: "hi".into(), generation: None });
+        let i = parse_client(r#"{"type":"ack","seq":9}"#).unwrap();
+        assert_eq!(i.seq, None, "an ack's seq is the server seq it acknowledges");
+        assert_eq!(i.event, ClientEvent::Ack { seq: 9 });
+        let i = parse_client(
+            r#"{"type":"session.create","mode":"duplex","input_audio":{"codec":"opus","sample_rate":48000},"output_audio":{"codec":"pcm16","frame_ms":40},"voice":{"id":"default"},"duplex":{"policy":"speak_every","k":2}}"#,
+        )
+        .unwrap();
+        let ClientEvent::SessionCreate(c) = i.event else { panic!() };
+        assert_eq!(c.duplex, Some(DuplexPolicy::SpeakEvery { k: 2 }));
+        assert_eq!(c.voice, Some(Voice::Configured { id: "default".into() }));
+    }
+
+    #[test]
+    fn server_events_carry_seq_except_connection_level() {
+        let e = ServerEvent::ResponseCreated { seq: 0, response_id: 1, trigger: "text" }.with_seq(5);
+        assert!(e.to_json().contains("\"seq\":5") && e.to_json().contains("\"type\":\"response.created\""));
+        assert!(ServerEvent::Ack { input_seq: 3 }.is_connection_level());
+        assert!(!ServerEvent::error(&WireError::new(ErrorCode::BadAudio, "x")).with_seq(2).is_connection_level());
+        assert!(ServerEvent::error(&WireError::new(ErrorCode::BadJson, "x")).is_connection_level());
+    }
+}

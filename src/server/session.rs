@@ -1,0 +1,758 @@
+//! Sessions: the conversation state that outlives connections. Each session is one task (an
+//! actor) owning its state: mode, formats, voice, instructions, generation defaults, history, the
+//! server sequence counter and the replay journal, the highest applied input seq, the current
+//! response. Connections feed it client events and audio, the engine feeds it response events;
+//! it sends every conversation message with a seq, journals it, and writes it to the attached
+//! socket if there is one. A socket that drops parks the session for the grace period; a resume
+//! re-attaches and replays what the client lacks.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tracing::Instrument;
+
+use super::audio_edge::{InputAudio, OutputAudio};
+use super::journal::{Journal, WireMsg};
+use super::protocol::{
+    AudioFrame, ClientEvent, ErrorCode, Generation, Limits, Mode as WireMode, OutputAudio as OutputFormat, ServerEvent,
+    SessionCreate, SessionUpdate, Voice, WireError, KIND_AUDIO, PROTOCOL_VERSION,
+};
+use super::Shared;
+use crate::engine::{EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, Turn, UserInput};
+
+pub type ConnId = u64;
+
+/// What a session (or the connection itself) writes to a socket.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outbound {
+    Text(String),
+    Binary(Vec<u8>),
+    Close(u16, String),
+}
+
+/// The writing end of a connection.
+#[derive(Clone)]
+pub struct Conn {
+    pub id: ConnId,
+    pub tx: UnboundedSender<Outbound>,
+}
+
+static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+
+impl Conn {
+    pub fn new(tx: UnboundedSender<Outbound>) -> Self {
+        Self { id: NEXT_CONN.fetch_add(1, Ordering::Relaxed), tx }
+    }
+
+    pub fn send(&self, m: Outbound) {
+        let _ = self.tx.send(m);
+    }
+
+    pub fn send_event(&self, e: &ServerEvent) {
+        self.send(Outbound::Text(e.to_json()));
+    }
+}
+
+/// Messages to a session.
+pub enum SessionMsg {
+    Event { seq: Option<u64>, event: ClientEvent },
+    Audio { seq: Option<u64>, kind: u8, payload: Vec<u8> },
+    /// A client message that could not be parsed.
+    Invalid(WireError),
+    /// A resume (token checked): attach this connection, replay after `last_seq`.
+    Attach { conn: Conn, last_seq: u64 },
+    /// The connection went away without `session.close`.
+    Detach { conn: ConnId },
+    Engine { response_id: u32, event: EngineEvent },
+    Shutdown { retry_after_ms: u64 },
+    Tick,
+}
+
+/// The manager's view of a session.
+#[derive(Clone)]
+pub struct Handle {
+    pub token: String,
+    pub tx: UnboundedSender<SessionMsg>,
+}
+
+/// All sessions of the server, and the ids of recently expired ones.
+#[derive(Default)]
+pub struct SessionManager {
+    inner: Mutex<ManagerState>,
+}
+
+#[derive(Default)]
+struct ManagerState {
+    sessions: HashMap<String, Handle>,
+    expired: HashMap<String, Instant>,
+    parked: std::collections::HashSet<String>,
+    journal_bytes: HashMap<String, usize>,
+}
+
+fn random_token(bytes: usize) -> String {
+    use rand::RngCore;
+    let mut b = vec![0u8; bytes];
+    rand::rng().fill_bytes(&mut b);
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(b)
+}
+
+impl SessionManager {
+    pub fn len(&self) -> usize {
+        self.inner.lock().expect("manager").sessions.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn parked(&self) -> usize {
+        self.inner.lock().expect("manager").parked.len()
+    }
+
+    pub fn journal_bytes(&self) -> usize {
+        self.inner.lock().expect("manager").journal_bytes.values().sum()
+    }
+
+    fn set_parked(&self, id: &str, parked: bool) {
+        let mut m = self.inner.lock().expect("manager");
+        if parked {
+            m.parked.insert(id.to_string());
+        } else {
+            m.parked.remove(id);
+        }
+    }
+
+    fn set_journal_bytes(&self, id: &str, bytes: usize) {
+        self.inner.lock().expect("manager").journal_bytes.insert(id.to_string(), bytes);
+    }
+
+    /// Handles of every live session (for shutdown).
+    pub fn all(&self) -> Vec<Handle> {
+        self.inner.lock().expect("manager").sessions.values().cloned().collect()
+    }
+
+    fn remove(&self, id: &str, expired: bool) {
+        let mut m = self.inner.lock().expect("manager");
+        m.sessions.remove(id);
+        m.parked.remove(id);
+        m.journal_bytes.remove(id);
+        if expired {
+            let now = Instant::now();
+            m.expired.retain(|_, t| now.duration_since(*t) < Duration::from_secs(3600));
+            m.expired.insert(id.to_string(), now);
+        }
+    }
+
+    pub fn handle(&self, id: &str) -> Option<Handle> {
+        self.inner.lock().expect("manager").sessions.get(id).cloned()
+    }
+
+    /// Looks a session up for a resume.
+    pub fn resume(&self, id: &str, token: &str) -> Result<Handle, WireError> {
+        let m = self.inner.lock().expect("manager");
+        match m.sessions.get(id) {
+            Some(h) if h.token == token => Ok(h.clone()),
+            Some(_) => Err(WireError::new(ErrorCode::BadResumeToken, "the resume token does not match this session")),
+            None if m.expired.contains_key(id) => Err(WireError::new(ErrorCode::SessionExpired, "the session expired after its grace period")),
+            None => Err(WireError::new(ErrorCode::SessionNotFound, format!("no session {id}"))),
+        }
+    }
+
+    /// Creates a session attached to `conn` (its `session.created` is sent by the session task).
+    pub fn create(self: &Arc<Self>, shared: &Arc<Shared>, c: SessionCreate, conn: Conn) -> Result<String, WireError> {
+        let cfg = &shared.config.server;
+        if shared.is_shutting_down() {
+            return Err(WireError::fatal(ErrorCode::Capacity, "the server is shutting down").retry_after(cfg.retry_after_ms));
+        }
+        let session = Session::new(shared.clone(), &c)?;
+        let id = format!("s_{}", random_token(12));
+        let token = random_token(24);
+        let (tx, rx) = unbounded_channel();
+        {
+            let mut m = self.inner.lock().expect("manager");
+            if m.sessions.len() >= cfg.max_sessions {
+                return Err(WireError::fatal(ErrorCode::Capacity, "the server has no free session").retry_after(cfg.retry_after_ms));
+            }
+            m.sessions.insert(id.clone(), Handle { token: token.clone(), tx: tx.clone() });
+        }
+        shared.metrics.sessions_created.inc();
+        let span = tracing::info_span!("session", id = %id);
+        let actor = session.start(id.clone(), token, tx, conn, self.clone());
+        tokio::spawn(actor.run(rx).instrument(span));
+        Ok(id)
+    }
+}
+
+struct Resp {
+    id: u32,
+    engine_id: RequestId,
+    trigger: &'static str,
+    user: String,
+    text: String,
+    packets: u64,
+    audio_samples: u64,
+    started: Instant,
+    first_packet: bool,
+}
+
+struct HistoryTurn {
+    response_id: u32,
+    user: String,
+    assistant: String,
+    audio_ms: u64,
+}
+
+/// A session's state (owned by its task).
+pub struct Session {
+    shared: Arc<Shared>,
+    id: String,
+    token: String,
+    manager: Option<Arc<SessionManager>>,
+    me: Option<UnboundedSender<SessionMsg>>,
+    mode: WireMode,
+    input: InputAudio,
+    output_format: OutputFormat,
+    out: OutputAudio,
+    pending_output: Option<OutputFormat>,
+    voice: RefInput,
+    instructions: Option<String>,
+    generation: Generation,
+    history: Vec<HistoryTurn>,
+    next_seq: u64,
+    journal: Journal,
+    applied_input: u64,
+    input_since_ack: bool,
+    last_ack: Instant,
+    conn: Option<Conn>,
+    parked_at: Option<Instant>,
+    created: Instant,
+    last_activity: Instant,
+    responses: u32,
+    current: Option<Resp>,
+    closing: bool,
+    ended: bool,
+}
+
+impl Session {
+    fn new(shared: Arc<Shared>, c: &SessionCreate) -> Result<Self, WireError> {
+        let cfg = &shared.config.server;
+        let input = InputAudio::new(c.input_audio.codec, c.input_audio.sample_rate)
+            .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `input_audio.sample_rate`: {e}")))?;
+        let out = OutputAudio::new(c.output_audio.codec, c.output_audio.frame_ms.unwrap_or(20))
+            .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `output_audio.frame_ms`: {e}")))?;
+        if c.mode == WireMode::Duplex {
+            return Err(WireError::new(ErrorCode::BadField, "field `mode`: duplex sessions are not served by this build yet"));
+        }
+        let voice = resolve_voice(&shared, c.voice.as_ref())?;
+        let now = Instant::now();
+        Ok(Self {
+            journal: Journal::new(cfg.journal_max_bytes, cfg.journal_max_audio_s * 1000),
+            shared,
+            id: String::new(),
+            token: String::new(),
+            manager: None,
+            me: None,
+            mode: c.mode,
+            input,
+            output_format: OutputFormat { codec: c.output_audio.codec, frame_ms: Some(c.output_audio.frame_ms.unwrap_or(20)) },
+            out,
+            pending_output: None,
+            voice,
+            instructions: c.instructions.clone(),
+            generation: c.generation.clone().unwrap_or_default(),
+            history: Vec::new(),
+            next_seq: 1,
+            applied_input: 0,
+            input_since_ack: false,
+            last_ack: now,
+            conn: None,
+            parked_at: None,
+            created: now,
+            last_activity: now,
+            responses: 0,
+            current: None,
+            closing: false,
+            ended: false,
+        })
+    }
+
+    fn start(mut self, id: String, token: String, me: UnboundedSender<SessionMsg>, conn: Conn, manager: Arc<SessionManager>) -> Self {
+        self.id = id;
+        self.token = token;
+        self.me = Some(me);
+        self.manager = Some(manager);
+        self.conn = Some(conn);
+        self
+    }
+
+    async fn run(mut self, mut rx: UnboundedReceiver<SessionMsg>) {
+        let cfg = &self.shared.config.server;
+        let created = ServerEvent::SessionCreated {
+            seq: 0,
+            session_id: self.id.clone(),
+            resume_token: self.token.clone(),
+            protocol: PROTOCOL_VERSION,
+            mode: self.mode,
+            output_audio: self.output_format.clone(),
+            resume_grace_s: cfg.resume_grace_s,
+            limits: Limits {
+                max_text_frame: cfg.max_text_frame,
+                max_binary_frame: cfg.max_binary_frame,
+                journal_max_bytes: cfg.journal_max_bytes,
+                journal_max_audio_ms: cfg.journal_max_audio_s * 1000,
+            },
+            synthetic_weights: self.shared.synthetic,
+        };
+        tracing::info!("session created");
+        self.send_event(created);
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        while !self.ended {
+            tokio::select! {
+                m = rx.recv() => match m {
+                    Some(m) => self.handle(m),
+                    None => break,
+                },
+                _ = tick.tick() => self.handle(SessionMsg::Tick),
+            }
+        }
+        tracing::info!("session ended");
+    }
+
+    // ------------------------------------------------------------------ sending
+
+    fn emit(&mut self, seq: u64, msg: WireMsg, audio_ms: u64) {
+        if self.journal.push(seq, msg.clone(), audio_ms).is_err() {
+            // the client stopped acknowledging: the session cannot promise replay any more
+            let e = ServerEvent::error(&WireError::fatal(ErrorCode::JournalOverflow, "the replay journal is full"));
+            if let Some(c) = &self.conn {
+                c.send_event(&e);
+            }
+            self.shared.metrics.errors.with_label_values(&[ErrorCode::JournalOverflow.as_str()]).inc();
+            self.end(true, Some((1008, "journal overflow")));
+            return;
+        }
+        if let Some(m) = &self.manager {
+            m.set_journal_bytes(&self.id, self.journal.bytes());
+        }
+        if let Some(c) = &self.conn {
+            c.send(match msg {
+                WireMsg::Text(t) => Outbound::Text(t),
+                WireMsg::Binary(b) => Outbound::Binary(b),
+            });
+        }
+    }
+
+    fn send_event(&mut self, e: ServerEvent) {
+        if self.ended {
+            return;
+        }
+        if e.is_connection_level() {
+            if let Some(c) = &self.conn {
+                c.send_event(&e);
+            }
+            return;
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.emit(seq, WireMsg::Text(e.with_seq(seq).to_json()), 0);
+    }
+
+    fn send_error(&mut self, e: WireError) {
+        self.shared.metrics.errors.with_label_values(&[e.code.as_str()]).inc();
+        let fatal = e.fatal;
+        self.send_event(ServerEvent::error(&e).with_seq(0));
+        if fatal {
+            self.end(false, Some((1008, e.code.as_str())));
+        }
+    }
+
+    fn send_audio(&mut self, response_id: u32, payload: Vec<u8>, last: bool) {
+        if self.ended {
+            return;
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let frame = AudioFrame { kind: KIND_AUDIO, last, seq: seq as u32, response_id, payload };
+        let ms = self.output_format.frame_ms.unwrap_or(20) as u64;
+        self.emit(seq, WireMsg::Binary(frame.encode()), ms);
+    }
+
+    /// Ends the session: cancels the response, forgets the session, closes the socket.
+    fn end(&mut self, expired: bool, close: Option<(u16, &str)>) {
+        if self.ended {
+            return;
+        }
+        self.ended = true;
+        if let Some(r) = self.current.take() {
+            self.shared.engine.cancel(&r.engine_id, 0);
+        }
+        if let Some(m) = &self.manager {
+            m.remove(&self.id, expired);
+        }
+        if let Some(c) = self.conn.take() {
+            let (code, why) = close.unwrap_or((1000, "session closed"));
+            c.send(Outbound::Close(code, why.to_string()));
+        }
+    }
+
+    // ------------------------------------------------------------------ responses
+
+    fn start_response(&mut self, trigger: &'static str, input: UserInput, user: String, gen: Option<Generation>) {
+        if self.closing {
+            self.send_error(WireError::new(ErrorCode::Capacity, "the server is shutting down; no new responses"));
+            return;
+        }
+        if self.current.is_some() {
+            // a new turn while answering: the old answer is cut short
+            self.cancel_response();
+        }
+        if let Some(f) = self.pending_output.take() {
+            if let Ok(o) = OutputAudio::new(f.codec, f.frame_ms.unwrap_or(20)) {
+                self.out = o;
+                self.output_format = f;
+            }
+        }
+        self.out.reset();
+        self.responses += 1;
+        let rid = self.responses;
+        let engine_id = RequestId(format!("{}/{}", self.id, rid));
+        let g = merge(&self.generation, gen.as_ref());
+        let spec = RequestSpec {
+            id: engine_id.clone(),
+            epoch: 0,
+            mode: Mode::Turn,
+            input,
+            instructions: self.instructions.clone(),
+            history: self.history.iter().map(|t| Turn { user: t.user.clone(), assistant: t.assistant.clone() }).collect(),
+            voice: self.voice.clone(),
+            generation: GenerationParams {
+                max_text_tokens: g.max_text_tokens,
+                min_text_tokens: g.min_text_tokens,
+                max_audio_tokens: g.max_audio_tokens,
+                min_audio_tokens: g.min_audio_tokens,
+                temperature: g.temperature,
+                seed: g.seed,
+            },
+        };
+        self.send_event(ServerEvent::ResponseCreated { seq: 0, response_id: rid, trigger });
+        let me = self.me.clone().expect("started");
+        let sink = Arc::new(move |event: EngineEvent| {
+            let _ = me.send(SessionMsg::Engine { response_id: rid, event });
+        });
+        self.current = Some(Resp {
+            id: rid,
+            engine_id,
+            trigger,
+            user,
+            text: String::new(),
+            packets: 0,
+            audio_samples: 0,
+            started: Instant::now(),
+            first_packet: false,
+        });
+        tracing::info!(response = rid, trigger, "response started");
+        if let Err(e) = self.shared.engine.submit(spec, sink) {
+            self.finish_response(Status::Failed(e.to_string()));
+        }
+    }
+
+    fn cancel_response(&mut self) {
+        if let Some(r) = &self.current {
+            self.shared.engine.cancel(&r.engine_id, 0);
+            self.out.reset();
+            self.finish_response(Status::Cancelled);
+        }
+    }
+
+    fn finish_response(&mut self, status: Status) {
+        let Some(r) = self.current.take() else { return };
+        let (label, msg) = match &status {
+            Status::Completed => ("completed", None),
+            Status::Cancelled => ("cancelled", None),
+            Status::Failed(why) => ("failed", Some(why.clone())),
+        };
+        if let Some(why) = msg {
+            tracing::warn!(response = r.id, "response failed: {why}");
+            self.send_error(WireError::new(ErrorCode::Internal, format!("response {} failed: {why}", r.id)));
+        }
+        let audio_ms = r.audio_samples * 1000 / super::audio_edge::OUTPUT_RATE as u64;
+        self.send_event(ServerEvent::ResponseDone { seq: 0, response_id: r.id, status: label, audio_ms, packets: r.packets });
+        self.shared.metrics.responses.with_label_values(&[label]).inc();
+        tracing::info!(response = r.id, status = label, audio_ms, "response done");
+        let _ = r.trigger;
+        self.history.push(HistoryTurn { response_id: r.id, user: r.user, assistant: r.text, audio_ms });
+        if self.closing {
+            self.end(false, Some((1001, "server shutting down")));
+        }
+    }
+
+    fn on_engine(&mut self, response_id: u32, event: EngineEvent) {
+        let Some(r) = self.current.as_mut() else { return };
+        if r.id != response_id {
+            return;
+        }
+        match event {
+            EngineEvent::TextDelta(t) => {
+                r.text.push_str(&t);
+                self.send_event(ServerEvent::ResponseTextDelta { seq: 0, response_id, text: t });
+            }
+            EngineEvent::Audio { samples, last, .. } => {
+                r.audio_samples += samples.len() as u64;
+                let mut packets = match self.out.push(&samples) {
+                    Ok(p) => p,
+                    Err(e) => return self.finish_response(Status::Failed(format!("encoding audio: {e}"))),
+                };
+                if last {
+                    match self.out.finish() {
+                        Ok(Some(p)) => packets.push(p),
+                        Ok(None) => {}
+                        Err(e) => return self.finish_response(Status::Failed(format!("encoding audio: {e}"))),
+                    }
+                    if packets.is_empty() {
+                        // nothing left to carry the flag: a frame of silence does
+                        let frame = vec![0.0; self.out.frame_samples()];
+                        if let Ok(mut p) = self.out.push(&frame) {
+                            packets.append(&mut p);
+                        }
+                    }
+                }
+                let n = packets.len();
+                for (i, p) in packets.into_iter().enumerate() {
+                    if let Some(r) = self.current.as_mut() {
+                        r.packets += 1;
+                        if !r.first_packet {
+                            r.first_packet = true;
+                            self.shared.metrics.ttfa.observe(r.started.elapsed().as_secs_f64());
+                        }
+                    }
+                    self.send_audio(response_id, p, last && i + 1 == n);
+                }
+            }
+            EngineEvent::Done { status, .. } => self.finish_response(status),
+        }
+    }
+
+    // ------------------------------------------------------------------ client input
+
+    fn apply_update(&mut self, u: SessionUpdate) -> Result<(), WireError> {
+        if let Some(i) = &u.input_audio {
+            self.input = InputAudio::new(i.codec, i.sample_rate)
+                .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `input_audio.sample_rate`: {e}")))?;
+        }
+        if let Some(o) = u.output_audio {
+            OutputAudio::new(o.codec, o.frame_ms.unwrap_or(20))
+                .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `output_audio.frame_ms`: {e}")))?;
+            self.pending_output = Some(OutputFormat { codec: o.codec, frame_ms: Some(o.frame_ms.unwrap_or(20)) });
+        }
+        if let Some(v) = &u.voice {
+            self.voice = resolve_voice(&self.shared, Some(v))?;
+        }
+        if let Some(i) = u.instructions {
+            self.instructions = Some(i);
+        }
+        if let Some(g) = u.generation {
+            self.generation = g;
+        }
+        Ok(())
+    }
+
+    fn on_event(&mut self, event: ClientEvent) {
+        match event {
+            ClientEvent::SessionCreate(_) | ClientEvent::SessionResume(_) => {
+                self.send_error(WireError::new(ErrorCode::SessionInUse, "this connection already holds a session"))
+            }
+            ClientEvent::SessionUpdate(u) => {
+                if let Err(e) = self.apply_update(*u) {
+                    self.send_error(e);
+                }
+            }
+            ClientEvent::InputText { text, generation } => {
+                self.start_response("text", UserInput::Text(text.clone()), text, generation);
+            }
+            ClientEvent::InputCommit { generation } => {
+                if self.input.buffered_ms() == 0 {
+                    return self.send_error(WireError::new(ErrorCode::BadField, "input.commit: no input audio since the last turn"));
+                }
+                match self.input.take_16k() {
+                    Ok(a) => self.start_response("commit", UserInput::Audio(a), "[spoken]".into(), generation),
+                    Err(e) => self.send_error(WireError::new(ErrorCode::BadAudio, format!("input audio: {e}"))),
+                }
+            }
+            ClientEvent::InputClear => self.input.clear(),
+            ClientEvent::ResponseCancel { response_id } => {
+                let matches = self.current.as_ref().is_some_and(|r| response_id.is_none_or(|id| id == r.id));
+                if matches {
+                    self.cancel_response();
+                }
+            }
+            ClientEvent::Playback { response_id, played_ms } => {
+                if let Some(t) = self.history.iter_mut().find(|t| t.response_id == response_id) {
+                    if t.audio_ms > 0 && played_ms < t.audio_ms {
+                        let chars: Vec<char> = t.assistant.chars().collect();
+                        let keep = (chars.len() as u64 * played_ms / t.audio_ms) as usize;
+                        t.assistant = chars[..keep].iter().collect();
+                    }
+                }
+            }
+            ClientEvent::Ack { seq } => self.journal.ack(seq),
+            ClientEvent::Ping { id } => {
+                if let Some(c) = &self.conn {
+                    c.send_event(&ServerEvent::Pong { id });
+                }
+            }
+            ClientEvent::SessionClose => self.end(false, Some((1000, "session closed"))),
+        }
+    }
+
+    /// Input dedupe: true if this seq was already applied.
+    fn seen(&mut self, seq: Option<u64>) -> bool {
+        self.input_since_ack = true;
+        match seq {
+            Some(s) if s <= self.applied_input => true,
+            Some(s) => {
+                self.applied_input = s;
+                false
+            }
+            None => false,
+        }
+    }
+
+    fn handle(&mut self, m: SessionMsg) {
+        match m {
+            SessionMsg::Event { seq, event } => {
+                self.last_activity = Instant::now();
+                // acks and pings are not conversation input
+                let counted = !matches!(event, ClientEvent::Ack { .. } | ClientEvent::Ping { .. });
+                if counted && self.seen(seq) {
+                    return;
+                }
+                self.on_event(event);
+            }
+            SessionMsg::Audio { seq, kind, payload } => {
+                self.last_activity = Instant::now();
+                if self.seen(seq) || kind != KIND_AUDIO {
+                    return;
+                }
+                if let Err(e) = self.input.push(&payload) {
+                    self.send_error(WireError::new(ErrorCode::BadAudio, format!("packet dropped: {e}")));
+                }
+            }
+            SessionMsg::Invalid(e) => self.send_error(e),
+            SessionMsg::Attach { conn, last_seq } => {
+                if let Some(old) = self.conn.take() {
+                    if old.id != conn.id {
+                        old.send_event(&ServerEvent::SessionClosing { seq: 0, reason: "replaced", retry_after_ms: None });
+                        old.send(Outbound::Close(1000, "replaced".into()));
+                    }
+                }
+                self.journal.ack(last_seq);
+                conn.send_event(&ServerEvent::SessionResumed { session_id: self.id.clone(), input_seq: self.applied_input });
+                for m in self.journal.after(last_seq) {
+                    conn.send(match m {
+                        WireMsg::Text(t) => Outbound::Text(t.clone()),
+                        WireMsg::Binary(b) => Outbound::Binary(b.clone()),
+                    });
+                }
+                self.conn = Some(conn);
+                self.parked_at = None;
+                if let Some(m) = &self.manager {
+                    m.set_parked(&self.id, false);
+                }
+                tracing::info!(last_seq, "session resumed");
+            }
+            SessionMsg::Detach { conn } => {
+                if self.conn.as_ref().is_some_and(|c| c.id == conn) {
+                    self.conn = None;
+                    self.parked_at = Some(Instant::now());
+                    if let Some(m) = &self.manager {
+                        m.set_parked(&self.id, true);
+                    }
+                    tracing::info!("session parked");
+                }
+            }
+            SessionMsg::Engine { response_id, event } => self.on_engine(response_id, event),
+            SessionMsg::Shutdown { retry_after_ms } => {
+                if !self.closing {
+                    self.closing = true;
+                    self.send_event(ServerEvent::SessionClosing { seq: 0, reason: "shutdown", retry_after_ms: Some(retry_after_ms) });
+                    if self.current.is_none() {
+                        self.end(false, Some((1001, "server shutting down")));
+                    }
+                }
+            }
+            SessionMsg::Tick => self.tick(),
+        }
+    }
+
+    fn tick(&mut self) {
+        let cfg = &self.shared.config.server;
+        let now = Instant::now();
+        if let Some(t) = self.parked_at {
+            if now.duration_since(t) >= Duration::from_secs(cfg.resume_grace_s) {
+                tracing::info!("session expired");
+                self.end(true, None);
+                return;
+            }
+        }
+        if self.input_since_ack && now.duration_since(self.last_ack) >= Duration::from_millis(400) {
+            if let Some(c) = &self.conn {
+                c.send_event(&ServerEvent::Ack { input_seq: self.applied_input });
+            }
+            self.input_since_ack = false;
+            self.last_ack = now;
+        }
+        let idle = cfg.idle_timeout_s > 0 && self.current.is_none() && now.duration_since(self.last_activity) >= Duration::from_secs(cfg.idle_timeout_s);
+        let old = cfg.max_duration_s > 0 && now.duration_since(self.created) >= Duration::from_secs(cfg.max_duration_s);
+        if idle || old {
+            let reason = if idle { "idle" } else { "max_duration" };
+            self.send_event(ServerEvent::SessionClosing { seq: 0, reason, retry_after_ms: None });
+            self.end(false, Some((1000, reason)));
+        }
+    }
+}
+
+fn merge(base: &Generation, over: Option<&Generation>) -> Generation {
+    let Some(o) = over else { return base.clone() };
+    Generation {
+        max_text_tokens: o.max_text_tokens.or(base.max_text_tokens),
+        min_text_tokens: o.min_text_tokens.or(base.min_text_tokens),
+        max_audio_tokens: o.max_audio_tokens.or(base.max_audio_tokens),
+        min_audio_tokens: o.min_audio_tokens.or(base.min_audio_tokens),
+        temperature: o.temperature.or(base.temperature),
+        seed: o.seed.or(base.seed),
+    }
+}
+
+/// A configured voice by id, uploaded audio (WAV, or raw PCM16 at `sample_rate`), or the default.
+fn resolve_voice(shared: &Shared, v: Option<&Voice>) -> Result<RefInput, WireError> {
+    match v {
+        None => Ok(shared.voices[&shared.default_voice].clone()),
+        Some(Voice::Configured { id }) => {
+            shared.voices.get(id).cloned().ok_or_else(|| WireError::new(ErrorCode::BadField, format!("field `voice.id`: no voice {id:?}")))
+        }
+        Some(Voice::Uploaded { ref_audio_b64, sample_rate }) => {
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(ref_audio_b64)
+                .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `voice.ref_audio_b64`: not base64 ({e})")))?;
+            let (samples, rate) = if bytes.starts_with(b"RIFF") {
+                crate::audio::decode_wav(&bytes).map_err(|e| WireError::new(ErrorCode::BadField, format!("field `voice.ref_audio_b64`: {e}")))?
+            } else {
+                if bytes.len() % 2 != 0 {
+                    return Err(WireError::new(ErrorCode::BadField, "field `voice.ref_audio_b64`: PCM16 of odd length"));
+                }
+                (bytes.chunks_exact(2).map(|b| crate::audio::i16_to_f32(i16::from_le_bytes([b[0], b[1]]))).collect(), *sample_rate)
+            };
+            if samples.len() < (rate as usize / 2) || !(8_000..=96_000).contains(&rate) {
+                return Err(WireError::new(ErrorCode::BadField, "field `voice.ref_audio_b64`: needs at least 0.5 s of audio at 8-96 kHz"));
+            }
+            if samples.iter().any(|s| !s.is_finite()) {
+                return Err(WireError::new(ErrorCode::BadField, "field `voice.ref_audio_b64`: non-finite samples"));
+            }
+            Ok(RefInput::new(samples, rate))
+        }
+    }
+}

@@ -1,0 +1,131 @@
+//! One WebSocket connection: checks sizes, parses frames, creates or resumes a session, forwards
+//! everything else to it, and writes what the session (or the connection itself) sends. A socket
+//! that ends without `session.close` parks its session.
+
+use std::sync::Arc;
+
+use axum::extract::ws::{CloseFrame, Message, WebSocket};
+use futures_util::{SinkExt, StreamExt};
+use tokio::sync::mpsc::unbounded_channel;
+
+use super::protocol::{parse_client, AudioFrame, ClientEvent, ErrorCode, ServerEvent, WireError};
+use super::session::{Conn, Outbound, SessionMsg};
+use super::Shared;
+
+pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>) {
+    shared.metrics.connections.inc();
+    let (mut sink, mut stream) = socket.split();
+    let (tx, mut rx) = unbounded_channel::<Outbound>();
+    let writer = tokio::spawn(async move {
+        while let Some(m) = rx.recv().await {
+            let msg = match m {
+                Outbound::Text(t) => Message::Text(t.into()),
+                Outbound::Binary(b) => Message::Binary(b.into()),
+                Outbound::Close(code, reason) => {
+                    let _ = sink.send(Message::Close(Some(CloseFrame { code, reason: reason.into() }))).await;
+                    break;
+                }
+            };
+            if sink.send(msg).await.is_err() {
+                break;
+            }
+        }
+        let _ = sink.close().await;
+    });
+    let conn = Conn::new(tx.clone());
+    let limits = &shared.config.server;
+    let mut session: Option<tokio::sync::mpsc::UnboundedSender<SessionMsg>> = None;
+    let mut clean = false;
+    let error = |e: WireError| {
+        shared.metrics.errors.with_label_values(&[e.code.as_str()]).inc();
+        conn.send_event(&ServerEvent::error(&e));
+    };
+    while let Some(frame) = stream.next().await {
+        let Ok(frame) = frame else { break };
+        match frame {
+            Message::Text(t) => {
+                if t.len() > limits.max_text_frame {
+                    error(WireError::fatal(ErrorCode::MessageTooLarge, format!("text frame of {} bytes (limit {})", t.len(), limits.max_text_frame)));
+                    conn.send(Outbound::Close(1009, "message too large".into()));
+                    break;
+                }
+                let inc = match parse_client(t.as_str()) {
+                    Ok(i) => i,
+                    Err(e) => {
+                        match &session {
+                            Some(s) => {
+                                let _ = s.send(SessionMsg::Invalid(e));
+                            }
+                            None => error(e),
+                        }
+                        continue;
+                    }
+                };
+                match (&session, inc.event) {
+                    (None, ClientEvent::SessionCreate(c)) => match shared.sessions.create(&shared, *c, conn.clone()) {
+                        Ok(id) => {
+                            let h = shared.sessions.handle(&id);
+                            session = h.map(|h| h.tx);
+                        }
+                        Err(e) => {
+                            let fatal = e.fatal;
+                            error(e);
+                            if fatal {
+                                conn.send(Outbound::Close(1013, "try again later".into()));
+                                clean = true;
+                                break;
+                            }
+                        }
+                    },
+                    (None, ClientEvent::SessionResume(r)) => match shared.sessions.resume(&r.session_id, &r.resume_token) {
+                        Ok(h) => {
+                            let _ = h.tx.send(SessionMsg::Attach { conn: conn.clone(), last_seq: r.last_seq });
+                            session = Some(h.tx);
+                        }
+                        Err(e) => error(e),
+                    },
+                    (None, ClientEvent::Ping { id }) => conn.send_event(&ServerEvent::Pong { id }),
+                    (None, _) => error(WireError::new(ErrorCode::NotInSession, "send session.create or session.resume first")),
+                    (Some(s), event) => {
+                        let close = matches!(event, ClientEvent::SessionClose);
+                        let _ = s.send(SessionMsg::Event { seq: inc.seq, event });
+                        if close {
+                            clean = true;
+                        }
+                    }
+                }
+            }
+            Message::Binary(b) => {
+                if b.len() > limits.max_binary_frame {
+                    error(WireError::fatal(ErrorCode::MessageTooLarge, format!("binary frame of {} bytes (limit {})", b.len(), limits.max_binary_frame)));
+                    conn.send(Outbound::Close(1009, "message too large".into()));
+                    break;
+                }
+                let Some(s) = &session else {
+                    error(WireError::new(ErrorCode::NotInSession, "audio before session.create"));
+                    continue;
+                };
+                match AudioFrame::decode(&b) {
+                    Some(f) => {
+                        let seq = (f.seq != 0).then_some(f.seq as u64);
+                        let _ = s.send(SessionMsg::Audio { seq, kind: f.kind, payload: f.payload });
+                    }
+                    None => {
+                        let _ = s.send(SessionMsg::Invalid(WireError::new(ErrorCode::BadAudio, "binary frame shorter than its 12-byte header")));
+                    }
+                }
+            }
+            Message::Close(_) => break,
+            Message::Ping(_) | Message::Pong(_) => {}
+        }
+    }
+    if let Some(s) = &session {
+        if !clean {
+            let _ = s.send(SessionMsg::Detach { conn: conn.id });
+        }
+    }
+    // the writer ends when the session lets go of this connection (or right away if it has none)
+    drop(conn);
+    drop(tx);
+    drop(writer);
+}
