@@ -598,7 +598,12 @@ impl Session {
                     }
                 }
             }
-            ClientEvent::Ack { seq } => self.journal.ack(seq),
+            ClientEvent::Ack { seq } => {
+                self.journal.ack(seq);
+                if let Some(m) = &self.manager {
+                    m.set_journal_bytes(&self.id, self.journal.bytes());
+                }
+            }
             ClientEvent::Ping { id } => {
                 if let Some(c) = &self.conn {
                     c.send_event(&ServerEvent::Pong { id });
@@ -650,6 +655,9 @@ impl Session {
                     }
                 }
                 self.journal.ack(last_seq);
+                if let Some(m) = &self.manager {
+                    m.set_journal_bytes(&self.id, self.journal.bytes());
+                }
                 conn.send_event(&ServerEvent::SessionResumed { session_id: self.id.clone(), input_seq: self.applied_input });
                 for m in self.journal.after(last_seq) {
                     conn.send(match m {

@@ -1,0 +1,475 @@
+//! The server against raw WebSocket clients, on 127.0.0.1:0 with the tiny engine: every event and
+//! error code, resume at random cut points with nothing lost or doubled, input dedupe, expiry,
+//! replacement, capacity, bad input, an Opus round trip, auth, and shutdown.
+
+use std::time::{Duration, Instant};
+
+use antiphon::server::config::Config;
+use antiphon::server::protocol::AudioFrame;
+use antiphon::server::Server;
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio::net::TcpStream;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
+
+async fn server(edit: impl FnOnce(&mut Config)) -> Server {
+    let mut cfg = Config::parse(antiphon::server::config::DEFAULT_TOML, std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs"))).unwrap();
+    cfg.server.listen = "127.0.0.1:0".into();
+    edit(&mut cfg);
+    let models = antiphon::synth::models_in_memory(antiphon::synth::Preset::Tiny, 0, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+    let s = antiphon::server::start(cfg, models).await.unwrap();
+    // wait until warmed up
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !s.shared.ready.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(Instant::now() < deadline, "server never got ready");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    s
+}
+
+/// A message as the client sees it.
+#[derive(Debug, Clone)]
+enum In {
+    Event(Value),
+    Audio(AudioFrame),
+    Closed(Option<u16>),
+}
+
+impl In {
+    fn seq(&self) -> Option<u64> {
+        match self {
+            In::Event(v) => v.get("seq").and_then(Value::as_u64),
+            In::Audio(f) => Some(f.seq as u64),
+            In::Closed(_) => None,
+        }
+    }
+    fn ty(&self) -> &str {
+        match self {
+            In::Event(v) => v["type"].as_str().unwrap_or(""),
+            In::Audio(_) => "audio",
+            In::Closed(_) => "closed",
+        }
+    }
+}
+
+struct Client {
+    ws: Ws,
+}
+
+impl Client {
+    async fn connect(s: &Server) -> Self {
+        Self::connect_to(&format!("ws://{}/v1/realtime", s.addr)).await.unwrap()
+    }
+
+    async fn connect_to(url: &str) -> Result<Self, tokio_tungstenite::tungstenite::Error> {
+        let (ws, _) = tokio_tungstenite::connect_async(url).await?;
+        Ok(Self { ws })
+    }
+
+    async fn send(&mut self, v: Value) {
+        self.ws.send(Message::Text(v.to_string().into())).await.unwrap();
+    }
+
+    async fn send_raw(&mut self, m: Message) {
+        let _ = self.ws.send(m).await;
+    }
+
+    async fn recv(&mut self) -> In {
+        match tokio::time::timeout(Duration::from_secs(60), self.ws.next()).await.expect("a message in time") {
+            Some(Ok(Message::Text(t))) => In::Event(serde_json::from_str(&t).unwrap()),
+            Some(Ok(Message::Binary(b))) => In::Audio(AudioFrame::decode(&b).expect("a whole frame")),
+            Some(Ok(Message::Close(c))) => In::Closed(c.map(|c| u16::from(c.code))),
+            Some(Ok(_)) => Box::pin(self.recv()).await,
+            Some(Err(_)) | None => In::Closed(None),
+        }
+    }
+
+    /// Messages until one satisfies `stop` (included).
+    async fn until(&mut self, stop: impl Fn(&In) -> bool) -> Vec<In> {
+        let mut out = vec![];
+        loop {
+            let m = self.recv().await;
+            let done = stop(&m) || matches!(m, In::Closed(_));
+            out.push(m);
+            if done {
+                return out;
+            }
+        }
+    }
+
+    async fn event(&mut self, ty: &str) -> Value {
+        let ms = self.until(|m| m.ty() == ty).await;
+        match ms.last() {
+            Some(In::Event(v)) if v["type"] == ty => v.clone(),
+            other => panic!("expected {ty}, got {other:?} after {ms:?}"),
+        }
+    }
+
+    async fn create(&mut self, extra: Value) -> Value {
+        let mut v = json!({"type": "session.create", "mode": "turn",
+            "input_audio": {"codec": "pcm16", "sample_rate": 16000}, "output_audio": {"codec": "opus"}});
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        self.send(v).await;
+        self.event("session.created").await
+    }
+}
+
+fn short(codes: u64) -> Value {
+    json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": codes, "max_audio_tokens": codes, "seed": 1})
+}
+
+fn is_done(m: &In) -> bool {
+    m.ty() == "response.done"
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_basic_exchange_with_gapless_seq() {
+    let s = server(|_| {}).await;
+    let mut c = Client::connect(&s).await;
+    let created = c.create(json!({})).await;
+    assert_eq!(created["seq"], 1);
+    assert_eq!(created["protocol"], 1);
+    assert_eq!(created["synthetic_weights"], true);
+    assert_eq!(created["resume_grace_s"], 30);
+    c.send(json!({"type": "input.text", "text": "Hello", "seq": 1, "generation": short(30)})).await;
+    let ms = c.until(is_done).await;
+    let seqs: Vec<u64> = ms.iter().filter_map(In::seq).collect();
+    assert_eq!(seqs, (2..2 + seqs.len() as u64).collect::<Vec<_>>(), "every message of the conversation, +1 each");
+    assert_eq!(ms[0].ty(), "response.created");
+    let audio: Vec<&AudioFrame> = ms.iter().filter_map(|m| if let In::Audio(f) = m { Some(f) } else { None }).collect();
+    assert_eq!(audio.len(), 74, "(3 + 30 codes) × 40 ms + 160 ms in 20 ms packets");
+    assert!(audio.iter().all(|f| f.response_id == 1 && f.kind == 1));
+    assert!(audio.last().unwrap().last && audio.iter().filter(|f| f.last).count() == 1, "the last packet is flagged");
+    let done = match ms.last().unwrap() {
+        In::Event(v) => v.clone(),
+        _ => unreachable!(),
+    };
+    assert_eq!(done["status"], "completed");
+    assert_eq!(done["packets"], 74);
+    assert_eq!(done["audio_ms"], 1480);
+    assert!(ms.iter().any(|m| m.ty() == "ack"), "the server acknowledges input");
+    // ping / pong and a clean close
+    c.send(json!({"type": "ping", "id": "p1"})).await;
+    assert_eq!(c.event("pong").await["id"], "p1");
+    c.send(json!({"type": "session.close"})).await;
+    assert!(matches!(c.recv().await, In::Closed(_)));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(s.shared.sessions.len(), 0, "session.close frees the session at once");
+    let m = reqwest_like_get(&s, "/metrics").await;
+    assert!(m.contains("antiphon_ttfa_seconds_count 1"), "{m}");
+    assert!(m.contains("antiphon_stage_step_seconds"));
+    s.shutdown().await.unwrap();
+}
+
+async fn reqwest_like_get(s: &Server, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut t = TcpStream::connect(s.addr).await.unwrap();
+    t.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes()).await.unwrap();
+    let mut buf = String::new();
+    t.read_to_string(&mut buf).await.unwrap();
+    buf
+}
+
+/// Drops the socket without a close frame after `cut` messages of a response, resumes, and checks
+/// that the messages seen before and after are exactly 1..=last, once each.
+async fn drop_and_resume(s: &Server, cut: usize, codes: u64) {
+    let mut c = Client::connect(s).await;
+    let created = c.create(json!({})).await;
+    let (id, token) = (created["session_id"].as_str().unwrap().to_string(), created["resume_token"].as_str().unwrap().to_string());
+    c.send(json!({"type": "input.text", "text": "Tell me", "seq": 1, "generation": short(codes)})).await;
+    let mut seen: Vec<u64> = vec![1];
+    let mut got_done = false;
+    for _ in 0..cut {
+        let m = c.recv().await;
+        if let Some(q) = m.seq() {
+            seen.push(q);
+        }
+        if is_done(&m) {
+            got_done = true;
+            break;
+        }
+    }
+    drop(c); // unclean: no close frame
+    let last = *seen.iter().max().unwrap();
+    let mut c = Client::connect(s).await;
+    c.send(json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": last})).await;
+    let resumed = c.event("session.resumed").await;
+    assert_eq!(resumed["input_seq"], 1, "the server applied input 1");
+    assert!(resumed.get("seq").is_none());
+    if !got_done {
+        let rest = c.until(is_done).await;
+        let after: Vec<u64> = rest.iter().filter_map(In::seq).collect();
+        assert_eq!(after.first(), Some(&(last + 1)), "replay starts right after last_seq (cut {cut})");
+        seen.extend(after);
+    }
+    let n = seen.len() as u64;
+    assert_eq!(seen, (1..=n).collect::<Vec<_>>(), "nothing lost, nothing doubled (cut {cut})");
+    c.send(json!({"type": "session.close"})).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_after_unclean_drops_at_random_points_loses_nothing() {
+    let s = server(|_| {}).await;
+    let mut rng = 12345u64;
+    for _ in 0..12 {
+        rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let cut = 1 + (rng >> 33) as usize % 60;
+        drop_and_resume(&s, cut, 30).await;
+    }
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn input_is_deduplicated_after_a_resume() {
+    let s = server(|_| {}).await;
+    let mut c = Client::connect(&s).await;
+    let created = c.create(json!({})).await;
+    let (id, token) = (created["session_id"].as_str().unwrap().to_string(), created["resume_token"].as_str().unwrap().to_string());
+    c.send(json!({"type": "input.text", "text": "one", "seq": 1, "generation": short(10)})).await;
+    c.until(is_done).await;
+    drop(c);
+    let mut c = Client::connect(&s).await;
+    c.send(json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": 0})).await;
+    let r = c.event("session.resumed").await;
+    assert_eq!(r["input_seq"], 1);
+    // the replay brings everything since seq 1, including the finished response
+    let replay = c.until(is_done).await;
+    assert_eq!(replay.iter().filter(|m| m.ty() == "response.created").count(), 1);
+    // the client resends input 1 (already applied) and sends input 2
+    c.send(json!({"type": "input.text", "text": "one", "seq": 1, "generation": short(10)})).await;
+    c.send(json!({"type": "input.text", "text": "two", "seq": 2, "generation": short(10)})).await;
+    let ms = c.until(is_done).await;
+    let created: Vec<&In> = ms.iter().filter(|m| m.ty() == "response.created").collect();
+    assert_eq!(created.len(), 1, "input 1 was not applied twice");
+    match created[0] {
+        In::Event(v) => assert_eq!(v["response_id"], 2),
+        _ => unreachable!(),
+    }
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expiry_replacement_and_resume_errors() {
+    let s = server(|c| c.server.resume_grace_s = 1).await;
+    let mut a = Client::connect(&s).await;
+    let created = a.create(json!({})).await;
+    let (id, token) = (created["session_id"].as_str().unwrap().to_string(), created["resume_token"].as_str().unwrap().to_string());
+    // a second socket with the right token replaces the first
+    let mut b = Client::connect(&s).await;
+    b.send(json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": 1})).await;
+    b.event("session.resumed").await;
+    let closing = a.event("session.closing").await;
+    assert_eq!(closing["reason"], "replaced");
+    assert!(matches!(a.recv().await, In::Closed(_)));
+    // wrong token, unknown session
+    let mut c = Client::connect(&s).await;
+    c.send(json!({"type": "session.resume", "session_id": id, "resume_token": "nope", "last_seq": 0})).await;
+    assert_eq!(c.event("error").await["code"], "bad_resume_token");
+    c.send(json!({"type": "session.resume", "session_id": "s_nobody", "resume_token": "x", "last_seq": 0})).await;
+    assert_eq!(c.event("error").await["code"], "session_not_found");
+    // drop b; after the 1 s grace the session is gone
+    drop(b);
+    tokio::time::sleep(Duration::from_millis(1800)).await;
+    c.send(json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": 0})).await;
+    assert_eq!(c.event("error").await["code"], "session_expired");
+    assert_eq!(s.shared.sessions.len(), 0);
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capacity_is_answered_with_retry_after() {
+    let s = server(|c| c.server.max_sessions = 1).await;
+    let mut a = Client::connect(&s).await;
+    a.create(json!({})).await;
+    let mut b = Client::connect(&s).await;
+    b.send(json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16", "sample_rate": 16000},
+        "output_audio": {"codec": "opus"}}))
+        .await;
+    let e = b.event("error").await;
+    assert_eq!(e["code"], "capacity");
+    assert_eq!(e["fatal"], true);
+    assert!(e["retry_after_ms"].as_u64().unwrap() > 0);
+    let body = reqwest_like_get(&s, "/readyz").await;
+    assert!(body.starts_with("HTTP/1.1 503") && body.contains("\"capacity_left\":0"), "{body}");
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_never_ends_the_session() {
+    let s = server(|_| {}).await;
+    let mut c = Client::connect(&s).await;
+    // before a session
+    c.send(json!({"type": "input.text", "text": "x"})).await;
+    assert_eq!(c.event("error").await["code"], "not_in_session");
+    c.create(json!({"input_audio": {"codec": "opus", "sample_rate": 16000}})).await;
+    let cases: Vec<(Message, &str)> = vec![
+        (Message::Text("{not json".into()), "bad_json"),
+        (Message::Text("[1,2]".into()), "bad_json"),
+        (Message::Text(json!({"type": "dance"}).to_string().into()), "unknown_event"),
+        (Message::Text(json!({"type": "input.text"}).to_string().into()), "bad_field"),
+        (Message::Text(json!({"type": "playback", "response_id": "x", "played_ms": 1}).to_string().into()), "bad_field"),
+        (Message::Text(json!({"type": "session.update", "voice": {"id": "nobody"}}).to_string().into()), "bad_field"),
+        (Message::Text(json!({"type": "session.update", "output_audio": {"codec": "opus", "frame_ms": 7}}).to_string().into()), "bad_field"),
+        (Message::Text(json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16", "sample_rate": 16000}, "output_audio": {"codec": "opus"}}).to_string().into()), "session_in_use"),
+        (Message::Binary(vec![1, 0, 0].into()), "bad_audio"),
+        (Message::Binary(AudioFrame { kind: 1, last: false, seq: 0, response_id: 0, payload: vec![0xff; 40] }.encode().into()), "bad_audio"),
+        (Message::Text(json!({"type": "input.commit"}).to_string().into()), "bad_field"),
+    ];
+    for (m, code) in cases {
+        c.send_raw(m).await;
+        let e = c.event("error").await;
+        assert_eq!(e["code"], code, "{e}");
+        assert_eq!(e["fatal"], false);
+        assert!(e["seq"].as_u64().is_some(), "errors inside a session carry seq");
+    }
+    // an unknown binary kind is ignored silently
+    c.send_raw(Message::Binary(AudioFrame { kind: 9, last: false, seq: 0, response_id: 0, payload: vec![1, 2] }.encode().into())).await;
+    // the session still works
+    c.send(json!({"type": "input.text", "text": "still here?", "generation": short(8)})).await;
+    let ms = c.until(is_done).await;
+    assert!(ms.iter().all(|m| m.ty() != "error"), "{ms:?}");
+    let m = reqwest_like_get(&s, "/metrics").await;
+    assert!(m.contains("antiphon_errors_total{code=\"bad_json\"} 2"), "{m}");
+    // oversized frames: an error, then close 1009
+    let mut big = Client::connect(&s).await;
+    big.create(json!({})).await;
+    big.send_raw(Message::Binary(vec![1u8; 20_000].into())).await;
+    let ms = big.until(|m| matches!(m, In::Closed(_))).await;
+    assert!(ms.iter().any(|m| matches!(m, In::Event(v) if v["code"] == "message_too_large")), "{ms:?}");
+    assert!(matches!(ms.last(), Some(In::Closed(Some(1009)))), "{ms:?}");
+    let mut big = Client::connect(&s).await;
+    big.send_raw(Message::Text("x".repeat(300_000).into())).await;
+    let ms = big.until(|m| matches!(m, In::Closed(_))).await;
+    assert!(ms.iter().any(|m| matches!(m, In::Event(v) if v["code"] == "message_too_large")));
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spoken_input_in_opus_and_pcm16_output() {
+    let s = server(|_| {}).await;
+    let mut c = Client::connect(&s).await;
+    c.create(json!({"input_audio": {"codec": "opus", "sample_rate": 48000}, "output_audio": {"codec": "pcm16", "frame_ms": 40}})).await;
+    let mut enc = opus::Encoder::new(48_000, opus::Channels::Mono, opus::Application::Voip).unwrap();
+    for k in 0..50u32 {
+        let frame: Vec<f32> = (0..960).map(|i| 0.3 * (((k * 960 + i) as f32) * 0.03).sin()).collect();
+        let p = enc.encode_vec_float(&frame, 4000).unwrap();
+        c.send_raw(Message::Binary(AudioFrame { kind: 1, last: false, seq: k + 1, response_id: 0, payload: p }.encode().into())).await;
+    }
+    c.send(json!({"type": "input.commit", "seq": 51, "generation": short(20)})).await;
+    let ms = c.until(is_done).await;
+    let created = ms.iter().find(|m| m.ty() == "response.created").unwrap();
+    assert!(matches!(created, In::Event(v) if v["trigger"] == "commit"));
+    let pcm: usize = ms.iter().filter_map(|m| if let In::Audio(f) = m { Some(f.payload.len() / 2) } else { None }).sum();
+    // 20 codes make a single (first and last) chunk: no delay silence in front
+    assert_eq!(pcm, (3 + 20) * 2 * 480, "PCM16 carries every sample");
+    // the server acknowledges the highest applied input (at least every 500 ms while receiving)
+    let mut acked = ms.iter().any(|m| matches!(m, In::Event(v) if v["type"] == "ack" && v["input_seq"] == 51));
+    for _ in 0..3 {
+        if acked {
+            break;
+        }
+        acked = c.event("ack").await["input_seq"] == 51;
+    }
+    assert!(acked, "an ack reports input 51");
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_stops_audio_quickly_and_playback_truncates() {
+    let s = server(|_| {}).await;
+    let mut c = Client::connect(&s).await;
+    c.create(json!({})).await;
+    c.send(json!({"type": "input.text", "text": "long answer", "generation": short(400)})).await;
+    c.until(|m| matches!(m, In::Audio(_))).await;
+    let t = Instant::now();
+    c.send(json!({"type": "response.cancel"})).await;
+    let ms = c.until(is_done).await;
+    let took = t.elapsed();
+    assert!(took < Duration::from_millis(500), "cancel took {took:?}");
+    match ms.last().unwrap() {
+        In::Event(v) => assert_eq!(v["status"], "cancelled"),
+        _ => unreachable!(),
+    }
+    // no audio of that response after its done
+    let tail = tokio::time::timeout(Duration::from_millis(400), c.recv()).await;
+    assert!(!matches!(tail, Ok(In::Audio(_))), "audio after cancel: {tail:?}");
+    c.send(json!({"type": "playback", "response_id": 1, "played_ms": 100})).await;
+    // a new turn works
+    c.send(json!({"type": "input.text", "text": "again", "generation": short(8)})).await;
+    let ms = c.until(is_done).await;
+    assert!(matches!(ms.last().unwrap(), In::Event(v) if v["status"] == "completed" && v["response_id"] == 2));
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auth_and_origin_are_checked_before_the_upgrade() {
+    let s = server(|c| {
+        c.auth.api_keys = vec!["k1".into()];
+        c.auth.allowed_origins = vec!["http://good.example".into()];
+    })
+    .await;
+    let url = format!("ws://{}/v1/realtime", s.addr);
+    let err = Client::connect_to(&url).await.err().expect("refused without a key");
+    assert!(err.to_string().contains("401"), "{err}");
+    assert!(Client::connect_to(&format!("{url}?token=k1")).await.is_ok());
+    let mut req = url.clone().into_client_request().unwrap();
+    req.headers_mut().insert("authorization", "Bearer k1".parse().unwrap());
+    req.headers_mut().insert("origin", "http://evil.example".parse().unwrap());
+    let err = tokio_tungstenite::connect_async(req).await.err().expect("refused origin");
+    assert!(err.to_string().contains("403"), "{err}");
+    let mut req = url.into_client_request().unwrap();
+    req.headers_mut().insert("authorization", "Bearer k1".parse().unwrap());
+    req.headers_mut().insert("origin", "http://good.example".parse().unwrap());
+    assert!(tokio_tungstenite::connect_async(req).await.is_ok());
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_tells_sessions_and_drains() {
+    let s = server(|_| {}).await;
+    let mut c = Client::connect(&s).await;
+    c.create(json!({})).await;
+    c.send(json!({"type": "input.text", "text": "finish me", "generation": short(40)})).await;
+    c.until(|m| matches!(m, In::Audio(_))).await;
+    let shared = s.shared.clone();
+    let stop = tokio::spawn(s.shutdown());
+    let ms = c.until(|m| matches!(m, In::Closed(_))).await;
+    let closing = ms.iter().position(|m| m.ty() == "session.closing").expect("session.closing");
+    match &ms[closing] {
+        In::Event(v) => {
+            assert_eq!(v["reason"], "shutdown");
+            assert!(v["retry_after_ms"].as_u64().is_some());
+        }
+        _ => unreachable!(),
+    }
+    // the response in flight finished before the close
+    assert!(ms.iter().any(|m| matches!(m, In::Event(v) if v["type"] == "response.done" && v["status"] == "completed")), "{ms:?}");
+    stop.await.unwrap().unwrap();
+    assert_eq!(shared.sessions.len(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_trim_the_journal_and_uploaded_voices_work() {
+    let s = server(|_| {}).await;
+    let mut c = Client::connect(&s).await;
+    // an uploaded voice: 1 s of PCM16 at 16 kHz, base64
+    use base64::Engine as _;
+    let pcm: Vec<u8> = (0..16_000).flat_map(|i| ((((i as f32) * 0.05).sin() * 8000.0) as i16).to_le_bytes()).collect();
+    let b64 = base64::engine::general_purpose::STANDARD.encode(pcm);
+    c.create(json!({"voice": {"ref_audio_b64": b64, "sample_rate": 16000}, "instructions": "Be brief."})).await;
+    c.send(json!({"type": "input.text", "text": "x", "generation": short(20)})).await;
+    let ms = c.until(is_done).await;
+    let last = ms.iter().filter_map(In::seq).max().unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(s.shared.sessions.journal_bytes() > 0);
+    c.send(json!({"type": "ack", "seq": last})).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(s.shared.sessions.journal_bytes(), 0, "acknowledged messages leave the journal");
+    s.shutdown().await.unwrap();
+}
