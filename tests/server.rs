@@ -473,3 +473,32 @@ async fn acks_trim_the_journal_and_uploaded_voices_work() {
     assert_eq!(s.shared.sessions.journal_bytes(), 0, "acknowledged messages leave the journal");
     s.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_when_a_certificate_is_configured() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+    let (cp, kp) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cp, cert.cert.pem()).unwrap();
+    std::fs::write(&kp, cert.signing_key.serialize_pem()).unwrap();
+    let s = server(|c| c.tls = Some(antiphon::server::config::TlsSection { cert: cp.clone(), key: kp.clone() })).await;
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(cert.cert.der().clone()).unwrap();
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let cfg = rustls::ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions().unwrap().with_root_certificates(roots).with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg));
+    let tcp = TcpStream::connect(s.addr).await.unwrap();
+    let mut tls = connector.connect("localhost".try_into().unwrap(), tcp).await.expect("TLS handshake");
+    tls.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").await.unwrap();
+    let mut body = String::new();
+    let _ = tls.read_to_string(&mut body).await;
+    assert!(body.starts_with("HTTP/1.1 200") && body.ends_with("ok"), "{body}");
+    // plain HTTP on the TLS port is not served
+    let mut plain = TcpStream::connect(s.addr).await.unwrap();
+    plain.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    let mut buf = vec![0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(5), plain.read(&mut buf)).await.map(|r| r.unwrap_or(0)).unwrap_or(0);
+    assert!(!String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    s.shutdown().await.unwrap();
+}

@@ -187,18 +187,38 @@ pub async fn start(cfg: Config, models: Models) -> Result<Server> {
         warm.ready.store(true, Ordering::SeqCst);
     });
     let sh = shared.clone();
-    let task = tokio::spawn(async move {
-        let signal = async move {
-            let _ = stopped.wait_for(|s| *s).await;
-        };
-        let drain_shared = sh.clone();
-        let served = axum::serve(listener, app.into_make_service()).with_graceful_shutdown(async move {
-            signal.await;
-            drain(&drain_shared).await;
-        });
-        served.await.context("serving")?;
-        Ok(())
-    });
+    let task = match cfg.tls.clone() {
+        None => tokio::spawn(async move {
+            let drain_shared = sh.clone();
+            let served = axum::serve(listener, app.into_make_service()).with_graceful_shutdown(async move {
+                let _ = stopped.wait_for(|s| *s).await;
+                drain(&drain_shared).await;
+            });
+            served.await.context("serving")?;
+            Ok(())
+        }),
+        Some(tls) => {
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            let rustls_cfg = axum_server::tls_rustls::RustlsConfig::from_pem_file(&tls.cert, &tls.key)
+                .await
+                .with_context(|| format!("loading {} / {}", tls.cert.display(), tls.key.display()))?;
+            let std_listener = listener.into_std()?;
+            let handle = axum_server::Handle::new();
+            let h = handle.clone();
+            tokio::spawn(async move {
+                let _ = stopped.wait_for(|s| *s).await;
+                drain(&sh).await;
+                h.graceful_shutdown(Some(Duration::from_secs(1)));
+            });
+            tokio::spawn(async move {
+                axum_server::from_tcp_rustls(std_listener, rustls_cfg)
+                    .handle(handle)
+                    .serve(app.into_make_service())
+                    .await
+                    .context("serving TLS")
+            })
+        }
+    };
     tracing::info!("listening on {addr}");
     Ok(Server { addr, shared, stop, task })
 }
