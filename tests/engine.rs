@@ -256,3 +256,14 @@ fn duplicate_live_ids_are_refused() {
     e.cancel(&RequestId("dup".into()), 0);
     let _ = collect(rx);
 }
+
+#[test]
+fn a_history_longer_than_the_context_loses_its_oldest_turns() {
+    let e = engine(EngineConfig::default());
+    let mut s = spec("long-history", "and now?", 4, 10, 1);
+    s.history = (0..60).map(|i| antiphon::engine::Turn { user: format!("question {i} ").repeat(40), assistant: "answer ".repeat(60) }).collect();
+    assert_eq!(collect(submit(&e, s)).status, Status::Completed);
+    // a prompt that alone is longer than the context fails clearly
+    let o = collect(submit(&e, spec("huge", &"la ".repeat(4000), 4, 10, 1)));
+    assert!(matches!(&o.status, Status::Failed(m) if m.contains("context")), "{:?}", o.status);
+}

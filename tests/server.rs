@@ -502,3 +502,32 @@ async fn tls_when_a_certificate_is_configured() {
     assert!(!String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
     s.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unacknowledged_journal_overflows_and_a_failed_response_is_internal() {
+    let s = server(|c| c.server.journal_max_audio_s = 1).await;
+    // a response of more than 1 s of audio, never acknowledged
+    let mut c = Client::connect(&s).await;
+    c.create(json!({})).await;
+    c.send(json!({"type": "input.text", "text": "x", "generation": short(60)})).await;
+    let ms = c.until(|m| matches!(m, In::Event(v) if v["type"] == "error")).await;
+    match ms.last().unwrap() {
+        In::Event(v) => {
+            assert_eq!(v["code"], "journal_overflow");
+            assert_eq!(v["fatal"], true);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(c.recv().await, In::Closed(_)));
+    // a request the engine cannot serve (a prompt longer than the context): internal, not fatal
+    let mut c = Client::connect(&s).await;
+    c.create(json!({})).await;
+    c.send(json!({"type": "input.text", "text": "la ".repeat(4000), "generation": short(10)})).await;
+    let ms = c.until(is_done).await;
+    assert!(ms.iter().any(|m| matches!(m, In::Event(v) if v["code"] == "internal" && v["fatal"] == false)), "{ms:?}");
+    assert!(matches!(ms.last().unwrap(), In::Event(v) if v["status"] == "failed"));
+    c.send(json!({"type": "input.text", "text": "short", "generation": short(10)})).await;
+    let ms = c.until(is_done).await;
+    assert!(matches!(ms.last().unwrap(), In::Event(v) if v["status"] == "completed"), "the session goes on: {:?}", ms.iter().filter(|m| !matches!(m, In::Audio(_))).collect::<Vec<_>>());
+    s.shutdown().await.unwrap();
+}

@@ -95,7 +95,21 @@ impl Stage0 {
         } else {
             messages.push(Message::text(Role::System, instructions));
         }
-        for t in &spec.history {
+        // the oldest turns give way when the conversation outgrows the context
+        let ctx = self.thinker.llm.decoder().config().max_positions;
+        let budget = ctx.saturating_sub(spec.generation.max_text_tokens.unwrap_or(self.cfg.default_max_text_tokens) + 64);
+        let mut first = 0;
+        while first < spec.history.len() {
+            let tokens: usize = spec.history[first..]
+                .iter()
+                .map(|t| self.tok.encode(&t.user).map(|v| v.len()).unwrap_or(0) + self.tok.encode(&t.assistant).map(|v| v.len()).unwrap_or(0) + 10)
+                .sum();
+            if tokens <= budget / 2 {
+                break;
+            }
+            first += 1;
+        }
+        for t in &spec.history[first..] {
             messages.push(Message::text(Role::User, t.user.clone()));
             messages.push(Message::text(Role::Assistant, t.assistant.clone()));
         }
@@ -120,6 +134,10 @@ impl Stage0 {
             Ok(v) => v,
             Err(e) => return self.fail(&spec.id, spec.epoch, format!("{e:#}")),
         };
+        let ctx = self.thinker.llm.decoder().config().max_positions;
+        if ids.len() >= ctx {
+            return self.fail(&spec.id, spec.epoch, format!("the prompt has {} tokens; the context holds {ctx}", ids.len()));
+        }
         let g = &spec.generation;
         let s = self.tok.special();
         let max = g.max_text_tokens.unwrap_or(self.cfg.default_max_text_tokens);

@@ -484,7 +484,10 @@ impl Session {
         self.shared.metrics.responses.with_label_values(&[label]).inc();
         tracing::info!(response = r.id, status = label, audio_ms, "response done");
         let _ = r.trigger;
-        self.history.push(HistoryTurn { response_id: r.id, user: r.user, assistant: r.text, audio_ms });
+        if label != "failed" {
+            // a failed turn did not happen as far as the conversation goes
+            self.history.push(HistoryTurn { response_id: r.id, user: r.user, assistant: r.text, audio_ms });
+        }
         if self.closing {
             self.end(false, Some((1001, "server shutting down")));
         }
