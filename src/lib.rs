@@ -3,6 +3,7 @@
 //! See `ARCHITECTURE.md` for the bird's-eye view and the code map.
 
 pub mod audio;
+pub mod bench;
 pub mod checkpoint;
 pub mod engine;
 pub mod models;

@@ -44,6 +44,105 @@ enum Command {
         #[arg(long, default_value_t = 2048)]
         shard_mib: usize,
     },
+    /// Measure a running server: TTFT, TTFA, RTF, stalls and throughput at each concurrency level.
+    Bench {
+        /// The server's WebSocket endpoint.
+        #[arg(long, default_value = "ws://127.0.0.1:8080/v1/realtime")]
+        url: String,
+        #[command(flatten)]
+        args: BenchArgs,
+    },
+    /// A/B: two configurations or server commands, interleaved blocks (A B B A …), a fresh server each.
+    BenchAb {
+        /// Side A: a configuration file served by this binary.
+        #[arg(long, conflicts_with = "a_cmd", required_unless_present = "a_cmd")]
+        a_config: Option<PathBuf>,
+        /// Side A: a shell command starting a server; `{port}` is its port.
+        #[arg(long)]
+        a_cmd: Option<String>,
+        #[arg(long, conflicts_with = "b_cmd", required_unless_present = "b_cmd")]
+        b_config: Option<PathBuf>,
+        #[arg(long)]
+        b_cmd: Option<String>,
+        /// Blocks per side.
+        #[arg(long, default_value_t = 2)]
+        blocks: usize,
+        /// Seconds a server may take to become ready.
+        #[arg(long, default_value_t = 600)]
+        ready_timeout_s: u64,
+        #[command(flatten)]
+        args: BenchArgs,
+    },
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    #[arg(long, value_enum, default_value = "tts")]
+    workload: antiphon::bench::Workload,
+    /// Concurrency levels, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1, 2, 4, 8, 16, 32])]
+    concurrency: Vec<usize>,
+    /// Measured requests per level.
+    #[arg(long, default_value_t = 32)]
+    requests: usize,
+    /// Warm-up requests per level (excluded from the figures).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Forced text tokens per response (synthetic weights).
+    #[arg(long, default_value_t = 32)]
+    text_tokens: usize,
+    /// Forced audio codes per response (25 per second).
+    #[arg(long, default_value_t = 100)]
+    audio_tokens: usize,
+    /// Playback pre-buffers to model, in ms, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![0, 100])]
+    prebuffer_ms: Vec<u64>,
+    /// The spoken input of the voice workload (default assets/voices/default.wav).
+    #[arg(long)]
+    input_wav: Option<PathBuf>,
+    /// Output folder.
+    #[arg(long, default_value = "bench-out")]
+    out: PathBuf,
+    /// A label for the configuration, written into summary.json.
+    #[arg(long, default_value = "")]
+    label: String,
+    /// Bearer token, if the server wants one.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Seconds without any server message before a request fails.
+    #[arg(long, default_value_t = 120)]
+    timeout_s: u64,
+    #[arg(long)]
+    no_progress: bool,
+}
+
+impl BenchArgs {
+    fn into_config(self, url: String) -> Result<antiphon::bench::BenchConfig> {
+        if self.concurrency.is_empty() || self.concurrency.contains(&0) {
+            anyhow::bail!("--concurrency: levels must be at least 1");
+        }
+        if self.requests == 0 {
+            anyhow::bail!("--requests must be at least 1");
+        }
+        Ok(antiphon::bench::BenchConfig {
+            url,
+            api_key: self.api_key,
+            workload: self.workload,
+            levels: self.concurrency,
+            requests: self.requests,
+            warmup: self.warmup,
+            text_tokens: self.text_tokens,
+            audio_tokens: self.audio_tokens,
+            prebuffers_ms: self.prebuffer_ms,
+            input_wav: self.input_wav,
+            out: self.out,
+            server_label: String::new(),
+            config_label: self.label,
+            synthetic: None,
+            progress: !self.no_progress,
+            timeout: std::time::Duration::from_secs(self.timeout_s),
+        })
+    }
 }
 
 fn main() -> Result<()> {
@@ -85,6 +184,56 @@ fn main() -> Result<()> {
             let opts = SynthOptions { preset, seed, dtype, shard_bytes: shard_mib << 20 };
             antiphon::synth::write_checkpoint(&out, &opts)?;
             println!("wrote a {preset:?} synthetic checkpoint (seed {seed}) to {}", out.display());
+            Ok(())
+        }
+        Command::Bench { url, args } => {
+            let mut cfg = args.into_config(url)?;
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            rt.block_on(async move {
+                let info = antiphon::bench::probe_build_info(&cfg.url).await;
+                if let Some(i) = &info {
+                    cfg.synthetic = i["synthetic_weights"].as_bool();
+                    cfg.server_label = format!("antiphon {} ({})", i["version"].as_str().unwrap_or("?"), i["git"].as_str().unwrap_or("?"));
+                    if cfg.config_label.is_empty() {
+                        let m = &i["model"];
+                        cfg.config_label = format!(
+                            "{} {} weights, {} on {}",
+                            m["source"].as_str().unwrap_or("?"),
+                            m["preset"].as_str().unwrap_or("?"),
+                            m["dtype"].as_str().unwrap_or("?"),
+                            m["device"].as_str().unwrap_or("?")
+                        );
+                    }
+                } else {
+                    cfg.server_label = cfg.url.clone();
+                }
+                let out = cfg.out.clone();
+                let summary = antiphon::bench::run(cfg).await?;
+                print!("{}", antiphon::bench::report::table(&summary));
+                println!("wrote {}/summary.json, requests.jsonl, summary.csv, ttfa.svg", out.display());
+                Ok(())
+            })
+        }
+        Command::BenchAb { a_config, a_cmd, b_config, b_cmd, blocks, ready_timeout_s, args } => {
+            use antiphon::bench::ab::{AbConfig, ServerSpec};
+            let side = |c: Option<PathBuf>, s: Option<String>| match (c, s) {
+                (Some(c), _) => ServerSpec::Config(c),
+                (None, Some(s)) => ServerSpec::Shell(s),
+                (None, None) => unreachable!("clap requires one"),
+            };
+            let out = args.out.clone();
+            let cfg = AbConfig {
+                a: side(a_config, a_cmd),
+                b: side(b_config, b_cmd),
+                blocks,
+                bench: args.into_config(String::new())?,
+                out: out.clone(),
+                ready_timeout: std::time::Duration::from_secs(ready_timeout_s),
+            };
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let report = rt.block_on(antiphon::bench::ab::run(cfg))?;
+            print!("{}", antiphon::bench::ab::table(&report));
+            println!("wrote {}/ab.json and ab.md", out.display());
             Ok(())
         }
     }

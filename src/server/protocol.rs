@@ -323,7 +323,7 @@ pub enum ServerEvent {
     #[serde(rename = "response.text.delta")]
     ResponseTextDelta { seq: u64, response_id: u32, text: String },
     #[serde(rename = "response.done")]
-    ResponseDone { seq: u64, response_id: u32, status: &'static str, audio_ms: u64, packets: u64 },
+    ResponseDone { seq: u64, response_id: u32, status: &'static str, audio_ms: u64, packets: u64, chunks: u64 },
     #[serde(rename = "duplex.listen")]
     DuplexListen { seq: u64, unit: u64 },
     #[serde(rename = "duplex.speak")]

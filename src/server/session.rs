@@ -194,6 +194,7 @@ struct Resp {
     user: String,
     text: String,
     packets: u64,
+    chunks: u64,
     audio_samples: u64,
     started: Instant,
     first_packet: bool,
@@ -450,6 +451,7 @@ impl Session {
             user,
             text: String::new(),
             packets: 0,
+            chunks: 0,
             audio_samples: 0,
             started: Instant::now(),
             first_packet: false,
@@ -480,7 +482,7 @@ impl Session {
             self.send_error(WireError::new(ErrorCode::Internal, format!("response {} failed: {why}", r.id)));
         }
         let audio_ms = r.audio_samples * 1000 / super::audio_edge::OUTPUT_RATE as u64;
-        self.send_event(ServerEvent::ResponseDone { seq: 0, response_id: r.id, status: label, audio_ms, packets: r.packets });
+        self.send_event(ServerEvent::ResponseDone { seq: 0, response_id: r.id, status: label, audio_ms, packets: r.packets, chunks: r.chunks });
         self.shared.metrics.responses.with_label_values(&[label]).inc();
         tracing::info!(response = r.id, status = label, audio_ms, "response done");
         let _ = r.trigger;
@@ -505,6 +507,7 @@ impl Session {
             }
             EngineEvent::Audio { samples, last, .. } => {
                 r.audio_samples += samples.len() as u64;
+                r.chunks += 1;
                 let mut packets = match self.out.push(&samples) {
                     Ok(p) => p,
                     Err(e) => return self.finish_response(Status::Failed(format!("encoding audio: {e}"))),

@@ -1,0 +1,518 @@
+//! `antiphon bench`: a scripted client of the wire protocol that measures what a listener gets —
+//! time to first text and first audio, real-time factors, playback stalls under a jitter-buffer
+//! model, throughput — at closed-loop concurrency levels, and writes `summary.json` (the contract
+//! of docs: spec/bench.md), `requests.jsonl`, `summary.csv`, an SVG plot and a text table.
+//!
+//! Workloads: `tts` (text in, forced lengths), `voice` (a WAV streamed in real time as Opus
+//! packets, then `input.commit`), `clone` (like `tts`, a different reference voice every request).
+
+pub mod ab;
+pub mod report;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use base64::Engine as _;
+use futures_util::{SinkExt, StreamExt};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Message;
+
+/// Fixed English prompts (read-this-sentence requests, in the manner of Seed-TTS).
+pub const PROMPTS: [&str; 32] = [
+    "Please read this sentence aloud: the morning train was late again.",
+    "Please read this sentence aloud: a quiet river runs behind the old mill.",
+    "Please read this sentence aloud: she packed three books and a warm scarf.",
+    "Please read this sentence aloud: the market opens at seven on weekdays.",
+    "Please read this sentence aloud: our neighbor plants tomatoes every spring.",
+    "Please read this sentence aloud: the lamp flickered during the storm.",
+    "Please read this sentence aloud: he finally fixed the squeaky door.",
+    "Please read this sentence aloud: the museum added a room for old maps.",
+    "Please read this sentence aloud: a small boat crossed the harbor at dawn.",
+    "Please read this sentence aloud: the recipe needs two cups of flour.",
+    "Please read this sentence aloud: the children counted stars from the roof.",
+    "Please read this sentence aloud: a letter arrived without a return address.",
+    "Please read this sentence aloud: the bakery sells out by noon.",
+    "Please read this sentence aloud: the bridge was painted bright green.",
+    "Please read this sentence aloud: we walked home along the empty beach.",
+    "Please read this sentence aloud: the clock tower rings every quarter hour.",
+    "Please read this sentence aloud: his bicycle has a basket and a bell.",
+    "Please read this sentence aloud: the garden smells of rain and mint.",
+    "Please read this sentence aloud: a fox crossed the field before sunrise.",
+    "Please read this sentence aloud: the library extended its opening hours.",
+    "Please read this sentence aloud: she learned to play the violin at nine.",
+    "Please read this sentence aloud: the soup needs a pinch more salt.",
+    "Please read this sentence aloud: the hikers reached the summit by noon.",
+    "Please read this sentence aloud: the old radio still works perfectly.",
+    "Please read this sentence aloud: a gentle wind moved the curtains.",
+    "Please read this sentence aloud: the team celebrated with cold lemonade.",
+    "Please read this sentence aloud: the town hall has a blue wooden door.",
+    "Please read this sentence aloud: he keeps his notes in a red folder.",
+    "Please read this sentence aloud: the snow melted faster than expected.",
+    "Please read this sentence aloud: the cat sleeps on the warm windowsill.",
+    "Please read this sentence aloud: the festival starts after the parade.",
+    "Please read this sentence aloud: we shared bread, cheese and ripe pears.",
+];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Workload {
+    Tts,
+    Voice,
+    Clone,
+}
+
+impl Workload {
+    pub fn name(self) -> &'static str {
+        match self {
+            Workload::Tts => "tts",
+            Workload::Voice => "voice",
+            Workload::Clone => "clone",
+        }
+    }
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    pub url: String,
+    pub api_key: Option<String>,
+    pub workload: Workload,
+    pub levels: Vec<usize>,
+    /// Measured requests per level (spread over the workers).
+    pub requests: usize,
+    /// Warm-up requests per level (excluded).
+    pub warmup: usize,
+    pub text_tokens: usize,
+    pub audio_tokens: usize,
+    pub prebuffers_ms: Vec<u64>,
+    /// The spoken input of the `voice` workload (any WAV).
+    pub input_wav: Option<PathBuf>,
+    pub out: PathBuf,
+    pub server_label: String,
+    pub config_label: String,
+    pub synthetic: Option<bool>,
+    pub progress: bool,
+    pub timeout: Duration,
+}
+
+/// One request's raw figures.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RequestRecord {
+    pub concurrency: usize,
+    pub worker: usize,
+    pub index: usize,
+    pub warmup: bool,
+    pub prompt: usize,
+    pub ok: bool,
+    pub error: Option<String>,
+    pub status: Option<String>,
+    /// Input end -> first text delta.
+    pub ttft_ms: Option<f64>,
+    /// Input end -> first audio packet.
+    pub ttfa_ms: Option<f64>,
+    /// Input end -> last audio packet.
+    pub last_audio_ms: Option<f64>,
+    pub audio_ms: f64,
+    pub packets: usize,
+    pub chunks: Option<u64>,
+    /// (last audio − request start) / audio duration.
+    pub rtf: Option<f64>,
+    /// (last audio − first audio) / audio duration.
+    pub rtf_compute: Option<f64>,
+    /// Per pre-buffer: (pre-buffer ms, stall events, stall ms).
+    pub stalls: Vec<(u64, usize, f64)>,
+    /// When the request started, seconds after the level started.
+    pub start_s: f64,
+    /// Arrival times of audio packets, ms after input end (for stall recomputation).
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub arrivals_ms: Vec<f64>,
+}
+
+/// The playback model: playback starts when the first packet arrives plus `prebuffer`, consumes
+/// in real time, and pauses whenever the buffer is empty before the response's last packet (one
+/// stall per pause). Returns (events, total ms).
+pub fn stalls(arrivals_ms: &[f64], durations_ms: &[f64], prebuffer_ms: f64) -> (usize, f64) {
+    let Some(&first) = arrivals_ms.first() else { return (0, 0.0) };
+    // the moment the buffer runs dry if nothing more arrives
+    let mut dry = first + prebuffer_ms;
+    let mut events = 0;
+    let mut total = 0.0;
+    for (i, (&a, &d)) in arrivals_ms.iter().zip(durations_ms).enumerate() {
+        if i > 0 && a > dry + 1e-9 {
+            events += 1;
+            total += a - dry;
+            dry = a;
+        }
+        dry += d;
+    }
+    (events, total)
+}
+
+/// A 16-bit PCM WAV of a reference voice, made different per request (a cold reference cache).
+fn clone_voice(base: &[f32], rate: u32, n: usize) -> String {
+    // a per-request resampling ratio and gain: different content, different hash
+    let factor = 1.0 + 0.003 * (n % 97) as f32;
+    let out_len = (base.len() as f32 / factor) as usize;
+    let x: Vec<f32> = (0..out_len).map(|i| base[((i as f32 * factor) as usize).min(base.len() - 1)] * (0.8 + 0.002 * (n % 50) as f32)).collect();
+    let wav = crate::audio::encode_wav_pcm16(&x, rate).expect("wav encoding");
+    base64::engine::general_purpose::STANDARD.encode(wav)
+}
+
+type Ws = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+struct Client {
+    ws: Ws,
+    last_seq: u64,
+    input_seq: u64,
+    frame_ms: f64,
+}
+
+enum Msg {
+    Event(Value),
+    Audio,
+}
+
+impl Client {
+    async fn connect(cfg: &BenchConfig) -> Result<Self> {
+        let mut req = cfg.url.as_str().into_client_request()?;
+        if let Some(k) = &cfg.api_key {
+            req.headers_mut().insert("authorization", format!("Bearer {k}").parse()?);
+        }
+        let (ws, _) = tokio_tungstenite::connect_async(req).await.with_context(|| format!("connecting to {}", cfg.url))?;
+        Ok(Self { ws, last_seq: 0, input_seq: 0, frame_ms: 20.0 })
+    }
+
+    async fn send(&mut self, mut v: Value) -> Result<()> {
+        if v["type"] != "ack" {
+            self.input_seq += 1;
+            v["seq"] = json!(self.input_seq);
+        }
+        self.ws.send(Message::Text(v.to_string().into())).await?;
+        Ok(())
+    }
+
+    async fn recv(&mut self, timeout: Duration) -> Result<Msg> {
+        loop {
+            let m = tokio::time::timeout(timeout, self.ws.next()).await.map_err(|_| anyhow!("timed out waiting for the server"))?;
+            match m {
+                Some(Ok(Message::Text(t))) => {
+                    let v: Value = serde_json::from_str(&t)?;
+                    if let Some(s) = v.get("seq").and_then(Value::as_u64) {
+                        self.last_seq = self.last_seq.max(s);
+                    }
+                    return Ok(Msg::Event(v));
+                }
+                Some(Ok(Message::Binary(b))) => {
+                    if b.len() < 12 {
+                        bail!("a binary frame shorter than its header");
+                    }
+                    let seq = u32::from_le_bytes([b[4], b[5], b[6], b[7]]) as u64;
+                    self.last_seq = self.last_seq.max(seq);
+                    if b[0] != 1 {
+                        continue;
+                    }
+                    return Ok(Msg::Audio);
+                }
+                Some(Ok(Message::Close(c))) => bail!("closed by the server: {c:?}"),
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => return Err(e.into()),
+                None => bail!("the connection ended"),
+            }
+        }
+    }
+
+    async fn ack(&mut self) -> Result<()> {
+        let s = self.last_seq;
+        self.ws.send(Message::Text(json!({"type": "ack", "seq": s}).to_string().into())).await?;
+        Ok(())
+    }
+
+    async fn create(&mut self, cfg: &BenchConfig) -> Result<Value> {
+        self.send(json!({"type": "session.create", "mode": "turn",
+            "input_audio": {"codec": "opus", "sample_rate": 48000},
+            "output_audio": {"codec": "opus", "frame_ms": 20}}))
+            .await?;
+        loop {
+            match self.recv(cfg.timeout).await? {
+                Msg::Event(v) if v["type"] == "session.created" => {
+                    self.frame_ms = v["output_audio"]["frame_ms"].as_f64().unwrap_or(20.0);
+                    return Ok(v);
+                }
+                Msg::Event(v) if v["type"] == "error" => bail!("session.create: {} ({})", v["code"], v["message"]),
+                _ => {}
+            }
+        }
+    }
+}
+
+/// The spoken input for the `voice` workload: 48 kHz Opus packets of 20 ms.
+pub fn voice_packets(wav: &Path) -> Result<Vec<Vec<u8>>> {
+    let bytes = std::fs::read(wav).with_context(|| format!("reading {}", wav.display()))?;
+    let (x, rate) = crate::audio::decode_wav(&bytes)?;
+    let x = crate::audio::resample(&x, rate, 48_000)?;
+    let mut enc = opus::Encoder::new(48_000, opus::Channels::Mono, opus::Application::Voip)?;
+    let mut out = Vec::new();
+    for f in x.chunks(960) {
+        let mut f = f.to_vec();
+        f.resize(960, 0.0);
+        out.push(enc.encode_vec_float(&f, 4000)?);
+    }
+    Ok(out)
+}
+
+struct Shared {
+    cfg: BenchConfig,
+    voice: Option<Vec<Vec<u8>>>,
+    clone_base: (Vec<f32>, u32),
+    progress: Option<indicatif::ProgressBar>,
+}
+
+async fn one_request(sh: &Shared, c: &mut Client, level: usize, worker: usize, index: usize, warmup: bool, level_start: Instant) -> RequestRecord {
+    let cfg = &sh.cfg;
+    let prompt = (worker * 7 + index) % PROMPTS.len();
+    let mut rec = RequestRecord {
+        concurrency: level,
+        worker,
+        index,
+        warmup,
+        prompt,
+        ok: false,
+        error: None,
+        status: None,
+        ttft_ms: None,
+        ttfa_ms: None,
+        last_audio_ms: None,
+        audio_ms: 0.0,
+        packets: 0,
+        chunks: None,
+        rtf: None,
+        rtf_compute: None,
+        stalls: vec![],
+        start_s: level_start.elapsed().as_secs_f64(),
+        arrivals_ms: vec![],
+    };
+    let gen = json!({"min_text_tokens": cfg.text_tokens, "max_text_tokens": cfg.text_tokens,
+        "min_audio_tokens": cfg.audio_tokens, "max_audio_tokens": cfg.audio_tokens, "seed": (worker * 1000 + index) as u64});
+    let result: Result<()> = async {
+        let request_start = Instant::now();
+        if cfg.workload == Workload::Clone {
+            let b64 = clone_voice(&sh.clone_base.0, sh.clone_base.1, level * 100_000 + worker * 1000 + index);
+            c.send(json!({"type": "session.update", "voice": {"ref_audio_b64": b64, "sample_rate": sh.clone_base.1}})).await?;
+        }
+        let input_end = match cfg.workload {
+            Workload::Tts | Workload::Clone => {
+                c.send(json!({"type": "input.text", "text": PROMPTS[prompt], "generation": gen})).await?;
+                Instant::now()
+            }
+            Workload::Voice => {
+                let packets = sh.voice.as_ref().expect("voice packets");
+                let t0 = Instant::now();
+                for (k, p) in packets.iter().enumerate() {
+                    // real time: packet k leaves at k × 20 ms
+                    let due = t0 + Duration::from_millis(20 * k as u64);
+                    tokio::time::sleep_until(due.into()).await;
+                    c.input_seq += 1;
+                    let mut f = vec![1u8, 0, 0, 0];
+                    f.extend_from_slice(&(c.input_seq as u32).to_le_bytes());
+                    f.extend_from_slice(&0u32.to_le_bytes());
+                    f.extend_from_slice(p);
+                    c.ws.send(Message::Binary(f.into())).await?;
+                }
+                c.send(json!({"type": "input.commit", "generation": gen})).await?;
+                Instant::now()
+            }
+        };
+        let ms = |t: Instant| t.duration_since(input_end).as_secs_f64() * 1000.0;
+        let mut durations = Vec::new();
+        let mut last_ack = Instant::now();
+        loop {
+            match c.recv(cfg.timeout).await? {
+                Msg::Event(v) => match v["type"].as_str().unwrap_or("") {
+                    "response.text.delta" => {
+                        rec.ttft_ms.get_or_insert(ms(Instant::now()));
+                    }
+                    "response.done" => {
+                        rec.status = v["status"].as_str().map(str::to_string);
+                        rec.chunks = v["chunks"].as_u64();
+                        if v["status"] != "completed" {
+                            bail!("response {}", v["status"]);
+                        }
+                        break;
+                    }
+                    "error" => {
+                        if v["fatal"] == true {
+                            bail!("error {}: {}", v["code"], v["message"]);
+                        }
+                        rec.error = Some(v["code"].as_str().unwrap_or("?").to_string());
+                    }
+                    _ => {}
+                },
+                Msg::Audio => {
+                    let now = Instant::now();
+                    rec.ttfa_ms.get_or_insert(ms(now));
+                    rec.arrivals_ms.push(ms(now));
+                    durations.push(c.frame_ms);
+                    rec.packets += 1;
+                }
+            }
+            if last_ack.elapsed() >= Duration::from_millis(250) {
+                c.ack().await?;
+                last_ack = Instant::now();
+            }
+        }
+        c.ack().await?;
+        rec.audio_ms = durations.iter().sum();
+        if let (Some(&first), Some(&last)) = (rec.arrivals_ms.first(), rec.arrivals_ms.last()) {
+            rec.last_audio_ms = Some(last);
+            let start_to_end = ms(input_end) - ms(request_start) + last;
+            rec.rtf = Some(start_to_end / rec.audio_ms.max(1e-9));
+            rec.rtf_compute = Some((last - first) / rec.audio_ms.max(1e-9));
+        }
+        rec.stalls = cfg.prebuffers_ms.iter().map(|&p| {
+            let (e, t) = stalls(&rec.arrivals_ms, &durations, p as f64);
+            (p, e, t)
+        }).collect();
+        Ok(())
+    }
+    .await;
+    match result {
+        Ok(()) => rec.ok = rec.ttfa_ms.is_some(),
+        Err(e) => rec.error = Some(e.to_string()),
+    }
+    if let Some(p) = &sh.progress {
+        if !warmup {
+            p.inc(1);
+        }
+    }
+    rec
+}
+
+/// Runs one concurrency level: `level` workers, each with its own session, closed loop.
+async fn run_level(sh: Arc<Shared>, level: usize) -> Result<(Vec<RequestRecord>, f64)> {
+    let cfg = &sh.cfg;
+    let per_worker = cfg.requests.div_ceil(level);
+    let warm_per_worker = cfg.warmup.div_ceil(level);
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..level {
+        let sh = sh.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            let mut client = match Client::connect(&sh.cfg).await {
+                Ok(c) => c,
+                Err(e) => return Err(e),
+            };
+            client.create(&sh.cfg).await?;
+            for i in 0..warm_per_worker + per_worker {
+                let warm = i < warm_per_worker;
+                let r = one_request(&sh, &mut client, level, w, i, warm, start).await;
+                let broken = !r.ok && r.error.as_deref().is_some_and(|e| e.contains("closed") || e.contains("ended"));
+                out.push(r);
+                if broken {
+                    // a new session for the next request
+                    client = Client::connect(&sh.cfg).await?;
+                    client.create(&sh.cfg).await?;
+                }
+            }
+            let _ = client.send(json!({"type": "session.close"})).await;
+            Ok::<_, anyhow::Error>(out)
+        }));
+    }
+    // measured wall time: from the first measured request's start to the last one's end
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.context("bench worker")??);
+    }
+    let measured: Vec<&RequestRecord> = all.iter().filter(|r| !r.warmup).collect();
+    let begin = measured.iter().map(|r| r.start_s).fold(f64::INFINITY, f64::min);
+    let wall = start.elapsed().as_secs_f64() - if begin.is_finite() { begin } else { 0.0 };
+    Ok((all, wall))
+}
+
+/// Runs every level and writes the outputs; returns the summary.
+pub async fn run(cfg: BenchConfig) -> Result<report::Summary> {
+    std::fs::create_dir_all(&cfg.out).with_context(|| format!("creating {}", cfg.out.display()))?;
+    let voice = match cfg.workload {
+        Workload::Voice => {
+            let wav = cfg.input_wav.clone().unwrap_or_else(|| PathBuf::from("assets/voices/default.wav"));
+            Some(voice_packets(&wav)?)
+        }
+        _ => None,
+    };
+    let base = std::fs::read("assets/voices/default.wav").ok().and_then(|b| crate::audio::decode_wav(&b).ok());
+    let clone_base = match (cfg.workload, base) {
+        (Workload::Clone, Some(b)) => b,
+        (Workload::Clone, None) => bail!("the clone workload derives its voices from assets/voices/default.wav (run from the repository root)"),
+        (_, b) => b.unwrap_or((vec![0.0; 16_000], 16_000)),
+    };
+    let total: usize = cfg.levels.len() * cfg.requests;
+    let progress = cfg.progress.then(|| {
+        let p = indicatif::ProgressBar::new(total as u64);
+        p.set_style(indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}").expect("template"));
+        p
+    });
+    let sh = Arc::new(Shared { cfg: cfg.clone(), voice, clone_base, progress });
+    let mut records = Vec::new();
+    let mut levels = Vec::new();
+    for &level in &cfg.levels {
+        if let Some(p) = &sh.progress {
+            p.set_message(format!("(C{level})"));
+        }
+        let (recs, wall) = run_level(sh.clone(), level).await?;
+        levels.push(report::level_summary(level, &recs, wall));
+        records.extend(recs);
+    }
+    if let Some(p) = &sh.progress {
+        p.finish_and_clear();
+    }
+    let summary = report::Summary {
+        workload: cfg.workload.name().into(),
+        server: cfg.server_label.clone(),
+        config: cfg.config_label.clone(),
+        synthetic_weights: cfg.synthetic.unwrap_or(false),
+        date: report::now_iso(),
+        text_tokens: cfg.text_tokens,
+        audio_tokens: cfg.audio_tokens,
+        levels,
+    };
+    report::write_all(&cfg.out, &summary, &records)?;
+    Ok(summary)
+}
+
+/// Asks the server whether its weights are synthetic (`/api/build_info`), from the WebSocket URL.
+pub async fn probe_build_info(url: &str) -> Option<Value> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rest = url.strip_prefix("ws://")?;
+    let host = rest.split('/').next()?;
+    let mut s = tokio::net::TcpStream::connect(host).await.ok()?;
+    s.write_all(format!("GET /api/build_info HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes()).await.ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.ok()?;
+    let body = buf.split("\r\n\r\n").nth(1)?;
+    serde_json::from_str(body).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stall_model() {
+        let d = vec![20.0; 5];
+        // packets every 20 ms: no stall
+        assert_eq!(stalls(&[0.0, 20.0, 40.0, 60.0, 80.0], &d, 0.0), (0, 0.0));
+        // a 70 ms gap after the third packet: the buffer is dry at 60 ms, one stall of 50 ms
+        let a = [0.0, 20.0, 40.0, 110.0, 130.0];
+        let (e, t) = stalls(&a, &d, 0.0);
+        assert_eq!(e, 1);
+        assert!((t - 50.0).abs() < 1e-6, "{t}");
+        // a 100 ms pre-buffer absorbs it
+        assert_eq!(stalls(&a, &d, 100.0), (0, 0.0));
+        // a burst arriving all at once never stalls
+        assert_eq!(stalls(&[5.0; 5], &d, 0.0), (0, 0.0));
+    }
+}
