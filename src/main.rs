@@ -114,6 +114,12 @@ struct BenchArgs {
     timeout_s: u64,
     #[arg(long)]
     no_progress: bool,
+    /// Duplex workload: speak in every k-th unit (k >= 2).
+    #[arg(long, default_value_t = 2)]
+    speak_every: u64,
+    /// Duplex workload: seconds of audio each session streams per level.
+    #[arg(long, default_value_t = 12)]
+    duplex_units: usize,
 }
 
 impl BenchArgs {
@@ -141,6 +147,8 @@ impl BenchArgs {
             synthetic: None,
             progress: !self.no_progress,
             timeout: std::time::Duration::from_secs(self.timeout_s),
+            speak_every: self.speak_every,
+            duplex_units: self.duplex_units,
         })
     }
 }

@@ -98,6 +98,30 @@ impl SpecialTokens {
         crate::models::thinker::AudioMarkers { start: self.audio_start, end: self.audio_end, placeholder: self.unk }
     }
 
+    /// Every special id (none of them is text).
+    pub fn all(&self) -> [u32; 18] {
+        [
+            self.endoftext,
+            self.im_start,
+            self.im_end,
+            self.think,
+            self.think_end,
+            self.audio_start,
+            self.audio_end,
+            self.unk,
+            self.unit,
+            self.unit_end,
+            self.tts_bos,
+            self.tts_eos,
+            self.listen,
+            self.speak,
+            self.turn_eos,
+            self.chunk_eos,
+            self.chunk_tts_eos,
+            self.tts_pad,
+        ]
+    }
+
     /// Tokens that end the text handed to the Talker.
     pub fn handoff_boundaries(&self) -> [u32; 8] {
         [

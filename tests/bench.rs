@@ -39,6 +39,8 @@ fn config(url: String, workload: Workload, levels: Vec<usize>, requests: usize, 
         synthetic: Some(true),
         progress: false,
         timeout: Duration::from_secs(120),
+        speak_every: 2,
+        duplex_units: 6,
     }
 }
 
@@ -122,6 +124,34 @@ async fn voice_and_clone_workloads() {
     }
     let m = s.shared.engine.metrics().render();
     assert!(m.contains("antiphon_prefetch_total"), "the clone workload exercised prefetch");
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplex_workload() {
+    let s = server().await;
+    let url = format!("ws://{}/v1/realtime", s.addr);
+    let dir = tempfile::tempdir().unwrap();
+    let t0 = Instant::now();
+    // 6 s per session: units 1 and 3 speak (5 has no unit after it); the first turn is warm-up
+    let mut cfg = config(url, Workload::Duplex, vec![1, 2], 1, dir.path().into());
+    cfg.text_tokens = 4;
+    cfg.audio_tokens = 35;
+    let summary = antiphon::bench::run(cfg).await.unwrap();
+    assert!(t0.elapsed() >= Duration::from_secs(12), "streamed in real time: {:?}", t0.elapsed());
+    for (l, c) in summary.levels.iter().zip([1, 2]) {
+        assert_eq!(l.concurrency, c);
+        assert_eq!(l.requests, c, "one measured turn per session");
+        assert_eq!(l.warmup_requests, c);
+        assert_eq!(l.failures, 0, "{:?}", l.failures_by_code);
+        // measured from the end of the speaking unit: positive, and well under the unit cycle
+        assert!(l.ttfa_ms.p50 > 0.0 && l.ttfa_ms.p50 < 2000.0, "{:?}", l.ttfa_ms);
+        // 25 codes of the unit + 10 drained = 1.4 s, plus the first chunk's lead-in
+        assert!((1400.0..=1800.0).contains(&l.audio_ms_mean), "{}", l.audio_ms_mean);
+    }
+    let recs = std::fs::read_to_string(dir.path().join("requests.jsonl")).unwrap();
+    let units: Vec<u64> = recs.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()["prompt"].as_u64().unwrap()).collect();
+    assert!(units.iter().all(|u| [1, 3].contains(u)), "{units:?}");
     s.shutdown().await.unwrap();
 }
 

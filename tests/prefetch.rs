@@ -148,6 +148,20 @@ fn prefetch_never_runs_while_a_stream_is_live() {
 }
 
 #[test]
+fn an_open_duplex_session_is_a_live_stream_for_the_busy_gate() {
+    let mut r = Rig::new(EngineConfig::default());
+    r.stage.on_message(Stage2Msg::DuplexOpen("s1".into()));
+    r.stage.on_message(Stage2Msg::DuplexOpen("s2".into()));
+    r.admit("a", Some(voice(180.0)));
+    r.idle();
+    assert_eq!(r.idle(), IdleOutcome::Skipped("busy"));
+    r.stage.on_message(Stage2Msg::DuplexClose("s1".into()));
+    assert_eq!(r.idle(), IdleOutcome::Skipped("busy"));
+    r.stage.on_message(Stage2Msg::DuplexClose("s2".into()));
+    assert_eq!(r.idle(), IdleOutcome::PhaseA(id("a")));
+}
+
+#[test]
 fn prefetch_pins_never_exceed_the_cache_capacity() {
     let mut r = Rig::new(EngineConfig { ref_cache_capacity: 1, ..EngineConfig::default() });
     r.admit("a", Some(voice(180.0)));

@@ -13,6 +13,7 @@
 //! (reference prefetch, see [`stage2`]).
 
 pub mod chunker;
+pub mod duplex;
 pub mod metrics;
 pub mod refcache;
 pub mod stage0;
@@ -68,6 +69,13 @@ pub struct EngineConfig {
     /// Put the reference voice into the Thinker's system prompt (MiniCPM-o's voice-cloning prompt).
     pub thinker_hears_reference: bool,
     pub channel_capacity: usize,
+    /// Talker codes per spoken duplex unit (25 = 1 s units).
+    pub duplex_codes_per_unit: usize,
+    /// Codes the Talker may drain at the end of a duplex turn.
+    pub duplex_drain_codes: usize,
+    /// Thinker positions a duplex session may use (default: the model's context); the session
+    /// closes with `context_full` when the next unit would not fit.
+    pub duplex_max_context: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -93,6 +101,9 @@ impl Default for EngineConfig {
             default_max_audio_tokens: 2048,
             thinker_hears_reference: true,
             channel_capacity: 1024,
+            duplex_codes_per_unit: 25,
+            duplex_drain_codes: 104,
+            duplex_max_context: None,
         }
     }
 }
@@ -109,6 +120,9 @@ pub struct Models {
 pub enum Stage0Msg {
     Admit(RequestSpec),
     Cancel(RequestId),
+    DuplexOpen(DuplexSpec, DuplexSink),
+    DuplexUnit { session: String, samples: Vec<f32>, arrived: std::time::Instant },
+    DuplexClose(String),
 }
 
 /// What Stage 0 hands Stage 1.
@@ -119,6 +133,10 @@ pub enum Stage1Msg {
     Rows { id: RequestId, epoch: u64, ids: Vec<u32>, hidden: Tensor },
     /// The text is complete: prefill the text end / audio start and decode.
     End { id: RequestId, epoch: u64 },
+    /// Duplex: one spoken unit's text (`hidden`: its rows, `None` when there is no text, as when a
+    /// listening unit closes the turn). The Talker makes one unit of codes for it, or drains the
+    /// turn when `turn_end`.
+    Segment { id: RequestId, epoch: u64, ids: Vec<u32>, hidden: Option<Tensor>, turn_end: bool },
     Cancel(RequestId),
 }
 
@@ -130,6 +148,9 @@ pub enum Stage2Msg {
     /// Codes for Code2Wav; chunk 0 carries the reference to use.
     Chunk { id: RequestId, epoch: u64, seq: usize, codes: Vec<u32>, last: bool, reference: Option<RefInput> },
     Cancel(RequestId),
+    /// A duplex session is live: while any is, no prefetch runs (the busy gate).
+    DuplexOpen(String),
+    DuplexClose(String),
 }
 
 /// What a stage does between messages.
@@ -250,6 +271,52 @@ impl Engine {
             bail!("the engine has stopped");
         }
         Ok(())
+    }
+
+    /// Opens a duplex session: a long-lived Thinker stream fed with [`Engine::duplex_unit`]; its
+    /// decisions, spoken turns and end come through `sink`. Stage 2 counts it as a live duplex
+    /// stream (no prefetch while any is open) until [`Engine::close_duplex`].
+    pub fn open_duplex(&self, spec: DuplexSpec, sink: DuplexSink) -> Result<()> {
+        let v = &spec.voice;
+        if v.samples.is_empty() || v.sample_rate == 0 || v.samples.iter().any(|s| !s.is_finite()) {
+            bail!("the reference voice must be non-empty, finite audio with a sample rate");
+        }
+        if let DuplexPolicy::SpeakEvery(0) = spec.policy {
+            bail!("speak_every needs k >= 1");
+        }
+        let session = spec.session.clone();
+        let sent = self.to2.as_ref().map(|t| t.send(Stage2Msg::DuplexOpen(session)).is_ok()).unwrap_or(false)
+            && self.to0.as_ref().map(|t| t.send(Stage0Msg::DuplexOpen(spec, sink)).is_ok()).unwrap_or(false);
+        if !sent {
+            bail!("the engine has stopped");
+        }
+        Ok(())
+    }
+
+    /// The next unit of a duplex session: 16 kHz mono, a whole number of 100 ms (1 s by default).
+    pub fn duplex_unit(&self, session: &str, samples: Vec<f32>) -> Result<()> {
+        if samples.is_empty() || samples.len() % 1600 != 0 {
+            bail!("a duplex unit is a whole number of 100 ms at 16 kHz, not {} samples", samples.len());
+        }
+        if samples.iter().any(|s| !s.is_finite()) {
+            bail!("input audio holds non-finite samples");
+        }
+        let m = Stage0Msg::DuplexUnit { session: session.to_string(), samples, arrived: std::time::Instant::now() };
+        if !self.to0.as_ref().map(|t| t.send(m).is_ok()).unwrap_or(false) {
+            bail!("the engine has stopped");
+        }
+        Ok(())
+    }
+
+    /// Ends a duplex session: its open turn is cancelled, `Closed` is its last event, and Stage 2
+    /// stops counting it.
+    pub fn close_duplex(&self, session: &str) {
+        if let Some(t) = &self.to0 {
+            let _ = t.send(Stage0Msg::DuplexClose(session.to_string()));
+        }
+        if let Some(t) = &self.to2 {
+            let _ = t.send(Stage2Msg::DuplexClose(session.to_string()));
+        }
     }
 
     /// Cancels a request at any point: `Done { Cancelled }` is its last event, and every stage frees

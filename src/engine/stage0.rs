@@ -11,6 +11,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
 
+use super::duplex::DuplexStream;
 use super::{EngineConfig, EngineMetrics, Mode, RequestId, RequestSpec, Registry, Stage0Msg, Stage1Msg, StageLoop, Status, UserInput};
 use crate::models::decoder::{KvCache, StreamStep};
 use crate::models::sampling::{LengthPolicy, Sampler};
@@ -38,15 +39,24 @@ struct Active {
 }
 
 pub struct Stage0 {
-    thinker: Thinker,
-    tok: TextTokenizer,
-    cfg: Arc<EngineConfig>,
-    registry: Registry,
-    metrics: EngineMetrics,
-    to_talker: SyncSender<Stage1Msg>,
+    pub(super) thinker: Thinker,
+    pub(super) tok: TextTokenizer,
+    pub(super) cfg: Arc<EngineConfig>,
+    pub(super) registry: Registry,
+    pub(super) metrics: EngineMetrics,
+    pub(super) to_talker: SyncSender<Stage1Msg>,
     queue: VecDeque<RequestSpec>,
     active: Vec<Active>,
+    /// Duplex sessions' long-lived streams (see [`super::duplex`]).
+    pub(super) duplex: Vec<DuplexStream>,
     forbid: Vec<u32>,
+}
+
+/// A stream in a batched Thinker step.
+#[derive(Clone, Copy, PartialEq)]
+enum Slot {
+    Turn(usize),
+    Duplex(usize),
 }
 
 impl Stage0 {
@@ -64,7 +74,7 @@ impl Stage0 {
             s.tts_pad, s.tts_bos, s.listen, s.speak, s.unit, s.unit_end, s.chunk_eos, s.chunk_tts_eos, s.turn_eos, s.audio_start,
             s.audio_end, s.im_start, s.think, s.think_end, s.unk,
         ];
-        Self { thinker, tok, cfg, registry, metrics, to_talker, queue: VecDeque::new(), active: Vec::new(), forbid }
+        Self { thinker, tok, cfg, registry, metrics, to_talker, queue: VecDeque::new(), active: Vec::new(), duplex: Vec::new(), forbid }
     }
 
     fn fail(&self, id: &RequestId, epoch: u64, why: String) {
@@ -184,7 +194,20 @@ impl Stage0 {
         let mut budget = self.cfg.thinker_prefill_tokens;
         let mut order = Vec::new();
         let mut steps = Vec::new();
-        for (i, a) in self.active.iter_mut().enumerate().take(self.cfg.thinker_max_batch) {
+        // duplex units first: they are due in real time
+        for (j, d) in self.duplex.iter_mut().enumerate() {
+            if steps.len() >= self.cfg.thinker_max_batch || d.gone {
+                continue;
+            }
+            if let Some(embeds) = d.next_embeds(&self.thinker, &mut budget)? {
+                order.push(Slot::Duplex(j));
+                steps.push(StreamStep { cache: &mut d.cache, embeds });
+            }
+        }
+        for (i, a) in self.active.iter_mut().enumerate() {
+            if steps.len() >= self.cfg.thinker_max_batch {
+                break;
+            }
             let embeds = if let Some(p) = &a.prefill {
                 let total = p.dim(0)?;
                 if budget == 0 {
@@ -198,7 +221,7 @@ impl Stage0 {
             } else {
                 continue;
             };
-            order.push(i);
+            order.push(Slot::Turn(i));
             steps.push(StreamStep { cache: &mut a.cache, embeds });
         }
         if steps.is_empty() {
@@ -211,7 +234,16 @@ impl Stage0 {
         // logits of the streams that finished prefilling or decode
         let mut finished = Vec::new();
         let mut want = Vec::new();
-        for (k, &i) in order.iter().enumerate() {
+        for (k, &slot) in order.iter().enumerate() {
+            let i = match slot {
+                Slot::Duplex(j) => {
+                    if let Some(row) = self.duplex_after_forward(j, &hidden[k])? {
+                        want.push((slot, row));
+                    }
+                    continue;
+                }
+                Slot::Turn(i) => i,
+            };
             let a = &mut self.active[i];
             let rows = hidden[k].dim(0)?;
             if let Some(p) = &a.prefill {
@@ -224,12 +256,21 @@ impl Stage0 {
                 // the fed token was generated: keep its row for the Talker
                 a.rows.push(hidden[k].narrow(0, rows - 1, 1)?.to_dtype(DType::F32)?);
             }
-            want.push((i, hidden[k].narrow(0, rows - 1, 1)?));
+            want.push((slot, hidden[k].narrow(0, rows - 1, 1)?));
         }
         if !want.is_empty() {
             let last = Tensor::cat(&want.iter().map(|(_, h)| h.clone()).collect::<Vec<_>>(), 0)?;
             let logits = self.thinker.llm.logits(&last)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-            for ((i, _), l) in want.into_iter().zip(logits) {
+            for ((slot, _), l) in want.into_iter().zip(logits) {
+                let i = match slot {
+                    Slot::Duplex(j) => {
+                        if let Err(e) = self.duplex_sample(j, &l) {
+                            self.duplex_end(j, &format!("failed: {e:#}"));
+                        }
+                        continue;
+                    }
+                    Slot::Turn(i) => i,
+                };
                 let a = &mut self.active[i];
                 if !self.registry.is_live(&a.id, a.epoch) {
                     finished.push(i);
@@ -289,6 +330,10 @@ impl StageLoop for Stage0 {
     type Msg = Stage0Msg;
 
     fn fail_all(&mut self, why: &str) {
+        for j in 0..self.duplex.len() {
+            self.duplex_end(j, &format!("failed: {why}"));
+        }
+        self.duplex.clear();
         for a in std::mem::take(&mut self.active) {
             self.fail(&a.id, a.epoch, why.to_string());
         }
@@ -304,6 +349,9 @@ impl StageLoop for Stage0 {
                 self.queue.retain(|s| s.id != id);
                 self.active.retain(|a| a.id != id);
             }
+            Stage0Msg::DuplexOpen(spec, sink) => self.duplex_open(spec, sink),
+            Stage0Msg::DuplexUnit { session, samples, arrived } => self.duplex_unit(&session, samples, arrived),
+            Stage0Msg::DuplexClose(session) => self.duplex_close(&session),
         }
     }
 
@@ -318,8 +366,10 @@ impl StageLoop for Stage0 {
         // drop requests that ended elsewhere (cancelled, failed)
         let registry = self.registry.clone();
         self.active.retain(|a| registry.is_live(&a.id, a.epoch));
+        self.duplex_intake();
+        self.duplex.retain(|d| !d.gone);
         self.metrics.queue_depth.with_label_values(&["thinker"]).set((self.active.len() + self.queue.len()) as i64);
-        if self.active.is_empty() {
+        if self.active.is_empty() && !self.duplex.iter().any(|d| d.has_work()) {
             return false;
         }
         match self.run() {
@@ -334,8 +384,12 @@ impl StageLoop for Stage0 {
                 for a in std::mem::take(&mut self.active) {
                     self.fail(&a.id, a.epoch, msg.clone());
                 }
+                for j in 0..self.duplex.len() {
+                    self.duplex_end(j, &format!("failed: {msg}"));
+                }
             }
         }
+        self.duplex.retain(|d| !d.gone);
         true
     }
 }

@@ -2,7 +2,7 @@
 //! text-end and audio-start embeddings), then decode one code per step for every stream at once;
 //! codes are chunked and handed to Code2Wav (chunk 0 with the reference voice).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 use std::time::Instant;
@@ -33,6 +33,21 @@ struct Req {
     length: LengthPolicy,
     chunker: Chunker,
     codes: usize,
+    /// Duplex turns: segments by unit.
+    duplex: Option<DuplexTalk>,
+}
+
+/// A duplex turn's Talker side: one segment per spoken unit, each making a unit of codes; the
+/// last one (`turn_end`) drains until the end code. Between segments the stream waits, its last
+/// code not yet fed (it opens the next segment's prefill).
+#[derive(Default)]
+struct DuplexTalk {
+    /// Waiting segments: the condition (`None` when there is no new text) and `turn_end`.
+    queue: VecDeque<(Option<Tensor>, bool)>,
+    /// Codes left in the segment being decoded; `None` while draining the turn's end.
+    left: Option<usize>,
+    /// A segment is being decoded.
+    active: bool,
 }
 
 pub struct Stage1 {
@@ -71,10 +86,52 @@ impl Stage1 {
         let _ = self.to_c2w.send(Stage2Msg::Chunk { id: id.clone(), epoch: r.epoch, seq: p.seq, codes: p.codes, last: p.last, reference });
     }
 
+    /// Starts the next waiting segment of every idle duplex turn; a turn with nothing left to
+    /// feed at its end is flushed at once.
+    fn start_segments(&mut self) -> Result<()> {
+        let mut done = Vec::new();
+        for id in &self.order {
+            let r = self.reqs.get_mut(id).expect("listed");
+            let Some(dx) = r.duplex.as_mut() else { continue };
+            if dx.active {
+                continue;
+            }
+            let Some((cond, turn_end)) = dx.queue.pop_front() else { continue };
+            let mut parts = Vec::new();
+            if let Some(c) = r.last_code {
+                parts.push(self.talker.embed_codes(&[c])?);
+            }
+            parts.extend(cond);
+            if parts.is_empty() {
+                done.push(id.clone());
+                continue;
+            }
+            r.pending = parts;
+            r.decoding = true;
+            dx.active = true;
+            dx.left = (!turn_end).then_some(self.cfg.duplex_codes_per_unit.max(1));
+            if turn_end {
+                r.length = LengthPolicy::new(vec![self.talker.eos_code()], r.length.min, r.length.max);
+            }
+        }
+        for id in done {
+            let mut r = self.reqs.remove(&id).expect("listed");
+            self.order.retain(|x| *x != id);
+            if let Some(p) = r.chunker.flush() {
+                self.send(&id, &r, p);
+            }
+        }
+        Ok(())
+    }
+
     fn run(&mut self) -> Result<bool> {
+        self.start_segments()?;
         let mut ids = Vec::new();
         let mut embeds = Vec::new();
-        for id in self.order.iter().take(self.cfg.talker_max_batch) {
+        for id in &self.order {
+            if ids.len() >= self.cfg.talker_max_batch {
+                break;
+            }
             let r = &self.reqs[id];
             let e = if !r.pending.is_empty() {
                 Tensor::cat(&r.pending, 0)?
@@ -124,7 +181,24 @@ impl Stage1 {
                     self.remove(&id);
                     continue;
                 }
-                let code = r.length.next(&mut r.sampler, &l, &[]);
+                let eos_now = match r.duplex.as_mut() {
+                    // a unit's segment: exactly its codes, then wait for the next segment
+                    Some(DuplexTalk { left: Some(left), .. }) => {
+                        let code = r.sampler.sample(&l, &[eos]);
+                        *left -= 1;
+                        if *left == 0 {
+                            let dx = r.duplex.as_mut().expect("duplex");
+                            dx.active = false;
+                            r.decoding = false;
+                        }
+                        Some(code)
+                    }
+                    _ => None,
+                };
+                let code = match eos_now {
+                    Some(c) => c,
+                    None => r.length.next(&mut r.sampler, &l, &[]),
+                };
                 if code == eos {
                     let p = r.chunker.flush();
                     let r = self.reqs.remove(&id).expect("listed");
@@ -174,6 +248,7 @@ impl StageLoop for Stage1 {
                     length: LengthPolicy::new(vec![self.talker.eos_code()], min_codes, max_codes),
                     chunker: Chunker::new(self.cfg.first_chunk_codes, self.cfg.chunk_codes, self.cfg.context_codes, SILENCE_CODE),
                     codes: 0,
+                    duplex: (mode == Mode::Duplex).then(DuplexTalk::default),
                 };
                 self.remove(&id);
                 self.order.push(id.clone());
@@ -203,6 +278,26 @@ impl StageLoop for Stage1 {
                         r.pending.push(t);
                         r.ended = true;
                     }
+                    Err(e) => self.fail(&id, format!("talker condition: {e:#}")),
+                }
+            }
+            Stage1Msg::Segment { id, epoch, ids, hidden, turn_end } => {
+                let Some(r) = self.reqs.get_mut(&id) else { return };
+                if r.epoch != epoch || r.duplex.is_none() {
+                    return;
+                }
+                let cond = match (&hidden, ids.is_empty()) {
+                    (Some(h), false) => self
+                        .talker
+                        .condition_rows(&ids, h)
+                        .and_then(|rows| Tensor::cat(&[rows, self.talker.condition_tail(ConditionMode::Duplex)?], 0))
+                        .map(Some),
+                    // a spoken unit without text still opens a unit of speech
+                    _ if !turn_end => self.talker.condition_tail(ConditionMode::Duplex).map(Some),
+                    _ => Ok(None),
+                };
+                match cond {
+                    Ok(c) => r.duplex.as_mut().expect("duplex").queue.push_back((c, turn_end)),
                     Err(e) => self.fail(&id, format!("talker condition: {e:#}")),
                 }
             }

@@ -10,7 +10,7 @@
 //! duplex requests). On its idle steps it runs one phase of preparation for a waiting reference:
 //! phase A = materialize + prepare (on by default), phase B = setup (off by default). A phase runs
 //! only on an idle step that follows an idle step, only while no stream is live in this stage (the
-//! busy gate), only when exactly one reference waits (the lone-waiter gate), and only while pins
+//! busy gate; an open duplex session counts as a live stream), only when exactly one reference waits (the lone-waiter gate), and only while pins
 //! stay below the reference cache's capacity (the pin cap). A failed phase is dropped and its pin
 //! released (chunk 0 then prepares inline); a cancelled request releases its pins. Chunk 0 is
 //! bit-identical with or without prefetch: the same deterministic computation, done earlier.
@@ -90,6 +90,8 @@ pub struct Stage2 {
     live: HashMap<RequestId, Live>,
     queue: VecDeque<ChunkWork>,
     prev_idle: bool,
+    /// Open duplex sessions (each a live duplex stream for the busy gate).
+    duplex: std::collections::HashSet<String>,
 }
 
 impl Stage2 {
@@ -105,6 +107,7 @@ impl Stage2 {
             live: HashMap::new(),
             queue: VecDeque::new(),
             prev_idle: false,
+            duplex: Default::default(),
         }
     }
 
@@ -244,7 +247,7 @@ impl Stage2 {
         if !double {
             return skip(self, "single_idle");
         }
-        if !self.live.is_empty() {
+        if !self.live.is_empty() || !self.duplex.is_empty() {
             return skip(self, "busy");
         }
         if candidates.len() != 1 {
@@ -442,6 +445,12 @@ impl StageLoop for Stage2 {
                 self.queue.push_back(ChunkWork { id, epoch, seq, codes, last, reference });
             }
             Stage2Msg::Cancel(id) => self.abort(&id),
+            Stage2Msg::DuplexOpen(s) => {
+                self.duplex.insert(s);
+            }
+            Stage2Msg::DuplexClose(s) => {
+                self.duplex.remove(&s);
+            }
         }
     }
 

@@ -138,6 +138,47 @@ pub enum EngineEvent {
 /// Where a request's events go.
 pub type EventSink = Arc<dyn Fn(EngineEvent) + Send + Sync>;
 
+/// Who decides, unit by unit, whether a duplex session listens or speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DuplexPolicy {
+    /// The model's own `<|listen|>` / `<|speak|>` decision.
+    Model,
+    /// Speak in every k-th unit (units k, 2k, …, counting from 1) and listen in the others;
+    /// consecutive speaking units form one turn (for synthetic weights, whose decisions are noise).
+    SpeakEvery(u64),
+}
+
+/// A duplex session as the engine sees it: one long-lived Thinker stream fed 1 s units.
+#[derive(Debug, Clone)]
+pub struct DuplexSpec {
+    /// Unique among open duplex sessions; turn requests are named `{session}/t{n}`.
+    pub session: String,
+    pub policy: DuplexPolicy,
+    pub instructions: Option<String>,
+    /// The Code2Wav reference of every spoken turn (and, if configured, the Thinker's voice prompt).
+    pub voice: RefInput,
+    /// Per spoken unit: `max_text_tokens` (capped at the per-unit budget) and `min_text_tokens`;
+    /// per turn: the drain's `min_audio_tokens` / `max_audio_tokens`; `temperature`, `seed`.
+    pub generation: GenerationParams,
+}
+
+/// What a duplex session produces. `Response` carries the events of one spoken turn, exactly as a
+/// turn-mode request's (its `Done` ends that turn); `Closed` is last and comes once.
+#[derive(Debug, Clone)]
+pub enum DuplexEvent {
+    /// The model stays silent in `unit` (counted from 0). `context`: Thinker positions after it.
+    Listen { unit: u64, context: usize, lag_ms: f64 },
+    /// The model speaks in `unit`; `turn` is the turn request the speech belongs to (`new_turn`
+    /// when this unit opened it).
+    Speak { unit: u64, turn: RequestId, new_turn: bool, context: usize, lag_ms: f64 },
+    Response { turn: RequestId, event: EngineEvent },
+    /// The session's engine stream ended (`context_full`, `closed`, or a failure).
+    Closed { reason: String },
+}
+
+/// Where a duplex session's events go.
+pub type DuplexSink = Arc<dyn Fn(DuplexEvent) + Send + Sync>;
+
 #[derive(Debug, Default)]
 struct Progress {
     text: String,

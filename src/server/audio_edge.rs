@@ -67,6 +67,33 @@ impl InputAudio {
         self.buf.clear();
     }
 
+    /// Samples gathered, at the input rate.
+    pub fn buffered_samples(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The oldest `n` input samples at 16 kHz (exactly `n × 16000 / rate` samples), once that
+    /// many are gathered: the duplex path cuts its units with it.
+    pub fn take_block_16k(&mut self, n: usize) -> Option<Result<Vec<f32>>> {
+        if n == 0 || self.buf.len() < n {
+            return None;
+        }
+        let block: Vec<f32> = self.buf.drain(..n).collect();
+        let want = n * ENGINE_INPUT_RATE as usize / self.rate as usize;
+        Some(crate::audio::resample(&block, self.rate, ENGINE_INPUT_RATE).map(|mut x| {
+            x.resize(want, 0.0);
+            x
+        }))
+    }
+
+    /// Pads what is gathered with silence up to a multiple of `n` samples.
+    pub fn pad_to_multiple(&mut self, n: usize) {
+        let r = self.buf.len() % n.max(1);
+        if r != 0 {
+            self.buf.resize(self.buf.len() + n - r, 0.0);
+        }
+    }
+
     /// The gathered turn at 16 kHz (the buffer is emptied).
     pub fn take_16k(&mut self) -> Result<Vec<f32>> {
         let x = std::mem::take(&mut self.buf);

@@ -138,6 +138,12 @@ pub struct EngineSection {
     pub default_min_audio_tokens: usize,
     pub default_max_audio_tokens: usize,
     pub thinker_hears_reference: bool,
+    /// Duplex unit length (a multiple of 100 ms; 1000 as the model was trained).
+    pub duplex_unit_ms: u32,
+    /// Codes the Talker may drain at the end of a duplex turn.
+    pub duplex_drain_codes: usize,
+    /// Thinker positions a duplex session may use (0 = the model's context).
+    pub duplex_max_context: usize,
 }
 
 impl Default for EngineSection {
@@ -159,6 +165,9 @@ impl Default for EngineSection {
             default_min_audio_tokens: e.default_min_audio_tokens,
             default_max_audio_tokens: e.default_max_audio_tokens,
             thinker_hears_reference: e.thinker_hears_reference,
+            duplex_unit_ms: 1000,
+            duplex_drain_codes: e.duplex_drain_codes,
+            duplex_max_context: 0,
         }
     }
 }
@@ -181,6 +190,10 @@ impl EngineSection {
             default_min_audio_tokens: self.default_min_audio_tokens,
             default_max_audio_tokens: self.default_max_audio_tokens,
             thinker_hears_reference: self.thinker_hears_reference,
+            // 25 codes per second of speech
+            duplex_codes_per_unit: (self.duplex_unit_ms as usize / 40).max(1),
+            duplex_drain_codes: self.duplex_drain_codes,
+            duplex_max_context: (self.duplex_max_context > 0).then_some(self.duplex_max_context),
             ..EngineConfig::default()
         }
     }
@@ -258,6 +271,9 @@ impl Config {
         let e = &self.engine;
         if e.chunk_codes == 0 || e.thinker_max_batch == 0 || e.talker_max_batch == 0 || e.code2wav_max_batch == 0 {
             bail!("engine batch limits and chunk_codes must be at least 1");
+        }
+        if e.duplex_unit_ms == 0 || e.duplex_unit_ms % 100 != 0 || e.duplex_unit_ms > 10_000 {
+            bail!("engine.duplex_unit_ms {}: a multiple of 100 ms up to 10000", e.duplex_unit_ms);
         }
         if self.voices.is_empty() {
             bail!("at least one [[voices]] entry is needed (the first is the default voice)");

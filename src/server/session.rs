@@ -18,11 +18,14 @@ use tracing::Instrument;
 use super::audio_edge::{InputAudio, OutputAudio};
 use super::journal::{Journal, WireMsg};
 use super::protocol::{
-    AudioFrame, ClientEvent, ErrorCode, Generation, Limits, Mode as WireMode, OutputAudio as OutputFormat, ServerEvent,
+    AudioFrame, ClientEvent, DuplexPolicy, ErrorCode, Generation, Limits, Mode as WireMode, OutputAudio as OutputFormat, ServerEvent,
     SessionCreate, SessionUpdate, Voice, WireError, KIND_AUDIO, PROTOCOL_VERSION,
 };
 use super::Shared;
-use crate::engine::{EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, Turn, UserInput};
+use crate::engine::{
+    DuplexEvent, DuplexPolicy as EnginePolicy, DuplexSpec, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, Turn,
+    UserInput,
+};
 
 pub type ConnId = u64;
 
@@ -68,6 +71,8 @@ pub enum SessionMsg {
     /// The connection went away without `session.close`.
     Detach { conn: ConnId },
     Engine { response_id: u32, event: EngineEvent },
+    /// The engine's duplex stream of this session.
+    Duplex(DuplexEvent),
     Shutdown { retry_after_ms: u64 },
     Tick,
 }
@@ -189,6 +194,7 @@ impl SessionManager {
 
 struct Resp {
     id: u32,
+    out: OutputAudio,
     engine_id: RequestId,
     trigger: &'static str,
     user: String,
@@ -198,6 +204,15 @@ struct Resp {
     audio_samples: u64,
     started: Instant,
     first_packet: bool,
+}
+
+/// A duplex session's own state: the unit cutter and the engine turns it maps to responses.
+struct DuplexState {
+    policy: EnginePolicy,
+    /// Input samples per unit, at the input rate.
+    unit_in: usize,
+    units_sent: u64,
+    turns: HashMap<RequestId, u32>,
 }
 
 struct HistoryTurn {
@@ -217,7 +232,6 @@ pub struct Session {
     mode: WireMode,
     input: InputAudio,
     output_format: OutputFormat,
-    out: OutputAudio,
     pending_output: Option<OutputFormat>,
     voice: RefInput,
     instructions: Option<String>,
@@ -234,6 +248,9 @@ pub struct Session {
     last_activity: Instant,
     responses: u32,
     current: Option<Resp>,
+    /// Duplex: earlier turns' responses still finishing while a newer one runs.
+    older: Vec<Resp>,
+    duplex: Option<DuplexState>,
     closing: bool,
     ended: bool,
 }
@@ -243,11 +260,21 @@ impl Session {
         let cfg = &shared.config.server;
         let input = InputAudio::new(c.input_audio.codec, c.input_audio.sample_rate)
             .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `input_audio.sample_rate`: {e}")))?;
-        let out = OutputAudio::new(c.output_audio.codec, c.output_audio.frame_ms.unwrap_or(20))
+        OutputAudio::new(c.output_audio.codec, c.output_audio.frame_ms.unwrap_or(20))
             .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `output_audio.frame_ms`: {e}")))?;
-        if c.mode == WireMode::Duplex {
-            return Err(WireError::new(ErrorCode::BadField, "field `mode`: duplex sessions are not served by this build yet"));
-        }
+        let duplex = match (c.mode, &c.duplex) {
+            (WireMode::Turn, Some(_)) => return Err(WireError::new(ErrorCode::BadField, "field `duplex`: only for mode \"duplex\"")),
+            (WireMode::Turn, None) => None,
+            (WireMode::Duplex, p) => {
+                let policy = match p {
+                    None | Some(DuplexPolicy::Model) => EnginePolicy::Model,
+                    Some(DuplexPolicy::SpeakEvery { k: 0 }) => return Err(WireError::new(ErrorCode::BadField, "field `duplex.k`: at least 1")),
+                    Some(DuplexPolicy::SpeakEvery { k }) => EnginePolicy::SpeakEvery(*k as u64),
+                };
+                let unit_in = (input.rate() as u64 * shared.config.engine.duplex_unit_ms as u64 / 1000) as usize;
+                Some(DuplexState { policy, unit_in, units_sent: 0, turns: HashMap::new() })
+            }
+        };
         let voice = resolve_voice(&shared, c.voice.as_ref())?;
         let now = Instant::now();
         Ok(Self {
@@ -260,7 +287,6 @@ impl Session {
             mode: c.mode,
             input,
             output_format: OutputFormat { codec: c.output_audio.codec, frame_ms: Some(c.output_audio.frame_ms.unwrap_or(20)) },
-            out,
             pending_output: None,
             voice,
             instructions: c.instructions.clone(),
@@ -276,6 +302,8 @@ impl Session {
             last_activity: now,
             responses: 0,
             current: None,
+            older: Vec::new(),
+            duplex,
             closing: false,
             ended: false,
         })
@@ -310,6 +338,9 @@ impl Session {
         };
         tracing::info!("session created");
         self.send_event(created);
+        if self.duplex.is_some() {
+            self.open_duplex();
+        }
         let mut tick = tokio::time::interval(Duration::from_millis(200));
         while !self.ended {
             tokio::select! {
@@ -388,8 +419,11 @@ impl Session {
             return;
         }
         self.ended = true;
-        if let Some(r) = self.current.take() {
+        for r in self.current.take().into_iter().chain(std::mem::take(&mut self.older)) {
             self.shared.engine.cancel(&r.engine_id, 0);
+        }
+        if self.duplex.is_some() {
+            self.shared.engine.close_duplex(&self.id);
         }
         if let Some(m) = &self.manager {
             m.remove(&self.id, expired);
@@ -409,15 +443,9 @@ impl Session {
         }
         if self.current.is_some() {
             // a new turn while answering: the old answer is cut short
-            self.cancel_response();
+            self.cancel_response(None);
         }
-        if let Some(f) = self.pending_output.take() {
-            if let Ok(o) = OutputAudio::new(f.codec, f.frame_ms.unwrap_or(20)) {
-                self.out = o;
-                self.output_format = f;
-            }
-        }
-        self.out.reset();
+        let Some(out) = self.new_output() else { return };
         self.responses += 1;
         let rid = self.responses;
         let engine_id = RequestId(format!("{}/{}", self.id, rid));
@@ -446,6 +474,7 @@ impl Session {
         });
         self.current = Some(Resp {
             id: rid,
+            out,
             engine_id,
             trigger,
             user,
@@ -458,20 +487,62 @@ impl Session {
         });
         tracing::info!(response = rid, trigger, "response started");
         if let Err(e) = self.shared.engine.submit(spec, sink) {
-            self.finish_response(Status::Failed(e.to_string()));
+            self.finish_response(rid, Status::Failed(e.to_string()));
         }
     }
 
-    fn cancel_response(&mut self) {
-        if let Some(r) = &self.current {
-            self.shared.engine.cancel(&r.engine_id, 0);
-            self.out.reset();
-            self.finish_response(Status::Cancelled);
+    /// The output encoder of a new response (a pending `output_audio` change applies now).
+    fn new_output(&mut self) -> Option<OutputAudio> {
+        if let Some(f) = self.pending_output.take() {
+            self.output_format = f;
+        }
+        let f = &self.output_format;
+        match OutputAudio::new(f.codec, f.frame_ms.unwrap_or(20)) {
+            Ok(o) => Some(o),
+            Err(e) => {
+                self.send_error(WireError::new(ErrorCode::Internal, format!("output audio: {e}")));
+                None
+            }
         }
     }
 
-    fn finish_response(&mut self, status: Status) {
-        let Some(r) = self.current.take() else { return };
+    fn resp_mut(&mut self, rid: u32) -> Option<&mut Resp> {
+        match &mut self.current {
+            Some(r) if r.id == rid => Some(r),
+            _ => self.older.iter_mut().find(|r| r.id == rid),
+        }
+    }
+
+    fn take_resp(&mut self, rid: u32) -> Option<Resp> {
+        if self.current.as_ref().is_some_and(|r| r.id == rid) {
+            return self.current.take();
+        }
+        let i = self.older.iter().position(|r| r.id == rid)?;
+        Some(self.older.remove(i))
+    }
+
+    fn live_responses(&self) -> usize {
+        self.older.len() + usize::from(self.current.is_some())
+    }
+
+    /// Barge-in: the current response (or the one named) stops now.
+    fn cancel_response(&mut self, which: Option<u32>) {
+        let ids: Vec<u32> = self.current.iter().chain(&self.older).map(|r| r.id).filter(|id| which.is_none_or(|w| w == *id)).collect();
+        let ids = if which.is_none() { ids.into_iter().take(1).collect::<Vec<_>>() } else { ids };
+        for rid in ids {
+            if let Some(r) = self.resp_mut(rid) {
+                let e = r.engine_id.clone();
+                self.shared.engine.cancel(&e, 0);
+                self.finish_response(rid, Status::Cancelled);
+            }
+        }
+    }
+
+    fn finish_response(&mut self, rid: u32, status: Status) {
+        let Some(r) = self.take_resp(rid) else { return };
+        if let Some(d) = &mut self.duplex {
+            d.turns.remove(&r.engine_id);
+        }
         let (label, msg) = match &status {
             Status::Completed => ("completed", None),
             Status::Cancelled => ("cancelled", None),
@@ -490,16 +561,13 @@ impl Session {
             // a failed turn did not happen as far as the conversation goes
             self.history.push(HistoryTurn { response_id: r.id, user: r.user, assistant: r.text, audio_ms });
         }
-        if self.closing {
+        if self.closing && self.live_responses() == 0 {
             self.end(false, Some((1001, "server shutting down")));
         }
     }
 
     fn on_engine(&mut self, response_id: u32, event: EngineEvent) {
-        let Some(r) = self.current.as_mut() else { return };
-        if r.id != response_id {
-            return;
-        }
+        let Some(r) = self.resp_mut(response_id) else { return };
         match event {
             EngineEvent::TextDelta(t) => {
                 r.text.push_str(&t);
@@ -508,37 +576,141 @@ impl Session {
             EngineEvent::Audio { samples, last, .. } => {
                 r.audio_samples += samples.len() as u64;
                 r.chunks += 1;
-                let mut packets = match self.out.push(&samples) {
+                let encoded: anyhow::Result<Vec<Vec<u8>>> = (|| {
+                    let mut packets = r.out.push(&samples)?;
+                    if last {
+                        packets.extend(r.out.finish()?);
+                        if packets.is_empty() {
+                            // nothing left to carry the flag: a frame of silence does
+                            let frame = vec![0.0; r.out.frame_samples()];
+                            packets.append(&mut r.out.push(&frame)?);
+                        }
+                    }
+                    Ok(packets)
+                })();
+                let packets = match encoded {
                     Ok(p) => p,
-                    Err(e) => return self.finish_response(Status::Failed(format!("encoding audio: {e}"))),
+                    Err(e) => return self.finish_response(response_id, Status::Failed(format!("encoding audio: {e}"))),
                 };
-                if last {
-                    match self.out.finish() {
-                        Ok(Some(p)) => packets.push(p),
-                        Ok(None) => {}
-                        Err(e) => return self.finish_response(Status::Failed(format!("encoding audio: {e}"))),
-                    }
-                    if packets.is_empty() {
-                        // nothing left to carry the flag: a frame of silence does
-                        let frame = vec![0.0; self.out.frame_samples()];
-                        if let Ok(mut p) = self.out.push(&frame) {
-                            packets.append(&mut p);
-                        }
-                    }
-                }
                 let n = packets.len();
+                r.packets += n as u64;
+                if !r.first_packet && n > 0 {
+                    r.first_packet = true;
+                    let t = r.started.elapsed().as_secs_f64();
+                    self.shared.metrics.ttfa.observe(t);
+                }
                 for (i, p) in packets.into_iter().enumerate() {
-                    if let Some(r) = self.current.as_mut() {
-                        r.packets += 1;
-                        if !r.first_packet {
-                            r.first_packet = true;
-                            self.shared.metrics.ttfa.observe(r.started.elapsed().as_secs_f64());
-                        }
-                    }
                     self.send_audio(response_id, p, last && i + 1 == n);
                 }
             }
-            EngineEvent::Done { status, .. } => self.finish_response(status),
+            EngineEvent::Done { status, .. } => self.finish_response(response_id, status),
+        }
+    }
+
+    // ------------------------------------------------------------------ duplex
+
+    fn open_duplex(&mut self) {
+        let Some(d) = &self.duplex else { return };
+        let g = &self.generation;
+        let spec = DuplexSpec {
+            session: self.id.clone(),
+            policy: d.policy,
+            instructions: self.instructions.clone(),
+            voice: self.voice.clone(),
+            generation: GenerationParams {
+                max_text_tokens: g.max_text_tokens,
+                min_text_tokens: g.min_text_tokens,
+                max_audio_tokens: g.max_audio_tokens,
+                min_audio_tokens: g.min_audio_tokens,
+                temperature: g.temperature,
+                seed: g.seed,
+            },
+        };
+        let me = self.me.clone().expect("started");
+        let sink = Arc::new(move |e: DuplexEvent| {
+            let _ = me.send(SessionMsg::Duplex(e));
+        });
+        if let Err(e) = self.shared.engine.open_duplex(spec, sink) {
+            self.send_error(WireError::fatal(ErrorCode::Internal, format!("opening the duplex stream: {e}")));
+        }
+    }
+
+    /// Cuts every whole unit gathered so far and hands it to the engine.
+    fn feed_units(&mut self) {
+        let Some(d) = &mut self.duplex else { return };
+        while let Some(unit) = self.input.take_block_16k(d.unit_in) {
+            let sent = unit.map_err(|e| WireError::new(ErrorCode::BadAudio, format!("input audio: {e}"))).and_then(|x| {
+                self.shared.engine.duplex_unit(&self.id, x).map_err(|e| WireError::new(ErrorCode::Internal, format!("duplex unit: {e}")))
+            });
+            match sent {
+                Ok(()) => d.units_sent += 1,
+                Err(e) => {
+                    self.send_error(e);
+                    return;
+                }
+            }
+        }
+    }
+
+    fn on_duplex(&mut self, e: DuplexEvent) {
+        match e {
+            DuplexEvent::Listen { unit, .. } => self.send_event(ServerEvent::DuplexListen { seq: 0, unit }),
+            DuplexEvent::Speak { unit, turn, new_turn, .. } => {
+                self.send_event(ServerEvent::DuplexSpeak { seq: 0, unit });
+                if !new_turn {
+                    return;
+                }
+                if self.closing {
+                    self.shared.engine.cancel(&turn, 0);
+                    return;
+                }
+                let Some(out) = self.new_output() else {
+                    self.shared.engine.cancel(&turn, 0);
+                    return;
+                };
+                self.responses += 1;
+                let rid = self.responses;
+                self.send_event(ServerEvent::ResponseCreated { seq: 0, response_id: rid, trigger: "duplex" });
+                let resp = Resp {
+                    id: rid,
+                    out,
+                    engine_id: turn.clone(),
+                    trigger: "duplex",
+                    user: "[spoken]".into(),
+                    text: String::new(),
+                    packets: 0,
+                    chunks: 0,
+                    audio_samples: 0,
+                    started: Instant::now(),
+                    first_packet: false,
+                };
+                if let Some(old) = self.current.replace(resp) {
+                    self.older.push(old);
+                }
+                if let Some(d) = &mut self.duplex {
+                    d.turns.insert(turn, rid);
+                }
+                tracing::info!(response = rid, unit, "duplex turn started");
+            }
+            DuplexEvent::Response { turn, event } => {
+                if let Some(rid) = self.duplex.as_ref().and_then(|d| d.turns.get(&turn).copied()) {
+                    self.on_engine(rid, event);
+                }
+            }
+            DuplexEvent::Closed { reason } => {
+                if reason == "closed" || self.ended {
+                    return;
+                }
+                tracing::info!(%reason, "duplex stream ended");
+                let why: &'static str = if reason == "context_full" {
+                    "context_full"
+                } else {
+                    self.send_error(WireError::new(ErrorCode::Internal, format!("the duplex stream ended: {reason}")));
+                    "failed"
+                };
+                self.send_event(ServerEvent::SessionClosing { seq: 0, reason: why, retry_after_ms: None });
+                self.end(false, Some((1000, why)));
+            }
         }
     }
 
@@ -548,11 +720,23 @@ impl Session {
         if let Some(i) = &u.input_audio {
             self.input = InputAudio::new(i.codec, i.sample_rate)
                 .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `input_audio.sample_rate`: {e}")))?;
+            if let Some(d) = &mut self.duplex {
+                d.unit_in = (i.sample_rate as u64 * self.shared.config.engine.duplex_unit_ms as u64 / 1000) as usize;
+            }
         }
         if let Some(o) = u.output_audio {
             OutputAudio::new(o.codec, o.frame_ms.unwrap_or(20))
                 .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `output_audio.frame_ms`: {e}")))?;
             self.pending_output = Some(OutputFormat { codec: o.codec, frame_ms: Some(o.frame_ms.unwrap_or(20)) });
+        }
+        if self.duplex.is_some() && (u.voice.is_some() || u.instructions.is_some() || u.generation.is_some() || u.duplex.is_some()) {
+            return Err(WireError::new(
+                ErrorCode::BadField,
+                "session.update: a duplex session's voice, instructions, generation and policy are fixed at session.create",
+            ));
+        }
+        if self.duplex.is_none() && u.duplex.is_some() {
+            return Err(WireError::new(ErrorCode::BadField, "field `duplex`: only for mode \"duplex\""));
         }
         if let Some(v) = &u.voice {
             self.voice = resolve_voice(&self.shared, Some(v))?;
@@ -576,6 +760,17 @@ impl Session {
                     self.send_error(e);
                 }
             }
+            ClientEvent::InputText { .. } | ClientEvent::InputCommit { .. } if self.duplex.is_some() => {
+                if matches!(event, ClientEvent::InputText { .. }) {
+                    return self.send_error(WireError::new(ErrorCode::BadField, "input.text: a duplex session listens to audio only"));
+                }
+                // the end of the stream: the partial unit goes in, padded with silence
+                if let Some(d) = &self.duplex {
+                    let n = d.unit_in;
+                    self.input.pad_to_multiple(n);
+                }
+                self.feed_units();
+            }
             ClientEvent::InputText { text, generation } => {
                 self.start_response("text", UserInput::Text(text.clone()), text, generation);
             }
@@ -589,12 +784,7 @@ impl Session {
                 }
             }
             ClientEvent::InputClear => self.input.clear(),
-            ClientEvent::ResponseCancel { response_id } => {
-                let matches = self.current.as_ref().is_some_and(|r| response_id.is_none_or(|id| id == r.id));
-                if matches {
-                    self.cancel_response();
-                }
-            }
+            ClientEvent::ResponseCancel { response_id } => self.cancel_response(response_id),
             ClientEvent::Playback { response_id, played_ms } => {
                 if let Some(t) = self.history.iter_mut().find(|t| t.response_id == response_id) {
                     if t.audio_ms > 0 && played_ms < t.audio_ms {
@@ -651,6 +841,7 @@ impl Session {
                 if let Err(e) = self.input.push(&payload) {
                     self.send_error(WireError::new(ErrorCode::BadAudio, format!("packet dropped: {e}")));
                 }
+                self.feed_units();
             }
             SessionMsg::Invalid(e) => self.send_error(e),
             SessionMsg::Attach { conn, last_seq } => {
@@ -689,11 +880,12 @@ impl Session {
                 }
             }
             SessionMsg::Engine { response_id, event } => self.on_engine(response_id, event),
+            SessionMsg::Duplex(e) => self.on_duplex(e),
             SessionMsg::Shutdown { retry_after_ms } => {
                 if !self.closing {
                     self.closing = true;
                     self.send_event(ServerEvent::SessionClosing { seq: 0, reason: "shutdown", retry_after_ms: Some(retry_after_ms) });
-                    if self.current.is_none() {
+                    if self.live_responses() == 0 {
                         self.end(false, Some((1001, "server shutting down")));
                     }
                 }
@@ -719,7 +911,7 @@ impl Session {
             self.input_since_ack = false;
             self.last_ack = now;
         }
-        let idle = cfg.idle_timeout_s > 0 && self.current.is_none() && now.duration_since(self.last_activity) >= Duration::from_secs(cfg.idle_timeout_s);
+        let idle = cfg.idle_timeout_s > 0 && self.live_responses() == 0 && now.duration_since(self.last_activity) >= Duration::from_secs(cfg.idle_timeout_s);
         let old = cfg.max_duration_s > 0 && now.duration_since(self.created) >= Duration::from_secs(cfg.max_duration_s);
         if idle || old {
             let reason = if idle { "idle" } else { "max_duration" };

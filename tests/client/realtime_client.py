@@ -8,7 +8,10 @@
    with the highest seq held, and every message arrives exactly once);
 3. bad input (bad JSON, unknown events, missing fields, truncated frames, undecodable Opus,
    oversized frames) never ends the session;
-4. response.cancel stops the audio within 500 ms.
+4. response.cancel stops the audio within 500 ms;
+5. a duplex session (speak_every 2) fed 10 s of audio and 1 s of trailing silence in real time:
+   listen/speak for every unit, a response per spoken unit, gapless seq, and a socket dropped
+   mid-speech, resumed, with the unacknowledged input resent -- nothing lost, nothing doubled.
 
     python3 tests/client/realtime_client.py ws://127.0.0.1:8080/v1/realtime [--drops 20]
 
@@ -222,6 +225,94 @@ async def cancel(url):
     print(f"ok   cancel: response.done cancelled {dt:.0f} ms after response.cancel, no audio after it")
 
 
+async def duplex(url):
+    import math
+    units = 11
+    rate = 16000
+    samples = []
+    for i in range(units * rate):
+        t = i / rate
+        # 10 s of a wavering two-tone "voice", then 1 s of silence
+        v = 0.0 if t >= 10 else 0.25 * math.sin(2 * math.pi * (180 + 40 * math.sin(t)) * t) + 0.1 * math.sin(2 * math.pi * 410 * t)
+        samples.append(int(v * 32767))
+    pcm = struct.pack(f"<{len(samples)}h", *samples)
+    frames = [pcm[i * 3200:(i + 1) * 3200] for i in range(units * 10)]  # 100 ms each
+    c = await Conn.open(url)
+    await c.send({"type": "session.create", "mode": "duplex", "input_audio": {"codec": "pcm16", "sample_rate": rate},
+                  "output_audio": {"codec": "opus", "frame_ms": 20}, "duplex": {"policy": "speak_every", "k": 2},
+                  "generation": gen(10)})
+    created = await c.event("session.created")
+    check(created["mode"] == "duplex", f"session.created: {created}")
+    sid, tok = created["session_id"], created["resume_token"]
+    state = {"conn": c, "next": 0}
+    live = asyncio.Event()
+    live.set()
+    t0 = time.monotonic()
+
+    async def sender():
+        while state["next"] < len(frames):
+            await live.wait()
+            i = state["next"]
+            await asyncio.sleep(max(0.0, t0 + 0.1 * i - time.monotonic()))
+            if not live.is_set():
+                continue
+            try:
+                await state["conn"].ws.send(frame(1, i + 1, frames[i]))
+                state["next"] = i + 1
+            except websockets.ConnectionClosed:
+                await asyncio.sleep(0.02)
+
+    task = asyncio.create_task(sender())
+    held, msgs, audio_of = {1}, [], {}
+    dropped, dones, since_ack = False, 0, 0
+    while dones < 5:
+        m = await state["conn"].recv(60)
+        check(m[0] != "closed", f"the duplex socket closed: {m}")
+        s = seq_of(m)
+        if s is not None:
+            check(s not in held, f"duplicate seq {s}")
+            held.add(s)
+        msgs.append(m)
+        dones += is_done(m)
+        since_ack += 1
+        if since_ack >= 50:
+            await state["conn"].send({"type": "ack", "seq": max(held)})
+            since_ack = 0
+        if m[0] == "audio":
+            audio_of.setdefault(m[1]["response_id"], []).append(m[1])
+            if not dropped and m[1]["response_id"] == 2 and len(audio_of[2]) == 5:
+                # mid-speech: cut the socket, let input pile up, resume, resend what was not applied
+                live.clear()
+                state["conn"].cut()
+                dropped = True
+                await asyncio.sleep(0.7)
+                c2 = await Conn.open(url)
+                await c2.send({"type": "session.resume", "session_id": sid, "resume_token": tok, "last_seq": max(held)})
+                r = await c2.event("session.resumed")
+                check(r["input_seq"] <= state["next"], f"input_seq {r['input_seq']} beyond what was sent")
+                state["conn"], state["next"] = c2, r["input_seq"]
+                live.set()
+    await task
+    check(dropped, "the drop happened")
+    check(sorted(held) == list(range(1, max(held) + 1)), "gapless seq across the drop: nothing lost")
+    events = [m[1] for m in msgs if m[0] == "event"]
+    decisions = [(e["unit"], e["type"]) for e in events if e["type"] in ("duplex.listen", "duplex.speak")]
+    want = [(u, "duplex.speak" if u % 2 == 1 else "duplex.listen") for u in range(units)]
+    check(decisions[:units] == want, f"one decision per unit, speak every 2nd: {decisions}")
+    created = [e for e in events if e["type"] == "response.created"]
+    done = [e for e in events if e["type"] == "response.done"]
+    check(len(created) == 5 and all(e["trigger"] == "duplex" for e in created), f"responses: {created}")
+    check(all(d["status"] == "completed" for d in done), f"done: {done}")
+    for d in done:
+        a = audio_of.get(d["response_id"], [])
+        check(a and a[-1]["last"] and sum(x["last"] for x in a) == 1 and d["packets"] == len(a),
+              f"response {d['response_id']}: {len(a)} packets, done {d}")
+    await state["conn"].send({"type": "session.close"})
+    await state["conn"].close()
+    packets = sum(len(v) for v in audio_of.values())
+    print(f"ok   duplex: {units} units, 5 spoken turns, {packets} packets, seq 1..{max(held)} gapless across a mid-speech drop")
+
+
 async def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("url")
@@ -232,6 +323,7 @@ async def main():
     await drops(a.url, a.drops, random.Random(a.seed))
     await bad_input(a.url)
     await cancel(a.url)
+    await duplex(a.url)
     print("all checks passed")
 
 

@@ -1,0 +1,91 @@
+//! CPU hot paths outside Code2Wav (that one is `benches/code2wav.rs`): the Opus edge (20 ms
+//! encode / decode at 48 kHz), resampling, Whisper's log-mel, the Kaldi fbank of a reference voice,
+//! the flow's mel of a reference, and one decode step of the Thinker and of the Talker at the tiny
+//! preset after a 64-position prefix.
+//!
+//! `cargo bench --bench hot_paths`
+
+use antiphon::models::decoder::{KvCache, StreamStep};
+use antiphon::models::mel::{kaldi_fbank, FlowMel, WhisperLogMel};
+use antiphon::synth::{models_in_memory, Preset};
+use candle_core::{DType, Device, Tensor};
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
+
+fn tone(n: usize, rate: f32) -> Vec<f32> {
+    (0..n).map(|i| 0.3 * (i as f32 * 220.0 / rate * std::f32::consts::TAU).sin() + 0.05 * (i as f32 * 0.37).sin()).collect()
+}
+
+fn audio(c: &mut Criterion) {
+    let mut g = c.benchmark_group("audio_cpu");
+    let frame = tone(960, 48_000.0);
+    let mut enc = opus::Encoder::new(48_000, opus::Channels::Mono, opus::Application::Voip).unwrap();
+    g.bench_function("opus_encode_20ms_48k", |b| b.iter(|| enc.encode_vec_float(&frame, 4000).unwrap()));
+    let packet = enc.encode_vec_float(&frame, 4000).unwrap();
+    let mut dec = opus::Decoder::new(48_000, opus::Channels::Mono).unwrap();
+    let mut out = vec![0f32; 5760];
+    g.bench_function("opus_decode_20ms_48k", |b| b.iter(|| dec.decode_float(&packet, &mut out, false).unwrap()));
+    let second = tone(48_000, 48_000.0);
+    g.bench_function("resample_1s_48k_to_16k", |b| b.iter(|| antiphon::audio::resample(&second, 48_000, 16_000).unwrap()));
+    let out24 = tone(24_000, 24_000.0);
+    g.bench_function("resample_1s_24k_to_48k", |b| b.iter(|| antiphon::audio::resample(&out24, 24_000, 48_000).unwrap()));
+    let whisper = WhisperLogMel::new(80);
+    let unit = tone(16_000, 16_000.0);
+    g.bench_function("whisper_log_mel_1s", |b| b.iter(|| whisper.compute(&unit)));
+    let reference = tone(6 * 16_000, 16_000.0);
+    g.bench_function("kaldi_fbank_6s_reference", |b| b.iter(|| kaldi_fbank(&reference, 16_000, 80)));
+    let flow_mel = FlowMel::standard();
+    let reference24 = tone(6 * 24_000, 24_000.0);
+    g.bench_function("flow_mel_6s_reference", |b| b.iter(|| flow_mel.compute(&reference24)));
+    g.finish();
+}
+
+fn decode_steps(c: &mut Criterion) {
+    let m = models_in_memory(Preset::Tiny, 0, DType::F32, &Device::Cpu).unwrap();
+    let mut g = c.benchmark_group("stage_steps_tiny_cpu");
+    let prefix: Vec<u32> = (0..64).map(|i| (i * 7) % 200).collect();
+
+    // Stage 0: one Thinker token after a 64-token prefix
+    let llm = &m.thinker.llm;
+    let prefilled = || -> KvCache {
+        let mut cache = llm.new_cache();
+        let e = llm.embed(&prefix).unwrap();
+        llm.forward(&mut [StreamStep { cache: &mut cache, embeds: e }]).unwrap();
+        cache
+    };
+    let tok = llm.embed(&[42]).unwrap();
+    g.bench_function("thinker_decode_step", |b| {
+        b.iter_batched(
+            prefilled,
+            |mut cache| {
+                let h = llm.forward(&mut [StreamStep { cache: &mut cache, embeds: tok.clone() }]).unwrap();
+                llm.logits(&h[0]).unwrap()
+            },
+            BatchSize::LargeInput,
+        )
+    });
+
+    // Stage 1: one Talker code after a 64-position condition
+    let talker = &m.talker;
+    let hidden = talker.config().hidden_size;
+    let cond = Tensor::randn(0f32, 1.0, (64, hidden), &Device::Cpu).unwrap();
+    let talker_prefilled = || -> KvCache {
+        let mut cache = talker.new_cache();
+        talker.forward(&mut [StreamStep { cache: &mut cache, embeds: cond.clone() }]).unwrap();
+        cache
+    };
+    let code = talker.embed_codes(&[17]).unwrap();
+    g.bench_function("talker_decode_step", |b| {
+        b.iter_batched(
+            talker_prefilled,
+            |mut cache| {
+                let h = talker.forward(&mut [StreamStep { cache: &mut cache, embeds: code.clone() }]).unwrap();
+                talker.logits(&h[0]).unwrap()
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    g.finish();
+}
+
+criterion_group!(benches, audio, decode_steps);
+criterion_main!(benches);

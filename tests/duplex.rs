@@ -1,0 +1,256 @@
+//! Full duplex in the threaded engine on the tiny synthetic models: unit cadence and the per-unit
+//! token budget, speak_every, consecutive speaking units as one turn, the model's own decisions,
+//! the context limit, and no prefetch while a duplex session is live (8 sessions in real time:
+//! `tests/duplex_realtime.rs`, a binary of its own so that no other test shares its cores).
+
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use antiphon::engine::{
+    DuplexEvent, DuplexPolicy, DuplexSpec, Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec,
+    Status, UserInput,
+};
+use antiphon::synth::{models_in_memory, Preset};
+use candle_core::{DType, Device};
+
+fn engine(cfg: EngineConfig) -> Engine {
+    Engine::start(models_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap(), cfg).unwrap()
+}
+
+fn voice(f: f32) -> RefInput {
+    RefInput::new((0..16_000 * 3).map(|i| 0.3 * (i as f32 * f / 16_000.0 * std::f32::consts::TAU).sin()).collect(), 16_000)
+}
+
+/// One second of "speech" (a gliding tone), different per unit.
+fn unit(n: u64) -> Vec<f32> {
+    (0..16_000).map(|i| 0.2 * ((i as f32) * (0.03 + 0.002 * n as f32)).sin()).collect()
+}
+
+fn forced(text: usize, drain: usize) -> GenerationParams {
+    GenerationParams {
+        min_text_tokens: Some(text),
+        max_text_tokens: Some(text),
+        min_audio_tokens: Some(drain),
+        max_audio_tokens: Some(drain),
+        temperature: None,
+        seed: Some(3),
+    }
+}
+
+fn open(e: &Engine, session: &str, policy: DuplexPolicy, generation: GenerationParams) -> mpsc::Receiver<DuplexEvent> {
+    let (tx, rx) = mpsc::channel();
+    let tx = std::sync::Mutex::new(tx);
+    let spec = DuplexSpec { session: session.into(), policy, instructions: None, voice: voice(180.0), generation };
+    e.open_duplex(spec, Arc::new(move |ev| {
+        let _ = tx.lock().unwrap().send(ev);
+    }))
+    .unwrap();
+    rx
+}
+
+/// Events until `stop` says so (or a timeout fails the test).
+fn collect(rx: &mpsc::Receiver<DuplexEvent>, mut stop: impl FnMut(&[DuplexEvent]) -> bool) -> Vec<DuplexEvent> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut out = Vec::new();
+    while !stop(&out) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "timed out; events so far: {}", summary(&out));
+        if let Ok(e) = rx.recv_timeout(left.min(Duration::from_millis(200))) {
+            out.push(e);
+        }
+    }
+    out
+}
+
+fn summary(ev: &[DuplexEvent]) -> String {
+    ev.iter()
+        .map(|e| match e {
+            DuplexEvent::Listen { unit, .. } => format!("L{unit}"),
+            DuplexEvent::Speak { unit, new_turn, .. } => format!("S{unit}{}", if *new_turn { "+" } else { "" }),
+            DuplexEvent::Response { turn, event: EngineEvent::Done { status, .. } } => format!("done({turn},{status:?})"),
+            DuplexEvent::Response { .. } => String::new(),
+            DuplexEvent::Closed { reason } => format!("closed({reason})"),
+        })
+        .filter(|s| !s.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// (unit, speak, context) of every decision, in order.
+fn decisions(ev: &[DuplexEvent]) -> Vec<(u64, bool, usize)> {
+    ev.iter()
+        .filter_map(|e| match e {
+            DuplexEvent::Listen { unit, context, .. } => Some((*unit, false, *context)),
+            DuplexEvent::Speak { unit, context, .. } => Some((*unit, true, *context)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn dones(ev: &[DuplexEvent]) -> Vec<(RequestId, Status, usize, String)> {
+    ev.iter()
+        .filter_map(|e| match e {
+            DuplexEvent::Response { turn, event: EngineEvent::Done { status, codes, text, .. } } => Some((turn.clone(), status.clone(), *codes, text.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn speak_every_cadence_and_the_per_unit_token_budget() {
+    let e = engine(EngineConfig::default());
+    let rx = open(&e, "s", DuplexPolicy::SpeakEvery(2), forced(5, 10));
+    for n in 0..7 {
+        e.duplex_unit("s", unit(n)).unwrap();
+    }
+    // units 1, 3, 5 speak; unit 6 listens and closes the third turn
+    let ev = collect(&rx, |ev| dones(ev).len() == 3);
+    let d = decisions(&ev);
+    assert_eq!(d.iter().map(|x| (x.0, x.1)).collect::<Vec<_>>(), (0..7).map(|u| (u, u % 2 == 1)).collect::<Vec<_>>(), "{}", summary(&ev));
+    // Thinker positions per unit: `</unit>` `<unit>` + 10 audio embeddings, plus what the
+    // previous unit fed back: `<|listen|>` (1), or `<|speak|>` + 5 text tokens + `<|chunk_eos|>` (7)
+    for w in d.windows(2) {
+        let fed = if w[0].1 { 1 + 5 + 1 } else { 1 };
+        assert_eq!(w[1].2 - w[0].2, 12 + fed, "unit {} → {}", w[0].0, w[1].0);
+    }
+    // every speaking unit opened its own turn: a unit of codes (25) plus the forced drain (10)
+    let turns: Vec<_> = ev.iter().filter_map(|e| if let DuplexEvent::Speak { turn, new_turn, .. } = e { Some((turn.clone(), *new_turn)) } else { None }).collect();
+    assert!(turns.iter().all(|t| t.1));
+    let done = dones(&ev);
+    for (turn, status, codes, text) in &done {
+        assert_eq!(*status, Status::Completed, "{turn}");
+        assert_eq!(*codes, 35, "{turn}");
+        assert!(!text.is_empty());
+    }
+    assert_eq!(done.iter().map(|d| d.0.0.clone()).collect::<Vec<_>>(), vec!["s/t1", "s/t2", "s/t3"]);
+    // audio of each turn: chunks in order, the last flagged, ≈ 35 codes × 40 ms
+    for t in ["s/t1", "s/t2", "s/t3"] {
+        let chunks: Vec<(usize, bool, usize)> = ev
+            .iter()
+            .filter_map(|e| match e {
+                DuplexEvent::Response { turn, event: EngineEvent::Audio { chunk, last, samples } } if turn.0 == t => Some((*chunk, *last, samples.len())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(chunks.iter().map(|c| c.0).collect::<Vec<_>>(), (0..chunks.len()).collect::<Vec<_>>());
+        assert!(chunks.last().unwrap().1 && chunks.iter().filter(|c| c.1).count() == 1);
+        let ms = chunks.iter().map(|c| c.2).sum::<usize>() as f64 / 24.0;
+        assert!((35.0 * 40.0..=35.0 * 40.0 + 400.0).contains(&ms), "{t}: {ms} ms");
+    }
+    e.close_duplex("s");
+    let end = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
+    assert!(matches!(end.last(), Some(DuplexEvent::Closed { reason }) if reason == "closed"));
+}
+
+#[test]
+fn consecutive_speaking_units_are_one_turn_and_closing_cancels_it() {
+    let e = engine(EngineConfig::default());
+    let rx = open(&e, "s", DuplexPolicy::SpeakEvery(1), forced(3, 10));
+    for n in 0..3 {
+        e.duplex_unit("s", unit(n)).unwrap();
+    }
+    // three segments of 25 codes: the first two chunks are out before the third unit's codes end
+    let ev = collect(&rx, |ev| {
+        ev.iter().filter(|e| matches!(e, DuplexEvent::Response { event: EngineEvent::Audio { .. }, .. })).count() >= 2
+    });
+    let speaks: Vec<bool> = ev.iter().filter_map(|e| if let DuplexEvent::Speak { new_turn, .. } = e { Some(*new_turn) } else { None }).collect();
+    assert_eq!(speaks.first(), Some(&true));
+    assert!(speaks[1..].iter().all(|n| !n), "one turn: {}", summary(&ev));
+    e.close_duplex("s");
+    let ev = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
+    let done = dones(&ev);
+    assert_eq!(done.len(), 1, "{}", summary(&ev));
+    assert_eq!(done[0].1, Status::Cancelled);
+    assert!(matches!(ev.last(), Some(DuplexEvent::Closed { .. })));
+}
+
+#[test]
+fn the_model_decides_within_the_unit_budget() {
+    let e = engine(EngineConfig::default());
+    let g = GenerationParams { temperature: Some(1.0), seed: Some(11), ..Default::default() };
+    let rx = open(&e, "m", DuplexPolicy::Model, g);
+    for n in 0..6 {
+        e.duplex_unit("m", unit(n)).unwrap();
+    }
+    let ev = collect(&rx, |ev| decisions(ev).len() == 6);
+    let d = decisions(&ev);
+    assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), (0..6).collect::<Vec<_>>());
+    for w in d.windows(2) {
+        // listen: 1 token fed; speaking: at most 20 text tokens + speak/terminator
+        let fed = w[1].2 - w[0].2 - 12;
+        assert!((1..=22).contains(&fed), "unit {}: {fed} tokens", w[0].0);
+        if !w[0].1 {
+            assert_eq!(fed, 1);
+        }
+    }
+    e.close_duplex("m");
+}
+
+#[test]
+fn a_full_context_closes_the_session_with_its_reason() {
+    let e = engine(EngineConfig { duplex_max_context: Some(200), ..Default::default() });
+    let rx = open(&e, "c", DuplexPolicy::SpeakEvery(1000), GenerationParams::default());
+    for n in 0..30 {
+        e.duplex_unit("c", unit(n)).unwrap();
+    }
+    let ev = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
+    assert!(matches!(ev.last(), Some(DuplexEvent::Closed { reason }) if reason == "context_full"), "{}", summary(&ev));
+    let d = decisions(&ev);
+    assert!(!d.is_empty() && d.len() < 30);
+    // the next unit would not have fit: its markers, audio and a whole spoken unit
+    let last = d.last().unwrap().2 + 1;
+    assert!(last + 12 + 22 > 200 && d.last().unwrap().2 <= 200, "{d:?}");
+    // nothing after Closed
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(rx.try_recv().is_err());
+}
+
+#[test]
+fn no_prefetch_while_a_duplex_session_is_live() {
+    let e = engine(EngineConfig::default());
+    let rx = open(&e, "d", DuplexPolicy::SpeakEvery(2), forced(3, 5));
+    for n in 0..3 {
+        e.duplex_unit("d", unit(n)).unwrap();
+    }
+    collect(&rx, |ev| !dones(ev).is_empty());
+    let m = e.metrics();
+    // the duplex turn carried no reference to prefetch: nothing was claimed, retired or evicted
+    for ev in ["phase_a", "claimed", "retired", "evicted"] {
+        assert_eq!(m.prefetch_count(ev), 0, "{ev}");
+    }
+    // a turn-mode request admitted while the duplex session is live: no prefetch (busy gate)
+    let turn = |id: &str, f: f32| {
+        let (tx, trx) = mpsc::channel();
+        let tx = std::sync::Mutex::new(tx);
+        let spec = RequestSpec {
+            id: RequestId(id.into()),
+            epoch: 0,
+            mode: Mode::Turn,
+            input: UserInput::Text("Hello there.".into()),
+            instructions: None,
+            history: vec![],
+            voice: voice(f),
+            generation: forced(24, 30),
+        };
+        e.submit(spec, Arc::new(move |ev| {
+            let _ = tx.lock().unwrap().send(ev);
+        }))
+        .unwrap();
+        loop {
+            if let EngineEvent::Done { status, .. } = trx.recv_timeout(Duration::from_secs(60)).unwrap() {
+                assert_eq!(status, Status::Completed);
+                break;
+            }
+        }
+    };
+    turn("t1", 300.0);
+    assert_eq!(m.prefetch_count("phase_a"), 0);
+    assert!(m.skip_count("busy") > 0, "the busy gate said no");
+    // once the duplex session closes, prefetch runs again
+    e.close_duplex("d");
+    collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
+    turn("t2", 410.0);
+    assert_eq!(m.prefetch_count("phase_a"), 1);
+    assert_eq!(m.prefetch_count("claimed"), 1);
+}
