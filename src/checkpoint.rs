@@ -46,8 +46,7 @@ impl Checkpoint {
         let index_path = dir.join("model.safetensors.index.json");
         let shards = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path)?;
-            let index: SafetensorsIndex =
-                serde_json::from_str(&text).with_context(|| format!("parsing {}", index_path.display()))?;
+            let index: SafetensorsIndex = serde_json::from_str(&text).with_context(|| format!("parsing {}", index_path.display()))?;
             let files: std::collections::BTreeSet<&String> = index.weight_map.values().collect();
             let mut shards = Vec::new();
             for f in files {
@@ -119,25 +118,13 @@ impl Checked {
 }
 
 impl SimpleBackend for Checked {
-    fn get(
-        &self,
-        s: Shape,
-        name: &str,
-        h: candle_nn::Init,
-        dtype: DType,
-        dev: &Device,
-    ) -> candle_core::Result<Tensor> {
+    fn get(&self, s: Shape, name: &str, h: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
         if !self.inner.contains_tensor(name) {
             candle_core::bail!("{}: missing tensor {name} (expected shape {:?})", self.origin, s.dims());
         }
         let t = self.inner.get_unchecked(name, dtype, dev)?;
         if t.shape() != &s {
-            candle_core::bail!(
-                "{}: tensor {name} has shape {:?}, expected {:?}",
-                self.origin,
-                t.shape().dims(),
-                s.dims()
-            );
+            candle_core::bail!("{}: tensor {name} has shape {:?}, expected {:?}", self.origin, t.shape().dims(), s.dims());
         }
         let _ = h;
         self.note(name);

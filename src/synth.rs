@@ -35,10 +35,8 @@ pub enum Preset {
 }
 
 /// The real ids of the special tokens, in [`SpecialTokens::NAMES`] order.
-pub const REAL_SPECIAL_IDS: [u32; 18] = [
-    151643, 151644, 151645, 151667, 151668, 151697, 151699, 128244, 151683, 151684, 151703, 151704, 151705, 151706,
-    151717, 151718, 151721, 151722,
-];
+pub const REAL_SPECIAL_IDS: [u32; 18] =
+    [151643, 151644, 151645, 151667, 151668, 151697, 151699, 128244, 151683, 151684, 151703, 151704, 151705, 151706, 151717, 151718, 151721, 151722];
 
 /// Byte-level BPE has 256 base tokens; the tiny preset puts the special tokens right after them.
 const BYTE_TOKENS: u32 = 256;
@@ -519,13 +517,9 @@ impl Preset {
         use crate::models::code2wav::conformer::ConformerConfig;
         use crate::models::code2wav::dit::DitConfig;
         match self {
-            Preset::Full => Code2WavDims {
-                flow: FlowConfig::default(),
-                hift: HiftConfig::causal(),
-                s3_state: 1280,
-                s3_layers: 6,
-                cam: CamConfig::real(),
-            },
+            Preset::Full => {
+                Code2WavDims { flow: FlowConfig::default(), hift: HiftConfig::causal(), s3_state: 1280, s3_layers: 6, cam: CamConfig::real() }
+            }
             Preset::Tiny => Code2WavDims {
                 flow: FlowConfig {
                     input_size: 64,
@@ -586,7 +580,13 @@ impl SimpleBackend for LazySynthetic {
 }
 
 /// Runs `build` over a lazy synthetic `VarBuilder` and returns what it built and the tensors read.
-fn synthesize<T>(seed: u64, dtype: DType, dev: &Device, record: bool, build: impl FnOnce(VarBuilder<'static>) -> Result<T>) -> Result<(T, Vec<(String, Tensor)>)> {
+fn synthesize<T>(
+    seed: u64,
+    dtype: DType,
+    dev: &Device,
+    record: bool,
+    build: impl FnOnce(VarBuilder<'static>) -> Result<T>,
+) -> Result<(T, Vec<(String, Tensor)>)> {
     let lazy = std::sync::Arc::new(LazySynthetic::new(seed, record));
     let vb = VarBuilder::from_backend(Box::new(crate::checkpoint::SharedBackend(lazy.clone())), dtype, dev.clone());
     let built = build(vb)?;

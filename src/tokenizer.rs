@@ -124,16 +124,7 @@ impl SpecialTokens {
 
     /// Tokens that end the text handed to the Talker.
     pub fn handoff_boundaries(&self) -> [u32; 8] {
-        [
-            self.tts_eos,
-            self.tts_pad,
-            self.listen,
-            self.chunk_eos,
-            self.chunk_tts_eos,
-            self.unit,
-            self.unit_end,
-            self.im_end,
-        ]
+        [self.tts_eos, self.tts_pad, self.listen, self.chunk_eos, self.chunk_tts_eos, self.unit, self.unit_end, self.im_end]
     }
 }
 

@@ -72,10 +72,7 @@ pub fn save_state_dict(path: &Path, archive: &str, tensors: &[(String, Tensor)])
     for (key, t) in tensors {
         let (storage, bytes) = match t.dtype() {
             DType::F32 => ("FloatStorage", t.flatten_all()?.to_vec1::<f32>()?.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()),
-            DType::BF16 => (
-                "BFloat16Storage",
-                t.flatten_all()?.to_vec1::<half::bf16>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            ),
+            DType::BF16 => ("BFloat16Storage", t.flatten_all()?.to_vec1::<half::bf16>()?.iter().flat_map(|v| v.to_le_bytes()).collect()),
             DType::F16 => ("HalfStorage", t.flatten_all()?.to_vec1::<half::f16>()?.iter().flat_map(|v| v.to_le_bytes()).collect()),
             DType::F64 => ("DoubleStorage", t.flatten_all()?.to_vec1::<f64>()?.iter().flat_map(|v| v.to_le_bytes()).collect()),
             other => bail!("{key}: dtype {other:?} is not written"),

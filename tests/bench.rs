@@ -9,7 +9,8 @@ use antiphon::server::config::Config;
 use serde_json::Value;
 
 async fn server() -> antiphon::server::Server {
-    let mut cfg = Config::parse(antiphon::server::config::DEFAULT_TOML, std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs"))).unwrap();
+    let mut cfg =
+        Config::parse(antiphon::server::config::DEFAULT_TOML, std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs"))).unwrap();
     cfg.server.listen = "127.0.0.1:0".into();
     let models = antiphon::synth::models_in_memory(antiphon::synth::Preset::Tiny, 0, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
     let s = antiphon::server::start(cfg, models).await.unwrap();

@@ -89,8 +89,7 @@ fn vb_without(ck: &Checkpoint, drop: &str, replace: Option<Tensor>) -> VarBuilde
 fn missing_tensor_is_named_with_its_expected_shape() {
     let dir = tiny_dir(0, 2 << 30);
     let ck = Checkpoint::open(dir.path()).unwrap();
-    let err = load_models(&vb_without(&ck, "llm.model.layers.2.self_attn.k_norm.weight", None), &ck.config)
-        .unwrap_err();
+    let err = load_models(&vb_without(&ck, "llm.model.layers.2.self_attn.k_norm.weight", None), &ck.config).unwrap_err();
     let msg = format!("{err:#}");
     assert!(msg.contains("missing tensor llm.model.layers.2.self_attn.k_norm.weight"), "{msg}");
     assert!(msg.contains("[32]"), "expected shape named: {msg}");
@@ -162,9 +161,7 @@ fn full_preset_has_the_real_layout() {
     assert_eq!(count("llm."), 399);
     assert_eq!(count("apm."), 367);
     assert_eq!(count("audio_projection_layer."), 4);
-    let params = |p: &str| -> usize {
-        specs.iter().filter(|(n, _)| n.starts_with(p)).map(|(_, s)| s.iter().product::<usize>()).sum()
-    };
+    let params = |p: &str| -> usize { specs.iter().filter(|(n, _)| n.starts_with(p)).map(|(_, s)| s.iter().product::<usize>()).sum() };
     let llm = params("llm.");
     assert!((8_100_000_000..8_300_000_000).contains(&llm), "Qwen3-8B has ~8.2 B parameters, got {llm}");
     let get = |n: &str| specs.iter().find(|(k, _)| k == n).unwrap().1.clone();

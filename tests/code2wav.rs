@@ -61,11 +61,7 @@ fn synthetic_assets_round_trip_and_stream() {
     let run = |c2w: &Code2Wav, f: &antiphon::models::code2wav::prompt::PromptFeatures| {
         let setup = c2w.setup(f).unwrap();
         let mut st = c2w.start(f, &setup).unwrap();
-        chunks
-            .iter()
-            .enumerate()
-            .map(|(i, p)| samples(&c2w.chunk(&mut st, p, i == chunks.len() - 1).unwrap()))
-            .collect::<Vec<_>>()
+        chunks.iter().enumerate().map(|(i, p)| samples(&c2w.chunk(&mut st, p, i == chunks.len() - 1).unwrap())).collect::<Vec<_>>()
     };
     let a = run(&from_files, &fa);
     let b = run(&in_memory, &fb);

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use antiphon::engine::{
-    DuplexEvent, DuplexPolicy, DuplexSpec, Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec,
-    Status, UserInput,
+    DuplexEvent, DuplexPolicy, DuplexSpec, Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status,
+    UserInput,
 };
 use antiphon::synth::{models_in_memory, Preset};
 use candle_core::{DType, Device};
@@ -42,9 +42,12 @@ fn open(e: &Engine, session: &str, policy: DuplexPolicy, generation: GenerationP
     let (tx, rx) = mpsc::channel();
     let tx = std::sync::Mutex::new(tx);
     let spec = DuplexSpec { session: session.into(), policy, instructions: None, voice: voice(180.0), generation };
-    e.open_duplex(spec, Arc::new(move |ev| {
-        let _ = tx.lock().unwrap().send(ev);
-    }))
+    e.open_duplex(
+        spec,
+        Arc::new(move |ev| {
+            let _ = tx.lock().unwrap().send(ev);
+        }),
+    )
     .unwrap();
     rx
 }
@@ -67,7 +70,9 @@ fn summary(ev: &[DuplexEvent]) -> String {
     ev.iter()
         .map(|e| match e {
             DuplexEvent::Listen { unit, .. } => format!("L{unit}"),
-            DuplexEvent::Speak { unit, new_turn, .. } => format!("S{unit}{}", if *new_turn { "+" } else { "" }),
+            DuplexEvent::Speak { unit, new_turn, .. } => {
+                format!("S{unit}{}", if *new_turn { "+" } else { "" })
+            }
             DuplexEvent::Response { turn, event: EngineEvent::Done { status, .. } } => format!("done({turn},{status:?})"),
             DuplexEvent::Response { .. } => String::new(),
             DuplexEvent::Closed { reason } => format!("closed({reason})"),
@@ -91,7 +96,9 @@ fn decisions(ev: &[DuplexEvent]) -> Vec<(u64, bool, usize)> {
 fn dones(ev: &[DuplexEvent]) -> Vec<(RequestId, Status, usize, String)> {
     ev.iter()
         .filter_map(|e| match e {
-            DuplexEvent::Response { turn, event: EngineEvent::Done { status, codes, text, .. } } => Some((turn.clone(), status.clone(), *codes, text.clone())),
+            DuplexEvent::Response { turn, event: EngineEvent::Done { status, codes, text, .. } } => {
+                Some((turn.clone(), status.clone(), *codes, text.clone()))
+            }
             _ => None,
         })
         .collect()
@@ -115,7 +122,8 @@ fn speak_every_cadence_and_the_per_unit_token_budget() {
         assert_eq!(w[1].2 - w[0].2, 12 + fed, "unit {} → {}", w[0].0, w[1].0);
     }
     // every speaking unit opened its own turn: a unit of codes (25) plus the forced drain (10)
-    let turns: Vec<_> = ev.iter().filter_map(|e| if let DuplexEvent::Speak { turn, new_turn, .. } = e { Some((turn.clone(), *new_turn)) } else { None }).collect();
+    let turns: Vec<_> =
+        ev.iter().filter_map(|e| if let DuplexEvent::Speak { turn, new_turn, .. } = e { Some((turn.clone(), *new_turn)) } else { None }).collect();
     assert!(turns.iter().all(|t| t.1));
     let done = dones(&ev);
     for (turn, status, codes, text) in &done {
@@ -123,13 +131,15 @@ fn speak_every_cadence_and_the_per_unit_token_budget() {
         assert_eq!(*codes, 35, "{turn}");
         assert!(!text.is_empty());
     }
-    assert_eq!(done.iter().map(|d| d.0.0.clone()).collect::<Vec<_>>(), vec!["s/t1", "s/t2", "s/t3"]);
+    assert_eq!(done.iter().map(|d| d.0 .0.clone()).collect::<Vec<_>>(), vec!["s/t1", "s/t2", "s/t3"]);
     // audio of each turn: chunks in order, the last flagged, ≈ 35 codes × 40 ms
     for t in ["s/t1", "s/t2", "s/t3"] {
         let chunks: Vec<(usize, bool, usize)> = ev
             .iter()
             .filter_map(|e| match e {
-                DuplexEvent::Response { turn, event: EngineEvent::Audio { chunk, last, samples } } if turn.0 == t => Some((*chunk, *last, samples.len())),
+                DuplexEvent::Response { turn, event: EngineEvent::Audio { chunk, last, samples } } if turn.0 == t => {
+                    Some((*chunk, *last, samples.len()))
+                }
                 _ => None,
             })
             .collect();
@@ -151,9 +161,7 @@ fn consecutive_speaking_units_are_one_turn_and_closing_cancels_it() {
         e.duplex_unit("s", unit(n)).unwrap();
     }
     // three segments of 25 codes: the first two chunks are out before the third unit's codes end
-    let ev = collect(&rx, |ev| {
-        ev.iter().filter(|e| matches!(e, DuplexEvent::Response { event: EngineEvent::Audio { .. }, .. })).count() >= 2
-    });
+    let ev = collect(&rx, |ev| ev.iter().filter(|e| matches!(e, DuplexEvent::Response { event: EngineEvent::Audio { .. }, .. })).count() >= 2);
     let speaks: Vec<bool> = ev.iter().filter_map(|e| if let DuplexEvent::Speak { new_turn, .. } = e { Some(*new_turn) } else { None }).collect();
     assert_eq!(speaks.first(), Some(&true));
     assert!(speaks[1..].iter().all(|n| !n), "one turn: {}", summary(&ev));
@@ -233,9 +241,12 @@ fn no_prefetch_while_a_duplex_session_is_live() {
             voice: voice(f),
             generation: forced(24, 30),
         };
-        e.submit(spec, Arc::new(move |ev| {
-            let _ = tx.lock().unwrap().send(ev);
-        }))
+        e.submit(
+            spec,
+            Arc::new(move |ev| {
+                let _ = tx.lock().unwrap().send(ev);
+            }),
+        )
         .unwrap();
         loop {
             if let EngineEvent::Done { status, .. } = trx.recv_timeout(Duration::from_secs(60)).unwrap() {

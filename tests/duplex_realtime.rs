@@ -29,9 +29,12 @@ fn open(e: &Engine, session: &str) -> mpsc::Receiver<DuplexEvent> {
         seed: Some(3),
     };
     let spec = DuplexSpec { session: session.into(), policy: DuplexPolicy::SpeakEvery(2), instructions: None, voice: voice(180.0), generation };
-    e.open_duplex(spec, Arc::new(move |ev| {
-        let _ = tx.lock().unwrap().send(ev);
-    }))
+    e.open_duplex(
+        spec,
+        Arc::new(move |ev| {
+            let _ = tx.lock().unwrap().send(ev);
+        }),
+    )
     .unwrap();
     rx
 }

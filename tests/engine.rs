@@ -5,9 +5,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use antiphon::engine::{
-    Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, UserInput,
-};
+use antiphon::engine::{Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, UserInput};
 use antiphon::synth::{models_in_memory, Preset};
 use candle_core::{DType, Device};
 
@@ -51,9 +49,12 @@ struct Outcome {
 fn submit(e: &Engine, s: RequestSpec) -> mpsc::Receiver<EngineEvent> {
     let (tx, rx) = mpsc::channel();
     let tx = std::sync::Mutex::new(tx);
-    e.submit(s, Arc::new(move |ev| {
-        let _ = tx.lock().unwrap().send(ev);
-    }))
+    e.submit(
+        s,
+        Arc::new(move |ev| {
+            let _ = tx.lock().unwrap().send(ev);
+        }),
+    )
     .unwrap();
     rx
 }
@@ -126,8 +127,7 @@ fn requests_batched_together_match_requests_alone() {
     let e = engine(EngineConfig::default());
     let alone: Vec<Outcome> =
         (0..3).map(|i| collect(submit(&e, spec(&format!("alone{i}"), &format!("prompt {i}"), 8 + i, 30 + 5 * i, i as u64)))).collect();
-    let rxs: Vec<_> =
-        (0..3).map(|i| submit(&e, spec(&format!("together{i}"), &format!("prompt {i}"), 8 + i, 30 + 5 * i, i as u64))).collect();
+    let rxs: Vec<_> = (0..3).map(|i| submit(&e, spec(&format!("together{i}"), &format!("prompt {i}"), 8 + i, 30 + 5 * i, i as u64))).collect();
     let together: Vec<Outcome> = rxs.into_iter().map(collect).collect();
     assert!(e.metrics().render().contains("antiphon_stage_batch_size_bucket{stage=\"talker\",le=\"1\"}"));
     for (a, t) in alone.iter().zip(&together) {

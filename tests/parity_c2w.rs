@@ -72,9 +72,8 @@ fn parity_flow_dit_step() {
     let est = &f.decoder.estimator;
     let att0 = st.estimator.att.get(0).unwrap();
     let cnn0 = st.estimator.cnn.get(0).unwrap();
-    let (v, nc, na) = est
-        .forward_chunk(&io["dit_x"], &io["dit_mu"], 0.3, &io["dit_spks"], &io["dit_x"].zeros_like().unwrap(), Some(&cnn0), Some(&att0))
-        .unwrap();
+    let (v, nc, na) =
+        est.forward_chunk(&io["dit_x"], &io["dit_mu"], 0.3, &io["dit_spks"], &io["dit_x"].zeros_like().unwrap(), Some(&cnn0), Some(&att0)).unwrap();
     assert_close("DiT velocity", &v, &io["dit_out"], TOL);
     assert_close("DiT new conv cache", &nc, &io["dit_new_cnn"], TOL);
     assert_close("DiT new attention cache", &na, &io["dit_new_att"], TOL);
@@ -125,9 +124,7 @@ fn parity_flow_batched_chunks_match_single() {
     let (mut a1, mut b1) = (setup(&f), setup(&f));
     let (mut a2, mut b2) = (setup(&f), setup(&f));
     for i in 0..payloads.len() - 1 {
-        let together = f
-            .chunk_batch(&[&payloads[i], &codes_b[i]], &[&io["spk"], &spk_b], &mut [&mut a1, &mut b1], false)
-            .unwrap();
+        let together = f.chunk_batch(&[&payloads[i], &codes_b[i]], &[&io["spk"], &spk_b], &mut [&mut a1, &mut b1], false).unwrap();
         let alone_a = f.chunk(&payloads[i], &io["spk"], &mut a2, false).unwrap();
         let alone_b = f.chunk(&codes_b[i], &spk_b, &mut b2, false).unwrap();
         assert_close(&format!("batched A chunk {i}"), &together[0], &alone_a, 1e-5);

@@ -131,11 +131,8 @@ fn parity_thinker_batched_streams_match_single() {
     let mut caches: Vec<KvCache> = starts.iter().map(|_| llm.new_cache()).collect();
     let mut got: Vec<Vec<Tensor>> = vec![vec![]; 3];
     {
-        let mut steps: Vec<StreamStep> = caches
-            .iter_mut()
-            .zip(starts)
-            .map(|(c, s)| StreamStep { cache: c, embeds: llm.embed(&tids[..s]).unwrap() })
-            .collect();
+        let mut steps: Vec<StreamStep> =
+            caches.iter_mut().zip(starts).map(|(c, s)| StreamStep { cache: c, embeds: llm.embed(&tids[..s]).unwrap() }).collect();
         for (i, h) in llm.forward(&mut steps).unwrap().into_iter().enumerate() {
             got[i].push(h);
         }
@@ -162,11 +159,7 @@ fn parity_thinker_batched_streams_match_single() {
         assert_close(&format!("stream {i} batched vs reference"), &h, &io["llm_text_hidden"], TOL);
         // and against the same stream stepped alone
         let mut alone = llm.new_cache();
-        let single = llm
-            .forward(&mut [StreamStep { cache: &mut alone, embeds: llm.embed(&tids).unwrap() }])
-            .unwrap()
-            .pop()
-            .unwrap();
+        let single = llm.forward(&mut [StreamStep { cache: &mut alone, embeds: llm.embed(&tids).unwrap() }]).unwrap().pop().unwrap();
         assert_close(&format!("stream {i} batched vs alone"), &h, &single, 1e-5);
     }
 }
@@ -263,18 +256,13 @@ fn parity_talker_batched_streams_match_single() {
     let mut ra = vec![];
     let mut rb = vec![];
     let out = talker
-        .forward(&mut [
-            StreamStep { cache: &mut ca, embeds: conds[0].clone() },
-            StreamStep { cache: &mut cb, embeds: conds[1].clone() },
-        ])
+        .forward(&mut [StreamStep { cache: &mut ca, embeds: conds[0].clone() }, StreamStep { cache: &mut cb, embeds: conds[1].clone() }])
         .unwrap();
     ra.push(out[0].clone());
     rb.push(out[1].clone());
     for &code in &codes {
         let e = talker.embed_codes(&[code]).unwrap();
-        let out = talker
-            .forward(&mut [StreamStep { cache: &mut ca, embeds: e.clone() }, StreamStep { cache: &mut cb, embeds: e }])
-            .unwrap();
+        let out = talker.forward(&mut [StreamStep { cache: &mut ca, embeds: e.clone() }, StreamStep { cache: &mut cb, embeds: e }]).unwrap();
         ra.push(out[0].clone());
         rb.push(out[1].clone());
     }

@@ -17,7 +17,8 @@ use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
 async fn server(edit: impl FnOnce(&mut Config)) -> Server {
-    let mut cfg = Config::parse(antiphon::server::config::DEFAULT_TOML, std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs"))).unwrap();
+    let mut cfg =
+        Config::parse(antiphon::server::config::DEFAULT_TOML, std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs"))).unwrap();
     cfg.server.listen = "127.0.0.1:0".into();
     edit(&mut cfg);
     let models = antiphon::synth::models_in_memory(antiphon::synth::Preset::Tiny, 0, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
@@ -486,7 +487,11 @@ async fn tls_when_a_certificate_is_configured() {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(cert.cert.der().clone()).unwrap();
     let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
-    let cfg = rustls::ClientConfig::builder_with_provider(provider).with_safe_default_protocol_versions().unwrap().with_root_certificates(roots).with_no_client_auth();
+    let cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
     let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg));
     let tcp = TcpStream::connect(s.addr).await.unwrap();
     let mut tls = connector.connect("localhost".try_into().unwrap(), tcp).await.expect("TLS handshake");
@@ -528,6 +533,10 @@ async fn an_unacknowledged_journal_overflows_and_a_failed_response_is_internal()
     assert!(matches!(ms.last().unwrap(), In::Event(v) if v["status"] == "failed"));
     c.send(json!({"type": "input.text", "text": "short", "generation": short(10)})).await;
     let ms = c.until(is_done).await;
-    assert!(matches!(ms.last().unwrap(), In::Event(v) if v["status"] == "completed"), "the session goes on: {:?}", ms.iter().filter(|m| !matches!(m, In::Audio(_))).collect::<Vec<_>>());
+    assert!(
+        matches!(ms.last().unwrap(), In::Event(v) if v["status"] == "completed"),
+        "the session goes on: {:?}",
+        ms.iter().filter(|m| !matches!(m, In::Audio(_))).collect::<Vec<_>>()
+    );
     s.shutdown().await.unwrap();
 }

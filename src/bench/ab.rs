@@ -125,9 +125,8 @@ pub fn compare(a: &[Summary], b: &[Summary]) -> Vec<Comparison> {
     let mut out = Vec::new();
     let levels: Vec<usize> = a.first().map(|s| s.levels.iter().map(|l| l.concurrency).collect()).unwrap_or_default();
     for c in levels {
-        let pick = |runs: &[Summary], g: Getter| -> Vec<f64> {
-            runs.iter().filter_map(|s| s.levels.iter().find(|l| l.concurrency == c)).map(g).collect()
-        };
+        let pick =
+            |runs: &[Summary], g: Getter| -> Vec<f64> { runs.iter().filter_map(|s| s.levels.iter().find(|l| l.concurrency == c)).map(g).collect() };
         for (name, g, lower_better) in METRICS {
             let (va, vb) = (pick(a, g), pick(b, g));
             if va.is_empty() || vb.is_empty() {
@@ -143,7 +142,13 @@ pub fn compare(a: &[Summary], b: &[Summary]) -> Vec<Comparison> {
             } else {
                 "B worse"
             };
-            let ratio = if am.abs() > 1e-12 { bm / am } else if bm.abs() > 1e-12 { f64::INFINITY } else { 1.0 };
+            let ratio = if am.abs() > 1e-12 {
+                bm / am
+            } else if bm.abs() > 1e-12 {
+                f64::INFINITY
+            } else {
+                1.0
+            };
             out.push(Comparison {
                 concurrency: c,
                 metric: name.into(),

@@ -86,12 +86,15 @@ pub fn level_summary(level: usize, recs: &[RequestRecord], wall_s: f64) -> Level
         *failures_by_code.entry(code).or_insert(0) += 1;
     }
     let f = |get: &dyn Fn(&RequestRecord) -> Option<f64>| -> Vec<f64> { ok.iter().filter_map(|r| get(r)).collect() };
-    let mean = |v: Vec<f64>| if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 };
-    let stall = |p: u64| -> (usize, f64) {
-        ok.iter()
-            .flat_map(|r| r.stalls.iter().filter(move |s| s.0 == p))
-            .fold((0, 0.0), |(e, t), s| (e + s.1, t + s.2))
+    let mean = |v: Vec<f64>| {
+        if v.is_empty() {
+            0.0
+        } else {
+            v.iter().sum::<f64>() / v.len() as f64
+        }
     };
+    let stall =
+        |p: u64| -> (usize, f64) { ok.iter().flat_map(|r| r.stalls.iter().filter(move |s| s.0 == p)).fold((0, 0.0), |(e, t), s| (e + s.1, t + s.2)) };
     let (se, sm) = stall(0);
     let (se100, sm100) = stall(100);
     let audio_s: f64 = ok.iter().map(|r| r.audio_ms / 1000.0).sum();
@@ -217,12 +220,7 @@ pub fn plot(s: &Summary, path: &Path) -> Result<()> {
         .right_y_label_area_size(60)
         .build_cartesian_2d(-0.25..xmax, 0.0..ymax)?
         .set_secondary_coord(-0.25..xmax, 0.0..smax);
-    chart
-        .configure_mesh()
-        .x_desc("concurrency C")
-        .y_desc("TTFA (ms)")
-        .x_label_formatter(&|x| format!("{}", 2f64.powf(*x).round()))
-        .draw()?;
+    chart.configure_mesh().x_desc("concurrency C").y_desc("TTFA (ms)").x_label_formatter(&|x| format!("{}", 2f64.powf(*x).round())).draw()?;
     chart.configure_secondary_axes().y_desc("stall events").draw()?;
     let series = |f: &dyn Fn(&LevelSummary) -> f64| -> Vec<(f64, f64)> { xs.iter().cloned().zip(s.levels.iter().map(f)).collect() };
     chart

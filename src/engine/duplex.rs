@@ -189,7 +189,9 @@ impl Stage0 {
             if !matches!(d.phase, Phase::Idle) || d.gone {
                 continue;
             }
-            let Some((x, t)) = d.units.pop_front() else { continue };
+            let Some((x, t)) = d.units.pop_front() else {
+                continue;
+            };
             // the unit's markers and audio, and a whole spoken unit after it
             let need = d.cache.len() + 2 + x.len() / 1600 + MAX_UNIT_TEXT_TOKENS + 2;
             if need > limit {
@@ -317,8 +319,22 @@ impl Stage0 {
                     }
                     DuplexPolicy::Model => {
                         let forbid = [
-                            s.tts_pad, s.tts_bos, s.tts_eos, s.unit, s.unit_end, s.audio_start, s.audio_end, s.im_start, s.im_end, s.think,
-                            s.think_end, s.unk, s.endoftext, s.chunk_eos, s.chunk_tts_eos, s.turn_eos,
+                            s.tts_pad,
+                            s.tts_bos,
+                            s.tts_eos,
+                            s.unit,
+                            s.unit_end,
+                            s.audio_start,
+                            s.audio_end,
+                            s.im_start,
+                            s.im_end,
+                            s.think,
+                            s.think_end,
+                            s.unk,
+                            s.endoftext,
+                            s.chunk_eos,
+                            s.chunk_tts_eos,
+                            s.turn_eos,
                         ];
                         let t = d.sampler.sample(logits, &forbid);
                         (t != s.listen, t)
@@ -394,8 +410,20 @@ impl Stage0 {
             }
             Phase::Decode { unit, speaking: true, end: false, .. } => {
                 let mut forbid = vec![
-                    s.listen, s.speak, s.unit, s.unit_end, s.tts_pad, s.tts_bos, s.tts_eos, s.audio_start, s.audio_end, s.im_start, s.think,
-                    s.think_end, s.unk, s.endoftext,
+                    s.listen,
+                    s.speak,
+                    s.unit,
+                    s.unit_end,
+                    s.tts_pad,
+                    s.tts_bos,
+                    s.tts_eos,
+                    s.audio_start,
+                    s.audio_end,
+                    s.im_start,
+                    s.think,
+                    s.think_end,
+                    s.unk,
+                    s.endoftext,
                 ];
                 if matches!(d.spec.policy, DuplexPolicy::SpeakEvery(_)) {
                     forbid.extend([s.turn_eos, s.chunk_tts_eos, s.im_end]);

@@ -36,18 +36,16 @@ impl EngineMetrics {
             &["stage"],
         )
         .expect("valid metric");
-        let queue_depth =
-            IntGaugeVec::new(Opts::new("antiphon_stage_queue_depth", "Requests held by a stage"), &["stage"]).expect("valid metric");
+        let queue_depth = IntGaugeVec::new(Opts::new("antiphon_stage_queue_depth", "Requests held by a stage"), &["stage"]).expect("valid metric");
         let prefetch = IntCounterVec::new(
             Opts::new("antiphon_prefetch_total", "Reference prefetch events (phase runs, chunk-0 claims, inline preparations)"),
             &["event"],
         )
         .expect("valid metric");
-        let prefetch_skips =
-            IntCounterVec::new(Opts::new("antiphon_prefetch_skips_total", "Idle steps that did not prefetch, by gate"), &["reason"])
-                .expect("valid metric");
-        let requests = IntCounterVec::new(Opts::new("antiphon_engine_requests_total", "Finished requests by status"), &["status"])
+        let prefetch_skips = IntCounterVec::new(Opts::new("antiphon_prefetch_skips_total", "Idle steps that did not prefetch, by gate"), &["reason"])
             .expect("valid metric");
+        let requests =
+            IntCounterVec::new(Opts::new("antiphon_engine_requests_total", "Finished requests by status"), &["status"]).expect("valid metric");
         let first_audio_seconds = Histogram::with_opts(
             HistogramOpts::new("antiphon_engine_first_audio_seconds", "Engine-side time from admission to the first audio samples")
                 .buckets(vec![0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0]),

@@ -128,15 +128,37 @@ pub enum Stage0Msg {
 /// What Stage 0 hands Stage 1.
 pub enum Stage1Msg {
     /// Start of a request (the Talker's parameters).
-    Begin { id: RequestId, epoch: u64, mode: Mode, voice: RefInput, min_codes: usize, max_codes: usize, seed: u64 },
+    Begin {
+        id: RequestId,
+        epoch: u64,
+        mode: Mode,
+        voice: RefInput,
+        min_codes: usize,
+        max_codes: usize,
+        seed: u64,
+    },
     /// Thinker tokens after `<|tts_bos|>` and their last-layer hidden rows `[n, llm_dim]`.
-    Rows { id: RequestId, epoch: u64, ids: Vec<u32>, hidden: Tensor },
+    Rows {
+        id: RequestId,
+        epoch: u64,
+        ids: Vec<u32>,
+        hidden: Tensor,
+    },
     /// The text is complete: prefill the text end / audio start and decode.
-    End { id: RequestId, epoch: u64 },
+    End {
+        id: RequestId,
+        epoch: u64,
+    },
     /// Duplex: one spoken unit's text (`hidden`: its rows, `None` when there is no text, as when a
     /// listening unit closes the turn). The Talker makes one unit of codes for it, or drains the
     /// turn when `turn_end`.
-    Segment { id: RequestId, epoch: u64, ids: Vec<u32>, hidden: Option<Tensor>, turn_end: bool },
+    Segment {
+        id: RequestId,
+        epoch: u64,
+        ids: Vec<u32>,
+        hidden: Option<Tensor>,
+        turn_end: bool,
+    },
     Cancel(RequestId),
 }
 
@@ -144,9 +166,20 @@ pub enum Stage1Msg {
 pub enum Stage2Msg {
     /// At admission: the request exists; `prefetch` carries its reference when it may be prefetched
     /// (never for duplex).
-    Placeholder { id: RequestId, epoch: u64, prefetch: Option<RefInput> },
+    Placeholder {
+        id: RequestId,
+        epoch: u64,
+        prefetch: Option<RefInput>,
+    },
     /// Codes for Code2Wav; chunk 0 carries the reference to use.
-    Chunk { id: RequestId, epoch: u64, seq: usize, codes: Vec<u32>, last: bool, reference: Option<RefInput> },
+    Chunk {
+        id: RequestId,
+        epoch: u64,
+        seq: usize,
+        codes: Vec<u32>,
+        last: bool,
+        reference: Option<RefInput>,
+    },
     Cancel(RequestId),
     /// A duplex session is live: while any is, no prefetch runs (the busy gate).
     DuplexOpen(String),

@@ -12,7 +12,7 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
 
 use super::duplex::DuplexStream;
-use super::{EngineConfig, EngineMetrics, Mode, RequestId, RequestSpec, Registry, Stage0Msg, Stage1Msg, StageLoop, Status, UserInput};
+use super::{EngineConfig, EngineMetrics, Mode, Registry, RequestId, RequestSpec, Stage0Msg, Stage1Msg, StageLoop, Status, UserInput};
 use crate::models::decoder::{KvCache, StreamStep};
 use crate::models::sampling::{LengthPolicy, Sampler};
 use crate::models::thinker::Thinker;
@@ -71,8 +71,21 @@ impl Stage0 {
         let s = *tok.special();
         // Tokens a spoken reply never contains (synthetic weights would otherwise emit them).
         let forbid = vec![
-            s.tts_pad, s.tts_bos, s.listen, s.speak, s.unit, s.unit_end, s.chunk_eos, s.chunk_tts_eos, s.turn_eos, s.audio_start,
-            s.audio_end, s.im_start, s.think, s.think_end, s.unk,
+            s.tts_pad,
+            s.tts_bos,
+            s.listen,
+            s.speak,
+            s.unit,
+            s.unit_end,
+            s.chunk_eos,
+            s.chunk_tts_eos,
+            s.turn_eos,
+            s.audio_start,
+            s.audio_end,
+            s.im_start,
+            s.think,
+            s.think_end,
+            s.unk,
         ];
         Self { thinker, tok, cfg, registry, metrics, to_talker, queue: VecDeque::new(), active: Vec::new(), duplex: Vec::new(), forbid }
     }

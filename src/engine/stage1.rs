@@ -92,11 +92,15 @@ impl Stage1 {
         let mut done = Vec::new();
         for id in &self.order {
             let r = self.reqs.get_mut(id).expect("listed");
-            let Some(dx) = r.duplex.as_mut() else { continue };
+            let Some(dx) = r.duplex.as_mut() else {
+                continue;
+            };
             if dx.active {
                 continue;
             }
-            let Some((cond, turn_end)) = dx.queue.pop_front() else { continue };
+            let Some((cond, turn_end)) = dx.queue.pop_front() else {
+                continue;
+            };
             let mut parts = Vec::new();
             if let Some(c) = r.last_code {
                 parts.push(self.talker.embed_codes(&[c])?);
@@ -149,7 +153,8 @@ impl Stage1 {
         let t0 = Instant::now();
         let n = ids.len();
         let hidden = {
-            let mut caches: Vec<(RequestId, KvCache)> = ids.iter().map(|id| (id.clone(), std::mem::replace(&mut self.reqs.get_mut(id).expect("listed").cache, KvCache::new(0)))).collect();
+            let mut caches: Vec<(RequestId, KvCache)> =
+                ids.iter().map(|id| (id.clone(), std::mem::replace(&mut self.reqs.get_mut(id).expect("listed").cache, KvCache::new(0)))).collect();
             let mut steps: Vec<StreamStep> = caches.iter_mut().zip(embeds).map(|((_, c), e)| StreamStep { cache: c, embeds: e }).collect();
             let out = self.talker.forward(&mut steps);
             drop(steps);
@@ -255,7 +260,9 @@ impl StageLoop for Stage1 {
                 self.reqs.insert(id, r);
             }
             Stage1Msg::Rows { id, epoch, ids, hidden } => {
-                let Some(r) = self.reqs.get_mut(&id) else { return };
+                let Some(r) = self.reqs.get_mut(&id) else {
+                    return;
+                };
                 if r.epoch != epoch {
                     return;
                 }
@@ -265,7 +272,9 @@ impl StageLoop for Stage1 {
                 }
             }
             Stage1Msg::End { id, epoch } => {
-                let Some(r) = self.reqs.get_mut(&id) else { return };
+                let Some(r) = self.reqs.get_mut(&id) else {
+                    return;
+                };
                 if r.epoch != epoch {
                     return;
                 }
@@ -282,7 +291,9 @@ impl StageLoop for Stage1 {
                 }
             }
             Stage1Msg::Segment { id, epoch, ids, hidden, turn_end } => {
-                let Some(r) = self.reqs.get_mut(&id) else { return };
+                let Some(r) = self.reqs.get_mut(&id) else {
+                    return;
+                };
                 if r.epoch != epoch || r.duplex.is_none() {
                     return;
                 }

@@ -131,8 +131,19 @@ impl Timings {
 pub enum EngineEvent {
     TextDelta(String),
     /// 24 kHz mono samples; `chunk` counts Code2Wav chunks from 0.
-    Audio { samples: Vec<f32>, chunk: usize, last: bool },
-    Done { status: Status, text: String, codes: usize, audio_samples: usize, chunks: usize, timings: Timings },
+    Audio {
+        samples: Vec<f32>,
+        chunk: usize,
+        last: bool,
+    },
+    Done {
+        status: Status,
+        text: String,
+        codes: usize,
+        audio_samples: usize,
+        chunks: usize,
+        timings: Timings,
+    },
 }
 
 /// Where a request's events go.
@@ -167,13 +178,28 @@ pub struct DuplexSpec {
 #[derive(Debug, Clone)]
 pub enum DuplexEvent {
     /// The model stays silent in `unit` (counted from 0). `context`: Thinker positions after it.
-    Listen { unit: u64, context: usize, lag_ms: f64 },
+    Listen {
+        unit: u64,
+        context: usize,
+        lag_ms: f64,
+    },
     /// The model speaks in `unit`; `turn` is the turn request the speech belongs to (`new_turn`
     /// when this unit opened it).
-    Speak { unit: u64, turn: RequestId, new_turn: bool, context: usize, lag_ms: f64 },
-    Response { turn: RequestId, event: EngineEvent },
+    Speak {
+        unit: u64,
+        turn: RequestId,
+        new_turn: bool,
+        context: usize,
+        lag_ms: f64,
+    },
+    Response {
+        turn: RequestId,
+        event: EngineEvent,
+    },
     /// The session's engine stream ended (`context_full`, `closed`, or a failure).
-    Closed { reason: String },
+    Closed {
+        reason: String,
+    },
 }
 
 /// Where a duplex session's events go.

@@ -166,11 +166,7 @@ impl MiniCpmoConfig {
             bail!("config.json: tts_config.num_vq = {:?}; only 1 is supported", t.num_vq);
         }
         if t.llm_dim != self.hidden_size {
-            bail!(
-                "config.json: tts_config.llm_dim {} differs from the Thinker hidden_size {}",
-                t.llm_dim,
-                self.hidden_size
-            );
+            bail!("config.json: tts_config.llm_dim {} differs from the Thinker hidden_size {}", t.llm_dim, self.hidden_size);
         }
         if t.num_attention_heads % t.num_key_value_heads != 0 || t.hidden_size % t.num_attention_heads != 0 {
             bail!("config.json: tts_config head counts do not divide hidden_size");
@@ -182,11 +178,7 @@ impl MiniCpmoConfig {
             bail!("config.json: tts_config audio_bos/text_eos ids lie outside emb_text ({} rows)", t.num_text_tokens);
         }
         if self.vocab_size > t.num_text_tokens {
-            bail!(
-                "config.json: the Talker's emb_text has {} rows but the Thinker vocabulary has {} ids",
-                t.num_text_tokens,
-                self.vocab_size
-            );
+            bail!("config.json: the Talker's emb_text has {} rows but the Thinker vocabulary has {} ids", t.num_text_tokens, self.vocab_size);
         }
         Ok(())
     }

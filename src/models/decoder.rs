@@ -73,11 +73,7 @@ impl KvCache {
 
     /// Bytes held by the buffers (capacity, not length).
     pub fn bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .flatten()
-            .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
-            .sum()
+        self.layers.iter().flatten().map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()).sum()
     }
 
     /// Writes `k`, `v` (`[kv_heads, n, head_dim]`) of `layer` at position `self.len` and returns
@@ -116,8 +112,7 @@ pub struct Rope {
 impl Rope {
     pub fn new(head_dim: usize, theta: f64, max_positions: usize, dtype: DType, dev: &Device) -> Result<Self> {
         let half = head_dim / 2;
-        let inv_freq: Vec<f32> =
-            (0..half).map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / head_dim as f32)).collect();
+        let inv_freq: Vec<f32> = (0..half).map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / head_dim as f32)).collect();
         let inv_freq = Tensor::from_vec(inv_freq, (1, half), dev)?;
         let pos = Tensor::arange(0u32, max_positions as u32, dev)?.to_dtype(DType::F32)?.reshape((max_positions, 1))?;
         let freqs = pos.broadcast_mul(&inv_freq)?;
@@ -158,9 +153,7 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor
     let mut att = qg.matmul(&k.t()?)?.to_dtype(DType::F32)?;
     if causal && n > 1 {
         let offset = l - n;
-        let mask: Vec<f32> = (0..n)
-            .flat_map(|i| (0..l).map(move |j| if j > offset + i { f32::NEG_INFINITY } else { 0.0 }))
-            .collect();
+        let mask: Vec<f32> = (0..n).flat_map(|i| (0..l).map(move |j| if j > offset + i { f32::NEG_INFINITY } else { 0.0 })).collect();
         let mask = Tensor::from_vec(mask, (1, 1, n, l), q.device())?;
         att = att.reshape((hkv, group, n, l))?.broadcast_add(&mask)?.reshape((hkv, group * n, l))?;
     }
@@ -189,10 +182,7 @@ impl Attention {
     fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<Self> {
         let (h, hq, hkv, d) = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let (q_norm, k_norm) = if cfg.qk_norm {
-            (
-                Some(candle_nn::rms_norm(d, cfg.rms_norm_eps, vb.pp("q_norm"))?),
-                Some(candle_nn::rms_norm(d, cfg.rms_norm_eps, vb.pp("k_norm"))?),
-            )
+            (Some(candle_nn::rms_norm(d, cfg.rms_norm_eps, vb.pp("q_norm"))?), Some(candle_nn::rms_norm(d, cfg.rms_norm_eps, vb.pp("k_norm"))?))
         } else {
             (None, None)
         };
@@ -210,15 +200,7 @@ impl Attention {
     }
 
     /// `x: [N, hidden]` packed rows of all streams; `spans[i] = (start, n)` rows of stream i.
-    fn forward(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        layer: usize,
-        caches: &mut [&mut KvCache],
-        spans: &[(usize, usize)],
-    ) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, layer: usize, caches: &mut [&mut KvCache], spans: &[(usize, usize)]) -> Result<Tensor> {
         let total = x.dim(0)?;
         let d = self.head_dim;
         let mut q = self.q_proj.forward(x)?.reshape((total, self.num_heads, d))?;
@@ -301,11 +283,7 @@ impl Decoder {
             layers.push(Layer {
                 input_layernorm: candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, lvb.pp("input_layernorm"))?,
                 self_attn: Attention::load(lvb.pp("self_attn"), cfg)?,
-                post_attention_layernorm: candle_nn::rms_norm(
-                    cfg.hidden_size,
-                    cfg.rms_norm_eps,
-                    lvb.pp("post_attention_layernorm"),
-                )?,
+                post_attention_layernorm: candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, lvb.pp("post_attention_layernorm"))?,
                 mlp: Mlp::load(lvb.pp("mlp"), cfg)?,
             });
         }
@@ -338,11 +316,7 @@ impl Decoder {
             }
             let offset = s.cache.len();
             if offset + n > self.rope.max_positions() {
-                candle_core::bail!(
-                    "context of {} positions exceeds max_position_embeddings {}",
-                    offset + n,
-                    self.rope.max_positions()
-                );
+                candle_core::bail!("context of {} positions exceeds max_position_embeddings {}", offset + n, self.rope.max_positions());
             }
             positions.extend((offset..offset + n).map(|p| p as u32));
             spans.push((start, n));

@@ -37,11 +37,8 @@ fn mel_to_hz_slaney(m: f64) -> f64 {
 pub fn mel_filters_slaney(sample_rate: usize, n_fft: usize, n_mels: usize, fmin: f64, fmax: f64) -> Vec<Vec<f64>> {
     let n_freq = n_fft / 2 + 1;
     let (mmin, mmax) = (hz_to_mel_slaney(fmin), hz_to_mel_slaney(fmax));
-    let pts: Vec<f64> = (0..n_mels + 2)
-        .map(|i| mel_to_hz_slaney(mmin + (mmax - mmin) * i as f64 / (n_mels + 1) as f64))
-        .collect();
-    let fft_freqs: Vec<f64> =
-        (0..n_freq).map(|k| (sample_rate as f64 / 2.0) * k as f64 / (n_freq - 1) as f64).collect();
+    let pts: Vec<f64> = (0..n_mels + 2).map(|i| mel_to_hz_slaney(mmin + (mmax - mmin) * i as f64 / (n_mels + 1) as f64)).collect();
+    let fft_freqs: Vec<f64> = (0..n_freq).map(|k| (sample_rate as f64 / 2.0) * k as f64 / (n_freq - 1) as f64).collect();
     (0..n_mels)
         .map(|m| {
             let (lo, mid, hi) = (pts[m], pts[m + 1], pts[m + 2]);
@@ -188,9 +185,7 @@ pub fn kaldi_fbank(samples: &[f32], sample_rate: usize, n_mels: usize) -> (Vec<f
         return (vec![], 0);
     }
     let frames = 1 + (samples.len() - win) / shift;
-    let povey: Vec<f64> = (0..win)
-        .map(|i| (0.5 - 0.5 * (2.0 * std::f64::consts::PI * i as f64 / (win - 1) as f64).cos()).powf(0.85))
-        .collect();
+    let povey: Vec<f64> = (0..win).map(|i| (0.5 - 0.5 * (2.0 * std::f64::consts::PI * i as f64 / (win - 1) as f64).cos()).powf(0.85)).collect();
     // mel banks over the first nfft/2 bins (the Nyquist bin gets no weight)
     let mel = |f: f64| 1127.0 * (1.0 + f / 700.0).ln();
     let nyq = sample_rate as f64 / 2.0;
@@ -261,12 +256,7 @@ pub struct FlowMel {
 
 impl FlowMel {
     pub fn new(sample_rate: usize, n_fft: usize, hop: usize, n_mels: usize, fmax: f64) -> Self {
-        Self {
-            stft: Stft::new(n_fft, hop, hann_periodic(n_fft)),
-            filters: mel_filters_slaney(sample_rate, n_fft, n_mels, 0.0, fmax),
-            n_fft,
-            hop,
-        }
+        Self { stft: Stft::new(n_fft, hop, hann_periodic(n_fft)), filters: mel_filters_slaney(sample_rate, n_fft, n_mels, 0.0, fmax), n_fft, hop }
     }
 
     /// The configuration the token2wav assets check for.

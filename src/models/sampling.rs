@@ -47,15 +47,7 @@ impl SamplingParams {
 
     /// Greedy text decoding with the served Thinker's repetition penalty.
     pub fn thinker_greedy() -> Self {
-        Self {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            repetition_penalty: 1.1,
-            penalty_kind: PenaltyKind::Presence,
-            penalty_window: 0,
-            min_keep: 1,
-        }
+        Self { temperature: 0.0, top_k: 0, top_p: 1.0, repetition_penalty: 1.1, penalty_kind: PenaltyKind::Presence, penalty_window: 0, min_keep: 1 }
     }
 }
 
@@ -99,7 +91,9 @@ impl Sampler {
             *counts.entry(t).or_default() += 1;
         }
         for (&t, &c) in &counts {
-            let Some(l) = logits.get_mut(t as usize) else { continue };
+            let Some(l) = logits.get_mut(t as usize) else {
+                continue;
+            };
             let a = match self.params.penalty_kind {
                 PenaltyKind::Presence => p,
                 PenaltyKind::Frequency => p.powi(c),

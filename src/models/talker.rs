@@ -55,10 +55,7 @@ pub fn load_weight_norm(vb: &VarBuilder, shape: &[usize]) -> Result<Tensor> {
     let mut gshape = vec![shape[0]];
     gshape.extend(std::iter::repeat_n(1, shape.len() - 1));
     let (g, v) = if vb.contains_tensor("parametrizations.weight.original0") {
-        (
-            vb.get(gshape.as_slice(), "parametrizations.weight.original0")?,
-            vb.get(shape, "parametrizations.weight.original1")?,
-        )
+        (vb.get(gshape.as_slice(), "parametrizations.weight.original0")?, vb.get(shape, "parametrizations.weight.original1")?)
     } else if vb.contains_tensor("weight_g") {
         (vb.get(gshape.as_slice(), "weight_g")?, vb.get(shape, "weight_v")?)
     } else {
@@ -73,10 +70,8 @@ impl Talker {
         let h = cfg.hidden_size;
         let emb_text = Embedding::new(vb.pp("emb_text").get((cfg.num_text_tokens, h), "weight")?, h);
         let p = vb.pp("projector_semantic");
-        let projector_linear1 =
-            Linear::new(p.pp("linear1").get((h, cfg.llm_dim), "weight")?, Some(p.pp("linear1").get(h, "bias")?));
-        let projector_linear2 =
-            Linear::new(p.pp("linear2").get((h, h), "weight")?, Some(p.pp("linear2").get(h, "bias")?));
+        let projector_linear1 = Linear::new(p.pp("linear1").get((h, cfg.llm_dim), "weight")?, Some(p.pp("linear1").get(h, "bias")?));
+        let projector_linear2 = Linear::new(p.pp("linear2").get((h, h), "weight")?, Some(p.pp("linear2").get(h, "bias")?));
         let emb_code = Embedding::new(vb.pp("emb_code").pp(0).get((cfg.num_audio_tokens, h), "weight")?, h);
         let head_code = Linear::new(load_weight_norm(&vb.pp("head_code").pp(0), &[cfg.num_audio_tokens, h])?, None);
         let model = Decoder::load(vb.pp("model"), &cfg.decoder())?;

@@ -77,8 +77,7 @@ impl Thinker {
     pub fn load(vb: VarBuilder, cfg: &MiniCpmoConfig) -> Result<Self> {
         let llm = Qwen3::load(vb.pp("llm"), cfg)?;
         let apm = WhisperEncoder::load(vb.pp("apm"), &cfg.audio_config)?;
-        let audio_projection_layer =
-            AudioProjector::load(vb.pp("audio_projection_layer"), cfg.audio_config.encoder_ffn_dim / 4, cfg.hidden_size)?;
+        let audio_projection_layer = AudioProjector::load(vb.pp("audio_projection_layer"), cfg.audio_config.encoder_ffn_dim / 4, cfg.hidden_size)?;
         Ok(Self {
             llm,
             apm,

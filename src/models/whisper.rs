@@ -79,16 +79,10 @@ impl WhisperEncoder {
         let d = cfg.d_model;
         let c1 = Conv1dConfig { padding: 1, stride: 1, ..Default::default() };
         let c2 = Conv1dConfig { padding: 1, stride: 2, ..Default::default() };
-        let conv1 = Conv1d::new(
-            vb.pp("conv1").get((d, cfg.num_mel_bins, 3), "weight")?,
-            Some(vb.pp("conv1").get(d, "bias")?),
-            c1,
-        );
+        let conv1 = Conv1d::new(vb.pp("conv1").get((d, cfg.num_mel_bins, 3), "weight")?, Some(vb.pp("conv1").get(d, "bias")?), c1);
         let conv2 = Conv1d::new(vb.pp("conv2").get((d, d, 3), "weight")?, Some(vb.pp("conv2").get(d, "bias")?), c2);
         let embed_positions = vb.pp("embed_positions").get((cfg.max_source_positions, d), "weight")?;
-        let layers = (0..cfg.encoder_layers)
-            .map(|i| EncoderLayer::load(vb.pp("layers").pp(i), cfg))
-            .collect::<Result<Vec<_>>>()?;
+        let layers = (0..cfg.encoder_layers).map(|i| EncoderLayer::load(vb.pp("layers").pp(i), cfg)).collect::<Result<Vec<_>>>()?;
         let layer_norm = candle_nn::layer_norm(d, LN_EPS, vb.pp("layer_norm"))?;
         Ok(Self { conv1, conv2, embed_positions, layers, layer_norm, cfg: cfg.clone() })
     }
@@ -189,8 +183,7 @@ impl WhisperEncoder {
             let mut outs = Vec::with_capacity(spans.len());
             for (cache, &(s, n)) in caches.iter_mut().zip(&spans) {
                 let qs = q.narrow(0, s, n)?.transpose(0, 1)?;
-                let (ka, va) =
-                    cache.append(li, &k.narrow(0, s, n)?.transpose(0, 1)?, &v.narrow(0, s, n)?.transpose(0, 1)?)?;
+                let (ka, va) = cache.append(li, &k.narrow(0, s, n)?.transpose(0, 1)?, &v.narrow(0, s, n)?.transpose(0, 1)?)?;
                 outs.push(attend(&qs, &ka, &va, false)?.transpose(0, 1)?.reshape((n, d))?);
             }
             let o = if outs.len() == 1 { outs.pop().expect("one") } else { Tensor::cat(&outs, 0)? };

@@ -215,7 +215,13 @@ impl Config {
     /// Parses and validates; relative paths are resolved against `base`.
     pub fn parse(text: &str, base: &Path) -> Result<Self> {
         let mut c: Config = toml::from_str(text).context("parsing the configuration")?;
-        let rel = |p: &Path| if p.is_relative() { base.join(p) } else { p.to_path_buf() };
+        let rel = |p: &Path| {
+            if p.is_relative() {
+                base.join(p)
+            } else {
+                p.to_path_buf()
+            }
+        };
         c.server.web_dir = rel(&c.server.web_dir);
         for v in c.voices.iter_mut() {
             v.wav = rel(&v.wav);

@@ -211,11 +211,7 @@ pub async fn start(cfg: Config, models: Models) -> Result<Server> {
                 h.graceful_shutdown(Some(Duration::from_secs(1)));
             });
             tokio::spawn(async move {
-                axum_server::from_tcp_rustls(std_listener, rustls_cfg)
-                    .handle(handle)
-                    .serve(app.into_make_service())
-                    .await
-                    .context("serving TLS")
+                axum_server::from_tcp_rustls(std_listener, rustls_cfg).handle(handle).serve(app.into_make_service()).await.context("serving TLS")
             })
         }
     };
@@ -289,11 +285,8 @@ struct RealtimeQuery {
 async fn realtime(State(shared): State<Arc<Shared>>, headers: HeaderMap, q: Query<RealtimeQuery>, ws: WebSocketUpgrade) -> Response {
     let auth = &shared.config.auth;
     if !auth.api_keys.is_empty() {
-        let bearer = headers
-            .get(axum::http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::to_string);
+        let bearer =
+            headers.get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::to_string);
         let key = bearer.or_else(|| q.token.clone());
         if !key.is_some_and(|k| auth.api_keys.contains(&k)) {
             return (StatusCode::UNAUTHORIZED, "missing or wrong API key").into_response();

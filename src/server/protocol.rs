@@ -447,8 +447,10 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.code, ErrorCode::BadField);
         assert!(e.message.contains("mode"), "{}", e.message);
-        let e = parse_client(r#"{"type":"session.create","mode":"turn","input_audio":{"codec":"mp3","sample_rate":16000},"output_audio":{"codec":"opus"}}"#)
-            .unwrap_err();
+        let e = parse_client(
+            r#"{"type":"session.create","mode":"turn","input_audio":{"codec":"mp3","sample_rate":16000},"output_audio":{"codec":"opus"}}"#,
+        )
+        .unwrap_err();
         assert!(e.message.contains("input_audio.codec"), "{}", e.message);
         let e = parse_client(r#"{"type":"playback","response_id":"x","played_ms":3}"#).unwrap_err();
         assert!(e.message.contains("response_id"), "{}", e.message);

@@ -97,7 +97,10 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>) {
             }
             Message::Binary(b) => {
                 if b.len() > limits.max_binary_frame {
-                    error(WireError::fatal(ErrorCode::MessageTooLarge, format!("binary frame of {} bytes (limit {})", b.len(), limits.max_binary_frame)));
+                    error(WireError::fatal(
+                        ErrorCode::MessageTooLarge,
+                        format!("binary frame of {} bytes (limit {})", b.len(), limits.max_binary_frame),
+                    ));
                     conn.send(Outbound::Close(1009, "message too large".into()));
                     break;
                 }

@@ -16,10 +16,46 @@ use candle_core::{DType, Device, Tensor, D};
 use crate::onnx::{dtype, to_tensor, ModelProto, NodeProto};
 
 const SUPPORTED: &[&str] = &[
-    "Abs", "Add", "AveragePool", "BatchNormalization", "Cast", "Clip", "Concat", "Constant", "ConstantOfShape", "Conv", "Div",
-    "Equal", "Exp", "Expand", "Flatten", "Gather", "Gemm", "Identity", "Log", "MatMul", "Max", "Min", "Mul", "Neg", "Pow",
-    "ReduceMean", "ReduceProd", "ReduceSum", "Relu", "Reshape", "Shape", "Sigmoid", "Slice", "Sqrt", "Squeeze", "Sub", "Tanh",
-    "Transpose", "Unsqueeze", "Where",
+    "Abs",
+    "Add",
+    "AveragePool",
+    "BatchNormalization",
+    "Cast",
+    "Clip",
+    "Concat",
+    "Constant",
+    "ConstantOfShape",
+    "Conv",
+    "Div",
+    "Equal",
+    "Exp",
+    "Expand",
+    "Flatten",
+    "Gather",
+    "Gemm",
+    "Identity",
+    "Log",
+    "MatMul",
+    "Max",
+    "Min",
+    "Mul",
+    "Neg",
+    "Pow",
+    "ReduceMean",
+    "ReduceProd",
+    "ReduceSum",
+    "Relu",
+    "Reshape",
+    "Shape",
+    "Sigmoid",
+    "Slice",
+    "Sqrt",
+    "Squeeze",
+    "Sub",
+    "Tanh",
+    "Transpose",
+    "Unsqueeze",
+    "Where",
 ];
 
 /// An ONNX graph ready to evaluate.
@@ -49,12 +85,8 @@ impl OnnxGraph {
         for t in &g.initializer {
             inits.insert(t.name.clone(), to_tensor(t).with_context(|| format!("{what}: initializer {}", t.name))?);
         }
-        let input = g
-            .input
-            .iter()
-            .map(|v| v.name.clone())
-            .find(|n| !inits.contains_key(n))
-            .ok_or_else(|| anyhow!("{what}: the graph has no data input"))?;
+        let input =
+            g.input.iter().map(|v| v.name.clone()).find(|n| !inits.contains_key(n)).ok_or_else(|| anyhow!("{what}: the graph has no data input"))?;
         let output = g.output.first().map(|v| v.name.clone()).ok_or_else(|| anyhow!("{what}: the graph has no output"))?;
         Ok(Self { nodes: g.node.clone(), inits, input, output })
     }
@@ -205,7 +237,15 @@ fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>) -> Result<
             let mut shape: Vec<usize> = spec
                 .iter()
                 .enumerate()
-                .map(|(i, &s)| if s == 0 { t.dims()[i] } else if s < 0 { 0 } else { s as usize })
+                .map(|(i, &s)| {
+                    if s == 0 {
+                        t.dims()[i]
+                    } else if s < 0 {
+                        0
+                    } else {
+                        s as usize
+                    }
+                })
                 .collect();
             if let Some(p) = spec.iter().position(|&s| s == -1) {
                 let known: usize = shape.iter().enumerate().filter(|(i, _)| *i != p).map(|(_, &d)| d).product();
@@ -350,8 +390,7 @@ fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>) -> Result<
                         // products of small integer shape values, on the host
                         let dims = out.dims().to_vec();
                         let v = out.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-                        let (outer, len, inner): (usize, usize, usize) =
-                            (dims[..a].iter().product(), dims[a], dims[a + 1..].iter().product());
+                        let (outer, len, inner): (usize, usize, usize) = (dims[..a].iter().product(), dims[a], dims[a + 1..].iter().product());
                         let mut res = vec![1f64; outer * inner];
                         for o in 0..outer {
                             for l in 0..len {
@@ -438,8 +477,7 @@ fn conv(n: &NodeProto, x: Tensor, w: Tensor, b: Option<Tensor>) -> Result<Tensor
                 let rows: Vec<u32> = (0..h).step_by(strides[0] as usize).map(|v| v as u32).collect();
                 let cols: Vec<u32> = (0..wd).step_by(strides[1] as usize).map(|v| v as u32).collect();
                 let (nr, nc) = (rows.len(), cols.len());
-                full.index_select(&Tensor::from_vec(rows, nr, &Device::Cpu)?, 2)?
-                    .index_select(&Tensor::from_vec(cols, nc, &Device::Cpu)?, 3)?
+                full.index_select(&Tensor::from_vec(rows, nr, &Device::Cpu)?, 2)?.index_select(&Tensor::from_vec(cols, nc, &Device::Cpu)?, 3)?
             } else {
                 x.conv2d(&w, 0, strides[0] as usize, dil[0] as usize, group)?
             }
@@ -515,7 +553,16 @@ pub struct CamConfig {
 
 impl CamConfig {
     pub fn real() -> Self {
-        Self { feat_dim: 80, m_channels: 32, init_channels: 128, growth: 32, bn_channels: 128, layers: [12, 24, 16], dilations: [1, 2, 2], embedding: 192 }
+        Self {
+            feat_dim: 80,
+            m_channels: 32,
+            init_channels: 128,
+            growth: 32,
+            bn_channels: 128,
+            layers: [12, 24, 16],
+            dilations: [1, 2, 2],
+            embedding: 192,
+        }
     }
 
     pub fn tiny() -> Self {
@@ -610,7 +657,12 @@ pub fn build_graph(cfg: &CamConfig, weight: &mut dyn FnMut(&str, &[usize]) -> Re
         let b = g.init(&format!("{name}.bias"), &weight(&format!("{name}.bias"), &[c])?)?;
         let rm = g.init(&format!("{name}.running_mean"), &weight(&format!("{name}.running_mean"), &[c])?)?;
         let rv = g.init(&format!("{name}.running_var"), &weight(&format!("{name}.running_var"), &[c])?)?;
-        Ok(g.node("BatchNormalization", &format!("/{name}/BatchNormalization"), &[x, &s, &b, &rm, &rv], vec![crate::onnx::attr_float("epsilon", 1e-5)]))
+        Ok(g.node(
+            "BatchNormalization",
+            &format!("/{name}/BatchNormalization"),
+            &[x, &s, &b, &rm, &rv],
+            vec![crate::onnx::attr_float("epsilon", 1e-5)],
+        ))
     }
     let mut ch = cfg.init_channels;
     for (bi, (&nl, &dil)) in cfg.layers.iter().zip(&cfg.dilations).enumerate() {
@@ -620,7 +672,17 @@ pub fn build_graph(cfg: &CamConfig, weight: &mut dyn FnMut(&str, &[usize]) -> Re
             let h = relu(&mut g, &h, &format!("{p}.nonlinear1"));
             let h = conv(&mut g, weight, &h, &format!("{p}.linear1"), &[cfg.bn_channels, ch, 1], &[1], 0, 1, true)?;
             let h = relu(&mut g, &h, &format!("{p}.nonlinear2"));
-            let y = conv(&mut g, weight, &h, &format!("{p}.cam_layer.linear_local"), &[cfg.growth, cfg.bn_channels, 3], &[1], dil as i64, dil as i64, false)?;
+            let y = conv(
+                &mut g,
+                weight,
+                &h,
+                &format!("{p}.cam_layer.linear_local"),
+                &[cfg.growth, cfg.bn_channels, 3],
+                &[1],
+                dil as i64,
+                dil as i64,
+                false,
+            )?;
             // context: global mean + segment means (100 frames, last segment partial)
             let mean = g.node("ReduceMean", &format!("/{p}/cam_layer/ReduceMean"), &[&h], vec![attr_ints("axes", &[2]), attr_int("keepdims", 1)]);
             let seg = g.node(

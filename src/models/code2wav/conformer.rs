@@ -143,7 +143,7 @@ impl RelSelfAttention {
         let qv = q.broadcast_add(&self.pos_bias_v)?.transpose(1, 2)?.contiguous()?;
         let ac = qu.matmul(&k.transpose(2, 3)?.contiguous()?)?; // [B, h, T, S]
         let bd = qv.broadcast_matmul(&p.t()?.contiguous()?.unsqueeze(0)?)?; // [B, h, T, 2S-1]
-        // relative shift: query i (absolute position S-T+i) against key j uses row j + T-1-i
+                                                                            // relative shift: query i (absolute position S-T+i) against key j uses row j + T-1-i
         let idx: Vec<u32> = (0..t).flat_map(|i| (0..s).map(move |j| (j + t - 1 - i) as u32)).collect();
         let idx = Tensor::from_vec(idx, (1, 1, t, s), x.device())?.broadcast_as((b, self.heads, t, s))?.contiguous()?;
         let bd = bd.contiguous()?.gather(&idx, 3)?;
@@ -222,9 +222,7 @@ impl ConformerCache {
 
     /// Stacks equal-shaped caches of several streams along the batch dimension.
     pub fn stack(caches: &[&ConformerCache]) -> Result<ConformerCache> {
-        let cat = |f: &dyn Fn(&ConformerCache) -> &Tensor| -> Result<Tensor> {
-            Tensor::cat(&caches.iter().map(|c| f(c)).collect::<Vec<_>>(), 0)
-        };
+        let cat = |f: &dyn Fn(&ConformerCache) -> &Tensor| -> Result<Tensor> { Tensor::cat(&caches.iter().map(|c| f(c)).collect::<Vec<_>>(), 0) };
         let n1 = caches[0].att_token.len();
         let n2 = caches[0].att_mel.len();
         Ok(ConformerCache {
@@ -273,9 +271,7 @@ impl ConformerEncoder {
             encoders: (0..cfg.num_blocks).map(|i| ConformerLayer::load(vb.pp("encoders").pp(i), cfg)).collect::<Result<_>>()?,
             up_conv: conv1d(vb.pp("up_layer").pp("conv"), c, c, 2 * cfg.up_stride + 1, nopad, true)?,
             up_embed: LinearEmbed::load(vb.pp("up_embed"), cfg.input_size, c)?,
-            up_encoders: (0..cfg.num_up_blocks)
-                .map(|i| ConformerLayer::load(vb.pp("up_encoders").pp(i), cfg))
-                .collect::<Result<_>>()?,
+            up_encoders: (0..cfg.num_up_blocks).map(|i| ConformerLayer::load(vb.pp("up_encoders").pp(i), cfg)).collect::<Result<_>>()?,
             after_norm: candle_nn::layer_norm(c, 1e-5, vb.pp("after_norm"))?,
             cfg: cfg.clone(),
         })
@@ -306,11 +302,7 @@ impl ConformerEncoder {
         let xt = x.transpose(1, 2)?.contiguous()?;
         let o = candle_nn::ops::leaky_relu(&self.pre_conv1.forward(&xt)?, 0.01)?; // [B, C, T-la]
         let t1 = t - la;
-        let new_cnn1 = if t1 >= 2 {
-            o.narrow(2, t1 - 2, 2)?
-        } else {
-            candle_core::bail!("a chunk needs at least {} tokens", la + 2)
-        };
+        let new_cnn1 = if t1 >= 2 { o.narrow(2, t1 - 2, 2)? } else { candle_core::bail!("a chunk needs at least {} tokens", la + 2) };
         let cache1 = match cache {
             Some(cc) => cc.cnn.narrow(2, 0, 2)?,
             None => Tensor::zeros((b, c, 2), o.dtype(), dev)?,
@@ -337,7 +329,7 @@ impl ConformerEncoder {
         let n = up.dim(2)?;
         let new_cnn2 = up.narrow(2, n - 2 * stride, 2 * stride)?;
         let x = self.up_conv.forward(&up)?.transpose(1, 2)?; // [B, 2 T1, C]
-        // 5. mel-rate Conformer blocks
+                                                             // 5. mel-rate Conformer blocks
         let mut x = self.up_embed.forward(&x.contiguous()?)?;
         let t2 = x.dim(1)?;
         let pos = rel_positions(offset1 * stride + t2, c, dev)?.to_dtype(x.dtype())?;

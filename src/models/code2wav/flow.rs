@@ -142,10 +142,7 @@ impl Flow {
         let la = self.lookahead();
         let frames = prompt_mel.dim(0)?;
         if prompt_codes.len() <= la || (prompt_codes.len() - la) * self.up_rate() != frames {
-            candle_core::bail!(
-                "prompt of {} codes (with {la} look-ahead) does not match {frames} prompt mel frames",
-                prompt_codes.len()
-            );
+            candle_core::bail!("prompt of {} codes (with {la} look-ahead) does not match {frames} prompt mel frames", prompt_codes.len());
         }
         let xs = self.embed(&[prompt_codes])?;
         let (h, conformer) = self.encoder.forward_chunk(&xs, false, None)?;
@@ -176,11 +173,8 @@ impl Flow {
             candle_core::bail!("a chunk that is not the last needs new codes plus {} look-ahead codes", self.lookahead());
         }
         // 1. encoder over the batch
-        let conf = if b == 1 {
-            states[0].conformer.clone()
-        } else {
-            ConformerCache::stack(&states.iter().map(|s| &s.conformer).collect::<Vec<_>>())?
-        };
+        let conf =
+            if b == 1 { states[0].conformer.clone() } else { ConformerCache::stack(&states.iter().map(|s| &s.conformer).collect::<Vec<_>>())? };
         let xs = self.embed(codes)?;
         let (h, conf) = self.encoder.forward_chunk(&xs, last, Some(&conf))?;
         let mu = self.encoder_proj.forward(&h)?.transpose(1, 2)?.contiguous()?;

@@ -29,7 +29,9 @@ pub fn state_dict_from_onnx(model: &ModelProto) -> Result<HashMap<String, Tensor
     let mut raw: HashMap<String, Tensor> = HashMap::new();
     for node in &g.node {
         for input in &node.input {
-            let Some(init) = inits.get(input.as_str()) else { continue };
+            let Some(init) = inits.get(input.as_str()) else {
+                continue;
+            };
             let fixed = match input.as_str() {
                 "onnx::Conv_1519" | "encoders.conv1.weight" | "onnx::Conv_2216" => Some("encoder.conv1.weight"),
                 "onnx::Conv_1520" | "encoders.conv1.bias" | "onnx::Conv_2217" => Some("encoder.conv1.bias"),
@@ -199,12 +201,7 @@ impl S3Tokenizer {
         let hq = hq.clamp(-1.0 + 1e-6, 1.0 - 1e-6)?.to_vec2::<f32>()?;
         Ok(hq
             .iter()
-            .map(|row| {
-                row.iter()
-                    .enumerate()
-                    .map(|(i, &v)| ((v + 1.0) * 2.0 / 2.0).round_ties_even() as u32 * 3u32.pow(i as u32))
-                    .sum()
-            })
+            .map(|row| row.iter().enumerate().map(|(i, &v)| ((v + 1.0) * 2.0 / 2.0).round_ties_even() as u32 * 3u32.pow(i as u32)).sum())
             .collect())
     }
 }

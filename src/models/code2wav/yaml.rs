@@ -159,7 +159,12 @@ pub fn flow_config(text: &str) -> Result<FlowConfig> {
         };
         let output_size = f.usize_or("output_size", 80)?;
         if estimator.in_channels != 4 * output_size || estimator.out_channels != output_size {
-            bail!("flow.yaml: the estimator's channels ({} in, {} out) do not fit {} mel bins", estimator.in_channels, estimator.out_channels, output_size);
+            bail!(
+                "flow.yaml: the estimator's channels ({} in, {} out) do not fit {} mel bins",
+                estimator.in_channels,
+                estimator.out_channels,
+                output_size
+            );
         }
         Ok(FlowConfig {
             input_size: f.usize_or("input_size", 512)?,
@@ -179,7 +184,9 @@ pub fn flow_config(text: &str) -> Result<FlowConfig> {
 pub fn causal_hift_config(text: &str) -> Result<HiftConfig> {
     with_root(text, "config.yaml", |root| {
         let fe = root.child("feat_extractor")?;
-        for (k, want) in [("n_fft", 1920), ("num_mels", 80), ("sampling_rate", 24000), ("hop_size", 480), ("win_size", 1920), ("fmin", 0), ("fmax", 8000)] {
+        for (k, want) in
+            [("n_fft", 1920), ("num_mels", 80), ("sampling_rate", 24000), ("hop_size", 480), ("win_size", 1920), ("fmin", 0), ("fmax", 8000)]
+        {
             let got = fe.usize_or(k, usize::MAX)?;
             if got != want {
                 bail!("config.yaml: feat_extractor.{k} = {got}, the vocoder needs {want}");

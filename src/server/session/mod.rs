@@ -8,24 +8,28 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
-use tracing::Instrument;
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
+
+mod duplex;
+mod manager;
+
+pub use manager::{Handle, SessionManager};
 
 use super::audio_edge::{InputAudio, OutputAudio};
 use super::journal::{Journal, WireMsg};
 use super::protocol::{
-    AudioFrame, ClientEvent, DuplexPolicy, ErrorCode, Generation, Limits, Mode as WireMode, OutputAudio as OutputFormat, ServerEvent,
-    SessionCreate, SessionUpdate, Voice, WireError, KIND_AUDIO, PROTOCOL_VERSION,
+    AudioFrame, ClientEvent, DuplexPolicy, ErrorCode, Generation, Limits, Mode as WireMode, OutputAudio as OutputFormat, ServerEvent, SessionCreate,
+    SessionUpdate, Voice, WireError, KIND_AUDIO, PROTOCOL_VERSION,
 };
 use super::Shared;
 use crate::engine::{
-    DuplexEvent, DuplexPolicy as EnginePolicy, DuplexSpec, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, Turn,
-    UserInput,
+    DuplexEvent, DuplexPolicy as EnginePolicy, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, Turn, UserInput,
 };
+use duplex::DuplexState;
 
 pub type ConnId = u64;
 
@@ -62,134 +66,36 @@ impl Conn {
 
 /// Messages to a session.
 pub enum SessionMsg {
-    Event { seq: Option<u64>, event: ClientEvent },
-    Audio { seq: Option<u64>, kind: u8, payload: Vec<u8> },
+    Event {
+        seq: Option<u64>,
+        event: ClientEvent,
+    },
+    Audio {
+        seq: Option<u64>,
+        kind: u8,
+        payload: Vec<u8>,
+    },
     /// A client message that could not be parsed.
     Invalid(WireError),
     /// A resume (token checked): attach this connection, replay after `last_seq`.
-    Attach { conn: Conn, last_seq: u64 },
+    Attach {
+        conn: Conn,
+        last_seq: u64,
+    },
     /// The connection went away without `session.close`.
-    Detach { conn: ConnId },
-    Engine { response_id: u32, event: EngineEvent },
+    Detach {
+        conn: ConnId,
+    },
+    Engine {
+        response_id: u32,
+        event: EngineEvent,
+    },
     /// The engine's duplex stream of this session.
     Duplex(DuplexEvent),
-    Shutdown { retry_after_ms: u64 },
+    Shutdown {
+        retry_after_ms: u64,
+    },
     Tick,
-}
-
-/// The manager's view of a session.
-#[derive(Clone)]
-pub struct Handle {
-    pub token: String,
-    pub tx: UnboundedSender<SessionMsg>,
-}
-
-/// All sessions of the server, and the ids of recently expired ones.
-#[derive(Default)]
-pub struct SessionManager {
-    inner: Mutex<ManagerState>,
-}
-
-#[derive(Default)]
-struct ManagerState {
-    sessions: HashMap<String, Handle>,
-    expired: HashMap<String, Instant>,
-    parked: std::collections::HashSet<String>,
-    journal_bytes: HashMap<String, usize>,
-}
-
-fn random_token(bytes: usize) -> String {
-    use rand::RngCore;
-    let mut b = vec![0u8; bytes];
-    rand::rng().fill_bytes(&mut b);
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(b)
-}
-
-impl SessionManager {
-    pub fn len(&self) -> usize {
-        self.inner.lock().expect("manager").sessions.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    pub fn parked(&self) -> usize {
-        self.inner.lock().expect("manager").parked.len()
-    }
-
-    pub fn journal_bytes(&self) -> usize {
-        self.inner.lock().expect("manager").journal_bytes.values().sum()
-    }
-
-    fn set_parked(&self, id: &str, parked: bool) {
-        let mut m = self.inner.lock().expect("manager");
-        if parked {
-            m.parked.insert(id.to_string());
-        } else {
-            m.parked.remove(id);
-        }
-    }
-
-    fn set_journal_bytes(&self, id: &str, bytes: usize) {
-        self.inner.lock().expect("manager").journal_bytes.insert(id.to_string(), bytes);
-    }
-
-    /// Handles of every live session (for shutdown).
-    pub fn all(&self) -> Vec<Handle> {
-        self.inner.lock().expect("manager").sessions.values().cloned().collect()
-    }
-
-    fn remove(&self, id: &str, expired: bool) {
-        let mut m = self.inner.lock().expect("manager");
-        m.sessions.remove(id);
-        m.parked.remove(id);
-        m.journal_bytes.remove(id);
-        if expired {
-            let now = Instant::now();
-            m.expired.retain(|_, t| now.duration_since(*t) < Duration::from_secs(3600));
-            m.expired.insert(id.to_string(), now);
-        }
-    }
-
-    pub fn handle(&self, id: &str) -> Option<Handle> {
-        self.inner.lock().expect("manager").sessions.get(id).cloned()
-    }
-
-    /// Looks a session up for a resume.
-    pub fn resume(&self, id: &str, token: &str) -> Result<Handle, WireError> {
-        let m = self.inner.lock().expect("manager");
-        match m.sessions.get(id) {
-            Some(h) if h.token == token => Ok(h.clone()),
-            Some(_) => Err(WireError::new(ErrorCode::BadResumeToken, "the resume token does not match this session")),
-            None if m.expired.contains_key(id) => Err(WireError::new(ErrorCode::SessionExpired, "the session expired after its grace period")),
-            None => Err(WireError::new(ErrorCode::SessionNotFound, format!("no session {id}"))),
-        }
-    }
-
-    /// Creates a session attached to `conn` (its `session.created` is sent by the session task).
-    pub fn create(self: &Arc<Self>, shared: &Arc<Shared>, c: SessionCreate, conn: Conn) -> Result<String, WireError> {
-        let cfg = &shared.config.server;
-        if shared.is_shutting_down() {
-            return Err(WireError::fatal(ErrorCode::Capacity, "the server is shutting down").retry_after(cfg.retry_after_ms));
-        }
-        let session = Session::new(shared.clone(), &c)?;
-        let id = format!("s_{}", random_token(12));
-        let token = random_token(24);
-        let (tx, rx) = unbounded_channel();
-        {
-            let mut m = self.inner.lock().expect("manager");
-            if m.sessions.len() >= cfg.max_sessions {
-                return Err(WireError::fatal(ErrorCode::Capacity, "the server has no free session").retry_after(cfg.retry_after_ms));
-            }
-            m.sessions.insert(id.clone(), Handle { token: token.clone(), tx: tx.clone() });
-        }
-        shared.metrics.sessions_created.inc();
-        let span = tracing::info_span!("session", id = %id);
-        let actor = session.start(id.clone(), token, tx, conn, self.clone());
-        tokio::spawn(actor.run(rx).instrument(span));
-        Ok(id)
-    }
 }
 
 struct Resp {
@@ -204,15 +110,6 @@ struct Resp {
     audio_samples: u64,
     started: Instant,
     first_packet: bool,
-}
-
-/// A duplex session's own state: the unit cutter and the engine turns it maps to responses.
-struct DuplexState {
-    policy: EnginePolicy,
-    /// Input samples per unit, at the input rate.
-    unit_in: usize,
-    units_sent: u64,
-    turns: HashMap<RequestId, u32>,
 }
 
 struct HistoryTurn {
@@ -567,7 +464,9 @@ impl Session {
     }
 
     fn on_engine(&mut self, response_id: u32, event: EngineEvent) {
-        let Some(r) = self.resp_mut(response_id) else { return };
+        let Some(r) = self.resp_mut(response_id) else {
+            return;
+        };
         match event {
             EngineEvent::TextDelta(t) => {
                 r.text.push_str(&t);
@@ -604,113 +503,6 @@ impl Session {
                 }
             }
             EngineEvent::Done { status, .. } => self.finish_response(response_id, status),
-        }
-    }
-
-    // ------------------------------------------------------------------ duplex
-
-    fn open_duplex(&mut self) {
-        let Some(d) = &self.duplex else { return };
-        let g = &self.generation;
-        let spec = DuplexSpec {
-            session: self.id.clone(),
-            policy: d.policy,
-            instructions: self.instructions.clone(),
-            voice: self.voice.clone(),
-            generation: GenerationParams {
-                max_text_tokens: g.max_text_tokens,
-                min_text_tokens: g.min_text_tokens,
-                max_audio_tokens: g.max_audio_tokens,
-                min_audio_tokens: g.min_audio_tokens,
-                temperature: g.temperature,
-                seed: g.seed,
-            },
-        };
-        let me = self.me.clone().expect("started");
-        let sink = Arc::new(move |e: DuplexEvent| {
-            let _ = me.send(SessionMsg::Duplex(e));
-        });
-        if let Err(e) = self.shared.engine.open_duplex(spec, sink) {
-            self.send_error(WireError::fatal(ErrorCode::Internal, format!("opening the duplex stream: {e}")));
-        }
-    }
-
-    /// Cuts every whole unit gathered so far and hands it to the engine.
-    fn feed_units(&mut self) {
-        let Some(d) = &mut self.duplex else { return };
-        while let Some(unit) = self.input.take_block_16k(d.unit_in) {
-            let sent = unit.map_err(|e| WireError::new(ErrorCode::BadAudio, format!("input audio: {e}"))).and_then(|x| {
-                self.shared.engine.duplex_unit(&self.id, x).map_err(|e| WireError::new(ErrorCode::Internal, format!("duplex unit: {e}")))
-            });
-            match sent {
-                Ok(()) => d.units_sent += 1,
-                Err(e) => {
-                    self.send_error(e);
-                    return;
-                }
-            }
-        }
-    }
-
-    fn on_duplex(&mut self, e: DuplexEvent) {
-        match e {
-            DuplexEvent::Listen { unit, .. } => self.send_event(ServerEvent::DuplexListen { seq: 0, unit }),
-            DuplexEvent::Speak { unit, turn, new_turn, .. } => {
-                self.send_event(ServerEvent::DuplexSpeak { seq: 0, unit });
-                if !new_turn {
-                    return;
-                }
-                if self.closing {
-                    self.shared.engine.cancel(&turn, 0);
-                    return;
-                }
-                let Some(out) = self.new_output() else {
-                    self.shared.engine.cancel(&turn, 0);
-                    return;
-                };
-                self.responses += 1;
-                let rid = self.responses;
-                self.send_event(ServerEvent::ResponseCreated { seq: 0, response_id: rid, trigger: "duplex" });
-                let resp = Resp {
-                    id: rid,
-                    out,
-                    engine_id: turn.clone(),
-                    trigger: "duplex",
-                    user: "[spoken]".into(),
-                    text: String::new(),
-                    packets: 0,
-                    chunks: 0,
-                    audio_samples: 0,
-                    started: Instant::now(),
-                    first_packet: false,
-                };
-                if let Some(old) = self.current.replace(resp) {
-                    self.older.push(old);
-                }
-                if let Some(d) = &mut self.duplex {
-                    d.turns.insert(turn, rid);
-                }
-                tracing::info!(response = rid, unit, "duplex turn started");
-            }
-            DuplexEvent::Response { turn, event } => {
-                if let Some(rid) = self.duplex.as_ref().and_then(|d| d.turns.get(&turn).copied()) {
-                    self.on_engine(rid, event);
-                }
-            }
-            DuplexEvent::Closed { reason } => {
-                if reason == "closed" || self.ended {
-                    return;
-                }
-                tracing::info!(%reason, "duplex stream ended");
-                let why: &'static str = if reason == "context_full" {
-                    "context_full"
-                } else {
-                    self.send_error(WireError::new(ErrorCode::Internal, format!("the duplex stream ended: {reason}")));
-                    "failed"
-                };
-                self.send_event(ServerEvent::SessionClosing { seq: 0, reason: why, retry_after_ms: None });
-                self.end(false, Some((1000, why)));
-            }
         }
     }
 
@@ -911,7 +703,8 @@ impl Session {
             self.input_since_ack = false;
             self.last_ack = now;
         }
-        let idle = cfg.idle_timeout_s > 0 && self.live_responses() == 0 && now.duration_since(self.last_activity) >= Duration::from_secs(cfg.idle_timeout_s);
+        let idle =
+            cfg.idle_timeout_s > 0 && self.live_responses() == 0 && now.duration_since(self.last_activity) >= Duration::from_secs(cfg.idle_timeout_s);
         let old = cfg.max_duration_s > 0 && now.duration_since(self.created) >= Duration::from_secs(cfg.max_duration_s);
         if idle || old {
             let reason = if idle { "idle" } else { "max_duration" };

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One whole measurement on the GPU machine, as one command: unpack the CUDA binary built by
+# scripts/build-cuda.sh, start the server on configs/minicpmo45-synthetic.toml (full-size synthetic
+# weights made on the GPU, bf16), wait until it is warm (weights, kernel JIT, one request through
+# all stages), run the bench on each workload, snapshot /metrics after each (per-stage step times),
+# and pack everything into $OUT/results.tgz (+ the server log).
+#
+#   OUT=/some/dir WORKLOADS="tts clone" LEVELS=1,2,4,8,16,32 REQUESTS=16 scripts/gpu-measure.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/antiphon-gpu}
+WORKLOADS=${WORKLOADS:-"tts clone"}
+LEVELS=${LEVELS:-1,2,4,8,16,32}
+REQUESTS=${REQUESTS:-16}
+WARMUP=${WARMUP:-2}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
+CONFIG=${CONFIG:-configs/minicpmo45-synthetic.toml}
+EXTRA=${EXTRA:-}
+RES=/tmp/antiphon-results
+rm -rf "$RES" && mkdir -p "$RES" "$OUT"
+SP=$(python3 -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))' 2>/dev/null || true)
+export LD_LIBRARY_PATH=${SP:+$SP/nvidia/cu13/lib:}/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
+xz -dc .device/antiphon.xz > /tmp/antiphon && chmod +x /tmp/antiphon
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv > "$RES/gpu.txt" 2>&1
+cat "$RES/gpu.txt"
+date -u +%FT%TZ > "$RES/date.txt"
+t0=$(date +%s)
+RUST_LOG=info,tower_http=warn /tmp/antiphon serve --config "$CONFIG" --listen 127.0.0.1:8080 > "$RES/server.log" 2>&1 &
+SERVER=$!
+ready=0
+for i in $(seq 1 600); do
+  if curl -sf http://127.0.0.1:8080/readyz > /dev/null; then ready=1; break; fi
+  if ! kill -0 $SERVER 2>/dev/null; then break; fi
+  sleep 0.5
+done
+echo "ready=$ready after $(( $(date +%s) - t0 )) s" | tee "$RES/startup.txt"
+grep -E "warm-up|loading|listening|error|panic" "$RES/server.log" | tail -5
+if [ $ready = 1 ]; then
+  curl -sf http://127.0.0.1:8080/api/build_info > "$RES/build_info.json"
+  curl -sf http://127.0.0.1:8080/metrics > "$RES/metrics-0-warm.txt"
+  for w in $WORKLOADS; do
+    echo "== $w at C=$LEVELS ($(( $(date +%s) - t0 )) s)"
+    timeout "$BENCH_TIMEOUT" /tmp/antiphon bench --url ws://127.0.0.1:8080/v1/realtime --workload "$w" \
+      --concurrency "$LEVELS" --requests "$REQUESTS" --warmup "$WARMUP" --no-progress --timeout-s 120 \
+      --label "H200, full-size synthetic bf16, $CONFIG" --out "$RES/$w" $EXTRA 2>&1 | tail -12
+    curl -sf http://127.0.0.1:8080/metrics > "$RES/metrics-$w.txt"
+  done
+  nvidia-smi --query-gpu=memory.used --format=csv >> "$RES/gpu.txt" 2>&1
+fi
+kill -TERM $SERVER 2>/dev/null; sleep 2; kill -9 $SERVER 2>/dev/null
+cp "$RES/server.log" "$OUT/server.log" 2>/dev/null
+tar czf "$OUT/results.tgz" -C /tmp antiphon-results
+echo "done in $(( $(date +%s) - t0 )) s"

@@ -1,0 +1,127 @@
+//! The duplex side of a session: the engine's duplex stream opened with the session, units cut
+//! from the received audio, and the stream's decisions and turns turned into protocol events (a
+//! response per spoken turn).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{Resp, Session, SessionMsg};
+use crate::engine::{DuplexEvent, DuplexPolicy, DuplexSpec, GenerationParams, RequestId};
+use crate::server::protocol::{ErrorCode, ServerEvent, WireError};
+
+/// A duplex session's own state: the unit cutter and the engine turns it maps to responses.
+pub(super) struct DuplexState {
+    pub policy: DuplexPolicy,
+    /// Input samples per unit, at the input rate.
+    pub unit_in: usize,
+    pub units_sent: u64,
+    pub turns: HashMap<RequestId, u32>,
+}
+
+impl Session {
+    pub(super) fn open_duplex(&mut self) {
+        let Some(d) = &self.duplex else { return };
+        let g = &self.generation;
+        let spec = DuplexSpec {
+            session: self.id.clone(),
+            policy: d.policy,
+            instructions: self.instructions.clone(),
+            voice: self.voice.clone(),
+            generation: GenerationParams {
+                max_text_tokens: g.max_text_tokens,
+                min_text_tokens: g.min_text_tokens,
+                max_audio_tokens: g.max_audio_tokens,
+                min_audio_tokens: g.min_audio_tokens,
+                temperature: g.temperature,
+                seed: g.seed,
+            },
+        };
+        let me = self.me.clone().expect("started");
+        let sink = Arc::new(move |e: DuplexEvent| {
+            let _ = me.send(SessionMsg::Duplex(e));
+        });
+        if let Err(e) = self.shared.engine.open_duplex(spec, sink) {
+            self.send_error(WireError::fatal(ErrorCode::Internal, format!("opening the duplex stream: {e}")));
+        }
+    }
+
+    /// Cuts every whole unit gathered so far and hands it to the engine.
+    pub(super) fn feed_units(&mut self) {
+        let Some(d) = &mut self.duplex else { return };
+        while let Some(unit) = self.input.take_block_16k(d.unit_in) {
+            let sent = unit.map_err(|e| WireError::new(ErrorCode::BadAudio, format!("input audio: {e}"))).and_then(|x| {
+                self.shared.engine.duplex_unit(&self.id, x).map_err(|e| WireError::new(ErrorCode::Internal, format!("duplex unit: {e}")))
+            });
+            match sent {
+                Ok(()) => d.units_sent += 1,
+                Err(e) => {
+                    self.send_error(e);
+                    return;
+                }
+            }
+        }
+    }
+
+    pub(super) fn on_duplex(&mut self, e: DuplexEvent) {
+        match e {
+            DuplexEvent::Listen { unit, .. } => self.send_event(ServerEvent::DuplexListen { seq: 0, unit }),
+            DuplexEvent::Speak { unit, turn, new_turn, .. } => {
+                self.send_event(ServerEvent::DuplexSpeak { seq: 0, unit });
+                if !new_turn {
+                    return;
+                }
+                if self.closing {
+                    self.shared.engine.cancel(&turn, 0);
+                    return;
+                }
+                let Some(out) = self.new_output() else {
+                    self.shared.engine.cancel(&turn, 0);
+                    return;
+                };
+                self.responses += 1;
+                let rid = self.responses;
+                self.send_event(ServerEvent::ResponseCreated { seq: 0, response_id: rid, trigger: "duplex" });
+                let resp = Resp {
+                    id: rid,
+                    out,
+                    engine_id: turn.clone(),
+                    trigger: "duplex",
+                    user: "[spoken]".into(),
+                    text: String::new(),
+                    packets: 0,
+                    chunks: 0,
+                    audio_samples: 0,
+                    started: Instant::now(),
+                    first_packet: false,
+                };
+                if let Some(old) = self.current.replace(resp) {
+                    self.older.push(old);
+                }
+                if let Some(d) = &mut self.duplex {
+                    d.turns.insert(turn, rid);
+                }
+                tracing::info!(response = rid, unit, "duplex turn started");
+            }
+            DuplexEvent::Response { turn, event } => {
+                if let Some(rid) = self.duplex.as_ref().and_then(|d| d.turns.get(&turn).copied()) {
+                    self.on_engine(rid, event);
+                }
+            }
+            DuplexEvent::Closed { reason } => {
+                if reason == "closed" || self.ended {
+                    return;
+                }
+                tracing::info!(%reason, "duplex stream ended");
+                let why: &'static str = if reason == "context_full" {
+                    "context_full"
+                } else {
+                    self.send_error(WireError::new(ErrorCode::Internal, format!("the duplex stream ended: {reason}")));
+                    "failed"
+                };
+                self.send_event(ServerEvent::SessionClosing { seq: 0, reason: why, retry_after_ms: None });
+                self.end(false, Some((1000, why)));
+            }
+        }
+    }
+}
