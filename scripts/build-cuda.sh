@@ -30,6 +30,14 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-cuda}
 cargo build --release --features cuda --bin antiphon
 mkdir -p .device
 strip -o .device/antiphon "$CARGO_TARGET_DIR/release/antiphon"
-xz -T0 -6 -f -k .device/antiphon
-rm .device/antiphon
-ls -l .device/antiphon.xz
+xz -T0 -6 -f .device/antiphon
+# the parity tests, to run against the fixtures on the GPU (ANTIPHON_TEST_DEVICE=cuda)
+if [ "${PARITY:-1}" = 1 ]; then
+  for t in parity_lm parity_c2w parity_prompt; do
+    exe=$(cargo test --release --features cuda --test $t --no-run --message-format=json 2>/dev/null \
+      | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')
+    strip -o .device/$t "$exe"
+    xz -T0 -6 -f .device/$t
+  done
+fi
+ls -l .device/

@@ -24,6 +24,16 @@ xz -dc .device/antiphon.xz > /tmp/antiphon && chmod +x /tmp/antiphon
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv > "$RES/gpu.txt" 2>&1
 cat "$RES/gpu.txt"
 date -u +%FT%TZ > "$RES/date.txt"
+# correctness first: the parity fixtures on the GPU (f32 <= 1e-3 relative), if they were built
+if [ "${PARITY:-1}" = 1 ] && ls .device/parity_*.xz > /dev/null 2>&1; then
+  for x in .device/parity_*.xz; do
+    t=$(basename "$x" .xz)
+    xz -dc "$x" > "/tmp/$t" && chmod +x "/tmp/$t"
+    ANTIPHON_TEST_DEVICE=cuda ANTIPHON_REPO=$PWD "/tmp/$t" --test-threads 1 >> "$RES/parity.txt" 2>&1
+    echo "$t: $(grep -E '^test result' "$RES/parity.txt" | tail -1)"
+  done
+  grep -E "relative error|FAILED|panicked" "$RES/parity.txt" | sort | uniq -c | sort -rn | head -5
+fi
 t0=$(date +%s)
 RUST_LOG=info,tower_http=warn /tmp/antiphon serve --config "$CONFIG" --listen 127.0.0.1:8080 > "$RES/server.log" 2>&1 &
 SERVER=$!

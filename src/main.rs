@@ -52,6 +52,20 @@ enum Command {
         #[command(flatten)]
         args: BenchArgs,
     },
+    /// Time each stage's step on its own (Thinker prefill/decode, Talker decode, Code2Wav prepare /
+    /// setup / chunks) on the configuration's device and dimensions.
+    Profile {
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[arg(long, default_value_t = 10)]
+        iters: usize,
+        /// Decode batch sizes.
+        #[arg(long, value_delimiter = ',', default_values_t = vec![1, 8, 32])]
+        batch: Vec<usize>,
+        /// Also write the timings as JSON here.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// A/B: two configurations or server commands, interleaved blocks (A B B A …), a fresh server each.
     BenchAb {
         /// Side A: a configuration file served by this binary.
@@ -221,6 +235,23 @@ fn main() -> Result<()> {
                 println!("wrote {}/summary.json, requests.jsonl, summary.csv, ttfa.svg", out.display());
                 Ok(())
             })
+        }
+        Command::Profile { config, iters, batch, out } => {
+            let cfg = match &config {
+                Some(p) => Config::load(p)?,
+                None => Config::embedded_default().context("the embedded default (run from the repository root)")?,
+            };
+            let t0 = std::time::Instant::now();
+            let models = antiphon::server::load_models(&cfg)?;
+            let dev = antiphon::server::parse_device(&cfg.model.device)?;
+            eprintln!("models ready in {:.1} s", t0.elapsed().as_secs_f64());
+            let voice = &cfg.voices[0];
+            let (samples, rate) = antiphon::audio::decode_wav(&std::fs::read(&voice.wav)?)?;
+            let timings = antiphon::bench::profile::run(&models, &dev, iters.max(1), &batch, (&samples, rate))?;
+            if let Some(o) = out {
+                std::fs::write(&o, serde_json::to_string_pretty(&timings)?)?;
+            }
+            Ok(())
         }
         Command::BenchAb { a_config, a_cmd, b_config, b_cmd, blocks, ready_timeout_s, args } => {
             use antiphon::bench::ab::{AbConfig, ServerSpec};

@@ -632,7 +632,8 @@ pub fn code2wav_in_memory(preset: Preset, seed: u64, dtype: DType, dev: &Device)
     let (flow, _) = synthesize(seed ^ 0xf10, dtype, dev, false, |vb| Ok(Flow::load(vb, &d.flow, noise)?))?;
     let table = crate::models::code2wav::hift::noise_table(seeds.table_samples, d.hift.nb_harmonics + 1, seeds.seed ^ 0x5eed, &Device::Cpu)?;
     let (hift, _) = synthesize(seed ^ 0x41f7, DType::F32, dev, false, |vb| Ok(HiftGenerator::load(vb, &d.hift, Some(&table))?))?;
-    let (s3, _) = synthesize(seed ^ 0x53, dtype, dev, false, |vb| S3Tokenizer::load(vb, d.s3_state, 128, d.s3_layers))?;
+    // the S3 tokenizer rounds to codes: it runs in f32 whatever the flow's dtype
+    let (s3, _) = synthesize(seed ^ 0x53, DType::F32, dev, false, |vb| S3Tokenizer::load(vb, d.s3_state, 128, d.s3_layers))?;
     let cam = CamPlusPlus::from_model(&campplus::build_graph(&d.cam, &mut cam_weight(seed ^ 0xca, DType::F32, &Device::Cpu))?)?;
     Ok(Code2Wav::new(flow, Vocoder::Causal(hift), s3, cam, dev))
 }

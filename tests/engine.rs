@@ -267,3 +267,51 @@ fn a_history_longer_than_the_context_loses_its_oldest_turns() {
     let o = collect(submit(&e, spec("huge", &"la ".repeat(4000), 4, 10, 1)));
     assert!(matches!(&o.status, Status::Failed(m) if m.contains("context")), "{:?}", o.status);
 }
+
+/// The GPU runs bf16 weights: the same pipeline in bf16 on the CPU finds dtype mismatches without a
+/// GPU (the S3 tokenizer and the vocoder run in f32 by design; everything else in the weights' dtype).
+#[test]
+fn bf16_weights_run_end_to_end() {
+    let e = Engine::start(models_in_memory(Preset::Tiny, 5, DType::BF16, &Device::Cpu).unwrap(), EngineConfig::default()).unwrap();
+    let o = collect(submit(&e, spec("bf", "Read this sentence.", 6, 30, 1)));
+    assert_eq!(o.status, Status::Completed, "{:?}", o.events.last());
+    assert_eq!(o.codes, 30);
+    let samples: usize = o.audio.iter().map(|a| a.len()).sum();
+    assert!(samples > 30 * 960, "{samples} samples");
+    assert!(o.audio.iter().flatten().all(|s| s.is_finite()));
+    // a spoken turn too (audio input through the Whisper encoder in bf16)
+    let mut s = spec("bf2", "", 4, 10, 2);
+    s.input = UserInput::Audio((0..16_000).map(|i| 0.2 * (i as f32 * 0.05).sin()).collect());
+    assert_eq!(collect(submit(&e, s)).status, Status::Completed);
+    // and a duplex session's streaming units
+    let (tx, rx) = mpsc::channel();
+    let tx = std::sync::Mutex::new(tx);
+    let g = GenerationParams {
+        min_text_tokens: Some(3),
+        max_text_tokens: Some(3),
+        min_audio_tokens: Some(4),
+        max_audio_tokens: Some(4),
+        ..Default::default()
+    };
+    let d = antiphon::engine::DuplexSpec {
+        session: "bfd".into(),
+        policy: antiphon::engine::DuplexPolicy::SpeakEvery(2),
+        instructions: None,
+        voice: voice(),
+        generation: g,
+    };
+    e.open_duplex(d, Arc::new(move |ev| drop(tx.lock().unwrap().send(ev)))).unwrap();
+    for n in 0..3 {
+        e.duplex_unit("bfd", (0..16_000).map(|i| 0.2 * (i as f32 * (0.03 + 0.01 * n as f32)).sin()).collect()).unwrap();
+    }
+    loop {
+        match rx.recv_timeout(Duration::from_secs(60)).expect("duplex events") {
+            antiphon::engine::DuplexEvent::Response { event: EngineEvent::Done { status, .. }, .. } => {
+                assert_eq!(status, Status::Completed);
+                break;
+            }
+            antiphon::engine::DuplexEvent::Closed { reason } => panic!("closed: {reason}"),
+            _ => {}
+        }
+    }
+}

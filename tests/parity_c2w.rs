@@ -9,7 +9,7 @@ use antiphon::checkpoint::pth_var_builder;
 use antiphon::models::code2wav::flow::{Flow, FlowState};
 use antiphon::models::code2wav::hift::HiftGenerator;
 use antiphon::models::code2wav::yaml;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use common::{assert_close, ids, load_io, load_meta};
 
 const FIX: &str = "parity_c2w";
@@ -22,7 +22,7 @@ fn assets() -> PathBuf {
 fn flow() -> Flow {
     let io = load_io(FIX);
     let cfg = yaml::flow_config(&std::fs::read_to_string(assets().join("flow.yaml")).unwrap()).unwrap();
-    let vb = pth_var_builder(&assets().join("flow.pt"), None, DType::F32, &Device::Cpu).unwrap();
+    let vb = pth_var_builder(&assets().join("flow.pt"), None, DType::F32, &common::device()).unwrap();
     Flow::load(vb, &cfg, io["cfm_noise"].clone()).unwrap()
 }
 
@@ -37,7 +37,7 @@ fn setup(flow: &Flow) -> FlowState {
 fn causal_hift() -> HiftGenerator {
     let io = load_io(FIX);
     let cfg = yaml::causal_hift_config(&std::fs::read_to_string(assets().join("config.yaml")).unwrap()).unwrap();
-    let vb = pth_var_builder(&assets().join("hift.pt"), None, DType::F32, &Device::Cpu).unwrap();
+    let vb = pth_var_builder(&assets().join("hift.pt"), None, DType::F32, &common::device()).unwrap();
     HiftGenerator::load(vb, &cfg, Some(&io["vocoder_noise_table"])).unwrap()
 }
 
@@ -182,7 +182,7 @@ fn parity_hift_original_whole_utterance() {
     let mut cfg = antiphon::models::code2wav::hift::HiftConfig::original();
     cfg.base_channels = 32;
     cfg.f0_channels = 32;
-    let vb = pth_var_builder(&assets().join("hift_original.pt"), Some("generator."), DType::F32, &Device::Cpu).unwrap();
+    let vb = pth_var_builder(&assets().join("hift_original.pt"), Some("generator."), DType::F32, &common::device()).unwrap();
     let h = HiftGenerator::load(vb, &cfg, None).unwrap();
     let mel = io["orig_mel"].unsqueeze(0).unwrap();
     let f0 = h.f0(&mel, true).unwrap();

@@ -11,7 +11,7 @@ use antiphon::models::decoder::{KvCache, StreamStep};
 use antiphon::models::mel::WhisperLogMel;
 use antiphon::models::talker::{ConditionMode, Talker};
 use antiphon::models::thinker::{AudioMarkers, Thinker};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use common::{assert_close, ids, load_io, load_meta};
 
 const TOL: f32 = 1e-4;
@@ -19,7 +19,7 @@ const FIX: &str = "parity_lm";
 
 fn models() -> (Thinker, Talker) {
     let ck = Checkpoint::open(&common::fixture_dir(FIX)).expect("open the fixture checkpoint");
-    ck.load_models(DType::F32, &Device::Cpu).expect("load through the real loader")
+    ck.load_models(DType::F32, &common::device()).expect("load through the real loader")
 }
 
 fn samples(t: &Tensor) -> Vec<f32> {
@@ -31,7 +31,7 @@ fn parity_thinker_log_mel() {
     let io = load_io(FIX);
     let mel = WhisperLogMel::new(80);
     let (m, frames) = mel.compute(&samples(&io["clip"]));
-    let got = Tensor::from_vec(m, (80, frames), &Device::Cpu).unwrap();
+    let got = Tensor::from_vec(m, (80, frames), &common::device()).unwrap();
     assert_close("whisper log-mel", &got, &io["clip_mel"], TOL);
 }
 
@@ -181,7 +181,7 @@ fn parity_talker_condition_embeddings() {
     assert_eq!(c.dim(0).unwrap(), tids.len() + 1);
     assert_close("duplex condition", &c, &io["talker_condition_duplex"], TOL);
     // An empty hand-off still opens the audio.
-    let empty = talker.condition(&[], &Tensor::zeros((0, 64), DType::F32, &Device::Cpu).unwrap(), ConditionMode::Turn);
+    let empty = talker.condition(&[], &Tensor::zeros((0, 64), DType::F32, &common::device()).unwrap(), ConditionMode::Turn);
     assert_eq!(empty.unwrap().dim(0).unwrap(), 2);
 }
 
@@ -210,7 +210,7 @@ fn parity_talker_weight_norm_spellings() {
     let ck = Checkpoint::open(&dir).unwrap();
     let mut all: HashMap<String, Tensor> = HashMap::new();
     for s in &ck.shards {
-        all.extend(candle_core::safetensors::load(s, &Device::Cpu).unwrap());
+        all.extend(candle_core::safetensors::load(s, &common::device()).unwrap());
     }
     let g = all.remove("tts.head_code.0.parametrizations.weight.original0").unwrap();
     let v = all.remove("tts.head_code.0.parametrizations.weight.original1").unwrap();
@@ -220,10 +220,10 @@ fn parity_talker_weight_norm_spellings() {
         for (k, t) in extra {
             m.insert(k.to_string(), t);
         }
-        let vb = candle_nn::VarBuilder::from_tensors(m, DType::F32, &Device::Cpu);
+        let vb = candle_nn::VarBuilder::from_tensors(m, DType::F32, &common::device());
         let (_, talker) = load_models(&vb, &ck.config).unwrap();
         // head weight = logits of the identity
-        let eye = Tensor::eye(ck.config.tts_config.hidden_size, DType::F32, &Device::Cpu).unwrap();
+        let eye = Tensor::eye(ck.config.tts_config.hidden_size, DType::F32, &common::device()).unwrap();
         talker.logits(&eye).unwrap().t().unwrap()
     };
     let legacy = head_of(vec![("tts.head_code.0.weight_g", g.clone()), ("tts.head_code.0.weight_v", v.clone())]);

@@ -7,7 +7,7 @@ mod common;
 use antiphon::models::code2wav::campplus::CamPlusPlus;
 use antiphon::models::code2wav::{load_tokenizer, prompt};
 use antiphon::models::mel::{kaldi_fbank, mean_normalize, FlowMel, WhisperLogMel};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use common::{assert_close, ids, load_io, load_meta};
 
 const FIX: &str = "parity_prompt";
@@ -21,7 +21,7 @@ fn v(t: &Tensor) -> Vec<f32> {
 fn parity_prompt_kaldi_fbank() {
     let io = load_io(FIX);
     let (fb, frames) = kaldi_fbank(&v(&io["audio_16k"]), 16_000, 80);
-    let got = Tensor::from_vec(fb, (frames, 80), &Device::Cpu).unwrap();
+    let got = Tensor::from_vec(fb, (frames, 80), &common::device()).unwrap();
     assert_close("kaldi fbank", &got, &io["fbank"], TOL);
 }
 
@@ -30,7 +30,7 @@ fn parity_prompt_flow_mel_24k() {
     let io = load_io(FIX);
     let (m, frames) = FlowMel::standard().compute(&v(&io["audio_24k"]));
     assert_eq!(frames, 300, "6 s at 50 frames/s");
-    let got = Tensor::from_vec(m, (80, frames), &Device::Cpu).unwrap();
+    let got = Tensor::from_vec(m, (80, frames), &common::device()).unwrap();
     assert_close("24 kHz prompt mel", &got, &io["mel_24k"], TOL);
 }
 
@@ -39,9 +39,9 @@ fn parity_prompt_s3_mel_and_codes_exact() {
     let io = load_io(FIX);
     let meta = load_meta(FIX);
     let (m, frames) = WhisperLogMel::new(128).compute(&v(&io["audio_16k"]));
-    let mel = Tensor::from_vec(m, (128, frames), &Device::Cpu).unwrap();
+    let mel = Tensor::from_vec(m, (128, frames), &common::device()).unwrap();
     assert_close("S3 128-bin log-mel", &mel, &io["mel_128"], TOL);
-    let tok = load_tokenizer(&common::fixture_dir(FIX).join("speech_tokenizer_v2_25hz.onnx"), DType::F32, &Device::Cpu).unwrap();
+    let tok = load_tokenizer(&common::fixture_dir(FIX).join("speech_tokenizer_v2_25hz.onnx"), DType::F32, &common::device()).unwrap();
     let want = ids(&meta["s3_codes"]);
     assert_eq!(want.len(), 150, "150 codes for 6 s");
     assert_eq!(tok.quantize(&io["mel_128"]).unwrap(), want, "codes from the reference mel");
@@ -56,7 +56,7 @@ fn parity_prompt_campplus_embedding() {
     let mut fb = v(&io["fbank"]);
     mean_normalize(&mut fb, 80);
     let n = fb.len() / 80;
-    let emb = cam.embed(&Tensor::from_vec(fb, (n, 80), &Device::Cpu).unwrap()).unwrap();
+    let emb = cam.embed(&Tensor::from_vec(fb, (n, 80), &common::device()).unwrap()).unwrap();
     assert_eq!(emb.dims(), &[192]);
     assert_close("CAM++ embedding vs onnxruntime", &emb, &io["spk_emb"], TOL);
     assert_close("CAM++ embedding vs the torch model", &emb, &io["spk_emb_torch"], 1e-3);
@@ -67,9 +67,9 @@ fn parity_prompt_features_end_to_end() {
     let io = load_io(FIX);
     let meta = load_meta(FIX);
     let dir = common::fixture_dir(FIX);
-    let tok = load_tokenizer(&dir.join("speech_tokenizer_v2_25hz.onnx"), DType::F32, &Device::Cpu).unwrap();
+    let tok = load_tokenizer(&dir.join("speech_tokenizer_v2_25hz.onnx"), DType::F32, &common::device()).unwrap();
     let cam = CamPlusPlus::from_model(&antiphon::onnx::read_model(&dir.join("campplus.onnx")).unwrap()).unwrap();
-    let f = prompt::prepare_features(&v(&io["audio_16k"]), &v(&io["audio_24k"]), &tok, &cam, &FlowMel::standard(), 2, &Device::Cpu).unwrap();
+    let f = prompt::prepare_features(&v(&io["audio_16k"]), &v(&io["audio_24k"]), &tok, &cam, &FlowMel::standard(), 2, &common::device()).unwrap();
     assert_eq!(f.codes, ids(&meta["s3_codes"]));
     assert_eq!(f.mel.dims(), &[300, 80], "prompt mel padded to 2 × 150 frames");
     assert_close("prompt mel", &f.mel, &io["mel_24k"].t().unwrap(), TOL);

@@ -8,6 +8,7 @@
 
 pub mod ab;
 mod duplex;
+pub mod profile;
 pub mod report;
 
 use duplex::{duplex_drain, duplex_turns, run_duplex_level};
@@ -493,11 +494,19 @@ pub async fn run(cfg: BenchConfig) -> Result<report::Summary> {
         };
         levels.push(report::level_summary(level, &recs, wall));
         records.extend(recs);
+        // the outputs so far, after every level: a run cut short keeps what it measured
+        report::write_all(&cfg.out, &summary_of(&cfg, levels.clone()), &records)?;
     }
     if let Some(p) = &sh.progress {
         p.finish_and_clear();
     }
-    let summary = report::Summary {
+    let summary = summary_of(&cfg, levels);
+    report::write_all(&cfg.out, &summary, &records)?;
+    Ok(summary)
+}
+
+fn summary_of(cfg: &BenchConfig, levels: Vec<report::LevelSummary>) -> report::Summary {
+    report::Summary {
         workload: cfg.workload.name().into(),
         server: cfg.server_label.clone(),
         config: cfg.config_label.clone(),
@@ -509,11 +518,9 @@ pub async fn run(cfg: BenchConfig) -> Result<report::Summary> {
         } else {
             cfg.text_tokens
         },
-        audio_tokens: if cfg.workload == Workload::Duplex { 25 + duplex_drain(&cfg) } else { cfg.audio_tokens },
+        audio_tokens: if cfg.workload == Workload::Duplex { 25 + duplex_drain(cfg) } else { cfg.audio_tokens },
         levels,
-    };
-    report::write_all(&cfg.out, &summary, &records)?;
-    Ok(summary)
+    }
 }
 
 /// Asks the server whether its weights are synthetic (`/api/build_info`), from the WebSocket URL.

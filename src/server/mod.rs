@@ -97,7 +97,7 @@ impl Shared {
     }
 }
 
-fn parse_device(s: &str) -> Result<Device> {
+pub fn parse_device(s: &str) -> Result<Device> {
     if s == "cpu" {
         return Ok(Device::Cpu);
     }

@@ -145,7 +145,8 @@ impl Code2Wav {
             let vb = crate::checkpoint::pth_var_builder(&dir.join(HIFT_PT), Some("generator."), DType::F32, device)?;
             Vocoder::Original(HiftGenerator::load(vb, &hift::HiftConfig::original(), None).context("loading hift.pt (original HiFT)")?)
         };
-        let s3 = load_tokenizer(&dir.join(TOKENIZER_ONNX), dtype, device)?;
+        // the S3 tokenizer rounds to codes: f32 whatever the flow's dtype
+        let s3 = load_tokenizer(&dir.join(TOKENIZER_ONNX), DType::F32, device)?;
         let campplus = CamPlusPlus::from_model(&crate::onnx::read_model(&dir.join(CAMPPLUS_ONNX))?)?;
         Ok(Self::new(flow, vocoder, s3, campplus, device))
     }

@@ -1,0 +1,205 @@
+//! `antiphon profile`: each stage's step on its own, on the configured device and dimensions — the
+//! breakdown behind the bench's end-to-end figures. Every timing ends with a device synchronize;
+//! each is the median of `iters` runs after two warm-up runs.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use serde::Serialize;
+
+use crate::engine::Models;
+use crate::models::code2wav::prompt::Reference;
+use crate::models::code2wav::SILENCE_CODE;
+use crate::models::decoder::{KvCache, StreamStep};
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Timing {
+    pub what: String,
+    pub batch: usize,
+    pub median_ms: f64,
+    pub min_ms: f64,
+}
+
+fn time(dev: &Device, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+    for _ in 0..2 {
+        f()?;
+    }
+    dev.synchronize()?;
+    let mut v = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t0 = Instant::now();
+        f()?;
+        dev.synchronize()?;
+        v.push(t0.elapsed().as_secs_f64() * 1000.0);
+    }
+    v.sort_by(f64::total_cmp);
+    Ok((v[v.len() / 2], v[0]))
+}
+
+/// Runs every measurement; `batches` are the decode batch sizes.
+pub fn run(m: &Models, dev: &Device, iters: usize, batches: &[usize], reference: (&[f32], u32)) -> Result<Vec<Timing>> {
+    let mut out = Vec::new();
+    let mut push = |what: &str, batch: usize, (median_ms, min_ms): (f64, f64)| {
+        eprintln!("{what:<48} B={batch:<3} median {median_ms:>9.2} ms  min {min_ms:>9.2} ms");
+        out.push(Timing { what: what.into(), batch, median_ms, min_ms });
+    };
+    // ---- Stage 0: Thinker
+    let llm = &m.thinker.llm;
+    let vocab = m.tokenizer.vocab_size().min(llm.embed(&[0])?.dim(1)?.max(1));
+    let prompt: Vec<u32> = (0..200u32).map(|i| (i * 7919) % vocab.max(300) as u32 % 250).collect();
+    let prefilled = |n: usize| -> Result<Vec<KvCache>> {
+        (0..n)
+            .map(|_| {
+                let mut c = llm.new_cache();
+                llm.forward(&mut [StreamStep { cache: &mut c, embeds: llm.embed(&prompt)? }])?;
+                Ok(c)
+            })
+            .collect()
+    };
+    push(
+        "thinker prefill 200 tokens",
+        1,
+        time(dev, iters, || {
+            let mut c = llm.new_cache();
+            llm.forward(&mut [StreamStep { cache: &mut c, embeds: llm.embed(&prompt)? }])?;
+            Ok(())
+        })?,
+    );
+    for &b in batches {
+        let mut caches = prefilled(b)?;
+        let tok = llm.embed(&[42])?;
+        push(
+            "thinker decode step (forward only)",
+            b,
+            time(dev, iters, || {
+                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
+                llm.forward(&mut steps)?;
+                for c in caches.iter_mut() {
+                    c.truncate(200);
+                }
+                Ok(())
+            })?,
+        );
+        push(
+            "thinker decode step + logits to host",
+            b,
+            time(dev, iters, || {
+                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
+                let h = llm.forward(&mut steps)?;
+                let rows: Vec<Tensor> = h.iter().map(|x| x.narrow(0, x.dim(0)? - 1, 1)).collect::<candle_core::Result<_>>()?;
+                let l = llm.logits(&Tensor::cat(&rows, 0)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+                std::hint::black_box(l);
+                for c in caches.iter_mut() {
+                    c.truncate(200);
+                }
+                Ok(())
+            })?,
+        );
+    }
+    // ---- Stage 1: Talker
+    let talker = &m.talker;
+    let hidden = talker.config().hidden_size;
+    let cond = Tensor::randn(0f32, 1.0, (40, hidden), dev)?.to_dtype(talker.embed_codes(&[0])?.dtype())?;
+    for &b in batches {
+        let mut caches: Vec<KvCache> = (0..b)
+            .map(|_| {
+                let mut c = talker.new_cache();
+                talker.forward(&mut [StreamStep { cache: &mut c, embeds: cond.clone() }])?;
+                Ok(c)
+            })
+            .collect::<Result<_>>()?;
+        let code = talker.embed_codes(&[17])?;
+        push(
+            "talker decode step + logits to host",
+            b,
+            time(dev, iters, || {
+                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: code.clone() }).collect();
+                let h = talker.forward(&mut steps)?;
+                let rows: Vec<Tensor> = h.iter().map(|x| x.narrow(0, x.dim(0)? - 1, 1)).collect::<candle_core::Result<_>>()?;
+                std::hint::black_box(talker.logits(&Tensor::cat(&rows, 0)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+                for c in caches.iter_mut() {
+                    c.truncate(40);
+                }
+                Ok(())
+            })?,
+        );
+    }
+    // ---- Stage 2: Code2Wav
+    let c2w = &m.code2wav;
+    let r = Reference::materialize(reference.0, reference.1)?;
+    push("code2wav prepare (S3 codes, CAM++, prompt mel)", 1, time(dev, iters.min(5), || Ok(drop(c2w.prepare(&r)?)))?);
+    let f = c2w.prepare(&r)?;
+    push("code2wav setup (flow over the prompt)", 1, time(dev, iters.min(5), || Ok(drop(c2w.setup(&f)?)))?);
+    let setup = c2w.setup(&f)?;
+    let first: Vec<u32> = std::iter::repeat_n(SILENCE_CODE, 3).chain((0..25).map(|i| (i * 97) % 6561)).collect();
+    let steady: Vec<u32> = (0..28).map(|i| (i * 131 + 7) % 6561).collect();
+    push(
+        "code2wav chunk 0 (3 + 25 codes, flow + vocoder)",
+        1,
+        time(dev, iters, || {
+            let mut st = c2w.start(&f, &setup)?;
+            c2w.chunk(&mut st, &first, false)?;
+            Ok(())
+        })?,
+    );
+    for &b in batches.iter().filter(|&&b| b <= 8) {
+        let mut streams = (0..b)
+            .map(|_| {
+                let mut st = c2w.start(&f, &setup)?;
+                c2w.chunk(&mut st, &first, false)?;
+                Ok(st)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let snapshot = streams.clone();
+        push(
+            "code2wav steady chunk (flow batched, vocoder per stream)",
+            b,
+            time(dev, iters, || {
+                streams = snapshot.clone();
+                let mut refs: Vec<_> = streams.iter_mut().collect();
+                let codes: Vec<&[u32]> = (0..b).map(|_| steady.as_slice()).collect();
+                c2w.chunk_batch(&mut refs, &codes, false)?;
+                Ok(())
+            })?,
+        );
+    }
+    // ---- contention: a Thinker decode step while Code2Wav chunks run on another thread, as in
+    // the pipelined server
+    {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let worker = {
+            let (c2w, f, setup, steady, first, stop) = (c2w.clone(), f.clone(), setup.clone(), steady.clone(), first.clone(), stop.clone());
+            std::thread::spawn(move || -> Result<usize> {
+                let mut n = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let mut st = c2w.start(&f, &setup)?;
+                    c2w.chunk(&mut st, &first, false)?;
+                    c2w.chunk(&mut st, &steady, false)?;
+                    n += 2;
+                }
+                Ok(n)
+            })
+        };
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        let mut caches = prefilled(1)?;
+        let tok = llm.embed(&[42])?;
+        push(
+            "thinker decode + logits, code2wav busy on another thread",
+            1,
+            time(dev, iters, || {
+                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
+                let h = llm.forward(&mut steps)?;
+                std::hint::black_box(llm.logits(&h[0].narrow(0, 0, 1)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+                for c in caches.iter_mut() {
+                    c.truncate(200);
+                }
+                Ok(())
+            })?,
+        );
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let n = worker.join().map_err(|_| anyhow::anyhow!("the code2wav thread panicked"))??;
+        eprintln!("(code2wav ran {n} chunks meanwhile)");
+    }
+    Ok(out)
+}
