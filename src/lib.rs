@@ -6,6 +6,7 @@ pub mod audio;
 pub mod bench;
 pub mod checkpoint;
 pub mod engine;
+pub mod gpu;
 pub mod models;
 pub mod onnx;
 pub mod server;

@@ -300,6 +300,7 @@ mod tests {
             audio_ms_mean: 4000.0,
             chunks_mean: 4.0,
             wall_s: 10.0,
+            server: None,
         };
         Summary {
             workload: "tts".into(),

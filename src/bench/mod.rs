@@ -10,6 +10,7 @@ pub mod ab;
 mod duplex;
 pub mod profile;
 pub mod report;
+pub mod scrape;
 
 use duplex::{duplex_drain, duplex_turns, run_duplex_level};
 
@@ -488,11 +489,18 @@ pub async fn run(cfg: BenchConfig) -> Result<report::Summary> {
         if let Some(p) = &sh.progress {
             p.set_message(format!("(C{level})"));
         }
+        let before = scrape::http_get(&cfg.url, "/metrics").await;
         let (recs, wall) = match cfg.workload {
             Workload::Duplex => run_duplex_level(sh.clone(), level).await?,
             _ => run_level(sh.clone(), level).await?,
         };
-        levels.push(report::level_summary(level, &recs, wall));
+        let mut summary = report::level_summary(level, &recs, wall);
+        // the server's own breakdown of this level, where its /metrics can be read
+        if let (Some(b), Some(a)) = (before, scrape::http_get(&cfg.url, "/metrics").await) {
+            let _ = std::fs::write(cfg.out.join(format!("metrics-c{level}.txt")), &a);
+            summary.server = Some(scrape::breakdown(&scrape::parse(&b), &scrape::parse(&a)));
+        }
+        levels.push(summary);
         records.extend(recs);
         // the outputs so far, after every level: a run cut short keeps what it measured
         report::write_all(&cfg.out, &summary_of(&cfg, levels.clone()), &records)?;
@@ -525,15 +533,7 @@ fn summary_of(cfg: &BenchConfig, levels: Vec<report::LevelSummary>) -> report::S
 
 /// Asks the server whether its weights are synthetic (`/api/build_info`), from the WebSocket URL.
 pub async fn probe_build_info(url: &str) -> Option<Value> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let rest = url.strip_prefix("ws://")?;
-    let host = rest.split('/').next()?;
-    let mut s = tokio::net::TcpStream::connect(host).await.ok()?;
-    s.write_all(format!("GET /api/build_info HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes()).await.ok()?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await.ok()?;
-    let body = buf.split("\r\n\r\n").nth(1)?;
-    serde_json::from_str(body).ok()
+    serde_json::from_str(&scrape::http_get(url, "/api/build_info").await?).ok()
 }
 
 #[cfg(test)]

@@ -143,6 +143,27 @@ pub fn run(m: &Models, dev: &Device, iters: usize, batches: &[usize], reference:
             Ok(())
         })?,
     );
+    {
+        let mel = c2w.flow_chunk(&mut c2w.start(&f, &setup)?, &first, false)?;
+        push(
+            "code2wav chunk 0, flow only (conformer + 10 CFM steps)",
+            1,
+            time(dev, iters, || {
+                let mut st = c2w.start(&f, &setup)?;
+                c2w.flow_chunk(&mut st, &first, false)?;
+                Ok(())
+            })?,
+        );
+        push(
+            "code2wav chunk 0, vocoder only (HiFT)",
+            1,
+            time(dev, iters, || {
+                let mut st = c2w.start(&f, &setup)?;
+                c2w.vocode_chunk(&mut st, &mel, false)?;
+                Ok(())
+            })?,
+        );
+    }
     for &b in batches.iter().filter(|&&b| b <= 8) {
         let mut streams = (0..b)
             .map(|_| {

@@ -62,6 +62,10 @@ pub struct LevelSummary {
     pub audio_ms_mean: f64,
     pub chunks_mean: f64,
     pub wall_s: f64,
+    /// The server's per-stage step times and first-audio milestones over this level (from its
+    /// `/metrics`), where it could be read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server: Option<super::scrape::ServerBreakdown>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -119,6 +123,7 @@ pub fn level_summary(level: usize, recs: &[RequestRecord], wall_s: f64) -> Level
         audio_ms_mean: mean(f(&|r| Some(r.audio_ms))),
         chunks_mean: mean(f(&|r| r.chunks.map(|c| c as f64))),
         wall_s,
+        server: None,
     }
 }
 
@@ -163,6 +168,19 @@ pub fn table(s: &Summary) -> String {
             l.audio_throughput,
             l.requests_per_s
         ));
+    }
+    for l in &s.levels {
+        let Some(b) = &l.server else { continue };
+        let steps: Vec<String> = b
+            .step_ms
+            .iter()
+            .map(|(stage, ms)| {
+                format!("{stage} {ms:.1} ms × {:.0} (batch {:.1})", b.steps.get(stage).unwrap_or(&0.0), b.batch_mean.get(stage).unwrap_or(&0.0))
+            })
+            .collect();
+        let order = ["first_text", "handoff", "first_code", "first_chunk", "first_audio"];
+        let phases: Vec<String> = order.iter().filter_map(|p| Some(format!("{p} {:.0}", b.phase_ms.get(*p)?))).collect();
+        out.push_str(&format!("C{} server: {}\n      milestones (ms after admission): {}\n", l.concurrency, steps.join(", "), phases.join(", ")));
     }
     out
 }

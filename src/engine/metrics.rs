@@ -13,6 +13,8 @@ pub struct EngineMetrics {
     pub prefetch_skips: IntCounterVec,
     pub requests: IntCounterVec,
     pub first_audio_seconds: Histogram,
+    /// Where the first-audio time goes: each milestone of a request, from its admission.
+    pub phase_seconds: HistogramVec,
 }
 
 impl Default for EngineMetrics {
@@ -51,6 +53,15 @@ impl EngineMetrics {
                 .buckets(vec![0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0]),
         )
         .expect("valid metric");
+        let phase_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "antiphon_engine_phase_seconds",
+                "Time from admission to each milestone of a request: first_text, handoff (Thinker done), first_code, first_chunk (Code2Wav starts chunk 0), first_audio",
+            )
+            .buckets(vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]),
+            &["phase"],
+        )
+        .expect("valid metric");
         for c in [
             Box::new(step_seconds.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(batch_size.clone()),
@@ -59,10 +70,11 @@ impl EngineMetrics {
             Box::new(prefetch_skips.clone()),
             Box::new(requests.clone()),
             Box::new(first_audio_seconds.clone()),
+            Box::new(phase_seconds.clone()),
         ] {
             registry.register(c).expect("unique metric");
         }
-        Self { registry, step_seconds, batch_size, queue_depth, prefetch, prefetch_skips, requests, first_audio_seconds }
+        Self { registry, step_seconds, batch_size, queue_depth, prefetch, prefetch_skips, requests, first_audio_seconds, phase_seconds }
     }
 
     pub fn prefetch_count(&self, event: &str) -> u64 {

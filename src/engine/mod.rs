@@ -53,6 +53,10 @@ pub struct EngineConfig {
     pub context_codes: usize,
     /// Feed the Talker's prefill row by row while the Thinker is still writing (same input).
     pub talker_streaming_prefill: bool,
+    /// Turn mode: a stream's Talker runs at most this many chunks of codes ahead of the audio
+    /// Code2Wav has delivered (`None`: as fast as it can). On one GPU the stages' steps slow each
+    /// other down; codes made long before Code2Wav can use them only slow down its chunk 0.
+    pub talker_lead_chunks: Option<usize>,
     pub ref_cache_capacity: usize,
     pub setup_cache_capacity: usize,
     /// Reference prefetch, phase A (materialize + prepare).
@@ -89,6 +93,7 @@ impl Default for EngineConfig {
             chunk_codes: 25,
             context_codes: 3,
             talker_streaming_prefill: false,
+            talker_lead_chunks: Some(1),
             ref_cache_capacity: 4,
             setup_cache_capacity: 1,
             prefetch: true,

@@ -59,11 +59,21 @@ pub struct Stage1 {
     reqs: HashMap<RequestId, Req>,
     /// Admission order, for fair batching.
     order: Vec<RequestId>,
+    /// The last step held a stream back (pacing): poll again soon, Code2Wav will catch up.
+    paced: bool,
 }
 
 impl Stage1 {
     pub fn new(talker: Talker, cfg: Arc<EngineConfig>, registry: Registry, metrics: EngineMetrics, to_c2w: SyncSender<Stage2Msg>) -> Self {
-        Self { talker, cfg, registry, metrics, to_c2w, reqs: HashMap::new(), order: Vec::new() }
+        Self { talker, cfg, registry, metrics, to_c2w, reqs: HashMap::new(), order: Vec::new(), paced: false }
+    }
+
+    /// Codes a turn-mode stream may have made once Code2Wav delivered `delivered` chunks: the
+    /// chunks up to the next one, plus `lead` more.
+    fn pacing_limit(&self, delivered: usize, lead: usize) -> usize {
+        let size = self.cfg.chunk_codes.max(1);
+        let first = if self.cfg.first_chunk_codes > 0 && self.cfg.first_chunk_codes < size { self.cfg.first_chunk_codes } else { size };
+        first + (delivered + lead) * size
     }
 
     fn remove(&mut self, id: &RequestId) {
@@ -132,6 +142,8 @@ impl Stage1 {
         self.start_segments()?;
         let mut ids = Vec::new();
         let mut embeds = Vec::new();
+        let mut dead = Vec::new();
+        self.paced = false;
         for id in &self.order {
             if ids.len() >= self.cfg.talker_max_batch {
                 break;
@@ -140,12 +152,25 @@ impl Stage1 {
             let e = if !r.pending.is_empty() {
                 Tensor::cat(&r.pending, 0)?
             } else if let (true, Some(c)) = (r.decoding, r.last_code) {
+                if let (Some(lead), None) = (self.cfg.talker_lead_chunks, &r.duplex) {
+                    let Some(delivered) = self.registry.chunks_if_live(id, r.epoch) else {
+                        dead.push(id.clone());
+                        continue;
+                    };
+                    if r.codes >= self.pacing_limit(delivered, lead) {
+                        self.paced = true;
+                        continue;
+                    }
+                }
                 self.talker.embed_codes(&[c])?
             } else {
                 continue;
             };
             ids.push(id.clone());
             embeds.push(e);
+        }
+        for id in dead {
+            self.remove(&id);
         }
         if ids.is_empty() {
             return Ok(false);
@@ -314,6 +339,10 @@ impl StageLoop for Stage1 {
             }
             Stage1Msg::Cancel(id) => self.remove(&id),
         }
+    }
+
+    fn idle_wait(&self) -> Option<std::time::Duration> {
+        self.paced.then_some(std::time::Duration::from_millis(2))
     }
 
     fn step(&mut self) -> bool {

@@ -398,8 +398,13 @@ impl Stage2 {
                         let first = c.seq == 0;
                         self.registry.emit(&id, c.epoch, EngineEvent::Audio { samples, chunk: c.seq, last: c.last });
                         if first {
-                            if let Some(ms) = self.registry.timings(&id).and_then(|t| t.first_audio_ms()) {
-                                self.metrics.first_audio_seconds.observe(ms / 1000.0);
+                            if let Some(t) = self.registry.timings(&id) {
+                                if let Some(ms) = t.first_audio_ms() {
+                                    self.metrics.first_audio_seconds.observe(ms / 1000.0);
+                                }
+                                for (phase, ms) in t.phases_ms() {
+                                    self.metrics.phase_seconds.with_label_values(&[phase]).observe(ms / 1000.0);
+                                }
                             }
                         }
                         if c.last {

@@ -124,6 +124,19 @@ impl Timings {
     pub fn first_audio_ms(&self) -> Option<f64> {
         self.ms(self.first_audio)
     }
+    /// Every milestone reached so far, in order, as ms since admission.
+    pub fn phases_ms(&self) -> Vec<(&'static str, f64)> {
+        [
+            ("first_text", self.first_text),
+            ("handoff", self.handoff),
+            ("first_code", self.first_code),
+            ("first_chunk", self.first_chunk),
+            ("first_audio", self.first_audio),
+        ]
+        .into_iter()
+        .filter_map(|(name, t)| Some((name, self.ms(t)?)))
+        .collect()
+    }
 }
 
 /// What a request produces, in order; `Done` is always last and comes exactly once.
@@ -299,6 +312,13 @@ impl Registry {
                 p.timings.first_code.get_or_insert(Instant::now());
             }
         }
+    }
+
+    /// Audio chunks delivered so far, while the request is live with this epoch.
+    pub fn chunks_if_live(&self, id: &RequestId, epoch: u64) -> Option<usize> {
+        let e = self.get(id)?;
+        let p = e.progress.lock().expect("progress");
+        (e.epoch == epoch && !p.done).then_some(p.chunks)
     }
 
     pub fn timings(&self, id: &RequestId) -> Option<Timings> {

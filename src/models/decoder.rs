@@ -130,6 +130,23 @@ impl Rope {
         Ok((cos, sin))
     }
 
+    /// `cos`, `sin` rows for the given positions, shaped `[n, 1, half]` (contiguous), for
+    /// [`Rope::apply_fused`].
+    pub fn tables_fused(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        let n = positions.dim(0)?;
+        let half = self.cos.dim(1)?;
+        let cos = self.cos.index_select(positions, 0)?.reshape((n, 1, half))?;
+        let sin = self.sin.index_select(positions, 0)?.reshape((n, 1, half))?;
+        Ok((cos, sin))
+    }
+
+    /// The same rotation as [`Rope::apply`] in one kernel: `x: [n, heads, head_dim]`, each row
+    /// with its own position (`cos`, `sin` from [`Rope::tables_fused`]).
+    pub fn apply_fused(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let (n, h, d) = x.dims3()?;
+        candle_nn::rotary_emb::rope(&x.contiguous()?.reshape((n, h, 1, d))?, cos, sin)?.reshape((n, h, d))
+    }
+
     /// Rotate-half RoPE of `x: [n, heads, head_dim]`.
     pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let half = x.dim(D::Minus1)? / 2;
@@ -150,25 +167,32 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor
     let group = hq / hkv;
     // Query heads h = j * group + r share KV head j: group them without copying K and V.
     let qg = q.contiguous()?.reshape((hkv, group * n, d))?;
-    let mut att = qg.matmul(&k.t()?)?.to_dtype(DType::F32)?;
+    // scores in the cache's dtype (as the reference's eager attention); the softmax kernel
+    // accumulates in f32 whatever the storage
+    let mut att = qg.matmul(&k.t()?)?;
     if causal && n > 1 {
         let offset = l - n;
         let mask: Vec<f32> = (0..n).flat_map(|i| (0..l).map(move |j| if j > offset + i { f32::NEG_INFINITY } else { 0.0 })).collect();
-        let mask = Tensor::from_vec(mask, (1, 1, n, l), q.device())?;
+        let mask = Tensor::from_vec(mask, (1, 1, n, l), q.device())?.to_dtype(att.dtype())?;
         att = att.reshape((hkv, group, n, l))?.broadcast_add(&mask)?.reshape((hkv, group * n, l))?;
     }
-    let att = candle_nn::ops::softmax_last_dim(&att)?.to_dtype(v.dtype())?;
+    let att = candle_nn::ops::softmax_last_dim(&att)?;
     att.matmul(v)?.reshape((hq, n, d))
 }
 
+/// Self-attention with the q, k, v projections fused into one matrix (rows: q heads, k heads, v
+/// heads) and the 1/sqrt(d) scale folded into the q side at load: into `q_norm`'s weight (Qwen3)
+/// or into the q rows of the projection (Llama). One step per layer is then one matmul, one norm
+/// of q and k together, and one RoPE kernel for both.
 #[derive(Debug, Clone)]
 struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    qkv_proj: Linear,
     o_proj: Linear,
-    q_norm: Option<RmsNorm>,
-    k_norm: Option<RmsNorm>,
+    /// Per-head RMSNorm weights of q (pre-scaled) and k, as one `[hq + hkv, d]` table.
+    qk_norm: Option<Tensor>,
+    /// `[d]` ones: the norm's own weight (the real weights are applied per head afterwards).
+    ones: Tensor,
+    eps: f64,
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
@@ -181,18 +205,24 @@ fn linear_no_bias(vb: &VarBuilder, name: &str, in_dim: usize, out_dim: usize) ->
 impl Attention {
     fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<Self> {
         let (h, hq, hkv, d) = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let (q_norm, k_norm) = if cfg.qk_norm {
-            (Some(candle_nn::rms_norm(d, cfg.rms_norm_eps, vb.pp("q_norm"))?), Some(candle_nn::rms_norm(d, cfg.rms_norm_eps, vb.pp("k_norm"))?))
+        let scale = (d as f64).powf(-0.5);
+        let mut wq = vb.get((hq * d, h), "q_proj.weight")?;
+        let wk = vb.get((hkv * d, h), "k_proj.weight")?;
+        let wv = vb.get((hkv * d, h), "v_proj.weight")?;
+        let qk_norm = if cfg.qk_norm {
+            let qn = (vb.get(d, "q_norm.weight")? * scale)?;
+            let kn = vb.get(d, "k_norm.weight")?;
+            Some(Tensor::cat(&[qn.unsqueeze(0)?.repeat((hq, 1))?, kn.unsqueeze(0)?.repeat((hkv, 1))?], 0)?)
         } else {
-            (None, None)
+            wq = (wq * scale)?;
+            None
         };
         Ok(Self {
-            q_proj: linear_no_bias(&vb, "q_proj", h, hq * d)?,
-            k_proj: linear_no_bias(&vb, "k_proj", h, hkv * d)?,
-            v_proj: linear_no_bias(&vb, "v_proj", h, hkv * d)?,
+            qkv_proj: Linear::new(Tensor::cat(&[wq, wk, wv], 0)?, None),
             o_proj: linear_no_bias(&vb, "o_proj", hq * d, h)?,
-            q_norm,
-            k_norm,
+            qk_norm,
+            ones: Tensor::ones(d, vb.dtype(), vb.device())?,
+            eps: cfg.rms_norm_eps,
             num_heads: hq,
             num_kv_heads: hkv,
             head_dim: d,
@@ -202,16 +232,18 @@ impl Attention {
     /// `x: [N, hidden]` packed rows of all streams; `spans[i] = (start, n)` rows of stream i.
     fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, layer: usize, caches: &mut [&mut KvCache], spans: &[(usize, usize)]) -> Result<Tensor> {
         let total = x.dim(0)?;
-        let d = self.head_dim;
-        let mut q = self.q_proj.forward(x)?.reshape((total, self.num_heads, d))?;
-        let mut k = self.k_proj.forward(x)?.reshape((total, self.num_kv_heads, d))?;
-        let v = self.v_proj.forward(x)?.reshape((total, self.num_kv_heads, d))?;
-        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
-            q = qn.forward(&q)?;
-            k = kn.forward(&k)?;
+        let (d, hq, hkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
+        // 1. one projection for q, k and v
+        let qkv = self.qkv_proj.forward(x)?.reshape((total, hq + 2 * hkv, d))?;
+        // 2. q and k: per-head RMSNorm (Qwen3), then RoPE, in one pass over both
+        let mut qk = qkv.narrow(1, 0, hq + hkv)?;
+        if let Some(w) = &self.qk_norm {
+            qk = candle_nn::ops::rms_norm(&qk.contiguous()?, &self.ones, self.eps as f32)?.broadcast_mul(w)?;
         }
-        let q = (Rope::apply(&q, cos, sin)? * (d as f64).powf(-0.5))?;
-        let k = Rope::apply(&k, cos, sin)?;
+        let qk = Rope::apply_fused(&qk, cos, sin)?;
+        let (q, k) = (qk.narrow(1, 0, hq)?, qk.narrow(1, hq, hkv)?);
+        let v = qkv.narrow(1, hq + hkv, hkv)?;
+        // 3. attention per stream against its own cache
         let mut outs = Vec::with_capacity(spans.len());
         for (cache, &(start, n)) in caches.iter_mut().zip(spans) {
             let qs = q.narrow(0, start, n)?.transpose(0, 1)?;
@@ -219,33 +251,37 @@ impl Attention {
             let vs = v.narrow(0, start, n)?.transpose(0, 1)?;
             let (ka, va) = cache.append(layer, &ks, &vs)?;
             let o = attend(&qs, &ka, &va, true)?;
-            outs.push(o.transpose(0, 1)?.reshape((n, self.num_heads * d))?);
+            outs.push(o.transpose(0, 1)?.reshape((n, hq * d))?);
         }
         let o = if outs.len() == 1 { outs.pop().expect("one") } else { Tensor::cat(&outs, 0)? };
         self.o_proj.forward(&o)
     }
 }
 
+/// SwiGLU MLP with `gate_proj` and `up_proj` fused into one matrix.
 #[derive(Debug, Clone)]
 struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
+    gate_up_proj: Linear,
     down_proj: Linear,
+    intermediate: usize,
 }
 
 impl Mlp {
     fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let gate = vb.get((i, h), "gate_proj.weight")?;
+        let up = vb.get((i, h), "up_proj.weight")?;
         Ok(Self {
-            gate_proj: linear_no_bias(&vb, "gate_proj", h, i)?,
-            up_proj: linear_no_bias(&vb, "up_proj", h, i)?,
+            gate_up_proj: Linear::new(Tensor::cat(&[gate, up], 0)?, None),
             down_proj: linear_no_bias(&vb, "down_proj", i, h)?,
+            intermediate: i,
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
-        self.down_proj.forward(&(g * self.up_proj.forward(x)?)?)
+        let gu = self.gate_up_proj.forward(x)?;
+        let g = candle_nn::ops::silu(&gu.narrow(1, 0, self.intermediate)?)?;
+        self.down_proj.forward(&(g * gu.narrow(1, self.intermediate, self.intermediate)?)?)
     }
 }
 
@@ -325,7 +361,7 @@ impl Decoder {
         let embeds: Vec<&Tensor> = streams.iter().map(|s| &s.embeds).collect();
         let mut x = if embeds.len() == 1 { embeds[0].clone() } else { Tensor::cat(&embeds, 0)? };
         let positions = Tensor::from_vec(positions, start, &self.device)?;
-        let (cos, sin) = self.rope.tables(&positions)?;
+        let (cos, sin) = self.rope.tables_fused(&positions)?;
         let mut caches: Vec<&mut KvCache> = streams.iter_mut().map(|s| &mut *s.cache).collect();
         for (li, layer) in self.layers.iter().enumerate() {
             let h = layer.input_layernorm.forward(&x)?;

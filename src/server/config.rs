@@ -130,6 +130,9 @@ pub struct EngineSection {
     pub first_chunk_codes: usize,
     pub chunk_codes: usize,
     pub talker_streaming_prefill: bool,
+    /// Turn mode: the Talker runs at most this many chunks ahead of the delivered audio (-1: no
+    /// limit).
+    pub talker_lead_chunks: i64,
     pub ref_cache_capacity: usize,
     pub setup_cache_capacity: usize,
     pub prefetch: bool,
@@ -157,6 +160,7 @@ impl Default for EngineSection {
             first_chunk_codes: e.first_chunk_codes,
             chunk_codes: e.chunk_codes,
             talker_streaming_prefill: e.talker_streaming_prefill,
+            talker_lead_chunks: e.talker_lead_chunks.map(|n| n as i64).unwrap_or(-1),
             ref_cache_capacity: e.ref_cache_capacity,
             setup_cache_capacity: e.setup_cache_capacity,
             prefetch: e.prefetch,
@@ -182,6 +186,7 @@ impl EngineSection {
             first_chunk_codes: self.first_chunk_codes,
             chunk_codes: self.chunk_codes,
             talker_streaming_prefill: self.talker_streaming_prefill,
+            talker_lead_chunks: usize::try_from(self.talker_lead_chunks).ok(),
             ref_cache_capacity: self.ref_cache_capacity,
             setup_cache_capacity: self.setup_cache_capacity,
             prefetch: self.prefetch,

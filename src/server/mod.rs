@@ -98,12 +98,7 @@ impl Shared {
 }
 
 pub fn parse_device(s: &str) -> Result<Device> {
-    if s == "cpu" {
-        return Ok(Device::Cpu);
-    }
-    let ordinal = s.strip_prefix("cuda").map(|r| r.trim_start_matches(':')).unwrap_or("0");
-    let ordinal: usize = if ordinal.is_empty() { 0 } else { ordinal.parse().context("cuda device ordinal")? };
-    Device::new_cuda(ordinal).with_context(|| format!("device {s}: this build has no CUDA, or no GPU is present"))
+    crate::gpu::open(s)
 }
 
 /// Loads (or makes) the models a configuration names.

@@ -36,12 +36,15 @@ impl Default for DitConfig {
 
 const FREQ_EMB: usize = 256;
 
-fn layer_norm_plain(x: &Tensor, eps: f64) -> Result<Tensor> {
-    // LayerNorm without affine parameters
-    let mean = x.mean_keepdim(D::Minus1)?;
-    let xc = x.broadcast_sub(&mean)?;
-    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-    xc.broadcast_div(&(var + eps)?.sqrt()?)
+/// LayerNorm without affine parameters, as one fused kernel (`ones`, `zeros`: `[H]`).
+fn layer_norm_plain(x: &Tensor, ones: &Tensor, zeros: &Tensor, eps: f64) -> Result<Tensor> {
+    candle_nn::ops::layer_norm(&x.contiguous()?, ones, zeros, eps as f32)
+}
+
+/// A LayerNorm with affine parameters over the last dim of any (made contiguous) input.
+fn layer_norm_affine(x: &Tensor, ln: &LayerNorm) -> Result<Tensor> {
+    let beta = ln.bias().cloned().map(Ok).unwrap_or_else(|| ln.weight().zeros_like())?;
+    candle_nn::ops::layer_norm(&x.contiguous()?, ln.weight(), &beta, ln.eps() as f32)
 }
 
 fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
@@ -49,10 +52,9 @@ fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
 }
 
 #[derive(Debug, Clone)]
+/// `to_q`, `to_k`, `to_v` fused into one projection; the 1/sqrt(d) scale folded into `q_norm`.
 struct Attention {
-    to_q: Linear,
-    to_k: Linear,
-    to_v: Linear,
+    to_qkv: Linear,
     q_norm: LayerNorm,
     k_norm: LayerNorm,
     proj: Linear,
@@ -86,7 +88,7 @@ impl ConvBlock {
             None => (None, None),
         };
         let (y, nc1) = causal(&self.conv1, &x.transpose(1, 2)?.contiguous()?, c1)?;
-        let y = mish(&self.norm.forward(&y.transpose(1, 2)?)?)?;
+        let y = mish(&layer_norm_affine(&y.transpose(1, 2)?, &self.norm)?)?;
         let (y, nc2) = causal(&self.conv2, &y.transpose(1, 2)?.contiguous()?, c2)?;
         Ok((y.transpose(1, 2)?, Tensor::cat(&[&nc1, &nc2], 1)?))
     }
@@ -98,23 +100,36 @@ struct Block {
     fc1: Linear,
     fc2: Linear,
     conv: ConvBlock,
-    ada: Linear,
+    /// `[H]` ones and zeros for the plain LayerNorms.
+    ones: Tensor,
+    zeros: Tensor,
 }
 
 impl Block {
-    fn load(vb: VarBuilder, cfg: &DitConfig) -> Result<Self> {
+    /// The block and its `adaLN_modulation.1` (kept apart: the estimator runs all blocks'
+    /// modulations as one matmul, their input being the same).
+    fn load(vb: VarBuilder, cfg: &DitConfig) -> Result<(Self, Linear)> {
         let h = cfg.hidden_size;
         let inner = cfg.num_heads * cfg.head_dim;
+        let scale = (cfg.head_dim as f64).powf(-0.5);
+        let (q, k, v) = (
+            linear(vb.pp("attn").pp("to_q"), h, inner, true)?,
+            linear(vb.pp("attn").pp("to_k"), h, inner, true)?,
+            linear(vb.pp("attn").pp("to_v"), h, inner, true)?,
+        );
+        let bias = |l: &Linear| l.bias().cloned().ok_or_else(|| candle_core::Error::Msg("DiT attention projections have biases".into()));
+        let to_qkv = Linear::new(Tensor::cat(&[q.weight(), k.weight(), v.weight()], 0)?, Some(Tensor::cat(&[bias(&q)?, bias(&k)?, bias(&v)?], 0)?));
+        let qn = candle_nn::layer_norm(cfg.head_dim, 1e-5, vb.pp("attn").pp("q_norm"))?;
+        let q_norm = LayerNorm::new((qn.weight() * scale)?, (qn.bias().expect("layer_norm has a bias") * scale)?, qn.eps());
+        let ones = Tensor::ones(h, vb.dtype(), vb.device())?;
         let a = vb.pp("attn");
         let mlp = (h as f64 * cfg.mlp_ratio) as usize;
         let cv = vb.pp("conv").pp("block");
         let nopad = Conv1dConfig::default();
-        Ok(Self {
+        let block = Self {
             attn: Attention {
-                to_q: linear(a.pp("to_q"), h, inner, true)?,
-                to_k: linear(a.pp("to_k"), h, inner, true)?,
-                to_v: linear(a.pp("to_v"), h, inner, true)?,
-                q_norm: candle_nn::layer_norm(cfg.head_dim, 1e-5, a.pp("q_norm"))?,
+                to_qkv,
+                q_norm,
                 k_norm: candle_nn::layer_norm(cfg.head_dim, 1e-5, a.pp("k_norm"))?,
                 proj: linear(a.pp("proj"), inner, h, true)?,
                 heads: cfg.num_heads,
@@ -128,24 +143,27 @@ impl Block {
                 conv2: conv1d(cv.pp(6), h, h, 3, nopad, true)?,
                 channels: h,
             },
-            ada: linear(vb.pp("adaLN_modulation").pp(1), h, 9 * h, true)?,
-        })
+            zeros: ones.zeros_like()?,
+            ones,
+        };
+        Ok((block, linear(vb.pp("adaLN_modulation").pp(1), h, 9 * h, true)?))
     }
 
-    /// `x: [N, T, H]`, `c: [N, 1, H]`.
-    fn forward(&self, x: &Tensor, c: &Tensor, cnn: Option<&Tensor>, att: Option<&Tensor>) -> Result<(Tensor, Tensor, Tensor)> {
-        let m = self.ada.forward(&candle_nn::ops::silu(c)?)?.chunk(9, D::Minus1)?;
+    /// `x: [N, T, H]`; `m`: this block's modulation, `[1, 9 H]`.
+    fn forward(&self, x: &Tensor, m: &Tensor, cnn: Option<&Tensor>, att: Option<&Tensor>) -> Result<(Tensor, Tensor, Tensor)> {
+        let m = m.chunk(9, D::Minus1)?;
+        let ln = |x: &Tensor| layer_norm_plain(x, &self.ones, &self.zeros, 1e-6);
         let (shift_msa, scale_msa, gate_msa) = (&m[0], &m[1], &m[2]);
         let (shift_mlp, scale_mlp, gate_mlp) = (&m[3], &m[4], &m[5]);
         let (shift_conv, scale_conv, gate_conv) = (&m[6], &m[7], &m[8]);
         // attention
-        let (a, new_att) = self.attn_forward(&modulate(&layer_norm_plain(x, 1e-6)?, shift_msa, scale_msa)?, att)?;
+        let (a, new_att) = self.attn_forward(&modulate(&ln(x)?, shift_msa, scale_msa)?, att)?;
         let x = (x + a.broadcast_mul(gate_msa)?)?;
         // conv
-        let (cv, new_cnn) = self.conv.forward(&modulate(&layer_norm_plain(&x, 1e-6)?, shift_conv, scale_conv)?, cnn)?;
+        let (cv, new_cnn) = self.conv.forward(&modulate(&ln(&x)?, shift_conv, scale_conv)?, cnn)?;
         let x = (&x + cv.broadcast_mul(gate_conv)?)?;
         // mlp
-        let h = modulate(&layer_norm_plain(&x, 1e-6)?, shift_mlp, scale_mlp)?;
+        let h = modulate(&ln(&x)?, shift_mlp, scale_mlp)?;
         let h = self.fc2.forward(&self.fc1.forward(&h)?.gelu()?)?;
         let x = (&x + h.broadcast_mul(gate_mlp)?)?;
         Ok((x, new_cnn, new_att))
@@ -156,10 +174,13 @@ impl Block {
     fn attn_forward(&self, x: &Tensor, cache: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
         let a = &self.attn;
         let (n, t, _) = x.dims3()?;
-        let heads = |y: Tensor| y.reshape((n, t, a.heads, a.hd))?.transpose(1, 2);
-        let q = a.q_norm.forward(&heads(a.to_q.forward(x)?)?)?;
-        let mut k = a.k_norm.forward(&heads(a.to_k.forward(x)?)?)?;
-        let mut v = heads(a.to_v.forward(x)?)?;
+        let inner = a.heads * a.hd;
+        let qkv = a.to_qkv.forward(x)?;
+        // per-head norms on [N, T, h, hd] (contiguous), then heads first
+        let part = |i: usize| qkv.narrow(2, i * inner, inner)?.contiguous()?.reshape((n, t, a.heads, a.hd));
+        let q = layer_norm_affine(&part(0)?, &a.q_norm)?.transpose(1, 2)?;
+        let mut k = layer_norm_affine(&part(1)?, &a.k_norm)?.transpose(1, 2)?;
+        let mut v = part(2)?.transpose(1, 2)?;
         if let Some(c) = cache {
             if c.dim(2)? > 0 {
                 k = Tensor::cat(&[&k, &c.narrow(3, 0, a.hd)?], 2)?;
@@ -167,7 +188,7 @@ impl Block {
             }
         }
         let new_cache = Tensor::cat(&[&k, &v], 3)?;
-        let q = (q * (a.hd as f64).powf(-0.5))?.contiguous()?;
+        let q = q.contiguous()?;
         let att = q.matmul(&k.transpose(2, 3)?.contiguous()?)?;
         let att = candle_nn::ops::softmax_last_dim(&att)?;
         let o = att.matmul(&v.contiguous()?)?.transpose(1, 2)?.reshape((n, t, a.heads * a.hd))?;
@@ -212,6 +233,8 @@ pub struct Dit {
     t_mlp2: Linear,
     in_proj: Linear,
     blocks: Vec<Block>,
+    /// Every block's `adaLN_modulation.1`, stacked: `[depth × 9 H, H]`.
+    ada_all: Linear,
     final_ada: Linear,
     final_linear: Linear,
     cfg: DitConfig,
@@ -225,11 +248,18 @@ impl Dit {
             candle_core::bail!("DiT: num_heads × head_dim must equal hidden_size");
         }
         let t = vb.pp("t_embedder").pp("mlp");
+        let (blocks, adas): (Vec<Block>, Vec<Linear>) =
+            (0..cfg.depth).map(|i| Block::load(vb.pp("blocks").pp(i), cfg)).collect::<Result<Vec<_>>>()?.into_iter().unzip();
+        let ada_w: Vec<&Tensor> = adas.iter().map(|l| l.weight()).collect();
+        let ada_b: Vec<Tensor> =
+            adas.iter().map(|l| l.bias().cloned().ok_or_else(|| candle_core::Error::Msg("adaLN has a bias".into()))).collect::<Result<_>>()?;
+        let ada_all = Linear::new(Tensor::cat(&ada_w, 0)?, Some(Tensor::cat(&ada_b, 0)?));
         Ok(Self {
             t_mlp0: linear(t.pp(0), FREQ_EMB, h, true)?,
             t_mlp2: linear(t.pp(2), h, h, true)?,
             in_proj: linear(vb.pp("in_proj"), cfg.in_channels, h, true)?,
-            blocks: (0..cfg.depth).map(|i| Block::load(vb.pp("blocks").pp(i), cfg)).collect::<Result<_>>()?,
+            blocks,
+            ada_all,
             final_ada: linear(vb.pp("final_layer").pp("adaLN_modulation").pp(1), h, 2 * h, true)?,
             final_linear: linear(vb.pp("final_layer").pp("linear"), h, cfg.out_channels, true)?,
             cfg: cfg.clone(),
@@ -240,7 +270,7 @@ impl Dit {
         &self.cfg
     }
 
-    fn time_embedding(&self, t: f32, n: usize, dev: &candle_core::Device) -> Result<Tensor> {
+    fn time_embedding(&self, t: f32, dev: &candle_core::Device) -> Result<Tensor> {
         let half = FREQ_EMB / 2;
         let ts = t * 1000.0;
         let mut e = vec![0f32; FREQ_EMB];
@@ -251,8 +281,7 @@ impl Dit {
             e[half + i] = a.sin();
         }
         let e = Tensor::from_vec(e, (1, FREQ_EMB), dev)?.to_dtype(self.in_proj.weight().dtype())?;
-        let e = self.t_mlp2.forward(&candle_nn::ops::silu(&self.t_mlp0.forward(&e)?)?)?;
-        e.unsqueeze(0)?.broadcast_as((n, 1, self.cfg.hidden_size))?.contiguous()
+        self.t_mlp2.forward(&candle_nn::ops::silu(&self.t_mlp0.forward(&e)?)?)
     }
 
     /// One estimator evaluation over a chunk. `x`, `mu`, `cond`: `[N, 80, T]`; `spks`: `[N, 80]`;
@@ -270,7 +299,10 @@ impl Dit {
         att: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (n, _, tl) = x.dims3()?;
-        let c = self.time_embedding(t, n, x.device())?;
+        // the time condition is the same for every row: one row, broadcast where used
+        let c = candle_nn::ops::silu(&self.time_embedding(t, x.device())?)?;
+        let h9 = 9 * self.cfg.hidden_size;
+        let m_all = self.ada_all.forward(&c)?;
         let s = spks.unsqueeze(2)?.broadcast_as((n, spks.dim(1)?, tl))?;
         let h = Tensor::cat(&[x, mu, &s, cond], 1)?.transpose(1, 2)?.contiguous()?;
         let mut h = self.in_proj.forward(&h)?;
@@ -279,13 +311,14 @@ impl Dit {
         for (i, b) in self.blocks.iter().enumerate() {
             let cc = cnn.map(|t| t.get(i)).transpose()?;
             let ac = att.map(|t| t.get(i)).transpose()?;
-            let (y, nc, na) = b.forward(&h, &c, cc.as_ref(), ac.as_ref())?;
+            let (y, nc, na) = b.forward(&h, &m_all.narrow(1, i * h9, h9)?, cc.as_ref(), ac.as_ref())?;
             h = y;
             new_cnn.push(nc);
             new_att.push(na);
         }
-        let m = self.final_ada.forward(&candle_nn::ops::silu(&c)?)?.chunk(2, D::Minus1)?;
-        let h = modulate(&layer_norm_plain(&h, 1e-6)?, &m[0], &m[1])?;
+        let m = self.final_ada.forward(&c)?.chunk(2, D::Minus1)?;
+        let b0 = &self.blocks[0];
+        let h = modulate(&layer_norm_plain(&h, &b0.ones, &b0.zeros, 1e-6)?, &m[0], &m[1])?;
         let out = self.final_linear.forward(&h)?.transpose(1, 2)?;
         Ok((out, Tensor::stack(&new_cnn, 0)?, Tensor::stack(&new_att, 0)?))
     }

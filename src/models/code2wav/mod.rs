@@ -209,6 +209,21 @@ impl Code2Wav {
         Ok(out)
     }
 
+    /// Profiling: the flow's share of one chunk alone (returns its mel, `[80, frames]`).
+    pub fn flow_chunk(&self, st: &mut StreamState, codes: &[u32], last: bool) -> Result<Tensor> {
+        Ok(self.flow.chunk(codes, &st.speaker.clone(), &mut st.flow, last)?)
+    }
+
+    /// Profiling: the vocoder's share of one chunk alone (`mel`: `[80, frames]`).
+    pub fn vocode_chunk(&self, st: &mut StreamState, mel: &Tensor, last: bool) -> Result<Tensor> {
+        let mel = mel.unsqueeze(0)?.to_dtype(DType::F32)?;
+        match (&self.vocoder, &mut st.vocoder) {
+            (Vocoder::Causal(h), VocoderState::Causal(vs)) => Ok(h.stream(vs, &mel, last)?),
+            (Vocoder::Original(h), VocoderState::Original(vs)) => Ok(h.stream_original(vs, &mel, last)?),
+            _ => Err(anyhow!("vocoder state does not match the vocoder")),
+        }
+    }
+
     /// One chunk of one stream.
     pub fn chunk(&self, st: &mut StreamState, codes: &[u32], last: bool) -> Result<Tensor> {
         Ok(self.chunk_batch(&mut [st], &[codes], last)?.pop().expect("one in, one out"))
