@@ -50,6 +50,23 @@ pub struct Stage0 {
     /// Duplex sessions' long-lived streams (see [`super::duplex`]).
     pub(super) duplex: Vec<DuplexStream>,
     forbid: Vec<u32>,
+    /// The audio encoder's embeddings of recent reference voices, by content: the same voice in
+    /// every system prompt is encoded once.
+    ref_embeds: VecDeque<(u64, Tensor)>,
+}
+
+/// Reference voices whose embeddings Stage 0 keeps.
+const REF_EMBED_CACHE: usize = 8;
+
+fn content_key(samples: &[f32], rate: u32) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    rate.hash(&mut h);
+    samples.len().hash(&mut h);
+    for s in samples {
+        s.to_bits().hash(&mut h);
+    }
+    h.finish()
 }
 
 /// A stream in a batched Thinker step.
@@ -87,7 +104,19 @@ impl Stage0 {
             s.think_end,
             s.unk,
         ];
-        Self { thinker, tok, cfg, registry, metrics, to_talker, queue: VecDeque::new(), active: Vec::new(), duplex: Vec::new(), forbid }
+        Self {
+            thinker,
+            tok,
+            cfg,
+            registry,
+            metrics,
+            to_talker,
+            queue: VecDeque::new(),
+            active: Vec::new(),
+            duplex: Vec::new(),
+            forbid,
+            ref_embeds: VecDeque::new(),
+        }
     }
 
     fn fail(&self, id: &RequestId, epoch: u64, why: String) {
@@ -98,14 +127,27 @@ impl Stage0 {
     }
 
     /// Prompt ids and embeddings for a request.
-    fn build_prompt(&self, spec: &RequestSpec) -> Result<(Vec<u32>, Tensor)> {
+    /// The reference voice's audio embeddings (cached by content).
+    fn reference_embeddings(&mut self, samples: &[f32], rate: u32) -> Result<Tensor> {
+        let key = content_key(samples, rate);
+        if let Some(i) = self.ref_embeds.iter().position(|(k, _)| *k == key) {
+            let hit = self.ref_embeds.remove(i).expect("found");
+            self.ref_embeds.push_front(hit.clone());
+            return Ok(hit.1);
+        }
+        let r16 = crate::audio::resample(samples, rate, 16_000)?;
+        let emb = self.thinker.encode_clip(&r16[..r16.len().min(16_000 * 6)])?;
+        self.ref_embeds.push_front((key, emb.clone()));
+        self.ref_embeds.truncate(REF_EMBED_CACHE);
+        Ok(emb)
+    }
+
+    fn build_prompt(&mut self, spec: &RequestSpec) -> Result<(Vec<u32>, Tensor)> {
         let mut audio = Vec::new();
         let mut messages = Vec::new();
         let instructions = spec.instructions.clone().unwrap_or_else(|| "You are a helpful assistant with the above voice style.".into());
         if self.cfg.thinker_hears_reference {
-            let r16 = crate::audio::resample(&spec.voice.samples, spec.voice.sample_rate, 16_000)?;
-            let r16 = &r16[..r16.len().min(16_000 * 6)];
-            let emb = self.thinker.encode_clip(r16)?;
+            let emb = self.reference_embeddings(&spec.voice.samples, spec.voice.sample_rate)?;
             messages.push(Message {
                 role: Role::System,
                 parts: vec![
@@ -153,7 +195,10 @@ impl Stage0 {
         if !self.registry.is_live(&spec.id, spec.epoch) {
             return;
         }
-        let (ids, embeds) = match self.build_prompt(&spec).context("building the prompt") {
+        let t0 = Instant::now();
+        let built = self.build_prompt(&spec).context("building the prompt");
+        self.metrics.step_seconds.with_label_values(&["thinker_prompt"]).observe(t0.elapsed().as_secs_f64());
+        let (ids, embeds) = match built {
             Ok(v) => v,
             Err(e) => return self.fail(&spec.id, spec.epoch, format!("{e:#}")),
         };
@@ -321,7 +366,9 @@ impl Stage0 {
                 send_rows(&self.to_talker, a, upto)?;
             }
         }
-        self.metrics.step_seconds.with_label_values(&["thinker"]).observe(t0.elapsed().as_secs_f64());
+        // steps that prefill (prompt rows, duplex units) apart from pure decode steps
+        let label = if budget < self.cfg.thinker_prefill_tokens { "thinker_prefill" } else { "thinker" };
+        self.metrics.step_seconds.with_label_values(&[label]).observe(t0.elapsed().as_secs_f64());
         self.metrics.batch_size.with_label_values(&["thinker"]).observe(n as f64);
         Ok(finished)
     }
