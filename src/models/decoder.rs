@@ -158,10 +158,22 @@ impl Rope {
     }
 }
 
+/// The additive causal mask of `n` new positions at the end of `l` (`[1, 1, n, l]`), or `None`
+/// when one position needs none. The same for every layer: made once per step.
+pub fn causal_mask(n: usize, l: usize, dtype: DType, dev: &Device) -> Result<Option<Tensor>> {
+    if n <= 1 {
+        return Ok(None);
+    }
+    let offset = l - n;
+    let mask: Vec<f32> = (0..n).flat_map(|i| (0..l).map(move |j| if j > offset + i { f32::NEG_INFINITY } else { 0.0 })).collect();
+    Ok(Some(Tensor::from_vec(mask, (1, 1, n, l), dev)?.to_dtype(dtype)?))
+}
+
 /// Softmax attention of one stream: `q: [heads, n, d]` (already scaled) against `k`, `v:
-/// [kv_heads, L, d]`, the new positions being the last `n` of `L`. With `causal` they see each
-/// other causally; without, they all see the whole history and each other.
-pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
+/// [kv_heads, L, d]`, the new positions being the last `n` of `L`. With a `mask` (from
+/// [`causal_mask`]) they see each other causally; without, they all see the whole history and
+/// each other.
+pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
     let (hq, n, d) = q.dims3()?;
     let (hkv, l, _) = k.dims3()?;
     let group = hq / hkv;
@@ -170,11 +182,8 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor
     // scores in the cache's dtype (as the reference's eager attention); the softmax kernel
     // accumulates in f32 whatever the storage
     let mut att = qg.matmul(&k.t()?)?;
-    if causal && n > 1 {
-        let offset = l - n;
-        let mask: Vec<f32> = (0..n).flat_map(|i| (0..l).map(move |j| if j > offset + i { f32::NEG_INFINITY } else { 0.0 })).collect();
-        let mask = Tensor::from_vec(mask, (1, 1, n, l), q.device())?.to_dtype(att.dtype())?;
-        att = att.reshape((hkv, group, n, l))?.broadcast_add(&mask)?.reshape((hkv, group * n, l))?;
+    if let Some(mask) = mask {
+        att = att.reshape((hkv, group, n, l))?.broadcast_add(mask)?.reshape((hkv, group * n, l))?;
     }
     let att = candle_nn::ops::softmax_last_dim(&att)?;
     att.matmul(v)?.reshape((hq, n, d))
@@ -230,7 +239,17 @@ impl Attention {
     }
 
     /// `x: [N, hidden]` packed rows of all streams; `spans[i] = (start, n)` rows of stream i.
-    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, layer: usize, caches: &mut [&mut KvCache], spans: &[(usize, usize)]) -> Result<Tensor> {
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        layer: usize,
+        caches: &mut [&mut KvCache],
+        spans: &[(usize, usize)],
+        masks: &[Option<Tensor>],
+    ) -> Result<Tensor> {
         let total = x.dim(0)?;
         let (d, hq, hkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
         // 1. one projection for q, k and v
@@ -245,12 +264,12 @@ impl Attention {
         let v = qkv.narrow(1, hq + hkv, hkv)?;
         // 3. attention per stream against its own cache
         let mut outs = Vec::with_capacity(spans.len());
-        for (cache, &(start, n)) in caches.iter_mut().zip(spans) {
+        for ((cache, &(start, n)), mask) in caches.iter_mut().zip(spans).zip(masks) {
             let qs = q.narrow(0, start, n)?.transpose(0, 1)?;
             let ks = k.narrow(0, start, n)?.transpose(0, 1)?;
             let vs = v.narrow(0, start, n)?.transpose(0, 1)?;
             let (ka, va) = cache.append(layer, &ks, &vs)?;
-            let o = attend(&qs, &ka, &va, true)?;
+            let o = attend(&qs, &ka, &va, mask.as_ref())?;
             outs.push(o.transpose(0, 1)?.reshape((n, hq * d))?);
         }
         let o = if outs.len() == 1 { outs.pop().expect("one") } else { Tensor::cat(&outs, 0)? };
@@ -363,9 +382,11 @@ impl Decoder {
         let positions = Tensor::from_vec(positions, start, &self.device)?;
         let (cos, sin) = self.rope.tables_fused(&positions)?;
         let mut caches: Vec<&mut KvCache> = streams.iter_mut().map(|s| &mut *s.cache).collect();
+        let masks: Vec<Option<Tensor>> =
+            caches.iter().zip(&spans).map(|(c, &(_, n))| causal_mask(n, c.len() + n, x.dtype(), &self.device)).collect::<Result<_>>()?;
         for (li, layer) in self.layers.iter().enumerate() {
             let h = layer.input_layernorm.forward(&x)?;
-            let a = layer.self_attn.forward(&h, &cos, &sin, li, &mut caches, &spans)?;
+            let a = layer.self_attn.forward(&h, &cos, &sin, li, &mut caches, &spans, &masks)?;
             x = (x + a)?;
             let h = layer.post_attention_layernorm.forward(&x)?;
             x = (&x + layer.mlp.forward(&h)?)?;

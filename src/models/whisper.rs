@@ -184,7 +184,7 @@ impl WhisperEncoder {
             for (cache, &(s, n)) in caches.iter_mut().zip(&spans) {
                 let qs = q.narrow(0, s, n)?.transpose(0, 1)?;
                 let (ka, va) = cache.append(li, &k.narrow(0, s, n)?.transpose(0, 1)?, &v.narrow(0, s, n)?.transpose(0, 1)?)?;
-                outs.push(attend(&qs, &ka, &va, false)?.transpose(0, 1)?.reshape((n, d))?);
+                outs.push(attend(&qs, &ka, &va, None)?.transpose(0, 1)?.reshape((n, d))?);
             }
             let o = if outs.len() == 1 { outs.pop().expect("one") } else { Tensor::cat(&outs, 0)? };
             x = (x + l.out_proj.forward(&o)?)?;

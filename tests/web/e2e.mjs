@@ -1,0 +1,207 @@
+// End-to-end tests of the browser demo (web/) in headless Chromium, against a running server.
+//
+//   node tests/web/e2e.mjs [http://127.0.0.1:8080]
+//
+// Chromium's fake microphone plays assets/voices/default.wav. The page is loaded through a small
+// TCP proxy of this script's own, which can cut every live connection: the page must reconnect,
+// resume its session, and end up with every server message exactly once (no gap, no replay
+// played twice). Screenshots go to $E2E_ARTIFACTS (default target/e2e-artifacts).
+import { chromium } from 'playwright-core';
+import net from 'node:net';
+import fs from 'node:fs';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+
+const repo = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
+const target = new URL(process.argv[2] || 'http://127.0.0.1:8080');
+const artifacts = path.resolve(repo, process.env.E2E_ARTIFACTS || 'target/e2e-artifacts');
+const wav = path.join(repo, 'assets/voices/default.wav');
+fs.mkdirSync(artifacts, { recursive: true });
+
+/** A TCP proxy to the server that can cut every connection it carries. */
+class CuttingProxy {
+  constructor(host, port) {
+    this.sockets = new Set();
+    this.connections = 0;
+    this.server = net.createServer((client) => {
+      this.connections++;
+      const upstream = net.connect(port, host);
+      for (const s of [client, upstream]) {
+        this.sockets.add(s);
+        s.on('close', () => this.sockets.delete(s));
+        s.on('error', () => {});
+      }
+      client.pipe(upstream);
+      upstream.pipe(client);
+      client.on('close', () => upstream.destroy());
+      upstream.on('close', () => client.destroy());
+    });
+  }
+  listen() {
+    return new Promise((ok) => this.server.listen(0, '127.0.0.1', () => ok(this.server.address().port)));
+  }
+  /** Drops every live connection at once (no close handshake: like a network drop). */
+  cut() {
+    const n = this.sockets.size;
+    for (const s of this.sockets) s.resetAndDestroy ? s.resetAndDestroy() : s.destroy();
+    return n;
+  }
+  close() {
+    this.cut();
+    this.server.close();
+  }
+}
+
+const results = [];
+let failed = 0;
+async function test(name, fn) {
+  const t0 = Date.now();
+  try {
+    await fn();
+    results.push(`ok    ${name} (${((Date.now() - t0) / 1000).toFixed(1)} s)`);
+  } catch (e) {
+    failed++;
+    results.push(`FAIL  ${name}: ${e.stack || e}`);
+  }
+  console.log(results[results.length - 1]);
+}
+
+function assert(cond, msg) {
+  if (!cond) throw new Error('assertion failed: ' + msg);
+}
+
+const stats = (page) => page.evaluate(() => JSON.parse(JSON.stringify(window.antiphon.stats)));
+
+/** Every server seq from 1 to the highest, each exactly once, in order. */
+function assertGapless(seqs) {
+  for (let i = 0; i < seqs.length; i++) {
+    assert(seqs[i] === i + 1, `server seqs are gapless and unique: position ${i} holds ${seqs[i]} (${seqs.slice(Math.max(0, i - 3), i + 3)})`);
+  }
+}
+
+const proxy = new CuttingProxy(target.hostname, Number(target.port || 80));
+const port = await proxy.listen();
+const base = `http://127.0.0.1:${port}`;
+const browser = await chromium.launch({
+  executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
+  headless: true,
+  args: [
+    '--no-sandbox',
+    '--disable-gpu',
+    '--disable-quic',
+    '--no-first-run',
+    '--disable-background-networking',
+    '--disable-component-update',
+    '--disable-sync',
+    '--autoplay-policy=no-user-gesture-required',
+    '--use-fake-ui-for-media-stream',
+    '--use-fake-device-for-media-stream',
+    `--use-file-for-fake-audio-capture=${wav}`,
+  ],
+});
+
+async function openPage(query) {
+  const page = await browser.newPage();
+  page.on('pageerror', (e) => console.log('page error:', e.message));
+  page.on('console', (m) => m.type() === 'error' && console.log('page console:', m.text()));
+  await page.goto(`${base}/?${query}`);
+  await page.waitForFunction(() => window.antiphon && document.getElementById('voice').options.length > 0, null, { timeout: 15000 });
+  return page;
+}
+
+async function connect(page, mode = 'turn') {
+  await page.selectOption('#mode', mode);
+  await page.click('#connect');
+  await page.waitForFunction(() => window.antiphon.stats.state === 'connected', null, { timeout: 30000 });
+}
+
+/** Waits until the response is done and its audio has played out. */
+async function waitPlayed(page, id, timeout = 90000) {
+  await page.waitForFunction(
+    (id) => {
+      const s = window.antiphon.stats;
+      const r = s.responses[id];
+      return r && r.status && r.packets >= r.donePackets && s.depthMs === 0;
+    },
+    id,
+    { timeout },
+  );
+  await page.waitForTimeout(300);
+}
+
+await test('speaks through the fake microphone, hears the answer, shows its TTFA', async () => {
+  const page = await openPage('text_tokens=8&audio_tokens=50');
+  const note = await page.textContent('#note');
+  assert(/synthetic weights/.test(note), `the page says the weights are synthetic: "${note}"`);
+  await connect(page);
+  // hold to talk for 1.5 s of the fake microphone, then let go (input.commit)
+  await page.dispatchEvent('#ptt', 'pointerdown');
+  await page.waitForTimeout(1500);
+  await page.dispatchEvent('#ptt', 'pointerup');
+  await page.waitForFunction(() => window.antiphon.stats.ttfa.length > 0, null, { timeout: 60000 });
+  const id = Number(Object.keys((await stats(page)).responses)[0]);
+  await waitPlayed(page, id);
+  const s = await stats(page);
+  const r = s.responses[id];
+  await page.screenshot({ path: path.join(artifacts, '1-turn.png'), fullPage: true });
+  assert(s.sentPackets >= 50, `sent ~75 mic packets of 20 ms (${s.sentPackets}, codec ${s.codecIn})`);
+  assert(r.status === 'completed', `response completed (${r.status})`);
+  assert(r.packets === r.donePackets && r.packets > 0, `every audio packet arrived: ${r.packets} of ${r.donePackets}`);
+  assert(s.playedSamples > 0, 'the playback worklet played samples');
+  const playedMs = (s.playedSamples / 48000) * 1000;
+  assert(Math.abs(playedMs - r.packets * 20) <= 60, `played ${playedMs.toFixed(0)} ms for ${r.packets} packets of 20 ms`);
+  assert(/^\d+ ms$/.test(await page.textContent('#ttfa')), 'the TTFA is on the page');
+  assertGapless(s.seqs);
+  console.log(`      codecs in/out ${s.codecIn}/${s.codecOut}, TTFA ${s.ttfa[0]} ms, played ${playedMs.toFixed(0)} ms, stalls ${s.stalls}`);
+  await page.close();
+});
+
+await test('a network drop mid-response: the page resumes with nothing lost and nothing played twice', async () => {
+  const page = await openPage('text_tokens=8&audio_tokens=200');
+  await connect(page);
+  const before = proxy.connections;
+  await page.fill('#text', 'Please read this sentence aloud: the festival starts after the parade.');
+  await page.press('#text', 'Enter');
+  await page.waitForFunction(() => window.antiphon.stats.audioPackets >= 15, null, { timeout: 60000 });
+  const cut = proxy.cut();
+  await page.waitForFunction(() => window.antiphon.stats.state !== 'connected', null, { timeout: 10000 });
+  await page.screenshot({ path: path.join(artifacts, '2-dropped.png'), fullPage: true });
+  await page.waitForFunction(() => window.antiphon.stats.state === 'connected', null, { timeout: 30000 });
+  const id = Number(Object.keys((await stats(page)).responses)[0]);
+  await waitPlayed(page, id);
+  const s = await stats(page);
+  const r = s.responses[id];
+  await page.screenshot({ path: path.join(artifacts, '3-resumed.png'), fullPage: true });
+  assert(cut >= 2, `the proxy cut a live connection (${cut} sockets)`);
+  assert(proxy.connections > before && s.reconnects >= 1, `the page reconnected (${s.reconnects})`);
+  assert(r.status === 'completed', `the response completed after the resume (${r.status})`);
+  assert(r.packets === r.donePackets, `no packet lost: ${r.packets} received of ${r.donePackets}`);
+  assert(new Set(s.audioSeqs).size === s.audioSeqs.length, 'no audio packet twice');
+  assertGapless(s.seqs);
+  const playedMs = (s.playedSamples / 48000) * 1000;
+  assert(Math.abs(playedMs - r.packets * 20) <= 60, `played ${playedMs.toFixed(0)} ms for ${r.packets} packets: nothing skipped or repeated`);
+  console.log(`      cut ${cut} sockets after ${s.audioSeqs.length ? 15 : 0}+ packets; ${s.reconnects} reconnect(s), ${s.duplicates} replays dropped, ${r.packets} packets, played ${playedMs.toFixed(0)} ms`);
+  await page.close();
+});
+
+await test('duplex: audio streams both ways, listen/speak decisions and a spoken turn', async () => {
+  const page = await openPage('text_tokens=4&speak_every=2');
+  await connect(page, 'duplex');
+  await page.waitForFunction(() => Object.values(window.antiphon.stats.responses).some((r) => r.status === 'completed'), null, { timeout: 60000 });
+  const s = await stats(page);
+  await page.screenshot({ path: path.join(artifacts, '4-duplex.png'), fullPage: true });
+  const events = s.events.join('\n');
+  assert(s.sentPackets >= 50, `the microphone streams continuously (${s.sentPackets} packets)`);
+  assert(/\(duplex\)/.test(events), 'a response triggered by the model (duplex)');
+  assert(/unit \d+: (listen|speak)/.test(await page.textContent('#duplex')), 'listen/speak decisions on the page');
+  assert(s.playedSamples > 0, 'the answer played');
+  assertGapless(s.seqs);
+  await page.click('#hangup');
+  await page.close();
+});
+
+await browser.close();
+proxy.close();
+fs.writeFileSync(path.join(artifacts, 'results.txt'), results.join('\n') + '\n');
+console.log(`${results.length - failed} passed, ${failed} failed; screenshots in ${artifacts}`);
+process.exit(failed ? 1 : 0);

@@ -1,0 +1,402 @@
+// The antiphon voice-chat demo: microphone in (AudioWorklet → WebCodecs Opus, PCM16 where
+// WebCodecs is missing), the protocol client of client.js, Opus out through WebCodecs into an
+// AudioWorklet jitter buffer, and the figures a user wants to see: time to first audio of each
+// response, buffer depth, stalls, connection state.
+import { Client, FLAG_LAST } from './client.js';
+
+const $ = (id) => document.getElementById(id);
+const params = new URLSearchParams(location.search);
+
+// Everything the page measures, also read by the end-to-end tests.
+const stats = {
+  state: 'idle',
+  codecIn: '',
+  codecOut: '',
+  sentPackets: 0,
+  audioPackets: 0,
+  audioSeqs: [], // every audio seq received (after dropping replays already held)
+  seqs: [], // every server seq received, events and audio
+  playedSamples: 0,
+  depthMs: 0,
+  stalls: 0,
+  stallMs: 0,
+  ttfa: [], // ms, one per response
+  responses: {}, // id -> {packets, donePackets, status, cancelled}
+  reconnects: 0,
+  duplicates: 0,
+  events: [],
+};
+window.antiphon = { stats };
+
+let client = null;
+let audioCtx = null;
+let player = null;
+let micNode = null;
+let micStream = null;
+let encoder = null;
+let decoder = null;
+let outRate = 24000;
+let inputEnd = null; // when the user's last turn was complete (TTFA starts here)
+let current = null; // the response being received: {id, start, first, ms}
+let talking = false; // push-to-talk held, or the VAD hears speech (hands-free)
+let vadQuiet = 0;
+const preroll = []; // the last 200 ms before speech starts (hands-free)
+
+function log(msg) {
+  const line = `${new Date().toISOString().slice(11, 23)} ${msg}`;
+  stats.events.push(line);
+  const el = $('log');
+  el.textContent = (line + '\n' + el.textContent).slice(0, 6000);
+}
+
+function setState(s, detail) {
+  stats.state = s;
+  $('state').textContent = s + (detail ? ` (${detail})` : '');
+  $('state').className = 'state ' + s;
+}
+
+async function buildInfo() {
+  try {
+    const b = await (await fetch('/api/build_info')).json();
+    const note = $('note');
+    if (b.synthetic_weights) {
+      note.hidden = false;
+      note.innerHTML =
+        `This server runs <b>synthetic weights</b> (${b.model.preset} preset): it answers with babble, not speech, ` +
+        'with forced lengths. Point <code>[model]</code> at a MiniCPM-o 4.5 checkpoint for real speech.';
+    }
+    const sel = $('voice');
+    for (const v of b.voices || []) sel.add(new Option(v, v));
+    $('build').textContent = `antiphon ${b.version} · ${b.model.source} ${b.model.preset} · ${b.model.device}`;
+    return b;
+  } catch (e) {
+    log('build_info: ' + e);
+    return {};
+  }
+}
+
+function wsUrl() {
+  const proto = location.protocol === 'https:' ? 'wss:' : 'ws:';
+  const token = params.get('token');
+  return `${proto}//${location.host}/v1/realtime${token ? '?token=' + encodeURIComponent(token) : ''}`;
+}
+
+// ---- audio out ---------------------------------------------------------------------------
+
+function resample(x, from, to) {
+  if (from === to) return x;
+  const n = Math.floor((x.length * to) / from);
+  const y = new Float32Array(n);
+  const r = from / to;
+  for (let i = 0; i < n; i++) {
+    const p = i * r;
+    const j = Math.floor(p);
+    const f = p - j;
+    y[i] = x[j] * (1 - f) + (j + 1 < x.length ? x[j + 1] : x[j]) * f;
+  }
+  return y;
+}
+
+function play(samples, rate) {
+  player.port.postMessage({ type: 'push', samples: resample(samples, rate, audioCtx.sampleRate) });
+}
+
+function makeDecoder() {
+  if (typeof AudioDecoder === 'undefined') return null;
+  const d = new AudioDecoder({
+    output: (data) => {
+      const pcm = new Float32Array(data.numberOfFrames);
+      data.copyTo(pcm, { planeIndex: 0, format: 'f32-planar' });
+      play(pcm, data.sampleRate);
+      data.close();
+    },
+    error: (e) => log('decoder: ' + e),
+  });
+  d.configure({ codec: 'opus', sampleRate: outRate, numberOfChannels: 1 });
+  return d;
+}
+
+function onAudio(f) {
+  stats.seqs.push(f.seq);
+  stats.audioPackets++;
+  stats.audioSeqs.push(f.seq);
+  const r = (stats.responses[f.responseId] ||= { packets: 0, donePackets: null, status: null, cancelled: false });
+  r.packets++;
+  if (r.cancelled) return;
+  if (current && current.id === f.responseId && current.first === null) {
+    current.first = performance.now();
+    const ttfa = Math.round(current.first - current.start);
+    stats.ttfa.push(ttfa);
+    $('ttfa').textContent = `${ttfa} ms`;
+    $('ttfas').textContent = stats.ttfa.slice(-8).join(' · ');
+  }
+  if (decoder) {
+    decoder.decode(new EncodedAudioChunk({ type: 'key', timestamp: stats.audioPackets * 20000, data: f.payload }));
+  } else {
+    const dv = new DataView(f.payload.buffer, f.payload.byteOffset, f.payload.byteLength);
+    const pcm = new Float32Array(f.payload.byteLength / 2);
+    for (let i = 0; i < pcm.length; i++) pcm[i] = dv.getInt16(2 * i, true) / 32768;
+    play(pcm, outRate);
+  }
+  if (f.flags & FLAG_LAST) {
+    const end = () => player.port.postMessage({ type: 'end' });
+    decoder ? decoder.flush().then(end, end) : end();
+  }
+}
+
+function onEvent(m) {
+  if (m.seq !== undefined) stats.seqs.push(m.seq);
+  switch (m.type) {
+    case 'session.created':
+      log(`session ${m.session_id} (${m.mode}), resumable for ${m.resume_grace_s} s`);
+      outRate = 24000;
+      break;
+    case 'session.resumed':
+      log(`resumed; the server had applied input up to ${m.input_seq}`);
+      break;
+    case 'response.created':
+      current = { id: m.response_id, start: inputEnd ?? performance.now(), first: null, playedAtStart: stats.playedSamples };
+      stats.responses[m.response_id] ||= { packets: 0, donePackets: null, status: null, cancelled: false };
+      inputEnd = null;
+      $('reply').textContent = '';
+      log(`response ${m.response_id} (${m.trigger})`);
+      break;
+    case 'response.text.delta':
+      $('reply').textContent += m.text;
+      break;
+    case 'response.done': {
+      const r = (stats.responses[m.response_id] ||= { packets: 0, donePackets: null, status: null, cancelled: false });
+      r.donePackets = m.packets;
+      r.audioMs = m.audio_ms;
+      r.status = m.status;
+      log(`response ${m.response_id} ${m.status}: ${m.packets} packets, ${m.audio_ms} ms of audio`);
+      break;
+    }
+    case 'duplex.listen':
+    case 'duplex.speak':
+      $('duplex').textContent = `unit ${m.unit}: ${m.type.slice(7)}`;
+      break;
+    case 'error':
+      log(`error ${m.code}: ${m.message}${m.fatal ? ' (fatal)' : ''}`);
+      break;
+    case 'session.closing':
+      log(`server closing the session: ${m.reason}`);
+      break;
+  }
+}
+
+// ---- audio in ----------------------------------------------------------------------------
+
+function makeEncoder(rate) {
+  if (typeof AudioEncoder === 'undefined' || params.get('pcm') === '1') return null;
+  const e = new AudioEncoder({
+    output: (chunk) => {
+      const bytes = new Uint8Array(chunk.byteLength);
+      chunk.copyTo(bytes);
+      client.sendAudio(bytes);
+      stats.sentPackets++;
+    },
+    error: (err) => log('encoder: ' + err),
+  });
+  e.configure({ codec: 'opus', sampleRate: rate, numberOfChannels: 1, bitrate: 32000, opus: { frameDuration: 20000 } });
+  return e;
+}
+
+let micTime = 0;
+function send(frame) {
+  if (encoder) {
+    encoder.encode(new AudioData({ format: 'f32-planar', sampleRate: audioCtx.sampleRate, numberOfFrames: frame.length, numberOfChannels: 1, timestamp: micTime, data: frame }));
+    micTime += (frame.length / audioCtx.sampleRate) * 1e6;
+  } else {
+    const pcm = new Int16Array(frame.length);
+    for (let i = 0; i < frame.length; i++) pcm[i] = Math.max(-32768, Math.min(32767, Math.round(frame[i] * 32767)));
+    client.sendAudio(new Uint8Array(pcm.buffer));
+    stats.sentPackets++;
+  }
+}
+
+function assistantSpeaking() {
+  if (!current) return false;
+  const r = stats.responses[current.id];
+  return stats.depthMs > 0 || (r && r.status === null);
+}
+
+/** Barge-in (turn mode): stop the answer, drop what is queued, tell the server what was heard. */
+function bargeIn() {
+  if (!current) return;
+  const r = stats.responses[current.id];
+  if (r) r.cancelled = true;
+  const heard = Math.max(0, Math.round(((stats.playedSamples - (current.playedAtStart ?? 0)) / audioCtx.sampleRate) * 1000));
+  client.send({ type: 'response.cancel', response_id: current.id });
+  client.send({ type: 'playback', response_id: current.id, played_ms: heard });
+  player.port.postMessage({ type: 'flush' });
+  log(`barge-in: response ${current.id} cancelled after ${heard} ms heard`);
+  current = null;
+}
+
+async function commit() {
+  if (encoder) await encoder.flush();
+  client.send({ type: 'input.commit' });
+  inputEnd = performance.now();
+  log('turn committed');
+}
+
+function onMicFrame(frame) {
+  let e = 0;
+  for (const s of frame) e += s * s;
+  const rms = Math.sqrt(e / frame.length);
+  $('level').value = Math.min(1, rms * 8);
+  // while reconnecting, input goes to the client's resend buffer and leaves on resume
+  if (!client || !client.session) return;
+  const mode = $('mode').value;
+  if (mode === 'duplex') {
+    send(frame);
+    return;
+  }
+  if ($('handsfree').checked) {
+    const loud = rms > Number($('threshold').value);
+    if (!talking) {
+      preroll.push(frame);
+      if (preroll.length > 10) preroll.shift();
+      if (loud) {
+        talking = true;
+        vadQuiet = 0;
+        if (assistantSpeaking()) bargeIn();
+        for (const f of preroll.splice(0)) send(f);
+        $('ptt').classList.add('on');
+      }
+      return;
+    }
+    send(frame);
+    vadQuiet = loud ? 0 : vadQuiet + 1;
+    if (vadQuiet >= 40) {
+      // 800 ms of quiet ends the turn
+      talking = false;
+      $('ptt').classList.remove('on');
+      commit();
+    }
+    return;
+  }
+  if (talking) send(frame);
+}
+
+// ---- session -----------------------------------------------------------------------------
+
+async function start(info) {
+  if (client) return;
+  $('connect').disabled = true;
+  audioCtx = new AudioContext({ sampleRate: 48000, latencyHint: 'interactive' });
+  await audioCtx.audioWorklet.addModule('worklets.js');
+  player = new AudioWorkletNode(audioCtx, 'player', { outputChannelCount: [1] });
+  player.connect(audioCtx.destination);
+  player.port.onmessage = (e) => {
+    const m = e.data;
+    stats.playedSamples = m.played;
+    stats.depthMs = Math.round((m.depth / audioCtx.sampleRate) * 1000);
+    stats.stalls = m.stalls;
+    stats.stallMs = Math.round(m.stallMs);
+    $('depth').textContent = `${stats.depthMs} ms`;
+    $('stalls').textContent = `${stats.stalls} (${stats.stallMs} ms)`;
+    $('played').textContent = `${(m.played / audioCtx.sampleRate).toFixed(1)} s`;
+  };
+  try {
+    micStream = await navigator.mediaDevices.getUserMedia({ audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true } });
+    micNode = new AudioWorkletNode(audioCtx, 'capture');
+    audioCtx.createMediaStreamSource(micStream).connect(micNode);
+    micNode.port.onmessage = (e) => onMicFrame(e.data);
+  } catch (e) {
+    log('no microphone: ' + e.message + ' (text input still works)');
+  }
+  encoder = makeEncoder(audioCtx.sampleRate);
+  decoder = makeDecoder();
+  stats.codecIn = encoder ? 'opus' : 'pcm16';
+  stats.codecOut = decoder ? 'opus' : 'pcm16';
+  $('codecs').textContent = `in ${stats.codecIn} ${audioCtx.sampleRate / 1000} kHz · out ${stats.codecOut} 24 kHz`;
+
+  const mode = $('mode').value;
+  const create = {
+    type: 'session.create',
+    mode,
+    input_audio: { codec: stats.codecIn, sample_rate: audioCtx.sampleRate },
+    output_audio: { codec: stats.codecOut, frame_ms: 20 },
+    voice: await voiceChoice(),
+  };
+  if (info.synthetic_weights) {
+    // synthetic weights decide nothing: force lengths, and speak every other unit in duplex
+    const text = Number(params.get('text_tokens') || 16);
+    const audio = Number(params.get('audio_tokens') || 75);
+    create.generation = { min_text_tokens: text, max_text_tokens: text, min_audio_tokens: audio, max_audio_tokens: audio };
+    if (mode === 'duplex') create.duplex = { policy: 'speak_every', k: Number(params.get('speak_every') || 2) };
+  }
+  client = new Client(wsUrl(), create);
+  client.addEventListener('state', (e) => {
+    setState(e.detail.state, e.detail.detail);
+    stats.reconnects = client.reconnects;
+    $('reconnects').textContent = client.reconnects;
+  });
+  client.addEventListener('event', (e) => onEvent(e.detail));
+  client.addEventListener('audio', (e) => onAudio(e.detail));
+  setInterval(() => {
+    stats.duplicates = client.duplicates;
+    $('dups').textContent = client.duplicates;
+  }, 250);
+  client.connect();
+  $('hangup').disabled = false;
+  $('drop').disabled = false;
+}
+
+async function voiceChoice() {
+  const file = $('ref').files[0];
+  if (!file) return { id: $('voice').value || 'default' };
+  const bytes = new Uint8Array(await file.arrayBuffer());
+  const rate = new DataView(bytes.buffer).getUint32(24, true); // WAV fmt chunk
+  let bin = '';
+  for (let i = 0; i < bytes.length; i += 0x8000) bin += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  log(`reference voice: ${file.name}, ${(bytes.length / 1024).toFixed(0)} KiB at ${rate} Hz`);
+  return { ref_audio_b64: btoa(bin), sample_rate: rate };
+}
+
+function sendText() {
+  const text = $('text').value.trim();
+  if (!text || !client) return;
+  if (assistantSpeaking()) bargeIn();
+  client.send({ type: 'input.text', text });
+  inputEnd = performance.now();
+  $('text').value = '';
+}
+
+async function main() {
+  const info = await buildInfo();
+  setState('idle');
+  $('connect').onclick = () => start(info);
+  $('hangup').onclick = () => {
+    client && client.close();
+    micStream && micStream.getTracks().forEach((t) => t.stop());
+    $('hangup').disabled = true;
+    $('drop').disabled = true;
+  };
+  $('drop').onclick = () => client && client.drop();
+  $('send').onclick = sendText;
+  $('text').onkeydown = (e) => e.key === 'Enter' && sendText();
+  const ptt = $('ptt');
+  const down = () => {
+    if (!client || $('handsfree').checked) return;
+    if (assistantSpeaking()) bargeIn();
+    talking = true;
+    ptt.classList.add('on');
+  };
+  const up = () => {
+    if (!talking || $('handsfree').checked) return;
+    talking = false;
+    ptt.classList.remove('on');
+    if ($('mode').value === 'turn') commit();
+  };
+  ptt.onpointerdown = down;
+  ptt.onpointerup = up;
+  ptt.onpointerleave = up;
+  document.addEventListener('keydown', (e) => e.code === 'Space' && e.target === document.body && (e.preventDefault(), down()));
+  document.addEventListener('keyup', (e) => e.code === 'Space' && e.target === document.body && up());
+  if (params.get('autoconnect') === '1') start(info);
+}
+
+main();
