@@ -35,7 +35,7 @@ xz -T0 -6 -f .device/antiphon
 if [ "${PARITY:-1}" = 1 ]; then
   for t in parity_lm parity_c2w parity_prompt; do
     exe=$(cargo test --release --features cuda --test $t --no-run --message-format=json 2>/dev/null \
-      | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')
+      | python3 -c 'import json,sys; t=sys.argv[1]; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["name"] == t and "test" in m["target"]["kind"]][-1])' "$t")
     strip -o .device/$t "$exe"
     xz -T0 -6 -f .device/$t
   done

@@ -29,8 +29,9 @@ if [ "${PARITY:-1}" = 1 ] && ls .device/parity_*.xz > /dev/null 2>&1; then
   for x in .device/parity_*.xz; do
     t=$(basename "$x" .xz)
     xz -dc "$x" > "/tmp/$t" && chmod +x "/tmp/$t"
-    ANTIPHON_TEST_DEVICE=cuda ANTIPHON_REPO=$PWD "/tmp/$t" --test-threads 1 >> "$RES/parity.txt" 2>&1
-    echo "$t: $(grep -E '^test result' "$RES/parity.txt" | tail -1)"
+    ANTIPHON_TEST_DEVICE=cuda ANTIPHON_REPO=$PWD "/tmp/$t" --test-threads 1 > "$RES/parity-$t.txt" 2>&1
+    echo "$t: $(grep -E '^test result' "$RES/parity-$t.txt" || echo "DID NOT RUN: $(tail -2 "$RES/parity-$t.txt")")"
+    cat "$RES/parity-$t.txt" >> "$RES/parity.txt"
   done
   grep -E "relative error|FAILED|panicked" "$RES/parity.txt" | sort | uniq -c | sort -rn | head -5
 fi

@@ -184,12 +184,33 @@ await test('a network drop mid-response: the page resumes with nothing lost and 
   await page.close();
 });
 
+await test('barge-in: talking over the answer cancels it and reports what was heard', async () => {
+  const page = await openPage('text_tokens=8&audio_tokens=250');
+  await connect(page);
+  await page.fill('#text', 'Please read this sentence aloud: we shared bread, cheese and ripe pears.');
+  await page.press('#text', 'Enter');
+  // wait until the answer is audibly playing, then press to talk over it
+  await page.waitForFunction(() => window.antiphon.stats.playedSamples > 48000 * 0.5, null, { timeout: 60000 });
+  await page.dispatchEvent('#ptt', 'pointerdown');
+  const id = Number(Object.keys((await stats(page)).responses)[0]);
+  await page.waitForFunction((id) => window.antiphon.stats.responses[id].status !== null, id, { timeout: 30000 });
+  await page.dispatchEvent('#ptt', 'pointerup');
+  const s = await stats(page);
+  const r = s.responses[id];
+  await page.screenshot({ path: path.join(artifacts, '4-barge-in.png'), fullPage: true });
+  assert(r.status === 'cancelled', `the answer was cancelled (${r.status})`);
+  assert(r.donePackets < 250 * 2, `it stopped early: ${r.donePackets} packets of a 10 s answer`);
+  assert(s.events.some((e) => /barge-in: response \d+ cancelled after \d+ ms heard/.test(e)), 'the page told the server what was heard');
+  assert(s.depthMs < 100, `the queued answer was dropped (${s.depthMs} ms left)`);
+  await page.close();
+});
+
 await test('duplex: audio streams both ways, listen/speak decisions and a spoken turn', async () => {
   const page = await openPage('text_tokens=4&speak_every=2');
   await connect(page, 'duplex');
   await page.waitForFunction(() => Object.values(window.antiphon.stats.responses).some((r) => r.status === 'completed'), null, { timeout: 60000 });
   const s = await stats(page);
-  await page.screenshot({ path: path.join(artifacts, '4-duplex.png'), fullPage: true });
+  await page.screenshot({ path: path.join(artifacts, '5-duplex.png'), fullPage: true });
   const events = s.events.join('\n');
   assert(s.sentPackets >= 50, `the microphone streams continuously (${s.sentPackets} packets)`);
   assert(/\(duplex\)/.test(events), 'a response triggered by the model (duplex)');
