@@ -23,6 +23,8 @@ const stats = {
   ttfa: [], // ms, one per response
   responses: {}, // id -> {packets, donePackets, status, cancelled}
   reconnects: 0,
+  resumes: [], // {applied: the server's input_seq, sent: the client's} at each resume
+  unapplied: 0, // input the server has not confirmed yet
   duplicates: 0,
   events: [],
 };
@@ -102,7 +104,7 @@ function play(samples, rate) {
 }
 
 function makeDecoder() {
-  if (typeof AudioDecoder === 'undefined') return null;
+  if (typeof AudioDecoder === 'undefined' || params.get('pcm') === '1') return null;
   const d = new AudioDecoder({
     output: (data) => {
       const pcm = new Float32Array(data.numberOfFrames);
@@ -152,7 +154,8 @@ function onEvent(m) {
       outRate = 24000;
       break;
     case 'session.resumed':
-      log(`resumed; the server had applied input up to ${m.input_seq}`);
+      stats.resumes.push({ applied: m.input_seq, sent: client.inputSeq });
+      log(`resumed; the server had applied input up to ${m.input_seq} of ${client.inputSeq}; resending the rest`);
       break;
     case 'response.created':
       current = { id: m.response_id, start: inputEnd ?? performance.now(), first: null, playedAtStart: stats.playedSamples };
@@ -338,6 +341,7 @@ async function start(info) {
   client.addEventListener('audio', (e) => onAudio(e.detail));
   setInterval(() => {
     stats.duplicates = client.duplicates;
+    stats.unapplied = client.outbox.length;
     $('dups').textContent = client.duplicates;
   }, 250);
   client.connect();
@@ -345,15 +349,28 @@ async function start(info) {
   $('drop').disabled = false;
 }
 
+/**
+ * The voice: a configured one, or an uploaded recording in any format the browser decodes, sent
+ * as the first 6 s of 16 kHz mono PCM16 (what the model uses of it; it fits the protocol's 256 KiB
+ * text frame once in base64).
+ */
 async function voiceChoice() {
   const file = $('ref').files[0];
   if (!file) return { id: $('voice').value || 'default' };
-  const bytes = new Uint8Array(await file.arrayBuffer());
-  const rate = new DataView(bytes.buffer).getUint32(24, true); // WAV fmt chunk
+  const decoded = await audioCtx.decodeAudioData(await file.arrayBuffer());
+  const mono = new Float32Array(decoded.length);
+  for (let c = 0; c < decoded.numberOfChannels; c++) {
+    const ch = decoded.getChannelData(c);
+    for (let i = 0; i < mono.length; i++) mono[i] += ch[i] / decoded.numberOfChannels;
+  }
+  const pcm16k = resample(mono, decoded.sampleRate, 16000).subarray(0, 16000 * 6);
+  const pcm = new Int16Array(pcm16k.length);
+  for (let i = 0; i < pcm.length; i++) pcm[i] = Math.max(-32768, Math.min(32767, Math.round(pcm16k[i] * 32767)));
+  const bytes = new Uint8Array(pcm.buffer);
   let bin = '';
   for (let i = 0; i < bytes.length; i += 0x8000) bin += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
-  log(`reference voice: ${file.name}, ${(bytes.length / 1024).toFixed(0)} KiB at ${rate} Hz`);
-  return { ref_audio_b64: btoa(bin), sample_rate: rate };
+  log(`reference voice: ${file.name}, ${(pcm.length / 16000).toFixed(1)} s sent as 16 kHz PCM16`);
+  return { ref_audio_b64: btoa(bin), sample_rate: 16000 };
 }
 
 function sendText() {

@@ -184,6 +184,49 @@ await test('a network drop mid-response: the page resumes with nothing lost and 
   await page.close();
 });
 
+await test('input spoken during a drop is kept and resent after the resume', async () => {
+  const page = await openPage('text_tokens=8&audio_tokens=50');
+  await connect(page);
+  await page.dispatchEvent('#ptt', 'pointerdown');
+  await page.waitForTimeout(500);
+  proxy.cut();
+  await page.waitForTimeout(700); // still talking while the network is down
+  await page.waitForFunction(() => window.antiphon.stats.state === 'connected', null, { timeout: 30000 });
+  await page.waitForTimeout(300);
+  await page.dispatchEvent('#ptt', 'pointerup');
+  await page.waitForFunction(() => Object.values(window.antiphon.stats.responses).some((r) => r.status), null, { timeout: 60000 });
+  await page.waitForFunction(() => window.antiphon.stats.unapplied === 0, null, { timeout: 10000 });
+  const s = await stats(page);
+  const r = Object.values(s.responses)[0];
+  assert(s.resumes.length >= 1, 'the page resumed');
+  const { applied, sent } = s.resumes[0];
+  assert(applied < sent, `input was waiting at the resume (server had ${applied} of ${sent}) and was resent`);
+  assert(r.status === 'completed' && r.packets === r.donePackets, `the spoken turn was answered in full (${r.status}, ${r.packets}/${r.donePackets})`);
+  assertGapless(s.seqs);
+  console.log(`      resume: server had applied ${applied} of ${sent} inputs; ${s.sentPackets} packets sent in all, all applied`);
+  await page.close();
+});
+
+await test('PCM16 both ways (no WebCodecs) and an uploaded reference voice', async () => {
+  const page = await openPage('pcm=1&text_tokens=8&audio_tokens=50');
+  await page.setInputFiles('#ref', wav);
+  await connect(page);
+  await page.fill('#text', 'Please read this sentence aloud: the festival starts after the parade.');
+  await page.press('#text', 'Enter');
+  await page.waitForFunction(() => Object.values(window.antiphon.stats.responses).some((r) => r.status), null, { timeout: 60000 });
+  const id = Number(Object.keys((await stats(page)).responses)[0]);
+  await waitPlayed(page, id);
+  const s = await stats(page);
+  const r = s.responses[id];
+  assert(s.codecIn === 'pcm16' && s.codecOut === 'pcm16', `PCM16 in and out (${s.codecIn}/${s.codecOut})`);
+  assert(s.events.some((e) => /reference voice: default\.wav, 6\.0 s sent as 16 kHz PCM16/.test(e)), 'the uploaded voice was sent');
+  assert(!s.events.some((e) => /error/.test(e)), `no error: ${s.events.filter((e) => /error/.test(e))}`);
+  assert(r.status === 'completed' && r.packets === r.donePackets, `answered in the uploaded voice (${r.status})`);
+  const playedMs = (s.playedSamples / 48000) * 1000;
+  assert(Math.abs(playedMs - r.audioMs) <= 60, `played ${playedMs.toFixed(0)} ms of ${r.audioMs} ms`);
+  await page.close();
+});
+
 await test('barge-in: talking over the answer cancels it and reports what was heard', async () => {
   const page = await openPage('text_tokens=8&audio_tokens=250');
   await connect(page);
