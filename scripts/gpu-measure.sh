@@ -3,7 +3,8 @@
 # scripts/build-cuda.sh, start the server on configs/minicpmo45-synthetic.toml (full-size synthetic
 # weights made on the GPU, bf16), wait until it is warm (weights, kernel JIT, one request through
 # all stages), run the bench on each workload, snapshot /metrics after each (per-stage step times),
-# and pack everything into $OUT/results.tgz (+ the server log).
+# and pack everything into $OUT/results.tgz (+ the server log). Before the server: the parity
+# fixtures on the GPU (PARITY=1) and each stage's step timed alone (PROFILE=1, antiphon profile).
 #
 #   OUT=/some/dir WORKLOADS="tts clone" LEVELS=1,2,4,8,16,32 REQUESTS=16 scripts/gpu-measure.sh
 set -uo pipefail
@@ -34,6 +35,12 @@ if [ "${PARITY:-1}" = 1 ] && ls .device/parity_*.xz > /dev/null 2>&1; then
     cat "$RES/parity-$t.txt" >> "$RES/parity.txt"
   done
   grep -E "relative error|FAILED|panicked" "$RES/parity.txt" | sort | uniq -c | sort -rn | head -5
+fi
+# each stage's step alone (antiphon profile), before the server takes the GPU
+if [ "${PROFILE:-1}" = 1 ]; then
+  /tmp/antiphon profile --config "$CONFIG" --iters "${PROFILE_ITERS:-8}" --batch "${PROFILE_BATCH:-1,8,32}" --out "$RES/profile.json" \
+    > "$RES/profile.txt" 2>&1
+  grep -E "B=" "$RES/profile.txt"
 fi
 t0=$(date +%s)
 RUST_LOG=info,tower_http=warn /tmp/antiphon serve --config "$CONFIG" --listen 127.0.0.1:8080 > "$RES/server.log" 2>&1 &
