@@ -241,7 +241,7 @@ async function commit() {
   if (encoder) await encoder.flush();
   client.send({ type: 'input.commit' });
   inputEnd = performance.now();
-  log('turn committed');
+  log(`turn committed (${stats.sentPackets} packets sent so far)`);
 }
 
 function onMicFrame(frame) {

@@ -82,23 +82,20 @@ function assertGapless(seqs) {
 const proxy = new CuttingProxy(target.hostname, Number(target.port || 80));
 const port = await proxy.listen();
 const base = `http://127.0.0.1:${port}`;
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
-  headless: true,
-  args: [
-    '--no-sandbox',
-    '--disable-gpu',
-    '--disable-quic',
-    '--no-first-run',
-    '--disable-background-networking',
-    '--disable-component-update',
-    '--disable-sync',
-    '--autoplay-policy=no-user-gesture-required',
-    '--use-fake-ui-for-media-stream',
-    '--use-fake-device-for-media-stream',
-    `--use-file-for-fake-audio-capture=${wav}`,
-  ],
-});
+const chromeArgs = (mic) => [
+  '--no-sandbox',
+  '--disable-gpu',
+  '--disable-quic',
+  '--no-first-run',
+  '--disable-background-networking',
+  '--disable-component-update',
+  '--disable-sync',
+  '--autoplay-policy=no-user-gesture-required',
+  '--use-fake-ui-for-media-stream',
+  '--use-fake-device-for-media-stream',
+  `--use-file-for-fake-audio-capture=${mic}`,
+];
+const browser = await chromium.launch({ executablePath: process.env.CHROMIUM || '/usr/bin/chromium', headless: true, args: chromeArgs(wav) });
 
 async function openPage(query) {
   const page = await browser.newPage();
@@ -262,6 +259,45 @@ await test('duplex: audio streams both ways, listen/speak decisions and a spoken
   assertGapless(s.seqs);
   await page.click('#hangup');
   await page.close();
+});
+
+await test('hands-free: the level VAD starts the turn on speech and commits it after the pause', async () => {
+  // a microphone that speaks for 1.5 s, then is quiet for 2.5 s (Chromium loops the file)
+  const src = fs.readFileSync(wav);
+  const speech = src.subarray(44, 44 + 16000 * 2 * 1.5);
+  const pcm = Buffer.concat([speech, Buffer.alloc(16000 * 2 * 2.5)]);
+  const header = Buffer.alloc(44);
+  header.write('RIFF', 0);
+  header.writeUInt32LE(36 + pcm.length, 4);
+  header.write('WAVEfmt ', 8);
+  header.writeUInt32LE(16, 16);
+  header.writeUInt16LE(1, 20);
+  header.writeUInt16LE(1, 22);
+  header.writeUInt32LE(16000, 24);
+  header.writeUInt32LE(32000, 28);
+  header.writeUInt16LE(2, 32);
+  header.writeUInt16LE(16, 34);
+  header.write('data', 36);
+  header.writeUInt32LE(pcm.length, 40);
+  const file = path.join(artifacts, 'speech-then-pause.wav');
+  fs.writeFileSync(file, Buffer.concat([header, pcm]));
+  const b2 = await chromium.launch({ executablePath: process.env.CHROMIUM || '/usr/bin/chromium', headless: true, args: chromeArgs(file) });
+  try {
+    const page = await b2.newPage();
+    await page.goto(`${base}/?text_tokens=8&audio_tokens=50`);
+    await page.waitForFunction(() => window.antiphon && document.getElementById('voice').options.length > 0, null, { timeout: 15000 });
+    await page.check('#handsfree');
+    await connect(page);
+    await page.waitForFunction(() => window.antiphon.stats.events.some((e) => /turn committed/.test(e)), null, { timeout: 30000 });
+    await page.waitForFunction(() => Object.values(window.antiphon.stats.responses).some((r) => r.status === 'completed'), null, { timeout: 60000 });
+    const s = await stats(page);
+    await page.screenshot({ path: path.join(artifacts, '6-handsfree.png'), fullPage: true });
+    const first = Number(/turn committed \((\d+) packets/.exec(s.events.find((e) => /turn committed/.test(e)))[1]);
+    assert(first >= 50 && first <= 180, `the first turn holds the utterance, not the whole pause (${first} packets)`);
+    assert(s.ttfa.length >= 1, 'the answer came');
+  } finally {
+    await b2.close();
+  }
 });
 
 await browser.close();
