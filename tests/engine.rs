@@ -315,3 +315,29 @@ fn bf16_weights_run_end_to_end() {
         }
     }
 }
+
+#[test]
+fn a_cached_prompt_prefix_gives_the_same_response() {
+    let off = engine(EngineConfig { thinker_prefix_cache: 0, ..EngineConfig::default() });
+    let on = engine(EngineConfig::default());
+    let run = |e: &Engine| {
+        let a = collect(submit(e, spec("a", "the first question", 10, 30, 3)));
+        let b = collect(submit(e, spec("b", "a second, longer question", 12, 35, 4)));
+        (a, b)
+    };
+    let (a0, b0) = run(&off);
+    let (a1, b1) = run(&on);
+    let m = on.metrics().render();
+    // the first request prefilled the system turn with the voice, the second started from it
+    assert!(m.contains("antiphon_prefix_cache_total{event=\"miss\"} 1"), "{m}");
+    assert!(m.contains("antiphon_prefix_cache_total{event=\"hit\"} 1"), "{m}");
+    assert!(!off.metrics().render().contains("antiphon_prefix_cache_total{event=\"hit\"}"));
+    for (x, y) in [(&a0, &a1), (&b0, &b1)] {
+        assert_eq!(x.text, y.text);
+        assert_eq!(x.codes, y.codes);
+        let (p, q): (Vec<f32>, Vec<f32>) = (x.audio.concat(), y.audio.concat());
+        assert_eq!(p.len(), q.len());
+        let err = p.iter().zip(&q).map(|(u, v)| (u - v).abs()).fold(0f32, f32::max);
+        assert!(err < 1e-4, "the prefix cache changed the audio by {err}");
+    }
+}

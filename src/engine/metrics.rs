@@ -15,6 +15,8 @@ pub struct EngineMetrics {
     pub first_audio_seconds: Histogram,
     /// Where the first-audio time goes: each milestone of a request, from its admission.
     pub phase_seconds: HistogramVec,
+    /// Thinker prompt-prefix cache lookups (`hit`, `miss`).
+    pub prefix_cache: IntCounterVec,
 }
 
 impl Default for EngineMetrics {
@@ -62,6 +64,8 @@ impl EngineMetrics {
             &["phase"],
         )
         .expect("valid metric");
+        let prefix_cache =
+            IntCounterVec::new(Opts::new("antiphon_prefix_cache_total", "Thinker prompt-prefix cache lookups"), &["event"]).expect("valid metric");
         for c in [
             Box::new(step_seconds.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(batch_size.clone()),
@@ -71,10 +75,11 @@ impl EngineMetrics {
             Box::new(requests.clone()),
             Box::new(first_audio_seconds.clone()),
             Box::new(phase_seconds.clone()),
+            Box::new(prefix_cache.clone()),
         ] {
             registry.register(c).expect("unique metric");
         }
-        Self { registry, step_seconds, batch_size, queue_depth, prefetch, prefetch_skips, requests, first_audio_seconds, phase_seconds }
+        Self { registry, step_seconds, batch_size, queue_depth, prefetch, prefetch_skips, requests, first_audio_seconds, phase_seconds, prefix_cache }
     }
 
     pub fn prefetch_count(&self, event: &str) -> u64 {

@@ -57,6 +57,9 @@ pub struct EngineConfig {
     /// Code2Wav has delivered (`None`: as fast as it can). On one GPU the stages' steps slow each
     /// other down; codes made long before Code2Wav can use them only slow down its chunk 0.
     pub talker_lead_chunks: Option<usize>,
+    /// Prompt prefixes (the system turn with the voice) whose KV the Thinker keeps for the next
+    /// request that starts with them (0 = off).
+    pub thinker_prefix_cache: usize,
     pub ref_cache_capacity: usize,
     pub setup_cache_capacity: usize,
     /// Reference prefetch, phase A (materialize + prepare).
@@ -94,6 +97,7 @@ impl Default for EngineConfig {
             context_codes: 3,
             talker_streaming_prefill: false,
             talker_lead_chunks: Some(1),
+            thinker_prefix_cache: 4,
             ref_cache_capacity: 4,
             setup_cache_capacity: 1,
             prefetch: true,

@@ -36,6 +36,9 @@ struct Active {
     rows: Vec<Tensor>,
     /// Rows already streamed to the Talker.
     streamed: usize,
+    /// The prompt's shareable prefix (the system turn with the voice): its key and length, to
+    /// store its KV once prefilled.
+    prefix: Option<(u64, usize)>,
 }
 
 pub struct Stage0 {
@@ -53,10 +56,21 @@ pub struct Stage0 {
     /// The audio encoder's embeddings of recent reference voices, by content: the same voice in
     /// every system prompt is encoded once.
     ref_embeds: VecDeque<(u64, Tensor)>,
+    /// KV of recent prompt prefixes (the system turn with the voice: the same for every request
+    /// of a session, and for every session with that voice and instructions), most recent first.
+    prefixes: VecDeque<(u64, KvCache)>,
 }
 
 /// Reference voices whose embeddings Stage 0 keeps.
 const REF_EMBED_CACHE: usize = 8;
+
+fn prefix_key(ids: &[u32], voice: u64) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    ids.hash(&mut h);
+    voice.hash(&mut h);
+    h.finish()
+}
 
 fn content_key(samples: &[f32], rate: u32) -> u64 {
     use std::hash::{Hash, Hasher};
@@ -116,6 +130,7 @@ impl Stage0 {
             duplex: Vec::new(),
             forbid,
             ref_embeds: VecDeque::new(),
+            prefixes: VecDeque::new(),
         }
     }
 
@@ -231,12 +246,42 @@ impl Stage0 {
             seed: codes_seed,
         });
         let prompt_len = ids.len();
+        // the system turn (through its <|im_end|>) is shared by requests with the same voice and
+        // instructions: start from its cached KV when there is one
+        let prefix = (self.cfg.thinker_prefix_cache > 0)
+            .then(|| ids.iter().position(|&t| t == s.im_end).map(|end| end + 1))
+            .flatten()
+            .filter(|&len| len < prompt_len)
+            .map(|len| {
+                let voice = if self.cfg.thinker_hears_reference { content_key(&spec.voice.samples, spec.voice.sample_rate) } else { 0 };
+                (prefix_key(&ids[..len], voice), len)
+            });
+        let mut cache = self.thinker.llm.new_cache();
+        let mut prefill_pos = 0;
+        let mut store = prefix;
+        if let Some((key, len)) = prefix {
+            if let Some(i) = self.prefixes.iter().position(|(k, c)| *k == key && c.len() == len) {
+                let hit = self.prefixes.remove(i).expect("found");
+                match hit.1.copy_prefix(len, prompt_len - len + max + 8) {
+                    Ok(c) => {
+                        cache = c;
+                        prefill_pos = len;
+                        store = None;
+                        self.metrics.prefix_cache.with_label_values(&["hit"]).inc();
+                    }
+                    Err(e) => tracing::warn!("prefix cache copy failed: {e:#}"),
+                }
+                self.prefixes.push_front(hit);
+            } else {
+                self.metrics.prefix_cache.with_label_values(&["miss"]).inc();
+            }
+        }
         self.active.push(Active {
             id: spec.id,
             epoch: spec.epoch,
-            cache: self.thinker.llm.new_cache(),
+            cache,
             prefill: Some(embeds),
-            prefill_pos: 0,
+            prefill_pos,
             ids,
             prompt_len,
             next: None,
@@ -245,6 +290,7 @@ impl Stage0 {
             text: TextStream::new(),
             rows: Vec::new(),
             streamed: 0,
+            prefix: store,
         });
     }
 
@@ -310,6 +356,12 @@ impl Stage0 {
                     continue;
                 }
                 a.prefill = None;
+                if let Some((key, len)) = a.prefix.take() {
+                    if !self.prefixes.iter().any(|(k, _)| *k == key) {
+                        self.prefixes.push_front((key, a.cache.copy_prefix(len, 0)?));
+                        self.prefixes.truncate(self.cfg.thinker_prefix_cache);
+                    }
+                }
             } else {
                 // the fed token was generated: keep its row for the Talker
                 a.rows.push(hidden[k].narrow(0, rows - 1, 1)?.to_dtype(DType::F32)?);

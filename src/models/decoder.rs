@@ -71,6 +71,32 @@ impl KvCache {
         self.len = self.len.min(len);
     }
 
+    /// A deep copy of the first `len` positions, in buffers with room for `headroom` more (the
+    /// copy and this cache never share storage).
+    pub fn copy_prefix(&self, len: usize, headroom: usize) -> Result<Self> {
+        let len = len.min(self.len);
+        let cap = (len + headroom).max(64).next_multiple_of(64);
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.as_ref()
+                    .map(|(k, v)| -> Result<(Tensor, Tensor)> {
+                        let (h, _, d) = k.dims3()?;
+                        let nk = Tensor::zeros((h, cap, d), k.dtype(), k.device())?;
+                        let nv = Tensor::zeros((h, cap, d), v.dtype(), v.device())?;
+                        if len > 0 {
+                            nk.slice_set(&k.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+                            nv.slice_set(&v.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+                        }
+                        Ok((nk, nv))
+                    })
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { layers, len })
+    }
+
     /// Bytes held by the buffers (capacity, not length).
     pub fn bytes(&self) -> usize {
         self.layers.iter().flatten().map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()).sum()

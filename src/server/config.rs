@@ -133,6 +133,8 @@ pub struct EngineSection {
     /// Turn mode: the Talker runs at most this many chunks ahead of the delivered audio (-1: no
     /// limit).
     pub talker_lead_chunks: i64,
+    /// Prompt prefixes (the system turn with the voice) whose KV the Thinker keeps (0 = off).
+    pub thinker_prefix_cache: usize,
     pub ref_cache_capacity: usize,
     pub setup_cache_capacity: usize,
     pub prefetch: bool,
@@ -161,6 +163,7 @@ impl Default for EngineSection {
             chunk_codes: e.chunk_codes,
             talker_streaming_prefill: e.talker_streaming_prefill,
             talker_lead_chunks: e.talker_lead_chunks.map(|n| n as i64).unwrap_or(-1),
+            thinker_prefix_cache: e.thinker_prefix_cache,
             ref_cache_capacity: e.ref_cache_capacity,
             setup_cache_capacity: e.setup_cache_capacity,
             prefetch: e.prefetch,
@@ -187,6 +190,7 @@ impl EngineSection {
             chunk_codes: self.chunk_codes,
             talker_streaming_prefill: self.talker_streaming_prefill,
             talker_lead_chunks: usize::try_from(self.talker_lead_chunks).ok(),
+            thinker_prefix_cache: self.thinker_prefix_cache,
             ref_cache_capacity: self.ref_cache_capacity,
             setup_cache_capacity: self.setup_cache_capacity,
             prefetch: self.prefetch,
