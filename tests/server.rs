@@ -154,7 +154,12 @@ async fn a_basic_exchange_with_gapless_seq() {
     assert_eq!(done["status"], "completed");
     assert_eq!(done["packets"], 74);
     assert_eq!(done["audio_ms"], 1480);
-    assert!(ms.iter().any(|m| m.ty() == "ack"), "the server acknowledges input");
+    // the server acknowledges the applied input within its ack period (500 ms), which a fast
+    // response may finish before
+    if !ms.iter().any(|m| m.ty() == "ack") {
+        let ack = tokio::time::timeout(std::time::Duration::from_secs(2), c.event("ack")).await.expect("the server acknowledges input");
+        assert_eq!(ack["input_seq"], 1);
+    }
     // ping / pong and a clean close
     c.send(json!({"type": "ping", "id": "p1"})).await;
     assert_eq!(c.event("pong").await["id"], "p1");
