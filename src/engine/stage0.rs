@@ -55,14 +55,44 @@ pub struct Stage0 {
     forbid: Vec<u32>,
     /// The audio encoder's embeddings of recent reference voices, by content: the same voice in
     /// every system prompt is encoded once.
-    ref_embeds: VecDeque<(u64, Tensor)>,
+    ref_embeds: Recent<Tensor>,
     /// KV of recent prompt prefixes (the system turn with the voice: the same for every request
     /// of a session, and for every session with that voice and instructions), most recent first.
-    prefixes: VecDeque<(u64, KvCache)>,
+    prefixes: Recent<KvCache>,
 }
 
 /// Reference voices whose embeddings Stage 0 keeps.
 const REF_EMBED_CACHE: usize = 8;
+
+/// A few values by content key, most recently used first; the least recent goes beyond `cap`.
+struct Recent<V> {
+    entries: VecDeque<(u64, V)>,
+    cap: usize,
+}
+
+impl<V> Recent<V> {
+    fn new(cap: usize) -> Self {
+        Self { entries: VecDeque::new(), cap }
+    }
+
+    fn contains(&self, key: u64) -> bool {
+        self.entries.iter().any(|(k, _)| *k == key)
+    }
+
+    /// The value, now the most recent.
+    fn get(&mut self, key: u64) -> Option<&V> {
+        let i = self.entries.iter().position(|(k, _)| *k == key)?;
+        let hit = self.entries.remove(i).expect("found");
+        self.entries.push_front(hit);
+        self.entries.front().map(|(_, v)| v)
+    }
+
+    fn insert(&mut self, key: u64, value: V) {
+        self.entries.retain(|(k, _)| *k != key);
+        self.entries.push_front((key, value));
+        self.entries.truncate(self.cap);
+    }
+}
 
 fn prefix_key(ids: &[u32], voice: u64) -> u64 {
     use std::hash::{Hash, Hasher};
@@ -100,6 +130,7 @@ impl Stage0 {
         to_talker: SyncSender<Stage1Msg>,
     ) -> Self {
         let s = *tok.special();
+        let prefix_cap = cfg.thinker_prefix_cache;
         // Tokens a spoken reply never contains (synthetic weights would otherwise emit them).
         let forbid = vec![
             s.tts_pad,
@@ -129,8 +160,8 @@ impl Stage0 {
             active: Vec::new(),
             duplex: Vec::new(),
             forbid,
-            ref_embeds: VecDeque::new(),
-            prefixes: VecDeque::new(),
+            ref_embeds: Recent::new(REF_EMBED_CACHE),
+            prefixes: Recent::new(prefix_cap),
         }
     }
 
@@ -145,15 +176,12 @@ impl Stage0 {
     /// The reference voice's audio embeddings (cached by content).
     fn reference_embeddings(&mut self, samples: &[f32], rate: u32) -> Result<Tensor> {
         let key = content_key(samples, rate);
-        if let Some(i) = self.ref_embeds.iter().position(|(k, _)| *k == key) {
-            let hit = self.ref_embeds.remove(i).expect("found");
-            self.ref_embeds.push_front(hit.clone());
-            return Ok(hit.1);
+        if let Some(hit) = self.ref_embeds.get(key) {
+            return Ok(hit.clone());
         }
         let r16 = crate::audio::resample(samples, rate, 16_000)?;
         let emb = self.thinker.encode_clip(&r16[..r16.len().min(16_000 * 6)])?;
-        self.ref_embeds.push_front((key, emb.clone()));
-        self.ref_embeds.truncate(REF_EMBED_CACHE);
+        self.ref_embeds.insert(key, emb.clone());
         Ok(emb)
     }
 
@@ -260,9 +288,9 @@ impl Stage0 {
         let mut prefill_pos = 0;
         let mut store = prefix;
         if let Some((key, len)) = prefix {
-            if let Some(i) = self.prefixes.iter().position(|(k, c)| *k == key && c.len() == len) {
-                let hit = self.prefixes.remove(i).expect("found");
-                match hit.1.copy_prefix(len, prompt_len - len + max + 8) {
+            // (the key hashes the prefix's ids, so a hit holds exactly `len` positions)
+            if let Some(hit) = self.prefixes.get(key) {
+                match hit.copy_prefix(len, prompt_len - len + max + 8) {
                     Ok(c) => {
                         cache = c;
                         prefill_pos = len;
@@ -271,7 +299,6 @@ impl Stage0 {
                     }
                     Err(e) => tracing::warn!("prefix cache copy failed: {e:#}"),
                 }
-                self.prefixes.push_front(hit);
             } else {
                 self.metrics.prefix_cache.with_label_values(&["miss"]).inc();
             }
@@ -357,9 +384,8 @@ impl Stage0 {
                 }
                 a.prefill = None;
                 if let Some((key, len)) = a.prefix.take() {
-                    if !self.prefixes.iter().any(|(k, _)| *k == key) {
-                        self.prefixes.push_front((key, a.cache.copy_prefix(len, 0)?));
-                        self.prefixes.truncate(self.cfg.thinker_prefix_cache);
+                    if !self.prefixes.contains(key) {
+                        self.prefixes.insert(key, a.cache.copy_prefix(len, 0)?);
                     }
                 }
             } else {

@@ -142,7 +142,6 @@ impl Stage1 {
         self.start_segments()?;
         let mut ids = Vec::new();
         let mut embeds = Vec::new();
-        let mut dead = Vec::new();
         self.paced = false;
         for id in &self.order {
             if ids.len() >= self.cfg.talker_max_batch {
@@ -153,10 +152,8 @@ impl Stage1 {
                 Tensor::cat(&r.pending, 0)?
             } else if let (true, Some(c)) = (r.decoding, r.last_code) {
                 if let (Some(lead), None) = (self.cfg.talker_lead_chunks, &r.duplex) {
-                    let Some(delivered) = self.registry.chunks_if_live(id, r.epoch) else {
-                        dead.push(id.clone());
-                        continue;
-                    };
+                    // (a request that just ended is dropped by the next step's sweep)
+                    let Some(delivered) = self.registry.chunks_if_live(id, r.epoch) else { continue };
                     if r.codes >= self.pacing_limit(delivered, lead) {
                         self.paced = true;
                         continue;
@@ -168,9 +165,6 @@ impl Stage1 {
             };
             ids.push(id.clone());
             embeds.push(e);
-        }
-        for id in dead {
-            self.remove(&id);
         }
         if ids.is_empty() {
             return Ok(false);

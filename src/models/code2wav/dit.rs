@@ -41,10 +41,9 @@ fn layer_norm_plain(x: &Tensor, ones: &Tensor, zeros: &Tensor, eps: f64) -> Resu
     candle_nn::ops::layer_norm(&x.contiguous()?, ones, zeros, eps as f32)
 }
 
-/// A LayerNorm with affine parameters over the last dim of any (made contiguous) input.
+/// A LayerNorm over the last dim; contiguous input takes candle's fused kernel.
 fn layer_norm_affine(x: &Tensor, ln: &LayerNorm) -> Result<Tensor> {
-    let beta = ln.bias().cloned().map(Ok).unwrap_or_else(|| ln.weight().zeros_like())?;
-    candle_nn::ops::layer_norm(&x.contiguous()?, ln.weight(), &beta, ln.eps() as f32)
+    ln.forward(&x.contiguous()?)
 }
 
 fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {

@@ -197,14 +197,8 @@ impl Code2Wav {
         let mut out = Vec::with_capacity(streams.len());
         for (st, mel) in streams.iter_mut().zip(mels) {
             st.frames += mel.dim(1)?;
-            let mel = mel.unsqueeze(0)?.to_dtype(DType::F32)?;
-            let audio = match (&self.vocoder, &mut st.vocoder) {
-                (Vocoder::Causal(h), VocoderState::Causal(vs)) => h.stream(vs, &mel, last)?,
-                (Vocoder::Original(h), VocoderState::Original(vs)) => h.stream_original(vs, &mel, last)?,
-                _ => return Err(anyhow!("vocoder state does not match the vocoder")),
-            };
+            out.push(self.vocode_chunk(st, &mel, last)?);
             st.finished = last;
-            out.push(audio);
         }
         Ok(out)
     }
@@ -214,7 +208,7 @@ impl Code2Wav {
         Ok(self.flow.chunk(codes, &st.speaker.clone(), &mut st.flow, last)?)
     }
 
-    /// Profiling: the vocoder's share of one chunk alone (`mel`: `[80, frames]`).
+    /// The vocoder's share of one chunk (`mel`: `[80, frames]`); alone, for profiling.
     pub fn vocode_chunk(&self, st: &mut StreamState, mel: &Tensor, last: bool) -> Result<Tensor> {
         let mel = mel.unsqueeze(0)?.to_dtype(DType::F32)?;
         match (&self.vocoder, &mut st.vocoder) {
