@@ -30,7 +30,7 @@ if [ "${PARITY:-1}" = 1 ] && ls .device/parity_*.xz > /dev/null 2>&1; then
   for x in .device/parity_*.xz; do
     t=$(basename "$x" .xz)
     xz -dc "$x" > "/tmp/$t" && chmod +x "/tmp/$t"
-    ANTIPHON_TEST_DEVICE=cuda ANTIPHON_REPO=$PWD "/tmp/$t" --test-threads 1 > "$RES/parity-$t.txt" 2>&1
+    ANTIPHON_TEST_DEVICE=cuda ANTIPHON_REPO=$PWD timeout "${PARITY_TIMEOUT:-150}" "/tmp/$t" --test-threads 1 > "$RES/parity-$t.txt" 2>&1
     echo "$t: $(grep -E '^test result' "$RES/parity-$t.txt" || echo "DID NOT RUN: $(tail -2 "$RES/parity-$t.txt")")"
     cat "$RES/parity-$t.txt" >> "$RES/parity.txt"
   done
@@ -38,7 +38,7 @@ if [ "${PARITY:-1}" = 1 ] && ls .device/parity_*.xz > /dev/null 2>&1; then
 fi
 # each stage's step alone (antiphon profile), before the server takes the GPU
 if [ "${PROFILE:-1}" = 1 ]; then
-  /tmp/antiphon profile --config "$CONFIG" --iters "${PROFILE_ITERS:-8}" --batch "${PROFILE_BATCH:-1,8,32}" --out "$RES/profile.json" \
+  timeout "${PROFILE_TIMEOUT:-200}" /tmp/antiphon profile --config "$CONFIG" --iters "${PROFILE_ITERS:-8}" --batch "${PROFILE_BATCH:-1,8,32}" --out "$RES/profile.json" \
     > "$RES/profile.txt" 2>&1
   grep -E "B=" "$RES/profile.txt"
 fi

@@ -87,8 +87,13 @@ impl Checkpoint {
 
 /// Builds the Thinker and the Talker from any `VarBuilder` rooted at the checkpoint's top level.
 pub fn load_models(vb: &VarBuilder, cfg: &MiniCpmoConfig) -> Result<(Thinker, Talker)> {
+    load_models_on(vb, cfg, vb.device())
+}
+
+/// As [`load_models`], with the Talker's tensors on `talker_device` (its own stream).
+pub fn load_models_on(vb: &VarBuilder, cfg: &MiniCpmoConfig, talker_device: &Device) -> Result<(Thinker, Talker)> {
     let thinker = Thinker::load(vb.clone(), cfg).context("loading the Thinker (llm., apm., audio_projection_layer.)")?;
-    let talker = Talker::load(vb.pp("tts"), &cfg.tts_config).context("loading the Talker (tts.)")?;
+    let talker = Talker::load(vb.pp("tts").set_device(talker_device.clone()), &cfg.tts_config).context("loading the Talker (tts.)")?;
     Ok((thinker, talker))
 }
 

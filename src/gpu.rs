@@ -4,21 +4,77 @@
 //! to the driver, and the next step maps it again. With three stage threads synchronising at
 //! different moments, one stage's sync trims the memory the others are about to reuse. We keep it:
 //! the pool grows to the working set once and stays there.
+//!
+//! Streams: a candle CUDA device is one stream. By default each stage gets its own device on the
+//! same GPU (its own stream, same context and memory pool), so one stage's kernels never queue
+//! behind another's: a Thinker decode step no longer waits for a Code2Wav chunk's kernels ahead
+//! of it in a shared queue. Tensors cross stages only through the host (Stage 0 sends the
+//! Talker its hidden rows as host memory), so no tensor is ever used on two streams.
+//!
+//! Architecture invariant: a tensor is used only on the stream (candle device) that made it.
+//! That is what lets us switch off cudarc's per-allocation event tracking (two CUDA events per
+//! buffer, a wait and a record per kernel argument): it only guards buffers shared between
+//! streams, and it cost about as many driver calls as the kernel launches themselves.
 
 use anyhow::{Context, Result};
 use candle_core::Device;
 
+/// The device of each stage (the same one on the CPU or with `streams = "one"`).
+#[derive(Debug, Clone)]
+pub struct StageDevices {
+    pub thinker: Device,
+    pub talker: Device,
+    pub code2wav: Device,
+}
+
+impl StageDevices {
+    /// All three stages on `dev`.
+    pub fn same(dev: &Device) -> Self {
+        Self { thinker: dev.clone(), talker: dev.clone(), code2wav: dev.clone() }
+    }
+}
+
+fn ordinal(spec: &str) -> Result<Option<usize>> {
+    if spec == "cpu" {
+        return Ok(None);
+    }
+    let Some(rest) = spec.strip_prefix("cuda") else { anyhow::bail!("device {spec:?}: expected cpu, cuda or cuda:N") };
+    let rest = rest.trim_start_matches(':');
+    Ok(Some(if rest.is_empty() { 0 } else { rest.parse().with_context(|| format!("device {spec:?}: cuda device ordinal"))? }))
+}
+
 /// The device a configuration names (`cpu`, `cuda`, `cuda:N`), tuned for serving.
 pub fn open(spec: &str) -> Result<Device> {
-    if spec == "cpu" {
-        return Ok(Device::Cpu);
-    }
-    let ordinal = spec.strip_prefix("cuda").map(|r| r.trim_start_matches(':')).unwrap_or("0");
-    let ordinal: usize = if ordinal.is_empty() { 0 } else { ordinal.parse().context("cuda device ordinal")? };
+    let Some(ordinal) = ordinal(spec)? else { return Ok(Device::Cpu) };
     let dev = Device::new_cuda(ordinal).with_context(|| format!("device {spec}: this build has no CUDA, or no GPU is present"))?;
+    no_event_tracking(&dev);
     keep_pool_memory(&dev)?;
     Ok(dev)
 }
+
+/// The stages' devices: on CUDA with `per_stage_streams`, one stream per stage on the same GPU.
+pub fn open_stages(spec: &str, per_stage_streams: bool) -> Result<StageDevices> {
+    let first = open(spec)?;
+    if first.is_cpu() || !per_stage_streams {
+        return Ok(StageDevices::same(&first));
+    }
+    Ok(StageDevices { thinker: first, talker: open(spec)?, code2wav: open(spec)? })
+}
+
+#[cfg(feature = "cuda")]
+fn no_event_tracking(dev: &Device) {
+    let Device::Cuda(d) = dev else { return };
+    if std::env::var("ANTIPHON_CUDA_EVENT_TRACKING").is_ok_and(|v| v == "1") {
+        tracing::info!("cuda: event tracking kept on (ANTIPHON_CUDA_EVENT_TRACKING=1)");
+        return;
+    }
+    // SAFETY: called before this device has made any tensor, and every tensor of it is used only
+    // on its own stream (the invariant above), so stream order alone orders every use and free.
+    unsafe { d.disable_event_tracking() };
+}
+
+#[cfg(not(feature = "cuda"))]
+fn no_event_tracking(_dev: &Device) {}
 
 #[cfg(feature = "cuda")]
 fn keep_pool_memory(dev: &Device) -> Result<()> {

@@ -243,11 +243,10 @@ fn main() -> Result<()> {
             };
             let t0 = std::time::Instant::now();
             let models = antiphon::server::load_models(&cfg)?;
-            let dev = antiphon::server::parse_device(&cfg.model.device)?;
             eprintln!("models ready in {:.1} s", t0.elapsed().as_secs_f64());
             let voice = &cfg.voices[0];
             let (samples, rate) = antiphon::audio::decode_wav(&std::fs::read(&voice.wav)?)?;
-            let timings = antiphon::bench::profile::run(&models, &dev, iters.max(1), &batch, (&samples, rate))?;
+            let timings = antiphon::bench::profile::run(&models, iters.max(1), &batch, (&samples, rate))?;
             if let Some(o) = out {
                 std::fs::write(&o, serde_json::to_string_pretty(&timings)?)?;
             }

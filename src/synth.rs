@@ -666,10 +666,15 @@ pub fn write_token2wav(dir: &Path, preset: Preset, seed: u64) -> Result<()> {
 
 /// Every model of a preset from synthetic weights, in memory (the embedded default's models).
 pub fn models_in_memory(preset: Preset, seed: u64, dtype: DType, dev: &Device) -> Result<crate::engine::Models> {
+    models_on(preset, seed, dtype, &crate::gpu::StageDevices::same(dev))
+}
+
+/// As [`models_in_memory`], each stage's model on its own device (stream).
+pub fn models_on(preset: Preset, seed: u64, dtype: DType, devs: &crate::gpu::StageDevices) -> Result<crate::engine::Models> {
     let cfg = preset.config();
-    let vb = SyntheticBackend::var_builder(&cfg, seed, dtype, dev);
-    let (thinker, talker) = crate::checkpoint::load_models(&vb, &cfg)?;
+    let vb = SyntheticBackend::var_builder(&cfg, seed, dtype, &devs.thinker);
+    let (thinker, talker) = crate::checkpoint::load_models_on(&vb, &cfg, &devs.talker)?;
     let tokenizer = crate::tokenizer::TextTokenizer::from_bytes(tokenizer_json(&preset.special_ids()).to_string().as_bytes())?;
-    let code2wav = code2wav_in_memory(preset, seed, dtype, dev)?;
+    let code2wav = code2wav_in_memory(preset, seed, dtype, &devs.code2wav)?;
     Ok(crate::engine::Models { thinker, talker, code2wav, tokenizer })
 }

@@ -7,7 +7,7 @@ mod common;
 use std::collections::HashMap;
 
 use antiphon::checkpoint::{load_models, Checkpoint};
-use antiphon::models::decoder::{KvCache, StreamStep};
+use antiphon::models::decoder::{DecodeMode, KvCache, StreamStep};
 use antiphon::models::mel::WhisperLogMel;
 use antiphon::models::talker::{ConditionMode, Talker};
 use antiphon::models::thinker::{AudioMarkers, Thinker};
@@ -99,9 +99,21 @@ fn parity_thinker_llm_prefill_with_spliced_audio() {
 
 #[test]
 fn parity_thinker_llm_chunked_prefill_then_decode() {
+    thinker_chunked_prefill_then_decode(DecodeMode::Eager);
+}
+
+/// The one-token steps over fixed-address buffers (on CUDA: captured graphs, replayed).
+#[test]
+fn parity_thinker_llm_decode_static_and_graph() {
+    thinker_chunked_prefill_then_decode(DecodeMode::Static);
+    thinker_chunked_prefill_then_decode(DecodeMode::Graph);
+}
+
+fn thinker_chunked_prefill_then_decode(mode: DecodeMode) {
     let io = load_io(FIX);
     let meta = load_meta(FIX);
-    let (thinker, _) = models();
+    let (mut thinker, _) = models();
+    thinker.llm.set_decode_mode(mode);
     let tids = ids(&meta["llm_text_ids"]);
     let mut cache = thinker.llm.new_cache();
     let mut rows = Vec::new();
@@ -187,8 +199,63 @@ fn parity_talker_condition_embeddings() {
 
 #[test]
 fn parity_talker_prefill_and_decode_logits() {
+    talker_prefill_and_decode(DecodeMode::Eager);
+}
+
+#[test]
+fn parity_talker_decode_static_and_graph() {
+    talker_prefill_and_decode(DecodeMode::Static);
+    talker_prefill_and_decode(DecodeMode::Graph);
+}
+
+/// Static/graph one-token steps against op-by-op ones past a capacity growth (64 -> 128
+/// positions), with a batched step and a truncation in between: the same rows.
+#[test]
+fn thinker_graph_decode_across_growth_batching_and_truncation() {
+    let meta = load_meta(FIX);
+    let tids = ids(&meta["llm_text_ids"]);
+    let seq: Vec<u32> = tids.iter().cycle().take(80).copied().collect();
+    let run = |mode: DecodeMode| -> Vec<Tensor> {
+        let (mut thinker, _) = models();
+        thinker.llm.set_decode_mode(mode);
+        let llm = &thinker.llm;
+        let (mut a, mut b) = (llm.new_cache(), llm.new_cache());
+        let mut out = vec![];
+        let step =
+            |c: &mut KvCache, ids: &[u32]| llm.forward(&mut [StreamStep { cache: c, embeds: llm.embed(ids).unwrap() }]).unwrap().pop().unwrap();
+        out.push(step(&mut a, &seq[..58]));
+        out.push(step(&mut b, &seq[..5]));
+        for p in 58..62 {
+            out.push(step(&mut a, &seq[p..p + 1]));
+        }
+        // a batched step of both streams (op by op in every mode), then alone again
+        let mut both = [
+            StreamStep { cache: &mut a, embeds: llm.embed(&seq[62..63]).unwrap() },
+            StreamStep { cache: &mut b, embeds: llm.embed(&seq[5..6]).unwrap() },
+        ];
+        out.extend(llm.forward(&mut both).unwrap());
+        // drop two positions and write them again, then run past the first capacity (64)
+        a.truncate(61);
+        for p in 61..75 {
+            out.push(step(&mut a, &seq[p..p + 1]));
+        }
+        out.push(step(&mut b, &seq[6..7]));
+        out
+    };
+    let eager = run(DecodeMode::Eager);
+    for mode in [DecodeMode::Static, DecodeMode::Graph] {
+        let got = run(mode);
+        assert_eq!(got.len(), eager.len());
+        for (i, (g, e)) in got.iter().zip(&eager).enumerate() {
+            assert_close(&format!("{mode:?} row {i}"), g, e, 1e-5);
+        }
+    }
+}
+
+fn talker_prefill_and_decode(mode: DecodeMode) {
     let (io, tids, codes) = talker_inputs();
-    let (_, talker) = models();
+    let (_, mut talker) = models();
+    talker.set_decode_mode(mode);
     let cond = talker.condition(&tids, &io["talker_hidden_in"], ConditionMode::Turn).unwrap();
     let mut cache = talker.new_cache();
     let mut rows = vec![talker.forward(&mut [StreamStep { cache: &mut cache, embeds: cond }]).unwrap().pop().unwrap()];

@@ -11,7 +11,7 @@ use serde::Serialize;
 use crate::engine::Models;
 use crate::models::code2wav::prompt::Reference;
 use crate::models::code2wav::SILENCE_CODE;
-use crate::models::decoder::{KvCache, StreamStep};
+use crate::models::decoder::{DecodeMode, KvCache, StreamStep};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Timing {
@@ -21,16 +21,24 @@ pub struct Timing {
     pub min_ms: f64,
 }
 
-fn time(dev: &Device, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+/// Median and min of `iters` runs of `f`, each ended by synchronising every stage's device (each
+/// stage may have its own stream).
+fn time(devs: &[Device], iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+    let sync = || -> Result<()> {
+        for d in devs {
+            d.synchronize()?;
+        }
+        Ok(())
+    };
     for _ in 0..2 {
         f()?;
     }
-    dev.synchronize()?;
+    sync()?;
     let mut v = Vec::with_capacity(iters);
     for _ in 0..iters {
         let t0 = Instant::now();
         f()?;
-        dev.synchronize()?;
+        sync()?;
         v.push(t0.elapsed().as_secs_f64() * 1000.0);
     }
     v.sort_by(f64::total_cmp);
@@ -38,7 +46,9 @@ fn time(dev: &Device, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result
 }
 
 /// Runs every measurement; `batches` are the decode batch sizes.
-pub fn run(m: &Models, dev: &Device, iters: usize, batches: &[usize], reference: (&[f32], u32)) -> Result<Vec<Timing>> {
+pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)) -> Result<Vec<Timing>> {
+    let devs = [m.thinker.llm.decoder().device().clone(), m.talker.decoder().device().clone(), m.code2wav.device().clone()];
+    let dev = &devs[..];
     let mut out = Vec::new();
     let mut push = |what: &str, batch: usize, (median_ms, min_ms): (f64, f64)| {
         eprintln!("{what:<48} B={batch:<3} median {median_ms:>9.2} ms  min {min_ms:>9.2} ms");
@@ -66,6 +76,32 @@ pub fn run(m: &Models, dev: &Device, iters: usize, batches: &[usize], reference:
             Ok(())
         })?,
     );
+    {
+        // a prompt-prefix cache hit as the server serves it: the cached system turn's KV copied,
+        // the user turn prefilled, the last row's logits to the host
+        let mut prefix = llm.new_cache();
+        llm.forward(&mut [StreamStep { cache: &mut prefix, embeds: llm.embed(&prompt[..170])? }])?;
+        let turn = llm.embed(&prompt[170..])?;
+        push(
+            "thinker prefix hit: copy 170 + prefill 30 + logits",
+            1,
+            time(dev, iters, || {
+                let mut c = prefix.copy_prefix(170, 30 + 40)?;
+                let h = llm.forward(&mut [StreamStep { cache: &mut c, embeds: turn.clone() }])?;
+                let last = h[0].narrow(0, h[0].dim(0)? - 1, 1)?;
+                std::hint::black_box(llm.logits(&last)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+                Ok(())
+            })?,
+        );
+        push(
+            "thinker prefix copy only (170 positions)",
+            1,
+            time(dev, iters, || {
+                std::hint::black_box(prefix.copy_prefix(170, 30 + 40)?);
+                Ok(())
+            })?,
+        );
+    }
     for &b in batches {
         let mut caches = prefilled(b)?;
         let tok = llm.embed(&[42])?;
@@ -97,10 +133,47 @@ pub fn run(m: &Models, dev: &Device, iters: usize, batches: &[usize], reference:
             })?,
         );
     }
+    // one stream, one position: the step over fixed buffers, captured as a graph on CUDA
+    if batches.contains(&1) {
+        let mut g = llm.clone();
+        g.set_decode_mode(DecodeMode::Graph);
+        let mut c = llm.new_cache();
+        g.forward(&mut [StreamStep { cache: &mut c, embeds: llm.embed(&prompt)? }])?;
+        let tok = llm.embed(&[42])?;
+        push(
+            "thinker decode step (graph) + logits to host",
+            1,
+            time(dev, iters, || {
+                let h = g.forward(&mut [StreamStep { cache: &mut c, embeds: tok.clone() }])?;
+                std::hint::black_box(g.logits(&h[0])?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+                c.truncate(200);
+                Ok(())
+            })?,
+        );
+    }
     // ---- Stage 1: Talker
     let talker = &m.talker;
+    if batches.contains(&1) {
+        let mut g = talker.clone();
+        g.set_decode_mode(DecodeMode::Graph);
+        let mut c = talker.new_cache();
+        let hidden = talker.config().hidden_size;
+        let cond = Tensor::randn(0f32, 1.0, (40, hidden), talker.decoder().device())?.to_dtype(talker.embed_codes(&[0])?.dtype())?;
+        g.forward(&mut [StreamStep { cache: &mut c, embeds: cond }])?;
+        let code = talker.embed_codes(&[17])?;
+        push(
+            "talker decode step (graph) + logits to host",
+            1,
+            time(dev, iters, || {
+                let h = g.forward(&mut [StreamStep { cache: &mut c, embeds: code.clone() }])?;
+                std::hint::black_box(g.logits(&h[0])?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+                c.truncate(40);
+                Ok(())
+            })?,
+        );
+    }
     let hidden = talker.config().hidden_size;
-    let cond = Tensor::randn(0f32, 1.0, (40, hidden), dev)?.to_dtype(talker.embed_codes(&[0])?.dtype())?;
+    let cond = Tensor::randn(0f32, 1.0, (40, hidden), talker.decoder().device())?.to_dtype(talker.embed_codes(&[0])?.dtype())?;
     for &b in batches {
         let mut caches: Vec<KvCache> = (0..b)
             .map(|_| {

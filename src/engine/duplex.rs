@@ -289,7 +289,7 @@ impl Stage0 {
                         let ids = std::mem::take(&mut t.seg_ids);
                         let rows = std::mem::take(&mut t.seg_rows);
                         let turn_end = t.turn_end;
-                        let hidden = if rows.is_empty() { None } else { Some(Tensor::cat(&rows, 0)?) };
+                        let hidden = if rows.is_empty() { None } else { Some(super::stage0::to_host(&Tensor::cat(&rows, 0)?)?) };
                         let id = t.id.clone();
                         if turn_end {
                             d.turn = None;

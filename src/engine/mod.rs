@@ -33,6 +33,7 @@ pub use metrics::EngineMetrics;
 pub use types::*;
 
 use crate::models::code2wav::Code2Wav;
+use crate::models::decoder::DecodeMode;
 use crate::models::sampling::SamplingParams;
 use crate::models::talker::Talker;
 use crate::models::thinker::Thinker;
@@ -60,6 +61,9 @@ pub struct EngineConfig {
     /// Prompt prefixes (the system turn with the voice) whose KV the Thinker keeps for the next
     /// request that starts with them (0 = off).
     pub thinker_prefix_cache: usize,
+    /// One-stream decode steps of the Thinker and the Talker over fixed-address buffers, captured
+    /// as CUDA graphs on a GPU (`DecodeMode::Graph`); off: every step runs op by op.
+    pub decode_graphs: bool,
     pub ref_cache_capacity: usize,
     pub setup_cache_capacity: usize,
     /// Reference prefetch, phase A (materialize + prepare).
@@ -98,6 +102,7 @@ impl Default for EngineConfig {
             talker_streaming_prefill: false,
             talker_lead_chunks: Some(1),
             thinker_prefix_cache: 4,
+            decode_graphs: true,
             ref_cache_capacity: 4,
             setup_cache_capacity: 1,
             prefetch: true,
@@ -255,7 +260,13 @@ pub struct Engine {
 }
 
 impl Engine {
-    pub fn start(models: Models, cfg: EngineConfig) -> Result<Self> {
+    pub fn start(mut models: Models, cfg: EngineConfig) -> Result<Self> {
+        if cfg.decode_graphs && models.thinker.llm.decoder().device().is_cuda() {
+            models.thinker.llm.set_decode_mode(DecodeMode::Graph);
+        }
+        if cfg.decode_graphs && models.talker.decoder().device().is_cuda() {
+            models.talker.set_decode_mode(DecodeMode::Graph);
+        }
         let cfg = Arc::new(cfg);
         let registry = Registry::default();
         let metrics = EngineMetrics::new();

@@ -452,13 +452,20 @@ impl Stage0 {
     }
 }
 
+/// Rows for the Talker, in host memory: the Talker may run on another stream, and a tensor is used
+/// only on the stream that made it (gpu.rs). The Thinker has just synchronised for its logits, so
+/// this copy waits for nothing.
+pub(super) fn to_host(t: &Tensor) -> Result<Tensor> {
+    Ok(t.to_device(&candle_core::Device::Cpu)?)
+}
+
 /// Sends the text's hidden rows written since the last call (up to `upto`) to the Talker.
 fn send_rows(to_talker: &SyncSender<Stage1Msg>, a: &mut Active, upto: usize) -> Result<()> {
     if upto <= a.streamed {
         return Ok(());
     }
     let ids = a.ids[a.prompt_len + a.streamed..a.prompt_len + upto].to_vec();
-    let hidden = Tensor::cat(&a.rows[a.streamed..upto], 0)?;
+    let hidden = to_host(&Tensor::cat(&a.rows[a.streamed..upto], 0)?)?;
     let _ = to_talker.send(Stage1Msg::Rows { id: a.id.clone(), epoch: a.epoch, ids, hidden });
     a.streamed = upto;
     Ok(())

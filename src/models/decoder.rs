@@ -37,11 +37,14 @@ pub struct DecoderConfig {
 pub struct KvCache {
     layers: Vec<Option<(Tensor, Tensor)>>,
     len: usize,
+    /// The fixed-address buffers (and, on CUDA, the captured graph) of this stream's one-token
+    /// decode step, for the current capacity; see [`DecodeMode`].
+    step: Option<StaticStep>,
 }
 
 impl KvCache {
     pub fn new(num_layers: usize) -> Self {
-        Self { layers: (0..num_layers).map(|_| None).collect(), len: 0 }
+        Self { layers: (0..num_layers).map(|_| None).collect(), len: 0, step: None }
     }
 
     /// Positions held (= the position of the next token).
@@ -59,6 +62,7 @@ impl KvCache {
             *l = None;
         }
         self.len = 0;
+        self.step = None;
     }
 
     /// Marks `n` more positions as held, once every layer has appended them.
@@ -94,7 +98,7 @@ impl KvCache {
                     .transpose()
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { layers, len })
+        Ok(Self { layers, len, step: None })
     }
 
     /// Bytes held by the buffers (capacity, not length).
@@ -102,17 +106,16 @@ impl KvCache {
         self.layers.iter().flatten().map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()).sum()
     }
 
-    /// Writes `k`, `v` (`[kv_heads, n, head_dim]`) of `layer` at position `self.len` and returns
-    /// views of the whole history including them.
-    pub(crate) fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (h, n, d) = k.dims3()?;
-        let need = self.len + n;
+    /// Makes `layer`'s buffers hold at least `need` positions (growing by doubling, the held
+    /// positions copied over).
+    fn reserve(&mut self, layer: usize, need: usize, shape: (usize, usize), dtype: DType, dev: &Device) -> Result<&(Tensor, Tensor)> {
+        let (h, d) = shape;
         let slot = &mut self.layers[layer];
         let cap = slot.as_ref().map(|(k, _)| k.dim(1)).transpose()?.unwrap_or(0);
         if need > cap {
             let new_cap = need.max(cap * 2).max(64).next_multiple_of(64);
-            let nk = Tensor::zeros((h, new_cap, d), k.dtype(), k.device())?;
-            let nv = Tensor::zeros((h, new_cap, d), v.dtype(), v.device())?;
+            let nk = Tensor::zeros((h, new_cap, d), dtype, dev)?;
+            let nv = Tensor::zeros((h, new_cap, d), dtype, dev)?;
             if let Some((ok, ov)) = slot.as_ref() {
                 if self.len > 0 {
                     nk.slice_set(&ok.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
@@ -121,10 +124,156 @@ impl KvCache {
             }
             *slot = Some((nk, nv));
         }
-        let (bk, bv) = slot.as_ref().expect("allocated above");
-        bk.slice_set(&k.contiguous()?, 1, self.len)?;
-        bv.slice_set(&v.contiguous()?, 1, self.len)?;
+        Ok(slot.as_ref().expect("allocated above"))
+    }
+
+    /// Writes `k`, `v` (`[kv_heads, n, head_dim]`) of `layer` at position `self.len` and returns
+    /// views of the whole history including them.
+    pub(crate) fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (h, n, d) = k.dims3()?;
+        let need = self.len + n;
+        let at = self.len;
+        let (bk, bv) = self.reserve(layer, need, (h, d), k.dtype(), k.device())?;
+        bk.slice_set(&k.contiguous()?, 1, at)?;
+        bv.slice_set(&v.contiguous()?, 1, at)?;
         Ok((bk.narrow(1, 0, need)?, bv.narrow(1, 0, need)?))
+    }
+
+    /// Capacity of the buffers (positions), 0 before the first append.
+    fn capacity(&self) -> usize {
+        self.layers.iter().flatten().map(|(k, _)| k.dim(1).unwrap_or(0)).min().unwrap_or(0)
+    }
+}
+
+/// How a decoder runs a step that advances exactly one stream by one position (every decode
+/// step at concurrency 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DecodeMode {
+    /// Like any other step: attention over the held positions, the cache grown by appending.
+    #[default]
+    Eager,
+    /// Over fixed-address buffers: the input row, the position and the output row live in
+    /// buffers owned by the stream's cache; the new K/V are scattered to the position read from
+    /// device memory, and attention covers the whole capacity under a mask made from that
+    /// position. Nothing in the step depends on a host value, so the same kernels serve every
+    /// position until the capacity grows. On the CPU this is only a check of that path.
+    Static,
+    /// [`DecodeMode::Static`], captured once per stream and capacity as a CUDA graph and replayed
+    /// (one launch instead of ~700 on the Thinker). Without CUDA it runs as `Static`.
+    Graph,
+}
+
+/// The fixed-address buffers of one stream's static decode step (see [`DecodeMode::Static`]).
+struct StaticStep {
+    cap: usize,
+    /// `[1, hidden]`: the new position's embedding, copied in before each step.
+    x_in: Tensor,
+    /// `[1]` u32: the new position.
+    pos: Tensor,
+    /// `[1, hidden]`: the last layer's output after the final norm.
+    out: Tensor,
+    /// `[cap]` u32: 0..cap, to make the mask from `pos`.
+    arange: Tensor,
+    /// `[cap]` zeros and -inf of the model's dtype: the mask's two values.
+    zero: Tensor,
+    neg_inf: Tensor,
+    graph: Option<graph::Graph>,
+    /// Capture failed once for this stream: run the static step uncaptured.
+    no_graph: bool,
+}
+
+impl std::fmt::Debug for StaticStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StaticStep").field("cap", &self.cap).field("graph", &self.graph.is_some()).finish()
+    }
+}
+
+impl StaticStep {
+    fn new(cap: usize, hidden: usize, dtype: DType, dev: &Device) -> Result<Self> {
+        Ok(Self {
+            cap,
+            x_in: Tensor::zeros((1, hidden), dtype, dev)?,
+            pos: Tensor::zeros(1, DType::U32, dev)?,
+            out: Tensor::zeros((1, hidden), dtype, dev)?,
+            arange: Tensor::arange(0u32, cap as u32, dev)?,
+            zero: Tensor::zeros(cap, dtype, dev)?,
+            neg_inf: Tensor::full(f32::NEG_INFINITY, cap, dev)?.to_dtype(dtype)?,
+            graph: None,
+            no_graph: false,
+        })
+    }
+}
+
+/// CUDA graph capture of one step (the `cuda` build on a CUDA device, event tracking off).
+mod graph {
+    use candle_core::{Device, Result};
+
+    #[cfg(feature = "cuda")]
+    pub struct Graph(candle_core::cuda_backend::cudarc::driver::CudaGraph);
+    #[cfg(not(feature = "cuda"))]
+    pub struct Graph(());
+
+    // SAFETY: a graph is used only by the thread that owns its stream's cache at the time (caches
+    // move between threads only with their stage, never concurrently).
+    #[cfg(feature = "cuda")]
+    unsafe impl Send for Graph {}
+    #[cfg(feature = "cuda")]
+    unsafe impl Sync for Graph {}
+
+    /// Whether steps on `dev` can be captured. Not with cudarc's per-buffer event tracking on:
+    /// events recorded inside a capture never fire, and a later wait on one outside the graph
+    /// would hang the stream (gpu.rs switches tracking off on every device it opens).
+    #[cfg(feature = "cuda")]
+    pub fn can_capture(dev: &Device) -> bool {
+        matches!(dev, Device::Cuda(d) if !d.is_event_tracking())
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    pub fn can_capture(_dev: &Device) -> bool {
+        false
+    }
+
+    /// Runs `body` once (the step itself), then records its kernels as a graph. Candle uploads
+    /// the shapes and strides of strided kernels from host memory at each launch; a recorded
+    /// upload would read that (freed) host memory again at every replay. With candle's upload
+    /// cache on, the first run leaves each upload in a device buffer that lives as long as this
+    /// thread, and the recording copies from there. `body` must be idempotent (it is run twice
+    /// here and once per replay).
+    #[cfg(feature = "cuda")]
+    pub fn record(dev: &Device, body: impl Fn() -> Result<()>) -> Result<Graph> {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        let Device::Cuda(d) = dev else { candle_core::bail!("not a CUDA device") };
+        let _uploads = d.enable_cuda_graph_htod_cache();
+        body()?;
+        let stream = d.cuda_stream();
+        // relaxed: the other stages keep making their own driver calls meanwhile
+        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(candle_core::Error::wrap)?;
+        let ran = body();
+        let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        ran?;
+        match ended.map_err(candle_core::Error::wrap)? {
+            Some(g) => {
+                g.upload().map_err(candle_core::Error::wrap)?;
+                Ok(Graph(g))
+            }
+            None => candle_core::bail!("the capture recorded nothing"),
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    pub fn record(_dev: &Device, _body: impl Fn() -> Result<()>) -> Result<Graph> {
+        candle_core::bail!("no CUDA in this build")
+    }
+
+    impl Graph {
+        #[cfg(feature = "cuda")]
+        pub fn launch(&self) -> Result<()> {
+            self.0.launch().map_err(candle_core::Error::wrap)
+        }
+        #[cfg(not(feature = "cuda"))]
+        pub fn launch(&self) -> Result<()> {
+            candle_core::bail!("no CUDA in this build")
+        }
     }
 }
 
@@ -276,18 +425,8 @@ impl Attention {
         spans: &[(usize, usize)],
         masks: &[Option<Tensor>],
     ) -> Result<Tensor> {
-        let total = x.dim(0)?;
-        let (d, hq, hkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
-        // 1. one projection for q, k and v
-        let qkv = self.qkv_proj.forward(x)?.reshape((total, hq + 2 * hkv, d))?;
-        // 2. q and k: per-head RMSNorm (Qwen3), then RoPE, in one pass over both
-        let mut qk = qkv.narrow(1, 0, hq + hkv)?;
-        if let Some(w) = &self.qk_norm {
-            qk = candle_nn::ops::rms_norm(&qk.contiguous()?, &self.ones, self.eps as f32)?.broadcast_mul(w)?;
-        }
-        let qk = Rope::apply_fused(&qk, cos, sin)?;
-        let (q, k) = (qk.narrow(1, 0, hq)?, qk.narrow(1, hq, hkv)?);
-        let v = qkv.narrow(1, hq + hkv, hkv)?;
+        let (d, hq) = (self.head_dim, self.num_heads);
+        let (q, k, v) = self.project(x, cos, sin)?;
         // 3. attention per stream against its own cache
         let mut outs = Vec::with_capacity(spans.len());
         for ((cache, &(start, n)), mask) in caches.iter_mut().zip(spans).zip(masks) {
@@ -300,6 +439,35 @@ impl Attention {
         }
         let o = if outs.len() == 1 { outs.pop().expect("one") } else { Tensor::cat(&outs, 0)? };
         self.o_proj.forward(&o)
+    }
+}
+
+impl Attention {
+    /// Steps 1–2 of a step: `q: [N, hq, d]`, `k`, `v: [N, hkv, d]` of the packed rows `x`.
+    fn project(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let total = x.dim(0)?;
+        let (d, hq, hkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
+        // 1. one projection for q, k and v
+        let qkv = self.qkv_proj.forward(x)?.reshape((total, hq + 2 * hkv, d))?;
+        // 2. q and k: per-head RMSNorm (Qwen3), then RoPE, in one pass over both
+        let mut qk = qkv.narrow(1, 0, hq + hkv)?;
+        if let Some(w) = &self.qk_norm {
+            qk = candle_nn::ops::rms_norm(&qk.contiguous()?, &self.ones, self.eps as f32)?.broadcast_mul(w)?;
+        }
+        let qk = Rope::apply_fused(&qk, cos, sin)?;
+        Ok((qk.narrow(1, 0, hq)?, qk.narrow(1, hq, hkv)?, qkv.narrow(1, hq + hkv, hkv)?))
+    }
+
+    /// One position of one stream over fixed-capacity buffers `kv` (`[hkv, cap, d]` each): the
+    /// new K/V go to the position in `at` (`[hkv, 1, d]` u32, every entry the position) and
+    /// attention covers the capacity under `mask` (`[1, 1, 1, cap]`).
+    fn forward_static(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, kv: &(Tensor, Tensor), at: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (d, hq) = (self.head_dim, self.num_heads);
+        let (q, k, v) = self.project(x, cos, sin)?;
+        kv.0.scatter_set(at, &k.transpose(0, 1)?.contiguous()?, 1)?;
+        kv.1.scatter_set(at, &v.transpose(0, 1)?.contiguous()?, 1)?;
+        let o = attend(&q.transpose(0, 1)?, &kv.0, &kv.1, Some(mask))?;
+        self.o_proj.forward(&o.transpose(0, 1)?.reshape((1, hq * d))?)
     }
 }
 
@@ -353,6 +521,7 @@ pub struct Decoder {
     rope: Rope,
     cfg: DecoderConfig,
     device: Device,
+    mode: DecodeMode,
 }
 
 impl Decoder {
@@ -370,11 +539,24 @@ impl Decoder {
         }
         let norm = candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("norm"))?;
         let rope = Rope::new(cfg.head_dim, cfg.rope_theta, cfg.max_positions, vb.dtype(), vb.device())?;
-        Ok(Self { layers, norm, rope, cfg: *cfg, device: vb.device().clone() })
+        Ok(Self { layers, norm, rope, cfg: *cfg, device: vb.device().clone(), mode: DecodeMode::Eager })
+    }
+
+    /// How one-stream, one-position steps run (see [`DecodeMode`]).
+    pub fn set_decode_mode(&mut self, mode: DecodeMode) {
+        self.mode = mode;
+    }
+
+    pub fn decode_mode(&self) -> DecodeMode {
+        self.mode
     }
 
     pub fn config(&self) -> &DecoderConfig {
         &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     pub fn new_cache(&self) -> KvCache {
@@ -386,6 +568,10 @@ impl Decoder {
     pub fn forward(&self, streams: &mut [StreamStep<'_>]) -> Result<Vec<Tensor>> {
         if streams.is_empty() {
             return Ok(vec![]);
+        }
+        if self.mode != DecodeMode::Eager && streams.len() == 1 && streams[0].embeds.dim(0)? == 1 {
+            let s = &mut streams[0];
+            return Ok(vec![self.decode_static(s.cache, &s.embeds)?]);
         }
         let mut spans = Vec::with_capacity(streams.len());
         let mut positions: Vec<u32> = Vec::new();
@@ -422,5 +608,66 @@ impl Decoder {
         }
         let x = self.norm.forward(&x)?;
         spans.iter().map(|&(s, n)| x.narrow(0, s, n)).collect()
+    }
+
+    /// One position of one stream through the fixed-address buffers of its cache (see
+    /// [`DecodeMode::Static`]); with [`DecodeMode::Graph`] on CUDA, a replay of the captured step.
+    fn decode_static(&self, cache: &mut KvCache, embeds: &Tensor) -> Result<Tensor> {
+        let len = cache.len();
+        if len + 1 > self.rope.max_positions() {
+            candle_core::bail!("context of {} positions exceeds max_position_embeddings {}", len + 1, self.rope.max_positions());
+        }
+        let (hkv, d, dtype) = (self.cfg.num_kv_heads, self.cfg.head_dim, embeds.dtype());
+        // 1. room for this position in every layer; new buffers (a larger capacity) need a new step
+        for li in 0..self.layers.len() {
+            cache.reserve(li, len + 1, (hkv, d), dtype, &self.device)?;
+        }
+        let cap = cache.capacity();
+        if cache.step.as_ref().map(|s| s.cap) != Some(cap) {
+            cache.step = Some(StaticStep::new(cap, self.cfg.hidden_size, dtype, &self.device)?);
+        }
+        let KvCache { layers, step, .. } = cache;
+        let st = step.as_mut().expect("made above");
+        let kv: Vec<&(Tensor, Tensor)> = layers.iter().map(|l| l.as_ref().expect("reserved")).collect();
+        // 2. this step's inputs into the fixed buffers
+        st.x_in.slice_set(&embeds.contiguous()?, 0, 0)?;
+        st.pos.slice_set(&Tensor::new(&[len as u32], &self.device)?, 0, 0)?;
+        // 3. the step: replayed; or run once and recorded; or run op by op
+        if st.graph.is_none() && !st.no_graph && self.mode == DecodeMode::Graph && graph::can_capture(&self.device) {
+            match graph::record(&self.device, || self.static_body(&kv, st)) {
+                Ok(g) => st.graph = Some(g),
+                Err(e) => {
+                    tracing::warn!("decode step capture failed, running it uncaptured: {e}");
+                    st.no_graph = true;
+                    self.static_body(&kv, st)?;
+                }
+            }
+        } else {
+            match &st.graph {
+                Some(g) => g.launch()?,
+                None => self.static_body(&kv, st)?,
+            }
+        }
+        cache.advance(1);
+        let st = cache.step.as_ref().expect("made above");
+        st.out.copy()
+    }
+
+    /// The static step's kernels: reads only `st`'s buffers and the caches, writes the caches at
+    /// `st.pos` and `st.out`.
+    fn static_body(&self, kv: &[&(Tensor, Tensor)], st: &StaticStep) -> Result<()> {
+        let (hkv, d) = (self.cfg.num_kv_heads, self.cfg.head_dim);
+        let (cos, sin) = self.rope.tables_fused(&st.pos)?;
+        let mask = st.arange.broadcast_le(&st.pos)?.where_cond(&st.zero, &st.neg_inf)?.reshape((1, 1, 1, st.cap))?;
+        let at = st.pos.reshape((1, 1, 1))?.broadcast_as((hkv, 1, d))?.contiguous()?;
+        let mut x = st.x_in.clone();
+        for (layer, kv) in self.layers.iter().zip(kv) {
+            let h = layer.input_layernorm.forward(&x)?;
+            let a = layer.self_attn.forward_static(&h, &cos, &sin, kv, &at, &mask)?;
+            x = (x + a)?;
+            let h = layer.post_attention_layernorm.forward(&x)?;
+            x = (&x + layer.mlp.forward(&h)?)?;
+        }
+        st.out.slice_set(&self.norm.forward(&x)?, 0, 0)
     }
 }

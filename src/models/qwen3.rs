@@ -47,6 +47,10 @@ impl Qwen3 {
         self.model.new_cache()
     }
 
+    pub fn set_decode_mode(&mut self, mode: super::decoder::DecodeMode) {
+        self.model.set_decode_mode(mode);
+    }
+
     pub fn decoder(&self) -> &Decoder {
         &self.model
     }

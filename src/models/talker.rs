@@ -90,6 +90,14 @@ impl Talker {
         self.model.new_cache()
     }
 
+    pub fn decoder(&self) -> &Decoder {
+        &self.model
+    }
+
+    pub fn set_decode_mode(&mut self, mode: super::decoder::DecodeMode) {
+        self.model.set_decode_mode(mode);
+    }
+
     fn device(&self) -> &candle_core::Device {
         self.emb_text.embeddings().device()
     }

@@ -107,6 +107,19 @@ pub struct ModelSection {
     /// `f32` or `bf16`.
     #[serde(default = "default_dtype")]
     pub dtype: String,
+    /// On CUDA: `per_stage` (each stage its own stream on the GPU) or `one` (all stages queue on
+    /// one stream).
+    #[serde(default)]
+    pub streams: Streams,
+}
+
+/// How the stages share the GPU.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Streams {
+    #[default]
+    PerStage,
+    One,
 }
 
 fn default_preset() -> Preset {
@@ -135,6 +148,8 @@ pub struct EngineSection {
     pub talker_lead_chunks: i64,
     /// Prompt prefixes (the system turn with the voice) whose KV the Thinker keeps (0 = off).
     pub thinker_prefix_cache: usize,
+    /// CUDA graphs for one-stream decode steps (GPU only).
+    pub decode_graphs: bool,
     pub ref_cache_capacity: usize,
     pub setup_cache_capacity: usize,
     pub prefetch: bool,
@@ -164,6 +179,7 @@ impl Default for EngineSection {
             talker_streaming_prefill: e.talker_streaming_prefill,
             talker_lead_chunks: e.talker_lead_chunks.map(|n| n as i64).unwrap_or(-1),
             thinker_prefix_cache: e.thinker_prefix_cache,
+            decode_graphs: e.decode_graphs,
             ref_cache_capacity: e.ref_cache_capacity,
             setup_cache_capacity: e.setup_cache_capacity,
             prefetch: e.prefetch,
@@ -191,6 +207,7 @@ impl EngineSection {
             talker_streaming_prefill: self.talker_streaming_prefill,
             talker_lead_chunks: usize::try_from(self.talker_lead_chunks).ok(),
             thinker_prefix_cache: self.thinker_prefix_cache,
+            decode_graphs: self.decode_graphs,
             ref_cache_capacity: self.ref_cache_capacity,
             setup_cache_capacity: self.setup_cache_capacity,
             prefetch: self.prefetch,

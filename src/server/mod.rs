@@ -103,19 +103,19 @@ pub fn parse_device(s: &str) -> Result<Device> {
 
 /// Loads (or makes) the models a configuration names.
 pub fn load_models(cfg: &Config) -> Result<Models> {
-    let device = parse_device(&cfg.model.device)?;
+    let devs = crate::gpu::open_stages(&cfg.model.device, cfg.model.streams == config::Streams::PerStage)?;
     let dtype = if cfg.model.dtype == "bf16" { DType::BF16 } else { DType::F32 };
     match cfg.model.source {
-        ModelSource::Synthetic => crate::synth::models_in_memory(cfg.model.preset, cfg.model.seed, dtype, &device),
+        ModelSource::Synthetic => crate::synth::models_on(cfg.model.preset, cfg.model.seed, dtype, &devs),
         ModelSource::Checkpoint => {
             let dir = cfg.model.path.as_ref().expect("validated");
             let ck = crate::checkpoint::Checkpoint::open(dir)?;
-            let (thinker, talker) = ck.load_models(dtype, &device)?;
+            let (thinker, talker) = crate::checkpoint::load_models_on(&ck.var_builder(dtype, &devs.thinker)?, &ck.config, &devs.talker)?;
             let tokenizer = ck.tokenizer()?;
             let code2wav = crate::models::code2wav::Code2Wav::load_dir(
                 &dir.join("assets").join("token2wav"),
                 dtype,
-                &device,
+                &devs.code2wav,
                 crate::models::code2wav::BufferSeeds { seed: cfg.model.seed, ..Default::default() },
             )?;
             Ok(Models { thinker, talker, code2wav, tokenizer })

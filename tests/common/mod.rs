@@ -19,10 +19,8 @@ pub fn fixture_dir(name: &str) -> PathBuf {
 pub fn device() -> Device {
     match std::env::var("ANTIPHON_TEST_DEVICE").as_deref() {
         Err(_) | Ok("cpu") | Ok("") => Device::Cpu,
-        Ok(d) => {
-            let n = d.trim_start_matches("cuda").trim_start_matches(':').parse().unwrap_or(0);
-            Device::new_cuda(n).expect("ANTIPHON_TEST_DEVICE names a CUDA device this build cannot open")
-        }
+        // as the server opens it (event tracking off, so decode steps can be captured as graphs)
+        Ok(d) => antiphon::gpu::open(d).expect("ANTIPHON_TEST_DEVICE names a CUDA device this build cannot open"),
     }
 }
 
