@@ -261,10 +261,15 @@ pub struct Engine {
 
 impl Engine {
     pub fn start(mut models: Models, cfg: EngineConfig) -> Result<Self> {
-        if cfg.decode_graphs && models.thinker.llm.decoder().device().is_cuda() {
+        // A capture records everything issued to its stream, from any thread: a stage may capture
+        // only when no other stage issues work to the same stream (`streams = "per_stage"`).
+        let (d0, d1, d2) =
+            (models.thinker.llm.decoder().device().clone(), models.talker.decoder().device().clone(), models.code2wav.device().clone());
+        let own_stream = |d: &candle_core::Device, others: [&candle_core::Device; 2]| d.is_cuda() && !others.iter().any(|o| d.same_device(o));
+        if cfg.decode_graphs && own_stream(&d0, [&d1, &d2]) {
             models.thinker.llm.set_decode_mode(DecodeMode::Graph);
         }
-        if cfg.decode_graphs && models.talker.decoder().device().is_cuda() {
+        if cfg.decode_graphs && own_stream(&d1, [&d0, &d2]) {
             models.talker.set_decode_mode(DecodeMode::Graph);
         }
         let cfg = Arc::new(cfg);
