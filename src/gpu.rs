@@ -14,7 +14,7 @@
 //! Architecture invariant: a tensor is used only on the stream (candle device) that made it.
 //! That is what lets us switch off cudarc's per-allocation event tracking (two CUDA events per
 //! buffer, a wait and a record per kernel argument): it only guards buffers shared between
-//! streams, and it cost about as many driver calls as the kernel launches themselves.
+//! streams, adds several driver calls to every launch, and breaks graph capture.
 
 use anyhow::{Context, Result};
 use candle_core::Device;

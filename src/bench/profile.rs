@@ -153,13 +153,13 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
     }
     // ---- Stage 1: Talker
     let talker = &m.talker;
+    let hidden = talker.config().hidden_size;
+    let cond = Tensor::randn(0f32, 1.0, (40, hidden), talker.decoder().device())?.to_dtype(talker.embed_codes(&[0])?.dtype())?;
     if batches.contains(&1) {
         let mut g = talker.clone();
         g.set_decode_mode(DecodeMode::Graph);
         let mut c = talker.new_cache();
-        let hidden = talker.config().hidden_size;
-        let cond = Tensor::randn(0f32, 1.0, (40, hidden), talker.decoder().device())?.to_dtype(talker.embed_codes(&[0])?.dtype())?;
-        g.forward(&mut [StreamStep { cache: &mut c, embeds: cond }])?;
+        g.forward(&mut [StreamStep { cache: &mut c, embeds: cond.clone() }])?;
         let code = talker.embed_codes(&[17])?;
         push(
             "talker decode step (graph) + logits to host",
@@ -172,8 +172,6 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
             })?,
         );
     }
-    let hidden = talker.config().hidden_size;
-    let cond = Tensor::randn(0f32, 1.0, (40, hidden), talker.decoder().device())?.to_dtype(talker.embed_codes(&[0])?.dtype())?;
     for &b in batches {
         let mut caches: Vec<KvCache> = (0..b)
             .map(|_| {
