@@ -43,7 +43,7 @@ if [ "${PROFILE:-1}" = 1 ]; then
   grep -E "B=" "$RES/profile.txt"
 fi
 t0=$(date +%s)
-RUST_LOG=info,tower_http=warn /tmp/antiphon serve --config "$CONFIG" --listen 127.0.0.1:8080 > "$RES/server.log" 2>&1 &
+RUST_LOG=${SERVER_LOG:-info,tower_http=warn} /tmp/antiphon serve --config "$CONFIG" --listen 127.0.0.1:8080 > "$RES/server.log" 2>&1 &
 SERVER=$!
 ready=0
 for i in $(seq 1 600); do

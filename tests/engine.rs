@@ -193,6 +193,26 @@ fn a_smaller_first_chunk_comes_first() {
     assert_eq!(total, (3 + 40) * 2 * 480 + 3840);
 }
 
+/// The small first chunk is for a stream that finds the Talker (nearly) idle: a request that
+/// joins a busy Talker gets a full first chunk. Holding the Talker until the first chunk is
+/// delivered changes timing only, never the audio.
+#[test]
+fn a_small_first_chunk_only_for_a_lone_stream_and_holding_changes_no_audio() {
+    let cfg = EngineConfig { first_chunk_codes: 5, small_first_chunk_streams: 1, talker_hold_first_chunk: true, ..EngineConfig::default() };
+    let e = engine(cfg);
+    // two requests at once: the second's Begin finds the first in the Talker
+    let (ra, rb) = (submit(&e, spec("lone", "hi", 6, 40, 2)), submit(&e, spec("joins", "hello", 6, 40, 3)));
+    let (a, b) = (collect(ra), collect(rb));
+    assert_eq!((a.status.clone(), b.status.clone()), (Status::Completed, Status::Completed));
+    assert_eq!(a.audio.len(), 3, "5 + 25 + 10 new codes");
+    assert_eq!(b.audio.len(), 2, "25 + 15 new codes");
+    assert!(a.audio[0].len() < b.audio[0].len());
+    // the same requests alone, without the hold: the same audio
+    let free = engine(EngineConfig { first_chunk_codes: 5, ..EngineConfig::default() });
+    let a2 = collect(submit(&free, spec("lone", "hi", 6, 40, 2)));
+    assert_eq!(a.audio.concat(), a2.audio.concat());
+}
+
 #[test]
 fn streaming_prefill_gives_the_same_response() {
     let a = collect(submit(&engine(EngineConfig::default()), spec("a", "same input", 16, 30, 11)));
@@ -313,6 +333,39 @@ fn bf16_weights_run_end_to_end() {
             antiphon::engine::DuplexEvent::Closed { reason } => panic!("closed: {reason}"),
             _ => {}
         }
+    }
+}
+
+/// The next turn of a conversation starts from the KV its previous turn left (prompt + reply),
+/// not from the system turn alone, and answers exactly as without any prefix cache.
+#[test]
+fn a_conversations_next_turn_reuses_its_previous_turn() {
+    let off = engine(EngineConfig { thinker_prefix_cache: 0, ..EngineConfig::default() });
+    let on = engine(EngineConfig::default());
+    let reused = |e: &Engine| -> u64 {
+        let m = e.metrics().render();
+        m.lines().find_map(|l| l.strip_prefix("antiphon_prompt_positions_total{source=\"reused\"} ")).map(|v| v.parse().unwrap()).unwrap_or(0)
+    };
+    let run = |e: &Engine| -> (Outcome, Outcome, u64, u64) {
+        let first = collect(submit(e, spec("t1", "tell me about the sea", 10, 30, 3)));
+        let before = reused(e);
+        // an unrelated request: only the system turn is shared
+        let _ = collect(submit(e, spec("x", "something else entirely", 6, 20, 5)));
+        let system_only = reused(e) - before;
+        let mut next = spec("t2", "and about the mountains", 12, 30, 4);
+        next.history = vec![antiphon::engine::Turn { user: "tell me about the sea".into(), assistant: first.text.clone() }];
+        let before = reused(e);
+        let second = collect(submit(e, next));
+        (first, second, system_only, reused(e) - before)
+    };
+    let (a0, b0, _, _) = run(&off);
+    let (a1, b1, system_only, conversation) = run(&on);
+    assert!(system_only > 0, "the unrelated request shares the system turn");
+    assert!(conversation > system_only + 5, "turn 2 reused {conversation} positions, the system turn alone is {system_only}");
+    for (x, y) in [(&a0, &a1), (&b0, &b1)] {
+        assert_eq!(x.status, Status::Completed);
+        assert_eq!(x.text, y.text);
+        assert_eq!(x.codes, y.codes);
     }
 }
 

@@ -112,6 +112,38 @@ fn parity_flow_stream_utterance_chunk_by_chunk() {
     }
 }
 
+/// The flow chunk over fixed buffers (a CUDA graph on a GPU, op by op on the CPU) gives the
+/// reference's mel and the same caches as the op-by-op solve: an utterance streamed three times (a
+/// shape is captured the second time it comes, replayed the third), also with room for one graph
+/// only (every capture evicts another).
+#[test]
+fn parity_flow_graphed_chunks_match_reference() {
+    use antiphon::models::code2wav::dit::GraphPolicy;
+    let io = load_io(FIX);
+    let meta = load_meta(FIX);
+    let payloads: Vec<Vec<u32>> = meta["payloads"].as_array().unwrap().iter().map(ids).collect();
+    let eager = flow();
+    for max_graphs in [12, 1] {
+        let mut g = flow();
+        g.decoder.set_graphs(Some(GraphPolicy { max_batch: 2, max_graphs }));
+        for pass in 0..3 {
+            let (mut st, mut want) = (setup(&g), setup(&eager));
+            for (i, p) in payloads.iter().enumerate() {
+                let last = i == payloads.len() - 1;
+                let mel = g.chunk(p, &io["spk"], &mut st, last).unwrap();
+                let mel_eager = eager.chunk(p, &io["spk"], &mut want, last).unwrap();
+                let what = format!("max_graphs {max_graphs}, pass {pass}, chunk {i}");
+                assert_close(&format!("{what}: mel vs reference"), &mel, &io[&format!("chunk{i}_mel")], TOL);
+                assert_close(&format!("{what}: mel vs op by op"), &mel, &mel_eager, 1e-5);
+                assert_close(&format!("{what}: attention cache"), &st.estimator.att, &want.estimator.att, 1e-5);
+                assert_close(&format!("{what}: conv cache"), &st.estimator.cnn, &want.estimator.cnn, 1e-5);
+            }
+        }
+        let held = g.decoder.graphs_held();
+        assert!(held >= 1 && held <= max_graphs, "{held} graphs held with room for {max_graphs}");
+    }
+}
+
 #[test]
 fn parity_flow_batched_chunks_match_single() {
     let io = load_io(FIX);
@@ -174,6 +206,32 @@ fn parity_hift_streamed_chunks() {
     // every mel frame became 480 samples, plus the 8-frame silence before the first chunk
     let frames: usize = (0..n).map(|i| io[&format!("chunk{i}_mel")].dim(1).unwrap()).sum();
     assert_eq!(total, frames * 480 + 3840);
+}
+
+/// The streaming vocoder's F0 and decode steps through graphs per shape (op by op over fixed
+/// buffers on the CPU) give the reference's audio: the utterance three times over (captured on the
+/// second, replayed on the third), also with room for one shape only.
+#[test]
+fn parity_hift_graphed_streamed_chunks() {
+    let io = load_io(FIX);
+    let meta = load_meta(FIX);
+    let n = meta["payloads"].as_array().unwrap().len();
+    for max in [32, 1] {
+        let mut h = causal_hift();
+        h.set_graphs(Some(max));
+        for pass in 0..3 {
+            let mut st = h.new_state().unwrap();
+            for i in 0..n {
+                let mel = io[&format!("chunk{i}_mel")].unsqueeze(0).unwrap();
+                let audio = h.stream(&mut st, &mel, i == n - 1).unwrap();
+                let want = &io[&format!("chunk{i}_audio")];
+                assert_eq!(audio.dims(), want.dims(), "max {max}, pass {pass}, chunk {i} sample count");
+                assert_close(&format!("max {max}, pass {pass}, chunk {i} audio"), &audio, want, TOL);
+            }
+        }
+        let held = h.graphs_held();
+        assert!(held >= 1 && held <= max, "{held} shapes held with room for {max}");
+    }
 }
 
 #[test]

@@ -7,7 +7,7 @@ mod common;
 use std::collections::HashMap;
 
 use antiphon::checkpoint::{load_models, Checkpoint};
-use antiphon::models::decoder::{DecodeMode, KvCache, StreamStep};
+use antiphon::models::decoder::{CachePool, DecodeMode, KvCache, StreamStep};
 use antiphon::models::mel::WhisperLogMel;
 use antiphon::models::talker::{ConditionMode, Talker};
 use antiphon::models::thinker::{AudioMarkers, Thinker};
@@ -248,6 +248,61 @@ fn thinker_graph_decode_across_growth_batching_and_truncation() {
         assert_eq!(got.len(), eager.len());
         for (i, (g, e)) in got.iter().zip(&eager).enumerate() {
             assert_close(&format!("{mode:?} row {i}"), g, e, 1e-5);
+        }
+    }
+}
+
+/// A stream that starts in a pooled cache (stale positions from its predecessor, the same
+/// buffers, the same static step / graph) decodes exactly like one in a fresh cache, including a
+/// prompt prefix loaded into it.
+#[test]
+fn pooled_caches_carry_their_decode_step_to_the_next_stream() {
+    let meta = load_meta(FIX);
+    let tids = ids(&meta["llm_text_ids"]);
+    let seq: Vec<u32> = tids.iter().cycle().take(60).copied().collect();
+    let other: Vec<u32> = seq.iter().rev().copied().collect();
+    for mode in [DecodeMode::Static, DecodeMode::Graph] {
+        let (mut thinker, _) = models();
+        thinker.llm.set_decode_mode(mode);
+        let llm = &thinker.llm;
+        let step =
+            |c: &mut KvCache, ids: &[u32]| llm.forward(&mut [StreamStep { cache: c, embeds: llm.embed(ids).unwrap() }]).unwrap().pop().unwrap();
+        let decode = |c: &mut KvCache, ids: &[u32], from: usize, to: usize| -> Vec<Tensor> { (from..to).map(|p| step(c, &ids[p..p + 1])).collect() };
+        // the truth: fresh caches, op by op
+        let (mut eager, _) = models();
+        eager.llm.set_decode_mode(DecodeMode::Eager);
+        let want = {
+            let e = &eager.llm;
+            let mut c = e.new_cache();
+            e.forward(&mut [StreamStep { cache: &mut c, embeds: e.embed(&seq[..30]).unwrap() }]).unwrap();
+            (30..40)
+                .map(|p| e.forward(&mut [StreamStep { cache: &mut c, embeds: e.embed(&seq[p..p + 1]).unwrap() }]).unwrap().pop().unwrap())
+                .collect::<Vec<_>>()
+        };
+        let pool = CachePool::new(2);
+        let dec = llm.decoder();
+        // stream 1 fills the cache with other tokens and leaves
+        {
+            let mut c = pool.take(dec, 100).unwrap();
+            assert!(c.capacity() >= 100 && c.is_empty());
+            step(&mut c, &other[..20]);
+            decode(&mut c, &other, 20, 45);
+        }
+        assert_eq!(pool.idle(), 1, "{mode:?}: the finished stream's cache is back in the pool");
+        // stream 2 starts in it from a cached prefix (20 positions), prefills 10, decodes 10
+        let mut prefix = llm.new_cache();
+        step(&mut prefix, &seq[..20]);
+        let mut c = pool.take(dec, 100).unwrap();
+        assert_eq!(pool.idle(), 0);
+        let before = c.decode_step_capacity();
+        assert_eq!(before, Some(c.capacity()), "{mode:?}: the predecessor's decode step came with the cache");
+        c.load_prefix(&prefix, 20).unwrap();
+        assert_eq!(c.len(), 20);
+        step(&mut c, &seq[20..30]);
+        let got = decode(&mut c, &seq, 30, 40);
+        assert_eq!(c.decode_step_capacity(), before, "{mode:?}: no new decode step");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_close(&format!("{mode:?} pooled row {i}"), g, w, 1e-5);
         }
     }
 }

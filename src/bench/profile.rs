@@ -9,6 +9,7 @@ use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
 use crate::engine::Models;
+use crate::models::code2wav::dit::GraphPolicy;
 use crate::models::code2wav::prompt::Reference;
 use crate::models::code2wav::SILENCE_CODE;
 use crate::models::decoder::{DecodeMode, KvCache, StreamStep};
@@ -234,6 +235,40 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
                 Ok(())
             })?,
         );
+    }
+    {
+        // the same chunks with the flow solved as a CUDA graph (the server's default on a GPU)
+        let mut g2w = c2w.clone();
+        g2w.set_graphs(Some(GraphPolicy::default()), Some(32));
+        push(
+            "code2wav chunk 0, flow + vocoder as graphs",
+            1,
+            time(dev, iters, || {
+                let mut st = g2w.start(&f, &setup)?;
+                g2w.chunk(&mut st, &first, false)?;
+                Ok(())
+            })?,
+        );
+        push(
+            "code2wav chunk 0, flow only (graph)",
+            1,
+            time(dev, iters, || {
+                let mut st = g2w.start(&f, &setup)?;
+                g2w.flow_chunk(&mut st, &first, false)?;
+                Ok(())
+            })?,
+        );
+        let mel = g2w.flow_chunk(&mut g2w.start(&f, &setup)?, &first, false)?;
+        push(
+            "code2wav chunk 0, vocoder only (graphs)",
+            1,
+            time(dev, iters, || {
+                let mut st = g2w.start(&f, &setup)?;
+                g2w.vocode_chunk(&mut st, &mel, false)?;
+                Ok(())
+            })?,
+        );
+        eprintln!("(graphs held: flow, vocoder = {:?})", g2w.graphs_held());
     }
     for &b in batches.iter().filter(|&&b| b <= 8) {
         let mut streams = (0..b)

@@ -28,6 +28,11 @@ impl Chunker {
         Self { first, size: size.max(1), context: vec![silence; context], pending: Vec::new(), seq: 0, flushed: false }
     }
 
+    /// New codes in the first payload.
+    pub fn first(&self) -> usize {
+        self.first
+    }
+
     fn want(&self) -> usize {
         if self.seq == 0 {
             self.first

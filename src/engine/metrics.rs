@@ -17,6 +17,8 @@ pub struct EngineMetrics {
     pub phase_seconds: HistogramVec,
     /// Thinker prompt-prefix cache lookups (`hit`, `miss`).
     pub prefix_cache: IntCounterVec,
+    /// Prompt positions taken from the prefix store (`reused`) or prefilled (`prefilled`).
+    pub prompt_positions: IntCounterVec,
 }
 
 impl Default for EngineMetrics {
@@ -66,6 +68,11 @@ impl EngineMetrics {
         .expect("valid metric");
         let prefix_cache =
             IntCounterVec::new(Opts::new("antiphon_prefix_cache_total", "Thinker prompt-prefix cache lookups"), &["event"]).expect("valid metric");
+        let prompt_positions = IntCounterVec::new(
+            Opts::new("antiphon_prompt_positions_total", "Thinker prompt positions, taken from the prefix cache (reused) or prefilled"),
+            &["source"],
+        )
+        .expect("valid metric");
         for c in [
             Box::new(step_seconds.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(batch_size.clone()),
@@ -76,10 +83,23 @@ impl EngineMetrics {
             Box::new(first_audio_seconds.clone()),
             Box::new(phase_seconds.clone()),
             Box::new(prefix_cache.clone()),
+            Box::new(prompt_positions.clone()),
         ] {
             registry.register(c).expect("unique metric");
         }
-        Self { registry, step_seconds, batch_size, queue_depth, prefetch, prefetch_skips, requests, first_audio_seconds, phase_seconds, prefix_cache }
+        Self {
+            registry,
+            step_seconds,
+            batch_size,
+            queue_depth,
+            prefetch,
+            prefetch_skips,
+            requests,
+            first_audio_seconds,
+            phase_seconds,
+            prefix_cache,
+            prompt_positions,
+        }
     }
 
     pub fn prefetch_count(&self, event: &str) -> u64 {

@@ -15,6 +15,7 @@
 pub mod chunker;
 pub mod duplex;
 pub mod metrics;
+pub mod prefix;
 pub mod refcache;
 pub mod stage0;
 pub mod stage1;
@@ -48,8 +49,11 @@ pub struct EngineConfig {
     pub thinker_prefill_tokens: usize,
     pub talker_max_batch: usize,
     pub code2wav_max_batch: usize,
-    /// New codes in the first Code2Wav chunk (a smaller first chunk lowers first-audio time).
+    /// New codes in the first Code2Wav chunk (a smaller first chunk lowers first-audio time)...
     pub first_chunk_codes: usize,
+    /// ...for a stream that joins the Talker with at most this many streams (itself included);
+    /// busier, its first chunk is a full one, whose second of audio covers the next chunk's wait.
+    pub small_first_chunk_streams: usize,
     pub chunk_codes: usize,
     pub context_codes: usize,
     /// Feed the Talker's prefill row by row while the Thinker is still writing (same input).
@@ -58,12 +62,20 @@ pub struct EngineConfig {
     /// Code2Wav has delivered (`None`: as fast as it can). On one GPU the stages' steps slow each
     /// other down; codes made long before Code2Wav can use them only slow down its chunk 0.
     pub talker_lead_chunks: Option<usize>,
-    /// Prompt prefixes (the system turn with the voice) whose KV the Thinker keeps for the next
-    /// request that starts with them (0 = off).
+    /// Turn mode, with pacing on: no codes beyond a stream's small first chunk until that chunk's
+    /// audio is delivered (the stream's Talker steps would only slow its chunk 0 down).
+    pub talker_hold_first_chunk: bool,
+    /// Prompt prefixes whose KV the Thinker keeps (0 = off): system turns with their voice, and
+    /// finished turns (prompt + reply) for their conversation's next prompt. A new prompt starts
+    /// from the entry it shares the most leading ids with.
     pub thinker_prefix_cache: usize,
     /// One-stream decode steps of the Thinker and the Talker over fixed-address buffers, captured
     /// as CUDA graphs on a GPU (`DecodeMode::Graph`); off: every step runs op by op.
     pub decode_graphs: bool,
+    /// Code2Wav's chunks over fixed buffers, captured as CUDA graphs per shape on a GPU (a shape is
+    /// captured the second time it comes): the flow's 10-step CFM solve and the vocoder's F0 and
+    /// decode steps; off: op by op.
+    pub code2wav_graphs: bool,
     pub ref_cache_capacity: usize,
     pub setup_cache_capacity: usize,
     /// Reference prefetch, phase A (materialize + prepare).
@@ -97,12 +109,15 @@ impl Default for EngineConfig {
             talker_max_batch: 32,
             code2wav_max_batch: 8,
             first_chunk_codes: 25,
+            small_first_chunk_streams: usize::MAX,
             chunk_codes: 25,
             context_codes: 3,
             talker_streaming_prefill: false,
             talker_lead_chunks: Some(1),
-            thinker_prefix_cache: 4,
+            talker_hold_first_chunk: false,
+            thinker_prefix_cache: 16,
             decode_graphs: true,
+            code2wav_graphs: true,
             ref_cache_capacity: 4,
             setup_cache_capacity: 1,
             prefetch: true,
@@ -248,6 +263,10 @@ fn run_stage<S: StageLoop>(mut s: S, rx: Receiver<S::Msg>) {
     }
 }
 
+/// Shapes of the vocoder's streaming steps kept as CUDA graphs (chunk 0's, the steady chunks', a
+/// few last chunks'; each graph holds only small buffers).
+const VOCODER_GRAPHS: usize = 32;
+
 /// The running engine. Dropping it stops the stage threads.
 pub struct Engine {
     to0: Option<SyncSender<Stage0Msg>>,
@@ -271,6 +290,9 @@ impl Engine {
         }
         if cfg.decode_graphs && own_stream(&d1, [&d0, &d2]) {
             models.talker.set_decode_mode(DecodeMode::Graph);
+        }
+        if cfg.code2wav_graphs && own_stream(&d2, [&d0, &d1]) {
+            models.code2wav.set_graphs(Some(crate::models::code2wav::dit::GraphPolicy::default()), Some(VOCODER_GRAPHS));
         }
         let cfg = Arc::new(cfg);
         let registry = Registry::default();

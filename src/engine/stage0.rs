@@ -12,8 +12,9 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
 
 use super::duplex::DuplexStream;
+use super::prefix::PrefixStore;
 use super::{EngineConfig, EngineMetrics, Mode, Registry, RequestId, RequestSpec, Stage0Msg, Stage1Msg, StageLoop, Status, UserInput};
-use crate::models::decoder::{KvCache, StreamStep};
+use crate::models::decoder::{CachePool, KvCache, PooledCache, StreamStep};
 use crate::models::sampling::{LengthPolicy, Sampler};
 use crate::models::thinker::Thinker;
 use crate::tokenizer::{handoff_range, Message, Part, Role, TextStream, TextTokenizer};
@@ -21,7 +22,7 @@ use crate::tokenizer::{handoff_range, Message, Part, Role, TextStream, TextToken
 struct Active {
     id: RequestId,
     epoch: u64,
-    cache: KvCache,
+    cache: PooledCache,
     /// Prompt embeddings still to prefill.
     prefill: Option<Tensor>,
     prefill_pos: usize,
@@ -36,9 +37,13 @@ struct Active {
     rows: Vec<Tensor>,
     /// Rows already streamed to the Talker.
     streamed: usize,
-    /// The prompt's shareable prefix (the system turn with the voice): its key and length, to
-    /// store its KV once prefilled.
-    prefix: Option<(u64, usize)>,
+    /// The voice heard in the system turn (0: none), for the prefix store.
+    voice: u64,
+    /// The system turn's length, when its KV is to be stored once prefilled.
+    store_system: Option<usize>,
+    /// Positions whose KV is fixed by their ids (up to the first user audio clip): what a
+    /// finished turn may leave in the prefix store.
+    shareable: usize,
 }
 
 pub struct Stage0 {
@@ -56,9 +61,10 @@ pub struct Stage0 {
     /// The audio encoder's embeddings of recent reference voices, by content: the same voice in
     /// every system prompt is encoded once.
     ref_embeds: Recent<Tensor>,
-    /// KV of recent prompt prefixes (the system turn with the voice: the same for every request
-    /// of a session, and for every session with that voice and instructions), most recent first.
-    prefixes: Recent<KvCache>,
+    /// KV of recent system turns and finished turns, found by the longest shared run of ids.
+    prefixes: PrefixStore<KvCache>,
+    /// Caches of finished turn-mode streams, for the next ones (their decode graphs with them).
+    caches: CachePool,
 }
 
 /// Reference voices whose embeddings Stage 0 keeps.
@@ -73,10 +79,6 @@ struct Recent<V> {
 impl<V> Recent<V> {
     fn new(cap: usize) -> Self {
         Self { entries: VecDeque::new(), cap }
-    }
-
-    fn contains(&self, key: u64) -> bool {
-        self.entries.iter().any(|(k, _)| *k == key)
     }
 
     /// The value, now the most recent.
@@ -94,12 +96,13 @@ impl<V> Recent<V> {
     }
 }
 
-fn prefix_key(ids: &[u32], voice: u64) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    ids.hash(&mut h);
-    voice.hash(&mut h);
-    h.finish()
+/// The fewest shared positions worth a copy from the prefix store.
+const MIN_SHARED: usize = 8;
+
+/// Where the first audio clip after `from` (the system turn) starts: the ids before it fix their
+/// embeddings; a clip's placeholders do not (`ids.len()` when there is none).
+fn first_user_audio(ids: &[u32], from: usize, m: &crate::models::thinker::AudioMarkers) -> usize {
+    ids.iter().enumerate().skip(from).find(|(_, &t)| t == m.start || t == m.placeholder).map(|(i, _)| i).unwrap_or(ids.len())
 }
 
 fn content_key(samples: &[f32], rate: u32) -> u64 {
@@ -131,6 +134,7 @@ impl Stage0 {
     ) -> Self {
         let s = *tok.special();
         let prefix_cap = cfg.thinker_prefix_cache;
+        let pool_cap = cfg.thinker_max_batch;
         // Tokens a spoken reply never contains (synthetic weights would otherwise emit them).
         let forbid = vec![
             s.tts_pad,
@@ -161,7 +165,8 @@ impl Stage0 {
             duplex: Vec::new(),
             forbid,
             ref_embeds: Recent::new(REF_EMBED_CACHE),
-            prefixes: Recent::new(prefix_cap),
+            prefixes: PrefixStore::new(prefix_cap),
+            caches: CachePool::new(pool_cap),
         }
     }
 
@@ -274,35 +279,37 @@ impl Stage0 {
             seed: codes_seed,
         });
         let prompt_len = ids.len();
-        // the system turn (through its <|im_end|>) is shared by requests with the same voice and
-        // instructions: start from its cached KV when there is one
-        let prefix = (self.cfg.thinker_prefix_cache > 0)
-            .then(|| ids.iter().position(|&t| t == s.im_end).map(|end| end + 1))
-            .flatten()
-            .filter(|&len| len < prompt_len)
-            .map(|len| {
-                let voice = if self.cfg.thinker_hears_reference { content_key(&spec.voice.samples, spec.voice.sample_rate) } else { 0 };
-                (prefix_key(&ids[..len], voice), len)
-            });
-        let mut cache = self.thinker.llm.new_cache();
+        // the KV of the longest prompt prefix seen before (the system turn with the voice, or
+        // this conversation up to its last turn), up to the first user audio clip
+        let voice = if self.cfg.thinker_hears_reference { content_key(&spec.voice.samples, spec.voice.sample_rate) } else { 0 };
+        let system = ids.iter().position(|&t| t == s.im_end).map(|end| end + 1).filter(|&len| len < prompt_len);
+        let shareable = first_user_audio(&ids, system.unwrap_or(0), &s.audio_markers());
+        // a finished stream's cache (its buffers and captured decode step) when one fits
+        let mut cache = match self.caches.take(self.thinker.llm.decoder(), prompt_len + max + 8) {
+            Ok(c) => c,
+            Err(e) => return self.fail(&spec.id, spec.epoch, format!("thinker cache: {e:#}")),
+        };
         let mut prefill_pos = 0;
-        let mut store = prefix;
-        if let Some((key, len)) = prefix {
-            // (the key hashes the prefix's ids, so a hit holds exactly `len` positions)
-            if let Some(hit) = self.prefixes.get(key) {
-                match hit.copy_prefix(len, prompt_len - len + max + 8) {
-                    Ok(c) => {
-                        cache = c;
+        if self.cfg.thinker_prefix_cache > 0 {
+            // (at least one prompt position is prefilled: its logits start the reply)
+            match self.prefixes.lookup(voice, &ids, shareable.min(prompt_len - 1), MIN_SHARED) {
+                Some((hit, len)) => match cache.load_prefix(hit, len) {
+                    Ok(()) => {
                         prefill_pos = len;
-                        store = None;
                         self.metrics.prefix_cache.with_label_values(&["hit"]).inc();
                     }
-                    Err(e) => tracing::warn!("prefix cache copy failed: {e:#}"),
-                }
-            } else {
-                self.metrics.prefix_cache.with_label_values(&["miss"]).inc();
+                    Err(e) => {
+                        tracing::warn!("prefix cache copy failed: {e:#}");
+                        cache.truncate(0);
+                    }
+                },
+                None => self.metrics.prefix_cache.with_label_values(&["miss"]).inc(),
             }
         }
+        self.metrics.prompt_positions.with_label_values(&["reused"]).inc_by(prefill_pos as u64);
+        self.metrics.prompt_positions.with_label_values(&["prefilled"]).inc_by((prompt_len - prefill_pos) as u64);
+        let store_system = system
+            .filter(|&len| self.cfg.thinker_prefix_cache > 0 && len > prefill_pos && len <= shareable && !self.prefixes.covers(voice, &ids[..len]));
         self.active.push(Active {
             id: spec.id,
             epoch: spec.epoch,
@@ -317,7 +324,9 @@ impl Stage0 {
             text: TextStream::new(),
             rows: Vec::new(),
             streamed: 0,
-            prefix: store,
+            voice,
+            store_system,
+            shareable,
         });
     }
 
@@ -360,7 +369,10 @@ impl Stage0 {
         }
         let n = steps.len();
         let t0 = Instant::now();
+        let rows: usize = steps.iter().map(|s| s.embeds.dim(0).unwrap_or(0)).sum();
         let hidden = self.thinker.llm.forward(&mut steps)?;
+        let issued = t0.elapsed();
+        let mut synced = issued;
         drop(steps);
         // logits of the streams that finished prefilling or decode
         let mut finished = Vec::new();
@@ -383,9 +395,9 @@ impl Stage0 {
                     continue;
                 }
                 a.prefill = None;
-                if let Some((key, len)) = a.prefix.take() {
-                    if !self.prefixes.contains(key) {
-                        self.prefixes.insert(key, a.cache.copy_prefix(len, 0)?);
+                if let Some(len) = a.store_system.take() {
+                    if !self.prefixes.covers(a.voice, &a.ids[..len]) {
+                        self.prefixes.insert(a.voice, a.ids[..len].to_vec(), a.cache.copy_prefix(len, 0)?);
                     }
                 }
             } else {
@@ -397,6 +409,7 @@ impl Stage0 {
         if !want.is_empty() {
             let last = Tensor::cat(&want.iter().map(|(_, h)| h.clone()).collect::<Vec<_>>(), 0)?;
             let logits = self.thinker.llm.logits(&last)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            synced = t0.elapsed();
             for ((slot, _), l) in want.into_iter().zip(logits) {
                 let i = match slot {
                     Slot::Duplex(j) => {
@@ -423,6 +436,11 @@ impl Stage0 {
                     send_rows(&self.to_talker, a, upto)?;
                     self.registry.mark(&a.id, |t| t.handoff = Some(Instant::now()));
                     let _ = self.to_talker.send(Stage1Msg::End { id: a.id.clone(), epoch: a.epoch });
+                    // the turn's KV for the conversation's next prompt, which starts with it
+                    let len = a.cache.len().min(a.shareable).min(a.ids.len());
+                    if self.cfg.thinker_prefix_cache > 0 && len >= MIN_SHARED {
+                        self.prefixes.insert(a.voice, a.ids[..len].to_vec(), a.cache.copy_prefix(len, 0)?);
+                    }
                     continue;
                 }
                 a.ids.push(tok);
@@ -446,6 +464,14 @@ impl Stage0 {
         }
         // steps that prefill (prompt rows, duplex units) apart from pure decode steps
         let label = if budget < self.cfg.thinker_prefill_tokens { "thinker_prefill" } else { "thinker" };
+        tracing::debug!(
+            streams = n,
+            rows,
+            issued_ms = issued.as_secs_f64() * 1e3,
+            logits_ms = synced.as_secs_f64() * 1e3,
+            total_ms = t0.elapsed().as_secs_f64() * 1e3,
+            "{label} step (ms since the step began: forward's kernels queued; logits on the host; sampled and sent)"
+        );
         self.metrics.step_seconds.with_label_values(&[label]).observe(t0.elapsed().as_secs_f64());
         self.metrics.batch_size.with_label_values(&["thinker"]).observe(n as f64);
         Ok(finished)

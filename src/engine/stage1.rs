@@ -13,7 +13,7 @@ use candle_core::{DType, Tensor};
 use super::chunker::{Chunker, Payload};
 use super::{EngineConfig, EngineMetrics, Mode, RefInput, Registry, RequestId, Stage1Msg, Stage2Msg, StageLoop, Status};
 use crate::models::code2wav::SILENCE_CODE;
-use crate::models::decoder::{KvCache, StreamStep};
+use crate::models::decoder::{CachePool, KvCache, PooledCache, StreamStep};
 use crate::models::sampling::{LengthPolicy, Sampler};
 use crate::models::talker::{ConditionMode, Talker};
 
@@ -21,7 +21,7 @@ struct Req {
     epoch: u64,
     mode: Mode,
     voice: RefInput,
-    cache: KvCache,
+    cache: PooledCache,
     /// Condition rows waiting to be prefilled.
     pending: Vec<Tensor>,
     /// The text is complete (the closing embeddings are queued).
@@ -61,18 +61,24 @@ pub struct Stage1 {
     order: Vec<RequestId>,
     /// The last step held a stream back (pacing): poll again soon, Code2Wav will catch up.
     paced: bool,
+    /// Caches of finished streams, for the next ones (their decode graphs with them).
+    caches: CachePool,
 }
 
 impl Stage1 {
     pub fn new(talker: Talker, cfg: Arc<EngineConfig>, registry: Registry, metrics: EngineMetrics, to_c2w: SyncSender<Stage2Msg>) -> Self {
-        Self { talker, cfg, registry, metrics, to_c2w, reqs: HashMap::new(), order: Vec::new(), paced: false }
+        let caches = CachePool::new(cfg.talker_max_batch);
+        Self { talker, cfg, registry, metrics, to_c2w, reqs: HashMap::new(), order: Vec::new(), paced: false, caches }
     }
 
-    /// Codes a turn-mode stream may have made once Code2Wav delivered `delivered` chunks: the
-    /// chunks up to the next one, plus `lead` more.
-    fn pacing_limit(&self, delivered: usize, lead: usize) -> usize {
+    /// Codes a turn-mode stream whose first chunk holds `first` codes may have made once Code2Wav
+    /// delivered `delivered` chunks: the chunks up to the next one, plus `lead` more — none before
+    /// a small first chunk is delivered when `talker_hold_first_chunk` is on (that chunk 0 then
+    /// has the GPU to itself as far as this stream is concerned; a full first chunk's second of
+    /// audio would have to cover the next chunk's whole wait, so it keeps its lead).
+    fn pacing_limit(&self, first: usize, delivered: usize, lead: usize) -> usize {
         let size = self.cfg.chunk_codes.max(1);
-        let first = if self.cfg.first_chunk_codes > 0 && self.cfg.first_chunk_codes < size { self.cfg.first_chunk_codes } else { size };
+        let lead = if delivered == 0 && first < size && self.cfg.talker_hold_first_chunk { 0 } else { lead };
         first + (delivered + lead) * size
     }
 
@@ -154,7 +160,7 @@ impl Stage1 {
                 if let (Some(lead), None) = (self.cfg.talker_lead_chunks, &r.duplex) {
                     // (a request that just ended is dropped by the next step's sweep)
                     let Some(delivered) = self.registry.chunks_if_live(id, r.epoch) else { continue };
-                    if r.codes >= self.pacing_limit(delivered, lead) {
+                    if r.codes >= self.pacing_limit(r.chunker.first(), delivered, lead) {
                         self.paced = true;
                         continue;
                     }
@@ -172,8 +178,10 @@ impl Stage1 {
         let t0 = Instant::now();
         let n = ids.len();
         let hidden = {
-            let mut caches: Vec<(RequestId, KvCache)> =
-                ids.iter().map(|id| (id.clone(), std::mem::replace(&mut self.reqs.get_mut(id).expect("listed").cache, KvCache::new(0)))).collect();
+            let mut caches: Vec<(RequestId, PooledCache)> = ids
+                .iter()
+                .map(|id| (id.clone(), std::mem::replace(&mut self.reqs.get_mut(id).expect("listed").cache, PooledCache::alone(KvCache::new(0)))))
+                .collect();
             let mut steps: Vec<StreamStep> = caches.iter_mut().zip(embeds).map(|((_, c), e)| StreamStep { cache: c, embeds: e }).collect();
             let out = self.talker.forward(&mut steps);
             drop(steps);
@@ -259,18 +267,34 @@ impl StageLoop for Stage1 {
     fn on_message(&mut self, m: Stage1Msg) {
         match m {
             Stage1Msg::Begin { id, epoch, mode, voice, min_codes, max_codes, seed } => {
+                // room for the longest text, its two closing embeddings and every code: the cache
+                // never grows (a growth would need a new decode graph)
+                let need = self.cfg.default_max_text_tokens + 2 + max_codes;
+                // a small first chunk while few streams share the Talker (first audio sooner);
+                // under load a full one (its audio covers the next chunk's wait)
+                let busy = self.reqs.len() + 1 > self.cfg.small_first_chunk_streams;
+                let first = if busy { self.cfg.chunk_codes } else { self.cfg.first_chunk_codes };
+                let cache = match self.caches.take(self.talker.decoder(), need) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        if self.registry.finish(&id, epoch, Status::Failed(format!("talker cache: {e:#}"))).is_some() {
+                            self.metrics.requests.with_label_values(&["failed"]).inc();
+                        }
+                        return;
+                    }
+                };
                 let r = Req {
                     epoch,
                     mode,
                     voice,
-                    cache: self.talker.new_cache(),
+                    cache,
                     pending: Vec::new(),
                     ended: false,
                     decoding: false,
                     last_code: None,
                     sampler: Sampler::new(self.cfg.talker_sampling.clone(), seed),
                     length: LengthPolicy::new(vec![self.talker.eos_code()], min_codes, max_codes),
-                    chunker: Chunker::new(self.cfg.first_chunk_codes, self.cfg.chunk_codes, self.cfg.context_codes, SILENCE_CODE),
+                    chunker: Chunker::new(first, self.cfg.chunk_codes, self.cfg.context_codes, SILENCE_CODE),
                     codes: 0,
                     duplex: (mode == Mode::Duplex).then(DuplexTalk::default),
                 };

@@ -101,6 +101,25 @@ impl KvCache {
         Ok(Self { layers, len, step: None })
     }
 
+    /// Replaces this cache's contents with the first `len` positions of `src`, copied into this
+    /// cache's own buffers (grown only if they are too small), so that a captured decode step of
+    /// this cache stays valid.
+    pub fn load_prefix(&mut self, src: &KvCache, len: usize) -> Result<()> {
+        let len = len.min(src.len);
+        self.len = 0;
+        for (li, l) in src.layers.iter().enumerate() {
+            let Some((k, v)) = l else { continue };
+            let (h, _, d) = k.dims3()?;
+            let (bk, bv) = self.reserve(li, len, (h, d), k.dtype(), k.device())?;
+            if len > 0 {
+                bk.slice_set(&k.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+                bv.slice_set(&v.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+            }
+        }
+        self.len = len;
+        Ok(())
+    }
+
     /// Bytes held by the buffers (capacity, not length).
     pub fn bytes(&self) -> usize {
         self.layers.iter().flatten().map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()).sum()
@@ -139,9 +158,102 @@ impl KvCache {
         Ok((bk.narrow(1, 0, need)?, bv.narrow(1, 0, need)?))
     }
 
+    /// The capacity the static decode step (and its graph) was made for, if there is one.
+    pub fn decode_step_capacity(&self) -> Option<usize> {
+        self.step.as_ref().map(|s| s.cap)
+    }
+
     /// Capacity of the buffers (positions), 0 before the first append.
-    fn capacity(&self) -> usize {
+    pub fn capacity(&self) -> usize {
         self.layers.iter().flatten().map(|(k, _)| k.dim(1).unwrap_or(0)).min().unwrap_or(0)
+    }
+}
+
+/// Caches of finished streams, kept with their buffers and their captured decode step for the
+/// next streams: a CUDA graph is bound to its cache's buffers, so a stream that starts in a pooled
+/// cache replays the graph its predecessor captured instead of capturing its own.
+#[derive(Clone)]
+pub struct CachePool {
+    inner: std::sync::Arc<std::sync::Mutex<Vec<KvCache>>>,
+    max: usize,
+    /// New caches get a capacity rounded up to this many positions, so that they fit later streams.
+    quantum: usize,
+}
+
+impl CachePool {
+    /// Keeps at most `max` idle caches (0: no pooling).
+    pub fn new(max: usize) -> Self {
+        Self { inner: Default::default(), max, quantum: 256 }
+    }
+
+    /// Idle caches held.
+    pub fn idle(&self) -> usize {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// An empty cache with room for `need` positions: the smallest idle one that fits, or a new
+    /// one (its capacity rounded up to the pool's quantum). It returns to the pool when dropped.
+    pub fn take(&self, dec: &Decoder, need: usize) -> Result<PooledCache> {
+        let found = {
+            let mut free = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            let best = free.iter().enumerate().filter(|(_, c)| c.capacity() >= need).min_by_key(|(_, c)| c.capacity()).map(|(i, _)| i);
+            best.map(|i| free.swap_remove(i))
+        };
+        let cache = match found {
+            Some(c) => c,
+            None if self.max == 0 => dec.new_cache(),
+            None => dec.cache_with_capacity(need.max(1).next_multiple_of(self.quantum))?,
+        };
+        Ok(PooledCache { cache, pool: (self.max > 0).then(|| self.clone()) })
+    }
+
+    fn give(&self, mut c: KvCache) {
+        if c.capacity() == 0 {
+            return;
+        }
+        c.len = 0;
+        let mut free = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if free.len() < self.max {
+            free.push(c);
+        } else if let Some(i) = free.iter().enumerate().filter(|(_, f)| f.capacity() < c.capacity()).min_by_key(|(_, f)| f.capacity()).map(|(i, _)| i)
+        {
+            // full: the larger cache stays (it fits more streams)
+            free[i] = c;
+        }
+    }
+}
+
+/// A stream's cache taken from a [`CachePool`] (or standing alone); back to its pool on drop.
+pub struct PooledCache {
+    cache: KvCache,
+    pool: Option<CachePool>,
+}
+
+impl PooledCache {
+    /// A cache that belongs to no pool.
+    pub fn alone(cache: KvCache) -> Self {
+        Self { cache, pool: None }
+    }
+}
+
+impl std::ops::Deref for PooledCache {
+    type Target = KvCache;
+    fn deref(&self) -> &KvCache {
+        &self.cache
+    }
+}
+
+impl std::ops::DerefMut for PooledCache {
+    fn deref_mut(&mut self) -> &mut KvCache {
+        &mut self.cache
+    }
+}
+
+impl Drop for PooledCache {
+    fn drop(&mut self) {
+        if let Some(p) = self.pool.take() {
+            p.give(std::mem::replace(&mut self.cache, KvCache::new(0)));
+        }
     }
 }
 
@@ -177,7 +289,7 @@ struct StaticStep {
     /// `[cap]` zeros and -inf of the model's dtype: the mask's two values.
     zero: Tensor,
     neg_inf: Tensor,
-    graph: Option<graph::Graph>,
+    graph: Option<super::cuda_graph::Graph>,
     /// Capture failed once for this stream: run the static step uncaptured.
     no_graph: bool,
 }
@@ -205,78 +317,6 @@ impl StaticStep {
 }
 
 /// CUDA graph capture of one step (the `cuda` build on a CUDA device, event tracking off).
-mod graph {
-    use candle_core::{Device, Result};
-
-    #[cfg(feature = "cuda")]
-    pub struct Graph(candle_core::cuda_backend::cudarc::driver::CudaGraph);
-    #[cfg(not(feature = "cuda"))]
-    pub struct Graph(());
-
-    // SAFETY: a graph is used only by the thread that owns its stream's cache at the time (caches
-    // move between threads only with their stage, never concurrently).
-    #[cfg(feature = "cuda")]
-    unsafe impl Send for Graph {}
-    #[cfg(feature = "cuda")]
-    unsafe impl Sync for Graph {}
-
-    /// Whether steps on `dev` can be captured. Not with cudarc's per-buffer event tracking on:
-    /// events recorded inside a capture never fire, and a later wait on one outside the graph
-    /// would hang the stream (gpu.rs switches tracking off on every device it opens).
-    #[cfg(feature = "cuda")]
-    pub fn can_capture(dev: &Device) -> bool {
-        matches!(dev, Device::Cuda(d) if !d.is_event_tracking())
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    pub fn can_capture(_dev: &Device) -> bool {
-        false
-    }
-
-    /// Runs `body` once (the step itself), then records its kernels as a graph. Candle uploads
-    /// the shapes and strides of strided kernels from host memory at each launch; a recorded
-    /// upload would read that (freed) host memory again at every replay. With candle's upload
-    /// cache on, the first run leaves each upload in a device buffer that lives as long as this
-    /// thread, and the recording copies from there. `body` must be idempotent (it is run twice
-    /// here and once per replay).
-    #[cfg(feature = "cuda")]
-    pub fn record(dev: &Device, body: impl Fn() -> Result<()>) -> Result<Graph> {
-        use candle_core::cuda_backend::cudarc::driver::sys;
-        let Device::Cuda(d) = dev else { candle_core::bail!("not a CUDA device") };
-        let _uploads = d.enable_cuda_graph_htod_cache();
-        body()?;
-        let stream = d.cuda_stream();
-        // relaxed: the other stages keep making their own driver calls meanwhile
-        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(candle_core::Error::wrap)?;
-        let ran = body();
-        let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
-        ran?;
-        match ended.map_err(candle_core::Error::wrap)? {
-            Some(g) => {
-                g.upload().map_err(candle_core::Error::wrap)?;
-                Ok(Graph(g))
-            }
-            None => candle_core::bail!("the capture recorded nothing"),
-        }
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    pub fn record(_dev: &Device, _body: impl Fn() -> Result<()>) -> Result<Graph> {
-        candle_core::bail!("no CUDA in this build")
-    }
-
-    impl Graph {
-        #[cfg(feature = "cuda")]
-        pub fn launch(&self) -> Result<()> {
-            self.0.launch().map_err(candle_core::Error::wrap)
-        }
-        #[cfg(not(feature = "cuda"))]
-        pub fn launch(&self) -> Result<()> {
-            candle_core::bail!("no CUDA in this build")
-        }
-    }
-}
-
 /// Rotary position tables (`cos`, `sin`: `[max_positions, head_dim / 2]`).
 #[derive(Debug, Clone)]
 pub struct Rope {
@@ -521,6 +561,8 @@ pub struct Decoder {
     rope: Rope,
     cfg: DecoderConfig,
     device: Device,
+    /// The dtype of activations and KV.
+    dtype: DType,
     mode: DecodeMode,
 }
 
@@ -539,7 +581,7 @@ impl Decoder {
         }
         let norm = candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("norm"))?;
         let rope = Rope::new(cfg.head_dim, cfg.rope_theta, cfg.max_positions, vb.dtype(), vb.device())?;
-        Ok(Self { layers, norm, rope, cfg: *cfg, device: vb.device().clone(), mode: DecodeMode::Eager })
+        Ok(Self { layers, norm, rope, cfg: *cfg, device: vb.device().clone(), dtype: vb.dtype(), mode: DecodeMode::Eager })
     }
 
     /// How one-stream, one-position steps run (see [`DecodeMode`]).
@@ -561,6 +603,15 @@ impl Decoder {
 
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.cfg.num_layers)
+    }
+
+    /// An empty cache whose buffers already hold `cap` positions in every layer.
+    pub fn cache_with_capacity(&self, cap: usize) -> Result<KvCache> {
+        let mut c = self.new_cache();
+        for li in 0..self.layers.len() {
+            c.reserve(li, cap, (self.cfg.num_kv_heads, self.cfg.head_dim), self.dtype, &self.device)?;
+        }
+        Ok(c)
     }
 
     /// Advances every stream by its new positions and returns, per stream, the last layer's
@@ -633,8 +684,8 @@ impl Decoder {
         st.x_in.slice_set(&embeds.contiguous()?, 0, 0)?;
         st.pos.slice_set(&Tensor::new(&[len as u32], &self.device)?, 0, 0)?;
         // 3. the step: replayed; or run once and recorded; or run op by op
-        if st.graph.is_none() && !st.no_graph && self.mode == DecodeMode::Graph && graph::can_capture(&self.device) {
-            match graph::record(&self.device, || self.static_body(&kv, st)) {
+        if st.graph.is_none() && !st.no_graph && self.mode == DecodeMode::Graph && super::cuda_graph::can_capture(&self.device) {
+            match super::cuda_graph::record(&self.device, || self.static_body(&kv, st)) {
                 Ok(g) => st.graph = Some(g),
                 Err(e) => {
                     tracing::warn!("decode step capture failed, running it uncaptured: {e}");

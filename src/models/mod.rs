@@ -5,6 +5,7 @@
 
 pub mod code2wav;
 pub mod config;
+pub mod cuda_graph;
 pub mod decoder;
 pub mod mel;
 pub mod qwen3;

@@ -141,15 +141,22 @@ pub struct EngineSection {
     pub talker_max_batch: usize,
     pub code2wav_max_batch: usize,
     pub first_chunk_codes: usize,
+    /// A small first chunk only for a stream joining the Talker with at most this many streams
+    /// (0: never; absent: always).
+    pub small_first_chunk_streams: Option<usize>,
     pub chunk_codes: usize,
     pub talker_streaming_prefill: bool,
     /// Turn mode: the Talker runs at most this many chunks ahead of the delivered audio (-1: no
     /// limit).
     pub talker_lead_chunks: i64,
+    /// No codes beyond a stream's first chunk until its audio is delivered.
+    pub talker_hold_first_chunk: bool,
     /// Prompt prefixes (the system turn with the voice) whose KV the Thinker keeps (0 = off).
     pub thinker_prefix_cache: usize,
     /// CUDA graphs for one-stream decode steps (GPU only).
     pub decode_graphs: bool,
+    /// CUDA graphs for Code2Wav's flow chunks (GPU only).
+    pub code2wav_graphs: bool,
     pub ref_cache_capacity: usize,
     pub setup_cache_capacity: usize,
     pub prefetch: bool,
@@ -175,11 +182,14 @@ impl Default for EngineSection {
             talker_max_batch: e.talker_max_batch,
             code2wav_max_batch: e.code2wav_max_batch,
             first_chunk_codes: e.first_chunk_codes,
+            small_first_chunk_streams: None,
             chunk_codes: e.chunk_codes,
             talker_streaming_prefill: e.talker_streaming_prefill,
             talker_lead_chunks: e.talker_lead_chunks.map(|n| n as i64).unwrap_or(-1),
+            talker_hold_first_chunk: e.talker_hold_first_chunk,
             thinker_prefix_cache: e.thinker_prefix_cache,
             decode_graphs: e.decode_graphs,
+            code2wav_graphs: e.code2wav_graphs,
             ref_cache_capacity: e.ref_cache_capacity,
             setup_cache_capacity: e.setup_cache_capacity,
             prefetch: e.prefetch,
@@ -203,11 +213,14 @@ impl EngineSection {
             talker_max_batch: self.talker_max_batch,
             code2wav_max_batch: self.code2wav_max_batch,
             first_chunk_codes: self.first_chunk_codes,
+            small_first_chunk_streams: self.small_first_chunk_streams.unwrap_or(usize::MAX),
             chunk_codes: self.chunk_codes,
             talker_streaming_prefill: self.talker_streaming_prefill,
             talker_lead_chunks: usize::try_from(self.talker_lead_chunks).ok(),
+            talker_hold_first_chunk: self.talker_hold_first_chunk,
             thinker_prefix_cache: self.thinker_prefix_cache,
             decode_graphs: self.decode_graphs,
+            code2wav_graphs: self.code2wav_graphs,
             ref_cache_capacity: self.ref_cache_capacity,
             setup_cache_capacity: self.setup_cache_capacity,
             prefetch: self.prefetch,

@@ -11,7 +11,11 @@
 //! newest chunk first (the reference's order; attention itself is order-free), and the two causal
 //! convs' 2-frame input tails.
 
+use std::sync::{Arc, Mutex};
+
 use candle_core::{Module, Result, Tensor, D};
+
+use crate::models::cuda_graph::GraphSlot;
 use candle_nn::{Conv1d, Conv1dConfig, LayerNorm, Linear, VarBuilder};
 
 use super::conformer::{conv1d, linear, mish};
@@ -283,6 +287,13 @@ impl Dit {
         self.t_mlp2.forward(&candle_nn::ops::silu(&self.t_mlp0.forward(&e)?)?)
     }
 
+    /// The time conditioning of one flow time `t`: every block's modulation and the final
+    /// layer's. It depends on `t` alone, so a solver computes it once per Euler step and schedule.
+    pub fn step_condition(&self, t: f32, dev: &candle_core::Device) -> Result<StepCondition> {
+        let c = candle_nn::ops::silu(&self.time_embedding(t, dev)?)?;
+        Ok(StepCondition { blocks: self.ada_all.forward(&c)?, last: self.final_ada.forward(&c)? })
+    }
+
     /// One estimator evaluation over a chunk. `x`, `mu`, `cond`: `[N, 80, T]`; `spks`: `[N, 80]`;
     /// `t`: the (shared) flow time; caches `[depth, N, …]`. Returns the velocity `[N, 80, T]` and
     /// the new caches.
@@ -297,11 +308,25 @@ impl Dit {
         cnn: Option<&Tensor>,
         att: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        let sc = self.step_condition(t, x.device())?;
+        self.forward_conditioned(x, mu, &sc, spks, cond, cnn, att)
+    }
+
+    /// [`Dit::forward_chunk`] with the time conditioning made beforehand.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_conditioned(
+        &self,
+        x: &Tensor,
+        mu: &Tensor,
+        sc: &StepCondition,
+        spks: &Tensor,
+        cond: &Tensor,
+        cnn: Option<&Tensor>,
+        att: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let (n, _, tl) = x.dims3()?;
         // the time condition is the same for every row: one row, broadcast where used
-        let c = candle_nn::ops::silu(&self.time_embedding(t, x.device())?)?;
         let h9 = 9 * self.cfg.hidden_size;
-        let m_all = self.ada_all.forward(&c)?;
         let s = spks.unsqueeze(2)?.broadcast_as((n, spks.dim(1)?, tl))?;
         let h = Tensor::cat(&[x, mu, &s, cond], 1)?.transpose(1, 2)?.contiguous()?;
         let mut h = self.in_proj.forward(&h)?;
@@ -310,17 +335,25 @@ impl Dit {
         for (i, b) in self.blocks.iter().enumerate() {
             let cc = cnn.map(|t| t.get(i)).transpose()?;
             let ac = att.map(|t| t.get(i)).transpose()?;
-            let (y, nc, na) = b.forward(&h, &m_all.narrow(1, i * h9, h9)?, cc.as_ref(), ac.as_ref())?;
+            let (y, nc, na) = b.forward(&h, &sc.blocks.narrow(1, i * h9, h9)?, cc.as_ref(), ac.as_ref())?;
             h = y;
             new_cnn.push(nc);
             new_att.push(na);
         }
-        let m = self.final_ada.forward(&c)?.chunk(2, D::Minus1)?;
+        let m = sc.last.chunk(2, D::Minus1)?;
         let b0 = &self.blocks[0];
         let h = modulate(&layer_norm_plain(&h, &b0.ones, &b0.zeros, 1e-6)?, &m[0], &m[1])?;
         let out = self.final_linear.forward(&h)?.transpose(1, 2)?;
         Ok((out, Tensor::stack(&new_cnn, 0)?, Tensor::stack(&new_att, 0)?))
     }
+}
+
+/// The time conditioning of one Euler step: `blocks` = every block's adaLN modulation
+/// `[1, depth × 9 H]`, `last` = the final layer's `[1, 2 H]`.
+#[derive(Debug, Clone)]
+pub struct StepCondition {
+    pub blocks: Tensor,
+    pub last: Tensor,
 }
 
 /// The Euler schedule on the cosine time grid: `t_k = 1 - cos(k / n · π / 2)`, computed in f32 as
@@ -337,16 +370,138 @@ pub fn cosine_t_span(n: usize) -> Vec<f32> {
         .collect()
 }
 
+/// When the chunk solver runs as a CUDA graph (GPU only, on a stream no other stage uses).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GraphPolicy {
+    /// Largest batch (streams) that is captured; larger batches run op by op.
+    pub max_batch: usize,
+    /// Captured graphs kept at once (each holds its own input and output caches); the least
+    /// recently used goes first.
+    pub max_graphs: usize,
+}
+
+impl Default for GraphPolicy {
+    fn default() -> Self {
+        Self { max_batch: 2, max_graphs: 12 }
+    }
+}
+
+/// The solver's memo: the time conditionings of the schedule in use.
+#[derive(Default)]
+struct SolverMemo {
+    conds: Option<(usize, Arc<Vec<StepCondition>>)>,
+}
+
 /// Conditional flow matching with classifier-free guidance over the DiT.
-#[derive(Debug, Clone)]
 pub struct Cfm {
     pub estimator: Dit,
     pub cfg_rate: f64,
     /// The fixed noise buffer `[out_channels, frames]`.
     pub noise: Tensor,
+    policy: Option<GraphPolicy>,
+    /// The chunk solves captured per shape (inputs: mu, speakers, condition, both caches).
+    graphs: GraphSlot,
+    memo: Arc<Mutex<SolverMemo>>,
+}
+
+/// A clone starts with no graphs of its own (a graph is bound to its owner's buffers).
+impl Clone for Cfm {
+    fn clone(&self) -> Self {
+        let mut c = Self::new(self.estimator.clone(), self.cfg_rate, self.noise.clone());
+        c.set_graphs(self.policy);
+        c
+    }
+}
+
+impl std::fmt::Debug for Cfm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cfm").field("cfg_rate", &self.cfg_rate).field("graphs", &self.policy).finish_non_exhaustive()
+    }
 }
 
 impl Cfm {
+    pub fn new(estimator: Dit, cfg_rate: f64, noise: Tensor) -> Self {
+        Self { estimator, cfg_rate, noise, policy: None, graphs: GraphSlot::off(), memo: Arc::new(Mutex::new(SolverMemo::default())) }
+    }
+
+    /// Chunk solves over fixed buffers replayed as CUDA graphs (`Some`), or op by op (`None`, the
+    /// default). Where the device cannot capture ([`crate::models::cuda_graph::can_capture`]) the
+    /// fixed-buffer solve runs op by op (same results; used to test it on the CPU).
+    pub fn set_graphs(&mut self, policy: Option<GraphPolicy>) {
+        self.policy = policy;
+        self.graphs = match policy {
+            Some(p) => GraphSlot::on(p.max_graphs),
+            None => GraphSlot::off(),
+        };
+    }
+
+    /// Captured graphs held now.
+    pub fn graphs_held(&self) -> usize {
+        self.graphs.held()
+    }
+
+    /// The time conditioning of every Euler step of an `n`-step schedule (memoised).
+    fn conditions(&self, n: usize, dev: &candle_core::Device) -> Result<Arc<Vec<StepCondition>>> {
+        let mut memo = self.memo.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((m, c)) = &memo.conds {
+            if *m == n {
+                return Ok(c.clone());
+            }
+        }
+        let span = cosine_t_span(n);
+        let mut t = span[0];
+        let mut conds = Vec::with_capacity(n);
+        for &next in &span[1..=n] {
+            conds.push(self.estimator.step_condition(t, dev)?);
+            // (as the Euler loop advances its time, step by step in f32)
+            let dt = next - t;
+            t += dt;
+        }
+        let conds = Arc::new(conds);
+        memo.conds = Some((n, conds.clone()));
+        Ok(conds)
+    }
+
+    /// The Euler loop. `cache`: the previous `(att, cnn)` per step; every step's new caches go to
+    /// `keep(step, cnn, att)`. Returns the solution `[B, 80, T]`.
+    #[allow(clippy::too_many_arguments)]
+    fn euler(
+        &self,
+        mu: &Tensor,
+        spks: &Tensor,
+        cond: &Tensor,
+        conds: &[StepCondition],
+        offset: usize,
+        cache: Option<(&Tensor, &Tensor)>,
+        mut keep: impl FnMut(usize, Tensor, Tensor) -> Result<()>,
+    ) -> Result<Tensor> {
+        let n_timesteps = conds.len();
+        let (b, ch, t) = mu.dims3()?;
+        let mut x = self.noise.narrow(1, offset, t)?.unsqueeze(0)?.broadcast_as((b, ch, t))?.to_dtype(mu.dtype())?.contiguous()?;
+        let span = cosine_t_span(n_timesteps);
+        let mu_in = Tensor::cat(&[mu, &mu.zeros_like()?], 0)?;
+        let spks_in = Tensor::cat(&[spks, &spks.zeros_like()?], 0)?;
+        let cond_in = Tensor::cat(&[cond, &cond.zeros_like()?], 0)?;
+        let mut tt = span[0];
+        let mut dt = span[1] - span[0];
+        for step in 1..=n_timesteps {
+            let x_in = Tensor::cat(&[&x, &x], 0)?;
+            let cc = cache.map(|c| c.1.get(step - 1)).transpose()?;
+            let ac = cache.map(|c| c.0.get(step - 1)).transpose()?;
+            let (v, nc, na) = self.estimator.forward_conditioned(&x_in, &mu_in, &conds[step - 1], &spks_in, &cond_in, cc.as_ref(), ac.as_ref())?;
+            let vc = v.narrow(0, 0, b)?;
+            let vu = v.narrow(0, b, b)?;
+            let v = ((vc * (1.0 + self.cfg_rate))? - (vu * self.cfg_rate)?)?;
+            x = (x + (v * dt as f64)?)?;
+            tt += dt;
+            if step < n_timesteps {
+                dt = span[step + 1] - tt;
+            }
+            keep(step - 1, nc, na)?;
+        }
+        Ok(x)
+    }
+
     /// Solves one chunk for a batch of `B` streams. `mu`, `cond`: `[B, 80, T]`, `spks: [B, 80]`;
     /// `cache` rows are `[cond rows of all B; uncond rows of all B]`. Noise starts at the cache
     /// length. Returns `[B, 80, T]` and the new caches.
@@ -358,36 +513,39 @@ impl Cfm {
         n_timesteps: usize,
         cache: Option<&EstimatorCache>,
     ) -> Result<(Tensor, EstimatorCache)> {
-        let (b, ch, t) = mu.dims3()?;
+        let (b, _, t) = mu.dims3()?;
         let offset = cache.map(|c| c.len()).unwrap_or(0);
         if offset + t > self.noise.dim(1)? {
             candle_core::bail!("noise buffer of {} frames is too short for offset {offset} + {t}", self.noise.dim(1)?);
         }
-        let mut x = self.noise.narrow(1, offset, t)?.unsqueeze(0)?.broadcast_as((b, ch, t))?.to_dtype(mu.dtype())?.contiguous()?;
-        let span = cosine_t_span(n_timesteps);
-        let mu_in = Tensor::cat(&[mu, &mu.zeros_like()?], 0)?;
-        let spks_in = Tensor::cat(&[spks, &spks.zeros_like()?], 0)?;
-        let cond_in = Tensor::cat(&[cond, &cond.zeros_like()?], 0)?;
-        let mut tt = span[0];
-        let mut dt = span[1] - span[0];
+        let conds = self.conditions(n_timesteps, mu.device())?;
+        let solve = |x: &[Tensor]| -> Result<Vec<Tensor>> {
+            let (mut cnns, mut atts) = (Vec::with_capacity(n_timesteps), Vec::with_capacity(n_timesteps));
+            let out = self.euler(&x[0], &x[1], &x[2], &conds, offset, Some((&x[3], &x[4])), |_, nc, na| {
+                cnns.push(nc);
+                atts.push(na);
+                Ok(())
+            })?;
+            Ok(vec![out, Tensor::stack(&atts, 0)?, Tensor::stack(&cnns, 0)?])
+        };
+        if let (Some(policy), Some(c)) = (self.policy, cache) {
+            if b <= policy.max_batch {
+                // (the shape key holds the cache length, hence the noise offset)
+                let mut out = self.graphs.run(n_timesteps, &[mu, spks, cond, &c.att, &c.cnn], &solve)?.into_iter();
+                let (x, att, cnn) = (out.next(), out.next(), out.next());
+                if let (Some(x), Some(att), Some(cnn)) = (x, att, cnn) {
+                    return Ok((x, EstimatorCache { att, cnn }));
+                }
+                candle_core::bail!("the graphed chunk solve gave fewer than three outputs");
+            }
+        }
         let mut cnns = Vec::with_capacity(n_timesteps);
         let mut atts = Vec::with_capacity(n_timesteps);
-        for step in 1..=n_timesteps {
-            let x_in = Tensor::cat(&[&x, &x], 0)?;
-            let cc = cache.map(|c| c.cnn.get(step - 1)).transpose()?;
-            let ac = cache.map(|c| c.att.get(step - 1)).transpose()?;
-            let (v, nc, na) = self.estimator.forward_chunk(&x_in, &mu_in, tt, &spks_in, &cond_in, cc.as_ref(), ac.as_ref())?;
-            let vc = v.narrow(0, 0, b)?;
-            let vu = v.narrow(0, b, b)?;
-            let v = ((vc * (1.0 + self.cfg_rate))? - (vu * self.cfg_rate)?)?;
-            x = (x + (v * dt as f64)?)?;
-            tt += dt;
-            if step < n_timesteps {
-                dt = span[step + 1] - tt;
-            }
+        let x = self.euler(mu, spks, cond, &conds, offset, cache.map(|c| (&c.att, &c.cnn)), |_, nc, na| {
             cnns.push(nc);
             atts.push(na);
-        }
+            Ok(())
+        })?;
         Ok((x, EstimatorCache { att: Tensor::stack(&atts, 0)?, cnn: Tensor::stack(&cnns, 0)? }))
     }
 }

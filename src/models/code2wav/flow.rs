@@ -85,11 +85,11 @@ impl Flow {
             spk_embed_affine_layer: linear(vb.pp("spk_embed_affine_layer"), cfg.spk_embed_dim, cfg.output_size, true)?,
             encoder: ConformerEncoder::load(vb.pp("encoder"), &cfg.encoder)?,
             encoder_proj: linear(vb.pp("encoder_proj"), c, cfg.output_size, true)?,
-            decoder: Cfm {
-                estimator: Dit::load(vb.pp("decoder").pp("estimator"), &cfg.estimator)?,
-                cfg_rate: cfg.inference_cfg_rate,
-                noise: noise.to_dtype(vb.dtype())?.to_device(vb.device())?,
-            },
+            decoder: Cfm::new(
+                Dit::load(vb.pp("decoder").pp("estimator"), &cfg.estimator)?,
+                cfg.inference_cfg_rate,
+                noise.to_dtype(vb.dtype())?.to_device(vb.device())?,
+            ),
             cfg: cfg.clone(),
         })
     }

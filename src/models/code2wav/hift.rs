@@ -288,6 +288,10 @@ struct Spectral {
     /// `[n_fft, 1, n_fft]` identity for overlap-add by transposed convolution.
     ola: Tensor,
     window: Vec<f64>,
+    /// Tensors that depend only on a length (the STFT's reflection indices, the iSTFT's window
+    /// normalisation), made once per length: no host upload after the first (which a CUDA graph
+    /// could not replay).
+    by_len: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<(bool, usize), Tensor>>>,
 }
 
 impl Spectral {
@@ -326,12 +330,32 @@ impl Spectral {
             inv_sin: t(is, &[n_fft, nf])?,
             ola: t(ola, &[n_fft, 1, n_fft])?,
             window: w,
+            by_len: Default::default(),
         })
+    }
+
+    /// The memoised tensor of `(kind, len)`, made by `make` the first time.
+    fn memo(&self, key: (bool, usize), make: impl FnOnce() -> Result<Tensor>) -> Result<Tensor> {
+        let mut m = self.by_len.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = m.get(&key) {
+            return Ok(t.clone());
+        }
+        let t = make()?;
+        m.insert(key, t.clone());
+        Ok(t)
     }
 
     /// `torch.stft(center=True, reflect)` as `[B, 2 n_freq, frames]` (real rows, then imaginary).
     fn stft(&self, s: &Tensor) -> Result<Tensor> {
         let (b, l) = s.dims2()?;
+        let p = self.n_fft / 2;
+        let idx = self.memo((false, l), || self.reflect_indices(l, s.device()))?;
+        let padded = s.index_select(&idx, 1)?.reshape((b, 1, l + 2 * p))?;
+        padded.conv1d(&self.analysis, 0, self.hop, 1, 1)
+    }
+
+    /// The sample indices of a reflect-padded signal of `l` samples.
+    fn reflect_indices(&self, l: usize, dev: &Device) -> Result<Tensor> {
         let p = self.n_fft / 2;
         let mut idx: Vec<u32> = Vec::with_capacity(l + 2 * p);
         let refl = |i: i64| -> u32 {
@@ -348,9 +372,7 @@ impl Spectral {
         for i in -(p as i64)..(l + p) as i64 {
             idx.push(refl(i));
         }
-        let idx = Tensor::from_vec(idx, l + 2 * p, s.device())?;
-        let padded = s.index_select(&idx, 1)?.reshape((b, 1, l + 2 * p))?;
-        padded.conv1d(&self.analysis, 0, self.hop, 1, 1)
+        Tensor::from_vec(idx, l + 2 * p, dev)
     }
 
     /// `torch.istft(center=True)` of `mag · e^{i·phase}`, `[B, n_freq, T]` -> `[B, hop (T − 1)]`.
@@ -362,16 +384,18 @@ impl Spectral {
         let frames = (self.inv_cos.broadcast_matmul(&re)? + self.inv_sin.broadcast_matmul(&im)?)?; // [B, n_fft, T]
         let y = frames.conv_transpose1d(&self.ola, 0, 0, self.hop, 1, 1)?; // [B, 1, n_fft + hop (T-1)]
         let total = self.n_fft + self.hop * (t - 1);
-        let mut env = vec![0f64; total];
-        for f in 0..t {
-            for n in 0..self.n_fft {
-                env[f * self.hop + n] += self.window[n] * self.window[n];
-            }
-        }
         let p = self.n_fft / 2;
         let out_len = self.hop * (t - 1);
-        let inv: Vec<f32> = env[p..p + out_len].iter().map(|&e| if e > 1e-11 { (1.0 / e) as f32 } else { 0.0 }).collect();
-        let inv = Tensor::from_vec(inv, (1, out_len), y.device())?.to_dtype(y.dtype())?;
+        let inv = self.memo((true, t), || {
+            let mut env = vec![0f64; total];
+            for f in 0..t {
+                for n in 0..self.n_fft {
+                    env[f * self.hop + n] += self.window[n] * self.window[n];
+                }
+            }
+            let inv: Vec<f32> = env[p..p + out_len].iter().map(|&e| if e > 1e-11 { (1.0 / e) as f32 } else { 0.0 }).collect();
+            Tensor::from_vec(inv, (1, out_len), y.device())?.to_dtype(y.dtype())
+        })?;
         y.reshape((b, total))?.narrow(1, p, out_len)?.broadcast_mul(&inv)
     }
 }
@@ -454,9 +478,24 @@ pub struct HiftGenerator {
     noise_rows: usize,
     cfg: HiftConfig,
     limits: Option<StreamLimits>,
+    /// The streaming F0 predictor and decoder, replayed as CUDA graphs per shape (when on).
+    graphs: crate::models::cuda_graph::GraphSlot,
 }
 
 impl HiftGenerator {
+    /// Streaming F0 and decode steps replayed as CUDA graphs per shape, at most `max` held
+    /// (`None`: op by op, the default). Without capture (CPU) the fixed-buffer path runs op by op.
+    pub fn set_graphs(&mut self, max: Option<usize>) {
+        self.graphs = match max {
+            Some(m) => crate::models::cuda_graph::GraphSlot::on(m),
+            None => crate::models::cuda_graph::GraphSlot::off(),
+        };
+    }
+
+    /// Graphs (or fixed-buffer shapes) held now.
+    pub fn graphs_held(&self) -> usize {
+        self.graphs.held()
+    }
     /// `vb` over the generator's state dict (without any `generator.` prefix); `noise_table`:
     /// `[rows, harmonics + 1]` uniform [0, 1) values for the causal source (ignored by the original
     /// generator).
@@ -550,6 +589,7 @@ impl HiftGenerator {
             noise_rows,
             cfg: cfg.clone(),
             limits: None,
+            graphs: crate::models::cuda_graph::GraphSlot::off(),
         };
         if cfg.causal {
             g.limits = Some(g.compute_limits());
@@ -732,7 +772,8 @@ impl HiftGenerator {
         if available_source > st.source_end {
             let start = st.source_end.saturating_sub(lim.f0_left);
             let feats = st.mel.narrow(2, start - st.mel_offset, received - start)?;
-            let f0 = self.f0_predictor.forward(&feats, finalize)?.to_vec1::<f32>()?;
+            let f0 = self.graphs.run(usize::from(finalize), &[&feats], &|x| Ok(vec![self.f0_predictor.forward(&x[0], finalize)?]))?;
+            let f0 = f0[0].to_vec1::<f32>()?;
             let f0 = &f0[st.source_end - start..];
             let mut parts = vec![st.source.clone()];
             for block in f0.chunks(lim.block_frames) {
@@ -749,7 +790,8 @@ impl HiftGenerator {
             let feats = st.mel.narrow(2, start - st.mel_offset, st.source_end - start)?;
             let src_from = (start - st.source_offset) * hop;
             let src = st.source.narrow(2, src_from, st.source.dim(2)? - src_from)?;
-            let y = self.decode(&feats, &src, finalize)?;
+            let y = self.graphs.run(2 + usize::from(finalize), &[&feats, &src], &|x| Ok(vec![self.decode(&x[0], &x[1], finalize)?]))?;
+            let y = &y[0];
             let skip = (emitted - start) * hop;
             let want = (available_speech - emitted) * hop;
             if y.dim(1)? != skip + want {

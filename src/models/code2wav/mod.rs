@@ -155,6 +155,24 @@ impl Code2Wav {
         &self.device
     }
 
+    /// CUDA graphs for the streaming chunk: the flow's CFM solve (`flow`) and the causal vocoder's
+    /// F0 and decode steps (at most `vocoder` shapes held); `None` = op by op.
+    pub fn set_graphs(&mut self, flow: Option<dit::GraphPolicy>, vocoder: Option<usize>) {
+        self.flow.decoder.set_graphs(flow);
+        if let Vocoder::Causal(h) = &mut self.vocoder {
+            h.set_graphs(vocoder);
+        }
+    }
+
+    /// Graphs held now: (flow, vocoder).
+    pub fn graphs_held(&self) -> (usize, usize) {
+        let v = match &self.vocoder {
+            Vocoder::Causal(h) => h.graphs_held(),
+            Vocoder::Original(_) => 0,
+        };
+        (self.flow.decoder.graphs_held(), v)
+    }
+
     pub fn flow_config(&self) -> &FlowConfig {
         self.flow.config()
     }

@@ -1,0 +1,119 @@
+//! The Thinker's prompt-prefix store: KV of prompts seen before, found by the longest run of ids a
+//! new prompt shares with one of them.
+//!
+//! Two kinds of entries go in: the system turn (with the voice) once it is prefilled, shared by
+//! every session with that voice and instructions; and a whole finished turn (prompt + reply),
+//! whose conversation's next prompt starts with it. A session's tenth turn then prefills its new
+//! user message and the reply's re-rendering, not the nine turns before them.
+//!
+//! An entry is valid for a prompt only up to the first position whose embedding is not fixed by
+//! its id: the reference voice's audio sits in the system turn and is keyed by `voice`; a user's
+//! audio clip has placeholder ids that say nothing of its content, so no match crosses one (the
+//! caller passes that limit).
+
+use std::collections::VecDeque;
+
+#[derive(Debug)]
+pub struct Entry<V> {
+    /// The reference voice heard in the system turn (0: none).
+    pub voice: u64,
+    /// The ids the value holds, from position 0.
+    pub ids: Vec<u32>,
+    pub value: V,
+}
+
+/// Least recently used first out, at most `cap` entries.
+#[derive(Debug)]
+pub struct PrefixStore<V> {
+    entries: VecDeque<Entry<V>>,
+    cap: usize,
+}
+
+/// Positions `a` and `b` share from the start.
+pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl<V> PrefixStore<V> {
+    pub fn new(cap: usize) -> Self {
+        Self { entries: VecDeque::new(), cap }
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The entry with `voice` that shares the most leading ids with `ids`, counting at most
+    /// `limit` of them; `None` when the best shares fewer than `min`. The entry becomes the most
+    /// recent. Returns it and the positions to take from it.
+    pub fn lookup(&mut self, voice: u64, ids: &[u32], limit: usize, min: usize) -> Option<(&V, usize)> {
+        let (i, n) = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.voice == voice)
+            .map(|(i, e)| (i, common_prefix(&e.ids, ids).min(limit)))
+            .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)))?;
+        if n < min.max(1) {
+            return None;
+        }
+        let e = self.entries.remove(i).expect("found");
+        self.entries.push_front(e);
+        self.entries.front().map(|e| (&e.value, n))
+    }
+
+    /// Whether an entry with `voice` holds all of `ids`.
+    pub fn covers(&self, voice: u64, ids: &[u32]) -> bool {
+        self.entries.iter().any(|e| e.voice == voice && e.ids.len() >= ids.len() && common_prefix(&e.ids, ids) == ids.len())
+    }
+
+    /// Adds an entry as the most recent. Entries it holds entirely are dropped (it answers every
+    /// lookup they would), then the least recent beyond the capacity.
+    pub fn insert(&mut self, voice: u64, ids: Vec<u32>, value: V) {
+        if self.cap == 0 {
+            return;
+        }
+        self.entries.retain(|e| !(e.voice == voice && e.ids.len() <= ids.len() && common_prefix(&e.ids, &ids) == e.ids.len()));
+        self.entries.push_front(Entry { voice, ids, value });
+        self.entries.truncate(self.cap);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_longest_shared_run_wins_within_the_limit_and_voice() {
+        let mut s = PrefixStore::new(4);
+        s.insert(1, vec![1, 2, 3], "system");
+        s.insert(1, vec![1, 2, 3, 4, 5, 6, 7], "turn 1");
+        s.insert(2, vec![1, 2, 3, 4, 5, 6, 7, 8], "other voice");
+        // "system" is held entirely by "turn 1": dropped
+        assert_eq!(s.len(), 2);
+        assert!(s.covers(1, &[1, 2, 3]));
+        let next = [1, 2, 3, 4, 5, 6, 9, 9];
+        assert_eq!(s.lookup(1, &next, 100, 2), Some((&"turn 1", 6)));
+        assert_eq!(s.lookup(1, &next, 4, 2), Some((&"turn 1", 4)), "a user audio clip at 4 stops the match");
+        assert_eq!(s.lookup(1, &next, 100, 7), None, "fewer than min shared");
+        assert_eq!(s.lookup(3, &next, 100, 1), None, "no entry with that voice");
+        assert_eq!(s.lookup(2, &[1, 2, 3, 4, 5, 6, 7, 8, 9], 8, 1), Some((&"other voice", 8)));
+    }
+
+    #[test]
+    fn least_recently_used_goes_first() {
+        let mut s = PrefixStore::new(2);
+        s.insert(0, vec![1, 1], 'a');
+        s.insert(0, vec![2, 2], 'b');
+        assert!(s.lookup(0, &[1, 1, 5], 10, 1).is_some()); // 'a' is now the most recent
+        s.insert(0, vec![3, 3], 'c');
+        assert!(s.covers(0, &[1, 1]) && s.covers(0, &[3, 3]) && !s.covers(0, &[2, 2]));
+        let mut off = PrefixStore::new(0);
+        off.insert(0, vec![1], 'x');
+        assert!(off.is_empty());
+    }
+}

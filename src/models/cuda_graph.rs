@@ -1,0 +1,248 @@
+//! CUDA graphs over candle: record a step's kernels once, replay them with one launch. A recorded
+//! body must read and write only buffers that outlive the graph (fixed addresses), and must issue
+//! nothing to the host (no uploads of new data, no copies to the host) while it is recorded.
+
+use candle_core::{Device, Result};
+
+#[cfg(feature = "cuda")]
+pub struct Graph(candle_core::cuda_backend::cudarc::driver::CudaGraph);
+#[cfg(not(feature = "cuda"))]
+pub struct Graph(());
+
+// SAFETY: a graph is used only by the thread that owns its stream's cache at the time (caches
+// move between threads only with their stage, never concurrently).
+#[cfg(feature = "cuda")]
+unsafe impl Send for Graph {}
+#[cfg(feature = "cuda")]
+unsafe impl Sync for Graph {}
+
+/// Whether steps on `dev` can be captured. Not with cudarc's per-buffer event tracking on:
+/// events recorded inside a capture never fire, and a later wait on one outside the graph
+/// would hang the stream (gpu.rs switches tracking off on every device it opens).
+#[cfg(feature = "cuda")]
+pub fn can_capture(dev: &Device) -> bool {
+    matches!(dev, Device::Cuda(d) if !d.is_event_tracking())
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn can_capture(_dev: &Device) -> bool {
+    false
+}
+
+/// Runs `body` once (the step itself), then records its kernels as a graph. Candle uploads
+/// the shapes and strides of strided kernels from host memory at each launch; a recorded
+/// upload would read that (freed) host memory again at every replay. With candle's upload
+/// cache on, the first run leaves each upload in a device buffer that lives as long as this
+/// thread, and the recording copies from there. `body` must be idempotent (it is run twice
+/// here and once per replay).
+#[cfg(feature = "cuda")]
+pub fn record(dev: &Device, body: impl Fn() -> Result<()>) -> Result<Graph> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let Device::Cuda(d) = dev else { candle_core::bail!("not a CUDA device") };
+    let _uploads = d.enable_cuda_graph_htod_cache();
+    body()?;
+    let stream = d.cuda_stream();
+    // relaxed: the other stages keep making their own driver calls meanwhile
+    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(candle_core::Error::wrap)?;
+    let ran = body();
+    let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    ran?;
+    match ended.map_err(candle_core::Error::wrap)? {
+        Some(g) => {
+            g.upload().map_err(candle_core::Error::wrap)?;
+            Ok(Graph(g))
+        }
+        None => candle_core::bail!("the capture recorded nothing"),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn record(_dev: &Device, _body: impl Fn() -> Result<()>) -> Result<Graph> {
+    candle_core::bail!("no CUDA in this build")
+}
+
+impl Graph {
+    #[cfg(feature = "cuda")]
+    pub fn launch(&self) -> Result<()> {
+        self.0.launch().map_err(candle_core::Error::wrap)
+    }
+    #[cfg(not(feature = "cuda"))]
+    pub fn launch(&self) -> Result<()> {
+        candle_core::bail!("no CUDA in this build")
+    }
+}
+
+/// Replays of a pure function of tensors, one captured graph per input shape: the inputs are
+/// copied into fixed buffers, the graph replayed, the outputs copied out (the next replay
+/// overwrites them). A shape is captured the second time it comes (a one-off shape is not worth a
+/// capture); at most `max` are held, the least recently used dropped first. Where the device cannot
+/// capture, the same fixed-buffer path runs op by op (so tests on the CPU exercise it).
+///
+/// The function must issue nothing to the host while it runs once its inputs are on the device:
+/// no uploads of data made on the host (memoise such tensors), no copies to the host.
+pub struct GraphCache {
+    entries: Vec<CachedShape>,
+    max: usize,
+    tick: u64,
+}
+
+struct CachedShape {
+    key: Vec<usize>,
+    last_used: u64,
+    seen: usize,
+    failed: bool,
+    held: Option<Held>,
+}
+
+struct Held {
+    inputs: Vec<candle_core::Tensor>,
+    outputs: Vec<candle_core::Tensor>,
+    graph: Option<Graph>,
+}
+
+/// Shapes remembered beyond the captured ones (only their sightings are counted).
+const SEEN_KEYS: usize = 64;
+
+impl GraphCache {
+    pub fn new(max: usize) -> Self {
+        Self { entries: Vec::new(), max, tick: 0 }
+    }
+
+    /// Shapes with a graph (or, without capture, fixed buffers) held now.
+    pub fn held(&self) -> usize {
+        self.entries.iter().filter(|e| e.held.is_some()).count()
+    }
+
+    /// `f(inputs)`, through a graph when this `tag` and these input shapes were seen before.
+    pub fn run(
+        &mut self,
+        tag: usize,
+        inputs: &[&candle_core::Tensor],
+        f: &dyn Fn(&[candle_core::Tensor]) -> Result<Vec<candle_core::Tensor>>,
+    ) -> Result<Vec<candle_core::Tensor>> {
+        use candle_core::Tensor;
+        let eager = |ins: &[&Tensor]| f(&ins.iter().map(|t| (*t).clone()).collect::<Vec<_>>());
+        let Some(dev) = inputs.first().map(|t| t.device().clone()) else { return eager(inputs) };
+        let mut key = vec![tag];
+        for t in inputs {
+            key.push(t.dtype() as usize);
+            key.push(t.rank());
+            key.extend_from_slice(t.dims());
+        }
+        self.tick += 1;
+        let tick = self.tick;
+        let i = match self.entries.iter().position(|e| e.key == key) {
+            Some(i) => i,
+            None => {
+                if self.entries.len() >= SEEN_KEYS {
+                    if let Some(old) =
+                        self.entries.iter().enumerate().filter(|(_, e)| e.held.is_none()).min_by_key(|(_, e)| e.last_used).map(|(i, _)| i)
+                    {
+                        self.entries.swap_remove(old);
+                    }
+                }
+                self.entries.push(CachedShape { key, last_used: tick, seen: 0, failed: false, held: None });
+                self.entries.len() - 1
+            }
+        };
+        let e = &mut self.entries[i];
+        e.seen += 1;
+        e.last_used = tick;
+        if e.failed || self.max == 0 || (e.held.is_none() && e.seen < 2) {
+            return eager(inputs);
+        }
+        let body = |h: &Held| -> Result<()> {
+            let outs = f(&h.inputs)?;
+            if outs.len() != h.outputs.len() {
+                candle_core::bail!("graphed function gave {} outputs, not {}", outs.len(), h.outputs.len());
+            }
+            for (o, b) in outs.iter().zip(&h.outputs) {
+                b.slice_set(&o.contiguous()?, 0, 0)?;
+            }
+            Ok(())
+        };
+        if let Some(h) = &e.held {
+            for (b, t) in h.inputs.iter().zip(inputs) {
+                b.slice_set(&t.contiguous()?, 0, 0)?;
+            }
+            match &h.graph {
+                Some(g) => g.launch()?,
+                None => body(h)?,
+            }
+            return h.outputs.iter().map(|t| t.copy()).collect();
+        }
+        // a first capture for this shape: make room, run once for the outputs' shapes, record
+        let held: Vec<usize> = (0..self.entries.len()).filter(|&j| self.entries[j].held.is_some()).collect();
+        if held.len() >= self.max {
+            if let Some(j) = held.iter().copied().min_by_key(|&j| self.entries[j].last_used) {
+                self.entries[j].held = None;
+            }
+        }
+        let ins: Vec<Tensor> = inputs.iter().map(|t| t.contiguous().and_then(|t| t.copy())).collect::<Result<_>>()?;
+        let outs: Vec<Tensor> = f(&ins)?.iter().map(|t| t.contiguous().and_then(|t| t.copy())).collect::<Result<_>>()?;
+        let mut h = Held { inputs: ins, outputs: outs, graph: None };
+        if can_capture(&dev) {
+            match record(&dev, || body(&h)) {
+                Ok(g) => h.graph = Some(g),
+                Err(err) => {
+                    tracing::warn!("graph capture failed (tag {tag}), running op by op: {err}");
+                    self.entries[i].failed = true;
+                    return h.outputs.iter().map(|t| t.copy()).collect();
+                }
+            }
+        }
+        let out = h.outputs.iter().map(|t| t.copy()).collect::<Result<Vec<_>>>();
+        self.entries[i].held = Some(h);
+        out
+    }
+}
+
+/// A [`GraphCache`] owned by a model, or none (op by op). A clone starts empty: graphs are bound to
+/// their owner's buffers.
+pub struct GraphSlot(Option<std::sync::Mutex<GraphCache>>);
+
+impl GraphSlot {
+    pub fn off() -> Self {
+        Self(None)
+    }
+
+    pub fn on(max: usize) -> Self {
+        Self(Some(std::sync::Mutex::new(GraphCache::new(max))))
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.0.is_some()
+    }
+
+    pub fn held(&self) -> usize {
+        self.0.as_ref().map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).held()).unwrap_or(0)
+    }
+
+    /// `f(inputs)`: through the cache when on, else directly.
+    pub fn run(
+        &self,
+        tag: usize,
+        inputs: &[&candle_core::Tensor],
+        f: &dyn Fn(&[candle_core::Tensor]) -> Result<Vec<candle_core::Tensor>>,
+    ) -> Result<Vec<candle_core::Tensor>> {
+        match &self.0 {
+            Some(m) => m.lock().unwrap_or_else(|e| e.into_inner()).run(tag, inputs, f),
+            None => f(&inputs.iter().map(|t| (*t).clone()).collect::<Vec<_>>()),
+        }
+    }
+}
+
+impl Clone for GraphSlot {
+    fn clone(&self) -> Self {
+        match &self.0 {
+            Some(m) => Self::on(m.lock().unwrap_or_else(|e| e.into_inner()).max),
+            None => Self::off(),
+        }
+    }
+}
+
+impl std::fmt::Debug for GraphSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GraphSlot({})", if self.is_on() { "on" } else { "off" })
+    }
+}
