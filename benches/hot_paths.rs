@@ -87,5 +87,25 @@ fn decode_steps(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, audio, decode_steps);
+/// Host-side sampling per step: the Talker's 6562 codes (top-k 25, top-p 0.85, penalty over 16)
+/// and the Thinker's greedy pick over Qwen3's 151,936 ids (presence penalty over a 1000-id history).
+fn sampling(c: &mut Criterion) {
+    use antiphon::models::sampling::{Sampler, SamplingParams};
+    let mut g = c.benchmark_group("sampling");
+    let noise = |n: usize| -> Vec<f32> { (0..n).map(|i| ((i as u64 * 2_654_435_761) % 10_007) as f32 / 1000.0 - 5.0).collect() };
+    let codes = noise(6562);
+    let mut talker = Sampler::new(SamplingParams::talker(), 1);
+    talker.observe(&(0..16).collect::<Vec<u32>>());
+    // (a fresh clone per call: sampling appends to the history the penalty reads)
+    g.bench_function("talker_sample_6562", |b| b.iter_batched(|| talker.clone(), |mut s| s.sample(&codes, &[]), BatchSize::SmallInput));
+    let text = noise(151_936);
+    let mut thinker = Sampler::new(SamplingParams::thinker_greedy(), 1);
+    thinker.observe(&(0..1000).map(|i| i * 131 % 151_936).collect::<Vec<u32>>());
+    g.bench_function("thinker_greedy_151936", |b| {
+        b.iter_batched(|| thinker.clone(), |mut s| s.sample(&text, &[151_643, 151_645]), BatchSize::SmallInput)
+    });
+    g.finish();
+}
+
+criterion_group!(benches, audio, decode_steps, sampling);
 criterion_main!(benches);
