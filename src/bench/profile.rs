@@ -206,70 +206,49 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
     let setup = c2w.setup(&f)?;
     let first: Vec<u32> = std::iter::repeat_n(SILENCE_CODE, 3).chain((0..25).map(|i| (i * 97) % 6561)).collect();
     let steady: Vec<u32> = (0..28).map(|i| (i * 131 + 7) % 6561).collect();
-    push(
-        "code2wav chunk 0 (3 + 25 codes, flow + vocoder)",
-        1,
-        time(dev, iters, || {
-            let mut st = c2w.start(&f, &setup)?;
-            c2w.chunk(&mut st, &first, false)?;
-            Ok(())
-        })?,
-    );
-    {
-        let mel = c2w.flow_chunk(&mut c2w.start(&f, &setup)?, &first, false)?;
+    // chunk 0 whole, flow alone, vocoder alone: op by op, then as CUDA graphs (the server's default
+    // on a GPU)
+    let mut g2w = c2w.clone();
+    g2w.set_graphs(Some(GraphPolicy::default()), Some(32));
+    let rows = [
+        (
+            c2w,
+            [
+                "code2wav chunk 0 (3 + 25 codes, flow + vocoder)",
+                "code2wav chunk 0, flow only (conformer + 10 CFM steps)",
+                "code2wav chunk 0, vocoder only (HiFT)",
+            ],
+        ),
+        (&g2w, ["code2wav chunk 0, flow + vocoder as graphs", "code2wav chunk 0, flow only (graph)", "code2wav chunk 0, vocoder only (graphs)"]),
+    ];
+    for (c, [whole, flow, vocoder]) in rows {
         push(
-            "code2wav chunk 0, flow only (conformer + 10 CFM steps)",
+            whole,
             1,
             time(dev, iters, || {
-                let mut st = c2w.start(&f, &setup)?;
-                c2w.flow_chunk(&mut st, &first, false)?;
+                c.chunk(&mut c.start(&f, &setup)?, &first, false)?;
                 Ok(())
             })?,
         );
         push(
-            "code2wav chunk 0, vocoder only (HiFT)",
+            flow,
             1,
             time(dev, iters, || {
-                let mut st = c2w.start(&f, &setup)?;
-                c2w.vocode_chunk(&mut st, &mel, false)?;
+                c.flow_chunk(&mut c.start(&f, &setup)?, &first, false)?;
+                Ok(())
+            })?,
+        );
+        let mel = c.flow_chunk(&mut c.start(&f, &setup)?, &first, false)?;
+        push(
+            vocoder,
+            1,
+            time(dev, iters, || {
+                c.vocode_chunk(&mut c.start(&f, &setup)?, &mel, false)?;
                 Ok(())
             })?,
         );
     }
-    {
-        // the same chunks with the flow solved as a CUDA graph (the server's default on a GPU)
-        let mut g2w = c2w.clone();
-        g2w.set_graphs(Some(GraphPolicy::default()), Some(32));
-        push(
-            "code2wav chunk 0, flow + vocoder as graphs",
-            1,
-            time(dev, iters, || {
-                let mut st = g2w.start(&f, &setup)?;
-                g2w.chunk(&mut st, &first, false)?;
-                Ok(())
-            })?,
-        );
-        push(
-            "code2wav chunk 0, flow only (graph)",
-            1,
-            time(dev, iters, || {
-                let mut st = g2w.start(&f, &setup)?;
-                g2w.flow_chunk(&mut st, &first, false)?;
-                Ok(())
-            })?,
-        );
-        let mel = g2w.flow_chunk(&mut g2w.start(&f, &setup)?, &first, false)?;
-        push(
-            "code2wav chunk 0, vocoder only (graphs)",
-            1,
-            time(dev, iters, || {
-                let mut st = g2w.start(&f, &setup)?;
-                g2w.vocode_chunk(&mut st, &mel, false)?;
-                Ok(())
-            })?,
-        );
-        eprintln!("(graphs held: flow, vocoder = {:?})", g2w.graphs_held());
-    }
+    eprintln!("(graphs held: flow, vocoder = {:?})", g2w.graphs_held());
     for &b in batches.iter().filter(|&&b| b <= 8) {
         let mut streams = (0..b)
             .map(|_| {

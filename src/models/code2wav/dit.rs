@@ -463,7 +463,7 @@ impl Cfm {
     }
 
     /// The Euler loop. `cache`: the previous `(att, cnn)` per step; every step's new caches go to
-    /// `keep(step, cnn, att)`. Returns the solution `[B, 80, T]`.
+    /// `keep(cnn, att)`, in step order. Returns the solution `[B, 80, T]`.
     #[allow(clippy::too_many_arguments)]
     fn euler(
         &self,
@@ -473,7 +473,7 @@ impl Cfm {
         conds: &[StepCondition],
         offset: usize,
         cache: Option<(&Tensor, &Tensor)>,
-        mut keep: impl FnMut(usize, Tensor, Tensor) -> Result<()>,
+        mut keep: impl FnMut(Tensor, Tensor) -> Result<()>,
     ) -> Result<Tensor> {
         let n_timesteps = conds.len();
         let (b, ch, t) = mu.dims3()?;
@@ -497,7 +497,7 @@ impl Cfm {
             if step < n_timesteps {
                 dt = span[step + 1] - tt;
             }
-            keep(step - 1, nc, na)?;
+            keep(nc, na)?;
         }
         Ok(x)
     }
@@ -519,33 +519,24 @@ impl Cfm {
             candle_core::bail!("noise buffer of {} frames is too short for offset {offset} + {t}", self.noise.dim(1)?);
         }
         let conds = self.conditions(n_timesteps, mu.device())?;
+        // inputs: mu, speakers, condition, then (with a cache) its attention and conv parts;
+        // outputs: the solution, the new attention and conv caches
         let solve = |x: &[Tensor]| -> Result<Vec<Tensor>> {
             let (mut cnns, mut atts) = (Vec::with_capacity(n_timesteps), Vec::with_capacity(n_timesteps));
-            let out = self.euler(&x[0], &x[1], &x[2], &conds, offset, Some((&x[3], &x[4])), |_, nc, na| {
+            let out = self.euler(&x[0], &x[1], &x[2], &conds, offset, (x.len() == 5).then(|| (&x[3], &x[4])), |nc, na| {
                 cnns.push(nc);
                 atts.push(na);
                 Ok(())
             })?;
             Ok(vec![out, Tensor::stack(&atts, 0)?, Tensor::stack(&cnns, 0)?])
         };
-        if let (Some(policy), Some(c)) = (self.policy, cache) {
-            if b <= policy.max_batch {
-                // (the shape key holds the cache length, hence the noise offset)
-                let mut out = self.graphs.run(n_timesteps, &[mu, spks, cond, &c.att, &c.cnn], &solve)?.into_iter();
-                let (x, att, cnn) = (out.next(), out.next(), out.next());
-                if let (Some(x), Some(att), Some(cnn)) = (x, att, cnn) {
-                    return Ok((x, EstimatorCache { att, cnn }));
-                }
-                candle_core::bail!("the graphed chunk solve gave fewer than three outputs");
-            }
-        }
-        let mut cnns = Vec::with_capacity(n_timesteps);
-        let mut atts = Vec::with_capacity(n_timesteps);
-        let x = self.euler(mu, spks, cond, &conds, offset, cache.map(|c| (&c.att, &c.cnn)), |_, nc, na| {
-            cnns.push(nc);
-            atts.push(na);
-            Ok(())
-        })?;
-        Ok((x, EstimatorCache { att: Tensor::stack(&atts, 0)?, cnn: Tensor::stack(&cnns, 0)? }))
+        let out = match (self.policy, cache) {
+            // (the shape key holds the cache length, hence the noise offset)
+            (Some(p), Some(c)) if b <= p.max_batch => self.graphs.run(n_timesteps, &[mu, spks, cond, &c.att, &c.cnn], &solve)?,
+            (_, Some(c)) => solve(&[mu.clone(), spks.clone(), cond.clone(), c.att.clone(), c.cnn.clone()])?,
+            (_, None) => solve(&[mu.clone(), spks.clone(), cond.clone()])?,
+        };
+        let [x, att, cnn]: [Tensor; 3] = out.try_into().map_err(|_| candle_core::Error::Msg("the chunk solve gives three outputs".into()))?;
+        Ok((x, EstimatorCache { att, cnn }))
     }
 }

@@ -462,6 +462,10 @@ impl Frac {
     }
 }
 
+/// Graph tags of the streaming steps (+1 when finalizing: another computation).
+const GRAPH_F0: usize = 0;
+const GRAPH_DECODE: usize = 2;
+
 #[derive(Debug, Clone)]
 pub struct HiftGenerator {
     conv_pre: Conv,
@@ -772,7 +776,7 @@ impl HiftGenerator {
         if available_source > st.source_end {
             let start = st.source_end.saturating_sub(lim.f0_left);
             let feats = st.mel.narrow(2, start - st.mel_offset, received - start)?;
-            let f0 = self.graphs.run(usize::from(finalize), &[&feats], &|x| Ok(vec![self.f0_predictor.forward(&x[0], finalize)?]))?;
+            let f0 = self.graphs.run(GRAPH_F0 + usize::from(finalize), &[&feats], &|x| Ok(vec![self.f0_predictor.forward(&x[0], finalize)?]))?;
             let f0 = f0[0].to_vec1::<f32>()?;
             let f0 = &f0[st.source_end - start..];
             let mut parts = vec![st.source.clone()];
@@ -790,7 +794,7 @@ impl HiftGenerator {
             let feats = st.mel.narrow(2, start - st.mel_offset, st.source_end - start)?;
             let src_from = (start - st.source_offset) * hop;
             let src = st.source.narrow(2, src_from, st.source.dim(2)? - src_from)?;
-            let y = self.graphs.run(2 + usize::from(finalize), &[&feats, &src], &|x| Ok(vec![self.decode(&x[0], &x[1], finalize)?]))?;
+            let y = self.graphs.run(GRAPH_DECODE + usize::from(finalize), &[&feats, &src], &|x| Ok(vec![self.decode(&x[0], &x[1], finalize)?]))?;
             let y = &y[0];
             let skip = (emitted - start) * hop;
             let want = (available_speech - emitted) * hop;
