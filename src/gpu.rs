@@ -102,3 +102,25 @@ fn keep_pool_memory(dev: &Device) -> Result<()> {
 fn keep_pool_memory(_dev: &Device) -> Result<()> {
     Ok(())
 }
+
+/// Marks the start (`on`) or end of a range for an attached CUDA profiler (`ncu
+/// --profile-from-start off` profiles only such ranges); without one, or without CUDA, nothing.
+#[cfg(feature = "cuda")]
+pub fn profiler_range(dev: &Device, on: bool) {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let Device::Cuda(d) = dev else { return };
+    if d.cuda_stream().context().bind_to_thread().is_err() {
+        return;
+    }
+    // SAFETY: argument-less driver calls on the context just made current.
+    let _ = unsafe {
+        if on {
+            sys::cuProfilerStart()
+        } else {
+            sys::cuProfilerStop()
+        }
+    };
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn profiler_range(_dev: &Device, _on: bool) {}

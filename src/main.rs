@@ -65,6 +65,10 @@ enum Command {
         /// Also write the timings as JSON here.
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Run only the rows whose names contain one of these strings (e.g. "graph" or
+        /// "chunk 0"); their timed runs are ranges for `ncu --profile-from-start off`.
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
     },
     /// A/B: two configurations or server commands, interleaved blocks (A B B A …), a fresh server each.
     BenchAb {
@@ -236,7 +240,7 @@ fn main() -> Result<()> {
                 Ok(())
             })
         }
-        Command::Profile { config, iters, batch, out } => {
+        Command::Profile { config, iters, batch, out, only } => {
             let cfg = match &config {
                 Some(p) => Config::load(p)?,
                 None => Config::embedded_default().context("the embedded default (run from the repository root)")?,
@@ -246,7 +250,7 @@ fn main() -> Result<()> {
             eprintln!("models ready in {:.1} s", t0.elapsed().as_secs_f64());
             let voice = &cfg.voices[0];
             let (samples, rate) = antiphon::audio::decode_wav(&std::fs::read(&voice.wav)?)?;
-            let timings = antiphon::bench::profile::run(&models, iters.max(1), &batch, (&samples, rate))?;
+            let timings = antiphon::bench::profile::run(&models, iters.max(1), &batch, (&samples, rate), &only)?;
             if let Some(o) = out {
                 std::fs::write(&o, serde_json::to_string_pretty(&timings)?)?;
             }

@@ -22,8 +22,34 @@ pub struct Timing {
     pub min_ms: f64,
 }
 
+/// The rows asked for (all when `only` is empty) and their timings.
+struct Rows<'a> {
+    only: &'a [String],
+    devs: &'a [Device],
+    out: Vec<Timing>,
+}
+
+impl Rows<'_> {
+    /// Whether a row named `what` is to run: its name contains one of `only`'s strings.
+    fn wants(&self, what: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|s| what.contains(s.as_str()))
+    }
+
+    /// Times `f` as the row `what` (if it is wanted) and prints the row.
+    fn time(&mut self, what: &str, batch: usize, iters: usize, f: impl FnMut() -> Result<()>) -> Result<()> {
+        if !self.wants(what) {
+            return Ok(());
+        }
+        let (median_ms, min_ms) = time(self.devs, iters, f)?;
+        eprintln!("{what:<48} B={batch:<3} median {median_ms:>9.2} ms  min {min_ms:>9.2} ms");
+        self.out.push(Timing { what: what.into(), batch, median_ms, min_ms });
+        Ok(())
+    }
+}
+
 /// Median and min of `iters` runs of `f`, each ended by synchronising every stage's device (each
-/// stage may have its own stream).
+/// stage may have its own stream). The timed runs (not the warm-up) are a range for an attached
+/// CUDA profiler (`ncu --profile-from-start off`).
 fn time(devs: &[Device], iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
     let sync = || -> Result<()> {
         for d in devs {
@@ -36,25 +62,23 @@ fn time(devs: &[Device], iters: usize, mut f: impl FnMut() -> Result<()>) -> Res
     }
     sync()?;
     let mut v = Vec::with_capacity(iters);
+    crate::gpu::profiler_range(&devs[0], true);
     for _ in 0..iters {
         let t0 = Instant::now();
         f()?;
         sync()?;
         v.push(t0.elapsed().as_secs_f64() * 1000.0);
     }
+    crate::gpu::profiler_range(&devs[0], false);
     v.sort_by(f64::total_cmp);
     Ok((v[v.len() / 2], v[0]))
 }
 
 /// Runs every measurement; `batches` are the decode batch sizes.
-pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)) -> Result<Vec<Timing>> {
+/// Only the rows whose names contain one of `only`'s strings run (all when it is empty).
+pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32), only: &[String]) -> Result<Vec<Timing>> {
     let devs = [m.thinker.llm.decoder().device().clone(), m.talker.decoder().device().clone(), m.code2wav.device().clone()];
-    let dev = &devs[..];
-    let mut out = Vec::new();
-    let mut push = |what: &str, batch: usize, (median_ms, min_ms): (f64, f64)| {
-        eprintln!("{what:<48} B={batch:<3} median {median_ms:>9.2} ms  min {min_ms:>9.2} ms");
-        out.push(Timing { what: what.into(), batch, median_ms, min_ms });
-    };
+    let mut rows = Rows { only, devs: &devs, out: Vec::new() };
     // ---- Stage 0: Thinker
     let llm = &m.thinker.llm;
     let vocab = m.tokenizer.vocab_size().min(llm.embed(&[0])?.dim(1)?.max(1));
@@ -68,71 +92,51 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
             })
             .collect()
     };
-    push(
-        "thinker prefill 200 tokens",
-        1,
-        time(dev, iters, || {
-            let mut c = llm.new_cache();
-            llm.forward(&mut [StreamStep { cache: &mut c, embeds: llm.embed(&prompt)? }])?;
-            Ok(())
-        })?,
-    );
+    rows.time("thinker prefill 200 tokens", 1, iters, || {
+        let mut c = llm.new_cache();
+        llm.forward(&mut [StreamStep { cache: &mut c, embeds: llm.embed(&prompt)? }])?;
+        Ok(())
+    })?;
     {
         // a prompt-prefix cache hit as the server serves it: the cached system turn's KV copied,
         // the user turn prefilled, the last row's logits to the host
         let mut prefix = llm.new_cache();
         llm.forward(&mut [StreamStep { cache: &mut prefix, embeds: llm.embed(&prompt[..170])? }])?;
         let turn = llm.embed(&prompt[170..])?;
-        push(
-            "thinker prefix hit: copy 170 + prefill 30 + logits",
-            1,
-            time(dev, iters, || {
-                let mut c = prefix.copy_prefix(170, 30 + 40)?;
-                let h = llm.forward(&mut [StreamStep { cache: &mut c, embeds: turn.clone() }])?;
-                let last = h[0].narrow(0, h[0].dim(0)? - 1, 1)?;
-                std::hint::black_box(llm.logits(&last)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
-                Ok(())
-            })?,
-        );
-        push(
-            "thinker prefix copy only (170 positions)",
-            1,
-            time(dev, iters, || {
-                std::hint::black_box(prefix.copy_prefix(170, 30 + 40)?);
-                Ok(())
-            })?,
-        );
+        rows.time("thinker prefix hit: copy 170 + prefill 30 + logits", 1, iters, || {
+            let mut c = prefix.copy_prefix(170, 30 + 40)?;
+            let h = llm.forward(&mut [StreamStep { cache: &mut c, embeds: turn.clone() }])?;
+            let last = h[0].narrow(0, h[0].dim(0)? - 1, 1)?;
+            std::hint::black_box(llm.logits(&last)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+            Ok(())
+        })?;
+        rows.time("thinker prefix copy only (170 positions)", 1, iters, || {
+            std::hint::black_box(prefix.copy_prefix(170, 30 + 40)?);
+            Ok(())
+        })?;
     }
     for &b in batches {
         let mut caches = prefilled(b)?;
         let tok = llm.embed(&[42])?;
-        push(
-            "thinker decode step (forward only)",
-            b,
-            time(dev, iters, || {
-                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
-                llm.forward(&mut steps)?;
-                for c in caches.iter_mut() {
-                    c.truncate(200);
-                }
-                Ok(())
-            })?,
-        );
-        push(
-            "thinker decode step + logits to host",
-            b,
-            time(dev, iters, || {
-                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
-                let h = llm.forward(&mut steps)?;
-                let rows: Vec<Tensor> = h.iter().map(|x| x.narrow(0, x.dim(0)? - 1, 1)).collect::<candle_core::Result<_>>()?;
-                let l = llm.logits(&Tensor::cat(&rows, 0)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-                std::hint::black_box(l);
-                for c in caches.iter_mut() {
-                    c.truncate(200);
-                }
-                Ok(())
-            })?,
-        );
+        rows.time("thinker decode step (forward only)", b, iters, || {
+            let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
+            llm.forward(&mut steps)?;
+            for c in caches.iter_mut() {
+                c.truncate(200);
+            }
+            Ok(())
+        })?;
+        rows.time("thinker decode step + logits to host", b, iters, || {
+            let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
+            let h = llm.forward(&mut steps)?;
+            let rows: Vec<Tensor> = h.iter().map(|x| x.narrow(0, x.dim(0)? - 1, 1)).collect::<candle_core::Result<_>>()?;
+            let l = llm.logits(&Tensor::cat(&rows, 0)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            std::hint::black_box(l);
+            for c in caches.iter_mut() {
+                c.truncate(200);
+            }
+            Ok(())
+        })?;
     }
     // one stream, one position: the step over fixed buffers, captured as a graph on CUDA
     if batches.contains(&1) {
@@ -141,16 +145,12 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
         let mut c = llm.new_cache();
         g.forward(&mut [StreamStep { cache: &mut c, embeds: llm.embed(&prompt)? }])?;
         let tok = llm.embed(&[42])?;
-        push(
-            "thinker decode step (graph) + logits to host",
-            1,
-            time(dev, iters, || {
-                let h = g.forward(&mut [StreamStep { cache: &mut c, embeds: tok.clone() }])?;
-                std::hint::black_box(g.logits(&h[0])?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
-                c.truncate(200);
-                Ok(())
-            })?,
-        );
+        rows.time("thinker decode step (graph) + logits to host", 1, iters, || {
+            let h = g.forward(&mut [StreamStep { cache: &mut c, embeds: tok.clone() }])?;
+            std::hint::black_box(g.logits(&h[0])?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+            c.truncate(200);
+            Ok(())
+        })?;
     }
     // ---- Stage 1: Talker
     let talker = &m.talker;
@@ -162,16 +162,12 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
         let mut c = talker.new_cache();
         g.forward(&mut [StreamStep { cache: &mut c, embeds: cond.clone() }])?;
         let code = talker.embed_codes(&[17])?;
-        push(
-            "talker decode step (graph) + logits to host",
-            1,
-            time(dev, iters, || {
-                let h = g.forward(&mut [StreamStep { cache: &mut c, embeds: code.clone() }])?;
-                std::hint::black_box(g.logits(&h[0])?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
-                c.truncate(40);
-                Ok(())
-            })?,
-        );
+        rows.time("talker decode step (graph) + logits to host", 1, iters, || {
+            let h = g.forward(&mut [StreamStep { cache: &mut c, embeds: code.clone() }])?;
+            std::hint::black_box(g.logits(&h[0])?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+            c.truncate(40);
+            Ok(())
+        })?;
     }
     for &b in batches {
         let mut caches: Vec<KvCache> = (0..b)
@@ -182,27 +178,29 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
             })
             .collect::<Result<_>>()?;
         let code = talker.embed_codes(&[17])?;
-        push(
-            "talker decode step + logits to host",
-            b,
-            time(dev, iters, || {
-                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: code.clone() }).collect();
-                let h = talker.forward(&mut steps)?;
-                let rows: Vec<Tensor> = h.iter().map(|x| x.narrow(0, x.dim(0)? - 1, 1)).collect::<candle_core::Result<_>>()?;
-                std::hint::black_box(talker.logits(&Tensor::cat(&rows, 0)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
-                for c in caches.iter_mut() {
-                    c.truncate(40);
-                }
-                Ok(())
-            })?,
-        );
+        rows.time("talker decode step + logits to host", b, iters, || {
+            let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: code.clone() }).collect();
+            let h = talker.forward(&mut steps)?;
+            let rows: Vec<Tensor> = h.iter().map(|x| x.narrow(0, x.dim(0)? - 1, 1)).collect::<candle_core::Result<_>>()?;
+            std::hint::black_box(talker.logits(&Tensor::cat(&rows, 0)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+            for c in caches.iter_mut() {
+                c.truncate(40);
+            }
+            Ok(())
+        })?;
     }
     // ---- Stage 2: Code2Wav
     let c2w = &m.code2wav;
     let r = Reference::materialize(reference.0, reference.1)?;
-    push("code2wav prepare (S3 codes, CAM++, prompt mel)", 1, time(dev, iters.min(5), || Ok(drop(c2w.prepare(&r)?)))?);
+    rows.time("code2wav prepare (S3 codes, CAM++, prompt mel)", 1, iters.min(5), || {
+        drop(c2w.prepare(&r)?);
+        Ok(())
+    })?;
     let f = c2w.prepare(&r)?;
-    push("code2wav setup (flow over the prompt)", 1, time(dev, iters.min(5), || Ok(drop(c2w.setup(&f)?)))?);
+    rows.time("code2wav setup (flow over the prompt)", 1, iters.min(5), || {
+        drop(c2w.setup(&f)?);
+        Ok(())
+    })?;
     let setup = c2w.setup(&f)?;
     let first: Vec<u32> = std::iter::repeat_n(SILENCE_CODE, 3).chain((0..25).map(|i| (i * 97) % 6561)).collect();
     let steady: Vec<u32> = (0..28).map(|i| (i * 131 + 7) % 6561).collect();
@@ -210,7 +208,7 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
     // on a GPU)
     let mut g2w = c2w.clone();
     g2w.set_graphs(Some(GraphPolicy::default()), Some(32));
-    let rows = [
+    let variants = [
         (
             c2w,
             [
@@ -221,35 +219,30 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
         ),
         (&g2w, ["code2wav chunk 0, flow + vocoder as graphs", "code2wav chunk 0, flow only (graph)", "code2wav chunk 0, vocoder only (graphs)"]),
     ];
-    for (c, [whole, flow, vocoder]) in rows {
-        push(
-            whole,
-            1,
-            time(dev, iters, || {
-                c.chunk(&mut c.start(&f, &setup)?, &first, false)?;
-                Ok(())
-            })?,
-        );
-        push(
-            flow,
-            1,
-            time(dev, iters, || {
-                c.flow_chunk(&mut c.start(&f, &setup)?, &first, false)?;
-                Ok(())
-            })?,
-        );
+    for (c, [whole, flow, vocoder]) in variants {
+        rows.time(whole, 1, iters, || {
+            c.chunk(&mut c.start(&f, &setup)?, &first, false)?;
+            Ok(())
+        })?;
+        rows.time(flow, 1, iters, || {
+            c.flow_chunk(&mut c.start(&f, &setup)?, &first, false)?;
+            Ok(())
+        })?;
         let mel = c.flow_chunk(&mut c.start(&f, &setup)?, &first, false)?;
-        push(
-            vocoder,
-            1,
-            time(dev, iters, || {
-                c.vocode_chunk(&mut c.start(&f, &setup)?, &mel, false)?;
-                Ok(())
-            })?,
-        );
+        rows.time(vocoder, 1, iters, || {
+            c.vocode_chunk(&mut c.start(&f, &setup)?, &mel, false)?;
+            Ok(())
+        })?;
     }
     eprintln!("(graphs held: flow, vocoder = {:?})", g2w.graphs_held());
-    for &b in batches.iter().filter(|&&b| b <= 8) {
+    // the small first chunk a lone stream gets in the GPU configuration (3 + 8 codes)
+    let small = &first[..11];
+    rows.time("code2wav chunk 0 (3 + 8 codes) as graphs", 1, iters, || {
+        g2w.chunk(&mut g2w.start(&f, &setup)?, small, false)?;
+        Ok(())
+    })?;
+    let steady_rows = rows.wants("code2wav steady chunk");
+    for &b in batches.iter().filter(|&&b| b <= 8 && steady_rows) {
         let mut streams = (0..b)
             .map(|_| {
                 let mut st = c2w.start(&f, &setup)?;
@@ -258,21 +251,18 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
             })
             .collect::<Result<Vec<_>>>()?;
         let snapshot = streams.clone();
-        push(
-            "code2wav steady chunk (flow batched, vocoder per stream)",
-            b,
-            time(dev, iters, || {
-                streams = snapshot.clone();
-                let mut refs: Vec<_> = streams.iter_mut().collect();
-                let codes: Vec<&[u32]> = (0..b).map(|_| steady.as_slice()).collect();
-                c2w.chunk_batch(&mut refs, &codes, false)?;
-                Ok(())
-            })?,
-        );
+        rows.time("code2wav steady chunk (flow batched, vocoder per stream)", b, iters, || {
+            streams = snapshot.clone();
+            let mut refs: Vec<_> = streams.iter_mut().collect();
+            let codes: Vec<&[u32]> = (0..b).map(|_| steady.as_slice()).collect();
+            c2w.chunk_batch(&mut refs, &codes, false)?;
+            Ok(())
+        })?;
     }
     // ---- contention: a Thinker decode step while Code2Wav chunks run on another thread, as in
     // the pipelined server
-    {
+    const BUSY: &str = "thinker decode + logits, code2wav busy on another thread";
+    if rows.wants(BUSY) {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let worker = {
             let (c2w, f, setup, steady, first, stop) = (c2w.clone(), f.clone(), setup.clone(), steady.clone(), first.clone(), stop.clone());
@@ -290,22 +280,18 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
         std::thread::sleep(std::time::Duration::from_millis(500));
         let mut caches = prefilled(1)?;
         let tok = llm.embed(&[42])?;
-        push(
-            "thinker decode + logits, code2wav busy on another thread",
-            1,
-            time(dev, iters, || {
-                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
-                let h = llm.forward(&mut steps)?;
-                std::hint::black_box(llm.logits(&h[0].narrow(0, 0, 1)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
-                for c in caches.iter_mut() {
-                    c.truncate(200);
-                }
-                Ok(())
-            })?,
-        );
+        rows.time(BUSY, 1, iters, || {
+            let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
+            let h = llm.forward(&mut steps)?;
+            std::hint::black_box(llm.logits(&h[0].narrow(0, 0, 1)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+            for c in caches.iter_mut() {
+                c.truncate(200);
+            }
+            Ok(())
+        })?;
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let n = worker.join().map_err(|_| anyhow::anyhow!("the code2wav thread panicked"))??;
         eprintln!("(code2wav ran {n} chunks meanwhile)");
     }
-    Ok(out)
+    Ok(rows.out)
 }

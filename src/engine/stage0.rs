@@ -96,6 +96,12 @@ impl<V> Recent<V> {
     }
 }
 
+/// Thinker caches are made with room for a multiple of this many positions: a conversation
+/// grows by its turns, and a stream that outgrows the pooled caches needs a new one, whose decode
+/// step is captured anew (~10 ms). The static step's attention reads only the held positions, so
+/// room costs memory (~150 KB a position at full size), not time.
+const THINKER_CACHE_QUANTUM: usize = 1024;
+
 /// The fewest shared positions worth a copy from the prefix store.
 const MIN_SHARED: usize = 8;
 
@@ -166,7 +172,7 @@ impl Stage0 {
             forbid,
             ref_embeds: Recent::new(REF_EMBED_CACHE),
             prefixes: PrefixStore::new(prefix_cap),
-            caches: CachePool::new(pool_cap),
+            caches: CachePool::with_quantum(pool_cap, THINKER_CACHE_QUANTUM),
         }
     }
 

@@ -20,7 +20,12 @@ pub struct CachePool {
 impl CachePool {
     /// Keeps at most `max` idle caches (0: no pooling).
     pub fn new(max: usize) -> Self {
-        Self { inner: Default::default(), max, quantum: 256 }
+        Self::with_quantum(max, 256)
+    }
+
+    /// As [`CachePool::new`], new caches' capacities rounded up to `quantum` positions.
+    pub fn with_quantum(max: usize, quantum: usize) -> Self {
+        Self { inner: Default::default(), max, quantum: quantum.max(1) }
     }
 
     /// Idle caches held.

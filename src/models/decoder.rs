@@ -13,7 +13,9 @@
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 
 pub use super::cache_pool::{CachePool, PooledCache};
-use candle_nn::{Linear, RmsNorm, VarBuilder};
+use candle_nn::{Linear, VarBuilder};
+
+use super::fused::{add_rmsnorm, silu_mul, Norm};
 
 /// Shape of one decoder stack.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -180,9 +182,10 @@ pub enum DecodeMode {
     Eager,
     /// Over fixed-address buffers: the input row, the position and the output row live in
     /// buffers owned by the stream's cache; the new K/V are scattered to the position read from
-    /// device memory, and attention covers the whole capacity under a mask made from that
-    /// position. Nothing in the step depends on a host value, so the same kernels serve every
-    /// position until the capacity grows. On the CPU this is only a check of that path.
+    /// device memory, and attention reads the positions up to it, the length also read from
+    /// device memory (`decode_attention`: our own kernel on CUDA). Nothing in the step depends on
+    /// a host value, so the same kernels serve every position until the capacity grows. On the
+    /// CPU this is only a check of that path.
     Static,
     /// [`DecodeMode::Static`], captured once per stream and capacity as a CUDA graph and replayed
     /// (one launch instead of ~700 on the Thinker). Without CUDA it runs as `Static`.
@@ -198,11 +201,6 @@ struct StaticStep {
     pos: Tensor,
     /// `[1, hidden]`: the last layer's output after the final norm.
     out: Tensor,
-    /// `[cap]` u32: 0..cap, to make the mask from `pos`.
-    arange: Tensor,
-    /// `[cap]` zeros and -inf of the model's dtype: the mask's two values.
-    zero: Tensor,
-    neg_inf: Tensor,
     graph: Option<super::cuda_graph::Graph>,
     /// Capture failed once for this stream: run the static step uncaptured.
     no_graph: bool,
@@ -221,9 +219,6 @@ impl StaticStep {
             x_in: Tensor::zeros((1, hidden), dtype, dev)?,
             pos: Tensor::zeros(1, DType::U32, dev)?,
             out: Tensor::zeros((1, hidden), dtype, dev)?,
-            arange: Tensor::arange(0u32, cap as u32, dev)?,
-            zero: Tensor::zeros(cap, dtype, dev)?,
-            neg_inf: Tensor::full(f32::NEG_INFINITY, cap, dev)?.to_dtype(dtype)?,
             graph: None,
             no_graph: false,
         })
@@ -250,6 +245,11 @@ impl Rope {
 
     pub fn max_positions(&self) -> usize {
         self.cos.dim(0).unwrap_or(0)
+    }
+
+    /// The whole `cos`, `sin` tables (`[max_positions, head_dim / 2]`).
+    pub fn full_tables(&self) -> (&Tensor, &Tensor) {
+        (&self.cos, &self.sin)
     }
 
     /// `cos`, `sin` rows for the given positions, shaped `[n, 1, half]` to broadcast over heads.
@@ -413,15 +413,15 @@ impl Attention {
     }
 
     /// One position of one stream over fixed-capacity buffers `kv` (`[hkv, cap, d]` each): the
-    /// new K/V go to the position in `at` (`[hkv, 1, d]` u32, every entry the position) and
-    /// attention covers the capacity under `mask` (`[1, 1, 1, cap]`).
-    fn forward_static(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, kv: &(Tensor, Tensor), at: &Tensor, mask: &Tensor) -> Result<Tensor> {
-        let (d, hq) = (self.head_dim, self.num_heads);
-        let (q, k, v) = self.project(x, cos, sin)?;
-        kv.0.scatter_set(at, &k.transpose(0, 1)?.contiguous()?, 1)?;
-        kv.1.scatter_set(at, &v.transpose(0, 1)?.contiguous()?, 1)?;
-        let o = attend(&q.transpose(0, 1)?, &kv.0, &kv.1, Some(mask))?;
-        self.o_proj.forward(&o.transpose(0, 1)?.reshape((1, hq * d))?)
+    /// new K/V go to the position in `pos` (`[1]` u32, on the device) and attention reads the
+    /// positions up to it (see [`super::fused::qk_norm_rope_store`], [`super::decode_attention`]).
+    fn forward_static(&self, x: &Tensor, rope: &Rope, kv: &(Tensor, Tensor), pos: &Tensor) -> Result<Tensor> {
+        let (d, hq, hkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
+        let qkv = self.qkv_proj.forward(x)?.reshape((hq + 2 * hkv, d))?;
+        let heads = super::fused::qk_norm_rope_store(&qkv, hq, hkv, self.qk_norm.as_ref(), self.eps, rope, pos, &kv.0, &kv.1)?;
+        let (q, k, v) = (heads.narrow(0, 0, hq)?, heads.narrow(0, hq, hkv)?, heads.narrow(0, hq + hkv, hkv)?);
+        let o = super::decode_attention::decode_attention(&q, &k, &v, &kv.0, &kv.1, pos)?;
+        self.o_proj.forward(&o.reshape((1, hq * d))?)
     }
 }
 
@@ -447,16 +447,15 @@ impl Mlp {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let gu = self.gate_up_proj.forward(x)?;
-        let g = candle_nn::ops::silu(&gu.narrow(1, 0, self.intermediate)?)?;
-        self.down_proj.forward(&(g * gu.narrow(1, self.intermediate, self.intermediate)?)?)
+        self.down_proj.forward(&silu_mul(&gu, self.intermediate)?)
     }
 }
 
 #[derive(Debug, Clone)]
 struct Layer {
-    input_layernorm: RmsNorm,
+    input_layernorm: Norm,
     self_attn: Attention,
-    post_attention_layernorm: RmsNorm,
+    post_attention_layernorm: Norm,
     mlp: Mlp,
 }
 
@@ -471,7 +470,7 @@ pub struct StreamStep<'a> {
 #[derive(Debug, Clone)]
 pub struct Decoder {
     layers: Vec<Layer>,
-    norm: RmsNorm,
+    norm: Norm,
     rope: Rope,
     cfg: DecoderConfig,
     device: Device,
@@ -487,15 +486,20 @@ impl Decoder {
         for i in 0..cfg.num_layers {
             let lvb = vb.pp("layers").pp(i);
             layers.push(Layer {
-                input_layernorm: candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, lvb.pp("input_layernorm"))?,
+                input_layernorm: Norm::load(lvb.pp("input_layernorm"), cfg.hidden_size, cfg.rms_norm_eps)?,
                 self_attn: Attention::load(lvb.pp("self_attn"), cfg)?,
-                post_attention_layernorm: candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, lvb.pp("post_attention_layernorm"))?,
+                post_attention_layernorm: Norm::load(lvb.pp("post_attention_layernorm"), cfg.hidden_size, cfg.rms_norm_eps)?,
                 mlp: Mlp::load(lvb.pp("mlp"), cfg)?,
             });
         }
-        let norm = candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("norm"))?;
+        let norm = Norm::load(vb.pp("norm"), cfg.hidden_size, cfg.rms_norm_eps)?;
         let rope = Rope::new(cfg.head_dim, cfg.rope_theta, cfg.max_positions, vb.dtype(), vb.device())?;
         Ok(Self { layers, norm, rope, cfg: *cfg, device: vb.device().clone(), dtype: vb.dtype(), mode: DecodeMode::Eager })
+    }
+
+    /// The norm after layer `li`'s MLP: the next layer's input norm, or the final norm.
+    fn next_norm(&self, li: usize) -> &Norm {
+        self.layers.get(li + 1).map(|l| &l.input_layernorm).unwrap_or(&self.norm)
     }
 
     /// How one-stream, one-position steps run (see [`DecodeMode`]).
@@ -561,18 +565,17 @@ impl Decoder {
         let mut caches: Vec<&mut KvCache> = streams.iter_mut().map(|s| &mut *s.cache).collect();
         let masks: Vec<Option<Tensor>> =
             caches.iter().zip(&spans).map(|(c, &(_, n))| causal_mask(n, c.len() + n, x.dtype(), &self.device)).collect::<Result<_>>()?;
+        // (each residual add is fused with the norm after it, the last with the final norm)
+        let mut h = self.layers.first().map_or(&self.norm, |l| &l.input_layernorm).forward(&x)?;
         for (li, layer) in self.layers.iter().enumerate() {
-            let h = layer.input_layernorm.forward(&x)?;
             let a = layer.self_attn.forward(&h, &cos, &sin, li, &mut caches, &spans, &masks)?;
-            x = (x + a)?;
-            let h = layer.post_attention_layernorm.forward(&x)?;
-            x = (&x + layer.mlp.forward(&h)?)?;
+            let (x1, h1) = add_rmsnorm(&x, &a, &layer.post_attention_layernorm)?;
+            (x, h) = add_rmsnorm(&x1, &layer.mlp.forward(&h1)?, self.next_norm(li))?;
         }
         for (cache, &(_, n)) in caches.iter_mut().zip(&spans) {
             cache.advance(n);
         }
-        let x = self.norm.forward(&x)?;
-        spans.iter().map(|&(s, n)| x.narrow(0, s, n)).collect()
+        spans.iter().map(|&(s, n)| h.narrow(0, s, n)).collect()
     }
 
     /// One position of one stream through the fixed-address buffers of its cache (see
@@ -621,18 +624,13 @@ impl Decoder {
     /// The static step's kernels: reads only `st`'s buffers and the caches, writes the caches at
     /// `st.pos` and `st.out`.
     fn static_body(&self, kv: &[&(Tensor, Tensor)], st: &StaticStep) -> Result<()> {
-        let (hkv, d) = (self.cfg.num_kv_heads, self.cfg.head_dim);
-        let (cos, sin) = self.rope.tables_fused(&st.pos)?;
-        let mask = st.arange.broadcast_le(&st.pos)?.where_cond(&st.zero, &st.neg_inf)?.reshape((1, 1, 1, st.cap))?;
-        let at = st.pos.reshape((1, 1, 1))?.broadcast_as((hkv, 1, d))?.contiguous()?;
         let mut x = st.x_in.clone();
-        for (layer, kv) in self.layers.iter().zip(kv) {
-            let h = layer.input_layernorm.forward(&x)?;
-            let a = layer.self_attn.forward_static(&h, &cos, &sin, kv, &at, &mask)?;
-            x = (x + a)?;
-            let h = layer.post_attention_layernorm.forward(&x)?;
-            x = (&x + layer.mlp.forward(&h)?)?;
+        let mut h = self.layers.first().map_or(&self.norm, |l| &l.input_layernorm).forward(&x)?;
+        for (li, (layer, kv)) in self.layers.iter().zip(kv).enumerate() {
+            let a = layer.self_attn.forward_static(&h, &self.rope, kv, &st.pos)?;
+            let (x1, h1) = add_rmsnorm(&x, &a, &layer.post_attention_layernorm)?;
+            (x, h) = add_rmsnorm(&x1, &layer.mlp.forward(&h1)?, self.next_norm(li))?;
         }
-        st.out.slice_set(&self.norm.forward(&x)?, 0, 0)
+        st.out.slice_set(&h, 0, 0)
     }
 }

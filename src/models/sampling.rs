@@ -77,15 +77,20 @@ impl Sampler {
         &self.history
     }
 
+    /// The recent tokens the repetition penalty applies to.
+    fn penalty_window(&self) -> &[u32] {
+        match self.params.penalty_window {
+            0 => &self.history[..],
+            w => &self.history[self.history.len().saturating_sub(w)..],
+        }
+    }
+
     fn penalize(&self, logits: &mut [f32]) {
         let p = self.params.repetition_penalty;
         if p == 1.0 || self.history.is_empty() {
             return;
         }
-        let window = match self.params.penalty_window {
-            0 => &self.history[..],
-            w => &self.history[self.history.len().saturating_sub(w)..],
-        };
+        let window = self.penalty_window();
         let mut counts: std::collections::HashMap<u32, i32> = std::collections::HashMap::new();
         for &t in window {
             *counts.entry(t).or_default() += 1;
@@ -104,6 +109,22 @@ impl Sampler {
 
     /// Picks the next token from `logits`, never one in `forbid`, and records it.
     pub fn sample(&mut self, logits: &[f32], forbid: &[u32]) -> u32 {
+        // greedy: `forbid` and a penalty >= 1 only lower logits, so the raw argmax stands unless
+        // it is one of the tokens they touch (one pass over the vocabulary, no copy)
+        if self.params.temperature <= 0.0 && self.params.repetition_penalty >= 1.0 {
+            if let Some((i, _)) = logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)) {
+                let id = i as u32;
+                if !forbid.contains(&id) && !self.penalty_window().contains(&id) {
+                    self.history.push(id);
+                    return id;
+                }
+            }
+        }
+        self.sample_full(logits, forbid)
+    }
+
+    /// [`Sampler::sample`] without the greedy shortcut.
+    fn sample_full(&mut self, logits: &[f32], forbid: &[u32]) -> u32 {
         let mut l = logits.to_vec();
         for &f in forbid {
             if let Some(x) = l.get_mut(f as usize) {
@@ -213,6 +234,21 @@ mod tests {
 
     fn logits() -> Vec<f32> {
         (0..100).map(|i| ((i * 37 % 100) as f32) / 20.0).collect()
+    }
+
+    #[test]
+    fn greedy_shortcut_picks_what_the_full_path_picks() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        for round in 0..300 {
+            // few distinct values: ties, and winners that are forbidden or penalised
+            let l: Vec<f32> = (0..64).map(|_| (rng.random_range(0..12) as f32 - 6.0) / 2.0).collect();
+            let forbid: Vec<u32> = (0..rng.random_range(0..4)).map(|_| rng.random_range(0..64)).collect();
+            let mut s = Sampler::new(SamplingParams::thinker_greedy(), 0);
+            s.observe(&(0..rng.random_range(0..20)).map(|_| rng.random_range(0..64)).collect::<Vec<u32>>());
+            let mut full = s.clone();
+            assert_eq!(s.sample(&l, &forbid), full.sample_full(&l, &forbid), "round {round}");
+            assert_eq!(s.history(), full.history());
+        }
     }
 
     #[test]
