@@ -40,7 +40,7 @@ pub fn decode_attention(q: &Tensor, k_new: &Tensor, v_new: &Tensor, kc: &Tensor,
 }
 
 /// The same with tensor ops (reads the position to the host; not for a captured step).
-pub fn by_ops(q: &Tensor, k_new: &Tensor, v_new: &Tensor, kc: &Tensor, vc: &Tensor, pos: &Tensor) -> Result<Tensor> {
+fn by_ops(q: &Tensor, k_new: &Tensor, v_new: &Tensor, kc: &Tensor, vc: &Tensor, pos: &Tensor) -> Result<Tensor> {
     let (hq, d) = q.dims2()?;
     let (hkv, cap, _) = kc.dims3()?;
     let p = (pos.to_vec1::<u32>()?[0] as usize).min(cap - 1);

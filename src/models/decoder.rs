@@ -404,11 +404,7 @@ impl Attention {
         // 1. one projection for q, k and v
         let qkv = self.qkv_proj.forward(x)?.reshape((total, hq + 2 * hkv, d))?;
         // 2. q and k: per-head RMSNorm (Qwen3), then RoPE, in one pass over both
-        let mut qk = qkv.narrow(1, 0, hq + hkv)?;
-        if let Some(w) = &self.qk_norm {
-            qk = candle_nn::ops::rms_norm(&qk.contiguous()?, &self.ones, self.eps as f32)?.broadcast_mul(w)?;
-        }
-        let qk = Rope::apply_fused(&qk, cos, sin)?;
+        let qk = super::fused::qk_norm_rope(&qkv.narrow(1, 0, hq + hkv)?, self.qk_norm.as_ref().map(|w| (w, &self.ones)), self.eps, cos, sin)?;
         Ok((qk.narrow(1, 0, hq)?, qk.narrow(1, hq, hkv)?, qkv.narrow(1, hq + hkv, hkv)?))
     }
 
@@ -497,11 +493,6 @@ impl Decoder {
         Ok(Self { layers, norm, rope, cfg: *cfg, device: vb.device().clone(), dtype: vb.dtype(), mode: DecodeMode::Eager })
     }
 
-    /// The norm after layer `li`'s MLP: the next layer's input norm, or the final norm.
-    fn next_norm(&self, li: usize) -> &Norm {
-        self.layers.get(li + 1).map(|l| &l.input_layernorm).unwrap_or(&self.norm)
-    }
-
     /// How one-stream, one-position steps run (see [`DecodeMode`]).
     pub fn set_decode_mode(&mut self, mode: DecodeMode) {
         self.mode = mode;
@@ -559,19 +550,13 @@ impl Decoder {
             start += n;
         }
         let embeds: Vec<&Tensor> = streams.iter().map(|s| &s.embeds).collect();
-        let mut x = if embeds.len() == 1 { embeds[0].clone() } else { Tensor::cat(&embeds, 0)? };
+        let x = if embeds.len() == 1 { embeds[0].clone() } else { Tensor::cat(&embeds, 0)? };
         let positions = Tensor::from_vec(positions, start, &self.device)?;
         let (cos, sin) = self.rope.tables_fused(&positions)?;
         let mut caches: Vec<&mut KvCache> = streams.iter_mut().map(|s| &mut *s.cache).collect();
         let masks: Vec<Option<Tensor>> =
             caches.iter().zip(&spans).map(|(c, &(_, n))| causal_mask(n, c.len() + n, x.dtype(), &self.device)).collect::<Result<_>>()?;
-        // (each residual add is fused with the norm after it, the last with the final norm)
-        let mut h = self.layers.first().map_or(&self.norm, |l| &l.input_layernorm).forward(&x)?;
-        for (li, layer) in self.layers.iter().enumerate() {
-            let a = layer.self_attn.forward(&h, &cos, &sin, li, &mut caches, &spans, &masks)?;
-            let (x1, h1) = add_rmsnorm(&x, &a, &layer.post_attention_layernorm)?;
-            (x, h) = add_rmsnorm(&x1, &layer.mlp.forward(&h1)?, self.next_norm(li))?;
-        }
+        let h = self.run_layers(x, |li, attn, h| attn.forward(h, &cos, &sin, li, &mut caches, &spans, &masks))?;
         for (cache, &(_, n)) in caches.iter_mut().zip(&spans) {
             cache.advance(n);
         }
@@ -624,13 +609,21 @@ impl Decoder {
     /// The static step's kernels: reads only `st`'s buffers and the caches, writes the caches at
     /// `st.pos` and `st.out`.
     fn static_body(&self, kv: &[&(Tensor, Tensor)], st: &StaticStep) -> Result<()> {
-        let mut x = st.x_in.clone();
-        let mut h = self.layers.first().map_or(&self.norm, |l| &l.input_layernorm).forward(&x)?;
-        for (li, (layer, kv)) in self.layers.iter().zip(kv).enumerate() {
-            let a = layer.self_attn.forward_static(&h, &self.rope, kv, &st.pos)?;
-            let (x1, h1) = add_rmsnorm(&x, &a, &layer.post_attention_layernorm)?;
-            (x, h) = add_rmsnorm(&x1, &layer.mlp.forward(&h1)?, self.next_norm(li))?;
-        }
+        let h = self.run_layers(st.x_in.clone(), |li, attn, h| attn.forward_static(h, &self.rope, kv[li], &st.pos))?;
         st.out.slice_set(&h, 0, 0)
+    }
+
+    /// The layer stack over the rows `x`, `attend(layer index, attention, normed rows)` standing
+    /// for each layer's attention; returns the rows after the final norm. Each residual add is
+    /// fused with the norm after it (the next layer's input norm, or the final norm).
+    fn run_layers(&self, mut x: Tensor, mut attend: impl FnMut(usize, &Attention, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
+        let mut h = self.layers.first().map_or(&self.norm, |l| &l.input_layernorm).forward(&x)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let a = attend(li, &layer.self_attn, &h)?;
+            let (x1, h1) = add_rmsnorm(&x, &a, &layer.post_attention_layernorm)?;
+            let next = self.layers.get(li + 1).map_or(&self.norm, |l| &l.input_layernorm);
+            (x, h) = add_rmsnorm(&x1, &layer.mlp.forward(&h1)?, next)?;
+        }
+        Ok(h)
     }
 }

@@ -52,6 +52,17 @@ pub fn silu_mul(gu: &Tensor, inter: usize) -> Result<Tensor> {
     candle_nn::ops::silu(&gu.narrow(1, 0, inter)?)? * gu.narrow(1, inter, inter)?
 }
 
+/// Per-head RMSNorm (when `norm` = (per-head weights `[heads, d]`, `[d]` ones) is given) and
+/// rotate-half RoPE of `qk: [n, heads, d]`, `cos`, `sin` from [`Rope::tables_fused`]: the op-by-op
+/// q/k path of every step, and the definition of [`qk_norm_rope_store`]'s kernel.
+pub fn qk_norm_rope(qk: &Tensor, norm: Option<(&Tensor, &Tensor)>, eps: f64, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let qk = match norm {
+        Some((w, ones)) => candle_nn::ops::rms_norm(&qk.contiguous()?, ones, eps as f32)?.broadcast_mul(w)?,
+        None => qk.clone(),
+    };
+    Rope::apply_fused(&qk, cos, sin)
+}
+
 /// The heads of one position, `qkv: [hq + 2 hkv, d]` (q heads, k heads, v heads): q and k heads
 /// normed per head with the rows of `w` (`[hq + hkv, d]`, when given), both rotated by `rope` at
 /// the position in `pos` (`[1]` u32); k and v heads written into `kc`, `vc` (`[hkv, cap, d]`) at
@@ -88,13 +99,9 @@ pub fn qk_norm_rope_store(
         };
         return qkv.contiguous()?.apply_op1_no_bwd(&op);
     }
-    let mut qk = qkv.narrow(0, 0, hq + hkv)?;
-    if let Some(w) = w {
-        let ones = Tensor::ones(d, qkv.dtype(), qkv.device())?;
-        qk = candle_nn::ops::rms_norm(&qk.contiguous()?, &ones, eps as f32)?.broadcast_mul(w)?;
-    }
+    let ones = Tensor::ones(d, qkv.dtype(), qkv.device())?;
     let (cos, sin) = rope.tables_fused(pos)?;
-    let qk = Rope::apply_fused(&qk.unsqueeze(0)?, &cos, &sin)?.squeeze(0)?;
+    let qk = qk_norm_rope(&qkv.narrow(0, 0, hq + hkv)?.unsqueeze(0)?, w.map(|w| (w, &ones)), eps, &cos, &sin)?.squeeze(0)?;
     let v = qkv.narrow(0, hq + hkv, hkv)?;
     let at = pos.reshape((1, 1, 1))?.broadcast_as((hkv, 1, d))?.contiguous()?;
     kc.scatter_set(&at, &qk.narrow(0, hq, hkv)?.unsqueeze(1)?.contiguous()?, 1)?;
