@@ -1,0 +1,324 @@
+//! The HiFT generators' building blocks: convolutions in their six kinds (plain, causal left or
+//! right padded, strided down, nearest up, transposed), the Snake residual blocks, the F0
+//! predictor, and the fixed STFT / iSTFT pair.
+
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::{Linear, VarBuilder};
+
+use super::HiftConfig;
+use crate::models::talker::load_weight_norm;
+
+/// `CausalConv1d`'s padding: `(k·d − d) / 2 · 2 + (k + 1) mod 2`.
+pub(super) fn causal_padding(k: usize, d: usize) -> usize {
+    (k * d - d) / 2 * 2 + (k + 1) % 2
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum ConvKind {
+    /// Symmetric zero padding.
+    Plain { padding: usize, stride: usize },
+    /// `padding` zeros (or a cache) before the input.
+    Left { padding: usize },
+    /// `padding` zeros (or the real future frames) after the input.
+    Right { padding: usize },
+    /// Causal strided downsampling: `stride - 1` zeros before.
+    Down { stride: usize },
+    /// Nearest upsampling by `scale`, then `k - 1` zeros before.
+    Up { scale: usize },
+    /// Transposed convolution.
+    Transpose { stride: usize, padding: usize },
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct Conv {
+    pub(super) w: Tensor,
+    b: Option<Tensor>,
+    pub(super) kind: ConvKind,
+    pub(super) dilation: usize,
+}
+
+impl Conv {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn load(vb: VarBuilder, i: usize, o: usize, k: usize, kind: ConvKind, dilation: usize, weight_norm: bool, bias: bool) -> Result<Self> {
+        let shape = match kind {
+            ConvKind::Transpose { .. } => [i, o, k],
+            _ => [o, i, k],
+        };
+        let w = if weight_norm { load_weight_norm(&vb, &shape)? } else { vb.get(&shape[..], "weight")? };
+        let b = if bias { Some(vb.get(o, "bias")?) } else { None };
+        Ok(Self { w, b, kind, dilation })
+    }
+
+    pub(super) fn kernel(&self) -> usize {
+        self.w.dim(2).unwrap_or(1)
+    }
+
+    /// `x: [B, C, T]`; `right`: the frames after `x` for a right-looking conv (zeros if `None`).
+    pub(super) fn forward(&self, x: &Tensor, right: Option<&Tensor>) -> Result<Tensor> {
+        let (b, c, _) = x.dims3()?;
+        let zeros = |n: usize| Tensor::zeros((b, c, n), x.dtype(), x.device());
+        let y = match self.kind {
+            ConvKind::Plain { padding, stride } => x.conv1d(&self.w, padding, stride, self.dilation, 1)?,
+            ConvKind::Left { padding } => Tensor::cat(&[&zeros(padding)?, x], 2)?.conv1d(&self.w, 0, 1, self.dilation, 1)?,
+            ConvKind::Right { padding } => {
+                let r = match right {
+                    Some(r) => r.clone(),
+                    None => zeros(padding)?,
+                };
+                Tensor::cat(&[x, &r], 2)?.conv1d(&self.w, 0, 1, self.dilation, 1)?
+            }
+            ConvKind::Down { stride } => Tensor::cat(&[&zeros(stride - 1)?, x], 2)?.conv1d(&self.w, 0, stride, 1, 1)?,
+            ConvKind::Up { scale } => {
+                let t = x.dim(2)?;
+                let up = x.unsqueeze(3)?.broadcast_as((b, c, t, scale))?.reshape((b, c, t * scale))?;
+                let k = self.kernel();
+                Tensor::cat(&[&Tensor::zeros((b, c, k - 1), x.dtype(), x.device())?, &up], 2)?.conv1d(&self.w, 0, 1, 1, 1)?
+            }
+            ConvKind::Transpose { stride, padding } => x.conv_transpose1d(&self.w, padding, 0, stride, 1, 1)?,
+        };
+        match &self.b {
+            Some(bias) => y.broadcast_add(&bias.reshape((1, (), 1))?),
+            None => Ok(y),
+        }
+    }
+}
+
+/// Snake: `x + sin²(αx) / (α + 1e-9)`.
+fn snake(x: &Tensor, alpha: &Tensor) -> Result<Tensor> {
+    let a = alpha.reshape((1, (), 1))?;
+    let s = x.broadcast_mul(&a)?.sin()?.sqr()?;
+    x + s.broadcast_div(&(a + 1e-9)?)?
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct ResBlock {
+    convs1: Vec<Conv>,
+    convs2: Vec<Conv>,
+    alpha1: Vec<Tensor>,
+    alpha2: Vec<Tensor>,
+}
+
+impl ResBlock {
+    pub(super) fn load(vb: VarBuilder, ch: usize, k: usize, dilations: &[usize], causal: bool) -> Result<Self> {
+        let mut s = Self { convs1: vec![], convs2: vec![], alpha1: vec![], alpha2: vec![] };
+        for (i, &d) in dilations.iter().enumerate() {
+            let kind = |d: usize| {
+                if causal {
+                    ConvKind::Left { padding: causal_padding(k, d) }
+                } else {
+                    ConvKind::Plain { padding: (k * d - d) / 2, stride: 1 }
+                }
+            };
+            s.convs1.push(Conv::load(vb.pp("convs1").pp(i), ch, ch, k, kind(d), d, true, true)?);
+            s.convs2.push(Conv::load(vb.pp("convs2").pp(i), ch, ch, k, kind(1), 1, true, true)?);
+            s.alpha1.push(vb.pp("activations1").pp(i).get(ch, "alpha")?);
+            s.alpha2.push(vb.pp("activations2").pp(i).get(ch, "alpha")?);
+        }
+        Ok(s)
+    }
+
+    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut x = x.clone();
+        for i in 0..self.convs1.len() {
+            let t = self.convs1[i].forward(&snake(&x, &self.alpha1[i])?, None)?;
+            let t = self.convs2[i].forward(&snake(&t, &self.alpha2[i])?, None)?;
+            x = (t + x)?;
+        }
+        Ok(x)
+    }
+
+    pub(super) fn history(&self) -> usize {
+        let pad = |c: &Conv| match c.kind {
+            ConvKind::Left { padding } => padding,
+            _ => 0,
+        };
+        self.convs1.iter().chain(&self.convs2).map(pad).sum()
+    }
+}
+
+/// The F0 predictor (`f0_predictor.`), run in f64.
+#[derive(Debug, Clone)]
+pub(super) struct F0Predictor {
+    condnet: Vec<Conv>,
+    classifier: Linear,
+}
+
+impl F0Predictor {
+    pub(super) fn load(vb: VarBuilder, cfg: &HiftConfig) -> Result<Self> {
+        let vb = vb.set_dtype(DType::F64);
+        let c = cfg.f0_channels;
+        let mut condnet = Vec::with_capacity(5);
+        for i in 0..5 {
+            let inp = if i == 0 { cfg.in_channels } else { c };
+            let (k, kind) = match (cfg.causal, i) {
+                (true, 0) => (4, ConvKind::Right { padding: causal_padding(4, 1) }),
+                (true, _) => (3, ConvKind::Left { padding: causal_padding(3, 1) }),
+                (false, _) => (3, ConvKind::Plain { padding: 1, stride: 1 }),
+            };
+            condnet.push(Conv::load(vb.pp("condnet").pp(2 * i), inp, c, k, kind, 1, true, true)?);
+        }
+        let classifier = Linear::new(vb.pp("classifier").get((1, c), "weight")?, Some(vb.pp("classifier").get(1, "bias")?));
+        Ok(Self { condnet, classifier })
+    }
+
+    pub(super) fn right(&self) -> usize {
+        match self.condnet[0].kind {
+            ConvKind::Right { padding } => padding,
+            _ => 0,
+        }
+    }
+
+    pub(super) fn left(&self) -> usize {
+        self.condnet[1..]
+            .iter()
+            .map(|c| match c.kind {
+                ConvKind::Left { padding } => padding,
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// `mel: [1, 80, F]` -> F0 `[F']` (f32) where F' = F, or F - right when not finalizing.
+    pub(super) fn forward(&self, mel: &Tensor, finalize: bool) -> Result<Tensor> {
+        let x = mel.to_dtype(DType::F64)?;
+        let r = self.right();
+        let mut x = if finalize || r == 0 {
+            self.condnet[0].forward(&x, None)?
+        } else {
+            let f = x.dim(2)?;
+            self.condnet[0].forward(&x.narrow(2, 0, f - r)?, Some(&x.narrow(2, f - r, r)?))?
+        };
+        x = x.elu(1.0)?;
+        for c in &self.condnet[1..] {
+            x = c.forward(&x, None)?.elu(1.0)?;
+        }
+        let y = self.classifier.forward(&x.transpose(1, 2)?)?.abs()?; // [1, F', 1]
+        y.squeeze(2)?.squeeze(0)?.to_dtype(DType::F32)
+    }
+}
+
+/// Fixed STFT / iSTFT bases (n_fft 16 with a periodic Hann window): small convolutions that run the
+/// same on any device.
+#[derive(Debug, Clone)]
+pub(super) struct Spectral {
+    n_fft: usize,
+    hop: usize,
+    /// `[n_fft + 2, 1, n_fft]`: windowed cos rows then −sin rows.
+    analysis: Tensor,
+    /// `[n_fft, n_freq]` each: inverse real DFT basis with the synthesis window.
+    inv_cos: Tensor,
+    inv_sin: Tensor,
+    /// `[n_fft, 1, n_fft]` identity for overlap-add by transposed convolution.
+    ola: Tensor,
+    window: Vec<f64>,
+    /// Tensors that depend only on a length (the STFT's reflection indices, the iSTFT's window
+    /// normalisation), made once per length: no host upload after the first (which a CUDA graph
+    /// could not replay).
+    by_len: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<(bool, usize), Tensor>>>,
+}
+
+impl Spectral {
+    pub(super) fn new(n_fft: usize, hop: usize, dev: &Device, dtype: DType) -> Result<Self> {
+        let nf = n_fft / 2 + 1;
+        let w = crate::models::mel::hann_periodic(n_fft);
+        let tau = 2.0 * std::f64::consts::PI;
+        let mut a = vec![0f32; 2 * nf * n_fft];
+        for k in 0..nf {
+            for n in 0..n_fft {
+                let ang = tau * (k * n) as f64 / n_fft as f64;
+                a[k * n_fft + n] = (w[n] * ang.cos()) as f32;
+                a[(nf + k) * n_fft + n] = (-w[n] * ang.sin()) as f32;
+            }
+        }
+        let mut ic = vec![0f32; n_fft * nf];
+        let mut is = vec![0f32; n_fft * nf];
+        for n in 0..n_fft {
+            for k in 0..nf {
+                let c = if k == 0 || 2 * k == n_fft { 1.0 } else { 2.0 };
+                let ang = tau * (k * n) as f64 / n_fft as f64;
+                ic[n * nf + k] = (w[n] * c * ang.cos() / n_fft as f64) as f32;
+                is[n * nf + k] = (-w[n] * c * ang.sin() / n_fft as f64) as f32;
+            }
+        }
+        let mut ola = vec![0f32; n_fft * n_fft];
+        for i in 0..n_fft {
+            ola[i * n_fft + i] = 1.0;
+        }
+        let t = |v: Vec<f32>, s: &[usize]| Tensor::from_vec(v, s, dev)?.to_dtype(dtype);
+        Ok(Self {
+            n_fft,
+            hop,
+            analysis: t(a, &[2 * nf, 1, n_fft])?,
+            inv_cos: t(ic, &[n_fft, nf])?,
+            inv_sin: t(is, &[n_fft, nf])?,
+            ola: t(ola, &[n_fft, 1, n_fft])?,
+            window: w,
+            by_len: Default::default(),
+        })
+    }
+
+    /// The memoised tensor of `(kind, len)`, made by `make` the first time.
+    fn memo(&self, key: (bool, usize), make: impl FnOnce() -> Result<Tensor>) -> Result<Tensor> {
+        let mut m = self.by_len.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = m.get(&key) {
+            return Ok(t.clone());
+        }
+        let t = make()?;
+        m.insert(key, t.clone());
+        Ok(t)
+    }
+
+    /// `torch.stft(center=True, reflect)` as `[B, 2 n_freq, frames]` (real rows, then imaginary).
+    pub(super) fn stft(&self, s: &Tensor) -> Result<Tensor> {
+        let (b, l) = s.dims2()?;
+        let p = self.n_fft / 2;
+        let idx = self.memo((false, l), || self.reflect_indices(l, s.device()))?;
+        let padded = s.index_select(&idx, 1)?.reshape((b, 1, l + 2 * p))?;
+        padded.conv1d(&self.analysis, 0, self.hop, 1, 1)
+    }
+
+    /// The sample indices of a reflect-padded signal of `l` samples.
+    fn reflect_indices(&self, l: usize, dev: &Device) -> Result<Tensor> {
+        let p = self.n_fft / 2;
+        let mut idx: Vec<u32> = Vec::with_capacity(l + 2 * p);
+        let refl = |i: i64| -> u32 {
+            let n = l as i64;
+            let mut j = i;
+            if j < 0 {
+                j = -j;
+            }
+            if j >= n {
+                j = 2 * (n - 1) - j;
+            }
+            j.clamp(0, n - 1) as u32
+        };
+        for i in -(p as i64)..(l + p) as i64 {
+            idx.push(refl(i));
+        }
+        Tensor::from_vec(idx, l + 2 * p, dev)
+    }
+
+    /// `torch.istft(center=True)` of `mag · e^{i·phase}`, `[B, n_freq, T]` -> `[B, hop (T − 1)]`.
+    pub(super) fn istft(&self, mag: &Tensor, phase: &Tensor) -> Result<Tensor> {
+        let (b, _, t) = mag.dims3()?;
+        let mag = mag.clamp(f64::NEG_INFINITY, 1e2)?;
+        let re = (&mag * phase.cos()?)?;
+        let im = (&mag * phase.sin()?)?;
+        let frames = (self.inv_cos.broadcast_matmul(&re)? + self.inv_sin.broadcast_matmul(&im)?)?; // [B, n_fft, T]
+        let y = frames.conv_transpose1d(&self.ola, 0, 0, self.hop, 1, 1)?; // [B, 1, n_fft + hop (T-1)]
+        let total = self.n_fft + self.hop * (t - 1);
+        let p = self.n_fft / 2;
+        let out_len = self.hop * (t - 1);
+        let inv = self.memo((true, t), || {
+            let mut env = vec![0f64; total];
+            for f in 0..t {
+                for n in 0..self.n_fft {
+                    env[f * self.hop + n] += self.window[n] * self.window[n];
+                }
+            }
+            let inv: Vec<f32> = env[p..p + out_len].iter().map(|&e| if e > 1e-11 { (1.0 / e) as f32 } else { 0.0 }).collect();
+            Tensor::from_vec(inv, (1, out_len), y.device())?.to_dtype(y.dtype())
+        })?;
+        y.reshape((b, total))?.narrow(1, p, out_len)?.broadcast_mul(&inv)
+    }
+}
