@@ -3,9 +3,9 @@
 //!
 //! `cargo bench --bench code2wav`
 
-use antiphon::models::code2wav::prompt::Reference;
-use antiphon::models::code2wav::SILENCE_CODE;
-use antiphon::synth::{code2wav_in_memory, Preset};
+use antiphon_assets::synth::{code2wav_in_memory, Preset};
+use antiphon_models::code2wav::prompt::Reference;
+use antiphon_models::code2wav::SILENCE_CODE;
 use candle_core::{DType, Device};
 use criterion::{criterion_group, criterion_main, Criterion};
 

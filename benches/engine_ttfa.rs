@@ -10,8 +10,8 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use antiphon::engine::{Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, UserInput};
-use antiphon::synth::{models_in_memory, Preset};
+use antiphon_assets::synth::{models_in_memory, Preset};
+use antiphon_engine::{Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, UserInput};
 use candle_core::{DType, Device};
 
 fn voice(n: usize) -> RefInput {

@@ -5,9 +5,9 @@
 //!
 //! `cargo bench --bench hot_paths`
 
-use antiphon::models::decoder::{KvCache, StreamStep};
-use antiphon::models::mel::{kaldi_fbank, FlowMel, WhisperLogMel};
-use antiphon::synth::{models_in_memory, Preset};
+use antiphon_assets::synth::{models_in_memory, Preset};
+use antiphon_models::decoder::{KvCache, StreamStep};
+use antiphon_models::mel::{kaldi_fbank, FlowMel, WhisperLogMel};
 use candle_core::{DType, Device, Tensor};
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 
@@ -25,9 +25,9 @@ fn audio(c: &mut Criterion) {
     let mut out = vec![0f32; 5760];
     g.bench_function("opus_decode_20ms_48k", |b| b.iter(|| dec.decode_float(&packet, &mut out, false).unwrap()));
     let second = tone(48_000, 48_000.0);
-    g.bench_function("resample_1s_48k_to_16k", |b| b.iter(|| antiphon::audio::resample(&second, 48_000, 16_000).unwrap()));
+    g.bench_function("resample_1s_48k_to_16k", |b| b.iter(|| antiphon_audio::resample(&second, 48_000, 16_000).unwrap()));
     let out24 = tone(24_000, 24_000.0);
-    g.bench_function("resample_1s_24k_to_48k", |b| b.iter(|| antiphon::audio::resample(&out24, 24_000, 48_000).unwrap()));
+    g.bench_function("resample_1s_24k_to_48k", |b| b.iter(|| antiphon_audio::resample(&out24, 24_000, 48_000).unwrap()));
     let whisper = WhisperLogMel::new(80);
     let unit = tone(16_000, 16_000.0);
     g.bench_function("whisper_log_mel_1s", |b| b.iter(|| whisper.compute(&unit)));
@@ -90,7 +90,7 @@ fn decode_steps(c: &mut Criterion) {
 /// Host-side sampling per step: the Talker's 6562 codes (top-k 25, top-p 0.85, penalty over 16)
 /// and the Thinker's greedy pick over Qwen3's 151,936 ids (presence penalty over a 1000-id history).
 fn sampling(c: &mut Criterion) {
-    use antiphon::models::sampling::{Sampler, SamplingParams};
+    use antiphon_models::sampling::{Sampler, SamplingParams};
     let mut g = c.benchmark_group("sampling");
     let noise = |n: usize| -> Vec<f32> { (0..n).map(|i| ((i as u64 * 2_654_435_761) % 10_007) as f32 / 1000.0 - 5.0).collect() };
     let codes = noise(6562);

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
-use antiphon::server::config::Config;
-use antiphon::synth::{Preset, SynthOptions};
+use antiphon_assets::synth::{Preset, SynthOptions};
+use antiphon_server::config::Config;
 
 #[derive(Parser)]
 #[command(name = "antiphon", version, about = "Realtime voice server for the MiniCPM-o 4.5 speech path")]
@@ -33,7 +33,8 @@ enum Command {
         /// Output directory.
         #[arg(long)]
         out: PathBuf,
-        #[arg(long, value_enum, default_value = "tiny")]
+        /// Dimensions: tiny or full.
+        #[arg(long, default_value = "tiny")]
         preset: Preset,
         #[arg(long, default_value_t = 0)]
         seed: u64,
@@ -96,7 +97,7 @@ enum Command {
 #[derive(clap::Args)]
 struct BenchArgs {
     #[arg(long, value_enum, default_value = "tts")]
-    workload: antiphon::bench::Workload,
+    workload: antiphon_bench::Workload,
     /// Concurrency levels, comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = vec![1, 2, 4, 8, 16, 32])]
     concurrency: Vec<usize>,
@@ -141,14 +142,14 @@ struct BenchArgs {
 }
 
 impl BenchArgs {
-    fn into_config(self, url: String) -> Result<antiphon::bench::BenchConfig> {
+    fn into_config(self, url: String) -> Result<antiphon_bench::BenchConfig> {
         if self.concurrency.is_empty() || self.concurrency.contains(&0) {
             anyhow::bail!("--concurrency: levels must be at least 1");
         }
         if self.requests == 0 {
             anyhow::bail!("--requests must be at least 1");
         }
-        Ok(antiphon::bench::BenchConfig {
+        Ok(antiphon_bench::BenchConfig {
             url,
             api_key: self.api_key,
             workload: self.workload,
@@ -208,7 +209,7 @@ fn main() -> Result<()> {
                 other => anyhow::bail!("--dtype {other}: expected f32 or bf16"),
             };
             let opts = SynthOptions { preset, seed, dtype, shard_bytes: shard_mib << 20 };
-            antiphon::synth::write_checkpoint(&out, &opts)?;
+            antiphon_assets::synth::write_checkpoint(&out, &opts)?;
             println!("wrote a {preset:?} synthetic checkpoint (seed {seed}) to {}", out.display());
             Ok(())
         }
@@ -216,7 +217,7 @@ fn main() -> Result<()> {
             let mut cfg = args.into_config(url)?;
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             rt.block_on(async move {
-                let info = antiphon::bench::probe_build_info(&cfg.url).await;
+                let info = antiphon_bench::probe_build_info(&cfg.url).await;
                 if let Some(i) = &info {
                     cfg.synthetic = i["synthetic_weights"].as_bool();
                     cfg.server_label = format!("antiphon {} ({})", i["version"].as_str().unwrap_or("?"), i["git"].as_str().unwrap_or("?"));
@@ -234,8 +235,8 @@ fn main() -> Result<()> {
                     cfg.server_label = cfg.url.clone();
                 }
                 let out = cfg.out.clone();
-                let summary = antiphon::bench::run(cfg).await?;
-                print!("{}", antiphon::bench::report::table(&summary));
+                let summary = antiphon_bench::run(cfg).await?;
+                print!("{}", antiphon_bench::report::table(&summary));
                 println!("wrote {}/summary.json, requests.jsonl, summary.csv, ttfa.svg", out.display());
                 Ok(())
             })
@@ -246,18 +247,18 @@ fn main() -> Result<()> {
                 None => Config::embedded_default().context("the embedded default (run from the repository root)")?,
             };
             let t0 = std::time::Instant::now();
-            let models = antiphon::server::load_models(&cfg)?;
+            let models = antiphon_server::load_models(&cfg)?;
             eprintln!("models ready in {:.1} s", t0.elapsed().as_secs_f64());
             let voice = &cfg.voices[0];
-            let (samples, rate) = antiphon::audio::decode_wav(&std::fs::read(&voice.wav)?)?;
-            let timings = antiphon::bench::profile::run(&models, iters.max(1), &batch, (&samples, rate), &only)?;
+            let (samples, rate) = antiphon_audio::decode_wav(&std::fs::read(&voice.wav)?)?;
+            let timings = antiphon_engine::profile::run(&models, iters.max(1), &batch, (&samples, rate), &only)?;
             if let Some(o) = out {
                 std::fs::write(&o, serde_json::to_string_pretty(&timings)?)?;
             }
             Ok(())
         }
         Command::BenchAb { a_config, a_cmd, b_config, b_cmd, blocks, ready_timeout_s, args } => {
-            use antiphon::bench::ab::{AbConfig, ServerSpec};
+            use antiphon_bench::ab::{AbConfig, ServerSpec};
             let side = |c: Option<PathBuf>, s: Option<String>| match (c, s) {
                 (Some(c), _) => ServerSpec::Config(c),
                 (None, Some(s)) => ServerSpec::Shell(s),
@@ -273,8 +274,8 @@ fn main() -> Result<()> {
                 ready_timeout: std::time::Duration::from_secs(ready_timeout_s),
             };
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-            let report = rt.block_on(antiphon::bench::ab::run(cfg))?;
-            print!("{}", antiphon::bench::ab::table(&report));
+            let report = rt.block_on(antiphon_bench::ab::run(cfg))?;
+            print!("{}", antiphon_bench::ab::table(&report));
             println!("wrote {}/ab.json and ab.md", out.display());
             Ok(())
         }
@@ -287,10 +288,10 @@ fn serve(cfg: Config) -> Result<()> {
         tracing::info!(source = ?cfg.model.source, preset = ?cfg.model.preset, device = %cfg.model.device, "loading models");
         let models = tokio::task::spawn_blocking({
             let cfg = cfg.clone();
-            move || antiphon::server::load_models(&cfg)
+            move || antiphon_server::load_models(&cfg)
         })
         .await??;
-        let server = antiphon::server::start(cfg, models).await?;
+        let server = antiphon_server::start(cfg, models).await?;
         println!("antiphon listening on http://{} (WebSocket /v1/realtime)", server.addr);
         shutdown_signal().await;
         tracing::info!("shutting down: no new connections, telling sessions, draining");

@@ -4,16 +4,18 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use antiphon::bench::{ab, report::Summary, BenchConfig, Workload};
-use antiphon::server::config::Config;
+use antiphon_bench::{ab, report::Summary, BenchConfig, Workload};
+use antiphon_server::config::Config;
 use serde_json::Value;
 
-async fn server() -> antiphon::server::Server {
+async fn server() -> antiphon_server::Server {
     let mut cfg =
-        Config::parse(antiphon::server::config::DEFAULT_TOML, std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs"))).unwrap();
+        Config::parse(antiphon_server::config::DEFAULT_TOML, std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs"))).unwrap();
     cfg.server.listen = "127.0.0.1:0".into();
-    let models = antiphon::synth::models_in_memory(antiphon::synth::Preset::Tiny, 0, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
-    let s = antiphon::server::start(cfg, models).await.unwrap();
+    let models =
+        antiphon_assets::synth::models_in_memory(antiphon_assets::synth::Preset::Tiny, 0, candle_core::DType::F32, &candle_core::Device::Cpu)
+            .unwrap();
+    let s = antiphon_server::start(cfg, models).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
     while !s.shared.ready.load(std::sync::atomic::Ordering::SeqCst) {
         assert!(Instant::now() < deadline, "server never got ready");
@@ -50,9 +52,9 @@ async fn tts_summary_follows_the_contract() {
     let s = server().await;
     let dir = tempfile::tempdir().unwrap();
     let url = format!("ws://{}/v1/realtime", s.addr);
-    let info = antiphon::bench::probe_build_info(&url).await.expect("build info");
+    let info = antiphon_bench::probe_build_info(&url).await.expect("build info");
     assert_eq!(info["synthetic_weights"], true);
-    let summary = antiphon::bench::run(config(url, Workload::Tts, vec![1, 2], 2, dir.path().into())).await.unwrap();
+    let summary = antiphon_bench::run(config(url, Workload::Tts, vec![1, 2], 2, dir.path().into())).await.unwrap();
 
     // the contract, as a script reads it
     let v: Value = serde_json::from_slice(&std::fs::read(dir.path().join("summary.json")).unwrap()).unwrap();
@@ -114,7 +116,7 @@ async fn voice_and_clone_workloads() {
     for w in [Workload::Voice, Workload::Clone] {
         let dir = tempfile::tempdir().unwrap();
         let t0 = Instant::now();
-        let summary = antiphon::bench::run(config(url.clone(), w, vec![1], 1, dir.path().into())).await.unwrap();
+        let summary = antiphon_bench::run(config(url.clone(), w, vec![1], 1, dir.path().into())).await.unwrap();
         let l = &summary.levels[0];
         assert_eq!(l.failures, 0, "{w:?}: {:?}", l.failures_by_code);
         assert!(l.ttfa_ms.p50 > 0.0);
@@ -138,7 +140,7 @@ async fn duplex_workload() {
     let mut cfg = config(url, Workload::Duplex, vec![1, 2], 1, dir.path().into());
     cfg.text_tokens = 4;
     cfg.audio_tokens = 35;
-    let summary = antiphon::bench::run(cfg).await.unwrap();
+    let summary = antiphon_bench::run(cfg).await.unwrap();
     assert!(t0.elapsed() >= Duration::from_secs(12), "streamed in real time: {:?}", t0.elapsed());
     for (l, c) in summary.levels.iter().zip([1, 2]) {
         assert_eq!(l.concurrency, c);
@@ -161,7 +163,7 @@ async fn failures_are_counted_by_code() {
     // nothing listens on this port: every worker fails to connect, and the run says so
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let dir = tempfile::tempdir().unwrap();
-    let r = antiphon::bench::run(config(format!("ws://127.0.0.1:{port}/v1/realtime"), Workload::Tts, vec![1], 1, dir.path().into())).await;
+    let r = antiphon_bench::run(config(format!("ws://127.0.0.1:{port}/v1/realtime"), Workload::Tts, vec![1], 1, dir.path().into())).await;
     assert!(r.is_err());
     assert!(format!("{:#}", r.unwrap_err()).contains("connecting"));
 }
@@ -173,7 +175,7 @@ async fn ab_mode_starts_and_stops_its_servers() {
     let root = env!("CARGO_MANIFEST_DIR");
     let conf = |prefetch: bool| {
         let p = dir.path().join(format!("prefetch-{prefetch}.toml"));
-        let text = antiphon::server::config::DEFAULT_TOML
+        let text = antiphon_server::config::DEFAULT_TOML
             .replace("prefetch = true", &format!("prefetch = {prefetch}"))
             .replace("\"../web\"", &format!("\"{root}/web\""))
             .replace("\"../assets/", &format!("\"{root}/assets/"));

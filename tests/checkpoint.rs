@@ -4,10 +4,10 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 
-use antiphon::checkpoint::{load_models, Checked, Checkpoint};
-use antiphon::models::config::MiniCpmoConfig;
-use antiphon::models::decoder::StreamStep;
-use antiphon::synth::{self, Preset, SynthOptions, SyntheticBackend};
+use antiphon_assets::checkpoint::{load_models, Checked, Checkpoint};
+use antiphon_assets::synth::{self, Preset, SynthOptions, SyntheticBackend};
+use antiphon_models::config::MiniCpmoConfig;
+use antiphon_models::decoder::StreamStep;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
@@ -50,7 +50,7 @@ fn loader_reads_exactly_the_spec_list() {
         .collect();
     let names: HashSet<String> = specs.keys().cloned().collect();
     let checked = std::sync::Arc::new(Checked::recording(Box::new(specs), "specs"));
-    let vb = VarBuilder::from_backend(Box::new(antiphon::checkpoint::SharedBackend(checked.clone())), DType::F32, Device::Cpu);
+    let vb = VarBuilder::from_backend(Box::new(antiphon_assets::checkpoint::SharedBackend(checked.clone())), DType::F32, Device::Cpu);
     load_models(&vb, &cfg).unwrap();
     assert_eq!(checked.seen(), names, "the loader reads every listed tensor and nothing else");
 }
@@ -64,7 +64,7 @@ fn file_and_in_memory_synthetic_weights_agree() {
     let vb = SyntheticBackend::var_builder(&ck.config, 11, DType::F32, &Device::Cpu);
     let (t_mem, _) = load_models(&vb, &ck.config).unwrap();
     let ids = [1u32, 2, 3, 200, 17];
-    let run = |t: &antiphon::models::thinker::Thinker| {
+    let run = |t: &antiphon_models::thinker::Thinker| {
         let mut c = t.llm.new_cache();
         let h = t.llm.forward(&mut [StreamStep { cache: &mut c, embeds: t.llm.embed(&ids).unwrap() }]).unwrap();
         t.llm.logits(&h[0]).unwrap()

@@ -1,9 +1,9 @@
 //! Code2Wav end to end on synthetic assets: the generator writes the real formats, the loaders read
 //! them back, and a reference voice streams through prepare -> setup -> chunks -> audio.
 
-use antiphon::models::code2wav::prompt::Reference;
-use antiphon::models::code2wav::{BufferSeeds, Code2Wav, SILENCE_CODE};
-use antiphon::synth::{self, Preset};
+use antiphon_assets::synth::{self, Preset};
+use antiphon_models::code2wav::prompt::Reference;
+use antiphon_models::code2wav::{BufferSeeds, Code2Wav, SILENCE_CODE};
 use candle_core::{DType, Device, Tensor};
 
 fn reference() -> Reference {
@@ -48,7 +48,7 @@ fn synthetic_assets_round_trip_and_stream() {
         assert!(dir.path().join(f).is_file(), "{f} written");
     }
     let seeds = BufferSeeds { seed: 3, ..BufferSeeds::default() };
-    let from_files = Code2Wav::load_dir(dir.path(), DType::F32, &Device::Cpu, seeds).unwrap();
+    let from_files = antiphon_assets::token2wav::load_dir(dir.path(), DType::F32, &Device::Cpu, seeds).unwrap();
     let in_memory = synth::code2wav_in_memory(Preset::Tiny, 3, DType::F32, &Device::Cpu).unwrap();
     let r = reference();
     let fa = from_files.prepare(&r).unwrap();
@@ -58,7 +58,7 @@ fn synthetic_assets_round_trip_and_stream() {
     assert_eq!(fa.mel.dims(), &[300, 80]);
     let all = codes(60, 7);
     let chunks = payloads(&all, &[25, 25, 10]);
-    let run = |c2w: &Code2Wav, f: &antiphon::models::code2wav::prompt::PromptFeatures| {
+    let run = |c2w: &Code2Wav, f: &antiphon_models::code2wav::prompt::PromptFeatures| {
         let setup = c2w.setup(f).unwrap();
         let mut st = c2w.start(f, &setup).unwrap();
         chunks.iter().enumerate().map(|(i, p)| samples(&c2w.chunk(&mut st, p, i == chunks.len() - 1).unwrap())).collect::<Vec<_>>()
@@ -121,7 +121,7 @@ fn missing_assets_are_named() {
     let dir = tempfile::tempdir().unwrap();
     synth::write_token2wav(dir.path(), Preset::Tiny, 1).unwrap();
     std::fs::remove_file(dir.path().join("campplus.onnx")).unwrap();
-    let err = Code2Wav::load_dir(dir.path(), DType::F32, &Device::Cpu, BufferSeeds::default()).unwrap_err().to_string();
+    let err = antiphon_assets::token2wav::load_dir(dir.path(), DType::F32, &Device::Cpu, BufferSeeds::default()).unwrap_err().to_string();
     assert!(err.contains("campplus.onnx"), "{err}");
 }
 
@@ -154,7 +154,7 @@ impl candle_nn::var_builder::SimpleBackend for Counting {
 
 fn count<T>(build: impl FnOnce(candle_nn::VarBuilder<'static>) -> T) -> (usize, usize) {
     let c = std::sync::Arc::new(Counting(Default::default()));
-    let vb = candle_nn::VarBuilder::from_backend(Box::new(antiphon::checkpoint::SharedBackend(c.clone())), DType::F32, Device::Cpu);
+    let vb = candle_nn::VarBuilder::from_backend(Box::new(antiphon_assets::checkpoint::SharedBackend(c.clone())), DType::F32, Device::Cpu);
     let _ = build(vb);
     let v = c.0.lock().unwrap();
     (v.len(), v.iter().map(|(_, n)| n).sum())
@@ -162,8 +162,8 @@ fn count<T>(build: impl FnOnce(candle_nn::VarBuilder<'static>) -> T) -> (usize, 
 
 #[test]
 fn full_code2wav_preset_has_the_real_sizes() {
-    use antiphon::models::code2wav::flow::Flow;
-    use antiphon::models::code2wav::hift::{HiftConfig, HiftGenerator};
+    use antiphon_models::code2wav::flow::Flow;
+    use antiphon_models::code2wav::hift::{HiftConfig, HiftGenerator};
     let d = Preset::Full.code2wav();
     let noise = Tensor::zeros((80, 1), DType::F32, &Device::Cpu).unwrap();
     let (tensors, params) = count(|vb| Flow::load(vb, &d.flow, noise).unwrap());

@@ -2,7 +2,7 @@
 
 use std::process::Command;
 
-use antiphon::server::config::{Config, ModelSource};
+use antiphon_server::config::{Config, ModelSource};
 
 fn root() -> std::path::PathBuf {
     std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -15,7 +15,7 @@ fn shipped_configs_parse() {
     assert_eq!(d.server.listen, "127.0.0.1:8080");
     assert!(d.voices[0].wav.is_file());
     let s = Config::load(&root().join("configs/minicpmo45-synthetic.toml")).unwrap();
-    assert_eq!(s.model.preset, antiphon::synth::Preset::Full);
+    assert_eq!(s.model.preset, antiphon_assets::synth::Preset::Full);
     assert_eq!(s.model.dtype, "bf16");
     // the real-checkpoint file names a directory this machine does not have
     let e = format!("{:#}", Config::load(&root().join("configs/minicpmo45.toml")).unwrap_err());

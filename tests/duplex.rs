@@ -7,11 +7,11 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use antiphon::engine::{
+use antiphon_assets::synth::{models_in_memory, Preset};
+use antiphon_engine::{
     DuplexEvent, DuplexPolicy, DuplexSpec, Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status,
     UserInput,
 };
-use antiphon::synth::{models_in_memory, Preset};
 use candle_core::{DType, Device};
 
 fn engine(cfg: EngineConfig) -> Engine {

@@ -5,8 +5,8 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use antiphon::engine::{DuplexEvent, DuplexPolicy, DuplexSpec, Engine, EngineConfig, EngineEvent, GenerationParams, RefInput, Status};
-use antiphon::synth::{models_in_memory, Preset};
+use antiphon_assets::synth::{models_in_memory, Preset};
+use antiphon_engine::{DuplexEvent, DuplexPolicy, DuplexSpec, Engine, EngineConfig, EngineEvent, GenerationParams, RefInput, Status};
 use candle_core::{DType, Device};
 
 fn voice(f: f32) -> RefInput {

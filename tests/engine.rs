@@ -5,8 +5,8 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use antiphon::engine::{Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, UserInput};
-use antiphon::synth::{models_in_memory, Preset};
+use antiphon_assets::synth::{models_in_memory, Preset};
+use antiphon_engine::{Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, UserInput};
 use candle_core::{DType, Device};
 
 fn engine(cfg: EngineConfig) -> Engine {
@@ -230,7 +230,7 @@ fn spoken_input_and_history_are_accepted() {
     let e = engine(EngineConfig::default());
     let mut s = spec("voice", "", 6, 20, 1);
     s.input = UserInput::Audio((0..16_000 * 2).map(|i| 0.2 * (i as f32 * 0.05).sin()).collect());
-    s.history = vec![antiphon::engine::Turn { user: "hi".into(), assistant: "hello there".into() }];
+    s.history = vec![antiphon_engine::Turn { user: "hi".into(), assistant: "hello there".into() }];
     s.instructions = Some("Be brief.".into());
     let o = collect(submit(&e, s));
     assert_eq!(o.status, Status::Completed);
@@ -252,7 +252,7 @@ fn a_duplex_request_is_never_prefetched() {
 #[test]
 fn a_bad_reference_is_refused_and_the_engine_keeps_serving() {
     let e = engine(EngineConfig::default());
-    let sink = || -> antiphon::engine::EventSink { Arc::new(|_| {}) };
+    let sink = || -> antiphon_engine::EventSink { Arc::new(|_| {}) };
     let mut s = spec("bad", "x", 4, 10, 1);
     s.voice = RefInput::new(vec![], 16_000);
     assert!(e.submit(s, sink()).is_err());
@@ -281,7 +281,7 @@ fn duplicate_live_ids_are_refused() {
 fn a_history_longer_than_the_context_loses_its_oldest_turns() {
     let e = engine(EngineConfig::default());
     let mut s = spec("long-history", "and now?", 4, 10, 1);
-    s.history = (0..60).map(|i| antiphon::engine::Turn { user: format!("question {i} ").repeat(40), assistant: "answer ".repeat(60) }).collect();
+    s.history = (0..60).map(|i| antiphon_engine::Turn { user: format!("question {i} ").repeat(40), assistant: "answer ".repeat(60) }).collect();
     assert_eq!(collect(submit(&e, s)).status, Status::Completed);
     // a prompt that alone is longer than the context fails clearly
     let o = collect(submit(&e, spec("huge", &"la ".repeat(4000), 4, 10, 1)));
@@ -313,9 +313,9 @@ fn bf16_weights_run_end_to_end() {
         max_audio_tokens: Some(4),
         ..Default::default()
     };
-    let d = antiphon::engine::DuplexSpec {
+    let d = antiphon_engine::DuplexSpec {
         session: "bfd".into(),
-        policy: antiphon::engine::DuplexPolicy::SpeakEvery(2),
+        policy: antiphon_engine::DuplexPolicy::SpeakEvery(2),
         instructions: None,
         voice: voice(),
         generation: g,
@@ -326,11 +326,11 @@ fn bf16_weights_run_end_to_end() {
     }
     loop {
         match rx.recv_timeout(Duration::from_secs(60)).expect("duplex events") {
-            antiphon::engine::DuplexEvent::Response { event: EngineEvent::Done { status, .. }, .. } => {
+            antiphon_engine::DuplexEvent::Response { event: EngineEvent::Done { status, .. }, .. } => {
                 assert_eq!(status, Status::Completed);
                 break;
             }
-            antiphon::engine::DuplexEvent::Closed { reason } => panic!("closed: {reason}"),
+            antiphon_engine::DuplexEvent::Closed { reason } => panic!("closed: {reason}"),
             _ => {}
         }
     }
@@ -353,7 +353,7 @@ fn a_conversations_next_turn_reuses_its_previous_turn() {
         let _ = collect(submit(e, spec("x", "something else entirely", 6, 20, 5)));
         let system_only = reused(e) - before;
         let mut next = spec("t2", "and about the mountains", 12, 30, 4);
-        next.history = vec![antiphon::engine::Turn { user: "tell me about the sea".into(), assistant: first.text.clone() }];
+        next.history = vec![antiphon_engine::Turn { user: "tell me about the sea".into(), assistant: first.text.clone() }];
         let before = reused(e);
         let second = collect(submit(e, next));
         (first, second, system_only, reused(e) - before)

@@ -5,10 +5,10 @@ mod common;
 
 use std::path::PathBuf;
 
-use antiphon::checkpoint::pth_var_builder;
-use antiphon::models::code2wav::flow::{Flow, FlowState};
-use antiphon::models::code2wav::hift::HiftGenerator;
-use antiphon::models::code2wav::yaml;
+use antiphon_assets::checkpoint::pth_var_builder;
+use antiphon_assets::yaml;
+use antiphon_models::code2wav::flow::{Flow, FlowState};
+use antiphon_models::code2wav::hift::HiftGenerator;
 use candle_core::{DType, Tensor};
 use common::{assert_close, ids, load_io, load_meta};
 
@@ -118,7 +118,7 @@ fn parity_flow_stream_utterance_chunk_by_chunk() {
 /// only (every capture evicts another).
 #[test]
 fn parity_flow_graphed_chunks_match_reference() {
-    use antiphon::models::code2wav::dit::GraphPolicy;
+    use antiphon_models::code2wav::dit::GraphPolicy;
     let io = load_io(FIX);
     let meta = load_meta(FIX);
     let payloads: Vec<Vec<u32>> = meta["payloads"].as_array().unwrap().iter().map(ids).collect();
@@ -237,7 +237,7 @@ fn parity_hift_graphed_streamed_chunks() {
 #[test]
 fn parity_hift_original_whole_utterance() {
     let io = load_io(FIX);
-    let mut cfg = antiphon::models::code2wav::hift::HiftConfig::original();
+    let mut cfg = antiphon_models::code2wav::hift::HiftConfig::original();
     cfg.base_channels = 32;
     cfg.f0_channels = 32;
     let vb = pth_var_builder(&assets().join("hift_original.pt"), Some("generator."), DType::F32, &common::device()).unwrap();

@@ -6,11 +6,11 @@ mod common;
 
 use std::collections::HashMap;
 
-use antiphon::checkpoint::{load_models, Checkpoint};
-use antiphon::models::decoder::{CachePool, DecodeMode, KvCache, StreamStep};
-use antiphon::models::mel::WhisperLogMel;
-use antiphon::models::talker::{ConditionMode, Talker};
-use antiphon::models::thinker::{AudioMarkers, Thinker};
+use antiphon_assets::checkpoint::{load_models, Checkpoint};
+use antiphon_models::decoder::{CachePool, DecodeMode, KvCache, StreamStep};
+use antiphon_models::mel::WhisperLogMel;
+use antiphon_models::talker::{ConditionMode, Talker};
+use antiphon_models::thinker::{AudioMarkers, Thinker};
 use candle_core::{DType, Tensor};
 use common::{assert_close, ids, load_io, load_meta};
 
@@ -55,7 +55,7 @@ fn parity_thinker_encoder_streaming_units() {
     for k in 0..4 {
         let unit = samples(&io[&format!("unit{k}")]);
         let mel = thinker.log_mel(&unit).unwrap();
-        let mut steps = [antiphon::models::whisper::EncoderStep { cache: Some(&mut cache), mel }];
+        let mut steps = [antiphon_models::whisper::EncoderStep { cache: Some(&mut cache), mel }];
         let enc = thinker.apm.forward(&mut steps).unwrap().pop().unwrap();
         assert_close(&format!("unit {k} encoder output"), &enc, &io[&format!("unit{k}_encoder")], TOL);
         let emb = thinker.project(&enc).unwrap();

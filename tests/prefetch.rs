@@ -5,12 +5,12 @@
 
 use std::sync::{Arc, Mutex};
 
-use antiphon::engine::chunker::Chunker;
-use antiphon::engine::stage2::{IdleOutcome, Stage2};
-use antiphon::engine::{EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId, Stage2Msg, StageLoop};
-use antiphon::models::code2wav::prompt::Reference;
-use antiphon::models::code2wav::{Code2Wav, SILENCE_CODE};
-use antiphon::synth::{code2wav_in_memory, Preset};
+use antiphon_assets::synth::{code2wav_in_memory, Preset};
+use antiphon_engine::chunker::Chunker;
+use antiphon_engine::stage2::{IdleOutcome, Stage2};
+use antiphon_engine::{EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId, Stage2Msg, StageLoop};
+use antiphon_models::code2wav::prompt::Reference;
+use antiphon_models::code2wav::{Code2Wav, SILENCE_CODE};
 use candle_core::{DType, Device};
 
 fn model() -> Code2Wav {
@@ -242,7 +242,7 @@ fn prefetch_abort_releases_pins() {
     r.idle();
     r.idle();
     assert_eq!(r.stage.ref_cache().pin_count(), 1);
-    r.registry.finish(&id("a"), 0, antiphon::engine::Status::Cancelled);
+    r.registry.finish(&id("a"), 0, antiphon_engine::Status::Cancelled);
     r.stage.on_message(Stage2Msg::Cancel(id("a")));
     assert_eq!(r.stage.ref_cache().pin_count(), 0);
     assert!(r.stage.ref_cache().get(&key(&v)).unwrap().evictable());
@@ -263,7 +263,7 @@ fn prefetch_owner_and_pin_cannot_alias() {
     let e = r.stage.ref_cache().get(&key(&v)).unwrap();
     assert!(e.pins.contains(&id("req-1")) && e.owners.contains(&id("pin:req-1")));
     // ending the pinning request leaves the owner; ending the owner leaves nothing
-    r.registry.finish(&id("req-1"), 0, antiphon::engine::Status::Cancelled);
+    r.registry.finish(&id("req-1"), 0, antiphon_engine::Status::Cancelled);
     r.stage.on_message(Stage2Msg::Cancel(id("req-1")));
     let e = r.stage.ref_cache().get(&key(&v)).unwrap();
     assert!(e.pins.is_empty() && e.owners.contains(&id("pin:req-1")));

@@ -4,9 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use antiphon::server::config::Config;
-use antiphon::server::protocol::AudioFrame;
-use antiphon::server::Server;
+use antiphon_protocol::AudioFrame;
+use antiphon_server::config::Config;
+use antiphon_server::Server;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio::net::TcpStream;
@@ -18,11 +18,13 @@ type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
 async fn server(edit: impl FnOnce(&mut Config)) -> Server {
     let mut cfg =
-        Config::parse(antiphon::server::config::DEFAULT_TOML, std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs"))).unwrap();
+        Config::parse(antiphon_server::config::DEFAULT_TOML, std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs"))).unwrap();
     cfg.server.listen = "127.0.0.1:0".into();
     edit(&mut cfg);
-    let models = antiphon::synth::models_in_memory(antiphon::synth::Preset::Tiny, 0, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
-    let s = antiphon::server::start(cfg, models).await.unwrap();
+    let models =
+        antiphon_assets::synth::models_in_memory(antiphon_assets::synth::Preset::Tiny, 0, candle_core::DType::F32, &candle_core::Device::Cpu)
+            .unwrap();
+    let s = antiphon_server::start(cfg, models).await.unwrap();
     // wait until warmed up
     let deadline = Instant::now() + Duration::from_secs(60);
     while !s.shared.ready.load(std::sync::atomic::Ordering::SeqCst) {
@@ -427,7 +429,7 @@ async fn auth_and_origin_are_checked_before_the_upgrade() {
     let mut req = url.clone().into_client_request().unwrap();
     req.headers_mut().insert("authorization", "Bearer k1".parse().unwrap());
     req.headers_mut().insert("origin", "http://evil.example".parse().unwrap());
-    let err = tokio_tungstenite::connect_async(req).await.err().expect("refused origin");
+    let err = tokio_tungstenite::connect_async(req).await.expect_err("refused origin");
     assert!(err.to_string().contains("403"), "{err}");
     let mut req = url.into_client_request().unwrap();
     req.headers_mut().insert("authorization", "Bearer k1".parse().unwrap());
@@ -488,7 +490,7 @@ async fn tls_when_a_certificate_is_configured() {
     let (cp, kp) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
     std::fs::write(&cp, cert.cert.pem()).unwrap();
     std::fs::write(&kp, cert.signing_key.serialize_pem()).unwrap();
-    let s = server(|c| c.tls = Some(antiphon::server::config::TlsSection { cert: cp.clone(), key: kp.clone() })).await;
+    let s = server(|c| c.tls = Some(antiphon_server::config::TlsSection { cert: cp.clone(), key: kp.clone() })).await;
     let mut roots = rustls::RootCertStore::empty();
     roots.add(cert.cert.der().clone()).unwrap();
     let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());

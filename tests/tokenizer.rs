@@ -1,7 +1,7 @@
 //! Tokenizer, special tokens, the spoken-reply prompt, the hand-off slice and text deltas.
 
-use antiphon::synth::{tokenizer_json, Preset, REAL_SPECIAL_IDS};
-use antiphon::tokenizer::{handoff_range, voice_clone_system, Message, Part, Role, SpecialTokens, TextStream, TextTokenizer};
+use antiphon_assets::synth::{tokenizer_json, Preset, REAL_SPECIAL_IDS};
+use antiphon_models::tokenizer::{handoff_range, voice_clone_system, Message, Part, Role, SpecialTokens, TextStream, TextTokenizer};
 
 fn tiny() -> TextTokenizer {
     TextTokenizer::from_bytes(tokenizer_json(&Preset::Tiny.special_ids()).to_string().as_bytes()).unwrap()

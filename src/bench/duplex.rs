@@ -29,7 +29,7 @@ async fn duplex_session(sh: Arc<Shared>, level: usize, worker: usize, level_star
     let cfg = &sh.cfg;
     let mut c = Client::connect(cfg).await?;
     let k = cfg.speak_every;
-    let text = cfg.text_tokens.min(crate::engine::duplex::MAX_UNIT_TEXT_TOKENS);
+    let text = cfg.text_tokens.min(antiphon_protocol::DUPLEX_UNIT_MAX_TEXT_TOKENS);
     let drain = duplex_drain(cfg);
     c.send(json!({"type": "session.create", "mode": "duplex",
         "input_audio": {"codec": "opus", "sample_rate": 48000},

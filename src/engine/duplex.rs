@@ -27,12 +27,13 @@ use candle_core::{DType, Tensor};
 
 use super::stage0::Stage0;
 use super::{DuplexEvent, DuplexPolicy, DuplexSink, DuplexSpec, EngineEvent, Mode, RequestId, Stage1Msg, Status};
-use crate::models::decoder::KvCache;
-use crate::models::sampling::{LengthPolicy, Sampler};
-use crate::tokenizer::TextStream;
+use antiphon_models::decoder::KvCache;
+use antiphon_models::sampling::{LengthPolicy, Sampler};
+use antiphon_models::tokenizer::TextStream;
 
-/// Text tokens a spoken unit carries at most (the reference policy's per-unit budget).
-pub const MAX_UNIT_TEXT_TOKENS: usize = 20;
+/// Text tokens a spoken unit carries at most (the reference policy's per-unit budget; part of the
+/// wire contract, so it lives in the protocol crate).
+pub use antiphon_protocol::DUPLEX_UNIT_MAX_TEXT_TOKENS as MAX_UNIT_TEXT_TOKENS;
 /// Text tokens per spoken unit under `speak_every` when the session does not force a number.
 pub const DEFAULT_FORCED_UNIT_TOKENS: usize = 8;
 
@@ -81,7 +82,7 @@ impl DuplexStream {
     }
 
     /// The embeddings this stream feeds next (at most `budget` prefill rows).
-    pub fn next_embeds(&self, thinker: &crate::models::thinker::Thinker, budget: &mut usize) -> Result<Option<Tensor>> {
+    pub fn next_embeds(&self, thinker: &antiphon_models::thinker::Thinker, budget: &mut usize) -> Result<Option<Tensor>> {
         if let Some(p) = &self.prefill {
             let n = (p.dim(0)? - self.prefill_pos).min(*budget);
             if n == 0 {
@@ -107,7 +108,7 @@ impl Stage0 {
             let mut audio = Vec::new();
             let mut parts: Vec<Result<&str, u32>> = vec![Err(s.im_start), Ok("system\n"), Ok(instructions.as_str())];
             if self.cfg.thinker_hears_reference {
-                let r16 = crate::audio::resample(&spec.voice.samples, spec.voice.sample_rate, 16_000)?;
+                let r16 = antiphon_audio::resample(&spec.voice.samples, spec.voice.sample_rate, 16_000)?;
                 let emb = self.thinker.encode_clip(&r16[..r16.len().min(16_000 * 6)])?;
                 parts.push(Ok("\n"));
                 parts.push(Err(s.audio_start));

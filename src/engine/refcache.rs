@@ -9,8 +9,8 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::models::code2wav::flow::FlowState;
-use crate::models::code2wav::prompt::{PromptFeatures, Reference};
+use antiphon_models::code2wav::flow::FlowState;
+use antiphon_models::code2wav::prompt::{PromptFeatures, Reference};
 
 use super::types::RequestId;
 
@@ -244,7 +244,7 @@ mod tests {
 
     #[test]
     fn setup_cache_keeps_the_most_recent() {
-        use crate::synth::{code2wav_in_memory, Preset};
+        use antiphon_assets::synth::{code2wav_in_memory, Preset};
         // FlowState values are only moved around here; a real one is cheap at the tiny size
         let c2w = code2wav_in_memory(Preset::Tiny, 1, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
         let x: Vec<f32> = (0..16000).map(|i| (i as f32 * 0.01).sin() * 0.2).collect();

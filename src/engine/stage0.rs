@@ -14,10 +14,10 @@ use candle_core::{DType, Tensor};
 use super::duplex::DuplexStream;
 use super::prefix::PrefixStore;
 use super::{EngineConfig, EngineMetrics, Mode, Registry, RequestId, RequestSpec, Stage0Msg, Stage1Msg, StageLoop, Status, UserInput};
-use crate::models::decoder::{CachePool, KvCache, PooledCache, StreamStep};
-use crate::models::sampling::{LengthPolicy, Sampler};
-use crate::models::thinker::Thinker;
-use crate::tokenizer::{handoff_range, Message, Part, Role, TextStream, TextTokenizer};
+use antiphon_models::decoder::{CachePool, KvCache, PooledCache, StreamStep};
+use antiphon_models::sampling::{LengthPolicy, Sampler};
+use antiphon_models::thinker::Thinker;
+use antiphon_models::tokenizer::{handoff_range, Message, Part, Role, TextStream, TextTokenizer};
 
 struct Active {
     id: RequestId,
@@ -107,7 +107,7 @@ const MIN_SHARED: usize = 8;
 
 /// Where the first audio clip after `from` (the system turn) starts: the ids before it fix their
 /// embeddings; a clip's placeholders do not (`ids.len()` when there is none).
-fn first_user_audio(ids: &[u32], from: usize, m: &crate::models::thinker::AudioMarkers) -> usize {
+fn first_user_audio(ids: &[u32], from: usize, m: &antiphon_models::thinker::AudioMarkers) -> usize {
     ids.iter().enumerate().skip(from).find(|(_, &t)| t == m.start || t == m.placeholder).map(|(i, _)| i).unwrap_or(ids.len())
 }
 
@@ -190,7 +190,7 @@ impl Stage0 {
         if let Some(hit) = self.ref_embeds.get(key) {
             return Ok(hit.clone());
         }
-        let r16 = crate::audio::resample(samples, rate, 16_000)?;
+        let r16 = antiphon_audio::resample(samples, rate, 16_000)?;
         let emb = self.thinker.encode_clip(&r16[..r16.len().min(16_000 * 6)])?;
         self.ref_embeds.insert(key, emb.clone());
         Ok(emb)

@@ -12,10 +12,10 @@ use candle_core::{DType, Tensor};
 
 use super::chunker::{Chunker, Payload};
 use super::{EngineConfig, EngineMetrics, Mode, RefInput, Registry, RequestId, Stage1Msg, Stage2Msg, StageLoop, Status};
-use crate::models::code2wav::SILENCE_CODE;
-use crate::models::decoder::{CachePool, KvCache, PooledCache, StreamStep};
-use crate::models::sampling::{LengthPolicy, Sampler};
-use crate::models::talker::{ConditionMode, Talker};
+use antiphon_models::code2wav::SILENCE_CODE;
+use antiphon_models::decoder::{CachePool, KvCache, PooledCache, StreamStep};
+use antiphon_models::sampling::{LengthPolicy, Sampler};
+use antiphon_models::talker::{ConditionMode, Talker};
 
 struct Req {
     epoch: u64,

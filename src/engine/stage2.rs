@@ -23,8 +23,8 @@ use anyhow::{anyhow, Result};
 
 use super::refcache::{RefCache, SetupCache};
 use super::{EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId, Stage2Msg, StageLoop, Status};
-use crate::models::code2wav::prompt::Reference;
-use crate::models::code2wav::{Code2Wav, StreamState};
+use antiphon_models::code2wav::prompt::Reference;
+use antiphon_models::code2wav::{Code2Wav, StreamState};
 
 #[derive(Debug, Clone, PartialEq)]
 enum Phase {
@@ -367,7 +367,9 @@ impl Stage2 {
             runnable.push(c);
         }
         // batch by (cache signature, chunk length, last)
-        let mut groups: Vec<((usize, usize, usize), usize, bool, Vec<ChunkWork>)> = Vec::new();
+        // (cache signature, chunk length, last, work)
+        type Group = ((usize, usize, usize), usize, bool, Vec<ChunkWork>);
+        let mut groups: Vec<Group> = Vec::new();
         for c in runnable {
             let sig = self.live[&c.id].stream.signature();
             match groups.iter_mut().find(|g| g.0 == sig && g.1 == c.codes.len() && g.2 == c.last) {

@@ -1,5 +1,5 @@
 //! A pool of finished streams' KV caches, for the next streams: a cache keeps its buffers and
-//! its captured decode step (see [`crate::models::decoder::DecodeMode`]), so a stream that starts
+//! its captured decode step (see [`crate::decoder::DecodeMode`]), so a stream that starts
 //! in a pooled cache replays its predecessor's graph instead of capturing its own.
 
 use candle_core::Result;

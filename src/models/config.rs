@@ -136,21 +136,21 @@ impl MiniCpmoConfig {
         if self.hidden_act != "silu" {
             bail!("config.json: hidden_act {:?} (expected \"silu\")", self.hidden_act);
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             bail!(
                 "config.json: num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_attention_heads,
                 self.num_key_value_heads
             );
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             bail!("config.json: head_dim {} must be even for RoPE", self.head_dim());
         }
         let a = &self.audio_config;
         if a.activation_function != "gelu" {
             bail!("config.json: audio_config.activation_function {:?} (expected \"gelu\")", a.activation_function);
         }
-        if a.d_model % a.encoder_attention_heads != 0 {
+        if !a.d_model.is_multiple_of(a.encoder_attention_heads) {
             bail!("config.json: audio_config.d_model is not a multiple of encoder_attention_heads");
         }
         // The reference sizes the audio projector's input as encoder_ffn_dim / 4.
@@ -168,7 +168,7 @@ impl MiniCpmoConfig {
         if t.llm_dim != self.hidden_size {
             bail!("config.json: tts_config.llm_dim {} differs from the Thinker hidden_size {}", t.llm_dim, self.hidden_size);
         }
-        if t.num_attention_heads % t.num_key_value_heads != 0 || t.hidden_size % t.num_attention_heads != 0 {
+        if !t.num_attention_heads.is_multiple_of(t.num_key_value_heads) || !t.hidden_size.is_multiple_of(t.num_attention_heads) {
             bail!("config.json: tts_config head counts do not divide hidden_size");
         }
         if t.num_audio_tokens < 2 {

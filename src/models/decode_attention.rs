@@ -60,7 +60,7 @@ mod cuda {
     use candle_core::cuda_backend::{CudaDType, CudaStorage};
     use candle_core::{CustomOp1, DType, Layout, Result, Shape, Tensor};
 
-    use crate::models::fused::cuda::{err, kernel, view};
+    use crate::fused::cuda::{err, kernel, view};
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode_attention.ptx"));
     const MODULE: &str = "antiphon_decode_attention";
@@ -128,7 +128,7 @@ mod cuda {
             if !ql.is_contiguous() {
                 candle_core::bail!("decode_attention: q is not contiguous");
             }
-            crate::models::fused::by_dtype!("decode_attention", q.dtype(), T => self.launch::<T>(q, ql))
+            crate::fused::by_dtype!("decode_attention", q.dtype(), T => self.launch::<T>(q, ql))
         }
     }
 }
@@ -154,7 +154,7 @@ mod tests {
             // reference: the cache with this position written, attention over 0..=p
             let k = Tensor::cat(&[kc.narrow(1, 0, p)?, k_new.unsqueeze(1)?], 1)?;
             let v = Tensor::cat(&[vc.narrow(1, 0, p)?, v_new.unsqueeze(1)?], 1)?;
-            let want = crate::models::decoder::attend(&q.reshape((hq, 1, d))?, &k, &v, None)?.reshape((hq, d))?;
+            let want = crate::decoder::attend(&q.reshape((hq, 1, d))?, &k, &v, None)?.reshape((hq, d))?;
             let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert!(diff < 1e-5, "pos {p}: max abs difference {diff}");
         }

@@ -4,7 +4,7 @@
 
 use anyhow::{bail, Result};
 
-use super::protocol::Codec;
+use antiphon_protocol::Codec;
 
 pub const OUTPUT_RATE: u32 = 24_000;
 pub const ENGINE_INPUT_RATE: u32 = 16_000;
@@ -39,11 +39,11 @@ impl InputAudio {
     pub fn push(&mut self, payload: &[u8]) -> Result<usize> {
         match self.codec {
             Codec::Pcm16 => {
-                if payload.len() % 2 != 0 {
+                if !payload.len().is_multiple_of(2) {
                     bail!("PCM16 payload of odd length {}", payload.len());
                 }
                 let n = payload.len() / 2;
-                self.buf.extend(payload.chunks_exact(2).map(|b| crate::audio::i16_to_f32(i16::from_le_bytes([b[0], b[1]]))));
+                self.buf.extend(payload.chunks_exact(2).map(|b| antiphon_audio::i16_to_f32(i16::from_le_bytes([b[0], b[1]]))));
                 Ok(n)
             }
             Codec::Opus => {
@@ -80,7 +80,7 @@ impl InputAudio {
         }
         let block: Vec<f32> = self.buf.drain(..n).collect();
         let want = n * ENGINE_INPUT_RATE as usize / self.rate as usize;
-        Some(crate::audio::resample(&block, self.rate, ENGINE_INPUT_RATE).map(|mut x| {
+        Some(antiphon_audio::resample(&block, self.rate, ENGINE_INPUT_RATE).map(|mut x| {
             x.resize(want, 0.0);
             x
         }))
@@ -97,7 +97,7 @@ impl InputAudio {
     /// The gathered turn at 16 kHz (the buffer is emptied).
     pub fn take_16k(&mut self) -> Result<Vec<f32>> {
         let x = std::mem::take(&mut self.buf);
-        crate::audio::resample(&x, self.rate, ENGINE_INPUT_RATE)
+        antiphon_audio::resample(&x, self.rate, ENGINE_INPUT_RATE)
     }
 }
 
@@ -131,7 +131,7 @@ impl OutputAudio {
 
     fn packet(&mut self, samples: &[f32]) -> Result<Vec<u8>> {
         match self.codec {
-            Codec::Pcm16 => Ok(samples.iter().flat_map(|&s| crate::audio::f32_to_i16(s).to_le_bytes()).collect()),
+            Codec::Pcm16 => Ok(samples.iter().flat_map(|&s| antiphon_audio::f32_to_i16(s).to_le_bytes()).collect()),
             Codec::Opus => {
                 let e = self.opus.as_mut().expect("opus encoder");
                 Ok(e.encode_vec_float(samples, 4000).map_err(|e| anyhow::anyhow!("Opus: {e}"))?)

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 
-use crate::engine::EngineConfig;
-use crate::synth::Preset;
+use antiphon_assets::synth::Preset;
+use antiphon_engine::EngineConfig;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -317,7 +317,7 @@ impl Config {
         if e.chunk_codes == 0 || e.thinker_max_batch == 0 || e.talker_max_batch == 0 || e.code2wav_max_batch == 0 {
             bail!("engine batch limits and chunk_codes must be at least 1");
         }
-        if e.duplex_unit_ms == 0 || e.duplex_unit_ms % 100 != 0 || e.duplex_unit_ms > 10_000 {
+        if e.duplex_unit_ms == 0 || !e.duplex_unit_ms.is_multiple_of(100) || e.duplex_unit_ms > 10_000 {
             bail!("engine.duplex_unit_ms {}: a multiple of 100 ms up to 10000", e.duplex_unit_ms);
         }
         if self.voices.is_empty() {

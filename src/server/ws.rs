@@ -8,9 +8,9 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket};
 use futures_util::{SinkExt, StreamExt};
 use tokio::sync::mpsc::unbounded_channel;
 
-use super::protocol::{parse_client, AudioFrame, ClientEvent, ErrorCode, ServerEvent, WireError};
 use super::session::{Conn, Outbound, SessionMsg};
 use super::Shared;
+use antiphon_protocol::{parse_client, AudioFrame, ClientEvent, ErrorCode, ServerEvent, WireError};
 
 pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>) {
     shared.metrics.connections.inc();

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{Module, Result, Tensor, D};
 
-use crate::models::cuda_graph::GraphSlot;
+use crate::cuda_graph::GraphSlot;
 use candle_nn::{Conv1d, Conv1dConfig, LayerNorm, Linear, VarBuilder};
 
 use super::conformer::{conv1d, linear, mish};
@@ -425,7 +425,7 @@ impl Cfm {
     }
 
     /// Chunk solves over fixed buffers replayed as CUDA graphs (`Some`), or op by op (`None`, the
-    /// default). Where the device cannot capture ([`crate::models::cuda_graph::can_capture`]) the
+    /// default). Where the device cannot capture ([`crate::cuda_graph::can_capture`]) the
     /// fixed-buffer solve runs op by op (same results; used to test it on the CPU).
     pub fn set_graphs(&mut self, policy: Option<GraphPolicy>) {
         self.policy = policy;

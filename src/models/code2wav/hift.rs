@@ -169,7 +169,7 @@ pub struct HiftGenerator {
     cfg: HiftConfig,
     limits: Option<StreamLimits>,
     /// The streaming F0 predictor and decoder, replayed as CUDA graphs per shape (when on).
-    graphs: crate::models::cuda_graph::GraphSlot,
+    graphs: crate::cuda_graph::GraphSlot,
 }
 
 impl HiftGenerator {
@@ -177,8 +177,8 @@ impl HiftGenerator {
     /// (`None`: op by op, the default). Without capture (CPU) the fixed-buffer path runs op by op.
     pub fn set_graphs(&mut self, max: Option<usize>) {
         self.graphs = match max {
-            Some(m) => crate::models::cuda_graph::GraphSlot::on(m),
-            None => crate::models::cuda_graph::GraphSlot::off(),
+            Some(m) => crate::cuda_graph::GraphSlot::on(m),
+            None => crate::cuda_graph::GraphSlot::off(),
         };
     }
 
@@ -279,7 +279,7 @@ impl HiftGenerator {
             noise_rows,
             cfg: cfg.clone(),
             limits: None,
-            graphs: crate::models::cuda_graph::GraphSlot::off(),
+            graphs: crate::cuda_graph::GraphSlot::off(),
         };
         if cfg.causal {
             g.limits = Some(g.compute_limits());
@@ -435,8 +435,8 @@ impl HiftGenerator {
             noise_amp[t] = voiced * cfg.nsf_sigma as f32 + (1.0 - voiced) * amp / 3.0;
         }
         if n > 0 {
-            for h in 0..h1 {
-                st.phase[h] = last[h].rem_euclid(1.0);
+            for (p, l) in st.phase.iter_mut().zip(&last).take(h1) {
+                *p = l.rem_euclid(1.0);
             }
         }
         // per sample: the frame's sine plus table noise

@@ -14,11 +14,8 @@ pub mod flow;
 pub mod hift;
 pub mod prompt;
 pub mod s3tokenizer;
-pub mod yaml;
 
-use std::path::Path;
-
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 use candle_core::{DType, Device, Tensor};
 use rand::SeedableRng;
 use rand_distr::{Distribution, StandardNormal};
@@ -29,7 +26,7 @@ use hift::{HiftGenerator, HiftState, OriginalStreamState};
 use prompt::{PromptFeatures, Reference};
 use s3tokenizer::S3Tokenizer;
 
-use crate::models::mel::FlowMel;
+use crate::mel::FlowMel;
 
 /// The code that stands for silence (the first chunk's left context and the prompt's look-ahead).
 pub const SILENCE_CODE: u32 = 4218;
@@ -123,34 +120,6 @@ impl Code2Wav {
         Self { flow, vocoder, s3, campplus, flow_mel: std::sync::Arc::new(FlowMel::standard()), device: device.clone() }
     }
 
-    /// Loads `assets/token2wav/` (the directory itself). The vocoder is chosen by the files
-    /// present: `config.yaml` + `hift.pt` (+ `hift_original.pt`) is the minicpmo-utils 1.0.7
-    /// layout whose causal `hift.pt` streams; otherwise `hift.pt` is the original generator.
-    pub fn load_dir(dir: &Path, dtype: DType, device: &Device, seeds: BufferSeeds) -> Result<Self> {
-        let need = [FLOW_YAML, FLOW_PT, HIFT_PT, CAMPPLUS_ONNX, TOKENIZER_ONNX];
-        let missing: Vec<&str> = need.iter().copied().filter(|f| !dir.join(f).is_file()).collect();
-        if !missing.is_empty() {
-            bail!("{}: missing token2wav asset(s) {}", dir.display(), missing.join(", "));
-        }
-        let flow_cfg = yaml::flow_config(&std::fs::read_to_string(dir.join(FLOW_YAML))?)?;
-        let noise = gaussian(flow_cfg.output_size, seeds.noise_frames, seeds.seed, device)?;
-        let vb = crate::checkpoint::pth_var_builder(&dir.join(FLOW_PT), None, dtype, device)?;
-        let flow = Flow::load(vb, &flow_cfg, noise).context("loading flow.pt")?;
-        let vocoder = if dir.join(HIFT_CONFIG).is_file() {
-            let cfg = yaml::causal_hift_config(&std::fs::read_to_string(dir.join(HIFT_CONFIG))?)?;
-            let table = hift::noise_table(seeds.table_samples, cfg.nb_harmonics + 1, seeds.seed ^ 0x5eed, &Device::Cpu)?;
-            let vb = crate::checkpoint::pth_var_builder(&dir.join(HIFT_PT), Some("generator."), DType::F32, device)?;
-            Vocoder::Causal(HiftGenerator::load(vb, &cfg, Some(&table)).context("loading the causal hift.pt")?)
-        } else {
-            let vb = crate::checkpoint::pth_var_builder(&dir.join(HIFT_PT), Some("generator."), DType::F32, device)?;
-            Vocoder::Original(HiftGenerator::load(vb, &hift::HiftConfig::original(), None).context("loading hift.pt (original HiFT)")?)
-        };
-        // the S3 tokenizer rounds to codes: f32 whatever the flow's dtype
-        let s3 = load_tokenizer(&dir.join(TOKENIZER_ONNX), DType::F32, device)?;
-        let campplus = CamPlusPlus::from_model(&crate::onnx::read_model(&dir.join(CAMPPLUS_ONNX))?)?;
-        Ok(Self::new(flow, vocoder, s3, campplus, device))
-    }
-
     pub fn device(&self) -> &Device {
         &self.device
     }
@@ -179,7 +148,7 @@ impl Code2Wav {
 
     /// Step 2 of reference preparation (step 1 is [`Reference::materialize`]).
     pub fn prepare(&self, reference: &Reference) -> Result<PromptFeatures> {
-        let a16 = crate::audio::resample(&reference.samples, prompt::PROMPT_RATE, prompt::TOKENIZER_RATE)?;
+        let a16 = antiphon_audio::resample(&reference.samples, prompt::PROMPT_RATE, prompt::TOKENIZER_RATE)?;
         prompt::prepare_features(&a16, &reference.samples, &self.s3, &self.campplus, &self.flow_mel, self.flow.up_rate(), &self.device)
     }
 
@@ -240,11 +209,4 @@ impl Code2Wav {
     pub fn chunk(&self, st: &mut StreamState, codes: &[u32], last: bool) -> Result<Tensor> {
         Ok(self.chunk_batch(&mut [st], &[codes], last)?.pop().expect("one in, one out"))
     }
-}
-
-/// Loads the S3 tokenizer from its ONNX file.
-pub fn load_tokenizer(path: &Path, dtype: DType, device: &Device) -> Result<S3Tokenizer> {
-    let m = crate::onnx::read_model(path)?;
-    let sd = s3tokenizer::state_dict_from_onnx(&m).with_context(|| format!("mapping {}", path.display()))?;
-    S3Tokenizer::from_state_dict(sd, dtype, device).with_context(|| format!("loading {}", path.display()))
 }

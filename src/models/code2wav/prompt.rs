@@ -11,7 +11,7 @@ use sha2::{Digest, Sha256};
 
 use super::campplus::CamPlusPlus;
 use super::s3tokenizer::S3Tokenizer;
-use crate::models::mel::{kaldi_fbank, mean_normalize, FlowMel, WhisperLogMel};
+use crate::mel::{kaldi_fbank, mean_normalize, FlowMel, WhisperLogMel};
 
 pub const PROMPT_RATE: u32 = 24_000;
 pub const PROMPT_SECONDS: f64 = 6.0;
@@ -35,7 +35,7 @@ impl Reference {
         if samples.iter().any(|s| !s.is_finite()) {
             bail!("reference audio holds non-finite samples");
         }
-        let mut x = crate::audio::resample(samples, rate, PROMPT_RATE)?;
+        let mut x = antiphon_audio::resample(samples, rate, PROMPT_RATE)?;
         x.resize((PROMPT_SECONDS * PROMPT_RATE as f64) as usize, 0.0);
         let mut h = Sha256::new();
         for s in &x {
@@ -48,7 +48,7 @@ impl Reference {
 
     /// Step 1 from a WAV file's bytes (any rate, any channel count up to 8).
     pub fn from_wav(bytes: &[u8]) -> Result<Self> {
-        let (x, rate) = crate::audio::decode_wav(bytes)?;
+        let (x, rate) = antiphon_audio::decode_wav(bytes)?;
         Self::materialize(&x, rate)
     }
 

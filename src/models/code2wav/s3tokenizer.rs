@@ -14,7 +14,7 @@ use anyhow::{bail, Result};
 use candle_core::{Module, Tensor};
 use candle_nn::{Conv1d, Conv1dConfig, LayerNorm, Linear, VarBuilder};
 
-use crate::models::decoder::Rope;
+use crate::decoder::Rope;
 use crate::onnx::{to_tensor, ModelProto};
 
 /// Head width fixed by the model's RoPE (64 dims).
@@ -116,7 +116,7 @@ fn lin(vb: &VarBuilder, name: &str, i: usize, o: usize, bias: bool) -> candle_co
 impl S3Tokenizer {
     /// `vb` over the renamed state dict; the widths come from the tensors themselves.
     pub fn load(vb: VarBuilder, n_state: usize, n_mels: usize, n_layer: usize) -> Result<Self> {
-        if n_state % HEAD_DIM != 0 {
+        if !n_state.is_multiple_of(HEAD_DIM) {
             bail!("speech tokenizer width {n_state} is not a multiple of the 64-dim heads");
         }
         let e = vb.pp("encoder");
@@ -156,7 +156,7 @@ impl S3Tokenizer {
         if n_layer == 0 {
             bail!("speech tokenizer: no encoder blocks found");
         }
-        let backend = crate::checkpoint::Checked { inner: Box::new(sd), origin: "speech tokenizer".into(), seen: None };
+        let backend = crate::backend::Checked { inner: Box::new(sd), origin: "speech tokenizer".into(), seen: None };
         let vb = VarBuilder::from_backend(Box::new(backend), dtype, dev.clone());
         Self::load(vb, n_state, n_mels, n_layer)
     }
@@ -204,56 +204,4 @@ impl S3Tokenizer {
             .map(|row| row.iter().enumerate().map(|(i, &v)| ((v + 1.0) * 2.0 / 2.0).round_ties_even() as u32 * 3u32.pow(i as u32)).sum())
             .collect())
     }
-}
-
-/// Writes tokenizer weights (torch names, as [`state_dict_from_onnx`] produces them) into an ONNX
-/// graph with the initializer and node names s3tokenizer's loader maps: the v2_25hz conv
-/// initializers, `/blocks.K/…/MatMul|Add|LayerNormalization|fsmn_block/Conv` nodes, and the
-/// quantizer's `onnx::MatMul_2536` / `quantizer.project_in.bias`.
-pub fn build_onnx(sd: &HashMap<String, Tensor>, n_layer: usize) -> Result<ModelProto> {
-    use crate::onnx::{attr_float, attr_int, attr_ints, GraphBuilder};
-    let get = |k: &str| sd.get(k).ok_or_else(|| anyhow::anyhow!("speech tokenizer weights lack {k}"));
-    let mut g = GraphBuilder::new("speech_tokenizer_v2_25hz");
-    g.input("mel", &[Some(1), Some(128), None]);
-    let conv_attrs = || vec![attr_ints("kernel_shape", &[3]), attr_ints("strides", &[2]), attr_ints("pads", &[1, 1])];
-    let w1 = g.init("onnx::Conv_2216", get("encoder.conv1.weight")?)?;
-    let b1 = g.init("onnx::Conv_2217", get("encoder.conv1.bias")?)?;
-    let mut x = g.node("Conv", "/conv1/Conv", &["mel", &w1, &b1], conv_attrs());
-    let w2 = g.init("onnx::Conv_2218", get("encoder.conv2.weight")?)?;
-    let b2 = g.init("onnx::Conv_2219", get("encoder.conv2.bias")?)?;
-    x = g.node("Conv", "/conv2/Conv", &[&x, &w2, &b2], conv_attrs());
-    for k in 0..n_layer {
-        let (p, q) = (format!("/blocks.{k}"), format!("encoder.blocks.{k}"));
-        let ln = |g: &mut GraphBuilder, x: &str, part: &str, eps: f32| -> Result<String> {
-            let s = g.init(&format!("{q}.{part}.scale"), get(&format!("{q}.{part}.weight"))?)?;
-            let b = g.init(&format!("{q}.{part}.b"), get(&format!("{q}.{part}.bias"))?)?;
-            Ok(g.node("LayerNormalization", &format!("{p}/{part}/LayerNormalization"), &[x, &s, &b], vec![attr_float("epsilon", eps)]))
-        };
-        let h = ln(&mut g, &x, "attn_ln", 1e-6)?;
-        for proj in ["query", "key", "value", "out"] {
-            let w = g.init(&format!("onnx::MatMul_{k}_{proj}"), &get(&format!("{q}.attn.{proj}.weight"))?.t()?.contiguous()?)?;
-            let m = g.node("MatMul", &format!("{p}/attn/{proj}/MatMul"), &[&h, &w], vec![]);
-            if let Some(b) = sd.get(&format!("{q}.attn.{proj}.bias")) {
-                let b = g.init(&format!("{q}.attn.{proj}.bias_init"), b)?;
-                g.node("Add", &format!("{p}/attn/{proj}/Add"), &[&m, &b], vec![]);
-            }
-        }
-        let fw = get(&format!("{q}.attn.fsmn_block.weight"))?;
-        let groups = fw.dim(0)? as i64;
-        let f = g.init(&format!("onnx::Conv_fsmn_{k}"), fw)?;
-        g.node("Conv", &format!("{p}/attn/fsmn_block/Conv"), &[&h, &f], vec![attr_int("group", groups), attr_ints("kernel_shape", &[31])]);
-        let h = ln(&mut g, &x, "mlp_ln", 1e-5)?;
-        for i in ["0", "2"] {
-            let w = g.init(&format!("onnx::MatMul_{k}_mlp{i}"), &get(&format!("{q}.mlp.{i}.weight"))?.t()?.contiguous()?)?;
-            let m = g.node("MatMul", &format!("{p}/mlp/mlp.{i}/MatMul"), &[&h, &w], vec![]);
-            let b = g.init(&format!("{q}.mlp.{i}.bias_init"), get(&format!("{q}.mlp.{i}.bias"))?)?;
-            x = g.node("Add", &format!("{p}/mlp/mlp.{i}/Add"), &[&m, &b], vec![]);
-        }
-    }
-    let w = g.init("onnx::MatMul_2536", &get("quantizer._codebook.project_down.weight")?.t()?.contiguous()?)?;
-    let m = g.node("MatMul", "/quantizer/project_down/MatMul", &[&x, &w], vec![]);
-    let b = g.init("quantizer.project_in.bias", get("quantizer._codebook.project_down.bias")?)?;
-    let y = g.node("Add", "/quantizer/project_down/Add", &[&m, &b], vec![]);
-    g.output(&y, &[Some(1), None, Some(8)]);
-    Ok(g.finish(17))
 }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::{Resp, Session, SessionMsg};
-use crate::engine::{DuplexEvent, DuplexPolicy, DuplexSpec, GenerationParams, RequestId};
-use crate::server::protocol::{ErrorCode, ServerEvent, WireError};
+use antiphon_engine::{DuplexEvent, DuplexPolicy, DuplexSpec, GenerationParams, RequestId};
+use antiphon_protocol::{ErrorCode, ServerEvent, WireError};
 
 /// A duplex session's own state: the unit cutter and the engine turns it maps to responses.
 pub(super) struct DuplexState {

@@ -10,8 +10,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tracing::Instrument;
 
 use super::{Conn, Session, SessionMsg};
-use crate::server::protocol::{ErrorCode, SessionCreate, WireError};
-use crate::server::Shared;
+use crate::Shared;
+use antiphon_protocol::{ErrorCode, SessionCreate, WireError};
 
 /// The manager's view of a session.
 #[derive(Clone)]

@@ -21,13 +21,13 @@ pub use manager::{Handle, SessionManager};
 
 use super::audio_edge::{InputAudio, OutputAudio};
 use super::journal::{Journal, WireMsg};
-use super::protocol::{
+use super::Shared;
+use antiphon_engine::{
+    DuplexEvent, DuplexPolicy as EnginePolicy, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, Turn, UserInput,
+};
+use antiphon_protocol::{
     AudioFrame, ClientEvent, DuplexPolicy, ErrorCode, Generation, Limits, Mode as WireMode, OutputAudio as OutputFormat, ServerEvent, SessionCreate,
     SessionUpdate, Voice, WireError, KIND_AUDIO, PROTOCOL_VERSION,
-};
-use super::Shared;
-use crate::engine::{
-    DuplexEvent, DuplexPolicy as EnginePolicy, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, Turn, UserInput,
 };
 use duplex::DuplexState;
 
@@ -738,12 +738,12 @@ fn resolve_voice(shared: &Shared, v: Option<&Voice>) -> Result<RefInput, WireErr
                 .decode(ref_audio_b64)
                 .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `voice.ref_audio_b64`: not base64 ({e})")))?;
             let (samples, rate) = if bytes.starts_with(b"RIFF") {
-                crate::audio::decode_wav(&bytes).map_err(|e| WireError::new(ErrorCode::BadField, format!("field `voice.ref_audio_b64`: {e}")))?
+                antiphon_audio::decode_wav(&bytes).map_err(|e| WireError::new(ErrorCode::BadField, format!("field `voice.ref_audio_b64`: {e}")))?
             } else {
                 if bytes.len() % 2 != 0 {
                     return Err(WireError::new(ErrorCode::BadField, "field `voice.ref_audio_b64`: PCM16 of odd length"));
                 }
-                (bytes.chunks_exact(2).map(|b| crate::audio::i16_to_f32(i16::from_le_bytes([b[0], b[1]]))).collect(), *sample_rate)
+                (bytes.chunks_exact(2).map(|b| antiphon_audio::i16_to_f32(i16::from_le_bytes([b[0], b[1]]))).collect(), *sample_rate)
             };
             if samples.len() < (rate as usize / 2) || !(8_000..=96_000).contains(&rate) {
                 return Err(WireError::new(ErrorCode::BadField, "field `voice.ref_audio_b64`: needs at least 0.5 s of audio at 8-96 kHz"));

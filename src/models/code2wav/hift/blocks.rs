@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 
 use super::HiftConfig;
-use crate::models::talker::load_weight_norm;
+use crate::talker::load_weight_norm;
 
 /// `CausalConv1d`'s padding: `(k·d − d) / 2 · 2 + (k + 1) mod 2`.
 pub(super) fn causal_padding(k: usize, d: usize) -> usize {
@@ -220,7 +220,7 @@ pub(super) struct Spectral {
 impl Spectral {
     pub(super) fn new(n_fft: usize, hop: usize, dev: &Device, dtype: DType) -> Result<Self> {
         let nf = n_fft / 2 + 1;
-        let w = crate::models::mel::hann_periodic(n_fft);
+        let w = crate::mel::hann_periodic(n_fft);
         let tau = 2.0 * std::f64::consts::PI;
         let mut a = vec![0f32; 2 * nf * n_fft];
         for k in 0..nf {

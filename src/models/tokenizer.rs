@@ -6,9 +6,7 @@
 //! Prompts are assembled piece by piece: special tokens go in by id, text is encoded with special
 //! token parsing off, so a user who types `<|im_end|>` gets those characters, not the token.
 
-use std::path::Path;
-
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, Result};
 
 /// Ids of the special tokens the pipeline uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,8 +92,8 @@ impl SpecialTokens {
         })
     }
 
-    pub fn audio_markers(&self) -> crate::models::thinker::AudioMarkers {
-        crate::models::thinker::AudioMarkers { start: self.audio_start, end: self.audio_end, placeholder: self.unk }
+    pub fn audio_markers(&self) -> crate::thinker::AudioMarkers {
+        crate::thinker::AudioMarkers { start: self.audio_start, end: self.audio_end, placeholder: self.unk }
     }
 
     /// Every special id (none of them is text).
@@ -196,11 +194,6 @@ impl std::fmt::Debug for TextTokenizer {
 }
 
 impl TextTokenizer {
-    pub fn from_file(path: &Path) -> Result<Self> {
-        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-        Self::from_bytes(&bytes).with_context(|| format!("loading {}", path.display()))
-    }
-
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let mut inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| anyhow!("tokenizer.json: {e}"))?;
         let special = SpecialTokens::lookup(|t| inner.token_to_id(t))?;

@@ -21,11 +21,11 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StandardNormal};
 
-use crate::models::config::{MiniCpmoConfig, TtsConfig, WhisperConfig};
-use crate::tokenizer::SpecialTokens;
+use antiphon_models::config::{MiniCpmoConfig, TtsConfig, WhisperConfig};
+use antiphon_models::tokenizer::SpecialTokens;
 
 /// Named dimension sets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Preset {
     /// Small dimensions for tests and the CPU default.
@@ -40,6 +40,18 @@ pub const REAL_SPECIAL_IDS: [u32; 18] =
 
 /// Byte-level BPE has 256 base tokens; the tiny preset puts the special tokens right after them.
 const BYTE_TOKENS: u32 = 256;
+
+impl std::str::FromStr for Preset {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "tiny" => Ok(Preset::Tiny),
+            "full" => Ok(Preset::Full),
+            other => Err(format!("unknown preset {other:?}: expected tiny or full")),
+        }
+    }
+}
 
 impl Preset {
     pub fn config(self) -> MiniCpmoConfig {
@@ -495,186 +507,5 @@ pub fn write_checkpoint(dir: &Path, opts: &SynthOptions) -> Result<()> {
 // ------------------------------------------------------------------------------------------------
 // token2wav assets (Code2Wav)
 
-use crate::models::code2wav::campplus::{self, CamConfig, CamPlusPlus};
-use crate::models::code2wav::flow::{Flow, FlowConfig};
-use crate::models::code2wav::hift::{HiftConfig, HiftGenerator};
-use crate::models::code2wav::s3tokenizer::{self, S3Tokenizer};
-use crate::models::code2wav::{self as c2w, BufferSeeds, Code2Wav, Vocoder};
-
-/// The Code2Wav dimensions of a preset.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Code2WavDims {
-    pub flow: FlowConfig,
-    pub hift: HiftConfig,
-    /// S3 tokenizer width and depth (128 mel bins, 64-dim heads).
-    pub s3_state: usize,
-    pub s3_layers: usize,
-    pub cam: CamConfig,
-}
-
-impl Preset {
-    pub fn code2wav(self) -> Code2WavDims {
-        use crate::models::code2wav::conformer::ConformerConfig;
-        use crate::models::code2wav::dit::DitConfig;
-        match self {
-            Preset::Full => {
-                Code2WavDims { flow: FlowConfig::default(), hift: HiftConfig::causal(), s3_state: 1280, s3_layers: 6, cam: CamConfig::real() }
-            }
-            Preset::Tiny => Code2WavDims {
-                flow: FlowConfig {
-                    input_size: 64,
-                    encoder: ConformerConfig {
-                        input_size: 64,
-                        output_size: 64,
-                        num_blocks: 2,
-                        num_up_blocks: 2,
-                        attention_heads: 2,
-                        linear_units: 128,
-                        ..ConformerConfig::default()
-                    },
-                    estimator: DitConfig { hidden_size: 64, depth: 2, num_heads: 2, head_dim: 32, mlp_ratio: 2.0, ..DitConfig::default() },
-                    ..FlowConfig::default()
-                },
-                hift: HiftConfig { base_channels: 32, f0_channels: 32, ..HiftConfig::causal() },
-                s3_state: 64,
-                s3_layers: 2,
-                cam: CamConfig::tiny(),
-            },
-        }
-    }
-}
-
-/// A backend that makes whatever tensor a loader asks for from `(seed, name, shape)`, recording it
-/// (for writing files). Weight-normed modules see the parametrization spelling.
-pub struct LazySynthetic {
-    seed: u64,
-    record: Option<std::sync::Mutex<Vec<(String, Tensor)>>>,
-}
-
-impl LazySynthetic {
-    pub fn new(seed: u64, record: bool) -> Self {
-        Self { seed, record: record.then(|| std::sync::Mutex::new(Vec::new())) }
-    }
-
-    pub fn take(&self) -> Vec<(String, Tensor)> {
-        self.record.as_ref().map(|m| std::mem::take(&mut *m.lock().expect("not poisoned"))).unwrap_or_default()
-    }
-}
-
-impl SimpleBackend for LazySynthetic {
-    fn get(&self, s: Shape, name: &str, _: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        let t = init_tensor(self.seed, name, s.dims(), dtype, dev)?;
-        if let Some(r) = &self.record {
-            r.lock().expect("not poisoned").push((name.to_string(), t.clone()));
-        }
-        Ok(t)
-    }
-
-    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
-        candle_core::bail!("synthetic weights need a shape for {name}")
-    }
-
-    fn contains_tensor(&self, name: &str) -> bool {
-        !(name.ends_with("weight_g") || name.ends_with("weight_v"))
-    }
-}
-
-/// Runs `build` over a lazy synthetic `VarBuilder` and returns what it built and the tensors read.
-fn synthesize<T>(
-    seed: u64,
-    dtype: DType,
-    dev: &Device,
-    record: bool,
-    build: impl FnOnce(VarBuilder<'static>) -> Result<T>,
-) -> Result<(T, Vec<(String, Tensor)>)> {
-    let lazy = std::sync::Arc::new(LazySynthetic::new(seed, record));
-    let vb = VarBuilder::from_backend(Box::new(crate::checkpoint::SharedBackend(lazy.clone())), dtype, dev.clone());
-    let built = build(vb)?;
-    Ok((built, lazy.take()))
-}
-
-/// `flow.yaml` for a flow configuration (hyperpyyaml, as the checkpoint ships it).
-pub fn flow_yaml(c: &FlowConfig) -> String {
-    let e = &c.encoder;
-    let d = &c.estimator;
-    format!(
-        "flow: !new:cosyvoice2.flow.flow.CausalMaskedDiffWithXvec\n    input_size: {}\n    output_size: {}\n    spk_embed_dim: {}\n    output_type: 'mel'\n    vocab_size: {}\n    encoder: !new:cosyvoice2.transformer.upsample_encoder_v2.UpsampleConformerEncoderV2\n        input_size: {}\n        output_size: {}\n        input_layer: 'linear'\n        pre_lookahead_len: {}\n        num_blocks: {}\n        num_up_blocks: {}\n        up_stride: {}\n        up_scale_factor: {}\n        attention_heads: {}\n        pos_enc_layer_type: 'rel_pos_espnet'\n        selfattention_layer_type: 'rel_selfattn'\n        key_bias: {}\n        linear_units: {}\n        dropout_rate: 0.1\n        positional_dropout_rate: 0.1\n        attention_dropout_rate: 0.1\n        normalize_before: true\n    decoder: !new:cosyvoice2.flow.flow_matching.CausalConditionalCFM\n        inference_cfg_rate: {}\n        estimator: !new:cosyvoice2.flow.decoder_dit.DiT\n            in_channels: {}\n            out_channels: {}\n            mlp_ratio: {:?}\n            depth: {}\n            num_heads: {}\n            head_dim: {}\n            hidden_size: {}\n",
-        c.input_size, c.output_size, c.spk_embed_dim, c.vocab_size, e.input_size, e.output_size, e.pre_lookahead_len, e.num_blocks,
-        e.num_up_blocks, e.up_stride, e.up_stride, e.attention_heads, e.key_bias, e.linear_units, c.inference_cfg_rate, d.in_channels,
-        d.out_channels, d.mlp_ratio, d.depth, d.num_heads, d.head_dim, d.hidden_size
-    )
-}
-
-/// `config.yaml` of the causal vocoder.
-pub fn hift_yaml(h: &HiftConfig) -> String {
-    let list = |v: &[usize]| format!("[{}]", v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", "));
-    let lists = |v: &[Vec<usize>]| format!("[{}]", v.iter().map(|x| list(x)).collect::<Vec<_>>().join(", "));
-    format!(
-        "sample_rate: {sr}\nhift: !new:cosyvoice.hifigan.generator.CausalHiFTGenerator\n    in_channels: {}\n    base_channels: {}\n    nb_harmonics: {}\n    sampling_rate: !ref <sample_rate>\n    nsf_alpha: {:?}\n    nsf_sigma: {:?}\n    nsf_voiced_threshold: {:?}\n    upsample_rates: {}\n    upsample_kernel_sizes: {}\n    istft_params:\n        n_fft: {}\n        hop_len: {}\n    resblock_kernel_sizes: {}\n    resblock_dilation_sizes: {}\n    source_resblock_kernel_sizes: {}\n    source_resblock_dilation_sizes: {}\n    lrelu_slope: {:?}\n    audio_limit: {:?}\n    conv_pre_look_right: {}\n    f0_predictor: !new:cosyvoice.hifigan.f0_predictor.CausalConvRNNF0Predictor\n        num_class: 1\n        in_channels: {}\n        cond_channels: {}\nfeat_extractor: !name:matcha.utils.audio.mel_spectrogram\n    n_fft: 1920\n    num_mels: 80\n    sampling_rate: !ref <sample_rate>\n    hop_size: 480\n    win_size: 1920\n    fmin: 0\n    fmax: 8000\n    center: False\n",
-        h.in_channels, h.base_channels, h.nb_harmonics, h.nsf_alpha, h.nsf_sigma, h.nsf_voiced_threshold,
-        list(&h.upsample_rates), list(&h.upsample_kernel_sizes), h.istft_n_fft, h.istft_hop, list(&h.resblock_kernel_sizes),
-        lists(&h.resblock_dilation_sizes), list(&h.source_resblock_kernel_sizes), lists(&h.source_resblock_dilation_sizes),
-        h.lrelu_slope, h.audio_limit, h.conv_pre_look_right, h.in_channels, h.f0_channels, sr = h.sampling_rate
-    )
-}
-
-fn cam_weight(seed: u64, dtype: DType, dev: &Device) -> impl FnMut(&str, &[usize]) -> Result<Tensor> {
-    let dev = dev.clone();
-    move |name: &str, shape: &[usize]| Ok(init_tensor(seed, name, shape, dtype, &dev)?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)
-}
-
-/// Builds Stage 2 from synthetic weights without touching the disk (the full preset directly on a
-/// GPU for speed runs).
-pub fn code2wav_in_memory(preset: Preset, seed: u64, dtype: DType, dev: &Device) -> Result<Code2Wav> {
-    let d = preset.code2wav();
-    let seeds = BufferSeeds { seed, ..BufferSeeds::default() };
-    let noise = c2w::gaussian(d.flow.output_size, seeds.noise_frames, seeds.seed, dev)?;
-    let (flow, _) = synthesize(seed ^ 0xf10, dtype, dev, false, |vb| Ok(Flow::load(vb, &d.flow, noise)?))?;
-    let table = crate::models::code2wav::hift::noise_table(seeds.table_samples, d.hift.nb_harmonics + 1, seeds.seed ^ 0x5eed, &Device::Cpu)?;
-    let (hift, _) = synthesize(seed ^ 0x41f7, DType::F32, dev, false, |vb| Ok(HiftGenerator::load(vb, &d.hift, Some(&table))?))?;
-    // the S3 tokenizer rounds to codes: it runs in f32 whatever the flow's dtype
-    let (s3, _) = synthesize(seed ^ 0x53, DType::F32, dev, false, |vb| S3Tokenizer::load(vb, d.s3_state, 128, d.s3_layers))?;
-    let cam = CamPlusPlus::from_model(&campplus::build_graph(&d.cam, &mut cam_weight(seed ^ 0xca, DType::F32, &Device::Cpu))?)?;
-    Ok(Code2Wav::new(flow, Vocoder::Causal(hift), s3, cam, dev))
-}
-
-/// Writes `assets/token2wav/` in the real formats: `flow.pt` + `flow.yaml`, the causal `hift.pt`
-/// + `config.yaml`, `hift_original.pt`, `campplus.onnx`, `speech_tokenizer_v2_25hz.onnx`.
-pub fn write_token2wav(dir: &Path, preset: Preset, seed: u64) -> Result<()> {
-    std::fs::create_dir_all(dir)?;
-    let d = preset.code2wav();
-    let cpu = Device::Cpu;
-    let noise = Tensor::zeros((d.flow.output_size, 1), DType::F32, &cpu)?;
-    let (_, flow_t) = synthesize(seed ^ 0xf10, DType::F32, &cpu, true, |vb| Ok(Flow::load(vb, &d.flow, noise)?))?;
-    crate::torchsave::save_state_dict(&dir.join(c2w::FLOW_PT), "flow", &flow_t)?;
-    std::fs::write(dir.join(c2w::FLOW_YAML), flow_yaml(&d.flow))?;
-    let table = Tensor::zeros((1, d.hift.nb_harmonics + 1), DType::F32, &cpu)?;
-    let (_, hift_t) = synthesize(seed ^ 0x41f7, DType::F32, &cpu, true, |vb| Ok(HiftGenerator::load(vb, &d.hift, Some(&table))?))?;
-    crate::torchsave::save_state_dict(&dir.join(c2w::HIFT_PT), "hift", &hift_t)?;
-    std::fs::write(dir.join(c2w::HIFT_CONFIG), hift_yaml(&d.hift))?;
-    let orig_cfg = HiftConfig { base_channels: d.hift.base_channels, f0_channels: d.hift.f0_channels, ..HiftConfig::original() };
-    let (_, orig_t) = synthesize(seed ^ 0x0619, DType::F32, &cpu, true, |vb| Ok(HiftGenerator::load(vb, &orig_cfg, None)?))?;
-    let orig_t: Vec<(String, Tensor)> = orig_t.into_iter().map(|(k, v)| (format!("generator.{k}"), v)).collect();
-    crate::torchsave::save_state_dict(&dir.join(c2w::HIFT_ORIGINAL_PT), "hift_original", &orig_t)?;
-    let (_, s3_t) = synthesize(seed ^ 0x53, DType::F32, &cpu, true, |vb| S3Tokenizer::load(vb, d.s3_state, 128, d.s3_layers))?;
-    let s3_map: HashMap<String, Tensor> = s3_t.into_iter().collect();
-    crate::onnx::write_model(&dir.join(c2w::TOKENIZER_ONNX), &s3tokenizer::build_onnx(&s3_map, d.s3_layers)?)?;
-    let cam = campplus::build_graph(&d.cam, &mut cam_weight(seed ^ 0xca, DType::F32, &cpu))?;
-    crate::onnx::write_model(&dir.join(c2w::CAMPPLUS_ONNX), &cam)?;
-    Ok(())
-}
-
-/// Every model of a preset from synthetic weights, in memory (the embedded default's models).
-pub fn models_in_memory(preset: Preset, seed: u64, dtype: DType, dev: &Device) -> Result<crate::engine::Models> {
-    models_on(preset, seed, dtype, &crate::gpu::StageDevices::same(dev))
-}
-
-/// As [`models_in_memory`], each stage's model on its own device (stream).
-pub fn models_on(preset: Preset, seed: u64, dtype: DType, devs: &crate::gpu::StageDevices) -> Result<crate::engine::Models> {
-    let cfg = preset.config();
-    let vb = SyntheticBackend::var_builder(&cfg, seed, dtype, &devs.thinker);
-    let (thinker, talker) = crate::checkpoint::load_models_on(&vb, &cfg, &devs.talker)?;
-    let tokenizer = crate::tokenizer::TextTokenizer::from_bytes(tokenizer_json(&preset.special_ids()).to_string().as_bytes())?;
-    let code2wav = code2wav_in_memory(preset, seed, dtype, &devs.code2wav)?;
-    Ok(crate::engine::Models { thinker, talker, code2wav, tokenizer })
-}
+mod code2wav;
+pub use code2wav::*;

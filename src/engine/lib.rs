@@ -15,7 +15,9 @@
 pub mod chunker;
 pub mod duplex;
 pub mod metrics;
+
 pub mod prefix;
+pub mod profile;
 pub mod refcache;
 pub mod stage0;
 pub mod stage1;
@@ -33,12 +35,8 @@ use candle_core::Tensor;
 pub use metrics::EngineMetrics;
 pub use types::*;
 
-use crate::models::code2wav::Code2Wav;
-use crate::models::decoder::DecodeMode;
-use crate::models::sampling::SamplingParams;
-use crate::models::talker::Talker;
-use crate::models::thinker::Thinker;
-use crate::tokenizer::TextTokenizer;
+use antiphon_models::decoder::DecodeMode;
+use antiphon_models::sampling::SamplingParams;
 
 /// Engine knobs (the `[engine]` table of the configuration file).
 #[derive(Debug, Clone)]
@@ -137,13 +135,7 @@ impl Default for EngineConfig {
     }
 }
 
-/// The models the engine runs (each moves into its stage's thread).
-pub struct Models {
-    pub thinker: Thinker,
-    pub talker: Talker,
-    pub code2wav: Code2Wav,
-    pub tokenizer: TextTokenizer,
-}
+pub use antiphon_models::Models;
 
 /// Messages to Stage 0.
 pub enum Stage0Msg {
@@ -292,7 +284,7 @@ impl Engine {
             models.talker.set_decode_mode(DecodeMode::Graph);
         }
         if cfg.code2wav_graphs && own_stream(&d2, [&d0, &d1]) {
-            models.code2wav.set_graphs(Some(crate::models::code2wav::dit::GraphPolicy::default()), Some(VOCODER_GRAPHS));
+            models.code2wav.set_graphs(Some(antiphon_models::code2wav::dit::GraphPolicy::default()), Some(VOCODER_GRAPHS));
         }
         let cfg = Arc::new(cfg);
         let registry = Registry::default();
@@ -375,7 +367,7 @@ impl Engine {
 
     /// The next unit of a duplex session: 16 kHz mono, a whole number of 100 ms (1 s by default).
     pub fn duplex_unit(&self, session: &str, samples: Vec<f32>) -> Result<()> {
-        if samples.is_empty() || samples.len() % 1600 != 0 {
+        if samples.is_empty() || !samples.len().is_multiple_of(1600) {
             bail!("a duplex unit is a whole number of 100 ms at 16 kHz, not {} samples", samples.len());
         }
         if samples.iter().any(|s| !s.is_finite()) {

@@ -5,7 +5,6 @@
 pub mod audio_edge;
 pub mod config;
 pub mod journal;
-pub mod protocol;
 pub mod session;
 pub mod ws;
 
@@ -25,7 +24,7 @@ use candle_core::{DType, Device};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use tokio::net::TcpListener;
 
-use crate::engine::{Engine, EngineEvent, GenerationParams, Mode, Models, RefInput, RequestId, RequestSpec, Status, UserInput};
+use antiphon_engine::{Engine, EngineEvent, GenerationParams, Mode, Models, RefInput, RequestId, RequestSpec, Status, UserInput};
 use config::{Config, ModelSource};
 use session::SessionManager;
 
@@ -70,7 +69,7 @@ impl ServerMetrics {
         ] {
             registry.register(c).expect("unique metric");
         }
-        for code in protocol::ErrorCode::ALL {
+        for code in antiphon_protocol::ErrorCode::ALL {
             errors.with_label_values(&[code.as_str()]);
         }
         Self { registry, sessions, parked, journal_bytes, sessions_created, connections, errors, responses, ttfa }
@@ -98,25 +97,25 @@ impl Shared {
 }
 
 pub fn parse_device(s: &str) -> Result<Device> {
-    crate::gpu::open(s)
+    antiphon_models::gpu::open(s)
 }
 
 /// Loads (or makes) the models a configuration names.
 pub fn load_models(cfg: &Config) -> Result<Models> {
-    let devs = crate::gpu::open_stages(&cfg.model.device, cfg.model.streams == config::Streams::PerStage)?;
+    let devs = antiphon_models::gpu::open_stages(&cfg.model.device, cfg.model.streams == config::Streams::PerStage)?;
     let dtype = if cfg.model.dtype == "bf16" { DType::BF16 } else { DType::F32 };
     match cfg.model.source {
-        ModelSource::Synthetic => crate::synth::models_on(cfg.model.preset, cfg.model.seed, dtype, &devs),
+        ModelSource::Synthetic => antiphon_assets::synth::models_on(cfg.model.preset, cfg.model.seed, dtype, &devs),
         ModelSource::Checkpoint => {
             let dir = cfg.model.path.as_ref().expect("validated");
-            let ck = crate::checkpoint::Checkpoint::open(dir)?;
-            let (thinker, talker) = crate::checkpoint::load_models_on(&ck.var_builder(dtype, &devs.thinker)?, &ck.config, &devs.talker)?;
+            let ck = antiphon_assets::checkpoint::Checkpoint::open(dir)?;
+            let (thinker, talker) = antiphon_assets::checkpoint::load_models_on(&ck.var_builder(dtype, &devs.thinker)?, &ck.config, &devs.talker)?;
             let tokenizer = ck.tokenizer()?;
-            let code2wav = crate::models::code2wav::Code2Wav::load_dir(
+            let code2wav = antiphon_assets::token2wav::load_dir(
                 &dir.join("assets").join("token2wav"),
                 dtype,
                 &devs.code2wav,
-                crate::models::code2wav::BufferSeeds { seed: cfg.model.seed, ..Default::default() },
+                antiphon_models::code2wav::BufferSeeds { seed: cfg.model.seed, ..Default::default() },
             )?;
             Ok(Models { thinker, talker, code2wav, tokenizer })
         }
@@ -127,7 +126,7 @@ fn load_voices(cfg: &Config) -> Result<HashMap<String, RefInput>> {
     let mut out = HashMap::new();
     for v in &cfg.voices {
         let bytes = std::fs::read(&v.wav).with_context(|| format!("voice {}: reading {}", v.id, v.wav.display()))?;
-        let (samples, rate) = crate::audio::decode_wav(&bytes).with_context(|| format!("voice {}", v.id))?;
+        let (samples, rate) = antiphon_audio::decode_wav(&bytes).with_context(|| format!("voice {}", v.id))?;
         out.insert(v.id.clone(), RefInput::new(samples, rate));
     }
     Ok(out)
@@ -331,7 +330,7 @@ async fn build_info(State(shared): State<Arc<Shared>>) -> Json<serde_json::Value
         "name": "antiphon",
         "version": env!("CARGO_PKG_VERSION"),
         "git": option_env!("ANTIPHON_GIT").unwrap_or("unknown"),
-        "protocol": protocol::PROTOCOL_VERSION,
+        "protocol": antiphon_protocol::PROTOCOL_VERSION,
         "model": {
             "source": match c.source { ModelSource::Synthetic => "synthetic", ModelSource::Checkpoint => "checkpoint" },
             "preset": format!("{:?}", c.preset).to_lowercase(),

@@ -8,7 +8,6 @@
 
 pub mod ab;
 mod duplex;
-pub mod profile;
 pub mod report;
 pub mod scrape;
 
@@ -171,7 +170,7 @@ fn clone_voice(base: &[f32], rate: u32, n: usize) -> String {
     let factor = 1.0 + 0.003 * (n % 97) as f32;
     let out_len = (base.len() as f32 / factor) as usize;
     let x: Vec<f32> = (0..out_len).map(|i| base[((i as f32 * factor) as usize).min(base.len() - 1)] * (0.8 + 0.002 * (n % 50) as f32)).collect();
-    let wav = crate::audio::encode_wav_pcm16(&x, rate).expect("wav encoding");
+    let wav = antiphon_audio::encode_wav_pcm16(&x, rate).expect("wav encoding");
     base64::engine::general_purpose::STANDARD.encode(wav)
 }
 
@@ -267,8 +266,8 @@ impl Client {
 /// The spoken input for the `voice` workload: 48 kHz Opus packets of 20 ms.
 pub fn voice_packets(wav: &Path) -> Result<Vec<Vec<u8>>> {
     let bytes = std::fs::read(wav).with_context(|| format!("reading {}", wav.display()))?;
-    let (x, rate) = crate::audio::decode_wav(&bytes)?;
-    let x = crate::audio::resample(&x, rate, 48_000)?;
+    let (x, rate) = antiphon_audio::decode_wav(&bytes)?;
+    let x = antiphon_audio::resample(&x, rate, 48_000)?;
     let mut enc = opus::Encoder::new(48_000, opus::Channels::Mono, opus::Application::Voip)?;
     let mut out = Vec::new();
     for f in x.chunks(960) {
@@ -467,7 +466,7 @@ pub async fn run(cfg: BenchConfig) -> Result<report::Summary> {
         }
         _ => None,
     };
-    let base = std::fs::read("assets/voices/default.wav").ok().and_then(|b| crate::audio::decode_wav(&b).ok());
+    let base = std::fs::read("assets/voices/default.wav").ok().and_then(|b| antiphon_audio::decode_wav(&b).ok());
     let clone_base = match (cfg.workload, base) {
         (Workload::Clone, Some(b)) => b,
         (Workload::Clone, None) => bail!("the clone workload derives its voices from assets/voices/default.wav (run from the repository root)"),
@@ -522,7 +521,7 @@ fn summary_of(cfg: &BenchConfig, levels: Vec<report::LevelSummary>) -> report::S
         date: report::now_iso(),
         // duplex: per spoken unit, and per turn (a unit of codes plus the drain)
         text_tokens: if cfg.workload == Workload::Duplex {
-            cfg.text_tokens.min(crate::engine::duplex::MAX_UNIT_TEXT_TOKENS)
+            cfg.text_tokens.min(antiphon_protocol::DUPLEX_UNIT_MAX_TEXT_TOKENS)
         } else {
             cfg.text_tokens
         },

@@ -1,4 +1,4 @@
-//! Wire protocol v1 (docs/protocol.md): the only module that (de)serializes. Client events arrive
+//! Wire protocol v1 (docs/protocol.md): the only crate that (de)serializes wire messages. Client events arrive
 //! as JSON text frames, server events leave as JSON with a `seq` (except connection-level ones),
 //! audio travels in binary frames with a 12-byte header.
 
@@ -9,6 +9,10 @@ pub const PROTOCOL_VERSION: u32 = 1;
 pub const FRAME_HEADER: usize = 12;
 pub const KIND_AUDIO: u8 = 1;
 pub const FLAG_LAST: u8 = 1;
+
+/// Text tokens a spoken duplex unit carries at most (the reference policy's per-unit budget);
+/// a duplex session's `max_text_tokens` is capped by it.
+pub const DUPLEX_UNIT_MAX_TEXT_TOKENS: usize = 20;
 
 /// Stable error codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -8,11 +8,11 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
-use crate::engine::Models;
-use crate::models::code2wav::dit::GraphPolicy;
-use crate::models::code2wav::prompt::Reference;
-use crate::models::code2wav::SILENCE_CODE;
-use crate::models::decoder::{DecodeMode, KvCache, StreamStep};
+use crate::Models;
+use antiphon_models::code2wav::dit::GraphPolicy;
+use antiphon_models::code2wav::prompt::Reference;
+use antiphon_models::code2wav::SILENCE_CODE;
+use antiphon_models::decoder::{DecodeMode, KvCache, StreamStep};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Timing {
@@ -62,14 +62,14 @@ fn time(devs: &[Device], iters: usize, mut f: impl FnMut() -> Result<()>) -> Res
     }
     sync()?;
     let mut v = Vec::with_capacity(iters);
-    crate::gpu::profiler_range(&devs[0], true);
+    antiphon_models::gpu::profiler_range(&devs[0], true);
     for _ in 0..iters {
         let t0 = Instant::now();
         f()?;
         sync()?;
         v.push(t0.elapsed().as_secs_f64() * 1000.0);
     }
-    crate::gpu::profiler_range(&devs[0], false);
+    antiphon_models::gpu::profiler_range(&devs[0], false);
     v.sort_by(f64::total_cmp);
     Ok((v[v.len() / 2], v[0]))
 }

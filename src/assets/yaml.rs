@@ -5,10 +5,10 @@
 use anyhow::{anyhow, bail, Context, Result};
 use yaml_rust2::{Yaml, YamlLoader};
 
-use super::conformer::ConformerConfig;
-use super::dit::DitConfig;
-use super::flow::FlowConfig;
-use super::hift::HiftConfig;
+use antiphon_models::code2wav::conformer::ConformerConfig;
+use antiphon_models::code2wav::dit::DitConfig;
+use antiphon_models::code2wav::flow::FlowConfig;
+use antiphon_models::code2wav::hift::HiftConfig;
 
 /// A mapping node with `!ref` resolution against the document root.
 pub struct Node<'a> {

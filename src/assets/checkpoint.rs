@@ -8,19 +8,19 @@
 //! converted to the requested dtype; a missing or misshaped tensor is an error naming it and the
 //! expected shape.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Shape, Tensor};
-use candle_nn::var_builder::SimpleBackend;
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::models::config::MiniCpmoConfig;
-use crate::models::talker::Talker;
-use crate::models::thinker::Thinker;
-use crate::tokenizer::TextTokenizer;
+pub use antiphon_models::backend::{Checked, SharedBackend};
+
+use antiphon_models::config::MiniCpmoConfig;
+use antiphon_models::talker::Talker;
+use antiphon_models::thinker::Thinker;
+use antiphon_models::tokenizer::TextTokenizer;
 
 /// The index file's layout.
 #[derive(Debug, serde::Deserialize, serde::Serialize)]
@@ -76,7 +76,7 @@ impl Checkpoint {
     }
 
     pub fn tokenizer(&self) -> Result<TextTokenizer> {
-        TextTokenizer::from_file(&self.dir.join("tokenizer.json"))
+        tokenizer_file(&self.dir.join("tokenizer.json"))
     }
 
     /// Stage 0 and Stage 1 modules.
@@ -97,58 +97,6 @@ pub fn load_models_on(vb: &VarBuilder, cfg: &MiniCpmoConfig, talker_device: &Dev
     Ok((thinker, talker))
 }
 
-/// A backend that checks names and shapes with messages that say what was expected, and can
-/// record which tensors were read.
-pub struct Checked {
-    pub inner: Box<dyn SimpleBackend>,
-    pub origin: String,
-    pub seen: Option<Mutex<HashSet<String>>>,
-}
-
-impl Checked {
-    pub fn recording(inner: Box<dyn SimpleBackend>, origin: impl Into<String>) -> Self {
-        Self { inner, origin: origin.into(), seen: Some(Mutex::new(HashSet::new())) }
-    }
-
-    /// Names read so far (when recording).
-    pub fn seen(&self) -> HashSet<String> {
-        self.seen.as_ref().map(|m| m.lock().expect("not poisoned").clone()).unwrap_or_default()
-    }
-
-    fn note(&self, name: &str) {
-        if let Some(m) = &self.seen {
-            m.lock().expect("not poisoned").insert(name.to_string());
-        }
-    }
-}
-
-impl SimpleBackend for Checked {
-    fn get(&self, s: Shape, name: &str, h: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        if !self.inner.contains_tensor(name) {
-            candle_core::bail!("{}: missing tensor {name} (expected shape {:?})", self.origin, s.dims());
-        }
-        let t = self.inner.get_unchecked(name, dtype, dev)?;
-        if t.shape() != &s {
-            candle_core::bail!("{}: tensor {name} has shape {:?}, expected {:?}", self.origin, t.shape().dims(), s.dims());
-        }
-        let _ = h;
-        self.note(name);
-        Ok(t)
-    }
-
-    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        if !self.inner.contains_tensor(name) {
-            candle_core::bail!("{}: missing tensor {name}", self.origin);
-        }
-        self.note(name);
-        self.inner.get_unchecked(name, dtype, dev)
-    }
-
-    fn contains_tensor(&self, name: &str) -> bool {
-        self.inner.contains_tensor(name)
-    }
-}
-
 /// A `VarBuilder` over a torch state dict (`.pt`, zip or legacy pickle), with an optional key prefix
 /// stripped (`generator.` in some HiFT files); tensors are checked like checkpoint tensors.
 pub fn pth_var_builder(path: &Path, strip_prefix: Option<&str>, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
@@ -167,20 +115,8 @@ pub fn pth_var_builder(path: &Path, strip_prefix: Option<&str>, dtype: DType, de
     Ok(VarBuilder::from_backend(Box::new(backend), dtype, device.clone()))
 }
 
-/// A backend shared through an `Arc`, so its owner can inspect it (e.g. what was read) after a
-/// `VarBuilder` has been handed to a loader.
-pub struct SharedBackend<T: SimpleBackend>(pub std::sync::Arc<T>);
-
-impl<T: SimpleBackend> SimpleBackend for SharedBackend<T> {
-    fn get(&self, s: Shape, name: &str, h: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        self.0.get(s, name, h, dtype, dev)
-    }
-
-    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        self.0.get_unchecked(name, dtype, dev)
-    }
-
-    fn contains_tensor(&self, name: &str) -> bool {
-        self.0.contains_tensor(name)
-    }
+/// `tokenizer.json` read from a file.
+pub fn tokenizer_file(path: &Path) -> Result<TextTokenizer> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    TextTokenizer::from_bytes(&bytes).with_context(|| format!("loading {}", path.display()))
 }
