@@ -22,7 +22,6 @@ fn voice(n: usize) -> RefInput {
 fn one(e: &Engine, id: String, n: usize) -> (f64, f64) {
     let spec = RequestSpec {
         id: RequestId(id),
-        epoch: 0,
         mode: Mode::Turn,
         input: UserInput::Text(format!("Please read sentence number {n} aloud.")),
         instructions: None,

@@ -40,7 +40,7 @@ enum Command {
         seed: u64,
         /// Stored dtype: f32 or bf16.
         #[arg(long, default_value = "f32")]
-        dtype: String,
+        dtype: antiphon_models::gpu::Precision,
         /// Largest shard, in MiB.
         #[arg(long, default_value_t = 2048)]
         shard_mib: usize,
@@ -203,12 +203,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::SynthCheckpoint { out, preset, seed, dtype, shard_mib } => {
-            let dtype = match dtype.as_str() {
-                "f32" => candle_core::DType::F32,
-                "bf16" => candle_core::DType::BF16,
-                other => anyhow::bail!("--dtype {other}: expected f32 or bf16"),
-            };
-            let opts = SynthOptions { preset, seed, dtype, shard_bytes: shard_mib << 20 };
+            let opts = SynthOptions { preset, seed, dtype: dtype.dtype(), shard_bytes: shard_mib << 20 };
             antiphon_assets::synth::write_checkpoint(&out, &opts)?;
             println!("wrote a {preset:?} synthetic checkpoint (seed {seed}) to {}", out.display());
             Ok(())

@@ -16,7 +16,7 @@ fn shipped_configs_parse() {
     assert!(d.voices[0].wav.is_file());
     let s = Config::load(&root().join("configs/minicpmo45-synthetic.toml")).unwrap();
     assert_eq!(s.model.preset, antiphon_assets::synth::Preset::Full);
-    assert_eq!(s.model.dtype, "bf16");
+    assert_eq!(s.model.dtype, antiphon_models::gpu::Precision::Bf16);
     // the real-checkpoint file names a directory this machine does not have
     let e = format!("{:#}", Config::load(&root().join("configs/minicpmo45.toml")).unwrap_err());
     assert!(e.contains("model.path") && e.contains("config.json"), "{e}");
@@ -44,4 +44,65 @@ fn check_config_command() {
     let bad = Command::new(bin).args(["check-config", "configs/minicpmo45.toml"]).current_dir(root()).output().unwrap();
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("model.path"));
+}
+
+/// The README's configuration table states every default: setting a key to the value the README
+/// gives must leave the parsed configuration exactly as leaving the key out does.
+#[test]
+fn the_readme_states_the_real_defaults() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let table = readme.split("## Configuration reference").nth(1).expect("a configuration section").split("\n## ").next().unwrap();
+    let base = "[model]\nsource = \"synthetic\"\n\n[[voices]]\nid = \"v\"\nwav = \"../assets/voices/default.wav\"\n";
+    let parse = |text: &str| format!("{:?}", Config::parse(text, &root().join("configs")).unwrap_or_else(|e| panic!("{e:#}\n{text}")));
+    let plain = parse(base);
+    let strip = |s: &str| s.trim().trim_matches('`').to_string();
+    let mut checked = 0;
+    for row in table.lines().filter(|l| l.starts_with("| `")) {
+        let cols: Vec<&str> = row.split('|').map(str::trim).collect();
+        let (keys, defaults) = (cols[1], cols[2]);
+        if defaults == "—" || defaults == "unlimited" {
+            continue;
+        }
+        let sep = if keys.contains(" / ") { " / " } else { ", " };
+        let keys: Vec<String> = keys.split(sep).map(strip).collect();
+        let values: Vec<String> = defaults.split(sep).map(strip).collect();
+        assert_eq!(keys.len(), values.len(), "README row {row:?}: as many defaults as keys");
+        let section = keys[0].split('.').next().unwrap().to_string();
+        for (k, v) in keys.iter().zip(&values) {
+            let (sec, key) = k.split_once('.').unwrap_or((section.as_str(), k.as_str()));
+            let literal = v.parse::<f64>().is_ok() || v == "true" || v == "false" || v.starts_with('[');
+            let value = if literal { v.clone() } else { format!("{v:?}") };
+            let text = if sec == "model" {
+                base.replace("[model]\n", &format!("[model]\n{key} = {value}\n"))
+            } else {
+                format!("{base}\n[{sec}]\n{key} = {value}\n")
+            };
+            assert_eq!(parse(&text), plain, "README says {sec}.{key} defaults to {v}, but the code's default differs");
+            checked += 1;
+        }
+    }
+    assert!(checked >= 40, "only {checked} defaults found in the README's table");
+}
+
+/// Every shipped configuration passes `check-config`, or fails only for the checkpoint directory
+/// this machine does not have.
+#[test]
+fn every_shipped_config_passes_check_config() {
+    let bin = env!("CARGO_BIN_EXE_antiphon");
+    let mut n = 0;
+    for e in std::fs::read_dir(root().join("configs")).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_none_or(|x| x != "toml") {
+            continue;
+        }
+        n += 1;
+        let out = Command::new(bin).arg("check-config").arg(&p).current_dir(root()).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        if p.ends_with("minicpmo45.toml") {
+            assert!(!out.status.success() && err.contains("model.path"), "{}: {err}", p.display());
+        } else {
+            assert!(out.status.success(), "{}: {err}", p.display());
+        }
+    }
+    assert!(n >= 4, "found {n} configs");
 }

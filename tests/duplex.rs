@@ -233,7 +233,6 @@ fn no_prefetch_while_a_duplex_session_is_live() {
         let tx = std::sync::Mutex::new(tx);
         let spec = RequestSpec {
             id: RequestId(id.into()),
-            epoch: 0,
             mode: Mode::Turn,
             input: UserInput::Text("Hello there.".into()),
             instructions: None,

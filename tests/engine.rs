@@ -20,7 +20,6 @@ fn voice() -> RefInput {
 fn spec(id: &str, text: &str, text_tokens: usize, codes: usize, seed: u64) -> RequestSpec {
     RequestSpec {
         id: RequestId(id.into()),
-        epoch: 0,
         mode: Mode::Turn,
         input: UserInput::Text(text.into()),
         instructions: None,
@@ -156,7 +155,7 @@ fn cancel_stops_output_and_frees_every_stage() {
         }
     }
     let t = Instant::now();
-    assert!(e.cancel(&RequestId("long".into()), 0));
+    assert!(e.cancel(&RequestId("long".into())));
     let mut after = vec![];
     while let Ok(ev) = rx.recv_timeout(Duration::from_millis(500)) {
         after.push(ev);
@@ -165,7 +164,7 @@ fn cancel_stops_output_and_frees_every_stage() {
     assert!(matches!(after.last(), Some(EngineEvent::Done { status: Status::Cancelled, .. })), "{after:?}");
     assert!(after.iter().filter(|e| matches!(e, EngineEvent::Audio { .. })).count() == 0, "no audio after the cancel");
     assert_eq!(e.active(), 0);
-    assert!(!e.cancel(&RequestId("long".into()), 0), "a second cancel does nothing");
+    assert!(!e.cancel(&RequestId("long".into())), "a second cancel does nothing");
     // the engine keeps serving
     let o = collect(submit(&e, spec("next", "again", 6, 20, 4)));
     assert_eq!(o.status, Status::Completed);
@@ -175,7 +174,7 @@ fn cancel_stops_output_and_frees_every_stage() {
 fn cancel_before_any_output() {
     let e = engine(EngineConfig::default());
     let rx = submit(&e, spec("early", "x", 50, 200, 3));
-    assert!(e.cancel(&RequestId("early".into()), 0));
+    assert!(e.cancel(&RequestId("early".into())));
     let o = collect(rx);
     assert_eq!(o.status, Status::Cancelled);
     assert!(o.audio.is_empty());
@@ -273,7 +272,7 @@ fn duplicate_live_ids_are_refused() {
     let (tx, _rx2) = mpsc::channel::<EngineEvent>();
     let tx = std::sync::Mutex::new(tx);
     assert!(e.submit(spec("dup", "x", 3, 10, 1), Arc::new(move |ev| drop(tx.lock().unwrap().send(ev)))).is_err());
-    e.cancel(&RequestId("dup".into()), 0);
+    e.cancel(&RequestId("dup".into()));
     let _ = collect(rx);
 }
 

@@ -40,13 +40,13 @@ impl Rig {
     fn admit(&mut self, id: &str, reference: Option<RefInput>) -> Log {
         let log: Log = Arc::default();
         let l = log.clone();
-        assert!(self.registry.insert(RequestId(id.into()), 0, Arc::new(move |e| l.lock().unwrap().push(e))));
-        self.stage.on_message(Stage2Msg::Placeholder { id: RequestId(id.into()), epoch: 0, prefetch: reference });
+        assert!(self.registry.insert(RequestId(id.into()), Arc::new(move |e| l.lock().unwrap().push(e))));
+        self.stage.on_message(Stage2Msg::Placeholder { id: RequestId(id.into()), prefetch: reference });
         log
     }
 
     fn chunk(&mut self, id: &str, seq: usize, codes: Vec<u32>, last: bool, reference: Option<RefInput>) {
-        self.stage.on_message(Stage2Msg::Chunk { id: RequestId(id.into()), epoch: 0, seq, codes, last, reference });
+        self.stage.on_message(Stage2Msg::Chunk { id: RequestId(id.into()), seq, codes, last, reference });
     }
 
     fn idle(&mut self) -> IdleOutcome {
@@ -242,7 +242,7 @@ fn prefetch_abort_releases_pins() {
     r.idle();
     r.idle();
     assert_eq!(r.stage.ref_cache().pin_count(), 1);
-    r.registry.finish(&id("a"), 0, antiphon_engine::Status::Cancelled);
+    r.registry.finish(&id("a"), antiphon_engine::Status::Cancelled);
     r.stage.on_message(Stage2Msg::Cancel(id("a")));
     assert_eq!(r.stage.ref_cache().pin_count(), 0);
     assert!(r.stage.ref_cache().get(&key(&v)).unwrap().evictable());
@@ -263,7 +263,7 @@ fn prefetch_owner_and_pin_cannot_alias() {
     let e = r.stage.ref_cache().get(&key(&v)).unwrap();
     assert!(e.pins.contains(&id("req-1")) && e.owners.contains(&id("pin:req-1")));
     // ending the pinning request leaves the owner; ending the owner leaves nothing
-    r.registry.finish(&id("req-1"), 0, antiphon_engine::Status::Cancelled);
+    r.registry.finish(&id("req-1"), antiphon_engine::Status::Cancelled);
     r.stage.on_message(Stage2Msg::Cancel(id("req-1")));
     let e = r.stage.ref_cache().get(&key(&v)).unwrap();
     assert!(e.pins.is_empty() && e.owners.contains(&id("pin:req-1")));

@@ -71,10 +71,6 @@ impl Chunker {
         self.flushed = true;
         Some(self.emit(true))
     }
-
-    pub fn chunks_sent(&self) -> usize {
-        self.seq
-    }
 }
 
 #[cfg(test)]

@@ -8,14 +8,13 @@
 //!    └──────────── placeholder (the reference voice, at admission) ─────────►┘
 //! ```
 //!
-//! Every hand-off carries the request id and epoch; a stage drops work whose request is no longer
-//! live at that epoch. Stage 2 uses its idle steps to prepare a waiting request's reference voice
+//! Every hand-off carries the request id (unique per response); a stage drops work whose request
+//! is no longer live. Stage 2 uses its idle steps to prepare a waiting request's reference voice
 //! (reference prefetch, see [`stage2`]).
 
 pub mod chunker;
-pub mod duplex;
+pub mod config;
 pub mod metrics;
-
 pub mod prefix;
 pub mod profile;
 pub mod refcache;
@@ -32,108 +31,11 @@ use std::time::Duration;
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 
+pub use config::EngineConfig;
 pub use metrics::EngineMetrics;
 pub use types::*;
 
 use antiphon_models::decoder::DecodeMode;
-use antiphon_models::sampling::SamplingParams;
-
-/// Engine knobs (the `[engine]` table of the configuration file).
-#[derive(Debug, Clone)]
-pub struct EngineConfig {
-    /// Streams a Thinker step advances at most.
-    pub thinker_max_batch: usize,
-    /// Prompt positions a Thinker step prefills at most (chunked prefill).
-    pub thinker_prefill_tokens: usize,
-    pub talker_max_batch: usize,
-    pub code2wav_max_batch: usize,
-    /// New codes in the first Code2Wav chunk (a smaller first chunk lowers first-audio time)...
-    pub first_chunk_codes: usize,
-    /// ...for a stream that joins the Talker with at most this many streams (itself included);
-    /// busier, its first chunk is a full one, whose second of audio covers the next chunk's wait.
-    pub small_first_chunk_streams: usize,
-    pub chunk_codes: usize,
-    pub context_codes: usize,
-    /// Feed the Talker's prefill row by row while the Thinker is still writing (same input).
-    pub talker_streaming_prefill: bool,
-    /// Turn mode: a stream's Talker runs at most this many chunks of codes ahead of the audio
-    /// Code2Wav has delivered (`None`: as fast as it can). On one GPU the stages' steps slow each
-    /// other down; codes made long before Code2Wav can use them only slow down its chunk 0.
-    pub talker_lead_chunks: Option<usize>,
-    /// Turn mode, with pacing on: no codes beyond a stream's small first chunk until that chunk's
-    /// audio is delivered (the stream's Talker steps would only slow its chunk 0 down).
-    pub talker_hold_first_chunk: bool,
-    /// Prompt prefixes whose KV the Thinker keeps (0 = off): system turns with their voice, and
-    /// finished turns (prompt + reply) for their conversation's next prompt. A new prompt starts
-    /// from the entry it shares the most leading ids with.
-    pub thinker_prefix_cache: usize,
-    /// One-stream decode steps of the Thinker and the Talker over fixed-address buffers, captured
-    /// as CUDA graphs on a GPU (`DecodeMode::Graph`); off: every step runs op by op.
-    pub decode_graphs: bool,
-    /// Code2Wav's chunks over fixed buffers, captured as CUDA graphs per shape on a GPU (a shape is
-    /// captured the second time it comes): the flow's 10-step CFM solve and the vocoder's F0 and
-    /// decode steps; off: op by op.
-    pub code2wav_graphs: bool,
-    pub ref_cache_capacity: usize,
-    pub setup_cache_capacity: usize,
-    /// Reference prefetch, phase A (materialize + prepare).
-    pub prefetch: bool,
-    /// Reference prefetch, phase B (setup), off by default.
-    pub prefetch_setup: bool,
-    /// How long an idle Stage 2 with waiting references sleeps between idle steps.
-    pub idle_tick: Duration,
-    pub thinker_sampling: SamplingParams,
-    pub talker_sampling: SamplingParams,
-    pub default_max_text_tokens: usize,
-    pub default_min_audio_tokens: usize,
-    pub default_max_audio_tokens: usize,
-    /// Put the reference voice into the Thinker's system prompt (MiniCPM-o's voice-cloning prompt).
-    pub thinker_hears_reference: bool,
-    pub channel_capacity: usize,
-    /// Talker codes per spoken duplex unit (25 = 1 s units).
-    pub duplex_codes_per_unit: usize,
-    /// Codes the Talker may drain at the end of a duplex turn.
-    pub duplex_drain_codes: usize,
-    /// Thinker positions a duplex session may use (default: the model's context); the session
-    /// closes with `context_full` when the next unit would not fit.
-    pub duplex_max_context: Option<usize>,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        Self {
-            thinker_max_batch: 16,
-            thinker_prefill_tokens: 1024,
-            talker_max_batch: 32,
-            code2wav_max_batch: 8,
-            first_chunk_codes: 25,
-            small_first_chunk_streams: usize::MAX,
-            chunk_codes: 25,
-            context_codes: 3,
-            talker_streaming_prefill: false,
-            talker_lead_chunks: Some(1),
-            talker_hold_first_chunk: false,
-            thinker_prefix_cache: 16,
-            decode_graphs: true,
-            code2wav_graphs: true,
-            ref_cache_capacity: 4,
-            setup_cache_capacity: 1,
-            prefetch: true,
-            prefetch_setup: false,
-            idle_tick: Duration::from_millis(2),
-            thinker_sampling: SamplingParams::thinker_greedy(),
-            talker_sampling: SamplingParams::talker(),
-            default_max_text_tokens: 512,
-            default_min_audio_tokens: 50,
-            default_max_audio_tokens: 2048,
-            thinker_hears_reference: true,
-            channel_capacity: 1024,
-            duplex_codes_per_unit: 25,
-            duplex_drain_codes: 104,
-            duplex_max_context: None,
-        }
-    }
-}
 
 pub use antiphon_models::Models;
 
@@ -151,7 +53,6 @@ pub enum Stage1Msg {
     /// Start of a request (the Talker's parameters).
     Begin {
         id: RequestId,
-        epoch: u64,
         mode: Mode,
         voice: RefInput,
         min_codes: usize,
@@ -161,21 +62,18 @@ pub enum Stage1Msg {
     /// Thinker tokens after `<|tts_bos|>` and their last-layer hidden rows `[n, llm_dim]`.
     Rows {
         id: RequestId,
-        epoch: u64,
         ids: Vec<u32>,
         hidden: Tensor,
     },
     /// The text is complete: prefill the text end / audio start and decode.
     End {
         id: RequestId,
-        epoch: u64,
     },
     /// Duplex: one spoken unit's text (`hidden`: its rows, `None` when there is no text, as when a
     /// listening unit closes the turn). The Talker makes one unit of codes for it, or drains the
     /// turn when `turn_end`.
     Segment {
         id: RequestId,
-        epoch: u64,
         ids: Vec<u32>,
         hidden: Option<Tensor>,
         turn_end: bool,
@@ -189,13 +87,11 @@ pub enum Stage2Msg {
     /// (never for duplex).
     Placeholder {
         id: RequestId,
-        epoch: u64,
         prefetch: Option<RefInput>,
     },
     /// Codes for Code2Wav; chunk 0 carries the reference to use.
     Chunk {
         id: RequestId,
-        epoch: u64,
         seq: usize,
         codes: Vec<u32>,
         last: bool,
@@ -330,16 +226,16 @@ impl Engine {
                 bail!("input audio holds non-finite samples");
             }
         }
-        if !self.registry.insert(spec.id.clone(), spec.epoch, sink) {
+        if !self.registry.insert(spec.id.clone(), sink) {
             bail!("request {} is already live", spec.id);
         }
         let prefetch = (spec.mode == Mode::Turn).then(|| spec.voice.clone());
-        let placeholder = Stage2Msg::Placeholder { id: spec.id.clone(), epoch: spec.epoch, prefetch };
-        let (id, epoch) = (spec.id.clone(), spec.epoch);
+        let placeholder = Stage2Msg::Placeholder { id: spec.id.clone(), prefetch };
+        let id = spec.id.clone();
         let sent = self.to2.as_ref().map(|t| t.send(placeholder).is_ok()).unwrap_or(false)
             && self.to0.as_ref().map(|t| t.send(Stage0Msg::Admit(spec)).is_ok()).unwrap_or(false);
         if !sent {
-            self.registry.finish(&id, epoch, Status::Failed("engine stopped".into()));
+            self.registry.finish(&id, Status::Failed("engine stopped".into()));
             bail!("the engine has stopped");
         }
         Ok(())
@@ -393,8 +289,8 @@ impl Engine {
 
     /// Cancels a request at any point: `Done { Cancelled }` is its last event, and every stage frees
     /// its state.
-    pub fn cancel(&self, id: &RequestId, epoch: u64) -> bool {
-        let ended = self.registry.finish(id, epoch, Status::Cancelled).is_some();
+    pub fn cancel(&self, id: &RequestId) -> bool {
+        let ended = self.registry.finish(id, Status::Cancelled).is_some();
         if ended {
             self.metrics.requests.with_label_values(&["cancelled"]).inc();
         }

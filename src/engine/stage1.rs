@@ -18,7 +18,6 @@ use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::talker::{ConditionMode, Talker};
 
 struct Req {
-    epoch: u64,
     mode: Mode,
     voice: RefInput,
     cache: PooledCache,
@@ -88,9 +87,9 @@ impl Stage1 {
     }
 
     fn fail(&mut self, id: &RequestId, why: String) {
-        if let Some(r) = self.reqs.get(id) {
+        if self.reqs.contains_key(id) {
             tracing::warn!(request = %id, "talker failed: {why}");
-            if self.registry.finish(id, r.epoch, Status::Failed(why)).is_some() {
+            if self.registry.finish(id, Status::Failed(why)).is_some() {
                 self.metrics.requests.with_label_values(&["failed"]).inc();
             }
         }
@@ -99,7 +98,7 @@ impl Stage1 {
 
     fn send(&self, id: &RequestId, r: &Req, p: Payload) {
         let reference = (p.seq == 0).then(|| r.voice.clone());
-        let _ = self.to_c2w.send(Stage2Msg::Chunk { id: id.clone(), epoch: r.epoch, seq: p.seq, codes: p.codes, last: p.last, reference });
+        let _ = self.to_c2w.send(Stage2Msg::Chunk { id: id.clone(), seq: p.seq, codes: p.codes, last: p.last, reference });
     }
 
     /// Starts the next waiting segment of every idle duplex turn; a turn with nothing left to
@@ -129,7 +128,7 @@ impl Stage1 {
             r.pending = parts;
             r.decoding = true;
             dx.active = true;
-            dx.left = (!turn_end).then_some(self.cfg.duplex_codes_per_unit.max(1));
+            dx.left = (!turn_end).then_some(self.cfg.duplex_codes_per_unit());
             if turn_end {
                 r.length = LengthPolicy::new(vec![self.talker.eos_code()], r.length.min, r.length.max);
             }
@@ -159,7 +158,7 @@ impl Stage1 {
             } else if let (true, Some(c)) = (r.decoding, r.last_code) {
                 if let (Some(lead), None) = (self.cfg.talker_lead_chunks, &r.duplex) {
                     // (a request that just ended is dropped by the next step's sweep)
-                    let Some(delivered) = self.registry.chunks_if_live(id, r.epoch) else { continue };
+                    let Some(delivered) = self.registry.chunks_if_live(id) else { continue };
                     if r.codes >= self.pacing_limit(r.chunker.first(), delivered, lead) {
                         self.paced = true;
                         continue;
@@ -209,7 +208,7 @@ impl Stage1 {
             let eos = self.talker.eos_code();
             for ((id, _), l) in sample.into_iter().zip(logits) {
                 let r = self.reqs.get_mut(&id).expect("listed");
-                if !self.registry.is_live(&id, r.epoch) {
+                if !self.registry.is_live(&id) {
                     self.remove(&id);
                     continue;
                 }
@@ -266,7 +265,7 @@ impl StageLoop for Stage1 {
 
     fn on_message(&mut self, m: Stage1Msg) {
         match m {
-            Stage1Msg::Begin { id, epoch, mode, voice, min_codes, max_codes, seed } => {
+            Stage1Msg::Begin { id, mode, voice, min_codes, max_codes, seed } => {
                 // room for the longest text, its two closing embeddings and every code: the cache
                 // never grows (a growth would need a new decode graph)
                 let need = self.cfg.default_max_text_tokens + 2 + max_codes;
@@ -277,14 +276,13 @@ impl StageLoop for Stage1 {
                 let cache = match self.caches.take(self.talker.decoder(), need) {
                     Ok(c) => c,
                     Err(e) => {
-                        if self.registry.finish(&id, epoch, Status::Failed(format!("talker cache: {e:#}"))).is_some() {
+                        if self.registry.finish(&id, Status::Failed(format!("talker cache: {e:#}"))).is_some() {
                             self.metrics.requests.with_label_values(&["failed"]).inc();
                         }
                         return;
                     }
                 };
                 let r = Req {
-                    epoch,
                     mode,
                     voice,
                     cache,
@@ -302,25 +300,19 @@ impl StageLoop for Stage1 {
                 self.order.push(id.clone());
                 self.reqs.insert(id, r);
             }
-            Stage1Msg::Rows { id, epoch, ids, hidden } => {
+            Stage1Msg::Rows { id, ids, hidden } => {
                 let Some(r) = self.reqs.get_mut(&id) else {
                     return;
                 };
-                if r.epoch != epoch {
-                    return;
-                }
                 match self.talker.condition_rows(&ids, &hidden) {
                     Ok(c) => r.pending.push(c),
                     Err(e) => self.fail(&id, format!("talker condition: {e:#}")),
                 }
             }
-            Stage1Msg::End { id, epoch } => {
+            Stage1Msg::End { id } => {
                 let Some(r) = self.reqs.get_mut(&id) else {
                     return;
                 };
-                if r.epoch != epoch {
-                    return;
-                }
                 let mode = match r.mode {
                     Mode::Turn => ConditionMode::Turn,
                     Mode::Duplex => ConditionMode::Duplex,
@@ -333,11 +325,11 @@ impl StageLoop for Stage1 {
                     Err(e) => self.fail(&id, format!("talker condition: {e:#}")),
                 }
             }
-            Stage1Msg::Segment { id, epoch, ids, hidden, turn_end } => {
+            Stage1Msg::Segment { id, ids, hidden, turn_end } => {
                 let Some(r) = self.reqs.get_mut(&id) else {
                     return;
                 };
-                if r.epoch != epoch || r.duplex.is_none() {
+                if r.duplex.is_none() {
                     return;
                 }
                 let cond = match (&hidden, ids.is_empty()) {
@@ -365,7 +357,7 @@ impl StageLoop for Stage1 {
 
     fn step(&mut self) -> bool {
         let registry = self.registry.clone();
-        let gone: Vec<RequestId> = self.reqs.iter().filter(|(id, r)| !registry.is_live(id, r.epoch)).map(|(id, _)| id.clone()).collect();
+        let gone: Vec<RequestId> = self.reqs.keys().filter(|id| !registry.is_live(id)).cloned().collect();
         for id in gone {
             self.remove(&id);
         }

@@ -36,7 +36,6 @@ enum Phase {
 
 struct Waiting {
     id: RequestId,
-    epoch: u64,
     /// The reference to prefetch (`None`: never prefetched, e.g. duplex).
     reference: Option<RefInput>,
     phase: Phase,
@@ -55,14 +54,12 @@ impl Waiting {
 }
 
 struct Live {
-    epoch: u64,
     stream: StreamState,
     next_seq: usize,
 }
 
 struct ChunkWork {
     id: RequestId,
-    epoch: u64,
     seq: usize,
     codes: Vec<u32>,
     last: bool,
@@ -139,7 +136,7 @@ impl Stage2 {
         }
     }
 
-    fn finish(&mut self, id: &RequestId, epoch: u64, status: Status) {
+    fn finish(&mut self, id: &RequestId, status: Status) {
         let label = match &status {
             Status::Completed => "completed",
             Status::Cancelled => "cancelled",
@@ -148,7 +145,7 @@ impl Stage2 {
         if let Status::Failed(why) = &status {
             tracing::warn!(request = %id, "code2wav failed: {why}");
         }
-        if self.registry.finish(id, epoch, status).is_some() {
+        if self.registry.finish(id, status).is_some() {
             self.metrics.requests.with_label_values(&[label]).inc();
         }
         self.abort(id);
@@ -224,7 +221,7 @@ impl Stage2 {
             }
         };
         let stream = self.model.start(&features, &state)?;
-        self.live.insert(c.id.clone(), Live { epoch: c.epoch, stream, next_seq: 0 });
+        self.live.insert(c.id.clone(), Live { stream, next_seq: 0 });
         Ok(())
     }
 
@@ -326,10 +323,10 @@ impl Stage2 {
         let stale: Vec<RequestId> = self
             .waiting
             .iter()
-            .filter(|w| !registry.is_live(&w.id, w.epoch))
+            .filter(|w| !registry.is_live(&w.id))
             .map(|w| w.id.clone())
-            .chain(self.live.iter().filter(|(id, l)| !registry.is_live(id, l.epoch)).map(|(id, _)| id.clone()))
-            .chain(self.queue.iter().filter(|c| !registry.is_live(&c.id, c.epoch)).map(|c| c.id.clone()))
+            .chain(self.live.keys().filter(|id| !registry.is_live(id)).cloned())
+            .chain(self.queue.iter().filter(|c| !registry.is_live(&c.id)).map(|c| c.id.clone()))
             .collect();
         for id in stale {
             self.abort(&id);
@@ -360,7 +357,7 @@ impl Stage2 {
             if c.seq == 0 {
                 self.registry.mark(&c.id, |t| t.first_chunk = Some(Instant::now()));
                 if let Err(e) = self.start_stream(&c) {
-                    self.finish(&c.id, c.epoch, Status::Failed(format!("reference voice: {e:#}")));
+                    self.finish(&c.id, Status::Failed(format!("reference voice: {e:#}")));
                     continue;
                 }
             }
@@ -393,12 +390,12 @@ impl Stage2 {
                         let samples = match a.to_vec1::<f32>() {
                             Ok(s) => s,
                             Err(e) => {
-                                self.finish(&id, c.epoch, Status::Failed(e.to_string()));
+                                self.finish(&id, Status::Failed(e.to_string()));
                                 continue;
                             }
                         };
                         let first = c.seq == 0;
-                        self.registry.emit(&id, c.epoch, EngineEvent::Audio { samples, chunk: c.seq, last: c.last });
+                        self.registry.emit(&id, EngineEvent::Audio { samples, chunk: c.seq, last: c.last });
                         if first {
                             if let Some(t) = self.registry.timings(&id) {
                                 if let Some(ms) = t.first_audio_ms() {
@@ -410,7 +407,7 @@ impl Stage2 {
                             }
                         }
                         if c.last {
-                            self.finish(&id, c.epoch, Status::Completed);
+                            self.finish(&id, Status::Completed);
                         } else {
                             self.live.insert(id, live);
                         }
@@ -419,7 +416,7 @@ impl Stage2 {
                 Err(e) => {
                     let msg = format!("code2wav chunk: {e:#}");
                     for c in group {
-                        self.finish(&c.id, c.epoch, Status::Failed(msg.clone()));
+                        self.finish(&c.id, Status::Failed(msg.clone()));
                     }
                 }
             }
@@ -434,22 +431,22 @@ impl StageLoop for Stage2 {
     type Msg = Stage2Msg;
 
     fn fail_all(&mut self, why: &str) {
-        let mut all: Vec<(RequestId, u64)> = self.waiting.iter().map(|w| (w.id.clone(), w.epoch)).collect();
-        all.extend(self.live.iter().map(|(id, l)| (id.clone(), l.epoch)));
-        all.extend(self.queue.iter().map(|c| (c.id.clone(), c.epoch)));
-        for (id, epoch) in all {
-            self.finish(&id, epoch, Status::Failed(why.to_string()));
+        let mut all: Vec<RequestId> = self.waiting.iter().map(|w| w.id.clone()).collect();
+        all.extend(self.live.keys().cloned());
+        all.extend(self.queue.iter().map(|c| c.id.clone()));
+        for id in all {
+            self.finish(&id, Status::Failed(why.to_string()));
         }
     }
 
     fn on_message(&mut self, m: Stage2Msg) {
         match m {
-            Stage2Msg::Placeholder { id, epoch, prefetch } => {
+            Stage2Msg::Placeholder { id, prefetch } => {
                 let reference = if self.cfg.prefetch { prefetch } else { None };
-                self.waiting.push(Waiting { id, epoch, reference, phase: Phase::Queued });
+                self.waiting.push(Waiting { id, reference, phase: Phase::Queued });
             }
-            Stage2Msg::Chunk { id, epoch, seq, codes, last, reference } => {
-                self.queue.push_back(ChunkWork { id, epoch, seq, codes, last, reference });
+            Stage2Msg::Chunk { id, seq, codes, last, reference } => {
+                self.queue.push_back(ChunkWork { id, seq, codes, last, reference });
             }
             Stage2Msg::Cancel(id) => self.abort(&id),
             Stage2Msg::DuplexOpen(s) => {

@@ -1,6 +1,6 @@
 //! What goes into the engine and what comes out: request specifications, events, per-request
 //! timestamps, and the shared registry through which every stage checks that a request is still
-//! live (same epoch, not cancelled) before it does work or emits output.
+//! live (not done, not cancelled) before it does work or emits output.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -78,7 +78,6 @@ pub struct GenerationParams {
 #[derive(Debug, Clone)]
 pub struct RequestSpec {
     pub id: RequestId,
-    pub epoch: u64,
     pub mode: Mode,
     pub input: UserInput,
     pub instructions: Option<String>,
@@ -114,12 +113,6 @@ impl Timings {
     }
     pub fn first_text_ms(&self) -> Option<f64> {
         self.ms(self.first_text)
-    }
-    pub fn first_code_ms(&self) -> Option<f64> {
-        self.ms(self.first_code)
-    }
-    pub fn first_chunk_ms(&self) -> Option<f64> {
-        self.ms(self.first_chunk)
     }
     pub fn first_audio_ms(&self) -> Option<f64> {
         self.ms(self.first_audio)
@@ -229,7 +222,6 @@ struct Progress {
 }
 
 struct Entry {
-    epoch: u64,
     sink: EventSink,
     progress: Mutex<Progress>,
 }
@@ -242,13 +234,13 @@ pub struct Registry {
 }
 
 impl Registry {
-    pub fn insert(&self, id: RequestId, epoch: u64, sink: EventSink) -> bool {
+    pub fn insert(&self, id: RequestId, sink: EventSink) -> bool {
         let mut m = self.inner.lock().expect("registry");
         if m.contains_key(&id) {
             return false;
         }
         let progress = Progress { timings: Timings { admitted: Some(Instant::now()), ..Default::default() }, ..Default::default() };
-        m.insert(id, Arc::new(Entry { epoch, sink, progress: Mutex::new(progress) }));
+        m.insert(id, Arc::new(Entry { sink, progress: Mutex::new(progress) }));
         true
     }
 
@@ -256,9 +248,9 @@ impl Registry {
         self.inner.lock().expect("registry").get(id).cloned()
     }
 
-    /// Live with this epoch (work of a stale epoch is dropped).
-    pub fn is_live(&self, id: &RequestId, epoch: u64) -> bool {
-        self.get(id).is_some_and(|e| e.epoch == epoch && !e.progress.lock().expect("progress").done)
+    /// Live: not done and not cancelled (work of a request that is not is dropped).
+    pub fn is_live(&self, id: &RequestId) -> bool {
+        self.get(id).is_some_and(|e| !e.progress.lock().expect("progress").done)
     }
 
     pub fn live_count(&self) -> usize {
@@ -266,11 +258,8 @@ impl Registry {
     }
 
     /// Emits a non-final event and updates the counters; false if the request is gone.
-    pub fn emit(&self, id: &RequestId, epoch: u64, ev: EngineEvent) -> bool {
+    pub fn emit(&self, id: &RequestId, ev: EngineEvent) -> bool {
         let Some(e) = self.get(id) else { return false };
-        if e.epoch != epoch {
-            return false;
-        }
         {
             let mut p = e.progress.lock().expect("progress");
             if p.done {
@@ -314,24 +303,21 @@ impl Registry {
         }
     }
 
-    /// Audio chunks delivered so far, while the request is live with this epoch.
-    pub fn chunks_if_live(&self, id: &RequestId, epoch: u64) -> Option<usize> {
+    /// Audio chunks delivered so far, while the request is live.
+    pub fn chunks_if_live(&self, id: &RequestId) -> Option<usize> {
         let e = self.get(id)?;
         let p = e.progress.lock().expect("progress");
-        (e.epoch == epoch && !p.done).then_some(p.chunks)
+        (!p.done).then_some(p.chunks)
     }
 
     pub fn timings(&self, id: &RequestId) -> Option<Timings> {
         self.get(id).map(|e| e.progress.lock().expect("progress").timings.clone())
     }
 
-    /// Ends a request: emits `Done` once (if this epoch is current) and forgets it. Returns the
+    /// Ends a request: emits `Done` once and forgets it. Returns the
     /// timings when this call ended it.
-    pub fn finish(&self, id: &RequestId, epoch: u64, status: Status) -> Option<Timings> {
+    pub fn finish(&self, id: &RequestId, status: Status) -> Option<Timings> {
         let e = self.get(id)?;
-        if e.epoch != epoch {
-            return None;
-        }
         let out = {
             let mut p = e.progress.lock().expect("progress");
             if p.done {

@@ -154,7 +154,7 @@ mod tests {
             // reference: the cache with this position written, attention over 0..=p
             let k = Tensor::cat(&[kc.narrow(1, 0, p)?, k_new.unsqueeze(1)?], 1)?;
             let v = Tensor::cat(&[vc.narrow(1, 0, p)?, v_new.unsqueeze(1)?], 1)?;
-            let want = crate::decoder::attend(&q.reshape((hq, 1, d))?, &k, &v, None)?.reshape((hq, d))?;
+            let want = crate::attention::attend(&q.reshape((hq, 1, d))?, &k, &v, None)?.reshape((hq, d))?;
             let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert!(diff < 1e-5, "pos {p}: max abs difference {diff}");
         }

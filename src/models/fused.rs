@@ -11,7 +11,7 @@
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 
-use super::decoder::Rope;
+use super::attention::Rope;
 
 /// An RMSNorm (`weight`, `eps`), as `candle_nn::RmsNorm` computes it.
 #[derive(Debug, Clone)]

@@ -34,18 +34,87 @@ impl StageDevices {
     }
 }
 
-fn ordinal(spec: &str) -> Result<Option<usize>> {
-    if spec == "cpu" {
-        return Ok(None);
-    }
-    let Some(rest) = spec.strip_prefix("cuda") else { anyhow::bail!("device {spec:?}: expected cpu, cuda or cuda:N") };
-    let rest = rest.trim_start_matches(':');
-    Ok(Some(if rest.is_empty() { 0 } else { rest.parse().with_context(|| format!("device {spec:?}: cuda device ordinal"))? }))
+/// A device as a configuration names it: `cpu`, `cuda` (= `cuda:0`) or `cuda:N`. Parsed once,
+/// where it is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceSpec {
+    Cpu,
+    Cuda(usize),
 }
 
-/// The device a configuration names (`cpu`, `cuda`, `cuda:N`), tuned for serving.
-pub fn open(spec: &str) -> Result<Device> {
-    let Some(ordinal) = ordinal(spec)? else { return Ok(Device::Cpu) };
+impl std::str::FromStr for DeviceSpec {
+    type Err = String;
+
+    fn from_str(spec: &str) -> std::result::Result<Self, String> {
+        if spec == "cpu" {
+            return Ok(DeviceSpec::Cpu);
+        }
+        let bad = || format!("device {spec:?}: expected cpu, cuda or cuda:N");
+        let rest = spec.strip_prefix("cuda").ok_or_else(bad)?;
+        if rest.is_empty() {
+            return Ok(DeviceSpec::Cuda(0));
+        }
+        rest.strip_prefix(':').and_then(|n| n.parse().ok()).map(DeviceSpec::Cuda).ok_or_else(bad)
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceSpec::Cpu => f.write_str("cpu"),
+            DeviceSpec::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for DeviceSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// The dtype of the weights and activations: `f32` or `bf16`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl Precision {
+    pub fn dtype(self) -> candle_core::DType {
+        match self {
+            Precision::F32 => candle_core::DType::F32,
+            Precision::Bf16 => candle_core::DType::BF16,
+        }
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::Bf16),
+            other => Err(format!("dtype {other:?}: expected f32 or bf16")),
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+        })
+    }
+}
+
+/// The device a configuration names, tuned for serving.
+pub fn open(spec: DeviceSpec) -> Result<Device> {
+    let DeviceSpec::Cuda(ordinal) = spec else { return Ok(Device::Cpu) };
     let dev = Device::new_cuda(ordinal).with_context(|| format!("device {spec}: this build has no CUDA, or no GPU is present"))?;
     no_event_tracking(&dev);
     keep_pool_memory(&dev)?;
@@ -53,7 +122,7 @@ pub fn open(spec: &str) -> Result<Device> {
 }
 
 /// The stages' devices: on CUDA with `per_stage_streams`, one stream per stage on the same GPU.
-pub fn open_stages(spec: &str, per_stage_streams: bool) -> Result<StageDevices> {
+pub fn open_stages(spec: DeviceSpec, per_stage_streams: bool) -> Result<StageDevices> {
     let first = open(spec)?;
     if first.is_cpu() || !per_stage_streams {
         return Ok(StageDevices::same(&first));

@@ -3,6 +3,7 @@
 //! (KV caches, encoder caches) lives in explicit per-stream structs passed in, so one model
 //! instance serves a batch of streams.
 
+pub mod attention;
 pub mod backend;
 pub mod cache_pool;
 pub mod code2wav;

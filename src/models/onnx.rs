@@ -152,9 +152,6 @@ pub mod dtype {
 pub mod attr {
     pub const FLOAT: i32 = 1;
     pub const INT: i32 = 2;
-    pub const STRING: i32 = 3;
-    pub const TENSOR: i32 = 4;
-    pub const FLOATS: i32 = 6;
     pub const INTS: i32 = 7;
 }
 

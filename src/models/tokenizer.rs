@@ -120,10 +120,51 @@ impl SpecialTokens {
         ]
     }
 
+    /// The tokens the Thinker may not write, per context, built once.
+    pub fn forbidden(&self) -> Forbidden {
+        // markup that never appears inside written text
+        let never = [
+            self.tts_pad,
+            self.tts_bos,
+            self.unit,
+            self.unit_end,
+            self.audio_start,
+            self.audio_end,
+            self.im_start,
+            self.think,
+            self.think_end,
+            self.unk,
+        ];
+        let with = |extra: &[u32]| never.iter().chain(extra).copied().collect::<Vec<u32>>();
+        let speech = with(&[self.listen, self.speak, self.tts_eos, self.endoftext]);
+        let mut speech_forced = speech.clone();
+        speech_forced.extend([self.turn_eos, self.chunk_tts_eos, self.im_end]);
+        Forbidden {
+            reply: with(&[self.listen, self.speak, self.chunk_eos, self.chunk_tts_eos, self.turn_eos]),
+            duplex_decision: with(&[self.tts_eos, self.im_end, self.endoftext, self.chunk_eos, self.chunk_tts_eos, self.turn_eos]),
+            duplex_speech: speech,
+            duplex_speech_forced: speech_forced,
+        }
+    }
+
     /// Tokens that end the text handed to the Talker.
     pub fn handoff_boundaries(&self) -> [u32; 8] {
         [self.tts_eos, self.tts_pad, self.listen, self.chunk_eos, self.chunk_tts_eos, self.unit, self.unit_end, self.im_end]
     }
+}
+
+/// The special tokens the Thinker's sampler may not pick, for each thing it writes (synthetic
+/// weights would otherwise emit them; real weights do not want them there).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Forbidden {
+    /// A turn-mode spoken reply (it ends with `<|tts_eos|>` or `<|im_end|>`).
+    pub reply: Vec<u32>,
+    /// A duplex unit's first token: the listen / speak decision (or the first word).
+    pub duplex_decision: Vec<u32>,
+    /// The text of a spoken duplex unit, which ends with a chunk or turn end.
+    pub duplex_speech: Vec<u32>,
+    /// ... under `speak_every`, where the schedule, not the model, ends turns.
+    pub duplex_speech_forced: Vec<u32>,
 }
 
 /// Who speaks a message.
@@ -328,9 +369,5 @@ impl TextStream {
         };
         self.emitted = text.len();
         Ok(delta)
-    }
-
-    pub fn text_len(&self) -> usize {
-        self.emitted
     }
 }

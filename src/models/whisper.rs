@@ -14,8 +14,9 @@
 use candle_core::{Module, Result, Tensor, D};
 use candle_nn::{Conv1d, Conv1dConfig, LayerNorm, Linear, VarBuilder};
 
+use super::attention::attend;
 use super::config::WhisperConfig;
-use super::decoder::{attend, KvCache};
+use super::decoder::KvCache;
 
 const LN_EPS: f64 = 1e-5;
 

@@ -67,11 +67,6 @@ impl InputAudio {
         self.buf.clear();
     }
 
-    /// Samples gathered, at the input rate.
-    pub fn buffered_samples(&self) -> usize {
-        self.buf.len()
-    }
-
     /// The oldest `n` input samples at 16 kHz (exactly `n × 16000 / rate` samples), once that
     /// many are gathered: the duplex path cuts its units with it.
     pub fn take_block_16k(&mut self, n: usize) -> Option<Result<Vec<f32>>> {

@@ -8,6 +8,7 @@ use serde::Deserialize;
 
 use antiphon_assets::synth::Preset;
 use antiphon_engine::EngineConfig;
+use antiphon_models::gpu::{DeviceSpec, Precision};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -20,7 +21,7 @@ pub struct Config {
     pub tls: Option<TlsSection>,
     pub model: ModelSection,
     #[serde(default)]
-    pub engine: EngineSection,
+    pub engine: EngineConfig,
     #[serde(default)]
     pub voices: Vec<VoiceEntry>,
 }
@@ -51,7 +52,7 @@ impl Default for ServerSection {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:8080".into(),
-            web_dir: "web".into(),
+            web_dir: "../web".into(),
             max_sessions: 16,
             resume_grace_s: 30,
             shutdown_drain_s: 10,
@@ -103,10 +104,10 @@ pub struct ModelSection {
     pub path: Option<PathBuf>,
     /// `cpu` or `cuda` / `cuda:N` (needs the `cuda` build).
     #[serde(default = "default_device")]
-    pub device: String,
+    pub device: DeviceSpec,
     /// `f32` or `bf16`.
-    #[serde(default = "default_dtype")]
-    pub dtype: String,
+    #[serde(default)]
+    pub dtype: Precision,
     /// On CUDA: `per_stage` (each stage its own stream on the GPU) or `one` (all stages queue on
     /// one stream).
     #[serde(default)]
@@ -125,117 +126,8 @@ pub enum Streams {
 fn default_preset() -> Preset {
     Preset::Tiny
 }
-fn default_device() -> String {
-    "cpu".into()
-}
-fn default_dtype() -> String {
-    "f32".into()
-}
-
-/// The engine's knobs as they appear in the file.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct EngineSection {
-    pub thinker_max_batch: usize,
-    pub thinker_prefill_tokens: usize,
-    pub talker_max_batch: usize,
-    pub code2wav_max_batch: usize,
-    pub first_chunk_codes: usize,
-    /// A small first chunk only for a stream joining the Talker with at most this many streams
-    /// (0: never; absent: always).
-    pub small_first_chunk_streams: Option<usize>,
-    pub chunk_codes: usize,
-    pub talker_streaming_prefill: bool,
-    /// Turn mode: the Talker runs at most this many chunks ahead of the delivered audio (-1: no
-    /// limit).
-    pub talker_lead_chunks: i64,
-    /// No codes beyond a stream's first chunk until its audio is delivered.
-    pub talker_hold_first_chunk: bool,
-    /// Prompt prefixes (the system turn with the voice) whose KV the Thinker keeps (0 = off).
-    pub thinker_prefix_cache: usize,
-    /// CUDA graphs for one-stream decode steps (GPU only).
-    pub decode_graphs: bool,
-    /// CUDA graphs for Code2Wav's flow chunks (GPU only).
-    pub code2wav_graphs: bool,
-    pub ref_cache_capacity: usize,
-    pub setup_cache_capacity: usize,
-    pub prefetch: bool,
-    pub prefetch_setup: bool,
-    pub default_max_text_tokens: usize,
-    pub default_min_audio_tokens: usize,
-    pub default_max_audio_tokens: usize,
-    pub thinker_hears_reference: bool,
-    /// Duplex unit length (a multiple of 100 ms; 1000 as the model was trained).
-    pub duplex_unit_ms: u32,
-    /// Codes the Talker may drain at the end of a duplex turn.
-    pub duplex_drain_codes: usize,
-    /// Thinker positions a duplex session may use (0 = the model's context).
-    pub duplex_max_context: usize,
-}
-
-impl Default for EngineSection {
-    fn default() -> Self {
-        let e = EngineConfig::default();
-        Self {
-            thinker_max_batch: e.thinker_max_batch,
-            thinker_prefill_tokens: e.thinker_prefill_tokens,
-            talker_max_batch: e.talker_max_batch,
-            code2wav_max_batch: e.code2wav_max_batch,
-            first_chunk_codes: e.first_chunk_codes,
-            small_first_chunk_streams: None,
-            chunk_codes: e.chunk_codes,
-            talker_streaming_prefill: e.talker_streaming_prefill,
-            talker_lead_chunks: e.talker_lead_chunks.map(|n| n as i64).unwrap_or(-1),
-            talker_hold_first_chunk: e.talker_hold_first_chunk,
-            thinker_prefix_cache: e.thinker_prefix_cache,
-            decode_graphs: e.decode_graphs,
-            code2wav_graphs: e.code2wav_graphs,
-            ref_cache_capacity: e.ref_cache_capacity,
-            setup_cache_capacity: e.setup_cache_capacity,
-            prefetch: e.prefetch,
-            prefetch_setup: e.prefetch_setup,
-            default_max_text_tokens: e.default_max_text_tokens,
-            default_min_audio_tokens: e.default_min_audio_tokens,
-            default_max_audio_tokens: e.default_max_audio_tokens,
-            thinker_hears_reference: e.thinker_hears_reference,
-            duplex_unit_ms: 1000,
-            duplex_drain_codes: e.duplex_drain_codes,
-            duplex_max_context: 0,
-        }
-    }
-}
-
-impl EngineSection {
-    pub fn to_engine(&self) -> EngineConfig {
-        EngineConfig {
-            thinker_max_batch: self.thinker_max_batch,
-            thinker_prefill_tokens: self.thinker_prefill_tokens,
-            talker_max_batch: self.talker_max_batch,
-            code2wav_max_batch: self.code2wav_max_batch,
-            first_chunk_codes: self.first_chunk_codes,
-            small_first_chunk_streams: self.small_first_chunk_streams.unwrap_or(usize::MAX),
-            chunk_codes: self.chunk_codes,
-            talker_streaming_prefill: self.talker_streaming_prefill,
-            talker_lead_chunks: usize::try_from(self.talker_lead_chunks).ok(),
-            talker_hold_first_chunk: self.talker_hold_first_chunk,
-            thinker_prefix_cache: self.thinker_prefix_cache,
-            decode_graphs: self.decode_graphs,
-            code2wav_graphs: self.code2wav_graphs,
-            ref_cache_capacity: self.ref_cache_capacity,
-            setup_cache_capacity: self.setup_cache_capacity,
-            prefetch: self.prefetch,
-            prefetch_setup: self.prefetch_setup,
-            default_max_text_tokens: self.default_max_text_tokens,
-            default_min_audio_tokens: self.default_min_audio_tokens,
-            default_max_audio_tokens: self.default_max_audio_tokens,
-            thinker_hears_reference: self.thinker_hears_reference,
-            // 25 codes per second of speech
-            duplex_codes_per_unit: (self.duplex_unit_ms as usize / 40).max(1),
-            duplex_drain_codes: self.duplex_drain_codes,
-            duplex_max_context: (self.duplex_max_context > 0).then_some(self.duplex_max_context),
-            ..EngineConfig::default()
-        }
-    }
+fn default_device() -> DeviceSpec {
+    DeviceSpec::Cpu
 }
 
 /// A configured voice: an id and a WAV file (relative paths are relative to the config file's
@@ -253,7 +145,9 @@ pub const DEFAULT_TOML: &str = include_str!("../../configs/default.toml");
 impl Config {
     /// Parses and validates; relative paths are resolved against `base`.
     pub fn parse(text: &str, base: &Path) -> Result<Self> {
-        let mut c: Config = toml::from_str(text).context("parsing the configuration")?;
+        let de = toml::Deserializer::parse(text).context("parsing the configuration")?;
+        // errors name the key (`model.dtype: unknown variant ...`)
+        let mut c: Config = serde_path_to_error::deserialize(de).map_err(|e| anyhow::anyhow!("{}: {}", e.path(), e.inner()))?;
         let rel = |p: &Path| {
             if p.is_relative() {
                 base.join(p)
@@ -307,19 +201,7 @@ impl Config {
             }
             ModelSource::Synthetic => {}
         }
-        if !matches!(self.model.dtype.as_str(), "f32" | "bf16") {
-            bail!("model.dtype {:?}: expected f32 or bf16", self.model.dtype);
-        }
-        if !(self.model.device == "cpu" || self.model.device.starts_with("cuda")) {
-            bail!("model.device {:?}: expected cpu, cuda or cuda:N", self.model.device);
-        }
-        let e = &self.engine;
-        if e.chunk_codes == 0 || e.thinker_max_batch == 0 || e.talker_max_batch == 0 || e.code2wav_max_batch == 0 {
-            bail!("engine batch limits and chunk_codes must be at least 1");
-        }
-        if e.duplex_unit_ms == 0 || !e.duplex_unit_ms.is_multiple_of(100) || e.duplex_unit_ms > 10_000 {
-            bail!("engine.duplex_unit_ms {}: a multiple of 100 ms up to 10000", e.duplex_unit_ms);
-        }
+        self.engine.validate().map_err(anyhow::Error::msg)?;
         if self.voices.is_empty() {
             bail!("at least one [[voices]] entry is needed (the first is the default voice)");
         }

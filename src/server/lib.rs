@@ -20,7 +20,6 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use candle_core::{DType, Device};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use tokio::net::TcpListener;
 
@@ -96,14 +95,10 @@ impl Shared {
     }
 }
 
-pub fn parse_device(s: &str) -> Result<Device> {
-    antiphon_models::gpu::open(s)
-}
-
 /// Loads (or makes) the models a configuration names.
 pub fn load_models(cfg: &Config) -> Result<Models> {
-    let devs = antiphon_models::gpu::open_stages(&cfg.model.device, cfg.model.streams == config::Streams::PerStage)?;
-    let dtype = if cfg.model.dtype == "bf16" { DType::BF16 } else { DType::F32 };
+    let devs = antiphon_models::gpu::open_stages(cfg.model.device, cfg.model.streams == config::Streams::PerStage)?;
+    let dtype = cfg.model.dtype.dtype();
     match cfg.model.source {
         ModelSource::Synthetic => antiphon_assets::synth::models_on(cfg.model.preset, cfg.model.seed, dtype, &devs),
         ModelSource::Checkpoint => {
@@ -154,7 +149,7 @@ pub async fn start(cfg: Config, models: Models) -> Result<Server> {
     let cfg = Arc::new(cfg);
     let voices = load_voices(&cfg)?;
     let default_voice = cfg.voices[0].id.clone();
-    let engine = Arc::new(Engine::start(models, cfg.engine.to_engine())?);
+    let engine = Arc::new(Engine::start(models, cfg.engine.clone())?);
     let shared = Arc::new(Shared {
         config: cfg.clone(),
         engine,
@@ -233,7 +228,6 @@ async fn warm_up(shared: &Arc<Shared>) -> Result<f64> {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let spec = RequestSpec {
         id: RequestId("warm-up".into()),
-        epoch: 0,
         mode: Mode::Turn,
         input: UserInput::Text("warm up".into()),
         instructions: None,
@@ -335,8 +329,8 @@ async fn build_info(State(shared): State<Arc<Shared>>) -> Json<serde_json::Value
             "source": match c.source { ModelSource::Synthetic => "synthetic", ModelSource::Checkpoint => "checkpoint" },
             "preset": format!("{:?}", c.preset).to_lowercase(),
             "path": c.path.as_ref().map(|p| p.display().to_string()),
-            "device": c.device,
-            "dtype": c.dtype,
+            "device": c.device.to_string(),
+            "dtype": c.dtype.to_string(),
         },
         "synthetic_weights": shared.synthetic,
         "voices": shared.config.voices.iter().map(|v| v.id.clone()).collect::<Vec<_>>(),

@@ -20,7 +20,8 @@ pub fn device() -> Device {
     match std::env::var("ANTIPHON_TEST_DEVICE").as_deref() {
         Err(_) | Ok("cpu") | Ok("") => Device::Cpu,
         // as the server opens it (event tracking off, so decode steps can be captured as graphs)
-        Ok(d) => antiphon_models::gpu::open(d).expect("ANTIPHON_TEST_DEVICE names a CUDA device this build cannot open"),
+        Ok(d) => antiphon_models::gpu::open(d.parse().expect("ANTIPHON_TEST_DEVICE: cpu, cuda or cuda:N"))
+            .expect("ANTIPHON_TEST_DEVICE names a CUDA device this build cannot open"),
     }
 }
 

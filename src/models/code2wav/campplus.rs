@@ -91,11 +91,6 @@ impl OnnxGraph {
         Ok(Self { nodes: g.node.clone(), inits, input, output })
     }
 
-    /// Parameters held by the graph (a size figure for logs).
-    pub fn parameter_count(&self) -> usize {
-        self.inits.values().map(|t| t.elem_count()).sum()
-    }
-
     /// Evaluates the graph on one input (f32, CPU).
     pub fn run(&self, x: &Tensor) -> Result<Tensor> {
         let mut env: HashMap<&str, Tensor> = HashMap::new();

@@ -51,11 +51,6 @@ impl Reference {
         let (x, rate) = antiphon_audio::decode_wav(bytes)?;
         Self::materialize(&x, rate)
     }
-
-    /// A short id for logs and metrics.
-    pub fn short_id(&self) -> &str {
-        &self.key[..24.min(self.key.len())]
-    }
 }
 
 /// What the flow needs of a reference (step 2's output).

@@ -14,7 +14,7 @@ use anyhow::{bail, Result};
 use candle_core::{Module, Tensor};
 use candle_nn::{Conv1d, Conv1dConfig, LayerNorm, Linear, VarBuilder};
 
-use crate::decoder::Rope;
+use crate::attention::Rope;
 use crate::onnx::{to_tensor, ModelProto};
 
 /// Head width fixed by the model's RoPE (64 dims).

@@ -72,11 +72,11 @@ impl Session {
                     return;
                 }
                 if self.closing {
-                    self.shared.engine.cancel(&turn, 0);
+                    self.shared.engine.cancel(&turn);
                     return;
                 }
                 let Some(out) = self.new_output() else {
-                    self.shared.engine.cancel(&turn, 0);
+                    self.shared.engine.cancel(&turn);
                     return;
                 };
                 self.responses += 1;

@@ -322,3 +322,34 @@ impl Spectral {
         y.reshape((b, total))?.narrow(1, p, out_len)?.broadcast_mul(&inv)
     }
 }
+
+/// Exact rational arithmetic for the history bound.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Frac(i128, i128);
+
+impl Frac {
+    pub(super) fn new(n: i128, d: i128) -> Self {
+        fn gcd(a: i128, b: i128) -> i128 {
+            if b == 0 {
+                a.abs()
+            } else {
+                gcd(b, a % b)
+            }
+        }
+        let g = gcd(n, d).max(1);
+        Frac(n / g, d / g)
+    }
+    pub(super) fn add(self, o: Frac) -> Frac {
+        Frac::new(self.0 * o.1 + o.0 * self.1, self.1 * o.1)
+    }
+    pub(super) fn max(self, o: Frac) -> Frac {
+        if self.0 * o.1 >= o.0 * self.1 {
+            self
+        } else {
+            o
+        }
+    }
+    pub(super) fn ceil(self) -> i128 {
+        (self.0 + self.1 - 1).div_euclid(self.1)
+    }
+}

@@ -1,0 +1,150 @@
+//! The engine's configuration: one definition, read from the `[engine]` table as it is.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+use antiphon_models::sampling::SamplingParams;
+
+/// Engine knobs: the `[engine]` table of the configuration file is this struct, read by serde
+/// (absent keys keep these defaults, unknown keys are refused). Fields marked `skip` are not
+/// settable from a file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineConfig {
+    /// Streams a Thinker step advances at most.
+    pub thinker_max_batch: usize,
+    /// Prompt positions a Thinker step prefills at most (chunked prefill).
+    pub thinker_prefill_tokens: usize,
+    pub talker_max_batch: usize,
+    pub code2wav_max_batch: usize,
+    /// New codes in the first Code2Wav chunk (a smaller first chunk lowers first-audio time)...
+    pub first_chunk_codes: usize,
+    /// ...for a stream that joins the Talker with at most this many streams (itself included);
+    /// busier, its first chunk is a full one, whose second of audio covers the next chunk's wait.
+    /// Absent: every stream (unlimited); 0: never.
+    pub small_first_chunk_streams: usize,
+    pub chunk_codes: usize,
+    /// Codes of left context in every chunk after the first.
+    #[serde(skip)]
+    pub context_codes: usize,
+    /// Feed the Talker's prefill row by row while the Thinker is still writing (same input).
+    pub talker_streaming_prefill: bool,
+    /// Turn mode: a stream's Talker runs at most this many chunks of codes ahead of the audio
+    /// Code2Wav has delivered (`None`: as fast as it can). On one GPU the stages' steps slow each
+    /// other down; codes made long before Code2Wav can use them only slow down its chunk 0.
+    /// In the file: a count, or -1 for no limit.
+    #[serde(deserialize_with = "minus_one_is_none")]
+    pub talker_lead_chunks: Option<usize>,
+    /// Turn mode, with pacing on: no codes beyond a stream's small first chunk until that chunk's
+    /// audio is delivered (the stream's Talker steps would only slow its chunk 0 down).
+    pub talker_hold_first_chunk: bool,
+    /// Prompt prefixes whose KV the Thinker keeps (0 = off): system turns with their voice, and
+    /// finished turns (prompt + reply) for their conversation's next prompt. A new prompt starts
+    /// from the entry it shares the most leading ids with.
+    pub thinker_prefix_cache: usize,
+    /// One-stream decode steps of the Thinker and the Talker over fixed-address buffers, captured
+    /// as CUDA graphs on a GPU (`DecodeMode::Graph`); off: every step runs op by op.
+    pub decode_graphs: bool,
+    /// Code2Wav's chunks over fixed buffers, captured as CUDA graphs per shape on a GPU (a shape is
+    /// captured the second time it comes): the flow's 10-step CFM solve and the vocoder's F0 and
+    /// decode steps; off: op by op.
+    pub code2wav_graphs: bool,
+    pub ref_cache_capacity: usize,
+    pub setup_cache_capacity: usize,
+    /// Reference prefetch, phase A (materialize + prepare).
+    pub prefetch: bool,
+    /// Reference prefetch, phase B (setup), off by default.
+    pub prefetch_setup: bool,
+    /// How long an idle Stage 2 with waiting references sleeps between idle steps.
+    #[serde(skip)]
+    pub idle_tick: Duration,
+    #[serde(skip)]
+    pub thinker_sampling: SamplingParams,
+    #[serde(skip)]
+    pub talker_sampling: SamplingParams,
+    pub default_max_text_tokens: usize,
+    pub default_min_audio_tokens: usize,
+    pub default_max_audio_tokens: usize,
+    /// Put the reference voice into the Thinker's system prompt (MiniCPM-o's voice-cloning prompt).
+    pub thinker_hears_reference: bool,
+    /// Messages each stage's inbox holds.
+    #[serde(skip)]
+    pub channel_capacity: usize,
+    /// Duplex unit length in ms (a multiple of 100 ms; 1000 as the model was trained).
+    pub duplex_unit_ms: u32,
+    /// Codes the Talker may drain at the end of a duplex turn.
+    pub duplex_drain_codes: usize,
+    /// Thinker positions a duplex session may use (default: the model's context); the session
+    /// closes with `context_full` when the next unit would not fit.
+    /// In the file: 0 for the model's context.
+    #[serde(deserialize_with = "zero_is_none")]
+    pub duplex_max_context: Option<usize>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            thinker_max_batch: 16,
+            thinker_prefill_tokens: 1024,
+            talker_max_batch: 32,
+            code2wav_max_batch: 8,
+            first_chunk_codes: 25,
+            small_first_chunk_streams: usize::MAX,
+            chunk_codes: 25,
+            context_codes: 3,
+            talker_streaming_prefill: false,
+            talker_lead_chunks: Some(1),
+            talker_hold_first_chunk: false,
+            thinker_prefix_cache: 16,
+            decode_graphs: true,
+            code2wav_graphs: true,
+            ref_cache_capacity: 4,
+            setup_cache_capacity: 1,
+            prefetch: true,
+            prefetch_setup: false,
+            idle_tick: Duration::from_millis(2),
+            thinker_sampling: SamplingParams::thinker_greedy(),
+            talker_sampling: SamplingParams::talker(),
+            default_max_text_tokens: 512,
+            default_min_audio_tokens: 50,
+            default_max_audio_tokens: 2048,
+            thinker_hears_reference: true,
+            channel_capacity: 1024,
+            duplex_unit_ms: 1000,
+            duplex_drain_codes: 104,
+            duplex_max_context: None,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Talker codes per spoken duplex unit (25 codes per second of speech).
+    pub fn duplex_codes_per_unit(&self) -> usize {
+        (self.duplex_unit_ms as usize / 40).max(1)
+    }
+
+    /// What the stages cannot run with, named by key.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.chunk_codes == 0 || self.thinker_max_batch == 0 || self.talker_max_batch == 0 || self.code2wav_max_batch == 0 {
+            return Err("engine batch limits and chunk_codes must be at least 1".into());
+        }
+        if self.duplex_unit_ms == 0 || !self.duplex_unit_ms.is_multiple_of(100) || self.duplex_unit_ms > 10_000 {
+            return Err(format!("engine.duplex_unit_ms {}: a multiple of 100 ms up to 10000", self.duplex_unit_ms));
+        }
+        Ok(())
+    }
+}
+
+fn minus_one_is_none<'de, D: Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error> {
+    let v = i64::deserialize(d)?;
+    match v {
+        -1 => Ok(None),
+        v => usize::try_from(v).map(Some).map_err(|_| serde::de::Error::custom(format!("{v}: a count, or -1 for no limit"))),
+    }
+}
+
+fn zero_is_none<'de, D: Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error> {
+    let v = usize::deserialize(d)?;
+    Ok((v > 0).then_some(v))
+}

@@ -1,0 +1,341 @@
+//! Stage 0, the Thinker loop: a scheduler over streams. Two kinds of stream implement
+//! [`ThinkerStream`]: a turn-mode request ([`turn::TurnStream`]: prompt, reply, hand-off to the
+//! Talker at `<|tts_eos|>`) and a duplex session ([`duplex::DuplexStream`]: one long-lived stream fed
+//! a unit of audio at a time). Each step gathers what every stream feeds — chunked prefill within a
+//! token budget and one-token decode steps — into one batched forward, takes logits of the rows
+//! that need them in one batch, and gives each stream its rows back. A stream that fails ends
+//! alone; only a failure of the batched forward itself ends every stream in it.
+
+pub mod duplex;
+mod turn;
+
+use std::collections::VecDeque;
+use std::sync::mpsc::SyncSender;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::{DType, Tensor};
+
+use super::prefix::PrefixStore;
+use super::{EngineConfig, EngineMetrics, Registry, RequestId, RequestSpec, Stage0Msg, Stage1Msg, StageLoop, Status};
+use antiphon_models::code2wav::prompt::PROMPT_SECONDS;
+use antiphon_models::decoder::{CachePool, KvCache, StreamStep};
+use antiphon_models::thinker::Thinker;
+use antiphon_models::tokenizer::{Forbidden, TextTokenizer};
+use duplex::DuplexStream;
+use turn::TurnStream;
+
+/// What every stream shares: the model, the tokenizer, the configuration, and where results go.
+pub struct Ctx {
+    pub thinker: Thinker,
+    pub tok: TextTokenizer,
+    pub cfg: Arc<EngineConfig>,
+    pub registry: Registry,
+    pub metrics: EngineMetrics,
+    pub to_talker: SyncSender<Stage1Msg>,
+    /// The tokens the sampler may not pick (built once from the tokenizer's special tokens).
+    pub forbidden: Forbidden,
+    /// The audio encoder's embeddings of recent reference voices, by content: the same voice in
+    /// every system prompt (turn or duplex) is encoded once.
+    ref_embeds: Recent<Tensor>,
+    /// KV of recent system turns and finished turns, found by the longest shared run of ids.
+    pub prefixes: PrefixStore<KvCache>,
+}
+
+impl Ctx {
+    /// Ends a request as failed (its `Done` carries `why`).
+    pub fn fail(&self, id: &RequestId, why: String) {
+        tracing::warn!(request = %id, "thinker failed: {why}");
+        if self.registry.finish(id, Status::Failed(why)).is_some() {
+            self.metrics.requests.with_label_values(&["failed"]).inc();
+        }
+    }
+
+    /// The reference voice's audio embeddings (its first [`PROMPT_SECONDS`] at 16 kHz), cached by
+    /// content.
+    pub fn reference_embeddings(&mut self, samples: &[f32], rate: u32) -> Result<Tensor> {
+        let key = content_key(samples, rate);
+        if let Some(hit) = self.ref_embeds.get(key) {
+            return Ok(hit.clone());
+        }
+        let r16 = antiphon_audio::resample(samples, rate, 16_000)?;
+        let emb = self.thinker.encode_clip(&r16[..r16.len().min((16_000.0 * PROMPT_SECONDS) as usize)])?;
+        self.ref_embeds.insert(key, emb.clone());
+        Ok(emb)
+    }
+
+    /// The Thinker's context, in positions.
+    pub fn context(&self) -> usize {
+        self.thinker.llm.decoder().config().max_positions
+    }
+}
+
+/// One stream of the Thinker's batched step.
+pub trait ThinkerStream {
+    /// The rows this stream feeds this step — prompt rows within `budget` (which it lowers), or
+    /// its next token — or `None` when it has nothing to run now.
+    fn input(&self, ctx: &Ctx, budget: &mut usize) -> Result<Option<Tensor>>;
+    /// The KV cache its positions go into.
+    fn cache(&mut self) -> &mut KvCache;
+    /// After the forward, with the hidden rows of what it fed: the row to take logits of, if any.
+    fn after_forward(&mut self, ctx: &mut Ctx, hidden: &Tensor) -> Result<Option<Tensor>>;
+    /// Its logits: sample the next token and hand on what is due.
+    fn on_logits(&mut self, ctx: &mut Ctx, logits: &[f32]) -> Result<()>;
+    /// At the end of every step it took part in.
+    fn after_step(&mut self, _ctx: &mut Ctx) -> Result<()> {
+        Ok(())
+    }
+    /// Ends the stream with a failure, telling its client.
+    fn fail(&mut self, ctx: &mut Ctx, why: &str);
+    /// Over: handed off, failed, cancelled or closed; the scheduler drops it after the step.
+    fn ended(&self, ctx: &Ctx) -> bool;
+}
+
+pub struct Stage0 {
+    ctx: Ctx,
+    queue: VecDeque<RequestSpec>,
+    turns: Vec<TurnStream>,
+    duplex: Vec<DuplexStream>,
+    /// Caches of finished turn-mode streams, for the next ones (their decode graphs with them).
+    caches: CachePool,
+}
+
+/// Reference voices whose embeddings Stage 0 keeps.
+const REF_EMBED_CACHE: usize = 8;
+
+/// Thinker caches are made with room for a multiple of this many positions: a conversation
+/// grows by its turns, and a stream that outgrows the pooled caches needs a new one, whose decode
+/// step is captured anew (~10 ms). The static step's attention reads only the held positions, so
+/// room costs memory (~150 KB a position at full size), not time.
+const THINKER_CACHE_QUANTUM: usize = 1024;
+
+/// A few values by content key, most recently used first; the least recent goes beyond `cap`.
+struct Recent<V> {
+    entries: VecDeque<(u64, V)>,
+    cap: usize,
+}
+
+impl<V> Recent<V> {
+    fn new(cap: usize) -> Self {
+        Self { entries: VecDeque::new(), cap }
+    }
+
+    /// The value, now the most recent.
+    fn get(&mut self, key: u64) -> Option<&V> {
+        let i = self.entries.iter().position(|(k, _)| *k == key)?;
+        let hit = self.entries.remove(i).expect("found");
+        self.entries.push_front(hit);
+        self.entries.front().map(|(_, v)| v)
+    }
+
+    fn insert(&mut self, key: u64, value: V) {
+        self.entries.retain(|(k, _)| *k != key);
+        self.entries.push_front((key, value));
+        self.entries.truncate(self.cap);
+    }
+}
+
+/// A key for audio by its content.
+pub(crate) fn content_key(samples: &[f32], rate: u32) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    rate.hash(&mut h);
+    samples.len().hash(&mut h);
+    for s in samples {
+        s.to_bits().hash(&mut h);
+    }
+    h.finish()
+}
+
+/// Rows for the Talker, in host memory: the Talker may run on another stream, and a tensor is used
+/// only on the stream that made it (gpu.rs). The Thinker has just synchronised for its logits, so
+/// this copy waits for nothing.
+pub(crate) fn to_host(t: &Tensor) -> Result<Tensor> {
+    Ok(t.to_device(&candle_core::Device::Cpu)?)
+}
+
+impl Stage0 {
+    pub fn new(
+        thinker: Thinker,
+        tok: TextTokenizer,
+        cfg: Arc<EngineConfig>,
+        registry: Registry,
+        metrics: EngineMetrics,
+        to_talker: SyncSender<Stage1Msg>,
+    ) -> Self {
+        let forbidden = tok.special().forbidden();
+        let prefixes = PrefixStore::new(cfg.thinker_prefix_cache);
+        let caches = CachePool::with_quantum(cfg.thinker_max_batch, THINKER_CACHE_QUANTUM);
+        let ctx = Ctx { thinker, tok, cfg, registry, metrics, to_talker, forbidden, ref_embeds: Recent::new(REF_EMBED_CACHE), prefixes };
+        Self { ctx, queue: VecDeque::new(), turns: Vec::new(), duplex: Vec::new(), caches }
+    }
+
+    /// One batched step over every stream with work (duplex units first: they are due in real
+    /// time). Streams that fail are failed and dropped; `Err` only when the forward itself failed.
+    fn run(&mut self) -> Result<()> {
+        let Stage0 { ctx, turns, duplex, .. } = self;
+        let max_batch = ctx.cfg.thinker_max_batch;
+        let mut budget = ctx.cfg.thinker_prefill_tokens;
+        let mut picked: Vec<(&mut dyn ThinkerStream, Tensor)> = Vec::new();
+        let streams = duplex.iter_mut().map(|d| d as &mut dyn ThinkerStream).chain(turns.iter_mut().map(|t| t as &mut dyn ThinkerStream));
+        for s in streams {
+            if picked.len() >= max_batch {
+                break;
+            }
+            if s.ended(ctx) {
+                continue;
+            }
+            match s.input(ctx, &mut budget) {
+                Ok(Some(embeds)) => picked.push((s, embeds)),
+                Ok(None) => {}
+                Err(e) => s.fail(ctx, &format!("thinker input: {e:#}")),
+            }
+        }
+        if picked.is_empty() {
+            return Ok(());
+        }
+        let n = picked.len();
+        let t0 = Instant::now();
+        let rows: usize = picked.iter().map(|(_, e)| e.dim(0).unwrap_or(0)).sum();
+        let hidden = {
+            let mut steps: Vec<StreamStep> = picked.iter_mut().map(|(s, embeds)| StreamStep { cache: s.cache(), embeds: embeds.clone() }).collect();
+            ctx.thinker.llm.forward(&mut steps)
+        };
+        let hidden = match hidden {
+            Ok(h) => h,
+            Err(e) => {
+                let why = format!("thinker step: {e:#}");
+                for (s, _) in picked {
+                    s.fail(ctx, &why);
+                }
+                return Err(e.into());
+            }
+        };
+        let issued = t0.elapsed();
+        let mut synced = issued;
+        // the rows that need logits: streams that finished a prefill, or decode
+        let mut want: Vec<(usize, Tensor)> = Vec::new();
+        for (k, (s, _)) in picked.iter_mut().enumerate() {
+            match s.after_forward(ctx, &hidden[k]) {
+                Ok(Some(row)) => want.push((k, row)),
+                Ok(None) => {}
+                Err(e) => s.fail(ctx, &format!("thinker step: {e:#}")),
+            }
+        }
+        if !want.is_empty() {
+            let last = Tensor::cat(&want.iter().map(|(_, h)| h.clone()).collect::<Vec<_>>(), 0);
+            let logits = last.and_then(|l| ctx.thinker.llm.logits(&l)?.to_dtype(DType::F32)?.to_vec2::<f32>());
+            synced = t0.elapsed();
+            match logits {
+                Ok(logits) => {
+                    for ((k, _), l) in want.into_iter().zip(logits) {
+                        let s = &mut picked[k].0;
+                        if let Err(e) = s.on_logits(ctx, &l) {
+                            s.fail(ctx, &format!("thinker sampling: {e:#}"));
+                        }
+                    }
+                }
+                Err(e) => {
+                    for (k, _) in want {
+                        picked[k].0.fail(ctx, &format!("thinker logits: {e:#}"));
+                    }
+                }
+            }
+        }
+        for (s, _) in picked.iter_mut() {
+            if !s.ended(ctx) {
+                if let Err(e) = s.after_step(ctx) {
+                    s.fail(ctx, &format!("thinker hand-off: {e:#}"));
+                }
+            }
+        }
+        // steps that prefill (prompt rows, duplex units) apart from pure decode steps
+        let label = if budget < ctx.cfg.thinker_prefill_tokens { "thinker_prefill" } else { "thinker" };
+        tracing::debug!(
+            streams = n,
+            rows,
+            issued_ms = issued.as_secs_f64() * 1e3,
+            logits_ms = synced.as_secs_f64() * 1e3,
+            total_ms = t0.elapsed().as_secs_f64() * 1e3,
+            "{label} step (ms since the step began: forward's kernels queued; logits on the host; sampled and sent)"
+        );
+        ctx.metrics.step_seconds.with_label_values(&[label]).observe(t0.elapsed().as_secs_f64());
+        ctx.metrics.batch_size.with_label_values(&["thinker"]).observe(n as f64);
+        Ok(())
+    }
+
+    /// Drops the streams that ended (a turn's pooled cache goes back to the pool as it drops).
+    fn sweep(&mut self) {
+        let Stage0 { ctx, turns, duplex, .. } = self;
+        duplex.retain(|d| !d.ended(ctx));
+        turns.retain(|t| !t.ended(ctx));
+    }
+}
+
+impl StageLoop for Stage0 {
+    type Msg = Stage0Msg;
+
+    fn fail_all(&mut self, why: &str) {
+        let ctx = &mut self.ctx;
+        for mut d in std::mem::take(&mut self.duplex) {
+            d.end(ctx, &format!("failed: {why}"));
+        }
+        for mut t in std::mem::take(&mut self.turns) {
+            t.fail(ctx, why);
+        }
+        for q in std::mem::take(&mut self.queue) {
+            ctx.fail(&q.id, why.to_string());
+        }
+    }
+
+    fn on_message(&mut self, m: Stage0Msg) {
+        match m {
+            Stage0Msg::Admit(spec) => self.queue.push_back(spec),
+            Stage0Msg::Cancel(id) => {
+                self.queue.retain(|s| s.id != id);
+                self.turns.retain(|t| t.id() != &id);
+            }
+            Stage0Msg::DuplexOpen(spec, sink) => {
+                if let Some(d) = DuplexStream::open(&mut self.ctx, spec, sink) {
+                    self.duplex.retain(|o| o.session() != d.session());
+                    self.duplex.push(d);
+                }
+            }
+            Stage0Msg::DuplexUnit { session, samples, arrived } => {
+                if let Some(d) = self.duplex.iter_mut().find(|d| d.session() == session) {
+                    d.push_unit(samples, arrived);
+                }
+            }
+            Stage0Msg::DuplexClose(session) => {
+                if let Some(j) = self.duplex.iter().position(|d| d.session() == session) {
+                    let mut d = self.duplex.remove(j);
+                    d.end(&mut self.ctx, "closed");
+                }
+            }
+        }
+    }
+
+    fn step(&mut self) -> bool {
+        // admission: prompts are built and queued for prefill
+        while self.turns.len() < self.ctx.cfg.thinker_max_batch {
+            let Some(spec) = self.queue.pop_front() else { break };
+            if let Some(t) = TurnStream::admit(&mut self.ctx, &mut self.caches, spec) {
+                self.turns.push(t);
+            }
+        }
+        // drop streams that ended elsewhere (cancelled, failed)
+        self.sweep();
+        duplex::intake(&mut self.ctx, &mut self.duplex);
+        self.sweep();
+        self.ctx.metrics.queue_depth.with_label_values(&["thinker"]).set((self.turns.len() + self.queue.len()) as i64);
+        if self.turns.is_empty() && !self.duplex.iter().any(|d| d.has_work()) {
+            return false;
+        }
+        if let Err(e) = self.run() {
+            tracing::warn!("thinker step failed: {e:#}");
+        }
+        self.sweep();
+        true
+    }
+}

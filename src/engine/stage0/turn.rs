@@ -1,0 +1,321 @@
+//! A turn-mode request as a Thinker stream: its prompt is built at admission (voice-cloning system
+//! turn, history, text or audio input), prefilled in chunks from the longest prefix the prefix store
+//! already holds, then the reply is decoded token by token with text deltas, and handed to the
+//! Talker at `<|tts_eos|>` (or, with streaming prefill, row by row as it is written).
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Tensor};
+
+use super::{content_key, to_host, Ctx, ThinkerStream};
+use crate::{Mode, RequestId, RequestSpec, Stage1Msg, UserInput};
+use antiphon_models::decoder::{CachePool, KvCache, PooledCache};
+use antiphon_models::sampling::{LengthPolicy, Sampler};
+use antiphon_models::tokenizer::{handoff_range, Message, Part, Role, TextStream};
+
+/// The fewest shared positions worth a copy from the prefix store.
+const MIN_SHARED: usize = 8;
+
+pub struct TurnStream {
+    id: RequestId,
+    cache: PooledCache,
+    /// Prompt embeddings not yet prefilled (from `prefill_pos`).
+    prefill: Option<Tensor>,
+    prefill_pos: usize,
+    /// Prompt + generated ids.
+    ids: Vec<u32>,
+    prompt_len: usize,
+    next: Option<u32>,
+    sampler: Sampler,
+    length: LengthPolicy,
+    text: TextStream,
+    /// Last-layer hidden rows of generated tokens (f32), for the Talker.
+    rows: Vec<Tensor>,
+    /// Rows already sent to the Talker (streaming prefill).
+    streamed: usize,
+    /// The reference voice's content key (0 when the Thinker does not hear it).
+    voice: u64,
+    /// The system turn's length, when its KV should go into the prefix store once prefilled.
+    store_system: Option<usize>,
+    /// Positions whose KV another prompt may reuse (up to the first user audio clip).
+    shareable: usize,
+    /// Handed off to the Talker, or failed.
+    done: bool,
+}
+
+/// Where the first audio clip after `from` (the system turn) starts: the ids before it fix their
+/// embeddings; a clip's placeholders do not (`ids.len()` when there is none).
+fn first_user_audio(ids: &[u32], from: usize, m: &antiphon_models::thinker::AudioMarkers) -> usize {
+    ids.iter().enumerate().skip(from).find(|(_, &t)| t == m.start || t == m.placeholder).map(|(i, _)| i).unwrap_or(ids.len())
+}
+
+/// Stores a prompt prefix's KV in the prefix store. Only an optimisation: a failed copy is logged,
+/// and the stream goes on.
+fn store_prefix(ctx: &mut Ctx, voice: u64, ids: &[u32], cache: &KvCache) {
+    match cache.copy_prefix(ids.len(), 0) {
+        Ok(kv) => ctx.prefixes.insert(voice, ids.to_vec(), kv),
+        Err(e) => tracing::warn!("prefix store copy failed: {e:#}"),
+    }
+}
+
+/// Prompt ids and embeddings for a request.
+fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<(Vec<u32>, Tensor)> {
+    let mut audio = Vec::new();
+    let mut messages = Vec::new();
+    let instructions = spec.instructions.clone().unwrap_or_else(|| "You are a helpful assistant with the above voice style.".into());
+    if ctx.cfg.thinker_hears_reference {
+        let emb = ctx.reference_embeddings(&spec.voice.samples, spec.voice.sample_rate)?;
+        messages.push(Message {
+            role: Role::System,
+            parts: vec![
+                Part::Text("Use the voice in the audio prompt to synthesize new content.\n".into()),
+                Part::Audio(emb.dim(0)?),
+                Part::Text(format!("\n{instructions}")),
+            ],
+        });
+        audio.push(emb);
+    } else {
+        messages.push(Message::text(Role::System, instructions));
+    }
+    // the oldest turns give way when the conversation outgrows the context
+    let budget = ctx.context().saturating_sub(spec.generation.max_text_tokens.unwrap_or(ctx.cfg.default_max_text_tokens) + 64);
+    let mut first = 0;
+    while first < spec.history.len() {
+        let tokens: usize = spec.history[first..]
+            .iter()
+            .map(|t| ctx.tok.encode(&t.user).map(|v| v.len()).unwrap_or(0) + ctx.tok.encode(&t.assistant).map(|v| v.len()).unwrap_or(0) + 10)
+            .sum();
+        if tokens <= budget / 2 {
+            break;
+        }
+        first += 1;
+    }
+    for t in &spec.history[first..] {
+        messages.push(Message::text(Role::User, t.user.clone()));
+        messages.push(Message::text(Role::Assistant, t.assistant.clone()));
+    }
+    match &spec.input {
+        UserInput::Text(t) => messages.push(Message::text(Role::User, t.clone())),
+        UserInput::Audio(samples) => {
+            let emb = ctx.thinker.encode_clip(samples)?;
+            messages.push(Message { role: Role::User, parts: vec![Part::Audio(emb.dim(0)?)] });
+            audio.push(emb);
+        }
+    }
+    let ids = ctx.tok.spoken_reply_prompt(&messages)?;
+    let embeds = ctx.thinker.embed_with_audio(&ids, &ctx.tok.special().audio_markers(), &audio)?;
+    Ok((ids, embeds))
+}
+
+impl TurnStream {
+    pub fn id(&self) -> &RequestId {
+        &self.id
+    }
+
+    /// Builds the request's prompt, tells the Talker to expect it, and finds the longest prompt
+    /// prefix whose KV is already held. `None` when it failed (its `Done` is sent) or is gone.
+    pub fn admit(ctx: &mut Ctx, caches: &mut CachePool, spec: RequestSpec) -> Option<Self> {
+        if !ctx.registry.is_live(&spec.id) {
+            return None;
+        }
+        let t0 = Instant::now();
+        let built = build_prompt(ctx, &spec).context("building the prompt");
+        ctx.metrics.step_seconds.with_label_values(&["thinker_prompt"]).observe(t0.elapsed().as_secs_f64());
+        let (ids, embeds) = match built {
+            Ok(v) => v,
+            Err(e) => {
+                ctx.fail(&spec.id, format!("{e:#}"));
+                return None;
+            }
+        };
+        let context = ctx.context();
+        if ids.len() >= context {
+            ctx.fail(&spec.id, format!("the prompt has {} tokens; the context holds {context}", ids.len()));
+            return None;
+        }
+        let g = &spec.generation;
+        let s = *ctx.tok.special();
+        let max = g.max_text_tokens.unwrap_or(ctx.cfg.default_max_text_tokens);
+        let min = g.min_text_tokens.unwrap_or(0);
+        let mut params = ctx.cfg.thinker_sampling.clone();
+        if let Some(t) = g.temperature {
+            params.temperature = t;
+        }
+        let seed = g.seed.unwrap_or(0);
+        let mut sampler = Sampler::new(params, seed);
+        sampler.observe(&ids);
+        let _ = ctx.to_talker.send(Stage1Msg::Begin {
+            id: spec.id.clone(),
+            mode: spec.mode,
+            voice: spec.voice.clone(),
+            min_codes: g.min_audio_tokens.unwrap_or(match spec.mode {
+                Mode::Turn => ctx.cfg.default_min_audio_tokens,
+                Mode::Duplex => 0,
+            }),
+            max_codes: g.max_audio_tokens.unwrap_or(ctx.cfg.default_max_audio_tokens),
+            seed: seed.wrapping_add(1),
+        });
+        let prompt_len = ids.len();
+        // the KV of the longest prompt prefix seen before (the system turn with the voice, or
+        // this conversation up to its last turn), up to the first user audio clip
+        let voice = if ctx.cfg.thinker_hears_reference { content_key(&spec.voice.samples, spec.voice.sample_rate) } else { 0 };
+        let system = ids.iter().position(|&t| t == s.im_end).map(|end| end + 1).filter(|&len| len < prompt_len);
+        let shareable = first_user_audio(&ids, system.unwrap_or(0), &s.audio_markers());
+        // a finished stream's cache (its buffers and captured decode step) when one fits
+        let mut cache = match caches.take(ctx.thinker.llm.decoder(), prompt_len + max + 8) {
+            Ok(c) => c,
+            Err(e) => {
+                ctx.fail(&spec.id, format!("thinker cache: {e:#}"));
+                return None;
+            }
+        };
+        let mut prefill_pos = 0;
+        if ctx.cfg.thinker_prefix_cache > 0 {
+            // (at least one prompt position is prefilled: its logits start the reply)
+            match ctx.prefixes.lookup(voice, &ids, shareable.min(prompt_len - 1), MIN_SHARED) {
+                Some((hit, len)) => match cache.load_prefix(hit, len) {
+                    Ok(()) => {
+                        prefill_pos = len;
+                        ctx.metrics.prefix_cache.with_label_values(&["hit"]).inc();
+                    }
+                    Err(e) => {
+                        tracing::warn!("prefix cache copy failed: {e:#}");
+                        cache.truncate(0);
+                    }
+                },
+                None => ctx.metrics.prefix_cache.with_label_values(&["miss"]).inc(),
+            }
+        }
+        ctx.metrics.prompt_positions.with_label_values(&["reused"]).inc_by(prefill_pos as u64);
+        ctx.metrics.prompt_positions.with_label_values(&["prefilled"]).inc_by((prompt_len - prefill_pos) as u64);
+        let store_system = system
+            .filter(|&len| ctx.cfg.thinker_prefix_cache > 0 && len > prefill_pos && len <= shareable && !ctx.prefixes.covers(voice, &ids[..len]));
+        Some(TurnStream {
+            id: spec.id,
+            cache,
+            prefill: Some(embeds),
+            prefill_pos,
+            ids,
+            prompt_len,
+            next: None,
+            sampler,
+            length: LengthPolicy::new(vec![s.tts_eos, s.im_end], min, max),
+            text: TextStream::new(),
+            rows: Vec::new(),
+            streamed: 0,
+            voice,
+            store_system,
+            shareable,
+            done: false,
+        })
+    }
+
+    /// Sends the text's hidden rows written since the last call (up to `upto`) to the Talker.
+    fn send_rows(&mut self, ctx: &Ctx, upto: usize) -> Result<()> {
+        if upto <= self.streamed {
+            return Ok(());
+        }
+        let ids = self.ids[self.prompt_len + self.streamed..self.prompt_len + upto].to_vec();
+        let hidden = to_host(&Tensor::cat(&self.rows[self.streamed..upto], 0)?)?;
+        let _ = ctx.to_talker.send(Stage1Msg::Rows { id: self.id.clone(), ids, hidden });
+        self.streamed = upto;
+        Ok(())
+    }
+
+    /// The reply is written: its rows and the end go to the Talker, and the turn's KV to the prefix
+    /// store for the conversation's next prompt, which starts with it.
+    fn hand_off(&mut self, ctx: &mut Ctx) -> Result<()> {
+        self.done = true;
+        let s = *ctx.tok.special();
+        let range = handoff_range(&self.ids, self.prompt_len, &s);
+        // (rows exist for every generated token fed back, i.e. all before the end)
+        let upto = (range.end - self.prompt_len).min(self.rows.len());
+        self.send_rows(ctx, upto)?;
+        ctx.registry.mark(&self.id, |t| t.handoff = Some(Instant::now()));
+        let _ = ctx.to_talker.send(Stage1Msg::End { id: self.id.clone() });
+        let len = self.cache.len().min(self.shareable).min(self.ids.len());
+        if ctx.cfg.thinker_prefix_cache > 0 && len >= MIN_SHARED {
+            store_prefix(ctx, self.voice, &self.ids[..len], &self.cache);
+        }
+        Ok(())
+    }
+}
+
+impl ThinkerStream for TurnStream {
+    fn input(&self, ctx: &Ctx, budget: &mut usize) -> Result<Option<Tensor>> {
+        if let Some(p) = &self.prefill {
+            let total = p.dim(0)?;
+            if *budget == 0 {
+                return Ok(None);
+            }
+            let n = (total - self.prefill_pos).min(*budget);
+            *budget -= n;
+            return Ok(Some(p.narrow(0, self.prefill_pos, n)?));
+        }
+        match self.next {
+            Some(t) => Ok(Some(ctx.thinker.llm.embed(&[t])?)),
+            None => Ok(None),
+        }
+    }
+
+    fn cache(&mut self) -> &mut KvCache {
+        &mut self.cache
+    }
+
+    fn after_forward(&mut self, ctx: &mut Ctx, hidden: &Tensor) -> Result<Option<Tensor>> {
+        let rows = hidden.dim(0)?;
+        if let Some(p) = &self.prefill {
+            self.prefill_pos += rows;
+            if self.prefill_pos < p.dim(0)? {
+                return Ok(None);
+            }
+            self.prefill = None;
+            if let Some(len) = self.store_system.take() {
+                if !ctx.prefixes.covers(self.voice, &self.ids[..len]) {
+                    store_prefix(ctx, self.voice, &self.ids[..len], &self.cache);
+                }
+            }
+        } else {
+            // the fed token was generated: keep its row for the Talker
+            self.rows.push(hidden.narrow(0, rows - 1, 1)?.to_dtype(DType::F32)?);
+        }
+        Ok(Some(hidden.narrow(0, rows - 1, 1)?))
+    }
+
+    fn on_logits(&mut self, ctx: &mut Ctx, logits: &[f32]) -> Result<()> {
+        if !ctx.registry.is_live(&self.id) {
+            self.done = true;
+            return Ok(());
+        }
+        let tok = self.length.next(&mut self.sampler, logits, &ctx.forbidden.reply);
+        let s = ctx.tok.special();
+        if tok == s.tts_eos || tok == s.im_end {
+            return self.hand_off(ctx);
+        }
+        self.ids.push(tok);
+        self.next = Some(tok);
+        let delta = self.text.push(&ctx.tok, tok)?;
+        if !delta.is_empty() {
+            ctx.registry.emit(&self.id, crate::EngineEvent::TextDelta(delta));
+        }
+        Ok(())
+    }
+
+    /// Streaming prefill: the Talker gets every row written so far.
+    fn after_step(&mut self, ctx: &mut Ctx) -> Result<()> {
+        if ctx.cfg.talker_streaming_prefill {
+            self.send_rows(ctx, self.rows.len())?;
+        }
+        Ok(())
+    }
+
+    fn fail(&mut self, ctx: &mut Ctx, why: &str) {
+        self.done = true;
+        ctx.fail(&self.id, why.to_string());
+    }
+
+    fn ended(&self, ctx: &Ctx) -> bool {
+        self.done || !ctx.registry.is_live(&self.id)
+    }
+}

@@ -1,0 +1,238 @@
+//! A session's responses: starting one on the engine, its output audio, its events (text, audio
+//! chunks, done), cancelling and finishing; generation overrides and voice resolution.
+
+use std::time::Instant;
+
+use base64::Engine as _;
+
+use super::*;
+
+pub(super) struct Resp {
+    pub(super) id: u32,
+    pub(super) out: OutputAudio,
+    pub(super) engine_id: RequestId,
+    pub(super) trigger: &'static str,
+    pub(super) user: String,
+    pub(super) text: String,
+    pub(super) packets: u64,
+    pub(super) chunks: u64,
+    pub(super) audio_samples: u64,
+    pub(super) started: Instant,
+    pub(super) first_packet: bool,
+}
+
+impl Session {
+    pub(super) fn start_response(&mut self, trigger: &'static str, input: UserInput, user: String, gen: Option<Generation>) {
+        if self.closing {
+            self.send_error(WireError::new(ErrorCode::Capacity, "the server is shutting down; no new responses"));
+            return;
+        }
+        if self.current.is_some() {
+            // a new turn while answering: the old answer is cut short
+            self.cancel_response(None);
+        }
+        let Some(out) = self.new_output() else { return };
+        self.responses += 1;
+        let rid = self.responses;
+        let engine_id = RequestId(format!("{}/{}", self.id, rid));
+        let g = merge(&self.generation, gen.as_ref());
+        let spec = RequestSpec {
+            id: engine_id.clone(),
+            mode: Mode::Turn,
+            input,
+            instructions: self.instructions.clone(),
+            history: self.history.iter().map(|t| Turn { user: t.user.clone(), assistant: t.assistant.clone() }).collect(),
+            voice: self.voice.clone(),
+            generation: GenerationParams {
+                max_text_tokens: g.max_text_tokens,
+                min_text_tokens: g.min_text_tokens,
+                max_audio_tokens: g.max_audio_tokens,
+                min_audio_tokens: g.min_audio_tokens,
+                temperature: g.temperature,
+                seed: g.seed,
+            },
+        };
+        self.send_event(ServerEvent::ResponseCreated { seq: 0, response_id: rid, trigger });
+        let me = self.me.clone().expect("started");
+        let sink = Arc::new(move |event: EngineEvent| {
+            let _ = me.send(SessionMsg::Engine { response_id: rid, event });
+        });
+        self.current = Some(Resp {
+            id: rid,
+            out,
+            engine_id,
+            trigger,
+            user,
+            text: String::new(),
+            packets: 0,
+            chunks: 0,
+            audio_samples: 0,
+            started: Instant::now(),
+            first_packet: false,
+        });
+        tracing::info!(response = rid, trigger, "response started");
+        if let Err(e) = self.shared.engine.submit(spec, sink) {
+            self.finish_response(rid, Status::Failed(e.to_string()));
+        }
+    }
+
+    /// The output encoder of a new response (a pending `output_audio` change applies now).
+    pub(super) fn new_output(&mut self) -> Option<OutputAudio> {
+        if let Some(f) = self.pending_output.take() {
+            self.output_format = f;
+        }
+        let f = &self.output_format;
+        match OutputAudio::new(f.codec, f.frame_ms.unwrap_or(20)) {
+            Ok(o) => Some(o),
+            Err(e) => {
+                self.send_error(WireError::new(ErrorCode::Internal, format!("output audio: {e}")));
+                None
+            }
+        }
+    }
+
+    pub(super) fn resp_mut(&mut self, rid: u32) -> Option<&mut Resp> {
+        match &mut self.current {
+            Some(r) if r.id == rid => Some(r),
+            _ => self.older.iter_mut().find(|r| r.id == rid),
+        }
+    }
+
+    pub(super) fn take_resp(&mut self, rid: u32) -> Option<Resp> {
+        if self.current.as_ref().is_some_and(|r| r.id == rid) {
+            return self.current.take();
+        }
+        let i = self.older.iter().position(|r| r.id == rid)?;
+        Some(self.older.remove(i))
+    }
+
+    pub(super) fn live_responses(&self) -> usize {
+        self.older.len() + usize::from(self.current.is_some())
+    }
+
+    /// Barge-in: the current response (or the one named) stops now.
+    pub(super) fn cancel_response(&mut self, which: Option<u32>) {
+        let ids: Vec<u32> = self.current.iter().chain(&self.older).map(|r| r.id).filter(|id| which.is_none_or(|w| w == *id)).collect();
+        let ids = if which.is_none() { ids.into_iter().take(1).collect::<Vec<_>>() } else { ids };
+        for rid in ids {
+            if let Some(r) = self.resp_mut(rid) {
+                let e = r.engine_id.clone();
+                self.shared.engine.cancel(&e);
+                self.finish_response(rid, Status::Cancelled);
+            }
+        }
+    }
+
+    pub(super) fn finish_response(&mut self, rid: u32, status: Status) {
+        let Some(r) = self.take_resp(rid) else { return };
+        if let Some(d) = &mut self.duplex {
+            d.turns.remove(&r.engine_id);
+        }
+        let (label, msg) = match &status {
+            Status::Completed => ("completed", None),
+            Status::Cancelled => ("cancelled", None),
+            Status::Failed(why) => ("failed", Some(why.clone())),
+        };
+        if let Some(why) = msg {
+            tracing::warn!(response = r.id, "response failed: {why}");
+            self.send_error(WireError::new(ErrorCode::Internal, format!("response {} failed: {why}", r.id)));
+        }
+        let audio_ms = r.audio_samples * 1000 / crate::audio_edge::OUTPUT_RATE as u64;
+        self.send_event(ServerEvent::ResponseDone { seq: 0, response_id: r.id, status: label, audio_ms, packets: r.packets, chunks: r.chunks });
+        self.shared.metrics.responses.with_label_values(&[label]).inc();
+        tracing::info!(response = r.id, status = label, audio_ms, "response done");
+        let _ = r.trigger;
+        if label != "failed" {
+            // a failed turn did not happen as far as the conversation goes
+            self.history.push(HistoryTurn { response_id: r.id, user: r.user, assistant: r.text, audio_ms });
+        }
+        if self.closing && self.live_responses() == 0 {
+            self.end(false, Some((1001, "server shutting down")));
+        }
+    }
+
+    pub(super) fn on_engine(&mut self, response_id: u32, event: EngineEvent) {
+        let Some(r) = self.resp_mut(response_id) else {
+            return;
+        };
+        match event {
+            EngineEvent::TextDelta(t) => {
+                r.text.push_str(&t);
+                self.send_event(ServerEvent::ResponseTextDelta { seq: 0, response_id, text: t });
+            }
+            EngineEvent::Audio { samples, last, .. } => {
+                r.audio_samples += samples.len() as u64;
+                r.chunks += 1;
+                let encoded: anyhow::Result<Vec<Vec<u8>>> = (|| {
+                    let mut packets = r.out.push(&samples)?;
+                    if last {
+                        packets.extend(r.out.finish()?);
+                        if packets.is_empty() {
+                            // nothing left to carry the flag: a frame of silence does
+                            let frame = vec![0.0; r.out.frame_samples()];
+                            packets.append(&mut r.out.push(&frame)?);
+                        }
+                    }
+                    Ok(packets)
+                })();
+                let packets = match encoded {
+                    Ok(p) => p,
+                    Err(e) => return self.finish_response(response_id, Status::Failed(format!("encoding audio: {e}"))),
+                };
+                let n = packets.len();
+                r.packets += n as u64;
+                if !r.first_packet && n > 0 {
+                    r.first_packet = true;
+                    let t = r.started.elapsed().as_secs_f64();
+                    self.shared.metrics.ttfa.observe(t);
+                }
+                for (i, p) in packets.into_iter().enumerate() {
+                    self.send_audio(response_id, p, last && i + 1 == n);
+                }
+            }
+            EngineEvent::Done { status, .. } => self.finish_response(response_id, status),
+        }
+    }
+}
+
+pub(super) fn merge(base: &Generation, over: Option<&Generation>) -> Generation {
+    let Some(o) = over else { return base.clone() };
+    Generation {
+        max_text_tokens: o.max_text_tokens.or(base.max_text_tokens),
+        min_text_tokens: o.min_text_tokens.or(base.min_text_tokens),
+        max_audio_tokens: o.max_audio_tokens.or(base.max_audio_tokens),
+        min_audio_tokens: o.min_audio_tokens.or(base.min_audio_tokens),
+        temperature: o.temperature.or(base.temperature),
+        seed: o.seed.or(base.seed),
+    }
+}
+
+/// A configured voice by id, uploaded audio (WAV, or raw PCM16 at `sample_rate`), or the default.
+pub(super) fn resolve_voice(shared: &Shared, v: Option<&Voice>) -> Result<RefInput, WireError> {
+    match v {
+        None => Ok(shared.voices[&shared.default_voice].clone()),
+        Some(Voice::Configured { id }) => {
+            shared.voices.get(id).cloned().ok_or_else(|| WireError::new(ErrorCode::BadField, format!("field `voice.id`: no voice {id:?}")))
+        }
+        Some(Voice::Uploaded { ref_audio_b64, sample_rate }) => {
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(ref_audio_b64)
+                .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `voice.ref_audio_b64`: not base64 ({e})")))?;
+            let (samples, rate) = if bytes.starts_with(b"RIFF") {
+                antiphon_audio::decode_wav(&bytes).map_err(|e| WireError::new(ErrorCode::BadField, format!("field `voice.ref_audio_b64`: {e}")))?
+            } else {
+                if bytes.len() % 2 != 0 {
+                    return Err(WireError::new(ErrorCode::BadField, "field `voice.ref_audio_b64`: PCM16 of odd length"));
+                }
+                (bytes.chunks_exact(2).map(|b| antiphon_audio::i16_to_f32(i16::from_le_bytes([b[0], b[1]]))).collect(), *sample_rate)
+            };
+            if samples.len() < (rate as usize / 2) || !(8_000..=96_000).contains(&rate) {
+                return Err(WireError::new(ErrorCode::BadField, "field `voice.ref_audio_b64`: needs at least 0.5 s of audio at 8-96 kHz"));
+            }
+            if samples.iter().any(|s| !s.is_finite()) {
+                return Err(WireError::new(ErrorCode::BadField, "field `voice.ref_audio_b64`: non-finite samples"));
+            }
+            Ok(RefInput::new(samples, rate))
+        }
+    }
+}

@@ -1,0 +1,131 @@
+//! The architecture as tests: the crate graph keeps the layers (ARCHITECTURE.md's "Architecture
+//! invariant:" lines point here), the models crate does no file IO, and no source file grows past
+//! the size a reader can hold.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `cargo metadata` of the workspace: package name -> the names of every package it depends on
+/// for normal (non-dev, non-build) use, transitively.
+fn normal_closure() -> BTreeMap<String, BTreeSet<String>> {
+    let out = std::process::Command::new(env!("CARGO"))
+        .args(["metadata", "--format-version", "1"])
+        .current_dir(root())
+        .output()
+        .expect("running cargo metadata");
+    assert!(out.status.success(), "cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr));
+    let m: Value = serde_json::from_slice(&out.stdout).expect("cargo metadata prints JSON");
+    let names: BTreeMap<String, String> =
+        m["packages"].as_array().unwrap().iter().map(|p| (p["id"].as_str().unwrap().to_string(), p["name"].as_str().unwrap().to_string())).collect();
+    let mut direct: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for n in m["resolve"]["nodes"].as_array().unwrap() {
+        let deps = n["deps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|d| d["dep_kinds"].as_array().unwrap().iter().any(|k| k["kind"].is_null()))
+            .map(|d| d["pkg"].as_str().unwrap().to_string())
+            .collect();
+        direct.insert(n["id"].as_str().unwrap().to_string(), deps);
+    }
+    let mut closure = BTreeMap::new();
+    for (id, name) in &names {
+        if !name.starts_with("antiphon") {
+            continue;
+        }
+        let mut seen = BTreeSet::new();
+        let mut todo = vec![id.clone()];
+        while let Some(x) = todo.pop() {
+            for d in direct.get(&x).into_iter().flatten() {
+                if seen.insert(names[d].clone()) {
+                    todo.push(d.clone());
+                }
+            }
+        }
+        closure.insert(name.clone(), seen);
+    }
+    closure
+}
+
+#[test]
+fn the_crate_graph_keeps_the_layers() {
+    let c = normal_closure();
+    let expect = [
+        "antiphon",
+        "antiphon-protocol",
+        "antiphon-audio",
+        "antiphon-models",
+        "antiphon-assets",
+        "antiphon-engine",
+        "antiphon-server",
+        "antiphon-bench",
+    ];
+    for name in expect {
+        assert!(c.contains_key(name), "the workspace has no crate {name}: {:?}", c.keys().collect::<Vec<_>>());
+    }
+    let forbid = |krate: &str, banned: &[&str]| {
+        let deps = &c[krate];
+        let bad: Vec<&&str> = banned.iter().filter(|b| deps.contains(**b)).collect();
+        assert!(bad.is_empty(), "{krate} must not depend on {bad:?} (directly or through another crate)");
+    };
+    let server_side = ["tokio", "axum", "tower-http", "tokio-tungstenite", "opus", "prometheus", "hyper"];
+    // Architecture invariant: the models are pure computation (candle + serde), no runtime, no sockets.
+    forbid("antiphon-models", &server_side);
+    forbid("antiphon-models", &["antiphon-assets", "antiphon-engine", "antiphon-server", "antiphon-bench", "antiphon-protocol"]);
+    // Architecture invariant: model files are read in one crate, which knows nothing of serving.
+    forbid("antiphon-assets", &server_side);
+    forbid("antiphon-assets", &["antiphon-engine", "antiphon-server", "antiphon-bench"]);
+    // Architecture invariant: the engine runs stages on threads; sockets and HTTP are the server's.
+    forbid("antiphon-engine", &["axum", "tower-http", "tokio-tungstenite", "tokio", "hyper", "opus"]);
+    forbid("antiphon-engine", &["antiphon-server", "antiphon-bench", "antiphon-assets"]);
+    // Architecture invariant: the bench client knows the wire protocol only, like any client.
+    forbid("antiphon-bench", &["antiphon-engine", "antiphon-models", "antiphon-assets", "antiphon-server", "candle-core"]);
+    // Architecture invariant: the protocol crate is plain data (serde only).
+    forbid("antiphon-protocol", &["antiphon-audio", "antiphon-models", "antiphon-engine", "candle-core", "tokio"]);
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+#[test]
+fn the_models_crate_reads_no_files() {
+    let mut files = Vec::new();
+    rust_files(&root().join("src/models"), &mut files);
+    assert!(files.len() > 10, "found only {} files under src/models", files.len());
+    for f in files.iter().filter(|f| !f.ends_with("build.rs")) {
+        let text = std::fs::read_to_string(f).unwrap();
+        for banned in ["std::fs", "File::open", "read_to_string(", "tokio"] {
+            assert!(!text.contains(banned), "{} uses {banned}: file IO belongs in antiphon-assets", f.display());
+        }
+    }
+}
+
+#[test]
+fn no_source_file_is_over_600_lines() {
+    let mut files = Vec::new();
+    for d in ["src", "tests", "benches"] {
+        rust_files(&root().join(d), &mut files);
+    }
+    let long: Vec<String> = files
+        .iter()
+        .filter_map(|f| {
+            let n = std::fs::read_to_string(f).unwrap().lines().count();
+            (n > 600).then(|| format!("{} ({n} lines)", f.strip_prefix(root()).unwrap().display()))
+        })
+        .collect();
+    assert!(long.is_empty(), "split these files: {long:?}");
+}
