@@ -392,3 +392,80 @@ fn parity_talker_batched_streams_match_single() {
     assert_close("talker stream B batched vs alone", &Tensor::cat(&rb, 0).unwrap(), &run_alone(&conds[1]), 1e-5);
     assert_close("talker stream A vs reference", &Tensor::cat(&ra, 0).unwrap(), &io["talker_hidden"], TOL);
 }
+
+/// Streams in slots of a pool, stepped in batches of 3, 2 and 1 (batched decode step, captured per
+/// batch size on CUDA), with a step that mixes one stream's prefill into the others' decode and
+/// a slot handed back and taken again: every row equals the stream decoded alone, op by op.
+#[test]
+fn slot_pool_batched_decode_matches_streams_alone() {
+    let meta = load_meta(FIX);
+    let tids = ids(&meta["llm_text_ids"]);
+    let seq: Vec<u32> = tids.iter().cycle().take(60).copied().collect();
+    let prompts = [&seq[..7], &seq[3..23], &seq[10..43]];
+    let (mut eager, _) = models();
+    eager.llm.set_decode_mode(DecodeMode::Eager);
+    let alone: Vec<Vec<Tensor>> = prompts
+        .iter()
+        .map(|p| {
+            let llm = &eager.llm;
+            let mut c = llm.new_cache();
+            let mut rows = vec![llm.forward(&mut [StreamStep { cache: &mut c, embeds: llm.embed(p).unwrap() }]).unwrap().pop().unwrap()];
+            for t in 0..6 {
+                rows.push(llm.forward(&mut [StreamStep { cache: &mut c, embeds: llm.embed(&seq[t..t + 1]).unwrap() }]).unwrap().pop().unwrap());
+            }
+            rows
+        })
+        .collect();
+    for mode in [DecodeMode::Static, DecodeMode::Graph] {
+        let (mut thinker, _) = models();
+        thinker.llm.set_decode_mode(mode);
+        let llm = &thinker.llm;
+        let pool = llm.decoder().slot_pool(3, 64).unwrap();
+        {
+            let lease = pool.take().unwrap().expect("a free slot");
+            assert_eq!(pool.free(), 2);
+            drop(lease);
+            assert_eq!(pool.free(), 3, "a dropped cache hands its slot back");
+        }
+        let mut c: Vec<KvCache> = (0..3).map(|_| pool.take().unwrap().expect("a free slot")).collect();
+        assert!(pool.take().unwrap().is_none(), "every slot is taken");
+        let mut got: Vec<Vec<Tensor>> = vec![vec![]; 3];
+        // stream 0 and 1 prefill; then stream 2 prefills in the same step as their first decode
+        for i in 0..2 {
+            got[i].push(llm.forward(&mut [StreamStep { cache: &mut c[i], embeds: llm.embed(prompts[i]).unwrap() }]).unwrap().pop().unwrap());
+        }
+        let (a, rest) = c.split_at_mut(1);
+        let (b, cc) = rest.split_at_mut(1);
+        let mixed = llm
+            .forward(&mut [
+                StreamStep { cache: &mut a[0], embeds: llm.embed(&seq[0..1]).unwrap() },
+                StreamStep { cache: &mut b[0], embeds: llm.embed(&seq[0..1]).unwrap() },
+                StreamStep { cache: &mut cc[0], embeds: llm.embed(prompts[2]).unwrap() },
+            ])
+            .unwrap();
+        for (i, r) in mixed.into_iter().enumerate() {
+            got[i].push(r);
+        }
+        // stream 2's first decode position is 0; streams 0 and 1 are at 1: three batched steps
+        // of all three streams at different positions, then two, then one
+        let mut next = [1usize, 1, 0];
+        for who in [&[0usize, 1, 2][..], &[0, 1, 2], &[0, 1, 2], &[1, 2], &[2]] {
+            let mut steps: Vec<StreamStep> = Vec::new();
+            for (i, cache) in c.iter_mut().enumerate() {
+                if who.contains(&i) {
+                    steps.push(StreamStep { cache, embeds: llm.embed(&seq[next[i]..next[i] + 1]).unwrap() });
+                }
+            }
+            let rows = llm.forward(&mut steps).unwrap();
+            for (&i, r) in who.iter().zip(rows) {
+                got[i].push(r);
+                next[i] += 1;
+            }
+        }
+        for (i, (g, want)) in got.iter().zip(&alone).enumerate() {
+            for (k, row) in g.iter().enumerate() {
+                assert_close(&format!("{mode:?} stream {i} row {k}"), row, &want[k], 1e-5);
+            }
+        }
+    }
+}

@@ -43,6 +43,15 @@ pub struct EngineConfig {
     /// finished turns (prompt + reply) for their conversation's next prompt. A new prompt starts
     /// from the entry it shares the most leading ids with.
     pub thinker_prefix_cache: usize,
+    /// KV slots allocated at start-up for Thinker streams (0: none), each with room for
+    /// `thinker_slot_context` positions: streams in slots decode in one batched step (on CUDA a
+    /// graph per batch size); a stream that finds no free slot, or needs more, gets a cache of
+    /// its own.
+    pub thinker_slots: usize,
+    pub thinker_slot_context: usize,
+    /// The same for the Talker.
+    pub talker_slots: usize,
+    pub talker_slot_context: usize,
     /// One-stream decode steps of the Thinker and the Talker over fixed-address buffers, captured
     /// as CUDA graphs on a GPU (`DecodeMode::Graph`); off: every step runs op by op.
     pub decode_graphs: bool,
@@ -97,6 +106,10 @@ impl Default for EngineConfig {
             talker_lead_chunks: Some(1),
             talker_hold_first_chunk: false,
             thinker_prefix_cache: 16,
+            thinker_slots: 16,
+            thinker_slot_context: 4096,
+            talker_slots: 32,
+            talker_slot_context: 4096,
             decode_graphs: true,
             code2wav_graphs: true,
             ref_cache_capacity: 4,

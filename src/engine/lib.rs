@@ -12,6 +12,7 @@
 //! is no longer live. Stage 2 uses its idle steps to prepare a waiting request's reference voice
 //! (reference prefetch, see [`stage2`]).
 
+pub mod caches;
 pub mod chunker;
 pub mod config;
 pub mod metrics;
@@ -189,8 +190,8 @@ impl Engine {
         let (tx0, rx0) = mpsc::sync_channel::<Stage0Msg>(cap);
         let (tx1, rx1) = mpsc::sync_channel::<Stage1Msg>(cap);
         let (tx2, rx2) = mpsc::sync_channel::<Stage2Msg>(cap);
-        let s0 = stage0::Stage0::new(models.thinker, models.tokenizer, cfg.clone(), registry.clone(), metrics.clone(), tx1.clone());
-        let s1 = stage1::Stage1::new(models.talker, cfg.clone(), registry.clone(), metrics.clone(), tx2.clone());
+        let s0 = stage0::Stage0::new(models.thinker, models.tokenizer, cfg.clone(), registry.clone(), metrics.clone(), tx1.clone())?;
+        let s1 = stage1::Stage1::new(models.talker, cfg.clone(), registry.clone(), metrics.clone(), tx2.clone())?;
         let s2 = stage2::Stage2::new(models.code2wav, cfg.clone(), registry.clone(), metrics.clone());
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| std::thread::Builder::new().name(name.to_string()).spawn(f);
         let threads = vec![

@@ -74,6 +74,14 @@ fn time(devs: &[Device], iters: usize, mut f: impl FnMut() -> Result<()>) -> Res
     Ok((v[v.len() / 2], v[0]))
 }
 
+/// Positions each Thinker slot holds in the slot rows (a conversation of many turns).
+const SLOT_CONTEXT: usize = 4096;
+
+/// Each row's argmax, on the device; only the ids come to the host.
+fn greedy_ids(logits: &Tensor) -> candle_core::Result<Vec<u32>> {
+    logits.argmax_keepdim(1)?.flatten_all()?.to_vec1::<u32>()
+}
+
 /// Runs every measurement; `batches` are the decode batch sizes.
 /// Only the rows whose names contain one of `only`'s strings run (all when it is empty).
 pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32), only: &[String]) -> Result<Vec<Timing>> {
@@ -152,6 +160,31 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
             Ok(())
         })?;
     }
+    // B streams in slots of a pool, one batched step (a graph per batch size on CUDA), greedy
+    // ids to the host: the engine-at-scale decode step
+    {
+        let mut g = llm.clone();
+        g.set_decode_mode(DecodeMode::Graph);
+        for &b in batches {
+            let pool = g.decoder().slot_pool(b, SLOT_CONTEXT.min(g.decoder().config().max_positions))?;
+            g.decoder().warm_pool(&pool)?;
+            let mut caches: Vec<KvCache> =
+                (0..b).map(|_| pool.take()?.ok_or_else(|| candle_core::Error::Msg("no free slot".into()))).collect::<candle_core::Result<_>>()?;
+            for c in caches.iter_mut() {
+                g.forward(&mut [StreamStep { cache: c, embeds: llm.embed(&prompt)? }])?;
+            }
+            let tok = llm.embed(&[42])?;
+            rows.time("thinker decode step (slots, graph) + ids to host", b, iters, || {
+                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
+                let h = g.forward(&mut steps)?;
+                std::hint::black_box(greedy_ids(&g.logits(&Tensor::cat(&h, 0)?)?)?);
+                for c in caches.iter_mut() {
+                    c.truncate(200);
+                }
+                Ok(())
+            })?;
+        }
+    }
     // ---- Stage 1: Talker
     let talker = &m.talker;
     let hidden = talker.config().hidden_size;
@@ -188,6 +221,29 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
             }
             Ok(())
         })?;
+    }
+    {
+        let mut g = talker.clone();
+        g.set_decode_mode(DecodeMode::Graph);
+        for &b in batches {
+            let pool = g.decoder().slot_pool(b, 1024.min(g.decoder().config().max_positions))?;
+            g.decoder().warm_pool(&pool)?;
+            let mut caches: Vec<KvCache> =
+                (0..b).map(|_| pool.take()?.ok_or_else(|| candle_core::Error::Msg("no free slot".into()))).collect::<candle_core::Result<_>>()?;
+            for c in caches.iter_mut() {
+                g.forward(&mut [StreamStep { cache: c, embeds: cond.clone() }])?;
+            }
+            let code = talker.embed_codes(&[17])?;
+            rows.time("talker decode step (slots, graph) + ids to host", b, iters, || {
+                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: code.clone() }).collect();
+                let h = g.forward(&mut steps)?;
+                std::hint::black_box(greedy_ids(&g.logits(&Tensor::cat(&h, 0)?)?)?);
+                for c in caches.iter_mut() {
+                    c.truncate(40);
+                }
+                Ok(())
+            })?;
+        }
     }
     // ---- Stage 2: Code2Wav
     let c2w = &m.code2wav;

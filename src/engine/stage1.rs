@@ -10,10 +10,11 @@ use std::time::Instant;
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 
+use super::caches::StageCaches;
 use super::chunker::{Chunker, Payload};
 use super::{EngineConfig, EngineMetrics, Mode, RefInput, Registry, RequestId, Stage1Msg, Stage2Msg, StageLoop, Status};
 use antiphon_models::code2wav::SILENCE_CODE;
-use antiphon_models::decoder::{CachePool, KvCache, PooledCache, StreamStep};
+use antiphon_models::decoder::{KvCache, PooledCache, StreamStep};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::talker::{ConditionMode, Talker};
 
@@ -61,13 +62,19 @@ pub struct Stage1 {
     /// The last step held a stream back (pacing): poll again soon, Code2Wav will catch up.
     paced: bool,
     /// Caches of finished streams, for the next ones (their decode graphs with them).
-    caches: CachePool,
+    caches: StageCaches,
 }
 
 impl Stage1 {
-    pub fn new(talker: Talker, cfg: Arc<EngineConfig>, registry: Registry, metrics: EngineMetrics, to_c2w: SyncSender<Stage2Msg>) -> Self {
-        let caches = CachePool::new(cfg.talker_max_batch);
-        Self { talker, cfg, registry, metrics, to_c2w, reqs: HashMap::new(), order: Vec::new(), paced: false, caches }
+    pub fn new(
+        talker: Talker,
+        cfg: Arc<EngineConfig>,
+        registry: Registry,
+        metrics: EngineMetrics,
+        to_c2w: SyncSender<Stage2Msg>,
+    ) -> anyhow::Result<Self> {
+        let caches = StageCaches::new(talker.decoder(), cfg.talker_max_batch, 256, cfg.talker_slots, cfg.talker_slot_context)?;
+        Ok(Self { talker, cfg, registry, metrics, to_c2w, reqs: HashMap::new(), order: Vec::new(), paced: false, caches })
     }
 
     /// Codes a turn-mode stream whose first chunk holds `first` codes may have made once Code2Wav

@@ -99,13 +99,28 @@ pub fn qk_norm_rope_store(
         };
         return qkv.contiguous()?.apply_op1_no_bwd(&op);
     }
+    let heads = qk_norm_rope_store_twin(qkv, hq, hkv, w, eps, rope, pos)?;
+    let at = pos.reshape((1, 1, 1))?.broadcast_as((hkv, 1, d))?.contiguous()?;
+    kc.scatter_set(&at, &heads.narrow(0, hq, hkv)?.unsqueeze(1)?.contiguous()?, 1)?;
+    vc.scatter_set(&at, &heads.narrow(0, hq + hkv, hkv)?.unsqueeze(1)?.contiguous()?, 1)?;
+    Ok(heads)
+}
+
+/// [`qk_norm_rope_store`]'s heads with tensor ops, without the cache write (`pos`: `[1]` u32).
+pub(crate) fn qk_norm_rope_store_twin(
+    qkv: &Tensor,
+    hq: usize,
+    hkv: usize,
+    w: Option<&Tensor>,
+    eps: f64,
+    rope: &Rope,
+    pos: &Tensor,
+) -> Result<Tensor> {
+    let d = qkv.dim(1)?;
     let ones = Tensor::ones(d, qkv.dtype(), qkv.device())?;
     let (cos, sin) = rope.tables_fused(pos)?;
     let qk = qk_norm_rope(&qkv.narrow(0, 0, hq + hkv)?.unsqueeze(0)?, w.map(|w| (w, &ones)), eps, &cos, &sin)?.squeeze(0)?;
     let v = qkv.narrow(0, hq + hkv, hkv)?;
-    let at = pos.reshape((1, 1, 1))?.broadcast_as((hkv, 1, d))?.contiguous()?;
-    kc.scatter_set(&at, &qk.narrow(0, hq, hkv)?.unsqueeze(1)?.contiguous()?, 1)?;
-    vc.scatter_set(&at, &v.unsqueeze(1)?.contiguous()?, 1)?;
     Tensor::cat(&[qk, v.contiguous()?], 0)
 }
 

@@ -5,6 +5,7 @@
 
 pub mod attention;
 pub mod backend;
+pub mod batch_decode;
 pub mod cache_pool;
 pub mod code2wav;
 pub mod config;

@@ -17,10 +17,11 @@ use std::time::Instant;
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 
+use super::caches::StageCaches;
 use super::prefix::PrefixStore;
 use super::{EngineConfig, EngineMetrics, Registry, RequestId, RequestSpec, Stage0Msg, Stage1Msg, StageLoop, Status};
 use antiphon_models::code2wav::prompt::PROMPT_SECONDS;
-use antiphon_models::decoder::{CachePool, KvCache, StreamStep};
+use antiphon_models::decoder::{KvCache, StreamStep};
 use antiphon_models::thinker::Thinker;
 use antiphon_models::tokenizer::{Forbidden, TextTokenizer};
 use duplex::DuplexStream;
@@ -97,8 +98,9 @@ pub struct Stage0 {
     queue: VecDeque<RequestSpec>,
     turns: Vec<TurnStream>,
     duplex: Vec<DuplexStream>,
-    /// Caches of finished turn-mode streams, for the next ones (their decode graphs with them).
-    caches: CachePool,
+    /// KV slots (batched decode), and caches of finished turn-mode streams for the next ones
+    /// (their decode graphs with them).
+    caches: StageCaches,
 }
 
 /// Reference voices whose embeddings Stage 0 keeps.
@@ -163,12 +165,13 @@ impl Stage0 {
         registry: Registry,
         metrics: EngineMetrics,
         to_talker: SyncSender<Stage1Msg>,
-    ) -> Self {
+    ) -> anyhow::Result<Self> {
         let forbidden = tok.special().forbidden();
         let prefixes = PrefixStore::new(cfg.thinker_prefix_cache);
-        let caches = CachePool::with_quantum(cfg.thinker_max_batch, THINKER_CACHE_QUANTUM);
+        let caches =
+            StageCaches::new(thinker.llm.decoder(), cfg.thinker_max_batch, THINKER_CACHE_QUANTUM, cfg.thinker_slots, cfg.thinker_slot_context)?;
         let ctx = Ctx { thinker, tok, cfg, registry, metrics, to_talker, forbidden, ref_embeds: Recent::new(REF_EMBED_CACHE), prefixes };
-        Self { ctx, queue: VecDeque::new(), turns: Vec::new(), duplex: Vec::new(), caches }
+        Ok(Self { ctx, queue: VecDeque::new(), turns: Vec::new(), duplex: Vec::new(), caches })
     }
 
     /// One batched step over every stream with work (duplex units first: they are due in real
@@ -320,7 +323,7 @@ impl StageLoop for Stage0 {
         // admission: prompts are built and queued for prefill
         while self.turns.len() < self.ctx.cfg.thinker_max_batch {
             let Some(spec) = self.queue.pop_front() else { break };
-            if let Some(t) = TurnStream::admit(&mut self.ctx, &mut self.caches, spec) {
+            if let Some(t) = TurnStream::admit(&mut self.ctx, &self.caches, spec) {
                 self.turns.push(t);
             }
         }

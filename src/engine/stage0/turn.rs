@@ -9,8 +9,9 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
 
 use super::{content_key, to_host, Ctx, ThinkerStream};
+use crate::caches::StageCaches;
 use crate::{Mode, RequestId, RequestSpec, Stage1Msg, UserInput};
-use antiphon_models::decoder::{CachePool, KvCache, PooledCache};
+use antiphon_models::decoder::{KvCache, PooledCache};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::tokenizer::{handoff_range, Message, Part, Role, TextStream};
 
@@ -115,7 +116,7 @@ impl TurnStream {
 
     /// Builds the request's prompt, tells the Talker to expect it, and finds the longest prompt
     /// prefix whose KV is already held. `None` when it failed (its `Done` is sent) or is gone.
-    pub fn admit(ctx: &mut Ctx, caches: &mut CachePool, spec: RequestSpec) -> Option<Self> {
+    pub fn admit(ctx: &mut Ctx, caches: &StageCaches, spec: RequestSpec) -> Option<Self> {
         if !ctx.registry.is_live(&spec.id) {
             return None;
         }

@@ -12,7 +12,10 @@
 
 use candle_core::{DType, Device, Module, Result, Tensor};
 
+mod batch;
+
 pub use super::cache_pool::{CachePool, PooledCache};
+pub use batch::SlotPool;
 use candle_nn::{Linear, VarBuilder};
 
 use super::attention::{attend, causal_mask, Rope};
@@ -45,11 +48,13 @@ pub struct KvCache {
     /// The fixed-address buffers (and, on CUDA, the captured graph) of this stream's one-token
     /// decode step, for the current capacity; see [`DecodeMode`].
     step: Option<StaticStep>,
+    /// The pool slot these buffers are views of (see [`SlotPool`]); such a cache never grows.
+    slot: Option<batch::SlotLease>,
 }
 
 impl KvCache {
     pub fn new(num_layers: usize) -> Self {
-        Self { layers: (0..num_layers).map(|_| None).collect(), len: 0, step: None }
+        Self { layers: (0..num_layers).map(|_| None).collect(), len: 0, step: None, slot: None }
     }
 
     /// Positions held (= the position of the next token).
@@ -63,6 +68,11 @@ impl KvCache {
 
     /// Forgets everything; the buffers are released.
     pub fn reset(&mut self) {
+        self.step = None;
+        if self.slot.is_some() {
+            self.len = 0;
+            return;
+        }
         for l in self.layers.iter_mut() {
             *l = None;
         }
@@ -103,7 +113,7 @@ impl KvCache {
                     .transpose()
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { layers, len, step: None })
+        Ok(Self { layers, len, step: None, slot: None })
     }
 
     /// Replaces this cache's contents with the first `len` positions of `src`, copied into this
@@ -136,6 +146,9 @@ impl KvCache {
         let (h, d) = shape;
         let slot = &mut self.layers[layer];
         let cap = slot.as_ref().map(|(k, _)| k.dim(1)).transpose()?.unwrap_or(0);
+        if need > cap && self.slot.is_some() {
+            candle_core::bail!("the stream's slot holds {cap} positions; {need} do not fit");
+        }
         if need > cap {
             let new_cap = need.max(cap * 2).max(64).next_multiple_of(64);
             let nk = Tensor::zeros((h, new_cap, d), dtype, dev)?;
@@ -411,6 +424,10 @@ impl Decoder {
         &self.cfg
     }
 
+    pub fn decode_mode(&self) -> DecodeMode {
+        self.mode
+    }
+
     pub fn device(&self) -> &Device {
         &self.device
     }
@@ -430,7 +447,40 @@ impl Decoder {
 
     /// Advances every stream by its new positions and returns, per stream, the last layer's
     /// hidden states after the final norm (`[n, hidden]`).
+    ///
+    /// Outside [`DecodeMode::Eager`], the streams that advance one position over slots of a pool
+    /// go through the batched step (see [`SlotPool`]) and the others op by op beside it.
     pub fn forward(&self, streams: &mut [StreamStep<'_>]) -> Result<Vec<Tensor>> {
+        if streams.is_empty() {
+            return Ok(vec![]);
+        }
+        if let Some(pool) = self.batchable(streams) {
+            return self.decode_batch(&pool, streams);
+        }
+        if let Some(pool) = self.mode.ne(&DecodeMode::Eager).then(|| batch::pool_of_decoders(streams)).flatten() {
+            let mut batched = Vec::new();
+            let mut rest = Vec::new();
+            let mut order = Vec::with_capacity(streams.len());
+            for s in streams.iter_mut() {
+                let one = StreamStep { cache: &mut *s.cache, embeds: s.embeds.clone() };
+                if batch::in_pool(&one, &pool) {
+                    order.push((true, batched.len()));
+                    batched.push(one);
+                } else {
+                    order.push((false, rest.len()));
+                    rest.push(one);
+                }
+            }
+            let a = self.decode_batch(&pool, &mut batched)?;
+            let b = self.forward_eager(&mut rest)?;
+            return Ok(order.into_iter().map(|(fast, i)| if fast { a[i].clone() } else { b[i].clone() }).collect());
+        }
+        self.forward_eager(streams)
+    }
+
+    /// [`Decoder::forward`] without the batched step: one stream by one position over its own
+    /// cache's fixed buffers ([`DecodeMode::Static`] / [`DecodeMode::Graph`]), or op by op.
+    fn forward_eager(&self, streams: &mut [StreamStep<'_>]) -> Result<Vec<Tensor>> {
         if streams.is_empty() {
             return Ok(vec![]);
         }

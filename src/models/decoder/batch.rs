@@ -1,0 +1,255 @@
+//! KV caches as a pool of fixed slots, and the batched decode step over them.
+//!
+//! A [`SlotPool`] holds, for every layer, K and V of `slots + 1` streams as one tensor
+//! `[slots + 1, hkv, cap, d]`, allocated once. A stream takes a slot ([`SlotPool::take`]) and gets
+//! a [`KvCache`] whose buffers are views of its slot: prefill and every other step work on it as on
+//! any cache (it cannot grow past `cap`). A step in which every stream advances one position over
+//! slots of one pool runs batched: the rows are copied into fixed buffers of the step's batch-size
+//! bucket (1, 2, 4, ...), the slot of each row and its position go to device memory, and one set of
+//! kernels serves the whole batch (`batch_decode`). Nothing in that step depends on a host value,
+//! so on CUDA it is captured once per bucket as a graph and replayed. The rows of a bucket beyond
+//! the batch point at the extra slot (the pool's scratch slot) at position 0.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Module, Result, Tensor};
+
+use super::{Attention, DecodeMode, Decoder, KvCache};
+use crate::attention::Rope;
+use crate::batch_decode::{decode_attention_batch, qk_norm_rope_store_batch};
+use crate::cuda_graph::Graph;
+
+/// The fixed buffers (and, on CUDA, the graph) of the batched step for one bucket.
+struct BatchStep {
+    /// `[bucket, hidden]`: the rows fed.
+    x_in: Tensor,
+    /// `[bucket]` u32: each row's slot and position.
+    slots: Tensor,
+    pos: Tensor,
+    /// `[bucket, hidden]`: the last layer's output after the final norm.
+    out: Tensor,
+    graph: Option<Graph>,
+    no_graph: bool,
+}
+
+pub(crate) struct PoolInner {
+    /// Per layer: K and V `[slots + 1, hkv, cap, d]`.
+    layers: Vec<(Tensor, Tensor)>,
+    slots: usize,
+    cap: usize,
+    free: Mutex<Vec<usize>>,
+    steps: Mutex<HashMap<usize, BatchStep>>,
+}
+
+/// A stream's hold on its slot; the slot goes back to the pool when the cache drops.
+pub(crate) struct SlotLease {
+    index: usize,
+    pool: Arc<PoolInner>,
+}
+
+impl std::fmt::Debug for SlotLease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "slot {}", self.index)
+    }
+}
+
+impl Drop for SlotLease {
+    fn drop(&mut self) {
+        self.pool.free.lock().expect("slot pool").push(self.index);
+    }
+}
+
+/// KV caches of a fixed number of streams, each with room for `capacity` positions.
+#[derive(Clone)]
+pub struct SlotPool {
+    inner: Arc<PoolInner>,
+}
+
+impl std::fmt::Debug for SlotPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SlotPool({} slots x {} positions)", self.inner.slots, self.inner.cap)
+    }
+}
+
+impl SlotPool {
+    pub fn slots(&self) -> usize {
+        self.inner.slots
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.inner.cap
+    }
+
+    /// Slots not taken.
+    pub fn free(&self) -> usize {
+        self.inner.free.lock().expect("slot pool").len()
+    }
+
+    /// A free slot as an empty cache, or `None` when every slot is taken.
+    pub fn take(&self) -> Result<Option<KvCache>> {
+        let Some(index) = self.inner.free.lock().expect("slot pool").pop() else { return Ok(None) };
+        let layers = self.inner.layers.iter().map(|(k, v)| Ok(Some((k.get(index)?, v.get(index)?)))).collect::<Result<Vec<_>>>()?;
+        Ok(Some(KvCache { layers, len: 0, step: None, slot: Some(SlotLease { index, pool: self.inner.clone() }) }))
+    }
+
+    /// Bytes held by the pool's buffers.
+    pub fn bytes(&self) -> usize {
+        self.inner.layers.iter().map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()).sum()
+    }
+}
+
+/// The pool of the first stream that advances one position over a slot, if any.
+pub(super) fn pool_of_decoders(streams: &[super::StreamStep<'_>]) -> Option<Arc<PoolInner>> {
+    streams.iter().find(|s| s.embeds.dim(0).ok() == Some(1) && s.cache.slot.is_some()).and_then(|s| s.cache.slot.as_ref()).map(|l| l.pool.clone())
+}
+
+/// Whether the stream advances one position over a slot of `pool`.
+pub(super) fn in_pool(s: &super::StreamStep<'_>, pool: &Arc<PoolInner>) -> bool {
+    s.embeds.dim(0).ok() == Some(1) && s.cache.slot.as_ref().is_some_and(|l| Arc::ptr_eq(&l.pool, pool))
+}
+
+/// The smallest bucket that holds `n` rows: a power of two, at most `max`.
+fn bucket(n: usize, max: usize) -> usize {
+    n.next_power_of_two().min(max.max(n))
+}
+
+impl Decoder {
+    /// A pool of `slots` caches with room for `capacity` positions each (plus a scratch slot).
+    pub fn slot_pool(&self, slots: usize, capacity: usize) -> Result<SlotPool> {
+        if slots == 0 || capacity == 0 || capacity > self.rope.max_positions() {
+            candle_core::bail!("slot pool: {slots} slots of {capacity} positions (the context holds {})", self.rope.max_positions());
+        }
+        let (hkv, d) = (self.cfg.num_kv_heads, self.cfg.head_dim);
+        let layers = (0..self.layers.len())
+            .map(|_| {
+                let k = Tensor::zeros((slots + 1, hkv, capacity, d), self.dtype, &self.device)?;
+                let v = Tensor::zeros((slots + 1, hkv, capacity, d), self.dtype, &self.device)?;
+                Ok((k, v))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let free = Mutex::new((0..slots).rev().collect());
+        Ok(SlotPool { inner: Arc::new(PoolInner { layers, slots, cap: capacity, free, steps: Mutex::new(HashMap::new()) }) })
+    }
+
+    /// The pool every stream's cache is a slot of, when each stream advances one position and
+    /// all of them hold slots of one pool (the batched step serves them).
+    pub(super) fn batchable(&self, streams: &[super::StreamStep<'_>]) -> Option<Arc<PoolInner>> {
+        if self.mode == DecodeMode::Eager || streams.is_empty() {
+            return None;
+        }
+        let first = streams[0].cache.slot.as_ref()?.pool.clone();
+        streams.iter().all(|s| in_pool(s, &first)).then_some(first)
+    }
+
+    /// Captures the batched step of every bucket up to the pool's size (a warm-up, so no request
+    /// pays a capture). Uses the scratch slot only.
+    pub fn warm_pool(&self, pool: &SlotPool) -> Result<()> {
+        let inner = &pool.inner;
+        let mut b = 1;
+        loop {
+            let b_now = b.min(inner.slots);
+            let mut steps = inner.steps.lock().expect("slot pool steps");
+            let st = match steps.entry(b_now) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => e.insert(self.batch_step(b_now)?),
+            };
+            let scratch = vec![inner.slots as u32; b_now];
+            st.slots.slice_set(&Tensor::new(scratch.as_slice(), &self.device)?, 0, 0)?;
+            st.pos.slice_set(&Tensor::new(vec![0u32; b_now].as_slice(), &self.device)?, 0, 0)?;
+            self.run_batch_step(inner, st)?;
+            self.run_batch_step(inner, st)?;
+            if b_now >= inner.slots {
+                break;
+            }
+            b *= 2;
+        }
+        self.device.synchronize()
+    }
+
+    fn batch_step(&self, bucket: usize) -> Result<BatchStep> {
+        let h = self.cfg.hidden_size;
+        Ok(BatchStep {
+            x_in: Tensor::zeros((bucket, h), self.dtype, &self.device)?,
+            slots: Tensor::zeros(bucket, DType::U32, &self.device)?,
+            pos: Tensor::zeros(bucket, DType::U32, &self.device)?,
+            out: Tensor::zeros((bucket, h), self.dtype, &self.device)?,
+            graph: None,
+            no_graph: false,
+        })
+    }
+
+    /// Runs (or replays, or records) the step over `st`'s buffers.
+    fn run_batch_step(&self, pool: &PoolInner, st: &mut BatchStep) -> Result<()> {
+        if st.graph.is_none() && !st.no_graph && self.mode == DecodeMode::Graph && crate::cuda_graph::can_capture(&self.device) {
+            match crate::cuda_graph::record(&self.device, || self.batch_body(pool, st)) {
+                Ok(g) => st.graph = Some(g),
+                Err(e) => {
+                    tracing::warn!("batched decode step capture failed, running it uncaptured: {e}");
+                    st.no_graph = true;
+                    self.batch_body(pool, st)?;
+                }
+            }
+            return Ok(());
+        }
+        match &st.graph {
+            Some(g) => g.launch(),
+            None => self.batch_body(pool, st),
+        }
+    }
+
+    /// The batched step's kernels: reads only `st`'s buffers and the pool, writes the pool at
+    /// each row's slot and position, and `st.out`.
+    fn batch_body(&self, pool: &PoolInner, st: &BatchStep) -> Result<()> {
+        let h = self.run_layers(st.x_in.clone(), |li, attn, h| attn.forward_batch(h, &self.rope, &pool.layers[li], &st.slots, &st.pos))?;
+        st.out.slice_set(&h, 0, 0)
+    }
+
+    /// Every stream one position, batched over the pool's slots (see the module documentation).
+    pub(super) fn decode_batch(&self, pool: &PoolInner, streams: &mut [super::StreamStep<'_>]) -> Result<Vec<Tensor>> {
+        let n = streams.len();
+        let mut slots = Vec::with_capacity(n);
+        let mut pos = Vec::with_capacity(n);
+        for s in streams.iter() {
+            let len = s.cache.len();
+            if len + 1 > pool.cap {
+                candle_core::bail!("a stream's slot holds {} positions; position {} does not fit", pool.cap, len + 1);
+            }
+            slots.push(s.cache.slot.as_ref().expect("batchable").index as u32);
+            pos.push(len as u32);
+        }
+        let b = bucket(n, pool.slots);
+        // the rows beyond the batch: the scratch slot at position 0
+        slots.resize(b, pool.slots as u32);
+        pos.resize(b, 0);
+        let mut steps = pool.steps.lock().expect("slot pool steps");
+        let st = match steps.entry(b) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.batch_step(b)?),
+        };
+        let rows: Vec<&Tensor> = streams.iter().map(|s| &s.embeds).collect();
+        let x = if rows.len() == 1 { rows[0].contiguous()? } else { Tensor::cat(&rows, 0)? };
+        st.x_in.slice_set(&x.to_dtype(self.dtype)?, 0, 0)?;
+        st.slots.slice_set(&Tensor::new(slots.as_slice(), &self.device)?, 0, 0)?;
+        st.pos.slice_set(&Tensor::new(pos.as_slice(), &self.device)?, 0, 0)?;
+        self.run_batch_step(pool, st)?;
+        for s in streams.iter_mut() {
+            s.cache.advance(1);
+        }
+        let out = st.out.narrow(0, 0, n)?.copy()?;
+        (0..n).map(|i| out.narrow(0, i, 1)).collect()
+    }
+}
+
+impl Attention {
+    /// One position of each row's stream over its slot of the pool `kv` (`[slots + 1, hkv, cap,
+    /// d]` each): the new K/V go to the row's position, attention reads the positions up to it.
+    fn forward_batch(&self, x: &Tensor, rope: &Rope, kv: &(Tensor, Tensor), slots: &Tensor, pos: &Tensor) -> Result<Tensor> {
+        let (d, hq, hkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
+        let b = x.dim(0)?;
+        let qkv = self.qkv_proj.forward(x)?.reshape((b, hq + 2 * hkv, d))?;
+        let heads = qk_norm_rope_store_batch(&qkv, hq, hkv, self.qk_norm.as_ref(), self.eps, rope, slots, pos, &kv.0, &kv.1)?;
+        let o = decode_attention_batch(&heads, hq, hkv, &kv.0, &kv.1, slots, pos)?;
+        self.o_proj.forward(&o.reshape((b, hq * d))?)
+    }
+}
