@@ -264,3 +264,24 @@ fn no_prefetch_while_a_duplex_session_is_live() {
     assert_eq!(m.prefetch_count("phase_a"), 1);
     assert_eq!(m.prefetch_count("claimed"), 1);
 }
+
+/// A session in a KV slot that outgrows it moves to a cache of its own and goes on: the same
+/// decisions, contexts and turn texts as a session that never had a slot.
+#[test]
+fn a_session_that_outgrows_its_slot_goes_on_unchanged() {
+    let run = |cfg: EngineConfig| {
+        let e = engine(cfg);
+        let rx = open(&e, "g", DuplexPolicy::SpeakEvery(2), forced(3, 5));
+        for n in 0..8 {
+            e.duplex_unit("g", unit(n)).unwrap();
+        }
+        let ev = collect(&rx, |ev| decisions(ev).len() == 8 && dones(ev).len() >= 3);
+        e.close_duplex("g");
+        (decisions(&ev), dones(&ev).into_iter().map(|(t, s, c, text)| (t, s, c, text)).collect::<Vec<_>>())
+    };
+    let (slot_d, slot_t) = run(EngineConfig { thinker_slots: 2, thinker_slot_context: 96, ..Default::default() });
+    let (own_d, own_t) = run(EngineConfig { thinker_slots: 0, ..Default::default() });
+    assert!(slot_d.first().unwrap().2 < 96 && slot_d.last().unwrap().2 > 96, "the session outgrew its 96-position slot: {slot_d:?}");
+    assert_eq!(slot_d, own_d);
+    assert_eq!(slot_t, own_t);
+}

@@ -59,6 +59,11 @@ pub struct EngineConfig {
     /// captured the second time it comes): the flow's 10-step CFM solve and the vocoder's F0 and
     /// decode steps; off: op by op.
     pub code2wav_graphs: bool,
+    /// Code2Wav's flow solve is captured for chunks of up to this many streams (larger ones run op
+    /// by op), and at most `code2wav_graph_count` shapes are kept (each holds its own copies of
+    /// the streams' caches: a graph of B streams holds B times a stream's flow caches).
+    pub code2wav_graph_batch: usize,
+    pub code2wav_graph_count: usize,
     pub ref_cache_capacity: usize,
     pub setup_cache_capacity: usize,
     /// Reference prefetch, phase A (materialize + prepare).
@@ -112,6 +117,8 @@ impl Default for EngineConfig {
             talker_slot_context: 4096,
             decode_graphs: true,
             code2wav_graphs: true,
+            code2wav_graph_batch: 2,
+            code2wav_graph_count: 12,
             ref_cache_capacity: 4,
             setup_cache_capacity: 1,
             prefetch: true,

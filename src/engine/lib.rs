@@ -181,7 +181,8 @@ impl Engine {
             models.talker.set_decode_mode(DecodeMode::Graph);
         }
         if cfg.code2wav_graphs && own_stream(&d2, [&d0, &d1]) {
-            models.code2wav.set_graphs(Some(antiphon_models::code2wav::dit::GraphPolicy::default()), Some(VOCODER_GRAPHS));
+            let policy = antiphon_models::code2wav::dit::GraphPolicy { max_batch: cfg.code2wav_graph_batch, max_graphs: cfg.code2wav_graph_count };
+            models.code2wav.set_graphs(Some(policy), Some(VOCODER_GRAPHS));
         }
         let cfg = Arc::new(cfg);
         let registry = Registry::default();

@@ -76,7 +76,14 @@ pub fn qk_norm_rope_store_batch(
 pub fn decode_attention_batch(heads: &Tensor, hq: usize, hkv: usize, kc: &Tensor, vc: &Tensor, slots: &Tensor, pos: &Tensor) -> Result<Tensor> {
     let (b, rows, d) = heads.dims3()?;
     let (_, khv, _, kd) = kc.dims4()?;
-    if rows != hq + 2 * hkv || khv != hkv || kd != d || vc.shape() != kc.shape() || !hq.is_multiple_of(hkv) || slots.dims1()? != b || pos.dims1()? != b {
+    if rows != hq + 2 * hkv
+        || khv != hkv
+        || kd != d
+        || vc.shape() != kc.shape()
+        || !hq.is_multiple_of(hkv)
+        || slots.dims1()? != b
+        || pos.dims1()? != b
+    {
         candle_core::bail!("decode_attention_batch: heads {:?} for {hq} + 2 x {hkv}, pool {:?}", heads.shape(), kc.shape());
     }
     if hq / hkv > 8 || d > 128 {

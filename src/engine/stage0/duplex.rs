@@ -26,8 +26,9 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
 
 use super::{to_host, Ctx, ThinkerStream};
+use crate::caches::StageCaches;
 use crate::{DuplexEvent, DuplexPolicy, DuplexSink, DuplexSpec, EngineEvent, Mode, RequestId, Stage1Msg, Status};
-use antiphon_models::decoder::KvCache;
+use antiphon_models::decoder::{KvCache, PooledCache};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::tokenizer::TextStream;
 
@@ -60,7 +61,8 @@ struct OpenTurn {
 pub struct DuplexStream {
     spec: DuplexSpec,
     sink: DuplexSink,
-    cache: KvCache,
+    /// A KV slot while the session's context fits one (batched decode), then a cache of its own.
+    cache: PooledCache,
     enc: KvCache,
     units: VecDeque<(Vec<f32>, Instant)>,
     next_unit: u64,
@@ -88,7 +90,7 @@ impl DuplexStream {
     /// Opens a duplex stream: the system prompt (with the reference voice's embeddings when the
     /// Thinker hears the reference) is queued for prefill. `None` when it could not be built (the
     /// session is told, with `Closed`).
-    pub fn open(ctx: &mut Ctx, spec: DuplexSpec, sink: DuplexSink) -> Option<Self> {
+    pub fn open(ctx: &mut Ctx, caches: &StageCaches, spec: DuplexSpec, sink: DuplexSink) -> Option<Self> {
         let built: Result<(Vec<u32>, Tensor)> = (|| {
             let s = *ctx.tok.special();
             let instructions = spec.instructions.clone().unwrap_or_else(|| "Streaming Omni Conversation.".into());
@@ -121,8 +123,16 @@ impl DuplexStream {
         }
         let mut sampler = Sampler::new(params, spec.generation.seed.unwrap_or(0));
         sampler.observe(&ids);
+        // a slot when one is free and holds the system prompt, else a cache of its own
+        let cache = match caches.take(ctx.thinker.llm.decoder(), ids.len() + 1) {
+            Ok(c) => c,
+            Err(e) => {
+                sink(DuplexEvent::Closed { reason: format!("failed: thinker cache: {e:#}") });
+                return None;
+            }
+        };
         Some(DuplexStream {
-            cache: ctx.thinker.llm.new_cache(),
+            cache,
             enc: ctx.thinker.apm.new_cache(),
             units: VecDeque::new(),
             next_unit: 0,
@@ -288,6 +298,16 @@ pub fn intake(ctx: &mut Ctx, streams: &mut [DuplexStream]) {
             tracing::info!(session = %d.spec.session, "duplex context full");
             d.end(ctx, "context_full");
             continue;
+        }
+        // a session that outgrows its slot goes on in a cache of its own (decoded beside the batch)
+        if d.cache.fixed_capacity().is_some_and(|cap| need > cap) {
+            match d.cache.copy_prefix(d.cache.len(), need) {
+                Ok(own) => d.cache = PooledCache::alone(own),
+                Err(e) => {
+                    d.end(ctx, &format!("failed: thinker cache: {e:#}"));
+                    continue;
+                }
+            }
         }
         picked.push((j, x, t, d.next_unit));
         d.next_unit += 1;

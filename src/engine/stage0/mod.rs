@@ -300,7 +300,7 @@ impl StageLoop for Stage0 {
                 self.turns.retain(|t| t.id() != &id);
             }
             Stage0Msg::DuplexOpen(spec, sink) => {
-                if let Some(d) = DuplexStream::open(&mut self.ctx, spec, sink) {
+                if let Some(d) = DuplexStream::open(&mut self.ctx, &self.caches, spec, sink) {
                     self.duplex.retain(|o| o.session() != d.session());
                     self.duplex.push(d);
                 }

@@ -181,6 +181,11 @@ impl KvCache {
         self.step.as_ref().map(|s| s.cap)
     }
 
+    /// The positions this cache can ever hold, when it cannot grow (a pool slot's views).
+    pub fn fixed_capacity(&self) -> Option<usize> {
+        self.slot.as_ref().map(|_| self.capacity())
+    }
+
     /// Capacity of the buffers (positions), 0 before the first append.
     pub fn capacity(&self) -> usize {
         self.layers.iter().flatten().map(|(k, _)| k.dim(1).unwrap_or(0)).min().unwrap_or(0)
