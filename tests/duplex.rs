@@ -277,7 +277,7 @@ fn a_session_that_outgrows_its_slot_goes_on_unchanged() {
         }
         let ev = collect(&rx, |ev| decisions(ev).len() == 8 && dones(ev).len() >= 3);
         e.close_duplex("g");
-        (decisions(&ev), dones(&ev).into_iter().map(|(t, s, c, text)| (t, s, c, text)).collect::<Vec<_>>())
+        (decisions(&ev), dones(&ev))
     };
     let (slot_d, slot_t) = run(EngineConfig { thinker_slots: 2, thinker_slot_context: 96, ..Default::default() });
     let (own_d, own_t) = run(EngineConfig { thinker_slots: 0, ..Default::default() });
