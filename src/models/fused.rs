@@ -4,9 +4,9 @@
 //!
 //! - [`add_rmsnorm`]: the residual add and the next RMSNorm.
 //! - [`silu_mul`]: SwiGLU's `silu(gate) * up` over the fused gate/up projection.
-//! - [`qk_norm_rope_store`]: one position's heads after the fused q/k/v projection — per-head
-//!   RMSNorm of q and k (Qwen3), RoPE at a position read from device memory, and the new K and V
-//!   written into the cache there (the static decode step, see `decoder::DecodeMode::Static`).
+//! - [`qk_norm_rope_store_twin`]: one position's heads after the fused q/k/v projection — per-head
+//!   RMSNorm of q and k (Qwen3) and RoPE (the definition of the batched step's kernel, which also
+//!   writes K and V into the cache; see `batch_decode`).
 
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
@@ -54,7 +54,7 @@ pub fn silu_mul(gu: &Tensor, inter: usize) -> Result<Tensor> {
 
 /// Per-head RMSNorm (when `norm` = (per-head weights `[heads, d]`, `[d]` ones) is given) and
 /// rotate-half RoPE of `qk: [n, heads, d]`, `cos`, `sin` from [`Rope::tables_fused`]: the op-by-op
-/// q/k path of every step, and the definition of [`qk_norm_rope_store`]'s kernel.
+/// q/k path of every step, and the definition of the batched step's q/k kernel.
 pub fn qk_norm_rope(qk: &Tensor, norm: Option<(&Tensor, &Tensor)>, eps: f64, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let qk = match norm {
         Some((w, ones)) => candle_nn::ops::rms_norm(&qk.contiguous()?, ones, eps as f32)?.broadcast_mul(w)?,
@@ -65,57 +65,9 @@ pub fn qk_norm_rope(qk: &Tensor, norm: Option<(&Tensor, &Tensor)>, eps: f64, cos
 
 /// The heads of one position, `qkv: [hq + 2 hkv, d]` (q heads, k heads, v heads): q and k heads
 /// normed per head with the rows of `w` (`[hq + hkv, d]`, when given), both rotated by `rope` at
-/// the position in `pos` (`[1]` u32); k and v heads written into `kc`, `vc` (`[hkv, cap, d]`) at
-/// that position. Returns the heads `[hq + 2 hkv, d]` in that order.
-#[allow(clippy::too_many_arguments)]
-pub fn qk_norm_rope_store(
-    qkv: &Tensor,
-    hq: usize,
-    hkv: usize,
-    w: Option<&Tensor>,
-    eps: f64,
-    rope: &Rope,
-    pos: &Tensor,
-    kc: &Tensor,
-    vc: &Tensor,
-) -> Result<Tensor> {
-    let (rows, d) = qkv.dims2()?;
-    if rows != hq + 2 * hkv || kc.dim(0)? != hkv || kc.dim(2)? != d || d % 2 != 0 {
-        candle_core::bail!("qk_norm_rope_store: qkv {:?} for {hq} + 2 x {hkv} heads, cache {:?}", qkv.shape(), kc.shape());
-    }
-    #[cfg(feature = "cuda")]
-    if qkv.device().is_cuda() {
-        let (cos, sin) = rope.full_tables();
-        let op = cuda::QkNormRopeStore {
-            w: w.cloned(),
-            cos: cos.clone(),
-            sin: sin.clone(),
-            pos: pos.clone(),
-            kc: kc.clone(),
-            vc: vc.clone(),
-            hq,
-            hkv,
-            eps: eps as f32,
-        };
-        return qkv.contiguous()?.apply_op1_no_bwd(&op);
-    }
-    let heads = qk_norm_rope_store_twin(qkv, hq, hkv, w, eps, rope, pos)?;
-    let at = pos.reshape((1, 1, 1))?.broadcast_as((hkv, 1, d))?.contiguous()?;
-    kc.scatter_set(&at, &heads.narrow(0, hq, hkv)?.unsqueeze(1)?.contiguous()?, 1)?;
-    vc.scatter_set(&at, &heads.narrow(0, hq + hkv, hkv)?.unsqueeze(1)?.contiguous()?, 1)?;
-    Ok(heads)
-}
-
-/// [`qk_norm_rope_store`]'s heads with tensor ops, without the cache write (`pos`: `[1]` u32).
-pub(crate) fn qk_norm_rope_store_twin(
-    qkv: &Tensor,
-    hq: usize,
-    hkv: usize,
-    w: Option<&Tensor>,
-    eps: f64,
-    rope: &Rope,
-    pos: &Tensor,
-) -> Result<Tensor> {
+/// the position in `pos` (`[1]` u32); v heads as they are. The definition of the batched step's
+/// `qk_store_batch` kernel for one row (see [`crate::batch_decode`]), which also writes K and V.
+pub fn qk_norm_rope_store_twin(qkv: &Tensor, hq: usize, hkv: usize, w: Option<&Tensor>, eps: f64, rope: &Rope, pos: &Tensor) -> Result<Tensor> {
     let d = qkv.dim(1)?;
     let ones = Tensor::ones(d, qkv.dtype(), qkv.device())?;
     let (cos, sin) = rope.tables_fused(pos)?;
@@ -268,71 +220,6 @@ pub(crate) mod cuda {
 
         fn cuda_fwd(&self, gu: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
             super::by_dtype!("silu_mul", gu.dtype(), T => self.run::<T>(gu, l))
-        }
-    }
-
-    pub(super) struct QkNormRopeStore {
-        pub w: Option<Tensor>,
-        pub cos: Tensor,
-        pub sin: Tensor,
-        pub pos: Tensor,
-        pub kc: Tensor,
-        pub vc: Tensor,
-        pub hq: usize,
-        pub hkv: usize,
-        pub eps: f32,
-    }
-
-    impl QkNormRopeStore {
-        fn run<T: CudaDType + DeviceRepr>(&self, qkv: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-            let dev = qkv.device().clone();
-            let (rows, d) = l.shape().dims2()?;
-            let cap = self.kc.dim(1)?;
-            let qv = qkv.as_cuda_slice::<T>()?.slice(l.start_offset()..);
-            let g = [&self.cos, &self.sin, &self.kc, &self.vc].map(|t| t.storage_and_layout());
-            let cos = view::<T>(&g[0].0, g[0].1, "rope cos")?;
-            let sin = view::<T>(&g[1].0, g[1].1, "rope sin")?;
-            let kc = view::<T>(&g[2].0, g[2].1, "k cache")?;
-            let vc = view::<T>(&g[3].0, g[3].1, "v cache")?;
-            let (ps, pl) = self.pos.storage_and_layout();
-            let pos = view::<u32>(&ps, pl, "position")?;
-            let wg = self.w.as_ref().map(|w| w.storage_and_layout());
-            let wv = match &wg {
-                Some((s, l)) => Some(view::<T>(s, l, "q/k norm weight")?),
-                None => None,
-            };
-            // SAFETY: the kernel writes every element.
-            let out = unsafe { dev.alloc::<T>(rows * d) }?;
-            let f = dev.get_or_load_custom_func(&kernel("qk_norm_rope_store", qkv.dtype())?, MODULE, PTX)?;
-            let mut b = f.builder();
-            let null = 0u64;
-            b.arg(&qv);
-            match &wv {
-                Some(w) => b.arg(w),
-                None => b.arg(&null),
-            };
-            let (hq, hkv, d_i, cap_i) = (self.hq as i32, self.hkv as i32, d as i32, cap as i32);
-            b.arg(&cos).arg(&sin).arg(&pos).arg(&out).arg(&kc).arg(&vc).arg(&hq).arg(&hkv).arg(&d_i).arg(&cap_i).arg(&self.eps);
-            // SAFETY: arguments as the kernel declares them; one 32-thread block per head.
-            unsafe { b.launch(LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 }) }.map_err(err)?;
-            Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from((rows, d))))
-        }
-    }
-
-    impl CustomOp1 for QkNormRopeStore {
-        fn name(&self) -> &'static str {
-            "qk-norm-rope-store"
-        }
-
-        fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> Result<(candle_core::CpuStorage, Shape)> {
-            candle_core::bail!("qk_norm_rope_store: the CUDA op ran on the CPU")
-        }
-
-        fn cuda_fwd(&self, qkv: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-            if !l.is_contiguous() {
-                candle_core::bail!("qk_norm_rope_store: qkv is not contiguous");
-            }
-            super::by_dtype!("qk_norm_rope_store", qkv.dtype(), T => self.run::<T>(qkv, l))
         }
     }
 }

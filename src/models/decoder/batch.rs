@@ -244,7 +244,7 @@ impl Decoder {
 impl Attention {
     /// One position of each row's stream over its slot of the pool `kv` (`[slots + 1, hkv, cap,
     /// d]` each): the new K/V go to the row's position, attention reads the positions up to it.
-    fn forward_batch(&self, x: &Tensor, rope: &Rope, kv: &(Tensor, Tensor), slots: &Tensor, pos: &Tensor) -> Result<Tensor> {
+    pub(super) fn forward_batch(&self, x: &Tensor, rope: &Rope, kv: &(Tensor, Tensor), slots: &Tensor, pos: &Tensor) -> Result<Tensor> {
         let (d, hq, hkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
         let b = x.dim(0)?;
         let qkv = self.qkv_proj.forward(x)?.reshape((b, hq + 2 * hkv, d))?;

@@ -218,6 +218,8 @@ struct StaticStep {
     x_in: Tensor,
     /// `[1]` u32: the new position.
     pos: Tensor,
+    /// `[1]` u32 zero: the cache as a pool of one slot, for the batched step's kernels.
+    slot0: Tensor,
     /// `[1, hidden]`: the last layer's output after the final norm.
     out: Tensor,
     graph: Option<super::cuda_graph::Graph>,
@@ -237,6 +239,7 @@ impl StaticStep {
             cap,
             x_in: Tensor::zeros((1, hidden), dtype, dev)?,
             pos: Tensor::zeros(1, DType::U32, dev)?,
+            slot0: Tensor::zeros(1, DType::U32, dev)?,
             out: Tensor::zeros((1, hidden), dtype, dev)?,
             graph: None,
             no_graph: false,
@@ -336,15 +339,11 @@ impl Attention {
     }
 
     /// One position of one stream over fixed-capacity buffers `kv` (`[hkv, cap, d]` each): the
-    /// new K/V go to the position in `pos` (`[1]` u32, on the device) and attention reads the
-    /// positions up to it (see [`super::fused::qk_norm_rope_store`], [`super::decode_attention`]).
-    fn forward_static(&self, x: &Tensor, rope: &Rope, kv: &(Tensor, Tensor), pos: &Tensor) -> Result<Tensor> {
-        let (d, hq, hkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
-        let qkv = self.qkv_proj.forward(x)?.reshape((hq + 2 * hkv, d))?;
-        let heads = super::fused::qk_norm_rope_store(&qkv, hq, hkv, self.qk_norm.as_ref(), self.eps, rope, pos, &kv.0, &kv.1)?;
-        let (q, k, v) = (heads.narrow(0, 0, hq)?, heads.narrow(0, hq, hkv)?, heads.narrow(0, hq + hkv, hkv)?);
-        let o = super::decode_attention::decode_attention(&q, &k, &v, &kv.0, &kv.1, pos)?;
-        self.o_proj.forward(&o.reshape((1, hq * d))?)
+    /// batched step's kernels over a pool of one slot (`slot0`: `[1]` u32 zero), the new K/V at
+    /// the position in `pos` (`[1]` u32, on the device), attention over the positions up to it.
+    fn forward_static(&self, x: &Tensor, rope: &Rope, kv: &(Tensor, Tensor), slot0: &Tensor, pos: &Tensor) -> Result<Tensor> {
+        let one = (kv.0.unsqueeze(0)?, kv.1.unsqueeze(0)?);
+        self.forward_batch(x, rope, &one, slot0, pos)
     }
 }
 
@@ -569,7 +568,7 @@ impl Decoder {
     /// The static step's kernels: reads only `st`'s buffers and the caches, writes the caches at
     /// `st.pos` and `st.out`.
     fn static_body(&self, kv: &[&(Tensor, Tensor)], st: &StaticStep) -> Result<()> {
-        let h = self.run_layers(st.x_in.clone(), |li, attn, h| attn.forward_static(h, &self.rope, kv[li], &st.pos))?;
+        let h = self.run_layers(st.x_in.clone(), |li, attn, h| attn.forward_static(h, &self.rope, kv[li], &st.slot0, &st.pos))?;
         st.out.slice_set(&h, 0, 0)
     }
 

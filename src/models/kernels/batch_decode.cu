@@ -64,8 +64,13 @@ __device__ void qk_store(const T* __restrict__ qkv, const T* __restrict__ w, con
   }
 }
 
-// Attention pass 1, grid (hkv, cap / CHUNK, B), 128 threads: as decode_attention.cu's partial pass,
-// for stream b over its slot; this position's K and V come from heads, never from the cache.
+// Attention (split-KV, "flash decoding"), pass 1, grid (hkv, cap / CHUNK, B), 128 threads: block
+// (j, y, b) covers KV head j's query heads of stream b (K and V read once for all of them) over
+// positions [y*CHUNK, (y+1)*CHUNK) of 0..=pos[b] in the stream's slot; for each head it writes the
+// split's max m, its sum of exp(s - m) and its unnormalised weighted sum of V rows (f32) to
+// part_ml / part_acc. Blocks past pos[b] return at once, so the work grows with the position, not
+// the capacity. This position's K and V come from heads, never from the cache (which the q/k
+// kernel has written before, but need not have). Query head h reads KV head h / (hq / hkv).
 template <typename T>
 __device__ void attn_partial(const T* __restrict__ heads, const T* __restrict__ kc, const T* __restrict__ vc,
                              const uint32_t* __restrict__ slots, const uint32_t* __restrict__ pos_p,

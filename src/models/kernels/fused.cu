@@ -45,58 +45,6 @@ __device__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, int inte
   }
 }
 
-// One position's heads after the fused q/k/v projection, one head per block (32 threads):
-// q and k heads get RMSNorm with their row of `w` (when `w` is not null), then rotate-half RoPE at
-// position *pos; v heads are copied. k and v heads are also written into the caches at *pos.
-// qkv, out: [hq + 2 hkv, d]; w: [hq + hkv, d]; cos, sin: [max_pos, d / 2]; kc, vc: [hkv, cap, d].
-template <typename T>
-__device__ void qk_norm_rope_store(const T* __restrict__ qkv, const T* __restrict__ w, const T* __restrict__ cos_t,
-                                   const T* __restrict__ sin_t, const uint32_t* __restrict__ pos_p,
-                                   T* __restrict__ out, T* __restrict__ kc, T* __restrict__ vc, int hq, int hkv, int d,
-                                   int cap, float eps) {
-  const int r = blockIdx.x, lane = threadIdx.x, half = d / 2;
-  const int pos = min((int)*pos_p, cap - 1);
-  const T* x = qkv + (size_t)r * d;
-  T* o = out + (size_t)r * d;
-  if (r >= hq + hkv) {  // v head
-    T* c = vc + ((size_t)(r - hq - hkv) * cap + pos) * d;
-    for (int i = lane; i < d; i += 32) {
-      o[i] = x[i];
-      c[i] = x[i];
-    }
-    return;
-  }
-  float scale = 1.f;
-  if (w != nullptr) {
-    float ss = 0.f;
-    for (int i = lane; i < d; i += 32) {
-      const float v = to_f(x[i]);
-      ss += v * v;
-    }
-    scale = rsqrtf(warp_sum(ss) / d + eps);
-  }
-  const T* cs = cos_t + (size_t)pos * half;
-  const T* sn = sin_t + (size_t)pos * half;
-  T* c = r >= hq ? kc + ((size_t)(r - hq) * cap + pos) * d : nullptr;
-  for (int i = lane; i < half; i += 32) {
-    float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
-    if (w != nullptr) {
-      // the norm (rounded as its own op), then its weight (rounded)
-      x1 = rnd<T>(rnd<T>(x1 * scale) * to_f(w[(size_t)r * d + i]));
-      x2 = rnd<T>(rnd<T>(x2 * scale) * to_f(w[(size_t)r * d + i + half]));
-    }
-    const float cv = to_f(cs[i]), sv = to_f(sn[i]);
-    const T a = from_f<T>(x1 * cv - x2 * sv);
-    const T b = from_f<T>(x2 * cv + x1 * sv);
-    o[i] = a;
-    o[i + half] = b;
-    if (c != nullptr) {
-      c[i] = a;
-      c[i + half] = b;
-    }
-  }
-}
-
 #define FUSED(SUFFIX, T)                                                                                          \
   extern "C" __global__ void add_rmsnorm_##SUFFIX(const T* x, const T* a, const T* w, T* xo, T* ho, int h,         \
                                                   float eps) {                                                   \
@@ -104,11 +52,6 @@ __device__ void qk_norm_rope_store(const T* __restrict__ qkv, const T* __restric
   }                                                                                                              \
   extern "C" __global__ void silu_mul_##SUFFIX(const T* gu, T* out, int inter, unsigned long long total) {        \
     silu_mul<T>(gu, out, inter, (size_t)total);                                                                  \
-  }                                                                                                              \
-  extern "C" __global__ void qk_norm_rope_store_##SUFFIX(const T* qkv, const T* w, const T* cos_t, const T* sin_t, \
-                                                         const uint32_t* pos, T* out, T* kc, T* vc, int hq,      \
-                                                         int hkv, int d, int cap, float eps) {                   \
-    qk_norm_rope_store<T>(qkv, w, cos_t, sin_t, pos, out, kc, vc, hq, hkv, d, cap, eps);                         \
   }
 
 FUSED(f32, float)
