@@ -265,6 +265,28 @@ fn a_bad_reference_is_refused_and_the_engine_keeps_serving() {
     assert_eq!(collect(submit(&e, spec("ok", "x", 4, 10, 1))).status, Status::Completed);
 }
 
+/// Counts no model holds fail the request with a clear reason (no allocation is attempted),
+/// and the engine keeps serving.
+#[test]
+fn counts_beyond_the_contexts_fail_the_request_not_the_engine() {
+    let e = engine(EngineConfig::default());
+    for (id, text, codes, what) in
+        [("huge-text", 4_294_967_296usize, 10usize, "max_text_tokens"), ("huge-codes", 4, 1usize << 40, "max_audio_tokens")]
+    {
+        let mut s = spec(id, "x", 4, 10, 1);
+        s.generation.max_text_tokens = Some(text);
+        s.generation.max_audio_tokens = Some(codes);
+        s.generation.min_audio_tokens = Some(codes.min(10));
+        match collect(submit(&e, s)).status {
+            Status::Failed(why) => assert!(why.contains(what), "{why}"),
+            other => panic!("{id}: {other:?}"),
+        }
+    }
+    let limits = e.generation_limits();
+    assert!(limits.max_text_tokens > 0 && limits.max_audio_tokens > 0, "{limits:?}");
+    assert_eq!(collect(submit(&e, spec("ok", "x", 4, 10, 1))).status, Status::Completed);
+}
+
 #[test]
 fn duplicate_live_ids_are_refused() {
     let e = engine(EngineConfig::default());

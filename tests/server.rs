@@ -233,6 +233,41 @@ async fn bad_input_never_ends_the_session() {
     s.shutdown().await.unwrap();
 }
 
+/// Generation values no model holds (the sizes that used to abort the process on allocation) and
+/// out-of-range temperatures are a `bad_field` naming the field, through every event that carries
+/// them; the session goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn absurd_generation_values_are_refused_and_the_server_stays_up() {
+    let s = server(|_| {}).await;
+    let mut c = Client::connect(&s).await;
+    c.create(json!({})).await;
+    let cases = [
+        (json!({"max_text_tokens": 4_294_967_296u64}), "max_text_tokens"),
+        (json!({"max_audio_tokens": 100_000_000}), "max_audio_tokens"),
+        (json!({"min_text_tokens": 9, "max_text_tokens": 3}), "min_text_tokens"),
+        (json!({"temperature": -1.0}), "temperature"),
+    ];
+    for (g, field) in &cases {
+        c.send(json!({"type": "input.text", "text": "hi", "generation": g})).await;
+        let e = c.event("error").await;
+        assert_eq!(e["code"], "bad_field", "{e}");
+        assert!(e["message"].as_str().unwrap().contains(field), "{e}");
+    }
+    c.send(json!({"type": "session.update", "generation": {"max_audio_tokens": 2_147_483_648u64}})).await;
+    assert_eq!(c.event("error").await["code"], "bad_field");
+    let mut d = Client::connect(&s).await;
+    d.send(json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16", "sample_rate": 16000},
+        "output_audio": {"codec": "opus"}, "generation": {"max_text_tokens": 1_000_000_000}}))
+        .await;
+    let e = d.event("error").await;
+    assert!(e["code"] == "bad_field" && e["message"].as_str().unwrap().contains("max_text_tokens"), "{e}");
+    // the first session still works
+    c.send(json!({"type": "input.text", "text": "still here?", "generation": short(8)})).await;
+    let ms = c.until(is_done).await;
+    assert!(ms.iter().all(|m| m.ty() != "error"), "{ms:?}");
+    s.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spoken_input_in_opus_and_pcm16_output() {
     let s = server(|_| {}).await;

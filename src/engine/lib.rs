@@ -164,6 +164,7 @@ pub struct Engine {
     registry: Registry,
     metrics: EngineMetrics,
     cfg: Arc<EngineConfig>,
+    limits: antiphon_protocol::GenerationLimits,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -184,6 +185,13 @@ impl Engine {
             let policy = antiphon_models::code2wav::dit::GraphPolicy { max_batch: cfg.code2wav_graph_batch, max_graphs: cfg.code2wav_graph_count };
             models.code2wav.set_graphs(Some(policy), Some(VOCODER_GRAPHS));
         }
+        // what a request may ask for: a reply (with room for a prompt) that fits the Thinker's
+        // context and the Talker's, and codes that fit the Talker's beside the longest default text
+        let (ctx0, ctx1) = (models.thinker.llm.decoder().config().max_positions, models.talker.decoder().config().max_positions);
+        let limits = antiphon_protocol::GenerationLimits {
+            max_text_tokens: ctx0.saturating_sub(256).min(ctx1.saturating_sub(3)),
+            max_audio_tokens: ctx1.saturating_sub(cfg.default_max_text_tokens + 2),
+        };
         let cfg = Arc::new(cfg);
         let registry = Registry::default();
         let metrics = EngineMetrics::new();
@@ -200,11 +208,16 @@ impl Engine {
             spawn("stage1-talker", Box::new(move || run_stage(s1, rx1)))?,
             spawn("stage2-code2wav", Box::new(move || run_stage(s2, rx2)))?,
         ];
-        Ok(Self { to0: Some(tx0), to1: Some(tx1), to2: Some(tx2), registry, metrics, cfg, threads })
+        Ok(Self { to0: Some(tx0), to1: Some(tx1), to2: Some(tx2), registry, metrics, cfg, limits, threads })
     }
 
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
+    }
+
+    /// The most a request's generation may ask for (the models' contexts).
+    pub fn generation_limits(&self) -> antiphon_protocol::GenerationLimits {
+        self.limits
     }
 
     pub fn metrics(&self) -> &EngineMetrics {

@@ -275,7 +275,15 @@ impl StageLoop for Stage1 {
             Stage1Msg::Begin { id, mode, voice, min_codes, max_codes, seed } => {
                 // room for the longest text, its two closing embeddings and every code: the cache
                 // never grows (a growth would need a new decode graph)
-                let need = self.cfg.default_max_text_tokens + 2 + max_codes;
+                let need = self.cfg.default_max_text_tokens.saturating_add(2).saturating_add(max_codes);
+                let context = self.talker.decoder().config().max_positions;
+                if need > context {
+                    let why = format!("max_audio_tokens {max_codes}: the codes and the text do not fit the Talker's context ({context})");
+                    if self.registry.finish(&id, Status::Failed(why)).is_some() {
+                        self.metrics.requests.with_label_values(&["failed"]).inc();
+                    }
+                    return;
+                }
                 // a small first chunk while few streams share the Talker (first audio sooner);
                 // under load a full one (its audio covers the next chunk's wait)
                 let busy = self.reqs.len() + 1 > self.cfg.small_first_chunk_streams;

@@ -129,6 +129,47 @@ pub struct Generation {
     pub seed: Option<u64>,
 }
 
+/// The most a `generation` may ask for: what the models' contexts hold (the server fills it in).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GenerationLimits {
+    pub max_text_tokens: usize,
+    pub max_audio_tokens: usize,
+}
+
+/// The highest sampling temperature accepted.
+pub const MAX_TEMPERATURE: f32 = 2.0;
+
+impl Generation {
+    /// Every field within what the server can hold: counts within `limits`, each minimum at most
+    /// its maximum, a finite temperature in 0..=[`MAX_TEMPERATURE`]. The error names the field
+    /// and the limit (`bad_field`).
+    pub fn validate(&self, limits: &GenerationLimits) -> Result<(), WireError> {
+        let bad = |m: String| Err(WireError::new(ErrorCode::BadField, m));
+        let counts = [
+            ("max_text_tokens", self.max_text_tokens, limits.max_text_tokens),
+            ("min_text_tokens", self.min_text_tokens, limits.max_text_tokens),
+            ("max_audio_tokens", self.max_audio_tokens, limits.max_audio_tokens),
+            ("min_audio_tokens", self.min_audio_tokens, limits.max_audio_tokens),
+        ];
+        for (name, v, limit) in counts {
+            if let Some(v) = v.filter(|&v| v > limit) {
+                return bad(format!("field `generation.{name}`: {v} is more than this server holds (at most {limit})"));
+            }
+        }
+        for (what, min, max) in [("text", self.min_text_tokens, self.max_text_tokens), ("audio", self.min_audio_tokens, self.max_audio_tokens)] {
+            if let (Some(lo), Some(hi)) = (min, max) {
+                if lo > hi {
+                    return bad(format!("field `generation.min_{what}_tokens`: {lo} is more than `max_{what}_tokens` ({hi})"));
+                }
+            }
+        }
+        if let Some(t) = self.temperature.filter(|t| !(t.is_finite() && (0.0..=MAX_TEMPERATURE).contains(t))) {
+            return bad(format!("field `generation.temperature`: {t} is not in 0..={MAX_TEMPERATURE}"));
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(tag = "policy", rename_all = "snake_case")]
 pub enum DuplexPolicy {
@@ -432,6 +473,33 @@ impl AudioFrame {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn generation_beyond_the_limits_is_a_bad_field_naming_it() {
+        let limits = GenerationLimits { max_text_tokens: 100, max_audio_tokens: 500 };
+        let g = |f: &dyn Fn(&mut Generation)| {
+            let mut g = Generation::default();
+            f(&mut g);
+            g.validate(&limits)
+        };
+        assert!(g(&|_| {}).is_ok());
+        assert!(g(&|g| g.max_text_tokens = Some(100)).is_ok());
+        for (field, set) in [
+            ("max_text_tokens", &(|g: &mut Generation| g.max_text_tokens = Some(4_294_967_296)) as &dyn Fn(&mut Generation)),
+            ("min_text_tokens", &|g| g.min_text_tokens = Some(101)),
+            ("max_audio_tokens", &|g| g.max_audio_tokens = Some(501)),
+            ("min_audio_tokens", &|g| {
+                g.min_audio_tokens = Some(50);
+                g.max_audio_tokens = Some(10)
+            }),
+            ("temperature", &|g| g.temperature = Some(-0.5)),
+            ("temperature", &|g| g.temperature = Some(f32::NAN)),
+        ] {
+            let e = g(set).unwrap_err();
+            assert_eq!(e.code, ErrorCode::BadField);
+            assert!(e.message.contains(field), "{field}: {}", e.message);
+        }
+    }
 
     #[test]
     fn frames_round_trip() {

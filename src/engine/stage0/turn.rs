@@ -60,6 +60,11 @@ fn store_prefix(ctx: &mut Ctx, voice: u64, ids: &[u32], cache: &KvCache) {
     }
 }
 
+/// Whether a prompt of `prompt` positions and a reply of up to `max` tokens fit `context`.
+fn prompt_len_fits(prompt: usize, max: usize, context: usize) -> Result<(), ()> {
+    prompt.checked_add(max).and_then(|n| n.checked_add(8)).filter(|&n| n <= context).map(|_| ()).ok_or(())
+}
+
 /// Prompt ids and embeddings for a request.
 fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<(Vec<u32>, Tensor)> {
     let mut audio = Vec::new();
@@ -139,6 +144,13 @@ impl TurnStream {
         let s = *ctx.tok.special();
         let max = g.max_text_tokens.unwrap_or(ctx.cfg.default_max_text_tokens);
         let min = g.min_text_tokens.unwrap_or(0);
+        if prompt_len_fits(ids.len(), max, context).is_err() {
+            ctx.fail(
+                &spec.id,
+                format!("max_text_tokens {max}: the prompt ({} positions) and the reply do not fit the context ({context})", ids.len()),
+            );
+            return None;
+        }
         let mut params = ctx.cfg.thinker_sampling.clone();
         if let Some(t) = g.temperature {
             params.temperature = t;

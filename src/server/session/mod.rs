@@ -160,6 +160,9 @@ impl Session {
             }
         };
         let voice = resolve_voice(&shared, c.voice.as_ref())?;
+        if let Some(g) = &c.generation {
+            g.validate(&shared.engine.generation_limits())?;
+        }
         let now = Instant::now();
         Ok(Self {
             journal: Journal::new(cfg.journal_max_bytes, cfg.journal_max_audio_s * 1000),
@@ -321,6 +324,10 @@ impl Session {
     // ------------------------------------------------------------------ client input
 
     fn apply_update(&mut self, u: SessionUpdate) -> Result<(), WireError> {
+        // checked before any part of the update applies
+        if let Some(g) = &u.generation {
+            g.validate(&self.shared.engine.generation_limits())?;
+        }
         if let Some(i) = &u.input_audio {
             self.input = InputAudio::new(i.codec, i.sample_rate)
                 .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `input_audio.sample_rate`: {e}")))?;

@@ -31,6 +31,10 @@ impl Session {
             // a new turn while answering: the old answer is cut short
             self.cancel_response(None);
         }
+        if let Some(Err(e)) = gen.as_ref().map(|g| merge(&self.generation, Some(g)).validate(&self.shared.engine.generation_limits())) {
+            self.send_error(e);
+            return;
+        }
         let Some(out) = self.new_output() else { return };
         self.responses += 1;
         let rid = self.responses;
