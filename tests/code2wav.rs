@@ -1,6 +1,8 @@
 //! Code2Wav end to end on synthetic assets: the generator writes the real formats, the loaders read
 //! them back, and a reference voice streams through prepare -> setup -> chunks -> audio.
 
+mod common;
+
 use antiphon_assets::synth::{self, Preset};
 use antiphon_models::code2wav::prompt::Reference;
 use antiphon_models::code2wav::{BufferSeeds, Code2Wav, SILENCE_CODE};
@@ -110,9 +112,8 @@ fn batched_streams_match_single_streams() {
         let together = c2w.chunk_batch(&mut [&mut a1, &mut b1], &[&pa[i], &pb[i]], false).unwrap();
         let ya = samples(&c2w.chunk(&mut a2, &pa[i], false).unwrap());
         let yb = samples(&c2w.chunk(&mut b2, &pb[i], false).unwrap());
-        let err = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        assert!(err(&samples(&together[0]), &ya) < 1e-5);
-        assert!(err(&samples(&together[1]), &yb) < 1e-5);
+        assert!(common::max_abs_diff(&samples(&together[0]), &ya) < 1e-5);
+        assert!(common::max_abs_diff(&samples(&together[1]), &yb) < 1e-5);
     }
 }
 

@@ -1,6 +1,8 @@
 //! The threaded engine on the tiny synthetic models: whole requests, forced lengths, chunking,
 //! cancellation, batching, streaming prefill, duplex requests and metrics.
 
+mod common;
+
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -135,7 +137,7 @@ fn requests_batched_together_match_requests_alone() {
         assert_eq!(a.audio.len(), t.audio.len());
         for (x, y) in a.audio.iter().zip(&t.audio) {
             assert_eq!(x.len(), y.len());
-            let err = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+            let err = common::max_abs_diff(x, y);
             assert!(err < 1e-4, "batched audio differs by {err}");
         }
     }
@@ -220,7 +222,7 @@ fn streaming_prefill_gives_the_same_response() {
     assert_eq!(a.codes, b.codes);
     let (x, y): (Vec<f32>, Vec<f32>) = (a.audio.concat(), b.audio.concat());
     assert_eq!(x.len(), y.len());
-    let err = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+    let err = common::max_abs_diff(&x, &y);
     assert!(err < 1e-4, "streaming prefill changed the audio by {err}");
 }
 
@@ -411,7 +413,7 @@ fn a_cached_prompt_prefix_gives_the_same_response() {
         assert_eq!(x.codes, y.codes);
         let (p, q): (Vec<f32>, Vec<f32>) = (x.audio.concat(), y.audio.concat());
         assert_eq!(p.len(), q.len());
-        let err = p.iter().zip(&q).map(|(u, v)| (u - v).abs()).fold(0f32, f32::max);
+        let err = common::max_abs_diff(&p, &q);
         assert!(err < 1e-4, "the prefix cache changed the audio by {err}");
     }
 }

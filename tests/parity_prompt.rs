@@ -110,3 +110,18 @@ fn materialize_normalizes_to_six_seconds_and_hashes_content() {
     assert!(prompt::Reference::from_wav(b"RIFF....garbage").is_err());
     assert!(prompt::Reference::materialize(&[f32::NAN; 10], 16_000).is_err());
 }
+
+/// The comparisons every parity test uses fail on a NaN or an infinity on either side (a fold
+/// with `f32::max` would drop a NaN and pass an all-NaN output).
+#[test]
+fn comparisons_fail_on_nan_and_inf() {
+    let dev = candle_core::Device::Cpu;
+    let want = Tensor::new(&[1f32, 2.0, 3.0], &dev).unwrap();
+    for bad in [[f32::NAN; 3], [1.0, f32::NAN, 3.0], [1.0, 2.0, f32::INFINITY], [f32::NEG_INFINITY, 2.0, 3.0]] {
+        let got = Tensor::new(&bad, &dev).unwrap();
+        assert_eq!(common::rel_err(&got, &want), f32::INFINITY, "{bad:?} against {want}");
+        assert_eq!(common::rel_err(&want, &got), f32::INFINITY, "{want} against {bad:?}");
+        assert_eq!(common::max_abs_diff(&bad, &[1.0, 2.0, 3.0]), f32::INFINITY, "{bad:?}");
+    }
+    assert!(common::rel_err(&want, &want) == 0.0);
+}

@@ -39,14 +39,31 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array().expect("array").iter().map(|x| x.as_u64().expect("int") as u32).collect()
 }
 
-/// max |a - b| / max |b|: the error relative to the reference's magnitude.
+/// The largest of `v`, or +inf when any is a NaN or an infinity: no bound passes a non-finite
+/// value (`f32::max` alone would drop a NaN).
+pub fn finite_max(v: impl IntoIterator<Item = f32>) -> f32 {
+    v.into_iter().fold(0f32, |m, x| if x.is_finite() && m.is_finite() { m.max(x) } else { f32::INFINITY })
+}
+
+/// max |a - b| over two equally long slices; +inf when either holds a NaN or an infinity.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "lengths differ");
+    finite_max(a.iter().zip(b).map(|(x, y)| if x.is_finite() && y.is_finite() { (x - y).abs() } else { f32::INFINITY }))
+}
+
+/// max |a - b| / max |b|: the error relative to the reference's magnitude; +inf when either side
+/// holds a NaN or an infinity.
 pub fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims(), "shapes differ");
     let a = a.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let b = b.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-    let scale = b.iter().map(|y| y.abs()).fold(0f32, f32::max).max(1e-12);
-    diff / scale
+    let diff = max_abs_diff(&a, &b);
+    let scale = finite_max(b.iter().map(|y| y.abs())).max(1e-12);
+    if diff.is_finite() && scale.is_finite() {
+        diff / scale
+    } else {
+        f32::INFINITY
+    }
 }
 
 #[track_caller]
