@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::{Resp, Session, SessionMsg};
-use antiphon_engine::{DuplexEvent, DuplexPolicy, DuplexSpec, GenerationParams, RequestId};
+use antiphon_engine::{DuplexEvent, DuplexPolicy, DuplexSpec, RequestId};
 use antiphon_protocol::{ErrorCode, ServerEvent, WireError};
 
 /// A duplex session's own state: the unit cutter and the engine turns it maps to responses.
@@ -28,14 +28,7 @@ impl Session {
             policy: d.policy,
             instructions: self.instructions.clone(),
             voice: self.voice.clone(),
-            generation: GenerationParams {
-                max_text_tokens: g.max_text_tokens,
-                min_text_tokens: g.min_text_tokens,
-                max_audio_tokens: g.max_audio_tokens,
-                min_audio_tokens: g.min_audio_tokens,
-                temperature: g.temperature,
-                seed: g.seed,
-            },
+            generation: super::response::params(g),
         };
         let me = self.me.clone().expect("started");
         let sink = Arc::new(move |e: DuplexEvent| {

@@ -47,14 +47,7 @@ impl Session {
             instructions: self.instructions.clone(),
             history: self.history.iter().map(|t| Turn { user: t.user.clone(), assistant: t.assistant.clone() }).collect(),
             voice: self.voice.clone(),
-            generation: GenerationParams {
-                max_text_tokens: g.max_text_tokens,
-                min_text_tokens: g.min_text_tokens,
-                max_audio_tokens: g.max_audio_tokens,
-                min_audio_tokens: g.min_audio_tokens,
-                temperature: g.temperature,
-                seed: g.seed,
-            },
+            generation: params(&g),
         };
         self.send_event(ServerEvent::ResponseCreated { seq: 0, response_id: rid, trigger });
         let me = self.me.clone().expect("started");
@@ -196,6 +189,18 @@ impl Session {
             }
             EngineEvent::Done { status, .. } => self.finish_response(response_id, status),
         }
+    }
+}
+
+/// The engine's view of a (validated) wire `generation`.
+pub(super) fn params(g: &Generation) -> GenerationParams {
+    GenerationParams {
+        max_text_tokens: g.max_text_tokens,
+        min_text_tokens: g.min_text_tokens,
+        max_audio_tokens: g.max_audio_tokens,
+        min_audio_tokens: g.min_audio_tokens,
+        temperature: g.temperature,
+        seed: g.seed,
     }
 }
 
