@@ -59,7 +59,9 @@ mod tests {
             let k = Tensor::cat(&[kc.narrow(1, 0, p)?, k_new.unsqueeze(1)?], 1)?;
             let v = Tensor::cat(&[vc.narrow(1, 0, p)?, v_new.unsqueeze(1)?], 1)?;
             let want = crate::attention::attend(&q.reshape((hq, 1, d))?, &k, &v, None)?.reshape((hq, d))?;
-            let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            // (a NaN anywhere fails: max_all alone could pass over it)
+            let diff: Vec<f32> = (got - want)?.abs()?.flatten_all()?.to_vec1()?;
+            let diff = diff.iter().fold(0f32, |m, &d| if d.is_finite() && m.is_finite() { m.max(d) } else { f32::INFINITY });
             assert!(diff < 1e-5, "pos {p}: max abs difference {diff}");
         }
         Ok(())
