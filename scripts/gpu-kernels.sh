@@ -3,7 +3,7 @@
 # Nsight Compute times every kernel (graph nodes one by one) of the rows' timed runs only (the
 # profile marks them with cuProfilerStart/Stop), and the table sums each kernel's time per run.
 #
-#   OUT=/some/dir ONLY="thinker decode step (graph)" ITERS=3 scripts/gpu-kernels.sh
+#   OUT=/some/dir ONLY="thinker decode step (graph)" ITERS=3 [BATCH=8] [NCU_ARGS="--launch-count 2000"] scripts/gpu-kernels.sh
 #
 # ncu runs kernels one at a time with its own overhead between them: the per-kernel times are the
 # GPU's, their sum is the time the step would take with no gaps between kernels.
@@ -21,9 +21,9 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 IFS=';' read -ra rows <<< "$ONLY"
 for row in "${rows[@]}"; do
   tag=$(echo "$row" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-48)
-  timeout "${NCU_TIMEOUT:-400}" "$NCU" --profile-from-start off --clock-control none --cache-control none \
+  timeout "${NCU_TIMEOUT:-400}" "$NCU" --profile-from-start off --clock-control none --cache-control none ${NCU_ARGS:-} \
     --metrics gpu__time_duration.sum --print-units base --csv --page raw --log-file "$OUT/ncu-$tag.csv" \
-    /tmp/antiphon profile --config "$CONFIG" --iters "$ITERS" --batch 1 --only "$row" > "$OUT/profile-$tag.txt" 2>&1
+    /tmp/antiphon profile --config "$CONFIG" --iters "$ITERS" --batch "${BATCH:-1}" --only "$row" > "$OUT/profile-$tag.txt" 2>&1
   echo "== $row (ncu exit $?)"
   grep -E "B=" "$OUT/profile-$tag.txt"
   python3 - "$OUT/ncu-$tag.csv" "$ITERS" <<'PY' | tee "$OUT/kernels-$tag.txt"

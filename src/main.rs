@@ -246,6 +246,10 @@ fn main() -> Result<()> {
             eprintln!("models ready in {:.1} s", t0.elapsed().as_secs_f64());
             let voice = &cfg.voices[0];
             let (samples, rate) = antiphon_audio::decode_wav(&std::fs::read(&voice.wav)?)?;
+            // as the server runs (Engine::start sets the same)
+            if cfg.engine.gpu_tf32 && models.code2wav.device().is_cuda() {
+                candle_core::cuda::set_gemm_reduced_precision_f32(true);
+            }
             let timings = antiphon_engine::profile::run(&models, iters.max(1), &batch, (&samples, rate), &only)?;
             if let Some(o) = out {
                 std::fs::write(&o, serde_json::to_string_pretty(&timings)?)?;

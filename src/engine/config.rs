@@ -64,6 +64,9 @@ pub struct EngineConfig {
     /// the streams' caches: a graph of B streams holds B times a stream's flow caches).
     pub code2wav_graph_batch: usize,
     pub code2wav_graph_count: usize,
+    /// On a GPU, f32 matrix products (the vocoder's convolutions, reference preparation) run on
+    /// tensor cores in TF32 (10-bit mantissa products, f32 sums); off: full f32. Process-wide.
+    pub gpu_tf32: bool,
     pub ref_cache_capacity: usize,
     pub setup_cache_capacity: usize,
     /// Reference prefetch, phase A (materialize + prepare).
@@ -119,6 +122,7 @@ impl Default for EngineConfig {
             code2wav_graphs: true,
             code2wav_graph_batch: 2,
             code2wav_graph_count: 12,
+            gpu_tf32: true,
             ref_cache_capacity: 4,
             setup_cache_capacity: 1,
             prefetch: true,

@@ -154,7 +154,7 @@ fn run_stage<S: StageLoop>(mut s: S, rx: Receiver<S::Msg>) {
 
 /// Shapes of the vocoder's streaming steps kept as CUDA graphs (chunk 0's, the steady chunks', a
 /// few last chunks'; each graph holds only small buffers).
-const VOCODER_GRAPHS: usize = 32;
+const VOCODER_GRAPHS: usize = 64;
 
 /// The running engine. Dropping it stops the stage threads.
 pub struct Engine {
@@ -180,6 +180,9 @@ impl Engine {
         }
         if cfg.decode_graphs && own_stream(&d1, [&d0, &d2]) {
             models.talker.set_decode_mode(DecodeMode::Graph);
+        }
+        if cfg.gpu_tf32 && [&d0, &d1, &d2].iter().any(|d| d.is_cuda()) {
+            candle_core::cuda::set_gemm_reduced_precision_f32(true);
         }
         if cfg.code2wav_graphs && own_stream(&d2, [&d0, &d1]) {
             let policy = antiphon_models::code2wav::dit::GraphPolicy { max_batch: cfg.code2wav_graph_batch, max_graphs: cfg.code2wav_graph_count };

@@ -35,6 +35,11 @@ impl Rows<'_> {
         self.only.is_empty() || self.only.iter().any(|s| what.contains(s.as_str()))
     }
 
+    /// Whether any row of a family (rows whose names start with `family`) may be wanted.
+    fn wants_family(&self, family: &str) -> bool {
+        self.wants(family) || self.only.iter().any(|s| s.starts_with(family))
+    }
+
     /// Times `f` as the row `what` (if it is wanted) and prints the row.
     fn time(&mut self, what: &str, batch: usize, iters: usize, f: impl FnMut() -> Result<()>) -> Result<()> {
         if !self.wants(what) {
@@ -297,23 +302,40 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
         g2w.chunk(&mut g2w.start(&f, &setup)?, small, false)?;
         Ok(())
     })?;
-    let steady_rows = rows.wants("code2wav steady chunk");
-    for &b in batches.iter().filter(|&&b| b <= 8 && steady_rows) {
-        let mut streams = (0..b)
-            .map(|_| {
-                let mut st = c2w.start(&f, &setup)?;
-                c2w.chunk(&mut st, &first, false)?;
-                Ok(st)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let snapshot = streams.clone();
-        rows.time("code2wav steady chunk (flow batched, vocoder per stream)", b, iters, || {
-            streams = snapshot.clone();
-            let mut refs: Vec<_> = streams.iter_mut().collect();
+    // steady chunks of B streams in step (chunk 1 of each): op by op, and as the server runs them
+    // (flow graphs up to the default batch, the vocoder's steps as graphs)
+    let steady_rows = rows.wants_family("code2wav steady chunk");
+    for &b in batches.iter().filter(|&&b| b <= 32 && steady_rows) {
+        for (c, what) in [(c2w, "code2wav steady chunk (flow + vocoder batched)"), (&g2w, "code2wav steady chunk, graphs (server config)")] {
+            let mut streams = (0..b)
+                .map(|_| {
+                    let mut st = c.start(&f, &setup)?;
+                    c.chunk(&mut st, &first, false)?;
+                    Ok(st)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let snapshot = streams.clone();
             let codes: Vec<&[u32]> = (0..b).map(|_| steady.as_slice()).collect();
-            c2w.chunk_batch(&mut refs, &codes, false)?;
-            Ok(())
-        })?;
+            rows.time(what, b, iters, || {
+                streams = snapshot.clone();
+                let mut refs: Vec<_> = streams.iter_mut().collect();
+                c.chunk_batch(&mut refs, &codes, false)?;
+                Ok(())
+            })?;
+            // its two parts alone
+            rows.time(&format!("{what}: flow only"), b, iters, || {
+                streams = snapshot.clone();
+                c.flow_batch(&mut streams.iter_mut().collect::<Vec<_>>(), &codes, false)?;
+                Ok(())
+            })?;
+            streams = snapshot.clone();
+            let mels = c.flow_batch(&mut streams.iter_mut().collect::<Vec<_>>(), &codes, false)?;
+            rows.time(&format!("{what}: vocoder only"), b, iters, || {
+                streams = snapshot.clone();
+                c.vocode_batch(&mut streams.iter_mut().collect::<Vec<_>>(), &mels, false)?;
+                Ok(())
+            })?;
+        }
     }
     // ---- contention: a Thinker decode step while Code2Wav chunks run on another thread, as in
     // the pipelined server

@@ -56,6 +56,15 @@ impl Waiting {
 struct Live {
     stream: StreamState,
     next_seq: usize,
+    /// When the stream's first audio went out and how much audio it has delivered since:
+    /// its playback deadline (the moment a listener's buffer runs dry) is their sum.
+    played: Option<(Instant, Duration)>,
+}
+
+impl Live {
+    fn deadline(&self) -> Option<Instant> {
+        self.played.map(|(first, audio)| first + audio)
+    }
 }
 
 struct ChunkWork {
@@ -221,7 +230,7 @@ impl Stage2 {
             }
         };
         let stream = self.model.start(&features, &state)?;
-        self.live.insert(c.id.clone(), Live { stream, next_seq: 0 });
+        self.live.insert(c.id.clone(), Live { stream, next_seq: 0, played: None });
         Ok(())
     }
 
@@ -332,18 +341,26 @@ impl Stage2 {
             self.abort(&id);
         }
         self.metrics.queue_depth.with_label_values(&["code2wav"]).set((self.live.len() + self.waiting.len()) as i64);
-        // the chunks that are next in order
-        let mut ready = Vec::new();
+        // the chunks that are next in order, earliest playback deadline first: chunk 0s (no audio
+        // yet) before all, then the streams whose listeners run dry soonest
+        let mut next = Vec::new();
         let mut rest = VecDeque::new();
         let mut taken = std::collections::HashSet::new();
         while let Some(c) = self.queue.pop_front() {
             let expected = self.live.get(&c.id).map(|l| l.next_seq).unwrap_or(0);
-            if c.seq == expected && !taken.contains(&c.id) && ready.len() < self.cfg.code2wav_max_batch {
+            if c.seq == expected && !taken.contains(&c.id) {
                 taken.insert(c.id.clone());
-                ready.push(c);
+                next.push(c);
             } else {
                 rest.push_back(c);
             }
+        }
+        // (stable: equal deadlines keep their arrival order)
+        next.sort_by_key(|c| self.live.get(&c.id).and_then(Live::deadline));
+        let keep = next.split_off(next.len().min(self.cfg.code2wav_max_batch));
+        let ready = next;
+        for c in keep.into_iter().rev() {
+            rest.push_front(c);
         }
         self.queue = rest;
         if ready.is_empty() {
@@ -395,6 +412,12 @@ impl Stage2 {
                             }
                         };
                         let first = c.seq == 0;
+                        let audio = Duration::from_secs_f64(samples.len() as f64 / self.model.sample_rate() as f64);
+                        live.played = match live.played {
+                            Some((t, a)) => Some((t, a + audio)),
+                            None if audio > Duration::ZERO => Some((Instant::now(), audio)),
+                            None => None,
+                        };
                         self.registry.emit(&id, EngineEvent::Audio { samples, chunk: c.seq, last: c.last });
                         if first {
                             if let Some(t) = self.registry.timings(&id) {

@@ -4,6 +4,7 @@
 //!
 //! - [`add_rmsnorm`]: the residual add and the next RMSNorm.
 //! - [`silu_mul`]: SwiGLU's `silu(gate) * up` over the fused gate/up projection.
+//! - [`snake`]: the vocoder's activation (`x + sin²(αx) / (α + 1e-9)`, six ops op by op).
 //! - [`qk_norm_rope_store_twin`]: one position's heads after the fused q/k/v projection — per-head
 //!   RMSNorm of q and k (Qwen3) and RoPE (the definition of the batched step's kernel, which also
 //!   writes K and V into the cache; see `batch_decode`).
@@ -50,6 +51,22 @@ pub fn silu_mul(gu: &Tensor, inter: usize) -> Result<Tensor> {
         return gu.contiguous()?.apply_op1_no_bwd(&cuda::SiluMul { inter });
     }
     candle_nn::ops::silu(&gu.narrow(1, 0, inter)?)? * gu.narrow(1, inter, inter)?
+}
+
+/// Snake, the vocoder's activation: `x + sin²(αx) / (α + 1e-9)` for `x: [B, C, T]`, `alpha: [C]`.
+pub fn snake(x: &Tensor, alpha: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && x.rank() == 3 && x.dtype() == alpha.dtype() {
+        return x.contiguous()?.apply_op2_no_bwd(&alpha.contiguous()?, &cuda::Snake);
+    }
+    snake_twin(x, alpha)
+}
+
+/// The tensor-op definition of [`snake`].
+pub fn snake_twin(x: &Tensor, alpha: &Tensor) -> Result<Tensor> {
+    let a = alpha.reshape((1, (), 1))?;
+    let s = x.broadcast_mul(&a)?.sin()?.sqr()?;
+    x + s.broadcast_div(&(a + 1e-9)?)?
 }
 
 /// Per-head RMSNorm (when `norm` = (per-head weights `[heads, d]`, `[d]` ones) is given) and
@@ -206,6 +223,51 @@ pub(crate) mod cuda {
             // SAFETY: arguments as the kernel declares them; a grid-stride loop covers `total`.
             unsafe { b.launch(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }.map_err(err)?;
             Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from((n, self.inter))))
+        }
+    }
+
+    pub(super) struct Snake;
+
+    impl Snake {
+        fn run<T: CudaDType + DeviceRepr>(&self, x: &CudaStorage, xl: &Layout, a: &CudaStorage, al: &Layout) -> Result<(CudaStorage, Shape)> {
+            let dev = x.device().clone();
+            let (_, c, t) = xl.shape().dims3()?;
+            if al.shape().elem_count() != c {
+                candle_core::bail!("snake: {} alphas for {c} channels", al.shape().elem_count());
+            }
+            let total = xl.shape().elem_count();
+            let xv = x.as_cuda_slice::<T>()?.slice(xl.start_offset()..);
+            let av = a.as_cuda_slice::<T>()?.slice(al.start_offset()..);
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<T>(total) }?;
+            let f = dev.get_or_load_custom_func(&kernel("snake", x.dtype())?, MODULE, PTX)?;
+            let mut b = f.builder();
+            let (c_i, t_i, total_u) = (c as i32, t as i32, total as u64);
+            b.arg(&xv).arg(&av).arg(&out).arg(&c_i).arg(&t_i).arg(&total_u);
+            let blocks = total.div_ceil(256).min(8192) as u32;
+            // SAFETY: arguments as the kernel declares them; a grid-stride loop covers `total`.
+            unsafe { b.launch(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }.map_err(err)?;
+            Ok((CudaStorage::wrap_cuda_slice(out, dev), xl.shape().clone()))
+        }
+    }
+
+    impl CustomOp2 for Snake {
+        fn name(&self) -> &'static str {
+            "snake"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> Result<(candle_core::CpuStorage, Shape)> {
+            candle_core::bail!("snake: the CUDA op ran on the CPU")
+        }
+
+        fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout, a: &CudaStorage, al: &Layout) -> Result<(CudaStorage, Shape)> {
+            super::by_dtype!("snake", x.dtype(), T => self.run::<T>(x, xl, a, al))
         }
     }
 

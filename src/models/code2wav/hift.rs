@@ -20,8 +20,10 @@ use rand_distr::{Distribution, StandardNormal};
 
 mod blocks;
 mod original;
+mod streaming;
 use blocks::{causal_padding, Conv, ConvKind, F0Predictor, Frac, ResBlock, Spectral};
 pub use original::OriginalStreamState;
+pub use streaming::{HiftState, StreamLimits};
 
 /// Generator hyper-parameters.
 #[derive(Debug, Clone, PartialEq)]
@@ -87,41 +89,6 @@ impl HiftConfig {
         self.upsample_rates.iter().product::<usize>() * self.istft_hop
     }
 }
-
-/// Per-stream state of the streaming (bounded) vocoder.
-#[derive(Debug, Clone)]
-pub struct HiftState {
-    mel: Tensor,
-    source: Tensor,
-    phase: [f64; 16],
-    mel_offset: usize,
-    source_offset: usize,
-    source_end: usize,
-    speech_offset: usize,
-    finalized: bool,
-    first_chunk: bool,
-}
-
-/// The streaming limits (the reference's `BoundedVocoder.limits`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StreamLimits {
-    pub f0_left: usize,
-    pub f0_right: usize,
-    pub history: usize,
-    pub decoder_right: usize,
-    pub block_frames: usize,
-}
-
-impl StreamLimits {
-    /// Frames of delay: audio for a mel frame comes out this many frames later.
-    pub fn delay(&self) -> usize {
-        self.f0_right + self.decoder_right
-    }
-}
-
-/// Graph tags of the streaming steps (+1 when finalizing: another computation).
-const GRAPH_F0: usize = 0;
-const GRAPH_DECODE: usize = 2;
 
 #[derive(Debug, Clone)]
 pub struct HiftGenerator {
@@ -299,9 +266,9 @@ impl HiftGenerator {
         }
     }
 
-    /// F0 of `mel: [1, 80, F]` (f32 out, computed in f64).
+    /// F0 of `mel: [1, 80, F]` as `[F']` (f32 out, computed in f64).
     pub fn f0(&self, mel: &Tensor, finalize: bool) -> Result<Tensor> {
-        self.f0_predictor.forward(mel, finalize)
+        self.f0_predictor.forward(mel, finalize)?.squeeze(0)
     }
 
     /// Mel + excitation -> audio. `x: [1, 80, F]`, `s: [1, 1, F · hop]`. The causal generator
@@ -350,25 +317,6 @@ impl HiftGenerator {
         y.clamp(-cfg.audio_limit, cfg.audio_limit)
     }
 
-    // ---------------------------------------------------------------- causal streaming
-
-    /// A fresh streaming state.
-    pub fn new_state(&self) -> Result<HiftState> {
-        let dev = self.conv_pre.w.device();
-        let dt = self.conv_pre.w.dtype();
-        Ok(HiftState {
-            mel: Tensor::zeros((1, self.cfg.in_channels, 0), dt, dev)?,
-            source: Tensor::zeros((1, 1, 0), dt, dev)?,
-            phase: [0.0; 16],
-            mel_offset: 0,
-            source_offset: 0,
-            source_end: 0,
-            speech_offset: 0,
-            finalized: false,
-            first_chunk: true,
-        })
-    }
-
     /// (hop, harmonics + 1, sample rate, sine amplitude, voicing threshold) of the source.
     fn source_params(&self) -> (usize, usize, f32, f32, f32) {
         let cfg = &self.cfg;
@@ -381,134 +329,6 @@ impl HiftGenerator {
         let dev = self.conv_pre.w.device();
         let exc = Tensor::from_vec(exc, (1, samples, h1), dev)?.to_dtype(self.l_linear.weight().dtype())?;
         self.l_linear.forward(&exc)?.tanh()?.transpose(1, 2)
-    }
-
-    /// The causal excitation for frames `f0` starting at frame `frame_offset`, advancing the phase.
-    fn source(&self, st: &mut HiftState, f0: &[f32], frame_offset: usize) -> Result<Tensor> {
-        let cfg = &self.cfg;
-        let (hop, h1, sr, amp, thr) = self.source_params();
-        let n = f0.len();
-        // cycles = cumsum(increments) · hop + phase, in f64, as the reference orders it
-        let mut sums = [0f64; 16];
-        let mut last = [0f64; 16];
-        let mut per_frame = vec![0f32; n * h1];
-        let mut noise_amp = vec![0f32; n];
-        for (t, &f) in f0.iter().enumerate() {
-            let voiced = if f > thr { 1.0f32 } else { 0.0 };
-            for h in 0..h1 {
-                let inc = (f * (h + 1) as f32 / sr).rem_euclid(1.0);
-                sums[h] += inc as f64;
-                let cycles = sums[h] * hop as f64 + st.phase[h];
-                last[h] = cycles;
-                let sine = ((cycles.rem_euclid(1.0)) * (2.0 * std::f64::consts::PI)).sin() as f32;
-                per_frame[t * h1 + h] = sine * amp * voiced;
-            }
-            noise_amp[t] = voiced * cfg.nsf_sigma as f32 + (1.0 - voiced) * amp / 3.0;
-        }
-        if n > 0 {
-            for (p, l) in st.phase.iter_mut().zip(&last).take(h1) {
-                *p = l.rem_euclid(1.0);
-            }
-        }
-        // per sample: the frame's sine plus table noise
-        let mut exc = vec![0f32; n * hop * h1];
-        for t in 0..n {
-            for j in 0..hop {
-                let pos = ((frame_offset * hop + t * hop + j) % self.noise_rows) * h1;
-                let row = &mut exc[(t * hop + j) * h1..(t * hop + j + 1) * h1];
-                for h in 0..h1 {
-                    row[h] = per_frame[t * h1 + h] + noise_amp[t] * self.noise_table[pos + h];
-                }
-            }
-        }
-        self.merge_harmonics(exc, n * hop, h1)
-    }
-
-    fn process(&self, st: &mut HiftState, finalize: bool) -> Result<Tensor> {
-        let lim = self.limits.expect("causal generator");
-        let hop = self.cfg.hop();
-        let mut emitted = st.speech_offset / hop;
-        let received = st.mel_offset + st.mel.dim(2)?;
-        let available_source = received.saturating_sub(if finalize { 0 } else { lim.f0_right });
-        if available_source > st.source_end {
-            let start = st.source_end.saturating_sub(lim.f0_left);
-            let feats = st.mel.narrow(2, start - st.mel_offset, received - start)?;
-            let f0 = self.graphs.run(GRAPH_F0 + usize::from(finalize), &[&feats], &|x| Ok(vec![self.f0_predictor.forward(&x[0], finalize)?]))?;
-            let f0 = f0[0].to_vec1::<f32>()?;
-            let f0 = &f0[st.source_end - start..];
-            let mut parts = vec![st.source.clone()];
-            for block in f0.chunks(lim.block_frames) {
-                let offset = st.source_end;
-                parts.push(self.source(st, block, offset)?);
-                st.source_end += block.len();
-            }
-            st.source = Tensor::cat(&parts, 2)?;
-        }
-        let available_speech = st.source_end.saturating_sub(if finalize { 0 } else { lim.decoder_right });
-        let mut speech = Tensor::zeros((1, 0), st.mel.dtype(), st.mel.device())?;
-        if available_speech > emitted {
-            let start = emitted.saturating_sub(lim.history);
-            let feats = st.mel.narrow(2, start - st.mel_offset, st.source_end - start)?;
-            let src_from = (start - st.source_offset) * hop;
-            let src = st.source.narrow(2, src_from, st.source.dim(2)? - src_from)?;
-            let y = self.graphs.run(GRAPH_DECODE + usize::from(finalize), &[&feats, &src], &|x| Ok(vec![self.decode(&x[0], &x[1], finalize)?]))?;
-            let y = &y[0];
-            let skip = (emitted - start) * hop;
-            let want = (available_speech - emitted) * hop;
-            if y.dim(1)? != skip + want {
-                candle_core::bail!("streaming vocoder: {} samples where {} were expected", y.dim(1)?, skip + want);
-            }
-            speech = y.narrow(1, skip, want)?;
-            emitted = available_speech;
-            st.speech_offset = emitted * hop;
-        }
-        let keep_mel = emitted.saturating_sub(lim.history).min(st.source_end.saturating_sub(lim.f0_left));
-        let keep_source = emitted.saturating_sub(lim.history);
-        let ml = st.mel.dim(2)?;
-        st.mel = st.mel.narrow(2, keep_mel - st.mel_offset, ml - (keep_mel - st.mel_offset))?.contiguous()?;
-        let sl = st.source.dim(2)?;
-        let cut = (keep_source - st.source_offset) * hop;
-        st.source = st.source.narrow(2, cut, sl - cut)?.contiguous()?;
-        st.mel_offset = keep_mel;
-        st.source_offset = keep_source;
-        Ok(speech)
-    }
-
-    /// Streams fresh mel `[1, 80, frames]` (possibly empty) through the causal vocoder: returns the
-    /// audio `[samples]` that is ready. The first audio is preceded by the delay's worth of
-    /// silence (unless the stream ends right away), so audio stays aligned with mel; `last` flushes
-    /// everything.
-    pub fn stream(&self, st: &mut HiftState, mel: &Tensor, last: bool) -> Result<Tensor> {
-        if self.limits.is_none() {
-            candle_core::bail!("the original HiFT has no streaming mode");
-        }
-        if st.finalized {
-            candle_core::bail!("vocoder stream already finalized");
-        }
-        let lim = self.limits.expect("checked");
-        let mut chunks = Vec::new();
-        let frames = mel.dim(2)?;
-        let mut pos = 0;
-        while pos < frames {
-            let n = lim.block_frames.min(frames - pos);
-            st.mel = Tensor::cat(&[&st.mel, &mel.narrow(2, pos, n)?.to_dtype(st.mel.dtype())?], 2)?;
-            chunks.push(self.process(st, false)?);
-            pos += n;
-        }
-        if last {
-            chunks.push(self.process(st, true)?);
-            st.finalized = true;
-        }
-        let speech = if chunks.is_empty() { Tensor::zeros((1, 0), st.mel.dtype(), st.mel.device())? } else { Tensor::cat(&chunks, 1)? };
-        let mut speech = speech.squeeze(0)?;
-        if speech.dim(0)? > 0 && st.first_chunk {
-            st.first_chunk = false;
-            if !last {
-                let silence = Tensor::zeros(lim.delay() * self.cfg.hop(), speech.dtype(), speech.device())?;
-                speech = Tensor::cat(&[&silence, &speech], 0)?;
-            }
-        }
-        Ok(speech)
     }
 
     // ---------------------------------------------------------------- original generator

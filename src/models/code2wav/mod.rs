@@ -142,6 +142,13 @@ impl Code2Wav {
         (self.flow.decoder.graphs_held(), v)
     }
 
+    /// The audio's sample rate (the vocoder's).
+    pub fn sample_rate(&self) -> usize {
+        match &self.vocoder {
+            Vocoder::Causal(h) | Vocoder::Original(h) => h.config().sampling_rate,
+        }
+    }
+
     pub fn flow_config(&self) -> &FlowConfig {
         self.flow.config()
     }
@@ -168,10 +175,20 @@ impl Code2Wav {
         Ok(StreamState { flow: setup.clone(), vocoder, speaker: f.speaker.clone(), frames: 0, finished: false })
     }
 
-    /// One chunk for several streams with equal cache signatures and chunk lengths: the flow runs
-    /// batched, the vocoder per stream. `codes[i]` = left context + new codes + look-ahead (the
+    /// One chunk for several streams with equal cache signatures and chunk lengths: the flow and
+    /// the (causal) vocoder run batched. `codes[i]` = left context + new codes + look-ahead (the
     /// last chunk may end without look-ahead). Returns each stream's new 24 kHz samples.
     pub fn chunk_batch(&self, streams: &mut [&mut StreamState], codes: &[&[u32]], last: bool) -> Result<Vec<Tensor>> {
+        let mels = self.flow_batch(streams, codes, last)?;
+        let out = self.vocode_batch(streams, &mels, last)?;
+        for st in streams.iter_mut() {
+            st.finished = last;
+        }
+        Ok(out)
+    }
+
+    /// The flow's share of [`Code2Wav::chunk_batch`]: each stream's mel `[80, frames]`.
+    pub fn flow_batch(&self, streams: &mut [&mut StreamState], codes: &[&[u32]], last: bool) -> Result<Vec<Tensor>> {
         if streams.iter().any(|s| s.finished) {
             bail!("a finished stream got another chunk");
         }
@@ -181,13 +198,27 @@ impl Code2Wav {
             let mut flows: Vec<&mut FlowState> = streams.iter_mut().map(|s| &mut s.flow).collect();
             self.flow.chunk_batch(codes, &spk_refs, &mut flows, last)?
         };
-        let mut out = Vec::with_capacity(streams.len());
-        for (st, mel) in streams.iter_mut().zip(mels) {
+        for (st, mel) in streams.iter_mut().zip(&mels) {
             st.frames += mel.dim(1)?;
-            out.push(self.vocode_chunk(st, &mel, last)?);
-            st.finished = last;
         }
-        Ok(out)
+        Ok(mels)
+    }
+
+    /// The vocoder's share of [`Code2Wav::chunk_batch`] (`mels[i]`: `[80, frames]`): the causal
+    /// vocoder runs batched, the original one stream by stream.
+    pub fn vocode_batch(&self, streams: &mut [&mut StreamState], mels: &[Tensor], last: bool) -> Result<Vec<Tensor>> {
+        let Vocoder::Causal(h) = &self.vocoder else {
+            return streams.iter_mut().zip(mels).map(|(st, mel)| self.vocode_chunk(st, mel, last)).collect();
+        };
+        let mels = mels.iter().map(|m| m.unsqueeze(0)?.to_dtype(DType::F32)).collect::<candle_core::Result<Vec<_>>>()?;
+        let mut states = Vec::with_capacity(streams.len());
+        for st in streams.iter_mut() {
+            match &mut st.vocoder {
+                VocoderState::Causal(vs) => states.push(vs),
+                VocoderState::Original(_) => bail!("vocoder state does not match the vocoder"),
+            }
+        }
+        Ok(h.stream_batch(&mut states, &mels.iter().collect::<Vec<_>>(), last)?)
     }
 
     /// Profiling: the flow's share of one chunk alone (returns its mel, `[80, frames]`).

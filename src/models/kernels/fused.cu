@@ -45,6 +45,18 @@ __device__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, int inte
   }
 }
 
+// Snake (the vocoder's activation): out[r, c, t] = x + sin(a_c x)^2 / (a_c + 1e-9) over x [R, C, T]
+// contiguous, a [C] (f32 arithmetic; the op-by-op path rounds after each op in the storage type).
+template <typename T>
+__device__ void snake(const T* __restrict__ x, const T* __restrict__ a, T* __restrict__ out, int c, int t, size_t total) {
+  for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x) {
+    const float al = to_f(a[(k / t) % c]);
+    const float v = to_f(x[k]);
+    const float s = sinf(al * v);
+    out[k] = from_f<T>(v + s * s / (al + 1e-9f));
+  }
+}
+
 #define FUSED(SUFFIX, T)                                                                                          \
   extern "C" __global__ void add_rmsnorm_##SUFFIX(const T* x, const T* a, const T* w, T* xo, T* ho, int h,         \
                                                   float eps) {                                                   \
@@ -52,6 +64,10 @@ __device__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, int inte
   }                                                                                                              \
   extern "C" __global__ void silu_mul_##SUFFIX(const T* gu, T* out, int inter, unsigned long long total) {        \
     silu_mul<T>(gu, out, inter, (size_t)total);                                                                  \
+  }                                                                                                              \
+  extern "C" __global__ void snake_##SUFFIX(const T* x, const T* a, T* out, int c, int t,                        \
+                                            unsigned long long total) {                                          \
+    snake<T>(x, a, out, c, t, (size_t)total);                                                                    \
   }
 
 FUSED(f32, float)

@@ -83,11 +83,9 @@ impl Conv {
     }
 }
 
-/// Snake: `x + sin²(αx) / (α + 1e-9)`.
+/// Snake: `x + sin²(αx) / (α + 1e-9)` (one kernel on a GPU).
 fn snake(x: &Tensor, alpha: &Tensor) -> Result<Tensor> {
-    let a = alpha.reshape((1, (), 1))?;
-    let s = x.broadcast_mul(&a)?.sin()?.sqr()?;
-    x + s.broadcast_div(&(a + 1e-9)?)?
+    crate::fused::snake(x, alpha)
 }
 
 #[derive(Debug, Clone)]
@@ -178,7 +176,7 @@ impl F0Predictor {
             .sum()
     }
 
-    /// `mel: [1, 80, F]` -> F0 `[F']` (f32) where F' = F, or F - right when not finalizing.
+    /// `mel: [B, 80, F]` -> F0 `[B, F']` (f32) where F' = F, or F - right when not finalizing.
     pub(super) fn forward(&self, mel: &Tensor, finalize: bool) -> Result<Tensor> {
         let x = mel.to_dtype(DType::F64)?;
         let r = self.right();
@@ -192,8 +190,9 @@ impl F0Predictor {
         for c in &self.condnet[1..] {
             x = c.forward(&x, None)?.elu(1.0)?;
         }
-        let y = self.classifier.forward(&x.transpose(1, 2)?)?.abs()?; // [1, F', 1]
-        y.squeeze(2)?.squeeze(0)?.to_dtype(DType::F32)
+        // (contiguous: candle's CPU matmul gets a transposed batch against a broadcast weight wrong)
+        let y = self.classifier.forward(&x.transpose(1, 2)?.contiguous()?)?.abs()?; // [B, F', 1]
+        y.squeeze(2)?.to_dtype(DType::F32)
     }
 }
 
@@ -298,6 +297,31 @@ impl Spectral {
         Tensor::from_vec(idx, l + 2 * p, dev)
     }
 
+    /// Overlap-add of frames `[B, n_fft, T]` at the hop: `[B, n_fft + hop (T − 1)]`. With the hop
+    /// dividing n_fft, as shifted sums of the frames' hop-long pieces; otherwise by transposed
+    /// convolution row by row (candle's CPU `conv_transpose1d` gets rows after the first wrong in
+    /// a batch).
+    fn overlap_add(&self, frames: &Tensor) -> Result<Tensor> {
+        let (b, n, t) = frames.dims3()?;
+        if n % self.hop != 0 {
+            let rows = (0..b).map(|i| frames.narrow(0, i, 1)?.conv_transpose1d(&self.ola, 0, 0, self.hop, 1, 1)).collect::<Result<Vec<_>>>()?;
+            return Tensor::cat(&rows, 0)?.squeeze(1);
+        }
+        let pieces = n / self.hop;
+        let total = n + self.hop * (t - 1);
+        let mut y: Option<Tensor> = None;
+        for k in 0..pieces {
+            // piece k of frame f lands at (f + k) · hop
+            let p = frames.narrow(1, k * self.hop, self.hop)?.transpose(1, 2)?.reshape((b, t * self.hop))?;
+            let p = p.pad_with_zeros(1, k * self.hop, total - t * self.hop - k * self.hop)?;
+            y = Some(match y {
+                Some(acc) => (acc + p)?,
+                None => p,
+            });
+        }
+        y.ok_or_else(|| candle_core::Error::Msg("an n_fft of zero".into()))
+    }
+
     /// `torch.istft(center=True)` of `mag · e^{i·phase}`, `[B, n_freq, T]` -> `[B, hop (T − 1)]`.
     pub(super) fn istft(&self, mag: &Tensor, phase: &Tensor) -> Result<Tensor> {
         let (b, _, t) = mag.dims3()?;
@@ -305,7 +329,7 @@ impl Spectral {
         let re = (&mag * phase.cos()?)?;
         let im = (&mag * phase.sin()?)?;
         let frames = (self.inv_cos.broadcast_matmul(&re)? + self.inv_sin.broadcast_matmul(&im)?)?; // [B, n_fft, T]
-        let y = frames.conv_transpose1d(&self.ola, 0, 0, self.hop, 1, 1)?; // [B, 1, n_fft + hop (T-1)]
+        let y = self.overlap_add(&frames)?; // [B, n_fft + hop (T-1)]
         let total = self.n_fft + self.hop * (t - 1);
         let p = self.n_fft / 2;
         let out_len = self.hop * (t - 1);
