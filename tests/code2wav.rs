@@ -117,6 +117,51 @@ fn batched_streams_match_single_streams() {
     }
 }
 
+/// Streams at different points of their histories (so caches of different lengths: the flow pads
+/// them and masks the padding) and with different voices share every chunk, through to the last,
+/// and each gets what it gets alone.
+#[test]
+fn streams_with_different_histories_and_voices_share_a_batch() {
+    let c2w = synth::code2wav_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap();
+    let f = c2w.prepare(&reference()).unwrap();
+    let short: Vec<f32> = reference().samples[..24_000 * 2].to_vec();
+    let g = c2w.prepare(&Reference::materialize(&short, 24_000).unwrap()).unwrap();
+    // (every reference is padded to the same 6 s: the voices differ in content, not length)
+    assert_ne!(samples(&f.speaker), samples(&g.speaker), "two voices");
+    let (sf, sg) = (c2w.setup(&f).unwrap(), c2w.setup(&g).unwrap());
+    // stream 0 and 2 start together (voices f, g), stream 1 (voice f) one chunk later
+    let feats = [(&f, &sf), (&f, &sf), (&g, &sg)];
+    let lag = [0usize, 1, 0];
+    let sizes = [25, 25, 25, 10];
+    let pay: Vec<Vec<Vec<u32>>> = (0..3).map(|s| payloads(&codes(85, s as u32 + 1), &sizes)).collect();
+    let mut together: Vec<_> = feats.iter().map(|(f, s)| c2w.start(f, s).unwrap()).collect();
+    let mut alone: Vec<_> = feats.iter().map(|(f, s)| c2w.start(f, s).unwrap()).collect();
+    let mut ragged = 0;
+    for round in 0..sizes.len() + 1 {
+        for last in [false, true] {
+            let members: Vec<(usize, usize)> = (0..3)
+                .filter_map(|s| round.checked_sub(lag[s]).filter(|&i| i < sizes.len() && (i == sizes.len() - 1) == last).map(|i| (s, i)))
+                .collect();
+            if members.is_empty() {
+                continue;
+            }
+            let mut refs: Vec<&mut _> = together.iter_mut().enumerate().filter(|(s, _)| members.iter().any(|m| m.0 == *s)).map(|(_, t)| t).collect();
+            let codes: Vec<&[u32]> = members.iter().map(|&(s, i)| pay[s][i].as_slice()).collect();
+            let lens: Vec<usize> = refs.iter().map(|r| r.flow.estimator.len()).collect();
+            ragged += usize::from(lens.iter().any(|&l| l != lens[0]));
+            let out = c2w.chunk_batch(&mut refs, &codes, last).unwrap();
+            for (&(s, i), y) in members.iter().zip(&out) {
+                let want = samples(&c2w.chunk(&mut alone[s], &pay[s][i], last).unwrap());
+                let got = samples(y);
+                assert_eq!(got.len(), want.len(), "stream {s}, chunk {i}");
+                let d = common::max_abs_diff(&got, &want);
+                assert!(d < 1e-4, "stream {s}, chunk {i} (cache lengths in the batch {lens:?}): max diff {d}");
+            }
+        }
+    }
+    assert!(ragged >= 2, "batches mixed cache lengths {ragged} times");
+}
+
 #[test]
 fn missing_assets_are_named() {
     let dir = tempfile::tempdir().unwrap();

@@ -165,6 +165,37 @@ fn parity_flow_batched_chunks_match_single() {
     }
 }
 
+/// Two copies of the fixture's stream, the second one chunk behind (caches of different lengths,
+/// padded and masked in one CFM solve), batched for every chunk both have of the same length: each
+/// gives the reference's mel.
+#[test]
+fn parity_flow_ragged_batch_matches_reference() {
+    let io = load_io(FIX);
+    let meta = load_meta(FIX);
+    let f = flow();
+    let payloads: Vec<Vec<u32>> = meta["payloads"].as_array().unwrap().iter().map(ids).collect();
+    let (mut a, mut b) = (setup(&f), setup(&f));
+    let mut ragged = 0;
+    for i in 0..payloads.len() {
+        // b runs chunk i - 1 beside a's chunk i when their lengths agree, else alone
+        let last = i == payloads.len() - 1;
+        if i > 0 && payloads[i].len() == payloads[i - 1].len() && !last {
+            ragged += usize::from(a.estimator.len() != b.estimator.len());
+            let out = f.chunk_batch(&[&payloads[i], &payloads[i - 1]], &[&io["spk"], &io["spk"]], &mut [&mut a, &mut b], false).unwrap();
+            assert_close(&format!("ahead, chunk {i}"), &out[0], &io[&format!("chunk{i}_mel")], TOL);
+            assert_close(&format!("behind, chunk {}", i - 1), &out[1], &io[&format!("chunk{}_mel", i - 1)], TOL);
+        } else {
+            let mel = f.chunk(&payloads[i], &io["spk"], &mut a, last).unwrap();
+            assert_close(&format!("ahead alone, chunk {i}"), &mel, &io[&format!("chunk{i}_mel")], TOL);
+            if i > 0 {
+                let mel = f.chunk(&payloads[i - 1], &io["spk"], &mut b, i - 1 == payloads.len() - 1).unwrap();
+                assert_close(&format!("behind alone, chunk {}", i - 1), &mel, &io[&format!("chunk{}_mel", i - 1)], TOL);
+            }
+        }
+    }
+    assert!(ragged >= 1, "no batch mixed cache lengths");
+}
+
 #[test]
 fn parity_hift_stream_limits() {
     let meta = load_meta(FIX);

@@ -1,8 +1,8 @@
 //! Stage 2, the Code2Wav loop, and reference prefetch.
 //!
-//! Work: chunks of codes, in order per request, batched across requests whose flow caches have the
-//! same shape. Chunk 0 of a request resolves its reference voice: it **claims** a prefetched cache
-//! entry, or **retires** a placeholder that was never prefetched and prepares the reference
+//! Work: chunks of codes, in order per request, earliest playback deadline first, batched across
+//! requests whose chunks have the same length (whatever their voices and cache lengths). Chunk 0
+//! of a request resolves its reference voice: it **claims** a prefetched cache entry, or **retires** a placeholder that was never prefetched and prepares the reference
 //! **inline**; a chunk 0 whose reference differs from the prefetched one prepares inline and
 //! **evicts** the prefetched entry. Setup caches are reused from the setup cache when present.
 //!
@@ -380,19 +380,17 @@ impl Stage2 {
             }
             runnable.push(c);
         }
-        // batch by (cache signature, chunk length, last)
-        // (cache signature, chunk length, last, work)
-        type Group = ((usize, usize, usize), usize, bool, Vec<ChunkWork>);
-        let mut groups: Vec<Group> = Vec::new();
+        // batch by (chunk length, last): streams at different points of their histories and with
+        // different voices share a chunk (the flow pads their caches to the longest)
+        let mut groups: Vec<(usize, bool, Vec<ChunkWork>)> = Vec::new();
         for c in runnable {
-            let sig = self.live[&c.id].stream.signature();
-            match groups.iter_mut().find(|g| g.0 == sig && g.1 == c.codes.len() && g.2 == c.last) {
-                Some(g) => g.3.push(c),
-                None => groups.push((sig, c.codes.len(), c.last, vec![c])),
+            match groups.iter_mut().find(|g| g.0 == c.codes.len() && g.1 == c.last) {
+                Some(g) => g.2.push(c),
+                None => groups.push((c.codes.len(), c.last, vec![c])),
             }
         }
         let mut batch_total = 0;
-        for (_, _, last, group) in groups {
+        for (_, last, group) in groups {
             batch_total += group.len();
             let mut states: Vec<(RequestId, Live)> = group.iter().map(|c| (c.id.clone(), self.live.remove(&c.id).expect("live"))).collect();
             let out = {

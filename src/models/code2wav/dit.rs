@@ -10,12 +10,13 @@
 //! Streaming caches per Euler step and block: the attention K | V of everything seen so far,
 //! newest chunk first (the reference's order; attention itself is order-free), and the two causal
 //! convs' 2-frame input tails.
+//!
+//! The solver over the estimator (Euler steps with classifier-free guidance) is [`Cfm`] in `cfm.rs`.
 
-use std::sync::{Arc, Mutex};
+pub use super::cfm::{cosine_t_span, Cfm, GraphPolicy};
 
 use candle_core::{Module, Result, Tensor, D};
 
-use crate::cuda_graph::GraphSlot;
 use candle_nn::{Conv1d, Conv1dConfig, LayerNorm, Linear, VarBuilder};
 
 use super::conformer::{conv1d, linear, mish};
@@ -152,15 +153,23 @@ impl Block {
         Ok((block, linear(vb.pp("adaLN_modulation").pp(1), h, 9 * h, true)?))
     }
 
-    /// `x: [N, T, H]`; `m`: this block's modulation, `[1, 9 H]`.
-    fn forward(&self, x: &Tensor, m: &Tensor, cnn: Option<&Tensor>, att: Option<&Tensor>) -> Result<(Tensor, Tensor, Tensor)> {
+    /// `x: [N, T, H]`; `m`: this block's modulation, `[1, 9 H]`; `att`: the cached keys and
+    /// values (`[N, h, L, hd]` each, contiguous); `mask`: an additive key mask.
+    fn forward(
+        &self,
+        x: &Tensor,
+        m: &Tensor,
+        cnn: Option<&Tensor>,
+        att: Option<(&Tensor, &Tensor)>,
+        mask: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor, Kv)> {
         let m = m.chunk(9, D::Minus1)?;
         let ln = |x: &Tensor| layer_norm_plain(x, &self.ones, &self.zeros, 1e-6);
         let (shift_msa, scale_msa, gate_msa) = (&m[0], &m[1], &m[2]);
         let (shift_mlp, scale_mlp, gate_mlp) = (&m[3], &m[4], &m[5]);
         let (shift_conv, scale_conv, gate_conv) = (&m[6], &m[7], &m[8]);
         // attention
-        let (a, new_att) = self.attn_forward(&modulate(&ln(x)?, shift_msa, scale_msa)?, att)?;
+        let (a, new_att) = self.attn_forward(&modulate(&ln(x)?, shift_msa, scale_msa)?, att, mask)?;
         let x = (x + a.broadcast_mul(gate_msa)?)?;
         // conv
         let (cv, new_cnn) = self.conv.forward(&modulate(&ln(&x)?, shift_conv, scale_conv)?, cnn)?;
@@ -172,30 +181,50 @@ impl Block {
         Ok((x, new_cnn, new_att))
     }
 
-    /// Attention over `[new; cache]` keys (no mask): returns the output and the new cache
-    /// `[N, h, T + L, 2 hd]`, newest first.
-    fn attn_forward(&self, x: &Tensor, cache: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+    /// Attention over `[new; cache]` keys: returns the output and the new keys and values
+    /// `[N, h, T + L, hd]` each (contiguous), newest first. `mask` (`[N, 1, 1, T + L]`, 0 or
+    /// -inf) is added to the scores: a padded cache's padding gets no weight.
+    fn attn_forward(&self, x: &Tensor, cache: Option<(&Tensor, &Tensor)>, mask: Option<&Tensor>) -> Result<(Tensor, Kv)> {
         let a = &self.attn;
         let (n, t, _) = x.dims3()?;
         let inner = a.heads * a.hd;
         let qkv = a.to_qkv.forward(x)?;
         // per-head norms on [N, T, h, hd] (contiguous), then heads first
         let part = |i: usize| qkv.narrow(2, i * inner, inner)?.contiguous()?.reshape((n, t, a.heads, a.hd));
-        let q = layer_norm_affine(&part(0)?, &a.q_norm)?.transpose(1, 2)?;
-        let mut k = layer_norm_affine(&part(1)?, &a.k_norm)?.transpose(1, 2)?;
-        let mut v = part(2)?.transpose(1, 2)?;
-        if let Some(c) = cache {
-            if c.dim(2)? > 0 {
-                k = Tensor::cat(&[&k, &c.narrow(3, 0, a.hd)?], 2)?;
-                v = Tensor::cat(&[&v, &c.narrow(3, a.hd, a.hd)?], 2)?;
+        let q = layer_norm_affine(&part(0)?, &a.q_norm)?.transpose(1, 2)?.contiguous()?;
+        let mut k = layer_norm_affine(&part(1)?, &a.k_norm)?.transpose(1, 2)?.contiguous()?;
+        let mut v = part(2)?.transpose(1, 2)?.contiguous()?;
+        // (contiguous pieces: one plain copy each, and the key matrix transposes for free)
+        if let Some((ck, cv)) = cache {
+            if ck.dim(2)? > 0 {
+                k = Tensor::cat(&[&k, ck], 2)?;
+                v = Tensor::cat(&[&v, cv], 2)?;
             }
         }
-        let new_cache = Tensor::cat(&[&k, &v], 3)?;
-        let q = q.contiguous()?;
-        let att = q.matmul(&k.transpose(2, 3)?.contiguous()?)?;
+        let mut att = q.matmul(&k.t()?)?;
+        if let Some(m) = mask {
+            att = att.broadcast_add(m)?;
+        }
         let att = candle_nn::ops::softmax_last_dim(&att)?;
-        let o = att.matmul(&v.contiguous()?)?.transpose(1, 2)?.reshape((n, t, a.heads * a.hd))?;
-        Ok((a.proj.forward(&o)?, new_cache))
+        let o = att.matmul(&v)?.transpose(1, 2)?.reshape((n, t, a.heads * a.hd))?;
+        Ok((a.proj.forward(&o)?, Kv { k, v }))
+    }
+}
+
+/// One block's attention keys and values, `[N, h, L, hd]` each (contiguous).
+#[derive(Debug, Clone)]
+pub struct Kv {
+    pub k: Tensor,
+    pub v: Tensor,
+}
+
+impl Kv {
+    /// Blocks' (or steps × blocks') keys and values stacked in the cache layout
+    /// `[len, N, h, L, 2 hd]` (K | V on the last axis).
+    pub fn stack_joined(kvs: &[Kv]) -> Result<Tensor> {
+        let k = Tensor::stack(&kvs.iter().map(|kv| &kv.k).collect::<Vec<_>>(), 0)?;
+        let v = Tensor::stack(&kvs.iter().map(|kv| &kv.v).collect::<Vec<_>>(), 0)?;
+        Tensor::cat(&[&k, &v], 4)
     }
 }
 
@@ -324,6 +353,44 @@ impl Dit {
         cnn: Option<&Tensor>,
         att: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        self.forward_masked(x, mu, sc, spks, cond, cnn, att, None)
+    }
+
+    /// [`Dit::forward_conditioned`] with an additive attention key mask `[N, 1, 1, T + L]` over
+    /// `[new; cache]` keys (for caches padded to a common length).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_masked(
+        &self,
+        x: &Tensor,
+        mu: &Tensor,
+        sc: &StepCondition,
+        spks: &Tensor,
+        cond: &Tensor,
+        cnn: Option<&Tensor>,
+        att: Option<&Tensor>,
+        mask: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let hd = self.cfg.head_dim;
+        let split = att.map(|a| Ok::<_, candle_core::Error>((a.narrow(4, 0, hd)?.contiguous()?, a.narrow(4, hd, hd)?.contiguous()?))).transpose()?;
+        let (out, cnn, kvs) = self.forward_kv(x, mu, sc, spks, cond, cnn, split.as_ref().map(|(k, v)| (k, v)), mask)?;
+        Ok((out, cnn, Kv::stack_joined(&kvs)?))
+    }
+
+    /// The estimator over caches held as keys and values apart (`[depth, N, h, L, hd]` each,
+    /// contiguous): returns the velocity, the new conv caches `[depth, N, 2 H, 2]` and each
+    /// block's new keys and values.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_kv(
+        &self,
+        x: &Tensor,
+        mu: &Tensor,
+        sc: &StepCondition,
+        spks: &Tensor,
+        cond: &Tensor,
+        cnn: Option<&Tensor>,
+        att: Option<(&Tensor, &Tensor)>,
+        mask: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor, Vec<Kv>)> {
         let (n, _, tl) = x.dims3()?;
         // the time condition is the same for every row: one row, broadcast where used
         let h9 = 9 * self.cfg.hidden_size;
@@ -334,8 +401,8 @@ impl Dit {
         let mut new_att = Vec::with_capacity(self.blocks.len());
         for (i, b) in self.blocks.iter().enumerate() {
             let cc = cnn.map(|t| t.get(i)).transpose()?;
-            let ac = att.map(|t| t.get(i)).transpose()?;
-            let (y, nc, na) = b.forward(&h, &sc.blocks.narrow(1, i * h9, h9)?, cc.as_ref(), ac.as_ref())?;
+            let ac = att.map(|(k, v)| Ok::<_, candle_core::Error>((k.get(i)?, v.get(i)?))).transpose()?;
+            let (y, nc, na) = b.forward(&h, &sc.blocks.narrow(1, i * h9, h9)?, cc.as_ref(), ac.as_ref().map(|(k, v)| (k, v)), mask)?;
             h = y;
             new_cnn.push(nc);
             new_att.push(na);
@@ -344,7 +411,7 @@ impl Dit {
         let b0 = &self.blocks[0];
         let h = modulate(&layer_norm_plain(&h, &b0.ones, &b0.zeros, 1e-6)?, &m[0], &m[1])?;
         let out = self.final_linear.forward(&h)?.transpose(1, 2)?;
-        Ok((out, Tensor::stack(&new_cnn, 0)?, Tensor::stack(&new_att, 0)?))
+        Ok((out, Tensor::stack(&new_cnn, 0)?, new_att))
     }
 }
 
@@ -354,189 +421,4 @@ impl Dit {
 pub struct StepCondition {
     pub blocks: Tensor,
     pub last: Tensor,
-}
-
-/// The Euler schedule on the cosine time grid: `t_k = 1 - cos(k / n · π / 2)`, computed in f32 as
-/// the reference does.
-pub fn cosine_t_span(n: usize) -> Vec<f32> {
-    let steps = n + 1;
-    let step = 1.0f32 / n as f32;
-    (0..steps)
-        .map(|i| {
-            // torch.linspace: from the start in the first half, from the end in the second
-            let l = if i < steps / 2 { i as f32 * step } else { 1.0 - (steps - 1 - i) as f32 * step };
-            1.0 - (l * 0.5 * std::f32::consts::PI).cos()
-        })
-        .collect()
-}
-
-/// When the chunk solver runs as a CUDA graph (GPU only, on a stream no other stage uses).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GraphPolicy {
-    /// Largest batch (streams) that is captured; larger batches run op by op.
-    pub max_batch: usize,
-    /// Captured graphs kept at once (each holds its own input and output caches); the least
-    /// recently used goes first.
-    pub max_graphs: usize,
-}
-
-impl Default for GraphPolicy {
-    fn default() -> Self {
-        Self { max_batch: 2, max_graphs: 12 }
-    }
-}
-
-/// The solver's memo: the time conditionings of the schedule in use.
-#[derive(Default)]
-struct SolverMemo {
-    conds: Option<(usize, Arc<Vec<StepCondition>>)>,
-}
-
-/// Conditional flow matching with classifier-free guidance over the DiT.
-pub struct Cfm {
-    pub estimator: Dit,
-    pub cfg_rate: f64,
-    /// The fixed noise buffer `[out_channels, frames]`.
-    pub noise: Tensor,
-    policy: Option<GraphPolicy>,
-    /// The chunk solves captured per shape (inputs: mu, speakers, condition, both caches).
-    graphs: GraphSlot,
-    memo: Arc<Mutex<SolverMemo>>,
-}
-
-/// A clone starts with no graphs of its own (a graph is bound to its owner's buffers).
-impl Clone for Cfm {
-    fn clone(&self) -> Self {
-        let mut c = Self::new(self.estimator.clone(), self.cfg_rate, self.noise.clone());
-        c.set_graphs(self.policy);
-        c
-    }
-}
-
-impl std::fmt::Debug for Cfm {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Cfm").field("cfg_rate", &self.cfg_rate).field("graphs", &self.policy).finish_non_exhaustive()
-    }
-}
-
-impl Cfm {
-    pub fn new(estimator: Dit, cfg_rate: f64, noise: Tensor) -> Self {
-        Self { estimator, cfg_rate, noise, policy: None, graphs: GraphSlot::off(), memo: Arc::new(Mutex::new(SolverMemo::default())) }
-    }
-
-    /// Chunk solves over fixed buffers replayed as CUDA graphs (`Some`), or op by op (`None`, the
-    /// default). Where the device cannot capture ([`crate::cuda_graph::can_capture`]) the
-    /// fixed-buffer solve runs op by op (same results; used to test it on the CPU).
-    pub fn set_graphs(&mut self, policy: Option<GraphPolicy>) {
-        self.policy = policy;
-        self.graphs = match policy {
-            Some(p) => GraphSlot::on(p.max_graphs),
-            None => GraphSlot::off(),
-        };
-    }
-
-    /// Captured graphs held now.
-    pub fn graphs_held(&self) -> usize {
-        self.graphs.held()
-    }
-
-    /// The time conditioning of every Euler step of an `n`-step schedule (memoised).
-    fn conditions(&self, n: usize, dev: &candle_core::Device) -> Result<Arc<Vec<StepCondition>>> {
-        let mut memo = self.memo.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((m, c)) = &memo.conds {
-            if *m == n {
-                return Ok(c.clone());
-            }
-        }
-        let span = cosine_t_span(n);
-        let mut t = span[0];
-        let mut conds = Vec::with_capacity(n);
-        for &next in &span[1..=n] {
-            conds.push(self.estimator.step_condition(t, dev)?);
-            // (as the Euler loop advances its time, step by step in f32)
-            let dt = next - t;
-            t += dt;
-        }
-        let conds = Arc::new(conds);
-        memo.conds = Some((n, conds.clone()));
-        Ok(conds)
-    }
-
-    /// The Euler loop. `cache`: the previous `(att, cnn)` per step; every step's new caches go to
-    /// `keep(cnn, att)`, in step order. Returns the solution `[B, 80, T]`.
-    #[allow(clippy::too_many_arguments)]
-    fn euler(
-        &self,
-        mu: &Tensor,
-        spks: &Tensor,
-        cond: &Tensor,
-        conds: &[StepCondition],
-        offset: usize,
-        cache: Option<(&Tensor, &Tensor)>,
-        mut keep: impl FnMut(Tensor, Tensor) -> Result<()>,
-    ) -> Result<Tensor> {
-        let n_timesteps = conds.len();
-        let (b, ch, t) = mu.dims3()?;
-        let mut x = self.noise.narrow(1, offset, t)?.unsqueeze(0)?.broadcast_as((b, ch, t))?.to_dtype(mu.dtype())?.contiguous()?;
-        let span = cosine_t_span(n_timesteps);
-        let mu_in = Tensor::cat(&[mu, &mu.zeros_like()?], 0)?;
-        let spks_in = Tensor::cat(&[spks, &spks.zeros_like()?], 0)?;
-        let cond_in = Tensor::cat(&[cond, &cond.zeros_like()?], 0)?;
-        let mut tt = span[0];
-        let mut dt = span[1] - span[0];
-        for step in 1..=n_timesteps {
-            let x_in = Tensor::cat(&[&x, &x], 0)?;
-            let cc = cache.map(|c| c.1.get(step - 1)).transpose()?;
-            let ac = cache.map(|c| c.0.get(step - 1)).transpose()?;
-            let (v, nc, na) = self.estimator.forward_conditioned(&x_in, &mu_in, &conds[step - 1], &spks_in, &cond_in, cc.as_ref(), ac.as_ref())?;
-            let vc = v.narrow(0, 0, b)?;
-            let vu = v.narrow(0, b, b)?;
-            let v = ((vc * (1.0 + self.cfg_rate))? - (vu * self.cfg_rate)?)?;
-            x = (x + (v * dt as f64)?)?;
-            tt += dt;
-            if step < n_timesteps {
-                dt = span[step + 1] - tt;
-            }
-            keep(nc, na)?;
-        }
-        Ok(x)
-    }
-
-    /// Solves one chunk for a batch of `B` streams. `mu`, `cond`: `[B, 80, T]`, `spks: [B, 80]`;
-    /// `cache` rows are `[cond rows of all B; uncond rows of all B]`. Noise starts at the cache
-    /// length. Returns `[B, 80, T]` and the new caches.
-    pub fn solve_chunk(
-        &self,
-        mu: &Tensor,
-        spks: &Tensor,
-        cond: &Tensor,
-        n_timesteps: usize,
-        cache: Option<&EstimatorCache>,
-    ) -> Result<(Tensor, EstimatorCache)> {
-        let (b, _, t) = mu.dims3()?;
-        let offset = cache.map(|c| c.len()).unwrap_or(0);
-        if offset + t > self.noise.dim(1)? {
-            candle_core::bail!("noise buffer of {} frames is too short for offset {offset} + {t}", self.noise.dim(1)?);
-        }
-        let conds = self.conditions(n_timesteps, mu.device())?;
-        // inputs: mu, speakers, condition, then (with a cache) its attention and conv parts;
-        // outputs: the solution, the new attention and conv caches
-        let solve = |x: &[Tensor]| -> Result<Vec<Tensor>> {
-            let (mut cnns, mut atts) = (Vec::with_capacity(n_timesteps), Vec::with_capacity(n_timesteps));
-            let out = self.euler(&x[0], &x[1], &x[2], &conds, offset, (x.len() == 5).then(|| (&x[3], &x[4])), |nc, na| {
-                cnns.push(nc);
-                atts.push(na);
-                Ok(())
-            })?;
-            Ok(vec![out, Tensor::stack(&atts, 0)?, Tensor::stack(&cnns, 0)?])
-        };
-        let out = match (self.policy, cache) {
-            // (the shape key holds the cache length, hence the noise offset)
-            (Some(p), Some(c)) if b <= p.max_batch => self.graphs.run(n_timesteps, &[mu, spks, cond, &c.att, &c.cnn], &solve)?,
-            (_, Some(c)) => solve(&[mu.clone(), spks.clone(), cond.clone(), c.att.clone(), c.cnn.clone()])?,
-            (_, None) => solve(&[mu.clone(), spks.clone(), cond.clone()])?,
-        };
-        let [x, att, cnn]: [Tensor; 3] = out.try_into().map_err(|_| candle_core::Error::Msg("the chunk solve gives three outputs".into()))?;
-        Ok((x, EstimatorCache { att, cnn }))
-    }
 }

@@ -7,8 +7,8 @@
 //! Streaming per stream: [`Flow::setup`] runs the prompt (prompt codes + 3 look-ahead codes, with
 //! the prompt mel as condition) to fill the caches; [`Flow::chunk_batch`] turns each next chunk of
 //! codes (its first codes being the previous chunk's look-ahead) into mel, for several streams at
-//! once when their cache shapes agree; after every chunk the caches are trimmed to the prompt plus
-//! the last 100 mel frames.
+//! once (their caches padded to the longest); after every chunk the caches are trimmed to the
+//! prompt plus the last 100 mel frames.
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Embedding, Linear, VarBuilder};
@@ -57,13 +57,6 @@ pub struct FlowState {
     pub estimator: EstimatorCache,
     /// Mel frames of the prompt (the caches' fixed origin).
     pub prompt_frames: usize,
-}
-
-impl FlowState {
-    /// A shape signature: streams with equal signatures can share a batched chunk.
-    pub fn signature(&self) -> (usize, usize, usize) {
-        (self.conformer.token_len(), self.estimator.len(), self.prompt_frames)
-    }
 }
 
 #[derive(Debug, Clone)]
@@ -153,10 +146,11 @@ impl Flow {
         Ok(FlowState { conformer, estimator, prompt_frames: frames })
     }
 
-    /// One chunk for a batch of streams whose caches have equal shapes and whose chunks have equal
-    /// lengths and the same `last` flag. `codes[i]` includes the leading context and trailing
-    /// look-ahead; `spks[i]: [192]`. Returns each stream's mel `[80, frames]` and advances (and
-    /// trims) its state.
+    /// One chunk for a batch of streams whose chunks have equal lengths and the same `last` flag
+    /// (their caches may differ in length: the encoder runs once per group of equal encoder cache
+    /// lengths, the CFM solve once for all, over caches padded to the longest). `codes[i]`
+    /// includes the leading context and trailing look-ahead; `spks[i]: [192]`. Returns each
+    /// stream's mel `[80, frames]` and advances (and trims) its state.
     pub fn chunk_batch(&self, codes: &[&[u32]], spks: &[&Tensor], states: &mut [&mut FlowState], last: bool) -> Result<Vec<Tensor>> {
         let b = codes.len();
         if b == 0 {
@@ -165,44 +159,81 @@ impl Flow {
         if spks.len() != b || states.len() != b {
             candle_core::bail!("chunk_batch: {} codes, {} speakers, {} states", b, spks.len(), states.len());
         }
-        let sig = states[0].signature();
-        if states.iter().any(|s| s.signature() != sig) || codes.iter().any(|c| c.len() != codes[0].len()) {
-            candle_core::bail!("chunk_batch needs equal cache shapes and chunk lengths");
+        if codes.iter().any(|c| c.len() != codes[0].len()) {
+            candle_core::bail!("chunk_batch needs chunks of equal lengths");
         }
         if !last && codes[0].len() <= self.lookahead() {
             candle_core::bail!("a chunk that is not the last needs new codes plus {} look-ahead codes", self.lookahead());
         }
-        // 1. encoder over the batch
-        let conf =
-            if b == 1 { states[0].conformer.clone() } else { ConformerCache::stack(&states.iter().map(|s| &s.conformer).collect::<Vec<_>>())? };
-        let xs = self.embed(codes)?;
-        let (h, conf) = self.encoder.forward_chunk(&xs, last, Some(&conf))?;
-        let mu = self.encoder_proj.forward(&h)?.transpose(1, 2)?.contiguous()?;
-        // 2. estimator caches in the CFG layout [cond rows; uncond rows]
+        // 1. the encoder, once per group of equal encoder cache lengths
+        let mut mus: Vec<Option<Tensor>> = vec![None; b];
+        let mut confs: Vec<Option<ConformerCache>> = vec![None; b];
+        let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
+        for (i, st) in states.iter().enumerate() {
+            let k = st.conformer.token_len();
+            match groups.iter_mut().find(|g| g.0 == k) {
+                Some(g) => g.1.push(i),
+                None => groups.push((k, vec![i])),
+            }
+        }
+        for (_, idx) in &groups {
+            let conf = if idx.len() == 1 {
+                states[idx[0]].conformer.clone()
+            } else {
+                ConformerCache::stack(&idx.iter().map(|&i| &states[i].conformer).collect::<Vec<_>>())?
+            };
+            let xs = self.embed(&idx.iter().map(|&i| codes[i]).collect::<Vec<_>>())?;
+            let (h, conf) = self.encoder.forward_chunk(&xs, last, Some(&conf))?;
+            let mu = self.encoder_proj.forward(&h)?.transpose(1, 2)?;
+            for (r, &i) in idx.iter().enumerate() {
+                mus[i] = Some(mu.narrow(0, r, 1)?);
+                confs[i] = Some(if idx.len() == 1 { conf.clone() } else { conf.row(r)? });
+            }
+        }
+        let mu = Tensor::cat(&mus.into_iter().map(|m| m.expect("every stream encoded")).collect::<Vec<_>>(), 0)?.contiguous()?;
+        // 2. estimator caches in the CFG layout [cond rows; uncond rows], padded to the longest
+        let lens: Vec<usize> = states.iter().map(|s| s.estimator.len()).collect();
+        let lmax = lens.iter().copied().max().unwrap_or(0);
+        let ragged = lens.iter().any(|&l| l != lmax);
         let est = if b == 1 {
             states[0].estimator.clone()
         } else {
-            let part = |k: usize, f: &dyn Fn(&EstimatorCache) -> &Tensor| -> Result<Tensor> {
-                Tensor::cat(&states.iter().map(|s| f(&s.estimator).narrow(2, k, 1)).collect::<Result<Vec<_>>>()?, 2)
+            let att = |s: &FlowState| -> Result<Tensor> {
+                let a = &s.estimator.att;
+                if a.dim(4)? < lmax {
+                    a.pad_with_zeros(4, 0, lmax - a.dim(4)?)
+                } else {
+                    Ok(a.clone())
+                }
             };
+            let atts = states.iter().map(|s| att(s)).collect::<Result<Vec<_>>>()?;
+            let rows = |k: usize, ts: &[&Tensor]| -> Result<Vec<Tensor>> { ts.iter().map(|t| t.narrow(2, k, 1)).collect() };
+            let (ar, cr): (Vec<&Tensor>, Vec<&Tensor>) = (atts.iter().collect(), states.iter().map(|s| &s.estimator.cnn).collect());
             EstimatorCache {
-                att: Tensor::cat(&[part(0, &|e| &e.att)?, part(1, &|e| &e.att)?], 2)?,
-                cnn: Tensor::cat(&[part(0, &|e| &e.cnn)?, part(1, &|e| &e.cnn)?], 2)?,
+                att: Tensor::cat(&[rows(0, &ar)?, rows(1, &ar)?].concat(), 2)?,
+                cnn: Tensor::cat(&[rows(0, &cr)?, rows(1, &cr)?].concat(), 2)?,
             }
         };
         let spk = self.speaker(&Tensor::stack(spks, 0)?)?;
         let cond = mu.zeros_like()?;
-        let (mel, est) = self.decoder.solve_chunk(&mu, &spk, &cond, self.cfg.n_timesteps, Some(&est))?;
-        // 3. split back, trim
+        let (mel, est) = if ragged {
+            self.decoder.solve_chunk_ragged(&mu, &spk, &cond, self.cfg.n_timesteps, &est, &lens)?
+        } else {
+            self.decoder.solve_chunk(&mu, &spk, &cond, self.cfg.n_timesteps, Some(&est))?
+        };
+        // 3. split back (dropping the padding), trim
+        let t = mel.dim(2)?;
         let hist = self.cfg.history_frames;
         let mut out = Vec::with_capacity(b);
-        for (i, st) in states.iter_mut().enumerate() {
-            st.conformer = if b == 1 { conf.clone() } else { conf.row(i)? };
+        for (i, (st, conf)) in states.iter_mut().zip(confs).enumerate() {
+            st.conformer = conf.expect("every stream encoded");
             st.estimator = if b == 1 {
                 est.clone()
             } else {
-                let pick = |t: &Tensor| -> Result<Tensor> { Tensor::cat(&[&t.narrow(2, i, 1)?, &t.narrow(2, b + i, 1)?], 2) };
-                EstimatorCache { att: pick(&est.att)?, cnn: pick(&est.cnn)? }
+                let pick = |x: &Tensor| -> Result<Tensor> { Tensor::cat(&[&x.narrow(2, i, 1)?, &x.narrow(2, b + i, 1)?], 2) };
+                let att = pick(&est.att)?;
+                let att = if ragged { att.narrow(4, 0, t + lens[i])? } else { att };
+                EstimatorCache { att, cnn: pick(&est.cnn)? }
             };
             st.estimator.trim(st.prompt_frames, hist)?;
             st.conformer.trim(st.prompt_frames, hist)?;

@@ -8,6 +8,7 @@
 //! (codes -> audio; the last chunk flushes).
 
 pub mod campplus;
+pub mod cfm;
 pub mod conformer;
 pub mod dit;
 pub mod flow;
@@ -81,13 +82,6 @@ pub struct StreamState {
     /// Mel frames produced so far.
     pub frames: usize,
     pub finished: bool,
-}
-
-impl StreamState {
-    /// Flow cache signature: streams with equal signatures and chunk lengths can share a batch.
-    pub fn signature(&self) -> (usize, usize, usize) {
-        self.flow.signature()
-    }
 }
 
 /// Stage 2's models.
@@ -175,8 +169,8 @@ impl Code2Wav {
         Ok(StreamState { flow: setup.clone(), vocoder, speaker: f.speaker.clone(), frames: 0, finished: false })
     }
 
-    /// One chunk for several streams with equal cache signatures and chunk lengths: the flow and
-    /// the (causal) vocoder run batched. `codes[i]` = left context + new codes + look-ahead (the
+    /// One chunk for several streams with equal chunk lengths (any voices, any points in their
+    /// histories): the flow and the (causal) vocoder run batched. `codes[i]` = left context + new codes + look-ahead (the
     /// last chunk may end without look-ahead). Returns each stream's new 24 kHz samples.
     pub fn chunk_batch(&self, streams: &mut [&mut StreamState], codes: &[&[u32]], last: bool) -> Result<Vec<Tensor>> {
         let mels = self.flow_batch(streams, codes, last)?;

@@ -1,0 +1,269 @@
+//! The flow's conditional flow matching solver over the DiT estimator: Euler steps on the cosine
+//! time grid with classifier-free guidance, per chunk of a batch of streams, op by op or replayed
+//! as a CUDA graph per shape; streams whose caches differ in length share a chunk with their
+//! caches padded and the padding masked out of attention ([`Cfm::solve_chunk_ragged`]).
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{Result, Tensor};
+
+use super::dit::{Dit, EstimatorCache, Kv, StepCondition};
+use crate::cuda_graph::GraphSlot;
+
+/// The Euler schedule on the cosine time grid: `t_k = 1 - cos(k / n · π / 2)`, computed in f32 as
+/// the reference does.
+pub fn cosine_t_span(n: usize) -> Vec<f32> {
+    let steps = n + 1;
+    let step = 1.0f32 / n as f32;
+    (0..steps)
+        .map(|i| {
+            // torch.linspace: from the start in the first half, from the end in the second
+            let l = if i < steps / 2 { i as f32 * step } else { 1.0 - (steps - 1 - i) as f32 * step };
+            1.0 - (l * 0.5 * std::f32::consts::PI).cos()
+        })
+        .collect()
+}
+
+/// When the chunk solver runs as a CUDA graph (GPU only, on a stream no other stage uses).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GraphPolicy {
+    /// Largest batch (streams) that is captured; larger batches run op by op.
+    pub max_batch: usize,
+    /// Captured graphs kept at once (each holds its own input and output caches); the least
+    /// recently used goes first.
+    pub max_graphs: usize,
+}
+
+impl Default for GraphPolicy {
+    fn default() -> Self {
+        Self { max_batch: 2, max_graphs: 12 }
+    }
+}
+
+/// Every step's blocks' keys and values (step-major) in the cache layout
+/// `[steps, depth, N, h, L, 2 hd]`, in one stacking pass.
+fn steps_joined(kvs: &[Kv], steps: usize) -> Result<Tensor> {
+    let joined = Kv::stack_joined(kvs)?;
+    let mut dims = joined.dims().to_vec();
+    let depth = dims[0] / steps;
+    dims.splice(0..1, [steps, depth]);
+    joined.reshape(dims)
+}
+
+/// The solver's memo: the time conditionings of the schedule in use.
+#[derive(Default)]
+struct SolverMemo {
+    conds: Option<(usize, Arc<Vec<StepCondition>>)>,
+}
+
+/// Conditional flow matching with classifier-free guidance over the DiT.
+pub struct Cfm {
+    pub estimator: Dit,
+    pub cfg_rate: f64,
+    /// The fixed noise buffer `[out_channels, frames]`.
+    pub noise: Tensor,
+    policy: Option<GraphPolicy>,
+    /// The chunk solves captured per shape (inputs: mu, speakers, condition, both caches).
+    graphs: GraphSlot,
+    memo: Arc<Mutex<SolverMemo>>,
+}
+
+/// A clone starts with no graphs of its own (a graph is bound to its owner's buffers).
+impl Clone for Cfm {
+    fn clone(&self) -> Self {
+        let mut c = Self::new(self.estimator.clone(), self.cfg_rate, self.noise.clone());
+        c.set_graphs(self.policy);
+        c
+    }
+}
+
+impl std::fmt::Debug for Cfm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cfm").field("cfg_rate", &self.cfg_rate).field("graphs", &self.policy).finish_non_exhaustive()
+    }
+}
+
+impl Cfm {
+    pub fn new(estimator: Dit, cfg_rate: f64, noise: Tensor) -> Self {
+        Self { estimator, cfg_rate, noise, policy: None, graphs: GraphSlot::off(), memo: Arc::new(Mutex::new(SolverMemo::default())) }
+    }
+
+    /// Chunk solves over fixed buffers replayed as CUDA graphs (`Some`), or op by op (`None`, the
+    /// default). Where the device cannot capture ([`crate::cuda_graph::can_capture`]) the
+    /// fixed-buffer solve runs op by op (same results; used to test it on the CPU).
+    pub fn set_graphs(&mut self, policy: Option<GraphPolicy>) {
+        self.policy = policy;
+        self.graphs = match policy {
+            Some(p) => GraphSlot::on(p.max_graphs),
+            None => GraphSlot::off(),
+        };
+    }
+
+    /// Captured graphs held now.
+    pub fn graphs_held(&self) -> usize {
+        self.graphs.held()
+    }
+
+    /// The time conditioning of every Euler step of an `n`-step schedule (memoised).
+    fn conditions(&self, n: usize, dev: &candle_core::Device) -> Result<Arc<Vec<StepCondition>>> {
+        let mut memo = self.memo.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((m, c)) = &memo.conds {
+            if *m == n {
+                return Ok(c.clone());
+            }
+        }
+        let span = cosine_t_span(n);
+        let mut t = span[0];
+        let mut conds = Vec::with_capacity(n);
+        for &next in &span[1..=n] {
+            conds.push(self.estimator.step_condition(t, dev)?);
+            // (as the Euler loop advances its time, step by step in f32)
+            let dt = next - t;
+            t += dt;
+        }
+        let conds = Arc::new(conds);
+        memo.conds = Some((n, conds.clone()));
+        Ok(conds)
+    }
+
+    /// The noise a chunk of `t` frames starts from for a stream whose cache holds `offset`
+    /// frames: `[80, t]`.
+    fn noise_at(&self, offset: usize, t: usize) -> Result<Tensor> {
+        if offset + t > self.noise.dim(1)? {
+            candle_core::bail!("noise buffer of {} frames is too short for offset {offset} + {t}", self.noise.dim(1)?);
+        }
+        self.noise.narrow(1, offset, t)
+    }
+
+    /// The Euler loop from `x0: [B, 80, T]`. `cache`: the previous `(att, cnn)` per step;
+    /// `mask`: an additive key mask for the CFG-doubled rows; every step's new caches go to
+    /// `keep(cnn, att)`, in step order. Returns the solution `[B, 80, T]`.
+    #[allow(clippy::too_many_arguments)]
+    fn euler(
+        &self,
+        x0: Tensor,
+        mu: &Tensor,
+        spks: &Tensor,
+        cond: &Tensor,
+        conds: &[StepCondition],
+        cache: Option<(&Tensor, &Tensor)>,
+        mask: Option<&Tensor>,
+        mut keep: impl FnMut(Tensor, Vec<Kv>) -> Result<()>,
+    ) -> Result<Tensor> {
+        let n_timesteps = conds.len();
+        let b = mu.dim(0)?;
+        let mut x = x0;
+        // keys and values apart, once per chunk: each block then appends its new ones with one
+        // plain copy and attends without another
+        let hd = self.estimator.config().head_dim;
+        let kv = cache
+            .map(|(att, _)| Ok::<_, candle_core::Error>((att.narrow(5, 0, hd)?.contiguous()?, att.narrow(5, hd, hd)?.contiguous()?)))
+            .transpose()?;
+        let span = cosine_t_span(n_timesteps);
+        let mu_in = Tensor::cat(&[mu, &mu.zeros_like()?], 0)?;
+        let spks_in = Tensor::cat(&[spks, &spks.zeros_like()?], 0)?;
+        let cond_in = Tensor::cat(&[cond, &cond.zeros_like()?], 0)?;
+        let mut tt = span[0];
+        let mut dt = span[1] - span[0];
+        for step in 1..=n_timesteps {
+            let x_in = Tensor::cat(&[&x, &x], 0)?;
+            let cc = cache.map(|c| c.1.get(step - 1)).transpose()?;
+            let ac = kv.as_ref().map(|(k, v)| Ok::<_, candle_core::Error>((k.get(step - 1)?, v.get(step - 1)?))).transpose()?;
+            let (v, nc, na) = self.estimator.forward_kv(
+                &x_in,
+                &mu_in,
+                &conds[step - 1],
+                &spks_in,
+                &cond_in,
+                cc.as_ref(),
+                ac.as_ref().map(|(k, v)| (k, v)),
+                mask,
+            )?;
+            let vc = v.narrow(0, 0, b)?;
+            let vu = v.narrow(0, b, b)?;
+            let v = ((vc * (1.0 + self.cfg_rate))? - (vu * self.cfg_rate)?)?;
+            x = (x + (v * dt as f64)?)?;
+            tt += dt;
+            if step < n_timesteps {
+                dt = span[step + 1] - tt;
+            }
+            keep(nc, na)?;
+        }
+        Ok(x)
+    }
+
+    /// Solves one chunk for a batch of `B` streams. `mu`, `cond`: `[B, 80, T]`, `spks: [B, 80]`;
+    /// `cache` rows are `[cond rows of all B; uncond rows of all B]`. Noise starts at the cache
+    /// length. Returns `[B, 80, T]` and the new caches.
+    pub fn solve_chunk(
+        &self,
+        mu: &Tensor,
+        spks: &Tensor,
+        cond: &Tensor,
+        n_timesteps: usize,
+        cache: Option<&EstimatorCache>,
+    ) -> Result<(Tensor, EstimatorCache)> {
+        let (b, ch, t) = mu.dims3()?;
+        let offset = cache.map(|c| c.len()).unwrap_or(0);
+        let noise = self.noise_at(offset, t)?;
+        let conds = self.conditions(n_timesteps, mu.device())?;
+        // inputs: mu, speakers, condition, then (with a cache) its attention and conv parts;
+        // outputs: the solution, the new attention and conv caches
+        let solve = |x: &[Tensor]| -> Result<Vec<Tensor>> {
+            let (mut cnns, mut kvs) = (Vec::with_capacity(n_timesteps), Vec::new());
+            let x0 = noise.unsqueeze(0)?.broadcast_as((b, ch, t))?.to_dtype(x[0].dtype())?.contiguous()?;
+            let out = self.euler(x0, &x[0], &x[1], &x[2], &conds, (x.len() == 5).then(|| (&x[3], &x[4])), None, |nc, na| {
+                cnns.push(nc);
+                kvs.extend(na);
+                Ok(())
+            })?;
+            Ok(vec![out, steps_joined(&kvs, n_timesteps)?, Tensor::stack(&cnns, 0)?])
+        };
+        let out = match (self.policy, cache) {
+            // (the shape key holds the cache length, hence the noise offset)
+            (Some(p), Some(c)) if b <= p.max_batch => self.graphs.run(n_timesteps, &[mu, spks, cond, &c.att, &c.cnn], &solve)?,
+            (_, Some(c)) => solve(&[mu.clone(), spks.clone(), cond.clone(), c.att.clone(), c.cnn.clone()])?,
+            (_, None) => solve(&[mu.clone(), spks.clone(), cond.clone()])?,
+        };
+        let [x, att, cnn]: [Tensor; 3] = out.try_into().map_err(|_| candle_core::Error::Msg("the chunk solve gives three outputs".into()))?;
+        Ok((x, EstimatorCache { att, cnn }))
+    }
+
+    /// [`Cfm::solve_chunk`] for streams whose caches hold different lengths: `cache` is padded to
+    /// the longest (`lens[i]` = stream `i`'s own length, padding after it), the padding is masked
+    /// out of attention and each stream's noise starts at its own length, so every stream gets
+    /// what it gets alone. Op by op. Returns the solution and the new (still padded) caches:
+    /// stream `i`'s new attention cache is its first `T + lens[i]` positions.
+    pub fn solve_chunk_ragged(
+        &self,
+        mu: &Tensor,
+        spks: &Tensor,
+        cond: &Tensor,
+        n_timesteps: usize,
+        cache: &EstimatorCache,
+        lens: &[usize],
+    ) -> Result<(Tensor, EstimatorCache)> {
+        let (b, _, t) = mu.dims3()?;
+        let lmax = cache.len();
+        if lens.len() != b || lens.iter().any(|&l| l > lmax) {
+            candle_core::bail!("solve_chunk_ragged: {} lengths for {b} streams, cache of {lmax}", lens.len());
+        }
+        let x0 = Tensor::stack(&lens.iter().map(|&l| self.noise_at(l, t)).collect::<Result<Vec<_>>>()?, 0)?.to_dtype(mu.dtype())?.contiguous()?;
+        // keys are [new t; cache lmax]: a row sees its t new keys and its own cache length
+        let mut m = Vec::with_capacity(2 * b * (t + lmax));
+        for _ in 0..2 {
+            for &l in lens {
+                m.extend((0..t + lmax).map(|j| if j < t + l { 0f32 } else { f32::NEG_INFINITY }));
+            }
+        }
+        let mask = Tensor::from_vec(m, (2 * b, 1, 1, t + lmax), mu.device())?.to_dtype(mu.dtype())?;
+        let conds = self.conditions(n_timesteps, mu.device())?;
+        let (mut cnns, mut kvs) = (Vec::with_capacity(n_timesteps), Vec::new());
+        let x = self.euler(x0, mu, spks, cond, &conds, Some((&cache.att, &cache.cnn)), Some(&mask), |nc, na| {
+            cnns.push(nc);
+            kvs.extend(na);
+            Ok(())
+        })?;
+        Ok((x, EstimatorCache { att: steps_joined(&kvs, n_timesteps)?, cnn: Tensor::stack(&cnns, 0)? }))
+    }
+}
