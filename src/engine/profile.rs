@@ -35,9 +35,9 @@ impl Rows<'_> {
         self.only.is_empty() || self.only.iter().any(|s| what.contains(s.as_str()))
     }
 
-    /// Whether any row of a family (rows whose names start with `family`) may be wanted.
-    fn wants_family(&self, family: &str) -> bool {
-        self.wants(family) || self.only.iter().any(|s| s.starts_with(family))
+    /// Whether any of these rows is wanted.
+    fn wants_any(&self, rows: &[String]) -> bool {
+        rows.iter().any(|r| self.wants(r))
     }
 
     /// Times `f` as the row `what` (if it is wanted) and prints the row.
@@ -304,9 +304,12 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
     })?;
     // steady chunks of B streams in step (chunk 1 of each): op by op, and as the server runs them
     // (flow graphs up to the default batch, the vocoder's steps as graphs)
-    let steady_rows = rows.wants_family("code2wav steady chunk");
+    let steady_kinds = [(c2w, "code2wav steady chunk (flow + vocoder batched)"), (&g2w, "code2wav steady chunk, graphs (server config)")];
+    let names: Vec<String> =
+        steady_kinds.iter().flat_map(|(_, w)| [w.to_string(), format!("{w}: flow only"), format!("{w}: vocoder only")]).collect();
+    let steady_rows = rows.wants_any(&names);
     for &b in batches.iter().filter(|&&b| b <= 32 && steady_rows) {
-        for (c, what) in [(c2w, "code2wav steady chunk (flow + vocoder batched)"), (&g2w, "code2wav steady chunk, graphs (server config)")] {
+        for (c, what) in steady_kinds {
             let mut streams = (0..b)
                 .map(|_| {
                     let mut st = c.start(&f, &setup)?;
