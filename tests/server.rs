@@ -550,3 +550,31 @@ async fn a_duplex_session_over_the_wire() {
     }
     s.shutdown().await.unwrap();
 }
+
+/// An ack beyond the highest seq sent is refused (it would empty the journal of what the client
+/// never got) and the journal keeps everything; a resume without `last_seq` is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_ahead_and_resumes_without_last_seq_are_refused() {
+    let s = server(|_| {}).await;
+    let mut c = Client::connect(&s).await;
+    let created = c.create(json!({})).await;
+    let (id, token) = (created["session_id"].as_str().unwrap().to_string(), created["resume_token"].as_str().unwrap().to_string());
+    c.send(json!({"type": "input.text", "text": "hi", "generation": short(10)})).await;
+    c.until(is_done).await;
+    c.send(json!({"type": "ack", "seq": 1_000_000})).await;
+    let e = c.event("error").await;
+    assert_eq!(e["code"], "bad_field");
+    assert!(e["message"].as_str().unwrap().contains("ack.seq"), "{e}");
+    drop(c);
+    let mut c = Client::connect(&s).await;
+    c.send(json!({"type": "session.resume", "session_id": id, "resume_token": token})).await;
+    let e = c.event("error").await;
+    assert_eq!(e["code"], "bad_field", "{e}");
+    assert!(e["message"].as_str().unwrap().contains("last_seq"), "{e}");
+    // with last_seq the replay still holds the whole response: the ack ahead emptied nothing
+    c.send(json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": 1})).await;
+    c.event("session.resumed").await;
+    let replay = c.until(is_done).await;
+    assert_eq!(replay.iter().filter(|m| m.ty() == "response.created").count(), 1);
+    s.shutdown().await.unwrap();
+}

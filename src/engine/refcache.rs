@@ -218,7 +218,14 @@ mod tests {
         assert_eq!(c.trim(), vec!["key2".to_string()]);
         c.pin("key3", &id("b"));
         c.entry(r(4));
-        assert!(c.trim().contains(&"key4".to_string()) || c.len() == 3, "held entries stay even beyond capacity");
+        // key1 (owned) and key3 (pinned) are held: the unheld key4 is the one to go
+        assert_eq!(c.trim(), vec!["key4".to_string()]);
+        assert_eq!(c.len(), 2);
+        // with every entry held, the cache holds more than its capacity rather than drop one
+        c.entry(r(5));
+        c.own("key5", &id("c"));
+        assert!(c.trim().is_empty(), "held entries stay even beyond capacity");
+        assert_eq!(c.len(), 3);
         assert!(c.get("key1").is_some() && c.get("key3").is_some());
     }
 

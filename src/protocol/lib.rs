@@ -219,7 +219,7 @@ pub struct SessionUpdate {
 pub struct SessionResume {
     pub session_id: String,
     pub resume_token: String,
-    #[serde(default)]
+    /// Required: without it a resume would replay everything, duplicating what the client holds.
     pub last_seq: u64,
 }
 

@@ -405,6 +405,11 @@ impl Session {
                     }
                 }
             }
+            ClientEvent::Ack { seq } if seq >= self.next_seq => {
+                // acking ahead would empty the journal of messages not yet sent (and lose them)
+                let sent = self.next_seq - 1;
+                self.send_error(WireError::new(ErrorCode::BadField, format!("ack.seq: {seq} is beyond the highest seq sent ({sent})")));
+            }
             ClientEvent::Ack { seq } => {
                 self.journal.ack(seq);
                 if let Some(m) = &self.manager {
