@@ -46,6 +46,14 @@ pub struct ServerSection {
     pub idle_timeout_s: u64,
     /// Sessions older than this are closed (0 = never).
     pub max_duration_s: u64,
+    /// Messages queued for one socket's writer; a client that reads slower than this is closed
+    /// (its session parks and can resume: the journal holds what it missed).
+    pub outbound_queue: usize,
+    /// Open WebSocket connections at once; beyond, an upgrade is answered 503.
+    pub max_connections: usize,
+    /// A socket that has neither created nor resumed a session this long after its upgrade is
+    /// closed.
+    pub first_event_timeout_s: u64,
 }
 
 impl Default for ServerSection {
@@ -63,6 +71,9 @@ impl Default for ServerSection {
             retry_after_ms: 2000,
             idle_timeout_s: 0,
             max_duration_s: 0,
+            outbound_queue: 4096,
+            max_connections: 256,
+            first_event_timeout_s: 10,
         }
     }
 }
@@ -188,6 +199,9 @@ impl Config {
         }
         if self.server.max_sessions == 0 {
             bail!("server.max_sessions must be at least 1");
+        }
+        if self.server.outbound_queue == 0 || self.server.max_connections == 0 || self.server.first_event_timeout_s == 0 {
+            bail!("server.outbound_queue, max_connections and first_event_timeout_s must be at least 1");
         }
         if self.server.max_binary_frame < 64 || self.server.max_text_frame < 1024 {
             bail!("server.max_binary_frame / max_text_frame are too small");

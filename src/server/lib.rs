@@ -87,6 +87,8 @@ pub struct Shared {
     pub ready: AtomicBool,
     shutting_down: AtomicBool,
     pub started: Instant,
+    /// One permit per open WebSocket (`server.max_connections`).
+    pub connection_permits: Arc<tokio::sync::Semaphore>,
 }
 
 impl Shared {
@@ -161,6 +163,7 @@ pub async fn start(cfg: Config, models: Models) -> Result<Server> {
         ready: AtomicBool::new(false),
         shutting_down: AtomicBool::new(false),
         started: Instant::now(),
+        connection_permits: Arc::new(tokio::sync::Semaphore::new(cfg.server.max_connections)),
     });
     let listener = TcpListener::bind(&cfg.server.listen).await.with_context(|| format!("binding {}", cfg.server.listen))?;
     let addr = listener.local_addr()?;
@@ -261,6 +264,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/metrics", get(metrics))
         .route("/api/build_info", get(build_info))
         .fallback_service(web)
+        .layer(axum::middleware::from_fn(reject_long_segments))
         .layer(tower_http::trace::TraceLayer::new_for_http())
         .with_state(shared)
 }
@@ -291,7 +295,23 @@ async fn realtime(State(shared): State<Arc<Shared>>, headers: HeaderMap, q: Quer
         return (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response();
     }
     let limit = shared.config.server.max_text_frame.max(shared.config.server.max_binary_frame) * 4 + 1024;
-    ws.max_message_size(limit).max_frame_size(limit).on_upgrade(move |socket| ws::handle_socket(socket, shared))
+    let Ok(permit) = shared.connection_permits.clone().try_acquire_owned() else {
+        let n = shared.config.server.max_connections;
+        return (StatusCode::SERVICE_UNAVAILABLE, format!("too many connections (limit {n}); retry later")).into_response();
+    };
+    ws.max_message_size(limit).max_frame_size(limit).on_upgrade(move |socket| async move {
+        let _permit = permit;
+        ws::handle_socket(socket, shared).await
+    })
+}
+
+/// Paths with a segment longer than any file name can be are answered 404 before they reach a
+/// handler (the static files' service answered 500 for them).
+async fn reject_long_segments(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    if req.uri().path().split('/').any(|seg| seg.len() > 255) {
+        return (StatusCode::NOT_FOUND, "not found").into_response();
+    }
+    next.run(req).await
 }
 
 async fn readyz(State(shared): State<Arc<Shared>>) -> Response {

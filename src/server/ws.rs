@@ -6,7 +6,6 @@ use std::sync::Arc;
 
 use axum::extract::ws::{CloseFrame, Message, WebSocket};
 use futures_util::{SinkExt, StreamExt};
-use tokio::sync::mpsc::unbounded_channel;
 
 use super::session::{Conn, Outbound, SessionMsg};
 use super::Shared;
@@ -15,9 +14,19 @@ use antiphon_protocol::{parse_client, AudioFrame, ClientEvent, ErrorCode, Server
 pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>) {
     shared.metrics.connections.inc();
     let (mut sink, mut stream) = socket.split();
-    let (tx, mut rx) = unbounded_channel::<Outbound>();
+    let limits = &shared.config.server;
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Outbound>(limits.outbound_queue);
+    let (kick, kicked) = tokio::sync::watch::channel(false);
+    let kick = Arc::new(kick);
+    let mut writer_kicked = kicked.clone();
     let writer = tokio::spawn(async move {
-        while let Some(m) = rx.recv().await {
+        loop {
+            let m = tokio::select! {
+                m = rx.recv() => m,
+                // (a dropped sender is no kick: the queue then drains to its end)
+                Ok(_) = writer_kicked.wait_for(|k| *k) => None,
+            };
+            let Some(m) = m else { break };
             let msg = match m {
                 Outbound::Text(t) => Message::Text(t.into()),
                 Outbound::Binary(b) => Message::Binary(b.into()),
@@ -26,21 +35,41 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>) {
                     break;
                 }
             };
-            if sink.send(msg).await.is_err() {
+            // a reader that stopped reading blocks the send: the kick ends it too
+            let sent = tokio::select! {
+                r = sink.send(msg) => r.is_ok(),
+                Ok(_) = writer_kicked.wait_for(|k| *k) => false,
+            };
+            if !sent {
                 break;
             }
         }
         let _ = sink.close().await;
     });
-    let conn = Conn::new(tx.clone());
-    let limits = &shared.config.server;
+    let conn = Conn::new(tx.clone(), kick);
     let mut session: Option<tokio::sync::mpsc::UnboundedSender<SessionMsg>> = None;
     let mut clean = false;
     let error = |e: WireError| {
         shared.metrics.errors.with_label_values(&[e.code.as_str()]).inc();
         conn.send_event(&ServerEvent::error(&e));
     };
-    while let Some(frame) = stream.next().await {
+    let first_deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(limits.first_event_timeout_s);
+    let mut kicked = kicked;
+    loop {
+        let next = tokio::select! {
+            f = stream.next() => f,
+            _ = tokio::time::sleep_until(first_deadline), if session.is_none() => {
+                error(WireError::fatal(ErrorCode::NotInSession, format!("no session.create or session.resume within {} s", limits.first_event_timeout_s)));
+                conn.send(Outbound::Close(1008, "no session".into()));
+                clean = true;
+                break;
+            }
+            Ok(_) = kicked.wait_for(|k| *k) => {
+                shared.metrics.errors.with_label_values(&["slow_reader"]).inc();
+                break;
+            }
+        };
+        let Some(frame) = next else { break };
         let Ok(frame) = frame else { break };
         match frame {
             Message::Text(t) => {

@@ -42,22 +42,35 @@ pub enum Outbound {
     Close(u16, String),
 }
 
-/// The writing end of a connection.
+/// The writing end of a connection: a bounded queue to its writer. A message that finds the queue
+/// full is not queued and the connection is marked overrun (`kick`): its socket is then closed,
+/// and what it missed stays in the session's journal for a resume.
 #[derive(Clone)]
 pub struct Conn {
     pub id: ConnId,
-    pub tx: UnboundedSender<Outbound>,
+    tx: tokio::sync::mpsc::Sender<Outbound>,
+    kick: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
 
 impl Conn {
-    pub fn new(tx: UnboundedSender<Outbound>) -> Self {
-        Self { id: NEXT_CONN.fetch_add(1, Ordering::Relaxed), tx }
+    pub fn new(tx: tokio::sync::mpsc::Sender<Outbound>, kick: Arc<tokio::sync::watch::Sender<bool>>) -> Self {
+        Self { id: NEXT_CONN.fetch_add(1, Ordering::Relaxed), tx, kick }
     }
 
     pub fn send(&self, m: Outbound) {
-        let _ = self.tx.send(m);
+        if let Err(tokio::sync::mpsc::error::TrySendError::Full(_)) = self.tx.try_send(m) {
+            if !*self.kick.borrow() {
+                tracing::warn!(conn = self.id, "outbound queue full: closing the slow reader's socket");
+            }
+            self.kick.send_replace(true);
+        }
+    }
+
+    /// Whether a message found the queue full.
+    pub fn overrun(&self) -> bool {
+        *self.kick.borrow()
     }
 
     pub fn send_event(&self, e: &ServerEvent) {

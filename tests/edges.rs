@@ -1,0 +1,84 @@
+//! The server's edges against a real server on port 0: a connection cap, a deadline for the first
+//! event, path segments longer than any file name.
+
+// (shared with tests/server.rs, which uses all of it)
+#[allow(dead_code)]
+mod wire;
+
+use serde_json::json;
+use wire::{reqwest_like_get, server, Client, In};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_cap_are_refused_and_a_freed_permit_is_reused() {
+    let s = server(|c| c.server.max_connections = 1).await;
+    let mut a = Client::connect(&s).await;
+    a.create(json!({})).await;
+    let url = format!("ws://{}/v1/realtime", s.addr);
+    match Client::connect_to(&url).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(r)) => assert_eq!(r.status(), 503),
+        Err(e) => panic!("expected a 503, got {e}"),
+        Ok(_) => panic!("a second connection was accepted beyond the cap of 1"),
+    }
+    // the first socket ends (clean close): its permit comes back
+    a.send(json!({"type": "session.close"})).await;
+    assert!(matches!(a.until(|m| matches!(m, In::Closed(_))).await.last(), Some(In::Closed(_))));
+    drop(a);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        match Client::connect_to(&url).await {
+            Ok(mut b) => {
+                b.create(json!({})).await;
+                break;
+            }
+            Err(_) if std::time::Instant::now() < deadline => tokio::task::yield_now().await,
+            Err(e) => panic!("the permit never came back: {e}"),
+        }
+    }
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_socket_that_never_creates_a_session_is_closed() {
+    let s = server(|c| c.server.first_event_timeout_s = 1).await;
+    let mut c = Client::connect(&s).await;
+    let e = c.event("error").await;
+    assert_eq!(e["code"], "not_in_session", "{e}");
+    assert_eq!(e["fatal"], true);
+    assert!(matches!(c.recv().await, In::Closed(Some(1008))));
+    // a client that creates its session in time keeps it past the deadline
+    let mut d = Client::connect(&s).await;
+    d.create(json!({})).await;
+    d.send(json!({"type": "ping", "id": "p"})).await;
+    let pong = d.event("pong").await;
+    assert_eq!(pong["id"], "p");
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlong_path_segments_are_not_found() {
+    let s = server(|_| {}).await;
+    let r = reqwest_like_get(&s, &format!("/{}", "a".repeat(300))).await;
+    assert!(r.starts_with("HTTP/1.1 404"), "{}", r.lines().next().unwrap_or(""));
+    let r = reqwest_like_get(&s, "/healthz").await;
+    assert!(r.starts_with("HTTP/1.1 200"));
+    s.shutdown().await.unwrap();
+}
+
+/// A connection's queue is bounded: a message that finds it full is not queued and marks the
+/// connection overrun (its socket is then closed; the session's journal keeps what it missed).
+#[tokio::test]
+async fn a_full_outbound_queue_marks_the_connection_overrun() {
+    use antiphon_server::session::{Conn, Outbound};
+    let (tx, mut rx) = tokio::sync::mpsc::channel(2);
+    let (kick, mut kicked) = tokio::sync::watch::channel(false);
+    let conn = Conn::new(tx, std::sync::Arc::new(kick));
+    conn.send(Outbound::Text("1".into()));
+    conn.send(Outbound::Text("2".into()));
+    assert!(!conn.overrun());
+    conn.send(Outbound::Text("3".into()));
+    assert!(conn.overrun());
+    kicked.wait_for(|k| *k).await.unwrap();
+    assert_eq!(rx.recv().await, Some(Outbound::Text("1".into())));
+    assert_eq!(rx.recv().await, Some(Outbound::Text("2".into())));
+    assert!(rx.try_recv().is_err(), "the third message was not queued");
+}
