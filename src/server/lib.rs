@@ -294,7 +294,8 @@ async fn realtime(State(shared): State<Arc<Shared>>, headers: HeaderMap, q: Quer
     if shared.is_shutting_down() {
         return (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response();
     }
-    let limit = shared.config.server.max_text_frame.max(shared.config.server.max_binary_frame) * 4 + 1024;
+    // the transport's limit is the configured one: a bigger frame is refused before it is buffered
+    let limit = shared.config.server.max_text_frame.max(shared.config.server.max_binary_frame);
     let Ok(permit) = shared.connection_permits.clone().try_acquire_owned() else {
         let n = shared.config.server.max_connections;
         return (StatusCode::SERVICE_UNAVAILABLE, format!("too many connections (limit {n}); retry later")).into_response();

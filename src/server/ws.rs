@@ -49,6 +49,9 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>) {
     let conn = Conn::new(tx.clone(), kick);
     let mut session: Option<tokio::sync::mpsc::UnboundedSender<SessionMsg>> = None;
     let mut clean = false;
+    // after a refused frame: the client's unread bytes would make the socket's end a reset that
+    // can swallow the close frame, so the socket stays open a moment after the writer is done
+    let mut linger = false;
     let error = |e: WireError| {
         shared.metrics.errors.with_label_values(&[e.code.as_str()]).inc();
         conn.send_event(&ServerEvent::error(&e));
@@ -70,7 +73,21 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>) {
             }
         };
         let Some(frame) = next else { break };
-        let Ok(frame) = frame else { break };
+        let frame = match frame {
+            Ok(f) => f,
+            Err(e) => {
+                // the transport refused the frame: say why, with the close code the protocol asks for
+                let (code, close) = transport_error(&e, limits.max_text_frame.max(limits.max_binary_frame));
+                if let Some(code) = code {
+                    error(WireError::fatal(code, e.to_string()));
+                }
+                if let Some((c, reason)) = close {
+                    conn.send(Outbound::Close(c, reason));
+                    linger = true;
+                }
+                break;
+            }
+        };
         match frame {
             Message::Text(t) => {
                 if t.len() > limits.max_text_frame {
@@ -159,5 +176,26 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>) {
     // the writer ends when the session lets go of this connection (or right away if it has none)
     drop(conn);
     drop(tx);
-    drop(writer);
+    if linger {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), writer).await;
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        drop(stream);
+    }
+}
+
+/// What a transport error means for the client: the error code to send (if any) and the close
+/// frame: an oversized frame is `message_too_large` with 1009, invalid UTF-8 in a text frame 1007,
+/// any other protocol violation 1002; a connection that is simply gone gets nothing.
+fn transport_error(e: &axum::Error, limit: usize) -> (Option<ErrorCode>, Option<(u16, String)>) {
+    let text = e.to_string();
+    let lower = text.to_ascii_lowercase();
+    if lower.contains("space limit") || lower.contains("too long") || lower.contains("too big") {
+        (Some(ErrorCode::MessageTooLarge), Some((1009, format!("message too large (limit {limit} bytes)"))))
+    } else if lower.contains("utf-8") || lower.contains("utf8") {
+        (Some(ErrorCode::BadJson), Some((1007, "invalid UTF-8 in a text frame".into())))
+    } else if lower.contains("protocol") {
+        (None, Some((1002, "protocol error".into())))
+    } else {
+        (None, None)
+    }
 }

@@ -85,7 +85,8 @@ impl Client {
             Some(Ok(Message::Binary(b))) => In::Audio(AudioFrame::decode(&b).expect("a whole frame")),
             Some(Ok(Message::Close(c))) => In::Closed(c.map(|c| u16::from(c.code))),
             Some(Ok(_)) => Box::pin(self.recv()).await,
-            Some(Err(_)) | None => In::Closed(None),
+            Some(Err(_)) => In::Closed(None),
+            None => In::Closed(None),
         }
     }
 
