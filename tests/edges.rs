@@ -1,5 +1,6 @@
-//! The server's edges against a real server on port 0: a connection cap, a deadline for the first
-//! event, path segments longer than any file name.
+//! The server's edges: a connection cap, a deadline for the first event, path segments longer
+//! than any file name (against a real server on port 0), the bounded outbound queue and the
+//! shape of `internal` errors.
 
 // (shared with tests/server.rs, which uses all of it)
 #[allow(dead_code)]
@@ -81,4 +82,18 @@ async fn a_full_outbound_queue_marks_the_connection_overrun() {
     assert_eq!(rx.recv().await, Some(Outbound::Text("1".into())));
     assert_eq!(rx.recv().await, Some(Outbound::Text("2".into())));
     assert!(rx.try_recv().is_err(), "the third message was not queued");
+}
+
+/// An `internal` error tells the client what failed in one line, never a backtrace, and names an
+/// incident the log holds.
+#[test]
+fn internal_errors_are_one_short_line() {
+    let detail = format!("the Talker's step failed: out of memory\n{}", "   at some::frame::of::a::backtrace\n".repeat(50));
+    let e = antiphon_server::session::internal_error("response 3 failed", &detail, false);
+    assert_eq!(e.code, antiphon_protocol::ErrorCode::Internal);
+    assert!(!e.fatal);
+    assert!(!e.message.contains('\n') && !e.message.contains("backtrace"), "{}", e.message);
+    assert!(e.message.starts_with("response 3 failed: the Talker's step failed: out of memory (incident "), "{}", e.message);
+    let long = antiphon_server::session::internal_error("x", &"y".repeat(10_000), true);
+    assert!(long.fatal && long.message.len() < 300, "{}", long.message.len());
 }

@@ -35,7 +35,7 @@ impl Session {
             let _ = me.send(SessionMsg::Duplex(e));
         });
         if let Err(e) = self.shared.engine.open_duplex(spec, sink) {
-            self.send_error(WireError::fatal(ErrorCode::Internal, format!("opening the duplex stream: {e}")));
+            self.send_error(super::internal_error("opening the duplex stream", &format!("{e:#}"), true));
         }
     }
 
@@ -44,7 +44,7 @@ impl Session {
         let Some(d) = &mut self.duplex else { return };
         while let Some(unit) = self.input.take_block_16k(d.unit_in) {
             let sent = unit.map_err(|e| WireError::new(ErrorCode::BadAudio, format!("input audio: {e}"))).and_then(|x| {
-                self.shared.engine.duplex_unit(&self.id, x).map_err(|e| WireError::new(ErrorCode::Internal, format!("duplex unit: {e}")))
+                self.shared.engine.duplex_unit(&self.id, x).map_err(|e| super::internal_error("duplex unit", &format!("{e:#}"), false))
             });
             match sent {
                 Ok(()) => d.units_sent += 1,
@@ -109,7 +109,7 @@ impl Session {
                 let why: &'static str = if reason == "context_full" {
                     "context_full"
                 } else {
-                    self.send_error(WireError::new(ErrorCode::Internal, format!("the duplex stream ended: {reason}")));
+                    self.send_error(super::internal_error("the duplex stream ended", &reason, false));
                     "failed"
                 };
                 self.send_event(ServerEvent::SessionClosing { seq: 0, reason: why, retry_after_ms: None });

@@ -34,6 +34,22 @@ use response::{resolve_voice, Resp};
 
 pub type ConnId = u64;
 
+static NEXT_INCIDENT: AtomicU64 = AtomicU64::new(1);
+
+/// An `internal` error for a client: what failed and the first line of why (at most 200
+/// characters; never a backtrace), with an incident id under which the log holds the whole story.
+pub fn internal_error(what: &str, detail: &str, fatal: bool) -> WireError {
+    let id = NEXT_INCIDENT.fetch_add(1, Ordering::Relaxed);
+    tracing::error!(incident = id, "{what}: {detail}");
+    let first: String = detail.lines().next().unwrap_or("").chars().take(200).collect();
+    let msg = format!("{what}: {first} (incident {id}; the server log has the details)");
+    if fatal {
+        WireError::fatal(ErrorCode::Internal, msg)
+    } else {
+        WireError::new(ErrorCode::Internal, msg)
+    }
+}
+
 /// What a session (or the connection itself) writes to a socket.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outbound {

@@ -82,7 +82,7 @@ impl Session {
         match OutputAudio::new(f.codec, f.frame_ms.unwrap_or(20)) {
             Ok(o) => Some(o),
             Err(e) => {
-                self.send_error(WireError::new(ErrorCode::Internal, format!("output audio: {e}")));
+                self.send_error(super::internal_error("output audio", &e.to_string(), false));
                 None
             }
         }
@@ -131,8 +131,7 @@ impl Session {
             Status::Failed(why) => ("failed", Some(why.clone())),
         };
         if let Some(why) = msg {
-            tracing::warn!(response = r.id, "response failed: {why}");
-            self.send_error(WireError::new(ErrorCode::Internal, format!("response {} failed: {why}", r.id)));
+            self.send_error(super::internal_error(&format!("response {} failed", r.id), &why, false));
         }
         let audio_ms = r.audio_samples * 1000 / crate::audio_edge::OUTPUT_RATE as u64;
         self.send_event(ServerEvent::ResponseDone { seq: 0, response_id: r.id, status: label, audio_ms, packets: r.packets, chunks: r.chunks });
