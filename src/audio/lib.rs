@@ -6,6 +6,9 @@ use std::io::Cursor;
 use anyhow::{bail, Context, Result};
 use rubato::{FftFixedIn, Resampler};
 
+mod stream;
+pub use stream::StreamResampler;
+
 /// Decodes a WAV file (PCM 8/16/24/32-bit or float) to mono f32 in [-1, 1] and its sample rate.
 pub fn decode_wav(bytes: &[u8]) -> Result<(Vec<f32>, u32)> {
     let mut r = hound::WavReader::new(Cursor::new(bytes)).context("not a WAV file")?;

@@ -16,6 +16,9 @@ pub struct InputAudio {
     opus: Option<opus::Decoder>,
     buf: Vec<f32>,
     scratch: Vec<f32>,
+    /// The duplex path's units: one resampler across all of them (no filter edges at unit
+    /// boundaries), made at the first unit.
+    units: Option<antiphon_audio::StreamResampler>,
 }
 
 impl InputAudio {
@@ -27,7 +30,7 @@ impl InputAudio {
             Codec::Opus => Some(opus::Decoder::new(rate, opus::Channels::Mono)?),
             Codec::Pcm16 => None,
         };
-        Ok(Self { codec, rate, opus, buf: Vec::new(), scratch: vec![0.0; rate as usize * 120 / 1000] })
+        Ok(Self { codec, rate, opus, buf: Vec::new(), scratch: vec![0.0; rate as usize * 120 / 1000], units: None })
     }
 
     pub fn rate(&self) -> u32 {
@@ -65,20 +68,31 @@ impl InputAudio {
 
     pub fn clear(&mut self) {
         self.buf.clear();
+        self.units = None;
     }
 
-    /// The oldest `n` input samples at 16 kHz (exactly `n × 16000 / rate` samples), once that
-    /// many are gathered: the duplex path cuts its units with it.
+    /// The next `n` input samples' worth of 16 kHz audio (exactly `n × 16000 / rate` samples),
+    /// once that many are gathered: the duplex path cuts its units with it. The units are one
+    /// continuous resample of the input, running [`antiphon_audio::StreamResampler::lag`] samples
+    /// behind it (tens of milliseconds), with no filter edges at their boundaries.
     pub fn take_block_16k(&mut self, n: usize) -> Option<Result<Vec<f32>>> {
         if n == 0 || self.buf.len() < n {
             return None;
         }
         let block: Vec<f32> = self.buf.drain(..n).collect();
         let want = n * ENGINE_INPUT_RATE as usize / self.rate as usize;
-        Some(antiphon_audio::resample(&block, self.rate, ENGINE_INPUT_RATE).map(|mut x| {
-            x.resize(want, 0.0);
-            x
-        }))
+        let units = match self.units.take() {
+            Some(u) => u,
+            None => match antiphon_audio::StreamResampler::new(self.rate, ENGINE_INPUT_RATE) {
+                Ok(u) => u,
+                Err(e) => return Some(Err(e)),
+            },
+        };
+        let units = self.units.insert(units);
+        if let Err(e) = units.push(&block) {
+            return Some(Err(e));
+        }
+        Some(units.take(want).ok_or_else(|| anyhow::anyhow!("the unit resampler fell behind")))
     }
 
     /// Pads what is gathered with silence up to a multiple of `n` samples.
