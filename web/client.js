@@ -168,13 +168,15 @@ export class Client extends EventTarget {
         break;
       case 'error':
         if (['session_expired', 'session_not_found', 'bad_resume_token'].includes(m.code)) {
-          // the old session is gone: start a new one on the next connection
+          // the old session cannot be resumed: start a new one, on this socket (it stays open)
           this.session = null;
           this.lastSeq = 0;
           this.acked = 0;
           this.outbox = [];
+          if (this.ws && this.ws.readyState === WebSocket.OPEN) this.ws.send(JSON.stringify(this.create));
+          break;
         }
-        if (m.fatal && m.code !== 'session_expired' && m.code !== 'session_not_found') this.stopped = true;
+        if (m.fatal) this.stopped = true;
         break;
     }
     this.dispatchEvent(new CustomEvent('event', { detail: m }));

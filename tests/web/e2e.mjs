@@ -181,6 +181,25 @@ await test('a network drop mid-response: the page resumes with nothing lost and 
   await page.close();
 });
 
+await test('a resume the server refuses: the page starts a new session on the same socket and goes on', async () => {
+  const page = await openPage('text_tokens=8&audio_tokens=30');
+  await connect(page);
+  const first = await page.evaluate(() => window.antiphon.client().session.id);
+  // the page's resume token goes bad, then the network drops: its resume gets bad_resume_token
+  await page.evaluate(() => (window.antiphon.client().session.token = 'not-the-token'));
+  proxy.cut();
+  await page.waitForFunction((first) => {
+    const c = window.antiphon.client();
+    return window.antiphon.stats.state === 'connected' && c.session && c.session.id !== first;
+  }, first, { timeout: 30000 });
+  assert((await stats(page)).events.some((e) => /bad_resume_token/.test(e)), 'the refusal was shown');
+  await page.fill('#text', 'Still there?');
+  await page.press('#text', 'Enter');
+  await page.waitForFunction(() => Object.values(window.antiphon.stats.responses).some((r) => r.status === 'completed'), null, { timeout: 60000 });
+  console.log(`      session ${first} could not be resumed; the page went on in a new one`);
+  await page.close();
+});
+
 await test('input spoken during a drop is kept and resent after the resume', async () => {
   const page = await openPage('text_tokens=8&audio_tokens=50');
   await connect(page);
