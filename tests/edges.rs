@@ -97,3 +97,51 @@ fn internal_errors_are_one_short_line() {
     let long = antiphon_server::session::internal_error("x", &"y".repeat(10_000), true);
     assert!(long.fatal && long.message.len() < 300, "{}", long.message.len());
 }
+
+/// A raw HTTP GET with extra header lines; the whole answer.
+async fn get_with(s: &antiphon_server::Server, path: &str, headers: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut t = tokio::net::TcpStream::connect(s.addr).await.unwrap();
+    t.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n{headers}Connection: close\r\n\r\n").as_bytes()).await.unwrap();
+    let mut buf = String::new();
+    t.read_to_string(&mut buf).await.unwrap();
+    buf
+}
+
+/// With keys: the scheme is matched in any case, a wrong key is refused, the operational endpoints
+/// need a key unless opened; every answer carries the security headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_guard_the_operational_endpoints_and_bearer_is_case_insensitive() {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let s = server(|c| c.auth.api_keys = vec!["k1".into(), "k2".into()]).await;
+    let url = format!("ws://{}/v1/realtime", s.addr);
+    for (value, ok) in [("bearer k2", true), ("BEARER k1", true), ("Bearer k3", false), ("Basic k1", false)] {
+        let mut req = url.clone().into_client_request().unwrap();
+        req.headers_mut().insert("authorization", value.parse().unwrap());
+        assert_eq!(tokio_tungstenite::connect_async(req).await.is_ok(), ok, "{value}");
+    }
+    for path in ["/metrics", "/api/build_info"] {
+        assert!(get_with(&s, path, "").await.starts_with("HTTP/1.1 401"), "{path} without a key");
+        assert!(get_with(&s, path, "Authorization: bearer k1\r\n").await.starts_with("HTTP/1.1 200"), "{path} with a key");
+        assert!(get_with(&s, &format!("{path}?token=k2"), "").await.starts_with("HTTP/1.1 200"), "{path} with ?token");
+    }
+    let page = get_with(&s, "/healthz", "").await.to_ascii_lowercase();
+    for h in ["x-content-type-options: nosniff", "x-frame-options: deny", "referrer-policy: no-referrer"] {
+        assert!(page.contains(h), "{h} in {page}");
+    }
+    s.shutdown().await.unwrap();
+    let open = server(|c| {
+        c.auth.api_keys = vec!["k1".into()];
+        c.auth.open_metrics = true;
+    })
+    .await;
+    assert!(get_with(&open, "/metrics", "").await.starts_with("HTTP/1.1 200"), "opened by auth.open_metrics");
+    open.shutdown().await.unwrap();
+}
+
+#[test]
+fn secrets_compare_equal_only_when_equal() {
+    use antiphon_server::auth::secret_eq;
+    assert!(secret_eq("tok", "tok"));
+    assert!(!secret_eq("tok", "tol") && !secret_eq("tok", "to") && !secret_eq("", "x"));
+}

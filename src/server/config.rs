@@ -85,6 +85,9 @@ pub struct AuthSection {
     pub api_keys: Vec<String>,
     /// Accepted `Origin` values; empty = any.
     pub allowed_origins: Vec<String>,
+    /// With keys set: `/metrics` and `/api/build_info` answer without a key too (off: they need
+    /// one, like the WebSocket).
+    pub open_metrics: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -3,6 +3,7 @@
 //! shutdown. Sessions and the audio edge live here; model code lives in the engine's threads.
 
 pub mod audio_edge;
+pub mod auth;
 pub mod config;
 pub mod journal;
 pub mod session;
@@ -256,15 +257,21 @@ async fn warm_up(shared: &Arc<Shared>) -> Result<f64> {
 }
 
 pub fn router(shared: Arc<Shared>) -> Router {
+    use axum::http::{header, HeaderValue};
+    use tower_http::set_header::SetResponseHeaderLayer as SetHeader;
     let web = tower_http::services::ServeDir::new(&shared.config.server.web_dir);
     Router::new()
         .route("/v1/realtime", get(realtime))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .route("/api/build_info", get(build_info))
+        .route("/metrics", get(metrics).route_layer(axum::middleware::from_fn_with_state(shared.clone(), auth::operational)))
+        .route("/api/build_info", get(build_info).route_layer(axum::middleware::from_fn_with_state(shared.clone(), auth::operational)))
         .fallback_service(web)
         .layer(axum::middleware::from_fn(reject_long_segments))
+        // on every answer: no MIME sniffing, no framing by other sites, no referrer sent on
+        .layer(SetHeader::if_not_present(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff")))
+        .layer(SetHeader::if_not_present(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY")))
+        .layer(SetHeader::if_not_present(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer")))
         .layer(tower_http::trace::TraceLayer::new_for_http())
         .with_state(shared)
 }
@@ -277,10 +284,8 @@ struct RealtimeQuery {
 async fn realtime(State(shared): State<Arc<Shared>>, headers: HeaderMap, q: Query<RealtimeQuery>, ws: WebSocketUpgrade) -> Response {
     let auth = &shared.config.auth;
     if !auth.api_keys.is_empty() {
-        let bearer =
-            headers.get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::to_string);
-        let key = bearer.or_else(|| q.token.clone());
-        if !key.is_some_and(|k| auth.api_keys.contains(&k)) {
+        let key = auth::presented_key(&headers, None).or_else(|| q.token.clone());
+        if !auth::key_ok(auth, key.as_deref()) {
             return (StatusCode::UNAUTHORIZED, "missing or wrong API key").into_response();
         }
     }

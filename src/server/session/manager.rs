@@ -96,7 +96,7 @@ impl SessionManager {
     pub fn resume(&self, id: &str, token: &str) -> Result<Handle, WireError> {
         let m = self.inner.lock().expect("manager");
         match m.sessions.get(id) {
-            Some(h) if h.token == token => Ok(h.clone()),
+            Some(h) if crate::auth::secret_eq(&h.token, token) => Ok(h.clone()),
             Some(_) => Err(WireError::new(ErrorCode::BadResumeToken, "the resume token does not match this session")),
             None if m.expired.contains_key(id) => Err(WireError::new(ErrorCode::SessionExpired, "the session expired after its grace period")),
             None => Err(WireError::new(ErrorCode::SessionNotFound, format!("no session {id}"))),
