@@ -19,6 +19,8 @@ pub struct InputAudio {
     /// The duplex path's units: one resampler across all of them (no filter edges at unit
     /// boundaries), made at the first unit.
     units: Option<antiphon_audio::StreamResampler>,
+    /// The most samples held at once (a turn not yet committed, units not yet taken).
+    max_samples: usize,
 }
 
 impl InputAudio {
@@ -30,11 +32,24 @@ impl InputAudio {
             Codec::Opus => Some(opus::Decoder::new(rate, opus::Channels::Mono)?),
             Codec::Pcm16 => None,
         };
-        Ok(Self { codec, rate, opus, buf: Vec::new(), scratch: vec![0.0; rate as usize * 120 / 1000], units: None })
+        Ok(Self { codec, rate, opus, buf: Vec::new(), scratch: vec![0.0; rate as usize * 120 / 1000], units: None, max_samples: usize::MAX })
+    }
+
+    /// Holds at most `seconds` of audio: a packet beyond is refused (and changes nothing).
+    pub fn with_limit_s(mut self, seconds: u64) -> Self {
+        self.max_samples = (seconds as usize).saturating_mul(self.rate as usize);
+        self
     }
 
     pub fn rate(&self) -> u32 {
         self.rate
+    }
+
+    fn room(&self, n: usize) -> Result<()> {
+        if self.buf.len().saturating_add(n) > self.max_samples {
+            bail!("over the {} s of audio a turn may hold: commit or clear it first", self.max_samples / self.rate as usize);
+        }
+        Ok(())
     }
 
     /// Decodes one packet and keeps its samples; an undecodable packet is an error and changes
@@ -46,6 +61,7 @@ impl InputAudio {
                     bail!("PCM16 payload of odd length {}", payload.len());
                 }
                 let n = payload.len() / 2;
+                self.room(n)?;
                 self.buf.extend(payload.chunks_exact(2).map(|b| antiphon_audio::i16_to_f32(i16::from_le_bytes([b[0], b[1]]))));
                 Ok(n)
             }
@@ -55,6 +71,7 @@ impl InputAudio {
                 }
                 let dec = self.opus.as_mut().expect("opus decoder");
                 let n = dec.decode_float(payload, &mut self.scratch, false).map_err(|e| anyhow::anyhow!("Opus: {e}"))?;
+                self.room(n)?;
                 self.buf.extend_from_slice(&self.scratch[..n]);
                 Ok(n)
             }
@@ -212,5 +229,16 @@ mod tests {
         assert!(i.push(&[1, 2, 3]).is_err());
         i.push(&vec![0u8; 960]).unwrap();
         assert_eq!(i.buffered_ms(), 10);
+        // a turn holds at most its limit: the packet beyond is refused and nothing changes
+        let mut i = InputAudio::new(Codec::Pcm16, 16_000).unwrap().with_limit_s(1);
+        for _ in 0..50 {
+            i.push(&vec![0u8; 640]).unwrap();
+        }
+        assert_eq!(i.buffered_ms(), 1000);
+        let e = i.push(&vec![0u8; 640]).unwrap_err();
+        assert!(e.to_string().contains("1 s"), "{e}");
+        assert_eq!(i.buffered_ms(), 1000);
+        i.clear();
+        i.push(&vec![0u8; 640]).unwrap();
     }
 }

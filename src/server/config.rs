@@ -54,6 +54,9 @@ pub struct ServerSection {
     /// A socket that has neither created nor resumed a session this long after its upgrade is
     /// closed.
     pub first_event_timeout_s: u64,
+    /// Client audio a session holds at once (an uncommitted turn); a packet beyond gets
+    /// `bad_audio` and is dropped.
+    pub max_input_audio_s: u64,
 }
 
 impl Default for ServerSection {
@@ -74,6 +77,7 @@ impl Default for ServerSection {
             outbound_queue: 4096,
             max_connections: 256,
             first_event_timeout_s: 10,
+            max_input_audio_s: 120,
         }
     }
 }
@@ -203,8 +207,9 @@ impl Config {
         if self.server.max_sessions == 0 {
             bail!("server.max_sessions must be at least 1");
         }
-        if self.server.outbound_queue == 0 || self.server.max_connections == 0 || self.server.first_event_timeout_s == 0 {
-            bail!("server.outbound_queue, max_connections and first_event_timeout_s must be at least 1");
+        let s = &self.server;
+        if s.outbound_queue == 0 || s.max_connections == 0 || s.first_event_timeout_s == 0 || s.max_input_audio_s == 0 {
+            bail!("server.outbound_queue, max_connections, first_event_timeout_s and max_input_audio_s must be at least 1");
         }
         if self.server.max_binary_frame < 64 || self.server.max_text_frame < 1024 {
             bail!("server.max_binary_frame / max_text_frame are too small");

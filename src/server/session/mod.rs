@@ -172,7 +172,8 @@ impl Session {
     fn new(shared: Arc<Shared>, c: &SessionCreate) -> Result<Self, WireError> {
         let cfg = &shared.config.server;
         let input = InputAudio::new(c.input_audio.codec, c.input_audio.sample_rate)
-            .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `input_audio.sample_rate`: {e}")))?;
+            .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `input_audio.sample_rate`: {e}")))?
+            .with_limit_s(cfg.max_input_audio_s);
         OutputAudio::new(c.output_audio.codec, c.output_audio.frame_ms.unwrap_or(20))
             .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `output_audio.frame_ms`: {e}")))?;
         let duplex = match (c.mode, &c.duplex) {
@@ -359,7 +360,8 @@ impl Session {
         }
         if let Some(i) = &u.input_audio {
             self.input = InputAudio::new(i.codec, i.sample_rate)
-                .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `input_audio.sample_rate`: {e}")))?;
+                .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `input_audio.sample_rate`: {e}")))?
+                .with_limit_s(self.shared.config.server.max_input_audio_s);
             if let Some(d) = &mut self.duplex {
                 d.unit_in = (i.sample_rate as u64 * self.shared.config.engine.duplex_unit_ms as u64 / 1000) as usize;
             }
