@@ -4,7 +4,8 @@
 # weights made on the GPU, bf16), wait until it is warm (weights, kernel JIT, one request through
 # all stages), run the bench on each workload, snapshot /metrics after each (per-stage step times),
 # and pack everything into $OUT/results.tgz (+ the server log). Before the server: the parity
-# fixtures on the GPU (PARITY=1) and each stage's step timed alone (PROFILE=1, antiphon profile).
+# fixtures on the GPU (PARITY=1) and each stage's step timed alone (PROFILE=1, antiphon profile;
+# PROFILE_ONLY= picks rows by name, as `--only`).
 #
 #   OUT=/some/dir WORKLOADS="tts clone" LEVELS=1,2,4,8,16,32 REQUESTS=16 scripts/gpu-measure.sh
 set -uo pipefail
@@ -38,7 +39,7 @@ if [ "${PARITY:-1}" = 1 ] && ls .device/parity_*.xz > /dev/null 2>&1; then
 fi
 # each stage's step alone (antiphon profile), before the server takes the GPU
 if [ "${PROFILE:-1}" = 1 ]; then
-  timeout "${PROFILE_TIMEOUT:-200}" /tmp/antiphon profile --config "$CONFIG" --iters "${PROFILE_ITERS:-8}" --batch "${PROFILE_BATCH:-1,8,32}" --out "$RES/profile.json" \
+  timeout "${PROFILE_TIMEOUT:-200}" /tmp/antiphon profile --config "$CONFIG" --iters "${PROFILE_ITERS:-8}" --batch "${PROFILE_BATCH:-1,8,32}" ${PROFILE_ONLY:+--only "$PROFILE_ONLY"} --out "$RES/profile.json" \
     > "$RES/profile.txt" 2>&1
   grep -E "B=" "$RES/profile.txt"
 fi

@@ -250,7 +250,7 @@ fn main() -> Result<()> {
             if cfg.engine.gpu_tf32 && models.code2wav.device().is_cuda() {
                 candle_core::cuda::set_gemm_reduced_precision_f32(true);
             }
-            let timings = antiphon_engine::profile::run(&models, iters.max(1), &batch, (&samples, rate), &only)?;
+            let timings = antiphon_engine::profile::run(&models, &cfg.engine, iters.max(1), &batch, (&samples, rate), &only)?;
             if let Some(o) = out {
                 std::fs::write(&o, serde_json::to_string_pretty(&timings)?)?;
             }

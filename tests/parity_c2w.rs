@@ -125,7 +125,7 @@ fn parity_flow_graphed_chunks_match_reference() {
     let eager = flow();
     for max_graphs in [12, 1] {
         let mut g = flow();
-        g.decoder.set_graphs(Some(GraphPolicy { max_batch: 2, max_graphs }));
+        g.decoder.set_graphs(Some(GraphPolicy { max_batch: 2, max_graphs, ..GraphPolicy::default() }));
         for pass in 0..3 {
             let (mut st, mut want) = (setup(&g), setup(&eager));
             for (i, p) in payloads.iter().enumerate() {
@@ -194,6 +194,63 @@ fn parity_flow_ragged_batch_matches_reference() {
         }
     }
     assert!(ragged >= 1, "no batch mixed cache lengths");
+}
+
+/// The fixture's stream twice, the second a chunk behind, with their attention caches in slots of
+/// a pool (`code2wav::slots`): batched where their chunks agree in length, op by op and (on a GPU)
+/// as graphs padded to a power of two, replayed from the third pass on; each chunk gives the
+/// reference's mel, and the slot read back is the op-by-op stream's cache.
+#[test]
+fn parity_flow_pooled_chunks_match_reference() {
+    use antiphon_models::code2wav::dit::GraphPolicy;
+    use antiphon_models::code2wav::slots::FlowPool;
+    let io = load_io(FIX);
+    let meta = load_meta(FIX);
+    let payloads: Vec<Vec<u32>> = meta["payloads"].as_array().unwrap().iter().map(ids).collect();
+    let eager = flow();
+    let longest = payloads.iter().map(|p| p.len()).max().unwrap() * eager.up_rate();
+    for graphs in [false, true] {
+        let mut f = flow();
+        if graphs {
+            f.decoder.set_graphs(Some(GraphPolicy::default()));
+        }
+        let st0 = setup(&f);
+        let cap = f.config().history_frames + st0.prompt_frames + longest + 4;
+        let pool = FlowPool::new(f.config(), 2, cap, longest, DType::F32, &common::device()).unwrap();
+        for pass in 0..if graphs { 3 } else { 1 } {
+            let start = || {
+                let mut st = setup(&f);
+                st.slot = pool.lease(&st.estimator, st.prompt_frames).unwrap();
+                assert!(st.slot.is_some(), "a free slot");
+                st
+            };
+            let (mut a, mut b, mut want) = (start(), start(), setup(&eager));
+            let mut batched = 0;
+            for i in 0..payloads.len() {
+                let last = i == payloads.len() - 1;
+                let what = format!("graphs {graphs}, pass {pass}, chunk {i}");
+                if i > 0 && payloads[i].len() == payloads[i - 1].len() && !last {
+                    batched += 1;
+                    let out = f.chunk_batch(&[&payloads[i], &payloads[i - 1]], &[&io["spk"], &io["spk"]], &mut [&mut a, &mut b], false).unwrap();
+                    assert_close(&format!("{what}: ahead"), &out[0], &io[&format!("chunk{i}_mel")], TOL);
+                    assert_close(&format!("{what}: behind"), &out[1], &io[&format!("chunk{}_mel", i - 1)], TOL);
+                } else {
+                    let mel = f.chunk(&payloads[i], &io["spk"], &mut a, last).unwrap();
+                    assert_close(&format!("{what}: ahead alone"), &mel, &io[&format!("chunk{i}_mel")], TOL);
+                    if i > 0 {
+                        let mel = f.chunk(&payloads[i - 1], &io["spk"], &mut b, false).unwrap();
+                        assert_close(&format!("{what}: behind alone"), &mel, &io[&format!("chunk{}_mel", i - 1)], TOL);
+                    }
+                }
+                eager.chunk(&payloads[i], &io["spk"], &mut want, last).unwrap();
+                let slot = a.slot.as_ref().expect("in a slot").materialize().unwrap();
+                assert_close(&format!("{what}: the slot's cache"), &slot, &want.estimator.att, TOL);
+            }
+            assert!(batched >= 1, "no batched chunk");
+            assert_eq!(pool.free_slots(), 0);
+        }
+        assert_eq!(pool.free_slots(), 2, "slots back");
+    }
 }
 
 #[test]

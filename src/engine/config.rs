@@ -64,6 +64,14 @@ pub struct EngineConfig {
     /// the streams' caches: a graph of B streams holds B times a stream's flow caches).
     pub code2wav_graph_batch: usize,
     pub code2wav_graph_count: usize,
+    /// Slots of the flow's attention caches allocated at start-up (0: none), each of
+    /// `code2wav_slot_frames` mel positions (history + the voice's prompt + a chunk must fit): the
+    /// streams in slots share one flow solve with no cache copied (on a GPU one graph per batch
+    /// size up to `code2wav_max_batch`, at most `code2wav_pool_graphs` kept); a stream that finds
+    /// no free slot, or whose voice does not fit, keeps caches of its own.
+    pub code2wav_slots: usize,
+    pub code2wav_slot_frames: usize,
+    pub code2wav_pool_graphs: usize,
     /// On a GPU, f32 matrix products (the vocoder's convolutions, reference preparation) run on
     /// tensor cores in TF32 (10-bit mantissa products, f32 sums); off: full f32. Process-wide.
     pub gpu_tf32: bool,
@@ -122,6 +130,9 @@ impl Default for EngineConfig {
             code2wav_graphs: true,
             code2wav_graph_batch: 2,
             code2wav_graph_count: 12,
+            code2wav_slots: 8,
+            code2wav_slot_frames: 576,
+            code2wav_pool_graphs: 16,
             gpu_tf32: true,
             ref_cache_capacity: 4,
             setup_cache_capacity: 1,
@@ -143,6 +154,11 @@ impl Default for EngineConfig {
 }
 
 impl EngineConfig {
+    /// The most new codes one Code2Wav chunk carries (what a flow slot must leave room for).
+    pub fn max_chunk_codes(&self) -> usize {
+        self.chunk_codes.max(self.first_chunk_codes).max(self.duplex_codes_per_unit())
+    }
+
     /// Talker codes per spoken duplex unit (25 codes per second of speech).
     pub fn duplex_codes_per_unit(&self) -> usize {
         (self.duplex_unit_ms as usize / 40).max(1)

@@ -185,9 +185,15 @@ impl Engine {
             candle_core::cuda::set_gemm_reduced_precision_f32(true);
         }
         if cfg.code2wav_graphs && own_stream(&d2, [&d0, &d1]) {
-            let policy = antiphon_models::code2wav::dit::GraphPolicy { max_batch: cfg.code2wav_graph_batch, max_graphs: cfg.code2wav_graph_count };
+            let policy = antiphon_models::code2wav::dit::GraphPolicy {
+                max_batch: cfg.code2wav_graph_batch,
+                max_graphs: cfg.code2wav_graph_count,
+                pool_batch: cfg.code2wav_max_batch.next_power_of_two(),
+                pool_graphs: cfg.code2wav_pool_graphs,
+            };
             models.code2wav.set_graphs(Some(policy), Some(VOCODER_GRAPHS));
         }
+        models.code2wav.set_slots(cfg.code2wav_slots, cfg.code2wav_slot_frames, cfg.max_chunk_codes())?;
         // what a request may ask for: a reply (with room for a prompt) that fits the Thinker's
         // context and the Talker's, and codes that fit the Talker's beside the longest default text
         let (ctx0, ctx1) = (models.thinker.llm.decoder().config().max_positions, models.talker.decoder().config().max_positions);

@@ -8,7 +8,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
-use crate::Models;
+use crate::{EngineConfig, Models};
 use antiphon_models::code2wav::dit::GraphPolicy;
 use antiphon_models::code2wav::prompt::Reference;
 use antiphon_models::code2wav::SILENCE_CODE;
@@ -89,7 +89,7 @@ fn greedy_ids(logits: &Tensor) -> candle_core::Result<Vec<u32>> {
 
 /// Runs every measurement; `batches` are the decode batch sizes.
 /// Only the rows whose names contain one of `only`'s strings run (all when it is empty).
-pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32), only: &[String]) -> Result<Vec<Timing>> {
+pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], reference: (&[f32], u32), only: &[String]) -> Result<Vec<Timing>> {
     let devs = [m.thinker.llm.decoder().device().clone(), m.talker.decoder().device().clone(), m.code2wav.device().clone()];
     let mut rows = Rows { only, devs: &devs, out: Vec::new() };
     // ---- Stage 0: Thinker
@@ -267,8 +267,13 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
     let steady: Vec<u32> = (0..28).map(|i| (i * 131 + 7) % 6561).collect();
     // chunk 0 whole, flow alone, vocoder alone: op by op, then as CUDA graphs (the server's default
     // on a GPU)
+    // (graphs and flow slots as the server sets them, with room for the largest batch)
+    let slots = ecfg.code2wav_slots.max(batches.iter().copied().filter(|&b| b <= 32).max().unwrap_or(1));
     let mut g2w = c2w.clone();
-    g2w.set_graphs(Some(GraphPolicy::default()), Some(32));
+    g2w.set_graphs(Some(GraphPolicy { pool_batch: 32, ..GraphPolicy::default() }), Some(32));
+    g2w.set_slots(slots, ecfg.code2wav_slot_frames, ecfg.max_chunk_codes())?;
+    let mut p2w = c2w.clone();
+    p2w.set_slots(slots, ecfg.code2wav_slot_frames, ecfg.max_chunk_codes())?;
     let variants = [
         (
             c2w,
@@ -304,7 +309,11 @@ pub fn run(m: &Models, iters: usize, batches: &[usize], reference: (&[f32], u32)
     })?;
     // steady chunks of B streams in step (chunk 1 of each): op by op, and as the server runs them
     // (flow graphs up to the default batch, the vocoder's steps as graphs)
-    let steady_kinds = [(c2w, "code2wav steady chunk (flow + vocoder batched)"), (&g2w, "code2wav steady chunk, graphs (server config)")];
+    let steady_kinds = [
+        (c2w, "code2wav steady chunk (flow + vocoder batched)"),
+        (&p2w, "code2wav steady chunk, flow slots op by op"),
+        (&g2w, "code2wav steady chunk, graphs (server config)"),
+    ];
     let names: Vec<String> =
         steady_kinds.iter().flat_map(|(_, w)| [w.to_string(), format!("{w}: flow only"), format!("{w}: vocoder only")]).collect();
     let steady_rows = rows.wants_any(&names);

@@ -93,6 +93,52 @@ pub fn qk_norm_rope_store_twin(qkv: &Tensor, hq: usize, hkv: usize, w: Option<&T
     Tensor::cat(&[qk, v.contiguous()?], 0)
 }
 
+/// The flow's slot-pool store: new keys and values `k`, `v: [P, N, h, T, d]` written into the pools
+/// `kp`, `vp: [P, R, h, cap, d]` (contiguous; views of a larger pool are fine) at row `rows[n]`
+/// (`[N]` u32) and position `pos[n, t]` (`[N, T]` u32), in place. One kernel on CUDA; elsewhere
+/// slice copies (one per run of consecutive positions), which define the result.
+pub fn kv_rows_store(kp: &Tensor, vp: &Tensor, k: &Tensor, v: &Tensor, rows: &Tensor, pos: &Tensor) -> Result<()> {
+    let (p, n, h, t, d) = k.dims5()?;
+    let (pp, _, ph, _, pd) = kp.dims5()?;
+    if v.shape() != k.shape() || vp.shape() != kp.shape() || pp != p || ph != h || pd != d || rows.dims1()? != n || pos.dims2()? != (n, t) {
+        candle_core::bail!("kv_rows_store: k {:?} into pool {:?} with {:?} rows, {:?} positions", k.shape(), kp.shape(), rows.shape(), pos.shape());
+    }
+    if !kp.is_contiguous() || !vp.is_contiguous() || kp.dtype() != k.dtype() {
+        candle_core::bail!("kv_rows_store: the pools must be contiguous and of the keys' dtype");
+    }
+    #[cfg(feature = "cuda")]
+    if kp.device().is_cuda() {
+        let op = cuda::KvRowsStore { vp: vp.clone(), k: k.contiguous()?, v: v.contiguous()?, rows: rows.contiguous()?, pos: pos.contiguous()? };
+        return kp.inplace_op1(&op);
+    }
+    let cpu = candle_core::Device::Cpu;
+    let rows = rows.to_device(&cpu)?.to_vec1::<u32>()?;
+    let pos = pos.to_device(&cpu)?.to_vec2::<u32>()?;
+    for pl in 0..p {
+        for (r, (&row, ps)) in rows.iter().zip(&pos).enumerate() {
+            let (kd, vd) = (kp.get(pl)?.get(row as usize)?, vp.get(pl)?.get(row as usize)?);
+            let (ks, vs) = (k.get(pl)?.get(r)?, v.get(pl)?.get(r)?);
+            // runs of frames whose positions step by +1 (copied as they are) or -1 (reversed)
+            let mut a = 0;
+            while a < t {
+                let mut b = a + 1;
+                let step = if b < t { ps[b] as i64 - ps[a] as i64 } else { 1 };
+                let step = if step == 1 || step == -1 { step } else { 1 };
+                while b < t && ps[b] as i64 - ps[b - 1] as i64 == step {
+                    b += 1;
+                }
+                let frames: Vec<u32> = if step == 1 { (a as u32..b as u32).collect() } else { (a as u32..b as u32).rev().collect() };
+                let idx = Tensor::new(frames.as_slice(), k.device())?;
+                let at = if step == 1 { ps[a] } else { ps[b - 1] } as usize;
+                kd.slice_set(&ks.index_select(&idx, 1)?.contiguous()?, 1, at)?;
+                vd.slice_set(&vs.index_select(&idx, 1)?.contiguous()?, 1, at)?;
+                a = b;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// `$body` with the type `$t` standing for the Rust type of the storage dtype `$dtype` (f32, bf16,
 /// f16: the types our kernels exist for); any other dtype is an error naming `$what`.
 #[cfg(feature = "cuda")]
@@ -268,6 +314,60 @@ pub(crate) mod cuda {
 
         fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout, a: &CudaStorage, al: &Layout) -> Result<(CudaStorage, Shape)> {
             super::by_dtype!("snake", x.dtype(), T => self.run::<T>(x, xl, a, al))
+        }
+    }
+
+    pub(super) struct KvRowsStore {
+        pub vp: Tensor,
+        pub k: Tensor,
+        pub v: Tensor,
+        pub rows: Tensor,
+        pub pos: Tensor,
+    }
+
+    impl KvRowsStore {
+        fn run<T: CudaDType + DeviceRepr>(&self, kp: &CudaStorage, l: &Layout) -> Result<()> {
+            let dev = kp.device().clone();
+            if !l.is_contiguous() {
+                candle_core::bail!("kv_rows_store: the key pool is not contiguous");
+            }
+            let (_, r_all, h, cap, d) = l.shape().dims5()?;
+            let (_, n, _, t, _) = self.k.dims5()?;
+            let kpv = kp.as_cuda_slice::<T>()?.slice(l.start_offset()..);
+            let g = [&self.vp, &self.k, &self.v].map(|t| t.storage_and_layout());
+            let vpv = view::<T>(&g[0].0, g[0].1, "v pool")?;
+            let kv = view::<T>(&g[1].0, g[1].1, "new keys")?;
+            let vv = view::<T>(&g[2].0, g[2].1, "new values")?;
+            let (rs, rl) = self.rows.storage_and_layout();
+            let rows = view::<u32>(&rs, rl, "rows")?;
+            let (ps, pl) = self.pos.storage_and_layout();
+            let pos = view::<u32>(&ps, pl, "positions")?;
+            let total = self.k.elem_count();
+            let plane = (r_all * h * cap * d) as u64;
+            let f = dev.get_or_load_custom_func(&kernel("kv_rows_store", self.k.dtype())?, MODULE, PTX)?;
+            let mut b = f.builder();
+            let (n_i, h_i, t_i, d_i, cap_i, total_u) = (n as i32, h as i32, t as i32, d as i32, cap as i32, total as u64);
+            b.arg(&kv).arg(&vv).arg(&kpv).arg(&vpv).arg(&rows).arg(&pos);
+            b.arg(&n_i).arg(&h_i).arg(&t_i).arg(&d_i).arg(&cap_i).arg(&plane).arg(&total_u);
+            let blocks = total.div_ceil(256).min(8192) as u32;
+            // SAFETY: arguments as the kernel declares them; the caller checked the shapes (every
+            // row and position inside the pool); a grid-stride loop covers `total`.
+            unsafe { b.launch(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }.map_err(err)?;
+            Ok(())
+        }
+    }
+
+    impl candle_core::InplaceOp1 for KvRowsStore {
+        fn name(&self) -> &'static str {
+            "kv-rows-store"
+        }
+
+        fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &Layout) -> Result<()> {
+            candle_core::bail!("kv_rows_store: the CUDA op ran on the CPU")
+        }
+
+        fn cuda_fwd(&self, kp: &mut CudaStorage, l: &Layout) -> Result<()> {
+            super::by_dtype!("kv_rows_store", kp.dtype(), T => self.run::<T>(kp, l))
         }
     }
 

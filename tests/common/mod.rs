@@ -6,6 +6,8 @@ use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
 
+pub mod streams;
+
 /// The repository (`ANTIPHON_REPO` when the test binary runs elsewhere, as on the GPU machine).
 pub fn repo() -> PathBuf {
     std::env::var("ANTIPHON_REPO").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")))

@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{Result, Tensor};
 
-use super::dit::{Dit, EstimatorCache, Kv, StepCondition};
+use super::dit::{Att, Dit, EstimatorCache, Kv, StepCondition};
+use super::slots::{FlowPool, PoolBatch};
 use crate::cuda_graph::GraphSlot;
 
 /// The Euler schedule on the cosine time grid: `t_k = 1 - cos(k / n · π / 2)`, computed in f32 as
@@ -32,11 +33,16 @@ pub struct GraphPolicy {
     /// Captured graphs kept at once (each holds its own input and output caches); the least
     /// recently used goes first.
     pub max_graphs: usize,
+    /// Largest batch of streams in pool slots solved as a graph (batches are padded to powers of
+    /// two up to it, so a few graphs serve every batch size).
+    pub pool_batch: usize,
+    /// Graphs of pooled solves kept at once (one per batch size and chunk length).
+    pub pool_graphs: usize,
 }
 
 impl Default for GraphPolicy {
     fn default() -> Self {
-        Self { max_batch: 2, max_graphs: 12 }
+        Self { max_batch: 2, max_graphs: 12, pool_batch: 32, pool_graphs: 16 }
     }
 }
 
@@ -48,6 +54,18 @@ fn steps_joined(kvs: &[Kv], steps: usize) -> Result<Tensor> {
     let depth = dims[0] / steps;
     dims.splice(0..1, [steps, depth]);
     joined.reshape(dims)
+}
+
+/// What the Euler loop's estimator attends over besides the chunk itself.
+#[derive(Clone, Copy)]
+enum Cache<'a> {
+    /// Nothing (the prompt's chunk).
+    None,
+    /// Per-step caches in the reference's layout (`att: [steps, depth, N, h, L, 2 hd]`, `cnn:
+    /// [steps, depth, N, 2 H, 2]`), with an optional key mask over `[new; cache]`.
+    Joined { att: &'a Tensor, cnn: &'a Tensor, mask: Option<&'a Tensor> },
+    /// A slot pool's keys and values ([`FlowPool`]) with the conv caches `cnn` as above.
+    Pool { pool: &'a FlowPool, cnn: &'a Tensor, batch: &'a PoolBatch },
 }
 
 /// The solver's memo: the time conditionings of the schedule in use.
@@ -65,6 +83,8 @@ pub struct Cfm {
     policy: Option<GraphPolicy>,
     /// The chunk solves captured per shape (inputs: mu, speakers, condition, both caches).
     graphs: GraphSlot,
+    /// The pooled chunk solves captured per shape.
+    pool_graphs: GraphSlot,
     memo: Arc<Mutex<SolverMemo>>,
 }
 
@@ -85,7 +105,15 @@ impl std::fmt::Debug for Cfm {
 
 impl Cfm {
     pub fn new(estimator: Dit, cfg_rate: f64, noise: Tensor) -> Self {
-        Self { estimator, cfg_rate, noise, policy: None, graphs: GraphSlot::off(), memo: Arc::new(Mutex::new(SolverMemo::default())) }
+        Self {
+            estimator,
+            cfg_rate,
+            noise,
+            policy: None,
+            graphs: GraphSlot::off(),
+            pool_graphs: GraphSlot::off(),
+            memo: Arc::new(Mutex::new(SolverMemo::default())),
+        }
     }
 
     /// Chunk solves over fixed buffers replayed as CUDA graphs (`Some`), or op by op (`None`, the
@@ -93,15 +121,35 @@ impl Cfm {
     /// fixed-buffer solve runs op by op (same results; used to test it on the CPU).
     pub fn set_graphs(&mut self, policy: Option<GraphPolicy>) {
         self.policy = policy;
-        self.graphs = match policy {
-            Some(p) => GraphSlot::on(p.max_graphs),
-            None => GraphSlot::off(),
+        (self.graphs, self.pool_graphs) = match policy {
+            Some(p) => (GraphSlot::on(p.max_graphs), GraphSlot::on(p.pool_graphs)),
+            None => (GraphSlot::off(), GraphSlot::off()),
         };
     }
 
-    /// Captured graphs held now.
+    /// Captured graphs held now (both kinds).
     pub fn graphs_held(&self) -> usize {
-        self.graphs.held()
+        self.graphs.held() + self.pool_graphs.held()
+    }
+
+    /// The batch a pooled solve of `b` streams runs at: the next power of two when it is replayed
+    /// as a graph, else `b`.
+    pub fn pool_pad(&self, b: usize) -> usize {
+        match self.policy {
+            Some(p) if b.next_power_of_two() <= p.pool_batch => b.next_power_of_two(),
+            _ => b,
+        }
+    }
+
+    /// The noise each stream's chunk of `t` frames starts from (stream `i`'s cache holding
+    /// `lens[i]` frames), `[pad, 80, t]` (rows past `lens` zero), in `dtype`.
+    pub fn noise_rows(&self, lens: &[usize], t: usize, pad: usize, dtype: candle_core::DType) -> Result<Tensor> {
+        let mut rows = lens.iter().map(|&l| self.noise_at(l, t)).collect::<Result<Vec<_>>>()?;
+        if pad > lens.len() {
+            let z = Tensor::zeros((self.noise.dim(0)?, t), self.noise.dtype(), self.noise.device())?;
+            rows.extend(std::iter::repeat_n(z, pad - lens.len()));
+        }
+        Tensor::stack(&rows, 0)?.to_dtype(dtype)?.contiguous()
     }
 
     /// The time conditioning of every Euler step of an `n`-step schedule (memoised).
@@ -135,9 +183,9 @@ impl Cfm {
         self.noise.narrow(1, offset, t)
     }
 
-    /// The Euler loop from `x0: [B, 80, T]`. `cache`: the previous `(att, cnn)` per step;
-    /// `mask`: an additive key mask for the CFG-doubled rows; every step's new caches go to
-    /// `keep(cnn, att)`, in step order. Returns the solution `[B, 80, T]`.
+    /// The Euler loop from `x0: [B, 80, T]` over the estimator caches `cache`; every step's new
+    /// caches go to `keep(cnn, att)`, in step order (a pool's keys and values are written in place
+    /// and none are kept). Returns the solution `[B, 80, T]`.
     #[allow(clippy::too_many_arguments)]
     fn euler(
         &self,
@@ -146,8 +194,7 @@ impl Cfm {
         spks: &Tensor,
         cond: &Tensor,
         conds: &[StepCondition],
-        cache: Option<(&Tensor, &Tensor)>,
-        mask: Option<&Tensor>,
+        cache: Cache<'_>,
         mut keep: impl FnMut(Tensor, Vec<Kv>) -> Result<()>,
     ) -> Result<Tensor> {
         let n_timesteps = conds.len();
@@ -156,9 +203,10 @@ impl Cfm {
         // keys and values apart, once per chunk: each block then appends its new ones with one
         // plain copy and attends without another
         let hd = self.estimator.config().head_dim;
-        let kv = cache
-            .map(|(att, _)| Ok::<_, candle_core::Error>((att.narrow(5, 0, hd)?.contiguous()?, att.narrow(5, hd, hd)?.contiguous()?)))
-            .transpose()?;
+        let kv = match cache {
+            Cache::Joined { att, .. } => Some((att.narrow(5, 0, hd)?.contiguous()?, att.narrow(5, hd, hd)?.contiguous()?)),
+            _ => None,
+        };
         let span = cosine_t_span(n_timesteps);
         let mu_in = Tensor::cat(&[mu, &mu.zeros_like()?], 0)?;
         let spks_in = Tensor::cat(&[spks, &spks.zeros_like()?], 0)?;
@@ -167,18 +215,21 @@ impl Cfm {
         let mut dt = span[1] - span[0];
         for step in 1..=n_timesteps {
             let x_in = Tensor::cat(&[&x, &x], 0)?;
-            let cc = cache.map(|c| c.1.get(step - 1)).transpose()?;
-            let ac = kv.as_ref().map(|(k, v)| Ok::<_, candle_core::Error>((k.get(step - 1)?, v.get(step - 1)?))).transpose()?;
-            let (v, nc, na) = self.estimator.forward_kv(
-                &x_in,
-                &mu_in,
-                &conds[step - 1],
-                &spks_in,
-                &cond_in,
-                cc.as_ref(),
-                ac.as_ref().map(|(k, v)| (k, v)),
-                mask,
-            )?;
+            let cc = match cache {
+                Cache::None => None,
+                Cache::Joined { cnn, .. } | Cache::Pool { cnn, .. } => Some(cnn.get(step - 1)?),
+            };
+            let step_kv = match (&kv, cache) {
+                (Some((k, v)), _) => Some((k.get(step - 1)?, v.get(step - 1)?)),
+                (None, Cache::Pool { pool, .. }) => Some(pool.step_planes(step - 1)?),
+                _ => None,
+            };
+            let att = match (cache, &step_kv) {
+                (Cache::Joined { mask, .. }, Some((k, v))) => Att::Joined { k, v, mask },
+                (Cache::Pool { batch, .. }, Some((k, v))) => Att::Pool { k, v, rows: &batch.rows, pos: &batch.pos, mask: &batch.mask },
+                _ => Att::Empty,
+            };
+            let (v, nc, na) = self.estimator.forward_kv(&x_in, &mu_in, &conds[step - 1], &spks_in, &cond_in, cc.as_ref(), att)?;
             let vc = v.narrow(0, 0, b)?;
             let vu = v.narrow(0, b, b)?;
             let v = ((vc * (1.0 + self.cfg_rate))? - (vu * self.cfg_rate)?)?;
@@ -212,7 +263,8 @@ impl Cfm {
         let solve = |x: &[Tensor]| -> Result<Vec<Tensor>> {
             let (mut cnns, mut kvs) = (Vec::with_capacity(n_timesteps), Vec::new());
             let x0 = noise.unsqueeze(0)?.broadcast_as((b, ch, t))?.to_dtype(x[0].dtype())?.contiguous()?;
-            let out = self.euler(x0, &x[0], &x[1], &x[2], &conds, (x.len() == 5).then(|| (&x[3], &x[4])), None, |nc, na| {
+            let cache = if x.len() == 5 { Cache::Joined { att: &x[3], cnn: &x[4], mask: None } } else { Cache::None };
+            let out = self.euler(x0, &x[0], &x[1], &x[2], &conds, cache, |nc, na| {
                 cnns.push(nc);
                 kvs.extend(na);
                 Ok(())
@@ -227,6 +279,43 @@ impl Cfm {
         };
         let [x, att, cnn]: [Tensor; 3] = out.try_into().map_err(|_| candle_core::Error::Msg("the chunk solve gives three outputs".into()))?;
         Ok((x, EstimatorCache { att, cnn }))
+    }
+
+    /// One chunk for streams whose caches are in a slot pool: `x0` (from [`Cfm::noise_rows`]),
+    /// `mu`, `cond`: `[B, 80, T]`, `spks: [B, 80]`, `cnn`: the conv caches `[steps, depth, 2 B,
+    /// 2 H, 2]`, `batch` from [`FlowPool::batch`] for the same `B` (padding included). The new keys
+    /// and values go into the pool; returns the solution and the new conv caches. With graphs on
+    /// and `B` at most the policy's `pool_batch`, replayed as a CUDA graph per shape (every input,
+    /// rows and mask included, is copied into the graph's buffers; the pool stays where it is).
+    #[allow(clippy::too_many_arguments)]
+    pub fn solve_chunk_pool(
+        &self,
+        x0: &Tensor,
+        mu: &Tensor,
+        spks: &Tensor,
+        cond: &Tensor,
+        n_timesteps: usize,
+        pool: &FlowPool,
+        cnn: &Tensor,
+        batch: &PoolBatch,
+    ) -> Result<(Tensor, Tensor)> {
+        let conds = self.conditions(n_timesteps, mu.device())?;
+        let solve = |x: &[Tensor]| -> Result<Vec<Tensor>> {
+            let batch = PoolBatch { rows: x[5].clone(), pos: x[6].clone(), mask: x[7].clone() };
+            let mut cnns = Vec::with_capacity(n_timesteps);
+            let out = self.euler(x[0].clone(), &x[1], &x[2], &x[3], &conds, Cache::Pool { pool, cnn: &x[4], batch: &batch }, |nc, _| {
+                cnns.push(nc);
+                Ok(())
+            })?;
+            Ok(vec![out, Tensor::stack(&cnns, 0)?])
+        };
+        let inputs = [x0, mu, spks, cond, cnn, &batch.rows, &batch.pos, &batch.mask];
+        let out = match self.policy {
+            Some(p) if mu.dim(0)? <= p.pool_batch => self.pool_graphs.run(n_timesteps, &inputs, &solve)?,
+            _ => solve(&inputs.map(|t| t.clone()))?,
+        };
+        let [x, cnn]: [Tensor; 2] = out.try_into().map_err(|_| candle_core::Error::Msg("the pooled chunk solve gives two outputs".into()))?;
+        Ok((x, cnn))
     }
 
     /// [`Cfm::solve_chunk`] for streams whose caches hold different lengths: `cache` is padded to
@@ -259,7 +348,7 @@ impl Cfm {
         let mask = Tensor::from_vec(m, (2 * b, 1, 1, t + lmax), mu.device())?.to_dtype(mu.dtype())?;
         let conds = self.conditions(n_timesteps, mu.device())?;
         let (mut cnns, mut kvs) = (Vec::with_capacity(n_timesteps), Vec::new());
-        let x = self.euler(x0, mu, spks, cond, &conds, Some((&cache.att, &cache.cnn)), Some(&mask), |nc, na| {
+        let x = self.euler(x0, mu, spks, cond, &conds, Cache::Joined { att: &cache.att, cnn: &cache.cnn, mask: Some(&mask) }, |nc, na| {
             cnns.push(nc);
             kvs.extend(na);
             Ok(())

@@ -153,23 +153,16 @@ impl Block {
         Ok((block, linear(vb.pp("adaLN_modulation").pp(1), h, 9 * h, true)?))
     }
 
-    /// `x: [N, T, H]`; `m`: this block's modulation, `[1, 9 H]`; `att`: the cached keys and
-    /// values (`[N, h, L, hd]` each, contiguous); `mask`: an additive key mask.
-    fn forward(
-        &self,
-        x: &Tensor,
-        m: &Tensor,
-        cnn: Option<&Tensor>,
-        att: Option<(&Tensor, &Tensor)>,
-        mask: Option<&Tensor>,
-    ) -> Result<(Tensor, Tensor, Kv)> {
+    /// `x: [N, T, H]`; `m`: this block's modulation, `[1, 9 H]`; `att`: this block's cached keys
+    /// and values (a block's share of [`Att`]).
+    fn forward(&self, x: &Tensor, m: &Tensor, cnn: Option<&Tensor>, att: Att<'_>) -> Result<(Tensor, Tensor, Option<Kv>)> {
         let m = m.chunk(9, D::Minus1)?;
         let ln = |x: &Tensor| layer_norm_plain(x, &self.ones, &self.zeros, 1e-6);
         let (shift_msa, scale_msa, gate_msa) = (&m[0], &m[1], &m[2]);
         let (shift_mlp, scale_mlp, gate_mlp) = (&m[3], &m[4], &m[5]);
         let (shift_conv, scale_conv, gate_conv) = (&m[6], &m[7], &m[8]);
         // attention
-        let (a, new_att) = self.attn_forward(&modulate(&ln(x)?, shift_msa, scale_msa)?, att, mask)?;
+        let (a, new_att) = self.attn_forward(&modulate(&ln(x)?, shift_msa, scale_msa)?, att)?;
         let x = (x + a.broadcast_mul(gate_msa)?)?;
         // conv
         let (cv, new_cnn) = self.conv.forward(&modulate(&ln(&x)?, shift_conv, scale_conv)?, cnn)?;
@@ -181,10 +174,10 @@ impl Block {
         Ok((x, new_cnn, new_att))
     }
 
-    /// Attention over `[new; cache]` keys: returns the output and the new keys and values
-    /// `[N, h, T + L, hd]` each (contiguous), newest first. `mask` (`[N, 1, 1, T + L]`, 0 or
-    /// -inf) is added to the scores: a padded cache's padding gets no weight.
-    fn attn_forward(&self, x: &Tensor, cache: Option<(&Tensor, &Tensor)>, mask: Option<&Tensor>) -> Result<(Tensor, Kv)> {
+    /// Attention over the chunk's new keys and the cache ([`Att`]): returns the output and, for
+    /// caches held apart, the new keys and values `[N, h, T + L, hd]` each (contiguous), newest
+    /// first; a pool's slots are written in place.
+    fn attn_forward(&self, x: &Tensor, cache: Att<'_>) -> Result<(Tensor, Option<Kv>)> {
         let a = &self.attn;
         let (n, t, _) = x.dims3()?;
         let inner = a.heads * a.hd;
@@ -195,19 +188,72 @@ impl Block {
         let mut k = layer_norm_affine(&part(1)?, &a.k_norm)?.transpose(1, 2)?.contiguous()?;
         let mut v = part(2)?.transpose(1, 2)?.contiguous()?;
         // (contiguous pieces: one plain copy each, and the key matrix transposes for free)
-        if let Some((ck, cv)) = cache {
-            if ck.dim(2)? > 0 {
-                k = Tensor::cat(&[&k, ck], 2)?;
-                v = Tensor::cat(&[&v, cv], 2)?;
+        let (mask, pooled) = match cache {
+            Att::Empty => (None, false),
+            Att::Joined { k: ck, v: cv, mask } => {
+                if ck.dim(2)? > 0 {
+                    k = Tensor::cat(&[&k, ck], 2)?;
+                    v = Tensor::cat(&[&v, cv], 2)?;
+                }
+                (mask, false)
             }
-        }
+            Att::Pool { k: pk, v: pv, rows, pos, mask } => {
+                crate::fused::kv_rows_store(&pk.unsqueeze(0)?, &pv.unsqueeze(0)?, &k.unsqueeze(0)?, &v.unsqueeze(0)?, rows, pos)?;
+                k = pk.index_select(rows, 0)?;
+                v = pv.index_select(rows, 0)?;
+                (Some(mask), true)
+            }
+        };
         let mut att = q.matmul(&k.t()?)?;
         if let Some(m) = mask {
             att = att.broadcast_add(m)?;
         }
         let att = candle_nn::ops::softmax_last_dim(&att)?;
         let o = att.matmul(&v)?.transpose(1, 2)?.reshape((n, t, a.heads * a.hd))?;
-        Ok((a.proj.forward(&o)?, Kv { k, v }))
+        Ok((a.proj.forward(&o)?, (!pooled).then_some(Kv { k, v })))
+    }
+}
+
+/// Where a chunk's attention finds the cached keys and values: for the whole estimator
+/// ([`Dit::forward_kv`]: tensors with a leading `depth` axis) or for one block.
+#[derive(Debug, Clone, Copy)]
+pub enum Att<'a> {
+    /// No cache (the prompt's chunk).
+    Empty,
+    /// Keys and values apart (`[N, h, L, hd]` each, contiguous); the new ones go before them, and
+    /// `mask` (`[N, 1, 1, T + L]`, 0 or -inf) over `[new; cache]` masks a padded cache's padding.
+    Joined { k: &'a Tensor, v: &'a Tensor, mask: Option<&'a Tensor> },
+    /// A slot pool's planes (`[rows, h, cap, hd]` each, see [`super::slots`]): the new keys are
+    /// stored at `pos` (`[N, T]`) of rows `rows` (`[N]`), then each row attends over its row
+    /// under `mask` (`[N, 1, 1, cap]`).
+    Pool { k: &'a Tensor, v: &'a Tensor, rows: &'a Tensor, pos: &'a Tensor, mask: &'a Tensor },
+}
+
+impl<'a> Att<'a> {
+    /// Block `i`'s share of an estimator-wide cache.
+    fn block(&self, i: usize) -> Result<BlockAtt<'a>> {
+        Ok(match *self {
+            Att::Empty => BlockAtt::Empty,
+            Att::Joined { k, v, mask } => BlockAtt::Joined { k: k.get(i)?, v: v.get(i)?, mask },
+            Att::Pool { k, v, rows, pos, mask } => BlockAtt::Pool { k: k.get(i)?, v: v.get(i)?, rows, pos, mask },
+        })
+    }
+}
+
+/// One block's share of an [`Att`] (owned views).
+enum BlockAtt<'a> {
+    Empty,
+    Joined { k: Tensor, v: Tensor, mask: Option<&'a Tensor> },
+    Pool { k: Tensor, v: Tensor, rows: &'a Tensor, pos: &'a Tensor, mask: &'a Tensor },
+}
+
+impl BlockAtt<'_> {
+    fn as_att(&self) -> Att<'_> {
+        match self {
+            BlockAtt::Empty => Att::Empty,
+            BlockAtt::Joined { k, v, mask } => Att::Joined { k, v, mask: *mask },
+            BlockAtt::Pool { k, v, rows, pos, mask } => Att::Pool { k, v, rows, pos, mask },
+        }
     }
 }
 
@@ -372,13 +418,17 @@ impl Dit {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let hd = self.cfg.head_dim;
         let split = att.map(|a| Ok::<_, candle_core::Error>((a.narrow(4, 0, hd)?.contiguous()?, a.narrow(4, hd, hd)?.contiguous()?))).transpose()?;
-        let (out, cnn, kvs) = self.forward_kv(x, mu, sc, spks, cond, cnn, split.as_ref().map(|(k, v)| (k, v)), mask)?;
+        let att = match &split {
+            Some((k, v)) => Att::Joined { k, v, mask },
+            None => Att::Empty,
+        };
+        let (out, cnn, kvs) = self.forward_kv(x, mu, sc, spks, cond, cnn, att)?;
         Ok((out, cnn, Kv::stack_joined(&kvs)?))
     }
 
-    /// The estimator over caches held as keys and values apart (`[depth, N, h, L, hd]` each,
-    /// contiguous): returns the velocity, the new conv caches `[depth, N, 2 H, 2]` and each
-    /// block's new keys and values.
+    /// The estimator over attention caches `att` (keys and values with a leading `depth` axis):
+    /// returns the velocity, the new conv caches `[depth, N, 2 H, 2]` and, unless the cache is a
+    /// pool's (written in place), each block's new keys and values.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_kv(
         &self,
@@ -388,8 +438,7 @@ impl Dit {
         spks: &Tensor,
         cond: &Tensor,
         cnn: Option<&Tensor>,
-        att: Option<(&Tensor, &Tensor)>,
-        mask: Option<&Tensor>,
+        att: Att<'_>,
     ) -> Result<(Tensor, Tensor, Vec<Kv>)> {
         let (n, _, tl) = x.dims3()?;
         // the time condition is the same for every row: one row, broadcast where used
@@ -401,11 +450,11 @@ impl Dit {
         let mut new_att = Vec::with_capacity(self.blocks.len());
         for (i, b) in self.blocks.iter().enumerate() {
             let cc = cnn.map(|t| t.get(i)).transpose()?;
-            let ac = att.map(|(k, v)| Ok::<_, candle_core::Error>((k.get(i)?, v.get(i)?))).transpose()?;
-            let (y, nc, na) = b.forward(&h, &sc.blocks.narrow(1, i * h9, h9)?, cc.as_ref(), ac.as_ref().map(|(k, v)| (k, v)), mask)?;
+            let ac = att.block(i)?;
+            let (y, nc, na) = b.forward(&h, &sc.blocks.narrow(1, i * h9, h9)?, cc.as_ref(), ac.as_att())?;
             h = y;
             new_cnn.push(nc);
-            new_att.push(na);
+            new_att.extend(na);
         }
         let m = sc.last.chunk(2, D::Minus1)?;
         let b0 = &self.blocks[0];

@@ -15,6 +15,7 @@ use candle_nn::{Embedding, Linear, VarBuilder};
 
 use super::conformer::{linear, ConformerCache, ConformerConfig, ConformerEncoder};
 use super::dit::{Cfm, Dit, DitConfig, EstimatorCache};
+use super::slots::FlowSlot;
 
 /// Hyper-parameters (`flow.yaml`).
 #[derive(Debug, Clone, PartialEq)]
@@ -57,6 +58,9 @@ pub struct FlowState {
     pub estimator: EstimatorCache,
     /// Mel frames of the prompt (the caches' fixed origin).
     pub prompt_frames: usize,
+    /// The stream's slot in the flow's pool, when it has one: then the attention cache lives there
+    /// and `estimator.att` is stale (only `estimator.cnn` is used).
+    pub slot: Option<FlowSlot>,
 }
 
 #[derive(Debug, Clone)]
@@ -143,7 +147,7 @@ impl Flow {
         let spk = self.speaker(&spk.unsqueeze(0)?)?;
         let cond = prompt_mel.to_dtype(self.dtype())?.t()?.unsqueeze(0)?.contiguous()?;
         let (_, estimator) = self.decoder.solve_chunk(&mu, &spk, &cond, self.cfg.n_timesteps, None)?;
-        Ok(FlowState { conformer, estimator, prompt_frames: frames })
+        Ok(FlowState { conformer, estimator, prompt_frames: frames, slot: None })
     }
 
     /// One chunk for a batch of streams whose chunks have equal lengths and the same `last` flag
@@ -191,7 +195,48 @@ impl Flow {
             }
         }
         let mu = Tensor::cat(&mus.into_iter().map(|m| m.expect("every stream encoded")).collect::<Vec<_>>(), 0)?.contiguous()?;
-        // 2. estimator caches in the CFG layout [cond rows; uncond rows], padded to the longest
+        for (st, conf) in states.iter_mut().zip(confs) {
+            st.conformer = conf.expect("every stream encoded");
+            st.conformer.trim(st.prompt_frames, self.cfg.history_frames)?;
+        }
+        // 2. the estimator: streams in pool slots in one solve over the pool, the others in one
+        // over their own caches (a slot that cannot take this chunk gives its cache back first)
+        let t = mu.dim(2)?;
+        for st in states.iter_mut() {
+            if st.slot.as_ref().is_some_and(|s| !s.fits(t)) {
+                let slot = st.slot.take().expect("checked");
+                st.estimator.att = slot.materialize()?;
+            }
+        }
+        let spk = self.speaker(&Tensor::stack(spks, 0)?)?;
+        let (pooled, own): (Vec<usize>, Vec<usize>) = (0..b).partition(|&i| states[i].slot.is_some());
+        let mut mels: Vec<Option<Tensor>> = vec![None; b];
+        for (idx, in_pool) in [(own, false), (pooled, true)] {
+            if idx.is_empty() {
+                continue;
+            }
+            let pick = |x: &Tensor| -> Result<Tensor> {
+                if idx.len() == b {
+                    Ok(x.clone())
+                } else {
+                    x.index_select(&Tensor::new(idx.iter().map(|&i| i as u32).collect::<Vec<_>>().as_slice(), x.device())?, 0)
+                }
+            };
+            let (mu_s, spk_s) = (pick(&mu)?.contiguous()?, pick(&spk)?);
+            let mut sub: Vec<&mut FlowState> = states.iter_mut().enumerate().filter(|(i, _)| idx.contains(i)).map(|(_, s)| &mut **s).collect();
+            let mel = if in_pool { self.estimate_pooled(&mu_s, &spk_s, &mut sub)? } else { self.estimate_own(&mu_s, &spk_s, &mut sub)? };
+            for (r, &i) in idx.iter().enumerate() {
+                mels[i] = Some(mel.get(r)?);
+            }
+        }
+        Ok(mels.into_iter().map(|m| m.expect("every stream solved")).collect())
+    }
+
+    /// The CFM solve for streams with caches of their own (padded to the longest); advances and
+    /// trims them. Returns the mel `[B, 80, T]`.
+    fn estimate_own(&self, mu: &Tensor, spk: &Tensor, states: &mut [&mut FlowState]) -> Result<Tensor> {
+        let b = states.len();
+        // estimator caches in the CFG layout [cond rows; uncond rows], padded to the longest
         let lens: Vec<usize> = states.iter().map(|s| s.estimator.len()).collect();
         let lmax = lens.iter().copied().max().unwrap_or(0);
         let ragged = lens.iter().any(|&l| l != lmax);
@@ -207,43 +252,84 @@ impl Flow {
                 }
             };
             let atts = states.iter().map(|s| att(s)).collect::<Result<Vec<_>>>()?;
-            let rows = |k: usize, ts: &[&Tensor]| -> Result<Vec<Tensor>> { ts.iter().map(|t| t.narrow(2, k, 1)).collect() };
             let (ar, cr): (Vec<&Tensor>, Vec<&Tensor>) = (atts.iter().collect(), states.iter().map(|s| &s.estimator.cnn).collect());
-            EstimatorCache {
-                att: Tensor::cat(&[rows(0, &ar)?, rows(1, &ar)?].concat(), 2)?,
-                cnn: Tensor::cat(&[rows(0, &cr)?, rows(1, &cr)?].concat(), 2)?,
-            }
+            EstimatorCache { att: cfg_rows(&ar, 0)?, cnn: cfg_rows(&cr, 0)? }
         };
-        let spk = self.speaker(&Tensor::stack(spks, 0)?)?;
         let cond = mu.zeros_like()?;
         let (mel, est) = if ragged {
-            self.decoder.solve_chunk_ragged(&mu, &spk, &cond, self.cfg.n_timesteps, &est, &lens)?
+            self.decoder.solve_chunk_ragged(mu, spk, &cond, self.cfg.n_timesteps, &est, &lens)?
         } else {
-            self.decoder.solve_chunk(&mu, &spk, &cond, self.cfg.n_timesteps, Some(&est))?
+            self.decoder.solve_chunk(mu, spk, &cond, self.cfg.n_timesteps, Some(&est))?
         };
-        // 3. split back (dropping the padding), trim
+        // split back (dropping the padding), trim
         let t = mel.dim(2)?;
-        let hist = self.cfg.history_frames;
-        let mut out = Vec::with_capacity(b);
-        for (i, (st, conf)) in states.iter_mut().zip(confs).enumerate() {
-            st.conformer = conf.expect("every stream encoded");
+        for (i, st) in states.iter_mut().enumerate() {
             st.estimator = if b == 1 {
                 est.clone()
             } else {
-                let pick = |x: &Tensor| -> Result<Tensor> { Tensor::cat(&[&x.narrow(2, i, 1)?, &x.narrow(2, b + i, 1)?], 2) };
-                let att = pick(&est.att)?;
+                let att = pick_stream(&est.att, i, b)?;
                 let att = if ragged { att.narrow(4, 0, t + lens[i])? } else { att };
-                EstimatorCache { att, cnn: pick(&est.cnn)? }
+                EstimatorCache { att, cnn: pick_stream(&est.cnn, i, b)? }
             };
-            st.estimator.trim(st.prompt_frames, hist)?;
-            st.conformer.trim(st.prompt_frames, hist)?;
-            out.push(mel.get(i)?);
+            st.estimator.trim(st.prompt_frames, self.cfg.history_frames)?;
         }
-        Ok(out)
+        Ok(mel)
+    }
+
+    /// The CFM solve for streams in pool slots (one pool), padded to the solver's batch; the
+    /// slots advance (and trim) in place. Returns the mel `[B, 80, T]`.
+    fn estimate_pooled(&self, mu: &Tensor, spk: &Tensor, states: &mut [&mut FlowState]) -> Result<Tensor> {
+        let (b, _, t) = mu.dims3()?;
+        let pad = self.decoder.pool_pad(b);
+        let slots: Vec<&FlowSlot> = states.iter().map(|s| s.slot.as_ref().expect("a pooled stream has a slot")).collect();
+        let pool = slots[0].pool().clone();
+        if slots.iter().any(|s| !std::sync::Arc::ptr_eq(s.pool(), &pool)) {
+            candle_core::bail!("streams of one flow batch hold slots of different pools");
+        }
+        let batch = pool.batch(&slots, t, pad, self.dtype(), self.device())?;
+        let lens: Vec<usize> = slots.iter().map(|s| s.len()).collect();
+        let x0 = self.decoder.noise_rows(&lens, t, pad, self.dtype())?;
+        let padded = |x: &Tensor| -> Result<Tensor> {
+            if pad > b {
+                x.pad_with_zeros(0, 0, pad - b)
+            } else {
+                Ok(x.clone())
+            }
+        };
+        let (mu_p, spk_p) = (padded(mu)?, padded(spk)?);
+        let cnns: Vec<&Tensor> = states.iter().map(|s| &s.estimator.cnn).collect();
+        let cnn = cfg_rows(&cnns, pad - b)?;
+        let (mel, cnn) = self.decoder.solve_chunk_pool(&x0, &mu_p, &spk_p, &mu_p.zeros_like()?, self.cfg.n_timesteps, &pool, &cnn, &batch)?;
+        for (i, st) in states.iter_mut().enumerate() {
+            st.estimator.cnn = pick_stream(&cnn, i, pad)?;
+            st.slot.as_mut().expect("pooled").advance(t, st.prompt_frames);
+        }
+        mel.narrow(0, 0, b)
     }
 
     /// One chunk of one stream.
     pub fn chunk(&self, codes: &[u32], spk: &Tensor, state: &mut FlowState, last: bool) -> Result<Tensor> {
         Ok(self.chunk_batch(&[codes], &[spk], &mut [state], last)?.pop().expect("one in, one out"))
     }
+}
+
+/// Streams' per-stream caches (`[steps, depth, 2, …]`, rows cond, uncond) in the CFG layout of a
+/// batch: `[steps, depth, 2 (B + pad), …]` = all cond rows, `pad` zero rows, all uncond rows, `pad`
+/// zero rows.
+fn cfg_rows(ts: &[&Tensor], pad: usize) -> Result<Tensor> {
+    let mut parts = Vec::with_capacity(2 * (ts.len() + 1));
+    for c in 0..2 {
+        parts.extend(ts.iter().map(|t| t.narrow(2, c, 1)).collect::<Result<Vec<_>>>()?);
+        if pad > 0 {
+            let mut dims = ts[0].dims().to_vec();
+            dims[2] = pad;
+            parts.push(Tensor::zeros(dims, ts[0].dtype(), ts[0].device())?);
+        }
+    }
+    Tensor::cat(&parts, 2)
+}
+
+/// Stream `i`'s rows (cond, uncond) of a batch's CFG-layout cache with `b` streams per half.
+fn pick_stream(x: &Tensor, i: usize, b: usize) -> Result<Tensor> {
+    Tensor::cat(&[&x.narrow(2, i, 1)?, &x.narrow(2, b + i, 1)?], 2)
 }

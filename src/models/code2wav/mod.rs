@@ -15,6 +15,7 @@ pub mod flow;
 pub mod hift;
 pub mod prompt;
 pub mod s3tokenizer;
+pub mod slots;
 
 use anyhow::{anyhow, bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -92,6 +93,9 @@ pub struct Code2Wav {
     pub s3: S3Tokenizer,
     pub campplus: CamPlusPlus,
     flow_mel: std::sync::Arc<FlowMel>,
+    /// The flow's attention caches in fixed slots ([`slots`]); a stream that finds none free keeps
+    /// caches of its own.
+    pool: Option<std::sync::Arc<slots::FlowPool>>,
     device: Device,
 }
 
@@ -111,7 +115,7 @@ pub fn gaussian(rows: usize, cols: usize, seed: u64, dev: &Device) -> candle_cor
 impl Code2Wav {
     /// Assembles Stage 2 from loaded parts.
     pub fn new(flow: Flow, vocoder: Vocoder, s3: S3Tokenizer, campplus: CamPlusPlus, device: &Device) -> Self {
-        Self { flow, vocoder, s3, campplus, flow_mel: std::sync::Arc::new(FlowMel::standard()), device: device.clone() }
+        Self { flow, vocoder, s3, campplus, flow_mel: std::sync::Arc::new(FlowMel::standard()), pool: None, device: device.clone() }
     }
 
     pub fn device(&self) -> &Device {
@@ -125,6 +129,27 @@ impl Code2Wav {
         if let Vocoder::Causal(h) = &mut self.vocoder {
             h.set_graphs(vocoder);
         }
+    }
+
+    /// Puts the flow's attention caches of up to `slots` streams into a pool of slots of `frames`
+    /// positions each, allocated now (`slots` = 0: every stream keeps its own). A stream takes a
+    /// slot at [`Code2Wav::start`] if its prompt, the history and a chunk of `max_chunk_codes`
+    /// codes fit.
+    pub fn set_slots(&mut self, slots: usize, frames: usize, max_chunk_codes: usize) -> Result<()> {
+        self.pool = match slots {
+            0 => None,
+            n => {
+                let max_chunk = (max_chunk_codes + self.flow.lookahead()) * self.flow.up_rate();
+                let dtype = self.flow.decoder.noise.dtype();
+                Some(slots::FlowPool::new(self.flow.config(), n, frames, max_chunk, dtype, &self.device)?)
+            }
+        };
+        Ok(())
+    }
+
+    /// The slot pool, if there is one.
+    pub fn pool(&self) -> Option<&std::sync::Arc<slots::FlowPool>> {
+        self.pool.as_ref()
     }
 
     /// Graphs held now: (flow, vocoder).
@@ -160,13 +185,18 @@ impl Code2Wav {
         Ok(self.flow.setup(&codes, &f.mel, &f.speaker)?)
     }
 
-    /// A new stream from prepared features and setup caches (the caches are copied on write).
+    /// A new stream from prepared features and setup caches (the caches are copied on write, or
+    /// into a slot of the pool when one is free).
     pub fn start(&self, f: &PromptFeatures, setup: &FlowState) -> Result<StreamState> {
         let vocoder = match &self.vocoder {
             Vocoder::Causal(h) => VocoderState::Causal(h.new_state()?),
             Vocoder::Original(_) => VocoderState::Original(OriginalStreamState::new(0x0a11ce)),
         };
-        Ok(StreamState { flow: setup.clone(), vocoder, speaker: f.speaker.clone(), frames: 0, finished: false })
+        let mut flow = setup.clone();
+        if let Some(pool) = &self.pool {
+            flow.slot = pool.lease(&setup.estimator, setup.prompt_frames)?;
+        }
+        Ok(StreamState { flow, vocoder, speaker: f.speaker.clone(), frames: 0, finished: false })
     }
 
     /// One chunk for several streams with equal chunk lengths (any voices, any points in their

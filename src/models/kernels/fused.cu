@@ -57,6 +57,27 @@ __device__ void snake(const T* __restrict__ x, const T* __restrict__ a, T* __res
   }
 }
 
+
+// The flow's slot pool store: new keys and values k, v [P, N, H, T, D] (contiguous) written into
+// pools kp, vp [P, R, H, CAP, D] (plane stride `plane`) at row rows[n] and position pos[n, t].
+template <typename T>
+__device__ void kv_rows_store(const T* __restrict__ k, const T* __restrict__ v, T* kp, T* vp, const unsigned* __restrict__ rows,
+                              const unsigned* __restrict__ pos, int n, int h, int t, int d, int cap, size_t plane, size_t total) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+    size_t r = i / d;
+    const int dd = i % d;
+    const int tt = r % t;
+    r /= t;
+    const int hh = r % h;
+    r /= h;
+    const int row = r % n;
+    const size_t p = r / n;
+    const size_t dst = p * plane + (((size_t)rows[row] * h + hh) * cap + pos[row * t + tt]) * d + dd;
+    kp[dst] = k[i];
+    vp[dst] = v[i];
+  }
+}
+
 #define FUSED(SUFFIX, T)                                                                                          \
   extern "C" __global__ void add_rmsnorm_##SUFFIX(const T* x, const T* a, const T* w, T* xo, T* ho, int h,         \
                                                   float eps) {                                                   \
@@ -68,6 +89,11 @@ __device__ void snake(const T* __restrict__ x, const T* __restrict__ a, T* __res
   extern "C" __global__ void snake_##SUFFIX(const T* x, const T* a, T* out, int c, int t,                        \
                                             unsigned long long total) {                                          \
     snake<T>(x, a, out, c, t, (size_t)total);                                                                    \
+  }                                                                                                              \
+  extern "C" __global__ void kv_rows_store_##SUFFIX(const T* k, const T* v, T* kp, T* vp, const unsigned* rows,     \
+                                                    const unsigned* pos, int n, int h, int t, int d, int cap,      \
+                                                    unsigned long long plane, unsigned long long total) {          \
+    kv_rows_store<T>(k, v, kp, vp, rows, pos, n, h, t, d, cap, (size_t)plane, (size_t)total);                    \
   }
 
 FUSED(f32, float)

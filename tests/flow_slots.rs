@@ -1,0 +1,150 @@
+//! The flow's attention caches in a slot pool (`code2wav::slots`): streams in slots get what
+//! streams with caches of their own get, chunk by chunk, through the reference's trim; a slot
+//! holds exactly the reference's cache; slots run out, come back, and give their cache back when
+//! a chunk does not fit.
+
+mod common;
+
+use antiphon_assets::synth::{self, Preset};
+use antiphon_models::code2wav::dit::GraphPolicy;
+use antiphon_models::code2wav::prompt::Reference;
+use antiphon_models::code2wav::{Code2Wav, StreamState};
+use candle_core::{DType, Device, Tensor};
+use common::streams::{codes, payloads, reference, samples};
+
+fn tiny() -> Code2Wav {
+    synth::code2wav_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap()
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
+fn assert_near(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let d = common::max_abs_diff(got, want);
+    assert!(d < tol, "{what}: max diff {d}");
+}
+
+/// Three streams (two voices, one a chunk behind) through six chunks (the caches trim from the
+/// fourth on), in batches, on a Code2Wav with a pool of `slots` slots, each chunk against the same
+/// stream alone with caches of its own.
+fn pooled_batches_match_own_caches(slots: usize, graphs: bool) {
+    let own = tiny();
+    let mut pooled = own.clone();
+    pooled.set_slots(slots, 512, 25).unwrap();
+    if graphs {
+        // (no capture on the CPU: the graph path's fixed buffers and power-of-two padding, op by op)
+        pooled.set_graphs(Some(GraphPolicy::default()), None);
+    }
+    let f = own.prepare(&reference()).unwrap();
+    let short: Vec<f32> = reference().samples[..24_000 * 2].to_vec();
+    let g = own.prepare(&Reference::materialize(&short, 24_000).unwrap()).unwrap();
+    let (sf, sg) = (own.setup(&f).unwrap(), own.setup(&g).unwrap());
+    let feats = [(&f, &sf), (&g, &sg), (&f, &sf)];
+    let lag = [0usize, 0, 1];
+    let sizes = [25, 25, 25, 25, 25, 10];
+    let pay: Vec<Vec<Vec<u32>>> = (0..3).map(|s| payloads(&codes(135, s as u32 + 7), &sizes)).collect();
+    let mut together: Vec<StreamState> = feats.iter().map(|(f, s)| pooled.start(f, s).unwrap()).collect();
+    let mut alone: Vec<StreamState> = feats.iter().map(|(f, s)| own.start(f, s).unwrap()).collect();
+    let pool = pooled.pool().expect("a pool").clone();
+    assert_eq!(together.iter().filter(|s| s.flow.slot.is_some()).count(), slots.min(3), "streams took the free slots");
+    assert_eq!(pool.free_slots(), slots.saturating_sub(3));
+    let mut trimmed = false;
+    for round in 0..sizes.len() + 1 {
+        for last in [false, true] {
+            let members: Vec<(usize, usize)> = (0..3)
+                .filter_map(|s| round.checked_sub(lag[s]).filter(|&i| i < sizes.len() && (i == sizes.len() - 1) == last).map(|i| (s, i)))
+                .collect();
+            if members.is_empty() {
+                continue;
+            }
+            let mut refs: Vec<&mut StreamState> =
+                together.iter_mut().enumerate().filter(|(s, _)| members.iter().any(|m| m.0 == *s)).map(|(_, t)| t).collect();
+            let cs: Vec<&[u32]> = members.iter().map(|&(s, i)| pay[s][i].as_slice()).collect();
+            let out = pooled.chunk_batch(&mut refs, &cs, last).unwrap();
+            for (&(s, i), y) in members.iter().zip(&out) {
+                let want = samples(&own.chunk(&mut alone[s], &pay[s][i], last).unwrap());
+                assert_near(&format!("stream {s}, chunk {i}"), &samples(y), &want, 1e-4);
+                if let Some(slot) = &together[s].flow.slot {
+                    assert_eq!(slot.len(), alone[s].flow.estimator.len(), "stream {s}, chunk {i}: cache length");
+                    trimmed |= slot.len() == together[s].flow.prompt_frames + 100;
+                }
+            }
+        }
+    }
+    assert!(trimmed, "the caches were trimmed to prompt + history");
+    drop(together);
+    assert_eq!(pool.free_slots(), slots, "every slot back once its stream is gone");
+}
+
+#[test]
+fn pooled_streams_match_streams_with_caches_of_their_own() {
+    // two slots for three streams: a batch mixes pooled streams and one with its own caches
+    pooled_batches_match_own_caches(2, false);
+}
+
+#[test]
+fn pooled_streams_padded_to_a_graph_batch_match_too() {
+    // three pooled streams run as a batch of four (one scratch row)
+    pooled_batches_match_own_caches(3, true);
+}
+
+/// What a slot holds, read back in the reference's layout and order, is the reference's cache:
+/// the same entries in the same order (up to the order of the attention's sums).
+#[test]
+fn a_slot_holds_the_reference_cache_in_its_order() {
+    let own = tiny();
+    let mut pooled = own.clone();
+    pooled.set_slots(1, 512, 25).unwrap();
+    let f = own.prepare(&reference()).unwrap();
+    let setup = own.setup(&f).unwrap();
+    let (mut a, mut b) = (pooled.start(&f, &setup).unwrap(), own.start(&f, &setup).unwrap());
+    let slot_cache = |s: &StreamState| s.flow.slot.as_ref().expect("in a slot").materialize().unwrap();
+    assert_near("after setup", &flat(&slot_cache(&a)), &flat(&b.flow.estimator.att), 1e-6);
+    // (a small first chunk: the trim then cuts through chunks, not between them)
+    for (i, p) in payloads(&codes(133, 3), &[8, 25, 25, 25, 25, 25]).iter().enumerate() {
+        pooled.chunk(&mut a, p, false).unwrap();
+        own.chunk(&mut b, p, false).unwrap();
+        let (got, want) = (slot_cache(&a), &b.flow.estimator.att);
+        assert_eq!(got.dims(), want.dims(), "chunk {i}: shape");
+        assert_near(&format!("chunk {i}"), &flat(&got), &flat(want), 1e-4);
+    }
+}
+
+/// A chunk larger than what the slot's ring has room for: the stream takes its cache out of the
+/// slot (which goes back to the pool) and goes on with what it would have got.
+#[test]
+fn a_chunk_the_slot_cannot_take_moves_the_cache_out() {
+    let own = tiny();
+    let mut pooled = own.clone();
+    // 100 history + 300 prompt frames + a 28-code chunk (56 frames) + 1: room for little more
+    pooled.set_slots(1, 457, 25).unwrap();
+    let f = own.prepare(&reference()).unwrap();
+    let setup = own.setup(&f).unwrap();
+    let (mut a, mut b) = (pooled.start(&f, &setup).unwrap(), own.start(&f, &setup).unwrap());
+    assert!(a.flow.slot.is_some());
+    let pool = pooled.pool().unwrap().clone();
+    let pay = payloads(&codes(85, 9), &[25, 60]);
+    for (i, p) in pay.iter().enumerate() {
+        let got = samples(&pooled.chunk(&mut a, p, i == 1).unwrap());
+        let want = samples(&own.chunk(&mut b, p, i == 1).unwrap());
+        assert_near(&format!("chunk {i}"), &got, &want, 1e-4);
+    }
+    assert!(a.flow.slot.is_none(), "the long chunk moved the cache out of the slot");
+    assert_eq!(pool.free_slots(), 1, "and the slot is free again");
+}
+
+/// A voice whose prompt would not leave room for a chunk gets no slot; a pool too small for the
+/// history is refused.
+#[test]
+fn a_voice_that_does_not_fit_keeps_its_own_caches() {
+    let mut pooled = tiny();
+    assert!(pooled.set_slots(2, 120, 25).is_err(), "no room for 100 history frames and a chunk");
+    pooled.set_slots(2, 420, 25).unwrap();
+    let f = pooled.prepare(&reference()).unwrap();
+    let setup = pooled.setup(&f).unwrap();
+    let st = pooled.start(&f, &setup).unwrap();
+    assert!(st.flow.slot.is_none(), "300 prompt frames + a chunk do not fit 320 ring positions");
+    assert_eq!(pooled.pool().unwrap().free_slots(), 2);
+}
