@@ -314,10 +314,7 @@ impl Engine {
     /// Cancels a request at any point: `Done { Cancelled }` is its last event, and every stage frees
     /// its state.
     pub fn cancel(&self, id: &RequestId) -> bool {
-        let ended = self.registry.finish(id, Status::Cancelled).is_some();
-        if ended {
-            self.metrics.requests.with_label_values(&["cancelled"]).inc();
-        }
+        let ended = self.registry.finish_counted(id, Status::Cancelled, &self.metrics.requests).is_some();
         if let Some(t) = &self.to0 {
             let _ = t.send(Stage0Msg::Cancel(id.clone()));
         }

@@ -96,9 +96,7 @@ impl Stage1 {
     fn fail(&mut self, id: &RequestId, why: String) {
         if self.reqs.contains_key(id) {
             tracing::warn!(request = %id, "talker failed: {why}");
-            if self.registry.finish(id, Status::Failed(why)).is_some() {
-                self.metrics.requests.with_label_values(&["failed"]).inc();
-            }
+            self.registry.finish_counted(id, Status::Failed(why), &self.metrics.requests);
         }
         self.remove(id);
     }
@@ -279,9 +277,7 @@ impl StageLoop for Stage1 {
                 let context = self.talker.decoder().config().max_positions;
                 if need > context {
                     let why = format!("max_audio_tokens {max_codes}: the codes and the text do not fit the Talker's context ({context})");
-                    if self.registry.finish(&id, Status::Failed(why)).is_some() {
-                        self.metrics.requests.with_label_values(&["failed"]).inc();
-                    }
+                    self.registry.finish_counted(&id, Status::Failed(why), &self.metrics.requests);
                     return;
                 }
                 // a small first chunk while few streams share the Talker (first audio sooner);
@@ -291,9 +287,7 @@ impl StageLoop for Stage1 {
                 let cache = match self.caches.take(self.talker.decoder(), need) {
                     Ok(c) => c,
                     Err(e) => {
-                        if self.registry.finish(&id, Status::Failed(format!("talker cache: {e:#}"))).is_some() {
-                            self.metrics.requests.with_label_values(&["failed"]).inc();
-                        }
+                        self.registry.finish_counted(&id, Status::Failed(format!("talker cache: {e:#}")), &self.metrics.requests);
                         return;
                     }
                 };

@@ -146,17 +146,10 @@ impl Stage2 {
     }
 
     fn finish(&mut self, id: &RequestId, status: Status) {
-        let label = match &status {
-            Status::Completed => "completed",
-            Status::Cancelled => "cancelled",
-            Status::Failed(_) => "failed",
-        };
         if let Status::Failed(why) = &status {
             tracing::warn!(request = %id, "code2wav failed: {why}");
         }
-        if self.registry.finish(id, status).is_some() {
-            self.metrics.requests.with_label_values(&[label]).inc();
-        }
+        self.registry.finish_counted(id, status, &self.metrics.requests);
         self.abort(id);
     }
 

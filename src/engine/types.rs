@@ -317,6 +317,16 @@ impl Registry {
     /// Ends a request: emits `Done` once and forgets it. Returns the
     /// timings when this call ended it.
     pub fn finish(&self, id: &RequestId, status: Status) -> Option<Timings> {
+        self.end(id, status, None)
+    }
+
+    /// [`Registry::finish`] that counts the request in `counter` (by status label) before its
+    /// `Done` goes out: whoever sees `Done` sees it counted.
+    pub fn finish_counted(&self, id: &RequestId, status: Status, counter: &prometheus::IntCounterVec) -> Option<Timings> {
+        self.end(id, status, Some(counter))
+    }
+
+    fn end(&self, id: &RequestId, status: Status, counter: Option<&prometheus::IntCounterVec>) -> Option<Timings> {
         let e = self.get(id)?;
         let out = {
             let mut p = e.progress.lock().expect("progress");
@@ -324,6 +334,14 @@ impl Registry {
                 return None;
             }
             p.done = true;
+            if let Some(c) = counter {
+                let label = match &status {
+                    Status::Completed => "completed",
+                    Status::Cancelled => "cancelled",
+                    Status::Failed(_) => "failed",
+                };
+                c.with_label_values(&[label]).inc();
+            }
             p.timings.done = Some(Instant::now());
             let ev = EngineEvent::Done {
                 status,

@@ -62,7 +62,7 @@ enum Cache<'a> {
     /// Nothing (the prompt's chunk).
     None,
     /// Per-step caches in the reference's layout (`att: [steps, depth, N, h, L, 2 hd]`, `cnn:
-    /// [steps, depth, N, 2 H, 2]`), with an optional key mask over `[new; cache]`.
+    /// [steps, depth, N, 2, 2 H]`), with an optional key mask over `[new; cache]`.
     Joined { att: &'a Tensor, cnn: &'a Tensor, mask: Option<&'a Tensor> },
     /// A slot pool's keys and values ([`FlowPool`]) with the conv caches `cnn` as above.
     Pool { pool: &'a FlowPool, cnn: &'a Tensor, batch: &'a PoolBatch },
@@ -283,7 +283,7 @@ impl Cfm {
 
     /// One chunk for streams whose caches are in a slot pool: `x0` (from [`Cfm::noise_rows`]),
     /// `mu`, `cond`: `[B, 80, T]`, `spks: [B, 80]`, `cnn`: the conv caches `[steps, depth, 2 B,
-    /// 2 H, 2]`, `batch` from [`FlowPool::batch`] for the same `B` (padding included). The new keys
+    /// 2, 2 H]`, `batch` from [`FlowPool::batch`] for the same `B` (padding included). The new keys
     /// and values go into the pool; returns the solution and the new conv caches. With graphs on
     /// and `B` at most the policy's `pool_batch`, replayed as a CUDA graph per shape (every input,
     /// rows and mask included, is copied into the graph's buffers; the pool stays where it is).

@@ -9,7 +9,11 @@
 //!
 //! Streaming caches per Euler step and block: the attention K | V of everything seen so far,
 //! newest chunk first (the reference's order; attention itself is order-free), and the two causal
-//! convs' 2-frame input tails.
+//! convs' 2-frame input tails, time-major (`[N, 2, 2 H]`: conv 1's | conv 2's; the reference
+//! holds the same values as `[N, 2 H, 2]`).
+//!
+//! The block's position-wise work runs as fused ops ([`super::dit_ops`]), its matrix products as
+//! plain 2-D products with the biases folded into the op after them.
 //!
 //! The solver over the estimator (Euler steps with classifier-free guidance) is [`Cfm`] in `cfm.rs`.
 
@@ -19,7 +23,8 @@ use candle_core::{Module, Result, Tensor, D};
 
 use candle_nn::{Conv1d, Conv1dConfig, LayerNorm, Linear, VarBuilder};
 
-use super::conformer::{conv1d, linear, mish};
+use super::conformer::{conv1d, linear};
+use super::dit_ops;
 
 /// Hyper-parameters (`flow.decoder.estimator` in `flow.yaml`).
 #[derive(Debug, Clone, PartialEq)]
@@ -41,72 +46,96 @@ impl Default for DitConfig {
 
 const FREQ_EMB: usize = 256;
 
-/// LayerNorm without affine parameters, as one fused kernel (`ones`, `zeros`: `[H]`).
-fn layer_norm_plain(x: &Tensor, ones: &Tensor, zeros: &Tensor, eps: f64) -> Result<Tensor> {
-    candle_nn::ops::layer_norm(&x.contiguous()?, ones, zeros, eps as f32)
+/// `x [.., K] · wᵀ` (`w: [N, K]`) as one 2-D matrix product.
+fn mm(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let mut dims = x.dims().to_vec();
+    let k = *dims.last().ok_or_else(|| candle_core::Error::Msg("mm of a scalar".into()))?;
+    let rows = x.elem_count() / k.max(1);
+    let y = x.contiguous()?.reshape((rows, k))?.matmul(&w.t()?)?;
+    *dims.last_mut().expect("not empty") = w.dim(0)?;
+    y.reshape(dims)
 }
 
-/// A LayerNorm over the last dim; contiguous input takes candle's fused kernel.
-fn layer_norm_affine(x: &Tensor, ln: &LayerNorm) -> Result<Tensor> {
-    ln.forward(&x.contiguous()?)
-}
-
-fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
-    x.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(shift)
+fn bias_of(l: &Linear, what: &str) -> Result<Tensor> {
+    l.bias().cloned().ok_or_else(|| candle_core::Error::Msg(format!("DiT {what} has a bias")))
 }
 
 #[derive(Debug, Clone)]
-/// `to_q`, `to_k`, `to_v` fused into one projection; the 1/sqrt(d) scale folded into `q_norm`.
+/// `to_q`, `to_k`, `to_v` fused into one projection (`w_qkv`, its bias apart); the 1/sqrt(d)
+/// scale folded into `q_norm`.
 struct Attention {
-    to_qkv: Linear,
+    w_qkv: Tensor,
+    b_qkv: Tensor,
     q_norm: LayerNorm,
     k_norm: LayerNorm,
-    proj: Linear,
+    /// `proj` (its bias goes into the gated residual).
+    w_proj: Tensor,
+    b_proj: Tensor,
     heads: usize,
     hd: usize,
 }
 
+/// The causal conv block (`conv.block.{1,3,6}`: conv k=3, LayerNorm + Mish, conv k=3), run
+/// time-major: each conv is one matrix product over rows `[x(t-2), x(t-1), x(t)]` with its weight
+/// reordered to `[out, 3 × in]` (tap-major).
 #[derive(Debug, Clone)]
 struct ConvBlock {
-    conv1: Conv1d,
+    w1: Tensor,
+    b1: Tensor,
     norm: LayerNorm,
-    conv2: Conv1d,
+    w2: Tensor,
+    b2: Tensor,
     channels: usize,
 }
 
 impl ConvBlock {
-    /// `x: [N, T, C]`, `cache: [N, 2C, 2]` -> (`[N, T, C]`, new cache).
-    fn forward(&self, x: &Tensor, cache: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
-        let (n, _, c) = x.dims3()?;
-        let causal = |conv: &Conv1d, x: &Tensor, cache: Option<Tensor>| -> Result<(Tensor, Tensor)> {
-            let pre = match cache {
-                Some(t) => t,
-                None => Tensor::zeros((n, c, 2), x.dtype(), x.device())?,
-            };
-            let xin = Tensor::cat(&[&pre, x], 2)?;
-            let l = xin.dim(2)?;
-            Ok((conv.forward(&xin)?, xin.narrow(2, l - 2, 2)?))
+    fn load(vb: VarBuilder, h: usize) -> Result<Self> {
+        let nopad = Conv1dConfig::default();
+        let tap_major = |c: &Conv1d| -> Result<(Tensor, Tensor)> {
+            let w = c.weight().permute((0, 2, 1))?.contiguous()?.reshape((h, 3 * h))?;
+            let b = c.bias().cloned().ok_or_else(|| candle_core::Error::Msg("DiT convs have biases".into()))?;
+            Ok((w, b))
         };
-        let (c1, c2) = match cache {
-            Some(t) => (Some(t.narrow(1, 0, self.channels)?), Some(t.narrow(1, self.channels, self.channels)?)),
+        let (w1, b1) = tap_major(&conv1d(vb.pp(1), h, h, 3, nopad, true)?)?;
+        let (w2, b2) = tap_major(&conv1d(vb.pp(6), h, h, 3, nopad, true)?)?;
+        Ok(Self { w1, b1, norm: candle_nn::layer_norm(h, 1e-5, vb.pp(3))?, w2, b2, channels: h })
+    }
+
+    /// `x: [N, T, C]`, `cache: [N, 2, 2C]` (the last two input frames of conv 1 | of conv 2,
+    /// time-major) -> (conv 2's output before its bias, `[N, T, C]`; the new cache).
+    fn forward(&self, x: &Tensor, cache: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+        let c = self.channels;
+        let (t1, t2) = match cache {
+            Some(t) => (Some(t.narrow(2, 0, c)?.contiguous()?), Some(t.narrow(2, c, c)?.contiguous()?)),
             None => (None, None),
         };
-        let (y, nc1) = causal(&self.conv1, &x.transpose(1, 2)?.contiguous()?, c1)?;
-        let y = mish(&layer_norm_affine(&y.transpose(1, 2)?, &self.norm)?)?;
-        let (y, nc2) = causal(&self.conv2, &y.transpose(1, 2)?.contiguous()?, c2)?;
-        Ok((y.transpose(1, 2)?, Tensor::cat(&[&nc1, &nc2], 1)?))
+        let tail = |x: &Tensor, pre: Option<&Tensor>| -> Result<Tensor> {
+            let t = x.dim(1)?;
+            if t >= 2 {
+                return x.narrow(1, t - 2, 2);
+            }
+            let pre = match pre {
+                Some(p) => p.clone(),
+                None => x.narrow(1, 0, 1)?.zeros_like()?.repeat((1, 2, 1))?,
+            };
+            Tensor::cat(&[&pre, x], 1)?.narrow(1, t, 2)
+        };
+        let y = mm(&dit_ops::causal_im2col(x, t1.as_ref())?, &self.w1)?;
+        let y = dit_ops::bias_ln_mish(&y, &self.b1, self.norm.weight(), self.norm.bias().expect("layer_norm has a bias"), 1e-5)?;
+        let z = mm(&dit_ops::causal_im2col(&y, t2.as_ref())?, &self.w2)?;
+        Ok((z, Tensor::cat(&[tail(x, t1.as_ref())?, tail(&y, t2.as_ref())?], 2)?))
     }
 }
 
 #[derive(Debug, Clone)]
 struct Block {
     attn: Attention,
-    fc1: Linear,
-    fc2: Linear,
+    /// `mlp.fc1` / `fc2`, biases apart (fused into GELU / the gated residual).
+    w_fc1: Tensor,
+    b_fc1: Tensor,
+    w_fc2: Tensor,
+    b_fc2: Tensor,
     conv: ConvBlock,
-    /// `[H]` ones and zeros for the plain LayerNorms.
-    ones: Tensor,
-    zeros: Tensor,
 }
 
 impl Block {
@@ -121,34 +150,28 @@ impl Block {
             linear(vb.pp("attn").pp("to_k"), h, inner, true)?,
             linear(vb.pp("attn").pp("to_v"), h, inner, true)?,
         );
-        let bias = |l: &Linear| l.bias().cloned().ok_or_else(|| candle_core::Error::Msg("DiT attention projections have biases".into()));
-        let to_qkv = Linear::new(Tensor::cat(&[q.weight(), k.weight(), v.weight()], 0)?, Some(Tensor::cat(&[bias(&q)?, bias(&k)?, bias(&v)?], 0)?));
         let qn = candle_nn::layer_norm(cfg.head_dim, 1e-5, vb.pp("attn").pp("q_norm"))?;
         let q_norm = LayerNorm::new((qn.weight() * scale)?, (qn.bias().expect("layer_norm has a bias") * scale)?, qn.eps());
-        let ones = Tensor::ones(h, vb.dtype(), vb.device())?;
         let a = vb.pp("attn");
         let mlp = (h as f64 * cfg.mlp_ratio) as usize;
-        let cv = vb.pp("conv").pp("block");
-        let nopad = Conv1dConfig::default();
+        let (proj, fc1, fc2) =
+            (linear(a.pp("proj"), inner, h, true)?, linear(vb.pp("mlp").pp("fc1"), h, mlp, true)?, linear(vb.pp("mlp").pp("fc2"), mlp, h, true)?);
         let block = Self {
             attn: Attention {
-                to_qkv,
+                w_qkv: Tensor::cat(&[q.weight(), k.weight(), v.weight()], 0)?,
+                b_qkv: Tensor::cat(&[bias_of(&q, "to_q")?, bias_of(&k, "to_k")?, bias_of(&v, "to_v")?], 0)?,
                 q_norm,
                 k_norm: candle_nn::layer_norm(cfg.head_dim, 1e-5, a.pp("k_norm"))?,
-                proj: linear(a.pp("proj"), inner, h, true)?,
+                w_proj: proj.weight().clone(),
+                b_proj: bias_of(&proj, "proj")?,
                 heads: cfg.num_heads,
                 hd: cfg.head_dim,
             },
-            fc1: linear(vb.pp("mlp").pp("fc1"), h, mlp, true)?,
-            fc2: linear(vb.pp("mlp").pp("fc2"), mlp, h, true)?,
-            conv: ConvBlock {
-                conv1: conv1d(cv.pp(1), h, h, 3, nopad, true)?,
-                norm: candle_nn::layer_norm(h, 1e-5, cv.pp(3))?,
-                conv2: conv1d(cv.pp(6), h, h, 3, nopad, true)?,
-                channels: h,
-            },
-            zeros: ones.zeros_like()?,
-            ones,
+            w_fc1: fc1.weight().clone(),
+            b_fc1: bias_of(&fc1, "fc1")?,
+            w_fc2: fc2.weight().clone(),
+            b_fc2: bias_of(&fc2, "fc2")?,
+            conv: ConvBlock::load(vb.pp("conv").pp("block"), h)?,
         };
         Ok((block, linear(vb.pp("adaLN_modulation").pp(1), h, 9 * h, true)?))
     }
@@ -157,36 +180,31 @@ impl Block {
     /// and values (a block's share of [`Att`]).
     fn forward(&self, x: &Tensor, m: &Tensor, cnn: Option<&Tensor>, att: Att<'_>) -> Result<(Tensor, Tensor, Option<Kv>)> {
         let m = m.chunk(9, D::Minus1)?;
-        let ln = |x: &Tensor| layer_norm_plain(x, &self.ones, &self.zeros, 1e-6);
         let (shift_msa, scale_msa, gate_msa) = (&m[0], &m[1], &m[2]);
         let (shift_mlp, scale_mlp, gate_mlp) = (&m[3], &m[4], &m[5]);
         let (shift_conv, scale_conv, gate_conv) = (&m[6], &m[7], &m[8]);
         // attention
-        let (a, new_att) = self.attn_forward(&modulate(&ln(x)?, shift_msa, scale_msa)?, att)?;
-        let x = (x + a.broadcast_mul(gate_msa)?)?;
+        let (o, new_att) = self.attn_forward(&dit_ops::ln_modulate(x, shift_msa, scale_msa, 1e-6)?, att)?;
+        let x = dit_ops::gate_residual(x, &mm(&o, &self.attn.w_proj)?, Some(&self.attn.b_proj), gate_msa)?;
         // conv
-        let (cv, new_cnn) = self.conv.forward(&modulate(&ln(&x)?, shift_conv, scale_conv)?, cnn)?;
-        let x = (&x + cv.broadcast_mul(gate_conv)?)?;
+        let (cv, new_cnn) = self.conv.forward(&dit_ops::ln_modulate(&x, shift_conv, scale_conv, 1e-6)?, cnn)?;
+        let x = dit_ops::gate_residual(&x, &cv, Some(&self.conv.b2), gate_conv)?;
         // mlp
-        let h = modulate(&ln(&x)?, shift_mlp, scale_mlp)?;
-        let h = self.fc2.forward(&self.fc1.forward(&h)?.gelu()?)?;
-        let x = (&x + h.broadcast_mul(gate_mlp)?)?;
+        let h = dit_ops::bias_gelu(&mm(&dit_ops::ln_modulate(&x, shift_mlp, scale_mlp, 1e-6)?, &self.w_fc1)?, &self.b_fc1)?;
+        let x = dit_ops::gate_residual(&x, &mm(&h, &self.w_fc2)?, Some(&self.b_fc2), gate_mlp)?;
         Ok((x, new_cnn, new_att))
     }
 
-    /// Attention over the chunk's new keys and the cache ([`Att`]): returns the output and, for
-    /// caches held apart, the new keys and values `[N, h, T + L, hd]` each (contiguous), newest
-    /// first; a pool's slots are written in place.
+    /// Attention over the chunk's new keys and the cache ([`Att`]): returns the heads' output
+    /// `[N, T, h hd]` (before `proj`) and, for caches held apart, the new keys and values
+    /// `[N, h, T + L, hd]` each (contiguous), newest first; a pool's slots are written in place.
     fn attn_forward(&self, x: &Tensor, cache: Att<'_>) -> Result<(Tensor, Option<Kv>)> {
         let a = &self.attn;
         let (n, t, _) = x.dims3()?;
-        let inner = a.heads * a.hd;
-        let qkv = a.to_qkv.forward(x)?;
-        // per-head norms on [N, T, h, hd] (contiguous), then heads first
-        let part = |i: usize| qkv.narrow(2, i * inner, inner)?.contiguous()?.reshape((n, t, a.heads, a.hd));
-        let q = layer_norm_affine(&part(0)?, &a.q_norm)?.transpose(1, 2)?.contiguous()?;
-        let mut k = layer_norm_affine(&part(1)?, &a.k_norm)?.transpose(1, 2)?.contiguous()?;
-        let mut v = part(2)?.transpose(1, 2)?.contiguous()?;
+        let norm = |l: &LayerNorm| (l.weight().clone(), l.bias().expect("layer_norm has a bias").clone());
+        let ((qw, qb), (kw, kb)) = (norm(&a.q_norm), norm(&a.k_norm));
+        let heads = dit_ops::qkv_heads(&mm(x, &a.w_qkv)?, &a.b_qkv, (&qw, &qb), (&kw, &kb), a.heads, a.hd, a.q_norm.eps())?;
+        let (q, mut k, mut v) = (heads.get(0)?, heads.get(1)?, heads.get(2)?);
         // (contiguous pieces: one plain copy each, and the key matrix transposes for free)
         let (mask, pooled) = match cache {
             Att::Empty => (None, false),
@@ -204,13 +222,13 @@ impl Block {
                 (Some(mask), true)
             }
         };
-        let mut att = q.matmul(&k.t()?)?;
-        if let Some(m) = mask {
-            att = att.broadcast_add(m)?;
-        }
-        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let att = q.matmul(&k.t()?)?;
+        let att = match mask {
+            Some(m) => dit_ops::masked_softmax(&att, m)?,
+            None => candle_nn::ops::softmax_last_dim(&att)?,
+        };
         let o = att.matmul(&v)?.transpose(1, 2)?.reshape((n, t, a.heads * a.hd))?;
-        Ok((a.proj.forward(&o)?, (!pooled).then_some(Kv { k, v })))
+        Ok((o, (!pooled).then_some(Kv { k, v })))
     }
 }
 
@@ -275,7 +293,7 @@ impl Kv {
 }
 
 /// Per-step estimator caches of a batch: `att: [steps, depth, N, h, L, 2 hd]`,
-/// `cnn: [steps, depth, N, 2 H, 2]` (N = rows of the CFG-doubled batch).
+/// `cnn: [steps, depth, N, 2, 2 H]` (N = rows of the CFG-doubled batch).
 #[derive(Debug, Clone)]
 pub struct EstimatorCache {
     pub att: Tensor,
@@ -427,7 +445,7 @@ impl Dit {
     }
 
     /// The estimator over attention caches `att` (keys and values with a leading `depth` axis):
-    /// returns the velocity, the new conv caches `[depth, N, 2 H, 2]` and, unless the cache is a
+    /// returns the velocity, the new conv caches `[depth, N, 2, 2 H]` and, unless the cache is a
     /// pool's (written in place), each block's new keys and values.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_kv(
@@ -457,8 +475,7 @@ impl Dit {
             new_att.extend(na);
         }
         let m = sc.last.chunk(2, D::Minus1)?;
-        let b0 = &self.blocks[0];
-        let h = modulate(&layer_norm_plain(&h, &b0.ones, &b0.zeros, 1e-6)?, &m[0], &m[1])?;
+        let h = dit_ops::ln_modulate(&h, &m[0], &m[1], 1e-6)?;
         let out = self.final_linear.forward(&h)?.transpose(1, 2)?;
         Ok((out, Tensor::stack(&new_cnn, 0)?, new_att))
     }

@@ -11,6 +11,7 @@ pub mod campplus;
 pub mod cfm;
 pub mod conformer;
 pub mod dit;
+pub mod dit_ops;
 pub mod flow;
 pub mod hift;
 pub mod prompt;

@@ -1,0 +1,290 @@
+//! The flow DiT block's fused ops. On CUDA each is one kernel of ours (`kernels/dit.cu`) where the
+//! op-by-op path launched two to six, several of them broadcasts or strided copies (the block's
+//! cost at B ≥ 8 was those, not its matrix products); elsewhere each is the tensor-op sequence it
+//! replaces (the twins below), which defines the result.
+//!
+//! Row ops work over the last axis of contiguous tensors; per-channel vectors are `[H]` (or any
+//! shape of `H` elements).
+
+use candle_core::{Result, Tensor, D};
+
+fn vector(t: &Tensor, h: usize, what: &str) -> Result<Tensor> {
+    if t.elem_count() != h {
+        candle_core::bail!("{what}: {} elements for {h} channels", t.elem_count());
+    }
+    t.flatten_all()?.contiguous()
+}
+
+#[cfg(feature = "cuda")]
+fn on_cuda(x: &Tensor) -> bool {
+    x.device().is_cuda()
+}
+
+fn layer_norm_plain(x: &Tensor, eps: f64) -> Result<Tensor> {
+    let h = x.dim(D::Minus1)?;
+    let ones = Tensor::ones(h, x.dtype(), x.device())?;
+    candle_nn::ops::layer_norm(&x.contiguous()?, &ones, &ones.zeros_like()?, eps as f32)
+}
+
+/// `LN(x) · (1 + scale) + shift` (LN without affine, over the last axis).
+pub fn ln_modulate(x: &Tensor, shift: &Tensor, scale: &Tensor, eps: f64) -> Result<Tensor> {
+    let h = x.dim(D::Minus1)?;
+    let (shift, scale) = (vector(shift, h, "ln_modulate shift")?, vector(scale, h, "ln_modulate scale")?);
+    #[cfg(feature = "cuda")]
+    if on_cuda(x) {
+        let rows = (x.elem_count() / h) as u32;
+        return cuda::launch("ln_modulate", x, &[Some(&shift), Some(&scale)], &[h as i32], &[], &[eps as f32], (rows, 256));
+    }
+    layer_norm_plain(x, eps)?.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(&shift)
+}
+
+/// `mish(LN(x + bias) · w + b)` over the last axis.
+pub fn bias_ln_mish(x: &Tensor, bias: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    let h = x.dim(D::Minus1)?;
+    let (bias, w, b) = (vector(bias, h, "bias_ln_mish bias")?, vector(w, h, "bias_ln_mish weight")?, vector(b, h, "bias_ln_mish bias")?);
+    #[cfg(feature = "cuda")]
+    if on_cuda(x) {
+        let rows = (x.elem_count() / h) as u32;
+        return cuda::launch("bias_ln_mish", x, &[Some(&bias), Some(&w), Some(&b)], &[h as i32], &[], &[eps as f32], (rows, 256));
+    }
+    let y = candle_nn::ops::layer_norm(&x.broadcast_add(&bias)?.contiguous()?, &w, &b, eps as f32)?;
+    super::conformer::mish(&y)
+}
+
+/// `x + (a + bias) · gate` (`bias` optional, `gate` per channel).
+pub fn gate_residual(x: &Tensor, a: &Tensor, bias: Option<&Tensor>, gate: &Tensor) -> Result<Tensor> {
+    let h = x.dim(D::Minus1)?;
+    if a.shape() != x.shape() {
+        candle_core::bail!("gate_residual: {:?} and {:?}", x.shape(), a.shape());
+    }
+    let bias = bias.map(|b| vector(b, h, "gate_residual bias")).transpose()?;
+    let gate = vector(gate, h, "gate_residual gate")?;
+    #[cfg(feature = "cuda")]
+    if on_cuda(x) {
+        let total = x.elem_count();
+        return cuda::launch(
+            "gate_residual",
+            x,
+            &[Some(&a.contiguous()?), bias.as_ref(), Some(&gate)],
+            &[h as i32],
+            &[total as u64],
+            &[],
+            cuda::grid(total),
+        );
+    }
+    let a = match &bias {
+        Some(b) => a.broadcast_add(b)?,
+        None => a.clone(),
+    };
+    x + a.broadcast_mul(&gate)?
+}
+
+/// `gelu_tanh(a + bias)`.
+pub fn bias_gelu(a: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    let h = a.dim(D::Minus1)?;
+    let bias = vector(bias, h, "bias_gelu bias")?;
+    #[cfg(feature = "cuda")]
+    if on_cuda(a) {
+        let total = a.elem_count();
+        return cuda::launch("bias_gelu", a, &[Some(&bias)], &[h as i32], &[total as u64], &[], cuda::grid(total));
+    }
+    a.broadcast_add(&bias)?.gelu()
+}
+
+/// The rows of a causal kernel-3 convolution in time-major layout: `x: [N, T, C]`, `tail: [N, 2,
+/// C]` (the two frames before, zeros when `None`) -> `[N, T, 3 C]` with row `t` = `[src(t - 2),
+/// src(t - 1), src(t)]`.
+pub fn causal_im2col(x: &Tensor, tail: Option<&Tensor>) -> Result<Tensor> {
+    let (n, t, c) = x.dims3()?;
+    if let Some(p) = tail {
+        if p.dims() != [n, 2, c] {
+            candle_core::bail!("causal_im2col: tail {:?} for x {:?}", p.shape(), x.shape());
+        }
+    }
+    #[cfg(feature = "cuda")]
+    if on_cuda(x) {
+        let total = n * t * 3 * c;
+        let tail = tail.map(|p| p.contiguous()).transpose()?;
+        let out = cuda::launch("causal_im2col", x, &[tail.as_ref()], &[t as i32, c as i32], &[total as u64], &[], cuda::grid(total))?;
+        return out.reshape((n, t, 3 * c));
+    }
+    let pre = match tail {
+        Some(p) => p.clone(),
+        None => Tensor::zeros((n, 2, c), x.dtype(), x.device())?,
+    };
+    let xin = Tensor::cat(&[&pre, x], 1)?;
+    Tensor::cat(&[xin.narrow(1, 0, t)?, xin.narrow(1, 1, t)?, xin.narrow(1, 2, t)?], 2)
+}
+
+/// The attention's heads from the fused projection `qkv: [N, T, 3 h d]` (q | k | v, each h heads
+/// of d) plus `bias` (`[3 h d]`): `[3, N, h, T, d]` with q and k LayerNormed per head (`qw`, `qb`,
+/// `kw`, `kb`: `[d]`), v as it is.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_heads(
+    qkv: &Tensor,
+    bias: &Tensor,
+    q_norm: (&Tensor, &Tensor),
+    k_norm: (&Tensor, &Tensor),
+    h: usize,
+    d: usize,
+    eps: f64,
+) -> Result<Tensor> {
+    let (n, t, w) = qkv.dims3()?;
+    if w != 3 * h * d || d > 128 {
+        candle_core::bail!("qkv_heads: {w} columns for 3 x {h} heads of {d} (at most 128)");
+    }
+    let bias = vector(bias, w, "qkv_heads bias")?;
+    let norms = [q_norm.0, q_norm.1, k_norm.0, k_norm.1].map(|t| vector(t, d, "qkv_heads norm"));
+    let [qw, qb, kw, kb] = norms;
+    let (qw, qb, kw, kb) = (qw?, qb?, kw?, kb?);
+    #[cfg(feature = "cuda")]
+    if on_cuda(qkv) {
+        let warps = n * t * 3 * h;
+        let out = cuda::launch(
+            "qkv_heads",
+            &qkv.contiguous()?,
+            &[Some(&bias), Some(&qw), Some(&qb), Some(&kw), Some(&kb)],
+            &[n as i32, t as i32, h as i32, d as i32],
+            &[],
+            &[eps as f32],
+            ((warps * 32).div_ceil(128) as u32, 128),
+        )?;
+        return out.reshape((3, n, h, t, d));
+    }
+    let x = qkv.broadcast_add(&bias)?.reshape((n, t, 3, h, d))?;
+    let part = |i: usize| x.narrow(2, i, 1)?.squeeze(2)?.contiguous();
+    let q = candle_nn::ops::layer_norm(&part(0)?, &qw, &qb, eps as f32)?;
+    let k = candle_nn::ops::layer_norm(&part(1)?, &kw, &kb, eps as f32)?;
+    let v = part(2)?;
+    Tensor::stack(&[q, k, v].iter().map(|p| p.transpose(1, 2)?.contiguous()).collect::<Result<Vec<_>>>()?, 0)
+}
+
+/// `softmax(att + mask)` over the last axis: `att: [N, h, T, L]`, `mask: [N, 1, 1, L]`.
+pub fn masked_softmax(att: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let (n, _h, _t, l) = att.dims4()?;
+    if mask.dims() != [n, 1, 1, l] {
+        candle_core::bail!("masked_softmax: mask {:?} for scores {:?}", mask.shape(), att.shape());
+    }
+    #[cfg(feature = "cuda")]
+    if on_cuda(att) {
+        let mask = mask.to_dtype(att.dtype())?.contiguous()?;
+        let rows = _h * _t;
+        return cuda::launch("masked_softmax", &att.contiguous()?, &[Some(&mask)], &[l as i32, rows as i32], &[], &[], ((n * rows) as u32, 256));
+    }
+    candle_nn::ops::softmax_last_dim(&att.broadcast_add(mask)?)
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, CudaStorage};
+    use candle_core::{CustomOp1, Layout, Result, Shape, Tensor};
+
+    use crate::fused::cuda::{err, kernel, view};
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/dit.ptx"));
+    const MODULE: &str = "antiphon_dit";
+
+    /// A grid-stride launch over `total` elements.
+    pub(super) fn grid(total: usize) -> (u32, u32) {
+        (total.div_ceil(256).clamp(1, 8192) as u32, 256)
+    }
+
+    /// Runs kernel `name` (`_` + dtype suffix) with arguments `(x, others… (null where None), out,
+    /// ints…, u64s…, floats…)`, the output shaped like `x`; every tensor of `x`'s dtype and
+    /// contiguous. `(grid, block)`: one-dimensional.
+    pub(super) fn launch(
+        name: &'static str,
+        x: &Tensor,
+        others: &[Option<&Tensor>],
+        ints: &[i32],
+        u64s: &[u64],
+        floats: &[f32],
+        (grid, block): (u32, u32),
+    ) -> Result<Tensor> {
+        let op = Launch {
+            name,
+            others: others.iter().map(|t| t.cloned()).collect(),
+            ints: ints.to_vec(),
+            u64s: u64s.to_vec(),
+            floats: floats.to_vec(),
+            cfg: LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 },
+        };
+        x.contiguous()?.apply_op1_no_bwd(&op)
+    }
+
+    struct Launch {
+        name: &'static str,
+        others: Vec<Option<Tensor>>,
+        ints: Vec<i32>,
+        u64s: Vec<u64>,
+        floats: Vec<f32>,
+        cfg: LaunchConfig,
+    }
+
+    impl Launch {
+        fn run<T: CudaDType + DeviceRepr>(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+            let dev = s.device().clone();
+            let x = s.as_cuda_slice::<T>()?.slice(l.start_offset()..);
+            let guards: Vec<_> = self.others.iter().map(|t| t.as_ref().map(|t| t.storage_and_layout())).collect();
+            let views = guards
+                .iter()
+                .map(|g| g.as_ref().map(|(s, l)| view::<T>(s, l, self.name)).transpose())
+                .collect::<Result<Vec<Option<CudaView<T>>>>>()?;
+            let n = l.shape().elem_count();
+            let out = if self.name == "qkv_heads" || self.name == "causal_im2col" {
+                // (these write a differently shaped output: qkv_heads as many elements, im2col 3 x)
+                let mult = if self.name == "causal_im2col" { 3 } else { 1 };
+                // SAFETY: the kernel writes every element.
+                unsafe { dev.alloc::<T>(n * mult) }?
+            } else {
+                // SAFETY: the kernel writes every element.
+                unsafe { dev.alloc::<T>(n) }?
+            };
+            let f = dev.get_or_load_custom_func(&kernel(self.name, s.dtype())?, MODULE, PTX)?;
+            let mut b = f.builder();
+            let null = 0u64;
+            b.arg(&x);
+            for v in &views {
+                match v {
+                    Some(v) => b.arg(v),
+                    None => b.arg(&null),
+                };
+            }
+            b.arg(&out);
+            for i in &self.ints {
+                b.arg(i);
+            }
+            for u in &self.u64s {
+                b.arg(u);
+            }
+            for f in &self.floats {
+                b.arg(f);
+            }
+            // SAFETY: the callers pass the arguments each kernel declares, in its order, with
+            // shapes they checked; grid-stride loops or one block per row cover the output.
+            unsafe { b.launch(self.cfg) }.map_err(err)?;
+            let len = out.len();
+            let shape = if len == n { l.shape().clone() } else { Shape::from(len) };
+            Ok((CudaStorage::wrap_cuda_slice(out, dev), shape))
+        }
+    }
+
+    impl CustomOp1 for Launch {
+        fn name(&self) -> &'static str {
+            self.name
+        }
+
+        fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> Result<(candle_core::CpuStorage, Shape)> {
+            candle_core::bail!("{}: the CUDA op ran on the CPU", self.name)
+        }
+
+        fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+            if !l.is_contiguous() {
+                candle_core::bail!("{}: input not contiguous", self.name);
+            }
+            crate::fused::by_dtype!(self.name, s.dtype(), T => self.run::<T>(s, l))
+        }
+    }
+}

@@ -1,0 +1,193 @@
+// The flow DiT block's fused row-wise ops (see src/models/code2wav/dit_ops.rs for each one's
+// contract and its tensor-op twin, which defines the result). Arithmetic in f32, one rounding to
+// the storage type at the end. Every kernel: (inputs..., out, ints..., floats...).
+
+#include "common.cuh"
+
+#define ROW_THREADS 256
+
+// mean and reciprocal std of row `x[0..h)` (every thread of the block gets both)
+template <typename T>
+__device__ void row_stats(const T* __restrict__ x, const T* __restrict__ bias, int h, float eps, float* red, float& mean, float& rstd) {
+  float s = 0.f, ss = 0.f;
+  for (int i = threadIdx.x; i < h; i += blockDim.x) {
+    float v = to_f(x[i]);
+    if (bias) v += to_f(bias[i]);
+    s += v;
+    ss += v * v;
+  }
+  s = block_reduce<false>(s, red);
+  ss = block_reduce<false>(ss, red);
+  mean = s / h;
+  const float var = fmaxf(ss / h - mean * mean, 0.f);
+  rstd = rsqrtf(var + eps);
+}
+
+// out = LN(x) * (1 + scale) + shift, LN without affine; x, out [R, h]; shift, scale [h]
+template <typename T>
+__device__ void ln_modulate(const T* __restrict__ x, const T* __restrict__ shift, const T* __restrict__ scale, T* __restrict__ out, int h,
+                            float eps) {
+  __shared__ float red[32];
+  const size_t row = (size_t)blockIdx.x * h;
+  float mean, rstd;
+  row_stats<T>(x + row, nullptr, h, eps, red, mean, rstd);
+  for (int i = threadIdx.x; i < h; i += blockDim.x) {
+    const float y = (to_f(x[row + i]) - mean) * rstd;
+    out[row + i] = from_f<T>(y * (1.f + to_f(scale[i])) + to_f(shift[i]));
+  }
+}
+
+// out = mish(LN(x + bias) * w + b); x, out [R, h]; bias, w, b [h]
+template <typename T>
+__device__ void bias_ln_mish(const T* __restrict__ x, const T* __restrict__ bias, const T* __restrict__ w, const T* __restrict__ b,
+                             T* __restrict__ out, int h, float eps) {
+  __shared__ float red[32];
+  const size_t row = (size_t)blockIdx.x * h;
+  float mean, rstd;
+  row_stats<T>(x + row, bias, h, eps, red, mean, rstd);
+  for (int i = threadIdx.x; i < h; i += blockDim.x) {
+    const float v = (to_f(x[row + i]) + to_f(bias[i]) - mean) * rstd * to_f(w[i]) + to_f(b[i]);
+    const float sp = v > 20.f ? v : log1pf(expf(v));
+    out[row + i] = from_f<T>(v * tanhf(sp));
+  }
+}
+
+// out = x + (a + bias) * gate over [R, h]; bias may be null
+template <typename T>
+__device__ void gate_residual(const T* __restrict__ x, const T* __restrict__ a, const T* __restrict__ bias, const T* __restrict__ gate,
+                              T* __restrict__ out, int h, size_t total) {
+  for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x) {
+    const int c = k % h;
+    const float av = to_f(a[k]) + (bias ? to_f(bias[c]) : 0.f);
+    out[k] = from_f<T>(to_f(x[k]) + av * to_f(gate[c]));
+  }
+}
+
+// out = gelu_tanh(a + bias) over [R, h]
+template <typename T>
+__device__ void bias_gelu(const T* __restrict__ a, const T* __restrict__ bias, T* __restrict__ out, int h, size_t total) {
+  for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x) {
+    const float v = to_f(a[k]) + to_f(bias[k % h]);
+    const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+    out[k] = from_f<T>(0.5f * v * (1.f + tanhf(u)));
+  }
+}
+
+// The causal k=3 conv's input rows, time-major: out[n, t, k C + c] = src(n, t + k - 2, c) where
+// src(n, j, c) = x[n, j, c] for j >= 0 and tail[n, 2 + j, c] for j < 0 (zero when tail is null);
+// x [N, T, C], tail [N, 2, C], out [N, T, 3 C]
+template <typename T>
+__device__ void causal_im2col(const T* __restrict__ x, const T* __restrict__ tail, T* __restrict__ out, int t_len, int c, size_t total) {
+  for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x) {
+    const int cc = k % c;
+    size_t r = k / c;
+    const int kk = r % 3;
+    r /= 3;
+    const int t = r % t_len;
+    const size_t n = r / t_len;
+    const int j = t + kk - 2;
+    T v;
+    if (j >= 0) {
+      v = x[(n * t_len + j) * c + cc];
+    } else {
+      v = tail ? tail[(n * 2 + 2 + j) * c + cc] : from_f<T>(0.f);
+    }
+    out[k] = v;
+  }
+}
+
+// The attention's heads from the fused projection: qkv [N, T, 3, H, D] (+ bias [3 H D]) -> out
+// [3, N, H, T, D]: q = LN(q) * qw + qb, k = LN(k) * kw + kb (per head, over D), v as it is. One
+// warp per (n, t, part, head); D <= 128.
+template <typename T>
+__device__ void qkv_heads(const T* __restrict__ qkv, const T* __restrict__ bias, const T* __restrict__ qw, const T* __restrict__ qb,
+                          const T* __restrict__ kw, const T* __restrict__ kb, T* __restrict__ out, int n, int t_len, int h, int d,
+                          float eps) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  const int total = n * t_len * 3 * h;
+  if (warp >= total) return;
+  const int head = warp % h;
+  const int part = (warp / h) % 3;
+  const int t = (warp / (3 * h)) % t_len;
+  const int nn = warp / (3 * h * t_len);
+  const size_t src = (size_t)warp * d;
+  const int bo = (part * h + head) * d;
+  float v[4];
+  float s = 0.f, ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = 0.f;
+    if (e < d) {
+      v[i] = to_f(qkv[src + e]) + to_f(bias[bo + e]);
+      s += v[i];
+      ss += v[i] * v[i];
+    }
+  }
+  if (part < 2) {
+    s = warp_sum(s);
+    ss = warp_sum(ss);
+    const float mean = s / d;
+    const float rstd = rsqrtf(fmaxf(ss / d - mean * mean, 0.f) + eps);
+    const T* w = part == 0 ? qw : kw;
+    const T* b = part == 0 ? qb : kb;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int e = lane + 32 * i;
+      if (e < d) v[i] = (v[i] - mean) * rstd * to_f(w[e]) + to_f(b[e]);
+    }
+  }
+  const size_t dst = ((((size_t)part * n + nn) * h + head) * t_len + t) * d;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int e = lane + 32 * i;
+    if (e < d) out[dst + e] = from_f<T>(v[i]);
+  }
+}
+
+// out[r] = softmax(att[r] + mask[r / rows_per_mask]) over rows of length l
+template <typename T>
+__device__ void masked_softmax(const T* __restrict__ att, const T* __restrict__ mask, T* __restrict__ out, int l, int rows_per_mask) {
+  __shared__ float red[32];
+  const size_t row = (size_t)blockIdx.x * l;
+  const size_t mrow = (size_t)(blockIdx.x / rows_per_mask) * l;
+  float mx = -INFINITY;
+  for (int i = threadIdx.x; i < l; i += blockDim.x) mx = fmaxf(mx, to_f(att[row + i]) + to_f(mask[mrow + i]));
+  mx = block_reduce<true>(mx, red);
+  float s = 0.f;
+  for (int i = threadIdx.x; i < l; i += blockDim.x) s += expf(to_f(att[row + i]) + to_f(mask[mrow + i]) - mx);
+  s = block_reduce<false>(s, red);
+  const float inv = 1.f / s;
+  for (int i = threadIdx.x; i < l; i += blockDim.x) out[row + i] = from_f<T>(expf(to_f(att[row + i]) + to_f(mask[mrow + i]) - mx) * inv);
+}
+
+#define DIT(SUFFIX, T)                                                                                                      \
+  extern "C" __global__ void ln_modulate_##SUFFIX(const T* x, const T* shift, const T* scale, T* out, int h, float eps) {    \
+    ln_modulate<T>(x, shift, scale, out, h, eps);                                                                          \
+  }                                                                                                                        \
+  extern "C" __global__ void bias_ln_mish_##SUFFIX(const T* x, const T* bias, const T* w, const T* b, T* out, int h,        \
+                                                   float eps) {                                                            \
+    bias_ln_mish<T>(x, bias, w, b, out, h, eps);                                                                           \
+  }                                                                                                                        \
+  extern "C" __global__ void gate_residual_##SUFFIX(const T* x, const T* a, const T* bias, const T* gate, T* out, int h,     \
+                                                    unsigned long long total) {                                            \
+    gate_residual<T>(x, a, bias, gate, out, h, (size_t)total);                                                             \
+  }                                                                                                                        \
+  extern "C" __global__ void bias_gelu_##SUFFIX(const T* a, const T* bias, T* out, int h, unsigned long long total) {       \
+    bias_gelu<T>(a, bias, out, h, (size_t)total);                                                                          \
+  }                                                                                                                        \
+  extern "C" __global__ void causal_im2col_##SUFFIX(const T* x, const T* tail, T* out, int t_len, int c,                    \
+                                                    unsigned long long total) {                                            \
+    causal_im2col<T>(x, tail, out, t_len, c, (size_t)total);                                                               \
+  }                                                                                                                        \
+  extern "C" __global__ void qkv_heads_##SUFFIX(const T* qkv, const T* bias, const T* qw, const T* qb, const T* kw,         \
+                                                const T* kb, T* out, int n, int t_len, int h, int d, float eps) {          \
+    qkv_heads<T>(qkv, bias, qw, qb, kw, kb, out, n, t_len, h, d, eps);                                                     \
+  }                                                                                                                        \
+  extern "C" __global__ void masked_softmax_##SUFFIX(const T* att, const T* mask, T* out, int l, int rows_per_mask) {       \
+    masked_softmax<T>(att, mask, out, l, rows_per_mask);                                                                   \
+  }
+
+DIT(f32, float)
+DIT(bf16, __nv_bfloat16)
+DIT(f16, __half)
