@@ -188,3 +188,24 @@ fn full_code2wav_preset_has_the_real_sizes() {
     let (tensors, params) = count(|vb| HiftGenerator::load(vb, &HiftConfig::original(), None).unwrap());
     assert_eq!((tensors, params), (328, 20_821_295));
 }
+
+/// A convolution's columns (with the ones row for its bias) times the weight (with the bias as
+/// its last column) are the convolution, at every padding and dilation the vocoder uses.
+#[test]
+fn conv_columns_times_the_weight_are_the_convolution() {
+    use antiphon_models::code2wav::dit_ops::conv_cols;
+    let dev = Device::Cpu;
+    let (b, c, o, t) = (2, 3, 4, 17);
+    let x = Tensor::randn(0f32, 1., (b, c, t), &dev).unwrap();
+    for (k, d, pad_l, pad_r) in [(3, 1, 2, 0), (7, 3, 18, 0), (11, 5, 25, 25), (3, 1, 1, 1)] {
+        let w = Tensor::randn(0f32, 1., (o, c, k), &dev).unwrap();
+        let bias = Tensor::randn(0f32, 1., o, &dev).unwrap();
+        let want =
+            x.pad_with_zeros(2, pad_l, pad_r).unwrap().conv1d(&w, 0, 1, d, 1).unwrap().broadcast_add(&bias.reshape((1, o, 1)).unwrap()).unwrap();
+        let wc = Tensor::cat(&[&w.reshape((o, c * k)).unwrap(), &bias.reshape((o, 1)).unwrap()], 1).unwrap();
+        let got = wc.broadcast_left(b).unwrap().matmul(&conv_cols(&x, k, d, pad_l, pad_r).unwrap()).unwrap();
+        assert_eq!(got.dims(), want.dims(), "k {k}, d {d}");
+        let diff = common::max_abs_diff(&got.flatten_all().unwrap().to_vec1().unwrap(), &want.flatten_all().unwrap().to_vec1().unwrap());
+        assert!(diff < 1e-4, "k {k}, d {d}, padding ({pad_l}, {pad_r}): max diff {diff}");
+    }
+}

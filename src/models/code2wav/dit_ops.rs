@@ -105,8 +105,17 @@ pub fn causal_im2col(x: &Tensor, tail: Option<&Tensor>) -> Result<Tensor> {
     if on_cuda(x) {
         let total = n * t * 3 * c;
         let tail = tail.map(|p| p.contiguous()).transpose()?;
-        let out = cuda::launch("causal_im2col", x, &[tail.as_ref()], &[t as i32, c as i32], &[total as u64], &[], cuda::grid(total))?;
-        return out.reshape((n, t, 3 * c));
+        let shape = candle_core::Shape::from((n, t, 3 * c));
+        return cuda::launch_shaped(
+            "causal_im2col",
+            x,
+            &[tail.as_ref()],
+            &[t as i32, c as i32],
+            &[total as u64],
+            &[],
+            cuda::grid(total),
+            Some(shape),
+        );
     }
     let pre = match tail {
         Some(p) => p.clone(),
@@ -159,6 +168,34 @@ pub fn qkv_heads(
     Tensor::stack(&[q, k, v].iter().map(|p| p.transpose(1, 2)?.contiguous()).collect::<Result<Vec<_>>>()?, 0)
 }
 
+/// A stride-1 convolution's columns with a ones row for its bias: `x: [B, C, T]` padded with
+/// `pad_l` zeros before and `pad_r` after, kernel `k`, dilation `d` -> `[B, C k + 1, L]` (L = T +
+/// pad_l + pad_r - d (k - 1)), row `c k + j` = the padded input at `t + j d`, the last row ones;
+/// `[O, C k + 1]` (the weight with its bias as the last column) times it is the convolution.
+pub fn conv_cols(x: &Tensor, k: usize, d: usize, pad_l: usize, pad_r: usize) -> Result<Tensor> {
+    let (b, c, t) = x.dims3()?;
+    let span = d * (k - 1);
+    if k == 0 || t + pad_l + pad_r <= span {
+        candle_core::bail!("conv_cols: {t} frames (+ {pad_l} + {pad_r}) for a kernel of {k} at dilation {d}");
+    }
+    let l = t + pad_l + pad_r - span;
+    #[cfg(feature = "cuda")]
+    if on_cuda(x) {
+        let total = b * (c * k + 1) * l;
+        let ints = [c as i32, t as i32, k as i32, d as i32, pad_l as i32, l as i32];
+        let shape = candle_core::Shape::from((b, c * k + 1, l));
+        return cuda::launch_shaped("conv_cols", x, &[], &ints, &[total as u64], &[], cuda::grid(total), Some(shape));
+    }
+    let xp = x.pad_with_zeros(2, pad_l, pad_r)?;
+    let mut rows = Vec::with_capacity(k + 1);
+    for j in 0..k {
+        rows.push(xp.narrow(2, j * d, l)?.unsqueeze(2)?);
+    }
+    // [B, C, k, L] -> [B, C k, L], then the ones row
+    let cols = Tensor::cat(&rows, 2)?.reshape((b, c * k, l))?;
+    Tensor::cat(&[cols, Tensor::ones((b, 1, l), x.dtype(), x.device())?], 1)
+}
+
 /// `softmax(att + mask)` over the last axis: `att: [N, h, T, L]`, `mask: [N, 1, 1, L]`.
 pub fn masked_softmax(att: &Tensor, mask: &Tensor) -> Result<Tensor> {
     let (n, _h, _t, l) = att.dims4()?;
@@ -175,7 +212,7 @@ pub fn masked_softmax(att: &Tensor, mask: &Tensor) -> Result<Tensor> {
 }
 
 #[cfg(feature = "cuda")]
-mod cuda {
+pub(crate) mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, CudaStorage};
@@ -187,14 +224,28 @@ mod cuda {
     const MODULE: &str = "antiphon_dit";
 
     /// A grid-stride launch over `total` elements.
-    pub(super) fn grid(total: usize) -> (u32, u32) {
+    pub(crate) fn grid(total: usize) -> (u32, u32) {
         (total.div_ceil(256).clamp(1, 8192) as u32, 256)
     }
 
     /// Runs kernel `name` (`_` + dtype suffix) with arguments `(x, others… (null where None), out,
     /// ints…, u64s…, floats…)`, the output shaped like `x`; every tensor of `x`'s dtype and
     /// contiguous. `(grid, block)`: one-dimensional.
-    pub(super) fn launch(
+    pub(crate) fn launch(
+        name: &'static str,
+        x: &Tensor,
+        others: &[Option<&Tensor>],
+        ints: &[i32],
+        u64s: &[u64],
+        floats: &[f32],
+        grid: (u32, u32),
+    ) -> Result<Tensor> {
+        launch_shaped(name, x, others, ints, u64s, floats, grid, None)
+    }
+
+    /// [`launch`] with an output of shape `out` (`None`: `x`'s shape).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn launch_shaped(
         name: &'static str,
         x: &Tensor,
         others: &[Option<&Tensor>],
@@ -202,9 +253,11 @@ mod cuda {
         u64s: &[u64],
         floats: &[f32],
         (grid, block): (u32, u32),
+        out: Option<Shape>,
     ) -> Result<Tensor> {
         let op = Launch {
             name,
+            out,
             others: others.iter().map(|t| t.cloned()).collect(),
             ints: ints.to_vec(),
             u64s: u64s.to_vec(),
@@ -216,6 +269,7 @@ mod cuda {
 
     struct Launch {
         name: &'static str,
+        out: Option<Shape>,
         others: Vec<Option<Tensor>>,
         ints: Vec<i32>,
         u64s: Vec<u64>,
@@ -232,16 +286,9 @@ mod cuda {
                 .iter()
                 .map(|g| g.as_ref().map(|(s, l)| view::<T>(s, l, self.name)).transpose())
                 .collect::<Result<Vec<Option<CudaView<T>>>>>()?;
-            let n = l.shape().elem_count();
-            let out = if self.name == "qkv_heads" || self.name == "causal_im2col" {
-                // (these write a differently shaped output: qkv_heads as many elements, im2col 3 x)
-                let mult = if self.name == "causal_im2col" { 3 } else { 1 };
-                // SAFETY: the kernel writes every element.
-                unsafe { dev.alloc::<T>(n * mult) }?
-            } else {
-                // SAFETY: the kernel writes every element.
-                unsafe { dev.alloc::<T>(n) }?
-            };
+            let shape = self.out.clone().unwrap_or_else(|| l.shape().clone());
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<T>(shape.elem_count()) }?;
             let f = dev.get_or_load_custom_func(&kernel(self.name, s.dtype())?, MODULE, PTX)?;
             let mut b = f.builder();
             let null = 0u64;
@@ -265,8 +312,6 @@ mod cuda {
             // SAFETY: the callers pass the arguments each kernel declares, in its order, with
             // shapes they checked; grid-stride loops or one block per row cover the output.
             unsafe { b.launch(self.cfg) }.map_err(err)?;
-            let len = out.len();
-            let shape = if len == n { l.shape().clone() } else { Shape::from(len) };
             Ok((CudaStorage::wrap_cuda_slice(out, dev), shape))
         }
     }

@@ -161,6 +161,26 @@ __device__ void masked_softmax(const T* __restrict__ att, const T* __restrict__ 
   for (int i = threadIdx.x; i < l; i += blockDim.x) out[row + i] = from_f<T>(expf(to_f(att[row + i]) + to_f(mask[mrow + i]) - mx) * inv);
 }
 
+// A stride-1 convolution's columns (see conv_cols in dit_ops.rs): x [B, C, T] -> col [B, C K + 1,
+// L]; col[b, c K + j, t] = x[b, c, t + j d - pad_l] (zero outside), col[b, C K, t] = 1
+template <typename T>
+__device__ void conv_cols(const T* __restrict__ x, T* __restrict__ col, int c, int t_in, int k, int d, int pad_l, int l_out, size_t total) {
+  const int rows = c * k + 1;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+    const int t = i % l_out;
+    const size_t r = i / l_out;
+    const int row = r % rows;
+    const size_t b = r / rows;
+    float v = 1.f;
+    if (row < c * k) {
+      const int cc = row / k, j = row % k;
+      const int src = t + j * d - pad_l;
+      v = (src >= 0 && src < t_in) ? to_f(x[(b * c + cc) * t_in + src]) : 0.f;
+    }
+    col[i] = from_f<T>(v);
+  }
+}
+
 #define DIT(SUFFIX, T)                                                                                                      \
   extern "C" __global__ void ln_modulate_##SUFFIX(const T* x, const T* shift, const T* scale, T* out, int h, float eps) {    \
     ln_modulate<T>(x, shift, scale, out, h, eps);                                                                          \
@@ -183,6 +203,10 @@ __device__ void masked_softmax(const T* __restrict__ att, const T* __restrict__ 
   extern "C" __global__ void qkv_heads_##SUFFIX(const T* qkv, const T* bias, const T* qw, const T* qb, const T* kw,         \
                                                 const T* kb, T* out, int n, int t_len, int h, int d, float eps) {          \
     qkv_heads<T>(qkv, bias, qw, qb, kw, kb, out, n, t_len, h, d, eps);                                                     \
+  }                                                                                                                        \
+  extern "C" __global__ void conv_cols_##SUFFIX(const T* x, T* col, int c, int t_in, int k, int d, int pad_l, int l_out,  \
+                                                unsigned long long total) {                                                \
+    conv_cols<T>(x, col, c, t_in, k, d, pad_l, l_out, (size_t)total);                                                      \
   }                                                                                                                        \
   extern "C" __global__ void masked_softmax_##SUFFIX(const T* att, const T* mask, T* out, int l, int rows_per_mask) {       \
     masked_softmax<T>(att, mask, out, l, rows_per_mask);                                                                   \

@@ -35,6 +35,9 @@ pub(super) struct Conv {
     b: Option<Tensor>,
     pub(super) kind: ConvKind,
     pub(super) dilation: usize,
+    /// `[O, C k + 1]`: the weight as a matrix with the bias as its last column (not for transposed
+    /// convolutions).
+    cols: Option<Tensor>,
 }
 
 impl Conv {
@@ -46,7 +49,30 @@ impl Conv {
         };
         let w = if weight_norm { load_weight_norm(&vb, &shape)? } else { vb.get(&shape[..], "weight")? };
         let b = if bias { Some(vb.get(o, "bias")?) } else { None };
-        Ok(Self { w, b, kind, dilation })
+        let cols = match kind {
+            ConvKind::Transpose { .. } => None,
+            _ => {
+                let bias_col = match &b {
+                    Some(b) => b.reshape((o, 1))?,
+                    None => Tensor::zeros((o, 1), w.dtype(), w.device())?,
+                };
+                Some(Tensor::cat(&[&w.reshape((o, i * k))?, &bias_col], 1)?.contiguous()?)
+            }
+        };
+        Ok(Self { w, b, kind, dilation, cols })
+    }
+
+    /// On a GPU, a stride-1 conv with zero padding `(before, after)` as its columns times the
+    /// weight with the bias folded in: two kernels, no padded copy, no transposed output, no
+    /// broadcast bias add (candle's conv1d: im2col, the product, a transposing copy, then ours).
+    fn by_columns(&self, x: &Tensor, pad_l: usize, pad_r: usize) -> Result<Option<Tensor>> {
+        let Some(w) = &self.cols else { return Ok(None) };
+        // (our kernels exist for f32, bf16 and f16; the F0 predictor runs in f64)
+        if !x.device().is_cuda() || !matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+            return Ok(None);
+        }
+        let cols = super::super::dit_ops::conv_cols(x, self.kernel(), self.dilation, pad_l, pad_r)?;
+        Ok(Some(w.broadcast_left(x.dim(0)?)?.matmul(&cols)?))
     }
 
     pub(super) fn kernel(&self) -> usize {
@@ -56,6 +82,14 @@ impl Conv {
     /// `x: [B, C, T]`; `right`: the frames after `x` for a right-looking conv (zeros if `None`).
     pub(super) fn forward(&self, x: &Tensor, right: Option<&Tensor>) -> Result<Tensor> {
         let (b, c, _) = x.dims3()?;
+        let fast = match self.kind {
+            ConvKind::Plain { padding, stride: 1 } => self.by_columns(x, padding, padding)?,
+            ConvKind::Left { padding } => self.by_columns(x, padding, 0)?,
+            _ => None,
+        };
+        if let Some(y) = fast {
+            return Ok(y);
+        }
         let zeros = |n: usize| Tensor::zeros((b, c, n), x.dtype(), x.device());
         let y = match self.kind {
             ConvKind::Plain { padding, stride } => x.conv1d(&self.w, padding, stride, self.dilation, 1)?,
