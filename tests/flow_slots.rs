@@ -148,3 +148,25 @@ fn a_voice_that_does_not_fit_keeps_its_own_caches() {
     assert!(st.flow.slot.is_none(), "300 prompt frames + a chunk do not fit 320 ring positions");
     assert_eq!(pooled.pool().unwrap().free_slots(), 2);
 }
+
+/// Warming the graphs runs every batch size's chunks (twice, so each shape is held after), skips
+/// a batch larger than the free slots, and gives every slot back.
+#[test]
+fn graph_warm_up_runs_each_batch_size_and_frees_its_slots() {
+    let own = tiny();
+    assert_eq!(
+        own.warm_graphs(&own.prepare(&reference()).unwrap(), &own.setup(&own.prepare(&reference()).unwrap()).unwrap(), &[1], 8, 25).unwrap(),
+        0,
+        "no graphs: nothing to warm"
+    );
+    let mut c = tiny();
+    c.set_slots(2, 512, 25).unwrap();
+    c.set_graphs(Some(GraphPolicy::default()), Some(8));
+    let f = c.prepare(&reference()).unwrap();
+    let setup = c.setup(&f).unwrap();
+    let runs = c.warm_graphs(&f, &setup, &[1, 2, 4], 8, 25).unwrap();
+    assert_eq!(runs, 2 * 2 * 3, "batches 1 and 2, twice, three chunks each; 4 skipped");
+    assert_eq!(c.pool().unwrap().free_slots(), 2);
+    let (flow, vocoder) = c.graphs_held();
+    assert!(flow >= 2 && vocoder >= 1, "shapes held: flow {flow}, vocoder {vocoder}");
+}

@@ -96,6 +96,8 @@ pub struct Stage2 {
     live: HashMap<RequestId, Live>,
     queue: VecDeque<ChunkWork>,
     prev_idle: bool,
+    /// Whether the graphs of every batch size were captured (at the first setup).
+    graphs_warm: bool,
     /// Open duplex sessions (each a live duplex stream for the busy gate).
     duplex: std::collections::HashSet<String>,
 }
@@ -113,6 +115,7 @@ impl Stage2 {
             live: HashMap::new(),
             queue: VecDeque::new(),
             prev_idle: false,
+            graphs_warm: false,
             duplex: Default::default(),
         }
     }
@@ -222,6 +225,18 @@ impl Stage2 {
                 s
             }
         };
+        if !self.graphs_warm {
+            // (the server's own warm-up request comes first: it pays this before `ready`)
+            self.graphs_warm = true;
+            let top = self.cfg.code2wav_max_batch.min(self.cfg.code2wav_slots).max(1);
+            let batches: Vec<usize> = (0..).map(|i| 1usize << i).take_while(|&b| b <= top).collect();
+            let t0 = std::time::Instant::now();
+            match self.model.warm_graphs(&features, &state, &batches, self.cfg.first_chunk_codes, self.cfg.chunk_codes) {
+                Ok(0) => {}
+                Ok(n) => tracing::info!("code2wav graphs warm: {n} chunks at batches {batches:?} in {:.0} ms", t0.elapsed().as_secs_f64() * 1e3),
+                Err(e) => tracing::warn!("code2wav graph warm-up failed (shapes are captured as they come): {e:#}"),
+            }
+        }
         let stream = self.model.start(&features, &state)?;
         self.live.insert(c.id.clone(), Live { stream, next_seq: 0, played: None });
         Ok(())

@@ -127,6 +127,11 @@ impl Cfm {
         };
     }
 
+    /// The graph policy in force (`None`: op by op).
+    pub fn policy(&self) -> Option<GraphPolicy> {
+        self.policy
+    }
+
     /// Captured graphs held now (both kinds).
     pub fn graphs_held(&self) -> usize {
         self.graphs.held() + self.pool_graphs.held()
