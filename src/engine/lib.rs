@@ -15,6 +15,7 @@
 pub mod caches;
 pub mod chunker;
 pub mod config;
+pub mod contain;
 pub mod metrics;
 pub mod prefix;
 pub mod profile;

@@ -187,24 +187,42 @@ impl Stage1 {
                 .map(|id| (id.clone(), std::mem::replace(&mut self.reqs.get_mut(id).expect("listed").cache, PooledCache::alone(KvCache::new(0)))))
                 .collect();
             let mut steps: Vec<StreamStep> = caches.iter_mut().zip(embeds).map(|((_, c), e)| StreamStep { cache: c, embeds: e }).collect();
-            let out = self.talker.forward(&mut steps);
+            // (a batch that fails runs again stream by stream: one stream's error fails it alone)
+            let out = crate::contain::forward_contained(&mut steps, |s| self.talker.forward(s));
             drop(steps);
             for (id, c) in caches {
                 self.reqs.get_mut(&id).expect("listed").cache = c;
             }
-            out?
+            out
         };
+        let mut failed = 0;
+        let hidden: Vec<Option<Tensor>> = ids
+            .iter()
+            .zip(hidden)
+            .map(|(id, o)| match o {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    failed += 1;
+                    self.fail(id, format!("talker step: {e}"));
+                    None
+                }
+            })
+            .collect();
+        if failed == n {
+            anyhow::bail!("the talker's forward failed for every stream of the step");
+        }
         // which streams sample a code now
         let mut sample = Vec::new();
         for (k, id) in ids.iter().enumerate() {
+            let Some(h) = &hidden[k] else { continue };
             let r = self.reqs.get_mut(id).expect("listed");
             r.pending.clear();
             if r.decoding || r.ended {
                 if !r.decoding {
                     r.decoding = true;
                 }
-                let rows = hidden[k].dim(0)?;
-                sample.push((id.clone(), hidden[k].narrow(0, rows - 1, 1)?));
+                let rows = h.dim(0)?;
+                sample.push((id.clone(), h.narrow(0, rows - 1, 1)?));
             }
         }
         if !sample.is_empty() {

@@ -201,26 +201,31 @@ impl Stage0 {
         let n = picked.len();
         let t0 = Instant::now();
         let rows: usize = picked.iter().map(|(_, e)| e.dim(0).unwrap_or(0)).sum();
-        let hidden = {
+        // (a batch that fails runs again stream by stream: one stream's error fails it alone)
+        let outcomes = {
             let mut steps: Vec<StreamStep> = picked.iter_mut().map(|(s, embeds)| StreamStep { cache: s.cache(), embeds: embeds.clone() }).collect();
-            ctx.thinker.llm.forward(&mut steps)
+            crate::contain::forward_contained(&mut steps, |s| ctx.thinker.llm.forward(s))
         };
-        let hidden = match hidden {
-            Ok(h) => h,
-            Err(e) => {
-                let why = format!("thinker step: {e:#}");
-                for (s, _) in picked {
-                    s.fail(ctx, &why);
+        let mut hidden: Vec<Option<Tensor>> = Vec::with_capacity(n);
+        for ((s, _), o) in picked.iter_mut().zip(outcomes) {
+            match o {
+                Ok(h) => hidden.push(Some(h)),
+                Err(e) => {
+                    s.fail(ctx, &format!("thinker step: {e}"));
+                    hidden.push(None);
                 }
-                return Err(e.into());
             }
-        };
+        }
+        if hidden.iter().all(Option::is_none) {
+            anyhow::bail!("the forward failed for every stream of the step");
+        }
         let issued = t0.elapsed();
         let mut synced = issued;
         // the rows that need logits: streams that finished a prefill, or decode
         let mut want: Vec<(usize, Tensor)> = Vec::new();
         for (k, (s, _)) in picked.iter_mut().enumerate() {
-            match s.after_forward(ctx, &hidden[k]) {
+            let Some(h) = &hidden[k] else { continue };
+            match s.after_forward(ctx, h) {
                 Ok(Some(row)) => want.push((k, row)),
                 Ok(None) => {}
                 Err(e) => s.fail(ctx, &format!("thinker step: {e:#}")),
