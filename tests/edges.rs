@@ -145,3 +145,21 @@ fn secrets_compare_equal_only_when_equal() {
     assert!(secret_eq("tok", "tok"));
     assert!(!secret_eq("tok", "tol") && !secret_eq("tok", "to") && !secret_eq("", "x"));
 }
+
+/// A client that sends faster than its session handles messages is slowed down, not buffered
+/// without bound and not dropped: with room for two messages in the session's inbox, 300 pings
+/// sent at once all get their pong, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_into_a_small_session_inbox_is_slowed_not_dropped() {
+    let s = server(|c| c.server.session_inbox = 2).await;
+    let mut c = Client::connect(&s).await;
+    c.create(json!({})).await;
+    for i in 0..300 {
+        c.send(json!({"type": "ping", "id": format!("p{i}")})).await;
+    }
+    for i in 0..300 {
+        let pong = c.event("pong").await;
+        assert_eq!(pong["id"], format!("p{i}"), "pongs in order, none lost");
+    }
+    s.shutdown().await.unwrap();
+}

@@ -49,6 +49,9 @@ pub struct ServerSection {
     /// Messages queued for one socket's writer; a client that reads slower than this is closed
     /// (its session parks and can resume: the journal holds what it missed).
     pub outbound_queue: usize,
+    /// Client messages queued for one session's task; a client that sends faster than its session
+    /// handles them waits (its socket is not read meanwhile), nothing is buffered beyond this.
+    pub session_inbox: usize,
     /// Open WebSocket connections at once; beyond, an upgrade is answered 503.
     pub max_connections: usize,
     /// A socket that has neither created nor resumed a session this long after its upgrade is
@@ -75,6 +78,7 @@ impl Default for ServerSection {
             idle_timeout_s: 0,
             max_duration_s: 0,
             outbound_queue: 4096,
+            session_inbox: 256,
             max_connections: 256,
             first_event_timeout_s: 10,
             max_input_audio_s: 120,
@@ -208,8 +212,8 @@ impl Config {
             bail!("server.max_sessions must be at least 1");
         }
         let s = &self.server;
-        if s.outbound_queue == 0 || s.max_connections == 0 || s.first_event_timeout_s == 0 || s.max_input_audio_s == 0 {
-            bail!("server.outbound_queue, max_connections, first_event_timeout_s and max_input_audio_s must be at least 1");
+        if s.outbound_queue == 0 || s.session_inbox == 0 || s.max_connections == 0 || s.first_event_timeout_s == 0 || s.max_input_audio_s == 0 {
+            bail!("server.outbound_queue, session_inbox, max_connections, first_event_timeout_s and max_input_audio_s must be at least 1");
         }
         if self.server.max_binary_frame < 64 || self.server.max_text_frame < 1024 {
             bail!("server.max_binary_frame / max_text_frame are too small");

@@ -47,7 +47,7 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>) {
         let _ = sink.close().await;
     });
     let conn = Conn::new(tx.clone(), kick);
-    let mut session: Option<tokio::sync::mpsc::UnboundedSender<SessionMsg>> = None;
+    let mut session: Option<tokio::sync::mpsc::Sender<SessionMsg>> = None;
     let mut clean = false;
     // after a refused frame: the client's unread bytes would make the socket's end a reset that
     // can swallow the close frame, so the socket stays open a moment after the writer is done
@@ -100,7 +100,7 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>) {
                     Err(e) => {
                         match &session {
                             Some(s) => {
-                                let _ = s.send(SessionMsg::Invalid(e));
+                                let _ = s.send(SessionMsg::Invalid(e)).await;
                             }
                             None => error(e),
                         }
@@ -111,7 +111,7 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>) {
                     (None, ClientEvent::SessionCreate(c)) => match shared.sessions.create(&shared, *c, conn.clone()) {
                         Ok(id) => {
                             let h = shared.sessions.handle(&id);
-                            session = h.map(|h| h.tx);
+                            session = h.map(|h| h.input);
                         }
                         Err(e) => {
                             let fatal = e.fatal;
@@ -125,8 +125,8 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>) {
                     },
                     (None, ClientEvent::SessionResume(r)) => match shared.sessions.resume(&r.session_id, &r.resume_token) {
                         Ok(h) => {
-                            let _ = h.tx.send(SessionMsg::Attach { conn: conn.clone(), last_seq: r.last_seq });
-                            session = Some(h.tx);
+                            let _ = h.input.send(SessionMsg::Attach { conn: conn.clone(), last_seq: r.last_seq }).await;
+                            session = Some(h.input);
                         }
                         Err(e) => error(e),
                     },
@@ -134,7 +134,7 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>) {
                     (None, _) => error(WireError::new(ErrorCode::NotInSession, "send session.create or session.resume first")),
                     (Some(s), event) => {
                         let close = matches!(event, ClientEvent::SessionClose);
-                        let _ = s.send(SessionMsg::Event { seq: inc.seq, event });
+                        let _ = s.send(SessionMsg::Event { seq: inc.seq, event }).await;
                         if close {
                             clean = true;
                         }
@@ -157,10 +157,11 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>) {
                 match AudioFrame::decode(&b) {
                     Some(f) => {
                         let seq = (f.seq != 0).then_some(f.seq as u64);
-                        let _ = s.send(SessionMsg::Audio { seq, kind: f.kind, payload: f.payload });
+                        let _ = s.send(SessionMsg::Audio { seq, kind: f.kind, payload: f.payload }).await;
                     }
                     None => {
-                        let _ = s.send(SessionMsg::Invalid(WireError::new(ErrorCode::BadAudio, "binary frame shorter than its 12-byte header")));
+                        let _ =
+                            s.send(SessionMsg::Invalid(WireError::new(ErrorCode::BadAudio, "binary frame shorter than its 12-byte header"))).await;
                     }
                 }
             }
@@ -170,7 +171,7 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>) {
     }
     if let Some(s) = &session {
         if !clean {
-            let _ = s.send(SessionMsg::Detach { conn: conn.id });
+            let _ = s.send(SessionMsg::Detach { conn: conn.id }).await;
         }
     }
     // the writer ends when the session lets go of this connection (or right away if it has none)

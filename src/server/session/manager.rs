@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+use tokio::sync::mpsc::{channel, unbounded_channel, Sender, UnboundedSender};
 use tracing::Instrument;
 
 use super::{Conn, Session, SessionMsg};
@@ -17,7 +17,11 @@ use antiphon_protocol::{ErrorCode, SessionCreate, WireError};
 #[derive(Clone)]
 pub struct Handle {
     pub token: String,
+    /// The engine's, the server's and the session's own messages (bounded by what the engine
+    /// makes: a response's events are bounded by its generation limits).
     pub tx: UnboundedSender<SessionMsg>,
+    /// What its connections send (`server.session_inbox` messages; a sender waits when full).
+    pub input: Sender<SessionMsg>,
 }
 
 /// All sessions of the server, and the ids of recently expired ones.
@@ -113,17 +117,18 @@ impl SessionManager {
         let id = format!("s_{}", random_token(12));
         let token = random_token(24);
         let (tx, rx) = unbounded_channel();
+        let (input, input_rx) = channel(cfg.session_inbox);
         {
             let mut m = self.inner.lock().expect("manager");
             if m.sessions.len() >= cfg.max_sessions {
                 return Err(WireError::fatal(ErrorCode::Capacity, "the server has no free session").retry_after(cfg.retry_after_ms));
             }
-            m.sessions.insert(id.clone(), Handle { token: token.clone(), tx: tx.clone() });
+            m.sessions.insert(id.clone(), Handle { token: token.clone(), tx: tx.clone(), input });
         }
         shared.metrics.sessions_created.inc();
         let span = tracing::info_span!("session", id = %id);
         let actor = session.start(id.clone(), token, tx, conn, self.clone());
-        tokio::spawn(actor.run(rx).instrument(span));
+        tokio::spawn(actor.run(rx, input_rx).instrument(span));
         Ok(id)
     }
 }

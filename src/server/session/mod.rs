@@ -235,7 +235,7 @@ impl Session {
         self
     }
 
-    async fn run(mut self, mut rx: UnboundedReceiver<SessionMsg>) {
+    async fn run(mut self, mut rx: UnboundedReceiver<SessionMsg>, mut input: tokio::sync::mpsc::Receiver<SessionMsg>) {
         let cfg = &self.shared.config.server;
         let created = ServerEvent::SessionCreated {
             seq: 0,
@@ -265,6 +265,8 @@ impl Session {
                     Some(m) => self.handle(m),
                     None => break,
                 },
+                // (the manager holds a sender as long as the session exists: `None` only at the end)
+                Some(m) = input.recv() => self.handle(m),
                 _ = tick.tick() => self.handle(SessionMsg::Tick),
             }
         }
