@@ -163,3 +163,26 @@ async fn a_flood_into_a_small_session_inbox_is_slowed_not_dropped() {
     }
     s.shutdown().await.unwrap();
 }
+
+/// Instructions beyond the limit are refused where they come in, naming the field; the session
+/// is not created, or an update changes nothing and the session goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_instructions_are_refused_at_create_and_update() {
+    let s = server(|_| {}).await;
+    let long = "x".repeat(antiphon_protocol::MAX_INSTRUCTIONS_CHARS + 1);
+    let mut c = Client::connect(&s).await;
+    c.send(json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16", "sample_rate": 16000},
+        "output_audio": {"codec": "pcm16"}, "instructions": long}))
+        .await;
+    let e = c.event("error").await;
+    assert_eq!(e["code"], "bad_field", "{e}");
+    assert!(e["message"].as_str().unwrap().contains("instructions"), "{e}");
+    let mut d = Client::connect(&s).await;
+    d.create(json!({"instructions": "Be brief."})).await;
+    d.send(json!({"type": "session.update", "instructions": long})).await;
+    let e = d.event("error").await;
+    assert_eq!(e["code"], "bad_field", "{e}");
+    d.send(json!({"type": "ping", "id": "still"})).await;
+    assert_eq!(d.event("pong").await["id"], "still");
+    s.shutdown().await.unwrap();
+}

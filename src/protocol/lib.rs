@@ -136,6 +136,21 @@ pub struct GenerationLimits {
     pub max_audio_tokens: usize,
 }
 
+/// The longest `instructions` (system prompt) accepted, in characters: well inside the Thinker's
+/// context beside a reply and the conversation.
+pub const MAX_INSTRUCTIONS_CHARS: usize = 8192;
+
+/// `instructions` within [`MAX_INSTRUCTIONS_CHARS`] (`bad_field` naming the field and the limit).
+pub fn validate_instructions(i: Option<&str>) -> Result<(), WireError> {
+    match i.map(|i| i.chars().count()) {
+        Some(n) if n > MAX_INSTRUCTIONS_CHARS => Err(WireError::new(
+            ErrorCode::BadField,
+            format!("field `instructions`: {n} characters, more than this server takes (at most {MAX_INSTRUCTIONS_CHARS})"),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// The highest sampling temperature accepted.
 pub const MAX_TEMPERATURE: f32 = 2.0;
 
