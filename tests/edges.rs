@@ -186,3 +186,19 @@ async fn oversized_instructions_are_refused_at_create_and_update() {
     assert_eq!(d.event("pong").await["id"], "still");
     s.shutdown().await.unwrap();
 }
+
+/// At the drain deadline a response still running is cancelled, not cut: its `response.done`
+/// (cancelled) goes out, then the socket closes with 1001.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_deadline_cancels_what_runs_and_closes_1001() {
+    let s = server(|c| c.server.shutdown_drain_s = 0).await;
+    let mut c = Client::connect(&s).await;
+    c.create(json!({})).await;
+    c.send(json!({"type": "input.text", "text": "a long one", "generation": wire::short(2000)})).await;
+    c.until(|m| matches!(m, In::Audio(_))).await;
+    let stop = tokio::spawn(s.shutdown());
+    let ms = c.until(|m| matches!(m, In::Closed(_))).await;
+    assert!(ms.iter().any(|m| matches!(m, In::Event(v) if v["type"] == "response.done" && v["status"] == "cancelled")), "{ms:?}");
+    assert!(matches!(ms.last(), Some(In::Closed(Some(1001)))), "{:?}", ms.last());
+    stop.await.unwrap().unwrap();
+}

@@ -224,6 +224,19 @@ async fn drain(shared: &Arc<Shared>) {
     while !shared.sessions.is_empty() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // past the deadline: what still runs is cancelled (its response.done goes out) and each
+    // session closes with 1001, rather than the sockets being cut
+    let left = shared.sessions.all();
+    if !left.is_empty() {
+        tracing::info!(left = left.len(), "drain deadline: cancelling what still runs");
+        for h in left {
+            let _ = h.tx.send(session::SessionMsg::DrainDeadline);
+        }
+        let cut = Instant::now() + Duration::from_secs(2);
+        while !shared.sessions.is_empty() && Instant::now() < cut {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
     tracing::info!(left = shared.sessions.len(), "drained");
 }
 

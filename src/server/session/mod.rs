@@ -125,6 +125,9 @@ pub enum SessionMsg {
     Shutdown {
         retry_after_ms: u64,
     },
+    /// The drain deadline passed: responses still running are cancelled (each gets its
+    /// `response.done`), then the session ends with close 1001.
+    DrainDeadline,
     Tick,
 }
 
@@ -540,6 +543,12 @@ impl Session {
                         self.end(false, Some((1001, "server shutting down")));
                     }
                 }
+            }
+            SessionMsg::DrainDeadline => {
+                self.closing = true;
+                self.cancel_all_responses();
+                // (the last cancelled response ends the session; with none, end it here)
+                self.end(false, Some((1001, "server shutting down")));
             }
             SessionMsg::Tick => self.tick(),
         }

@@ -120,6 +120,18 @@ impl Session {
         }
     }
 
+    /// Every response still running stops now (each gets its `response.done`, cancelled).
+    pub(super) fn cancel_all_responses(&mut self) {
+        let ids: Vec<u32> = self.current.iter().chain(&self.older).map(|r| r.id).collect();
+        for rid in ids {
+            if let Some(r) = self.resp_mut(rid) {
+                let e = r.engine_id.clone();
+                self.shared.engine.cancel(&e);
+                self.finish_response(rid, Status::Cancelled);
+            }
+        }
+    }
+
     pub(super) fn finish_response(&mut self, rid: u32, status: Status) {
         let Some(r) = self.take_resp(rid) else { return };
         if let Some(d) = &mut self.duplex {
