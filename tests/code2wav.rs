@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::streams::{codes, payloads, reference, samples};
+use common::streams::{codes, due, payloads, reference, samples};
 
 use antiphon_assets::synth::{self, Preset};
 use antiphon_models::code2wav::prompt::Reference;
@@ -107,9 +107,7 @@ fn streams_with_different_histories_and_voices_share_a_batch() {
     let mut ragged = 0;
     for round in 0..sizes.len() + 1 {
         for last in [false, true] {
-            let members: Vec<(usize, usize)> = (0..3)
-                .filter_map(|s| round.checked_sub(lag[s]).filter(|&i| i < sizes.len() && (i == sizes.len() - 1) == last).map(|i| (s, i)))
-                .collect();
+            let members = due(round, last, &lag, sizes.len());
             if members.is_empty() {
                 continue;
             }

@@ -10,7 +10,7 @@ use antiphon_models::code2wav::dit::GraphPolicy;
 use antiphon_models::code2wav::prompt::Reference;
 use antiphon_models::code2wav::{Code2Wav, StreamState};
 use candle_core::{DType, Device, Tensor};
-use common::streams::{codes, payloads, reference, samples};
+use common::streams::{codes, due, payloads, reference, samples};
 
 fn tiny() -> Code2Wav {
     synth::code2wav_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap()
@@ -53,9 +53,7 @@ fn pooled_batches_match_own_caches(slots: usize, graphs: bool) {
     let mut trimmed = false;
     for round in 0..sizes.len() + 1 {
         for last in [false, true] {
-            let members: Vec<(usize, usize)> = (0..3)
-                .filter_map(|s| round.checked_sub(lag[s]).filter(|&i| i < sizes.len() && (i == sizes.len() - 1) == last).map(|i| (s, i)))
-                .collect();
+            let members = due(round, last, &lag, sizes.len());
             if members.is_empty() {
                 continue;
             }

@@ -38,3 +38,9 @@ pub fn payloads(all: &[u32], sizes: &[usize]) -> Vec<Vec<u32>> {
 pub fn samples(t: &Tensor) -> Vec<f32> {
     t.to_vec1::<f32>().unwrap()
 }
+
+/// The streams (and their chunk index) due in `round`'s batch of `last` or not-last chunks, stream
+/// `s` starting `lag[s]` rounds late, every stream with `chunks` chunks.
+pub fn due(round: usize, last: bool, lag: &[usize], chunks: usize) -> Vec<(usize, usize)> {
+    (0..lag.len()).filter_map(|s| round.checked_sub(lag[s]).filter(|&i| i < chunks && (i == chunks - 1) == last).map(|i| (s, i))).collect()
+}
