@@ -7,8 +7,8 @@
 //! Streaming per stream: [`Flow::setup`] runs the prompt (prompt codes + 3 look-ahead codes, with
 //! the prompt mel as condition) to fill the caches; [`Flow::chunk_batch`] turns each next chunk of
 //! codes (its first codes being the previous chunk's look-ahead) into mel, for several streams at
-//! once (their caches padded to the longest); after every chunk the caches are trimmed to the
-//! prompt plus the last 100 mel frames.
+//! once (caches in a slot pool, `super::slots`, or their own padded to the longest); after every
+//! chunk the caches are trimmed to the prompt plus the last 100 mel frames.
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Embedding, Linear, VarBuilder};
@@ -152,7 +152,8 @@ impl Flow {
 
     /// One chunk for a batch of streams whose chunks have equal lengths and the same `last` flag
     /// (their caches may differ in length: the encoder runs once per group of equal encoder cache
-    /// lengths, the CFM solve once for all, over caches padded to the longest). `codes[i]`
+    /// lengths; the CFM solve once for the streams in pool slots and once for the others, over
+    /// their caches padded to the longest). `codes[i]`
     /// includes the leading context and trailing look-ahead; `spks[i]: [192]`. Returns each
     /// stream's mel `[80, frames]` and advances (and trims) its state.
     pub fn chunk_batch(&self, codes: &[&[u32]], spks: &[&Tensor], states: &mut [&mut FlowState], last: bool) -> Result<Vec<Tensor>> {
