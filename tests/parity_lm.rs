@@ -419,6 +419,8 @@ fn slot_pool_batched_decode_matches_streams_alone() {
     for mode in [DecodeMode::Static, DecodeMode::Graph] {
         let (mut thinker, _) = models();
         thinker.llm.set_decode_mode(mode);
+        // (the default on CUDA; on the CPU it is off, and on here so that the CPU checks it too)
+        thinker.llm.set_ragged_prefill(true);
         let llm = &thinker.llm;
         let pool = llm.decoder().slot_pool(3, 64).unwrap();
         {
@@ -430,9 +432,19 @@ fn slot_pool_batched_decode_matches_streams_alone() {
         let mut c: Vec<KvCache> = (0..3).map(|_| pool.take().unwrap().expect("a free slot")).collect();
         assert!(pool.take().unwrap().is_none(), "every slot is taken");
         let mut got: Vec<Vec<Tensor>> = vec![vec![]; 3];
-        // stream 0 and 1 prefill; then stream 2 prefills in the same step as their first decode
-        for i in 0..2 {
-            got[i].push(llm.forward(&mut [StreamStep { cache: &mut c[i], embeds: llm.embed(prompts[i]).unwrap() }]).unwrap().pop().unwrap());
+        // streams 0 and 1 prefill in one step (one ragged batch of 7 + 20 rows); then stream 2
+        // prefills in the same step as their first decode
+        {
+            let (a, b) = c.split_at_mut(1);
+            let rows = llm
+                .forward(&mut [
+                    StreamStep { cache: &mut a[0], embeds: llm.embed(prompts[0]).unwrap() },
+                    StreamStep { cache: &mut b[0], embeds: llm.embed(prompts[1]).unwrap() },
+                ])
+                .unwrap();
+            for (i, r) in rows.into_iter().enumerate() {
+                got[i].push(r);
+            }
         }
         let (a, rest) = c.split_at_mut(1);
         let (b, cc) = rest.split_at_mut(1);
@@ -466,6 +478,25 @@ fn slot_pool_batched_decode_matches_streams_alone() {
             for (k, row) in g.iter().enumerate() {
                 assert_close(&format!("{mode:?} stream {i} row {k}"), row, &want[k], 1e-5);
             }
+        }
+    }
+}
+
+/// Each row's best logits found on the test device (a kernel of ours on CUDA) are what the host
+/// twin finds in the same rows: ids, values and order, ties (coarse values) to the larger id.
+#[test]
+fn top_k_on_the_device_matches_the_host_twin() {
+    use antiphon_models::top_k::{top_k_host, Logits, TOP_K};
+    let dev = common::device();
+    for (n, v, dtype) in [(7, 151_936, DType::BF16), (3, 6562, DType::F32), (2, 10, DType::BF16)] {
+        let data: Vec<f32> = (0..n * v).map(|i| ((i * 7919 % 997) as f32 / 8.0).floor() - 40.0).collect();
+        let t = Tensor::from_vec(data, (n, v), &dev).unwrap().to_dtype(dtype).unwrap();
+        let logits = Logits::new(t.clone(), TOP_K).unwrap();
+        let rows = t.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
+        for (i, r) in rows.iter().enumerate() {
+            let want = top_k_host(r, TOP_K.min(v));
+            assert_eq!(logits.row(i).top(), &want[..], "{n}×{v} {dtype:?}, row {i}");
+            assert!(want.iter().all(|(_, x)| x.is_finite()));
         }
     }
 }

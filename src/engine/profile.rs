@@ -13,6 +13,8 @@ use antiphon_models::code2wav::dit::GraphPolicy;
 use antiphon_models::code2wav::prompt::Reference;
 use antiphon_models::code2wav::SILENCE_CODE;
 use antiphon_models::decoder::{DecodeMode, KvCache, StreamStep};
+use antiphon_models::sampling::{Sampler, SamplingParams};
+use antiphon_models::top_k::{Logits, TOP_K};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Timing {
@@ -170,6 +172,7 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
     {
         let mut g = llm.clone();
         g.set_decode_mode(DecodeMode::Graph);
+        g.set_ragged_prefill(true);
         for &b in batches {
             let pool = g.decoder().slot_pool(b, SLOT_CONTEXT.min(g.decoder().config().max_positions))?;
             g.decoder().warm_pool(&pool)?;
@@ -183,6 +186,70 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
                 let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
                 let h = g.forward(&mut steps)?;
                 std::hint::black_box(greedy_ids(&g.logits(&Tensor::cat(&h, 0)?)?)?);
+                for c in caches.iter_mut() {
+                    c.truncate(200);
+                }
+                Ok(())
+            })?;
+            // a prefill step as the server runs it: b prompt chunks of 30 positions, each after a
+            // 170-position prefix, in slots (one ragged batch) or in caches of their own (op by
+            // op, attention stream by stream)
+            let chunk = llm.embed(&prompt[170..])?;
+            let mut own: Vec<KvCache> = (0..b).map(|_| llm.new_cache()).collect();
+            for (c, o) in caches.iter_mut().zip(own.iter_mut()) {
+                c.truncate(170);
+                llm.forward(&mut [StreamStep { cache: o, embeds: llm.embed(&prompt[..170])? }])?;
+            }
+            rows.time("thinker prefill step in slots: b prompts x 30 positions (ragged batch)", b, iters, || {
+                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: chunk.clone() }).collect();
+                let h = g.forward(&mut steps)?;
+                std::hint::black_box(h[0].narrow(0, 29, 1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+                for c in caches.iter_mut() {
+                    c.truncate(170);
+                }
+                Ok(())
+            })?;
+            rows.time("thinker prefill step, own caches: b prompts x 30 positions (op by op)", b, iters, || {
+                let mut steps: Vec<StreamStep> = own.iter_mut().map(|c| StreamStep { cache: c, embeds: chunk.clone() }).collect();
+                let h = g.forward(&mut steps)?;
+                std::hint::black_box(h[0].narrow(0, 29, 1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+                for c in own.iter_mut() {
+                    c.truncate(170);
+                }
+                Ok(())
+            })?;
+            for c in caches.iter_mut() {
+                g.forward(&mut [StreamStep { cache: c, embeds: chunk.clone() }])?;
+            }
+            drop(own);
+            // the server's sampling (greedy, presence penalty over the prompt), two ways: every
+            // row's logits to the host, or each row's best candidates (top_k.rs)
+            let mut samplers: Vec<Sampler> = (0..b)
+                .map(|_| {
+                    let mut s = Sampler::new(SamplingParams::thinker_greedy(), 0);
+                    s.observe(&prompt);
+                    s
+                })
+                .collect();
+            rows.time("thinker decode step (slots, graph) + all logits to host, sampled there", b, iters, || {
+                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
+                let h = g.forward(&mut steps)?;
+                let l = g.logits(&Tensor::cat(&h, 0)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+                for (s, row) in samplers.iter_mut().zip(&l) {
+                    std::hint::black_box(s.sample(row, &[]));
+                }
+                for c in caches.iter_mut() {
+                    c.truncate(200);
+                }
+                Ok(())
+            })?;
+            rows.time("thinker decode step (slots, graph) + best 16 to host, sampled there (server)", b, iters, || {
+                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
+                let h = g.forward(&mut steps)?;
+                let l = Logits::new(g.logits(&Tensor::cat(&h, 0)?)?, TOP_K)?;
+                for (i, s) in samplers.iter_mut().enumerate() {
+                    std::hint::black_box(s.sample_row(&l.row(i), &[])?);
+                }
                 for c in caches.iter_mut() {
                     c.truncate(200);
                 }

@@ -72,8 +72,20 @@ pub fn qk_norm_rope_store_batch(
 }
 
 /// Attention of each stream's new position (its q, k, v heads in `heads`) against the positions
-/// `0..pos[b]` of its slot and itself. Returns `[B, hq, d]` in `heads`' dtype.
-pub fn decode_attention_batch(heads: &Tensor, hq: usize, hkv: usize, kc: &Tensor, vc: &Tensor, slots: &Tensor, pos: &Tensor) -> Result<Tensor> {
+/// `0..pos[b]` of its slot and itself. Returns `[B, hq, d]` in `heads`' dtype. `max_pos`, when the
+/// caller knows every `pos[b]` is at most it: the work is split over those positions only, not
+/// the whole capacity (a graph, replayed at any positions, passes `None`).
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention_batch(
+    heads: &Tensor,
+    hq: usize,
+    hkv: usize,
+    kc: &Tensor,
+    vc: &Tensor,
+    slots: &Tensor,
+    pos: &Tensor,
+    max_pos: Option<usize>,
+) -> Result<Tensor> {
     let (b, rows, d) = heads.dims3()?;
     let (_, khv, _, kd) = kc.dims4()?;
     if rows != hq + 2 * hkv
@@ -91,9 +103,11 @@ pub fn decode_attention_batch(heads: &Tensor, hq: usize, hkv: usize, kc: &Tensor
     }
     #[cfg(feature = "cuda")]
     if heads.device().is_cuda() {
-        let op = cuda::AttnBatch { kc: kc.clone(), vc: vc.clone(), slots: slots.contiguous()?, pos: pos.contiguous()?, hq, hkv };
+        let op = cuda::AttnBatch { kc: kc.clone(), vc: vc.clone(), slots: slots.contiguous()?, pos: pos.contiguous()?, hq, hkv, max_pos };
         return heads.contiguous()?.apply_op1_no_bwd(&op);
     }
+    // (the twin reads each row's own position)
+    let _ = max_pos;
     let (slots, pos) = (host_u32(slots)?, host_u32(pos)?);
     let mut out = Vec::with_capacity(b);
     for i in 0..b {
@@ -197,6 +211,7 @@ mod cuda {
         pub pos: Tensor,
         pub hq: usize,
         pub hkv: usize,
+        pub max_pos: Option<usize>,
     }
 
     impl AttnBatch {
@@ -213,7 +228,12 @@ mod cuda {
             let slots = view::<u32>(&ss, sl, "slots")?;
             let (ps, pl) = self.pos.storage_and_layout();
             let pos = view::<u32>(&ps, pl, "positions")?;
-            let s = cap.div_ceil(CHUNK);
+            // splits over the capacity, or over the positions up to `max_pos` (every row's
+            // position is below `s * CHUNK` either way)
+            let s = match self.max_pos {
+                Some(m) => (m.min(cap - 1) / CHUNK + 1).min(cap.div_ceil(CHUNK)),
+                None => cap.div_ceil(CHUNK),
+            };
             // SAFETY: the combine kernel reads only the splits that hold positions, each written
             // whole by the partial kernel; `out` is written whole by the combine kernel.
             let part_acc = unsafe { dev.alloc::<f32>(b * hq * s * d) }?;

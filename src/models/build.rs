@@ -13,7 +13,7 @@ fn cuda_kernels() {
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     println!("cargo:rerun-if-changed=kernels/common.cuh");
-    for name in ["batch_decode", "dit", "fused"] {
+    for name in ["batch_decode", "dit", "fused", "sample"] {
         let src = format!("kernels/{name}.cu");
         println!("cargo:rerun-if-changed={src}");
         let ptx = out.join(format!("{name}.ptx"));

@@ -55,6 +55,11 @@ impl Qwen3 {
         &self.model
     }
 
+    /// See [`Decoder::set_ragged_prefill`].
+    pub fn set_ragged_prefill(&mut self, on: bool) {
+        self.model.set_ragged_prefill(on);
+    }
+
     /// Token embeddings `[n, hidden]`; ids outside the vocabulary are an error.
     pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.vocab_size) {

@@ -31,6 +31,7 @@ use crate::{DuplexEvent, DuplexPolicy, DuplexSink, DuplexSpec, EngineEvent, Mode
 use antiphon_models::decoder::{KvCache, PooledCache};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::tokenizer::TextStream;
+use antiphon_models::top_k::LogitsRow;
 
 /// Text tokens a spoken unit carries at most (the reference policy's per-unit budget; part of the
 /// wire contract, so it lives in the protocol crate).
@@ -169,7 +170,7 @@ impl DuplexStream {
     }
 
     /// The unit was decided: listen, or speak (opening a turn when none is open).
-    fn decide(&mut self, ctx: &mut Ctx, unit: u64, arrived: Instant, logits: &[f32]) -> Result<()> {
+    fn decide(&mut self, ctx: &mut Ctx, unit: u64, arrived: Instant, logits: &LogitsRow) -> Result<()> {
         let s = *ctx.tok.special();
         let specials = s.all();
         let lag_ms = arrived.elapsed().as_secs_f64() * 1000.0;
@@ -179,7 +180,7 @@ impl DuplexStream {
                 (sp, if sp { s.speak } else { s.listen })
             }
             DuplexPolicy::Model => {
-                let t = self.sampler.sample(logits, &ctx.forbidden.duplex_decision);
+                let t = self.sampler.sample_row(logits, &ctx.forbidden.duplex_decision)?;
                 (t != s.listen, t)
             }
         };
@@ -253,13 +254,13 @@ impl DuplexStream {
     }
 
     /// The next text token of a spoken unit.
-    fn speak(&mut self, ctx: &mut Ctx, unit: u64, logits: &[f32]) -> Result<()> {
+    fn speak(&mut self, ctx: &mut Ctx, unit: u64, logits: &LogitsRow) -> Result<()> {
         let s = *ctx.tok.special();
         let forbid = match self.spec.policy {
             DuplexPolicy::SpeakEvery(_) => &ctx.forbidden.duplex_speech_forced,
             DuplexPolicy::Model => &ctx.forbidden.duplex_speech,
         };
-        let t = self.length.next(&mut self.sampler, logits, forbid);
+        let t = self.length.next_row(&mut self.sampler, logits, forbid)?;
         let ends = [s.chunk_eos, s.chunk_tts_eos, s.turn_eos, s.im_end];
         if ends.contains(&t) {
             if let Some(turn) = self.turn.as_mut() {
@@ -431,7 +432,7 @@ impl ThinkerStream for DuplexStream {
     }
 
     /// The decision of a unit, or the next text token of a spoken unit.
-    fn on_logits(&mut self, ctx: &mut Ctx, logits: &[f32]) -> Result<()> {
+    fn on_logits(&mut self, ctx: &mut Ctx, logits: &LogitsRow) -> Result<()> {
         match self.phase {
             Phase::Unit { unit, arrived } => self.decide(ctx, unit, arrived, logits),
             Phase::Decode { unit, speaking: true, end: false, .. } => self.speak(ctx, unit, logits),

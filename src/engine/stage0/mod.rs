@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
 use super::caches::StageCaches;
 use super::prefix::PrefixStore;
@@ -24,6 +24,7 @@ use antiphon_models::code2wav::prompt::PROMPT_SECONDS;
 use antiphon_models::decoder::{KvCache, StreamStep};
 use antiphon_models::thinker::Thinker;
 use antiphon_models::tokenizer::{Forbidden, TextTokenizer};
+use antiphon_models::top_k::{Logits, LogitsRow, TOP_K};
 use duplex::DuplexStream;
 use turn::TurnStream;
 
@@ -81,8 +82,9 @@ pub trait ThinkerStream {
     fn cache(&mut self) -> &mut KvCache;
     /// After the forward, with the hidden rows of what it fed: the row to take logits of, if any.
     fn after_forward(&mut self, ctx: &mut Ctx, hidden: &Tensor) -> Result<Option<Tensor>>;
-    /// Its logits: sample the next token and hand on what is due.
-    fn on_logits(&mut self, ctx: &mut Ctx, logits: &[f32]) -> Result<()>;
+    /// Its logits (its best candidates on the host, the whole row on demand): sample the next
+    /// token and hand on what is due.
+    fn on_logits(&mut self, ctx: &mut Ctx, logits: &LogitsRow) -> Result<()>;
     /// At the end of every step it took part in.
     fn after_step(&mut self, _ctx: &mut Ctx) -> Result<()> {
         Ok(())
@@ -233,13 +235,14 @@ impl Stage0 {
         }
         if !want.is_empty() {
             let last = Tensor::cat(&want.iter().map(|(_, h)| h.clone()).collect::<Vec<_>>(), 0);
-            let logits = last.and_then(|l| ctx.thinker.llm.logits(&l)?.to_dtype(DType::F32)?.to_vec2::<f32>());
+            // only each row's best candidates come to the host (top_k.rs)
+            let logits = last.and_then(|l| Logits::new(ctx.thinker.llm.logits(&l)?, TOP_K));
             synced = t0.elapsed();
             match logits {
                 Ok(logits) => {
-                    for ((k, _), l) in want.into_iter().zip(logits) {
+                    for (j, (k, _)) in want.into_iter().enumerate() {
                         let s = &mut picked[k].0;
-                        if let Err(e) = s.on_logits(ctx, &l) {
+                        if let Err(e) = s.on_logits(ctx, &logits.row(j)) {
                             s.fail(ctx, &format!("thinker sampling: {e:#}"));
                         }
                     }

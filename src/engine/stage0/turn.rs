@@ -14,6 +14,7 @@ use crate::{Mode, RequestId, RequestSpec, Stage1Msg, UserInput};
 use antiphon_models::decoder::{KvCache, PooledCache};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::tokenizer::{handoff_range, Message, Part, Role, TextStream};
+use antiphon_models::top_k::LogitsRow;
 
 /// The fewest shared positions worth a copy from the prefix store.
 const MIN_SHARED: usize = 8;
@@ -296,12 +297,12 @@ impl ThinkerStream for TurnStream {
         Ok(Some(hidden.narrow(0, rows - 1, 1)?))
     }
 
-    fn on_logits(&mut self, ctx: &mut Ctx, logits: &[f32]) -> Result<()> {
+    fn on_logits(&mut self, ctx: &mut Ctx, logits: &LogitsRow) -> Result<()> {
         if !ctx.registry.is_live(&self.id) {
             self.done = true;
             return Ok(());
         }
-        let tok = self.length.next(&mut self.sampler, logits, &ctx.forbidden.reply);
+        let tok = self.length.next_row(&mut self.sampler, logits, &ctx.forbidden.reply)?;
         let s = ctx.tok.special();
         if tok == s.tts_eos || tok == s.im_end {
             return self.hand_off(ctx);

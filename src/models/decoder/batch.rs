@@ -99,9 +99,14 @@ impl SlotPool {
     }
 }
 
-/// The pool of the first stream that advances one position over a slot, if any.
-pub(super) fn pool_of_decoders(streams: &[super::StreamStep<'_>]) -> Option<Arc<PoolInner>> {
-    streams.iter().find(|s| s.embeds.dim(0).ok() == Some(1) && s.cache.slot.is_some()).and_then(|s| s.cache.slot.as_ref()).map(|l| l.pool.clone())
+/// The pool of the first stream whose cache is a slot, if any.
+pub(super) fn pool_of_slots(streams: &[super::StreamStep<'_>]) -> Option<Arc<PoolInner>> {
+    streams.iter().find_map(|s| s.cache.slot.as_ref()).map(|l| l.pool.clone())
+}
+
+/// Whether the stream's cache is a slot of `pool` (it advances by any number of positions).
+pub(super) fn in_slots_of(s: &super::StreamStep<'_>, pool: &Arc<PoolInner>) -> bool {
+    s.cache.slot.as_ref().is_some_and(|l| Arc::ptr_eq(&l.pool, pool))
 }
 
 /// Whether the stream advances one position over a slot of `pool`.
@@ -201,7 +206,7 @@ impl Decoder {
     /// The batched step's kernels: reads only `st`'s buffers and the pool, writes the pool at
     /// each row's slot and position, and `st.out`.
     fn batch_body(&self, pool: &PoolInner, st: &BatchStep) -> Result<()> {
-        let h = self.run_layers(st.x_in.clone(), |li, attn, h| attn.forward_batch(h, &self.rope, &pool.layers[li], &st.slots, &st.pos))?;
+        let h = self.run_layers(st.x_in.clone(), |li, attn, h| attn.forward_batch(h, &self.rope, &pool.layers[li], &st.slots, &st.pos, None))?;
         st.out.slice_set(&h, 0, 0)
     }
 
@@ -241,15 +246,61 @@ impl Decoder {
     }
 }
 
+impl Decoder {
+    /// Streams in slots of `pool` advancing by any number of positions (prompt chunks beside
+    /// one-position steps) as one batch of rows: row r is a position of its stream, its K/V go to
+    /// the stream's slot at that position before attention reads the positions up to it, so a
+    /// prompt chunk attends causally within itself. The same kernels as the decode step, run op by
+    /// op over the step's rows (no bucket, no graph): one set of launches for every stream of the
+    /// step, where the op-by-op path attended stream by stream.
+    pub(super) fn ragged_batch(&self, pool: &PoolInner, streams: &mut [super::StreamStep<'_>]) -> Result<Vec<Tensor>> {
+        let mut slots = Vec::new();
+        let mut pos = Vec::new();
+        let mut spans = Vec::with_capacity(streams.len());
+        for s in streams.iter() {
+            let (len, n) = (s.cache.len(), s.embeds.dim(0)?);
+            if n == 0 {
+                candle_core::bail!("a stream step needs at least one new position");
+            }
+            if len + n > pool.cap {
+                candle_core::bail!("a stream's slot holds {} positions; {} do not fit", pool.cap, len + n);
+            }
+            let slot = s.cache.slot.as_ref().expect("in the pool").index as u32;
+            spans.push((slots.len(), n));
+            slots.extend(std::iter::repeat_n(slot, n));
+            pos.extend((len..len + n).map(|p| p as u32));
+        }
+        let rows: Vec<&Tensor> = streams.iter().map(|s| &s.embeds).collect();
+        let x = if rows.len() == 1 { rows[0].contiguous()? } else { Tensor::cat(&rows, 0)? }.to_dtype(self.dtype)?;
+        let max_pos = pos.iter().max().map(|&p| p as usize);
+        let slots = Tensor::new(slots.as_slice(), &self.device)?;
+        let pos = Tensor::new(pos.as_slice(), &self.device)?;
+        let h = self.run_layers(x, |li, attn, h| attn.forward_batch(h, &self.rope, &pool.layers[li], &slots, &pos, max_pos))?;
+        for (s, &(_, n)) in streams.iter_mut().zip(&spans) {
+            s.cache.advance(n);
+        }
+        spans.iter().map(|&(start, n)| h.narrow(0, start, n)).collect()
+    }
+}
+
 impl Attention {
     /// One position of each row's stream over its slot of the pool `kv` (`[slots + 1, hkv, cap,
     /// d]` each): the new K/V go to the row's position, attention reads the positions up to it.
-    pub(super) fn forward_batch(&self, x: &Tensor, rope: &Rope, kv: &(Tensor, Tensor), slots: &Tensor, pos: &Tensor) -> Result<Tensor> {
+    /// `max_pos`: the highest position of any row, when known on the host (not in a graph).
+    pub(super) fn forward_batch(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        kv: &(Tensor, Tensor),
+        slots: &Tensor,
+        pos: &Tensor,
+        max_pos: Option<usize>,
+    ) -> Result<Tensor> {
         let (d, hq, hkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
         let b = x.dim(0)?;
         let qkv = self.qkv_proj.forward(x)?.reshape((b, hq + 2 * hkv, d))?;
         let heads = qk_norm_rope_store_batch(&qkv, hq, hkv, self.qk_norm.as_ref(), self.eps, rope, slots, pos, &kv.0, &kv.1)?;
-        let o = decode_attention_batch(&heads, hq, hkv, &kv.0, &kv.1, slots, pos)?;
+        let o = decode_attention_batch(&heads, hq, hkv, &kv.0, &kv.1, slots, pos, max_pos)?;
         self.o_proj.forward(&o.reshape((b, hq * d))?)
     }
 }

@@ -343,7 +343,7 @@ impl Attention {
     /// the position in `pos` (`[1]` u32, on the device), attention over the positions up to it.
     fn forward_static(&self, x: &Tensor, rope: &Rope, kv: &(Tensor, Tensor), slot0: &Tensor, pos: &Tensor) -> Result<Tensor> {
         let one = (kv.0.unsqueeze(0)?, kv.1.unsqueeze(0)?);
-        self.forward_batch(x, rope, &one, slot0, pos)
+        self.forward_batch(x, rope, &one, slot0, pos, None)
     }
 }
 
@@ -399,6 +399,9 @@ pub struct Decoder {
     /// The dtype of activations and KV.
     dtype: DType,
     mode: DecodeMode,
+    /// Streams in slots that advance by several positions (prompt chunks) join the batched
+    /// step's rows ([`Decoder::set_ragged_prefill`]).
+    ragged: bool,
 }
 
 impl Decoder {
@@ -416,12 +419,21 @@ impl Decoder {
         }
         let norm = Norm::load(vb.pp("norm"), cfg.hidden_size, cfg.rms_norm_eps)?;
         let rope = Rope::new(cfg.head_dim, cfg.rope_theta, cfg.max_positions, vb.dtype(), vb.device())?;
-        Ok(Self { layers, norm, rope, cfg: *cfg, device: vb.device().clone(), dtype: vb.dtype(), mode: DecodeMode::Eager })
+        let ragged = vb.device().is_cuda();
+        Ok(Self { layers, norm, rope, cfg: *cfg, device: vb.device().clone(), dtype: vb.dtype(), mode: DecodeMode::Eager, ragged })
     }
 
     /// How one-stream, one-position steps run (see [`DecodeMode`]).
     pub fn set_decode_mode(&mut self, mode: DecodeMode) {
         self.mode = mode;
+    }
+
+    /// Whether prompt chunks of streams in slots run in the batched step's rows (one ragged batch,
+    /// `batch.rs`) rather than op by op with attention stream by stream. On by default on CUDA,
+    /// where it is one set of kernel launches for the whole step; off on the CPU, whose twin of
+    /// the batched attention goes row by row and is slower there than attention per stream.
+    pub fn set_ragged_prefill(&mut self, on: bool) {
+        self.ragged = on;
     }
 
     pub fn config(&self) -> &DecoderConfig {
@@ -461,13 +473,19 @@ impl Decoder {
         if let Some(pool) = self.batchable(streams) {
             return self.decode_batch(&pool, streams);
         }
-        if let Some(pool) = self.mode.ne(&DecodeMode::Eager).then(|| batch::pool_of_decoders(streams)).flatten() {
+        if let Some(pool) = self.mode.ne(&DecodeMode::Eager).then(|| batch::pool_of_slots(streams)).flatten() {
+            // the streams in slots of one pool, prefilling or not (with ragged prefill), in one
+            // batch; the others op by op beside it
             let mut batched = Vec::new();
             let mut rest = Vec::new();
             let mut order = Vec::with_capacity(streams.len());
+            let joins = |s: &StreamStep<'_>| if self.ragged { batch::in_slots_of(s, &pool) } else { batch::in_pool(s, &pool) };
+            if !streams.iter().any(|s| joins(s)) {
+                return self.forward_eager(streams);
+            }
             for s in streams.iter_mut() {
                 let one = StreamStep { cache: &mut *s.cache, embeds: s.embeds.clone() };
-                if batch::in_pool(&one, &pool) {
+                if joins(&one) {
                     order.push((true, batched.len()));
                     batched.push(one);
                 } else {
@@ -475,7 +493,11 @@ impl Decoder {
                     rest.push(one);
                 }
             }
-            let a = self.decode_batch(&pool, &mut batched)?;
+            let a = if batched.iter().all(|s| batch::in_pool(s, &pool)) {
+                self.decode_batch(&pool, &mut batched)?
+            } else {
+                self.ragged_batch(&pool, &mut batched)?
+            };
             let b = self.forward_eager(&mut rest)?;
             return Ok(order.into_iter().map(|(fast, i)| if fast { a[i].clone() } else { b[i].clone() }).collect());
         }
