@@ -480,7 +480,7 @@ impl Decoder {
             let mut rest = Vec::new();
             let mut order = Vec::with_capacity(streams.len());
             let joins = |s: &StreamStep<'_>| if self.ragged { batch::in_slots_of(s, &pool) } else { batch::in_pool(s, &pool) };
-            if !streams.iter().any(|s| joins(s)) {
+            if !streams.iter().any(&joins) {
                 return self.forward_eager(streams);
             }
             for s in streams.iter_mut() {
