@@ -200,7 +200,7 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
                 c.truncate(170);
                 llm.forward(&mut [StreamStep { cache: o, embeds: llm.embed(&prompt[..170])? }])?;
             }
-            rows.time("thinker prefill step in slots: b prompts x 30 positions (ragged batch)", b, iters, || {
+            rows.time("thinker prefill step in slots: b prompts x 30 positions (one batch when b > 1)", b, iters, || {
                 let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: chunk.clone() }).collect();
                 let h = g.forward(&mut steps)?;
                 std::hint::black_box(h[0].narrow(0, 29, 1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);

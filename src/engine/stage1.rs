@@ -299,9 +299,11 @@ impl StageLoop for Stage1 {
                     return;
                 }
                 // a small first chunk while few streams share the Talker (first audio sooner);
-                // under load a full one (its audio covers the next chunk's wait)
+                // under load a full one (its audio covers the next chunk's wait). A duplex turn's
+                // first chunk is always a full one: its codes come a unit at a time, and a small
+                // chunk's audio would end long before the next unit's codes fill the next chunk.
                 let busy = self.reqs.len() + 1 > self.cfg.small_first_chunk_streams;
-                let first = if busy { self.cfg.chunk_codes } else { self.cfg.first_chunk_codes };
+                let first = if busy || mode == Mode::Duplex { self.cfg.chunk_codes } else { self.cfg.first_chunk_codes };
                 let cache = match self.caches.take(self.talker.decoder(), need) {
                     Ok(c) => c,
                     Err(e) => {

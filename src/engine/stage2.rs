@@ -67,12 +67,26 @@ impl Live {
     }
 }
 
+/// When a chunk is due to start: a stream that plays, one step (`lead`, the recent step time)
+/// before its listener's buffer runs dry; a chunk 0 (nothing played yet) as soon as it came, since
+/// first audio is due at once. Earliest first, chunk 0s among the others: a playing stream whose
+/// buffer runs dry within a step goes before the chunk 0s that came after that moment, so a
+/// small first chunk's next one does not wait behind every newer stream's chunk 0.
+fn due(deadline: Option<Instant>, queued: Instant, lead: Duration) -> Instant {
+    match deadline {
+        Some(d) => d.checked_sub(lead).unwrap_or(d),
+        None => queued,
+    }
+}
+
 struct ChunkWork {
     id: RequestId,
     seq: usize,
     codes: Vec<u32>,
     last: bool,
     reference: Option<RefInput>,
+    /// When it reached Stage 2.
+    queued: Instant,
 }
 
 /// What an idle step did (for tests and metrics).
@@ -98,6 +112,9 @@ pub struct Stage2 {
     prev_idle: bool,
     /// Whether the graphs of every batch size were captured (at the first setup).
     graphs_warm: bool,
+    /// Recent work-step time (a moving average): how long before a playing stream's buffer runs
+    /// dry its next chunk must start.
+    step_estimate: Duration,
     /// Open duplex sessions (each a live duplex stream for the busy gate).
     duplex: std::collections::HashSet<String>,
 }
@@ -116,6 +133,7 @@ impl Stage2 {
             queue: VecDeque::new(),
             prev_idle: false,
             graphs_warm: false,
+            step_estimate: Duration::ZERO,
             duplex: Default::default(),
         }
     }
@@ -364,7 +382,8 @@ impl Stage2 {
             }
         }
         // (stable: equal deadlines keep their arrival order)
-        next.sort_by_key(|c| self.live.get(&c.id).and_then(Live::deadline));
+        let lead = self.step_estimate;
+        next.sort_by_key(|c| due(self.live.get(&c.id).and_then(Live::deadline), c.queued, lead));
         let keep = next.split_off(next.len().min(self.cfg.code2wav_max_batch));
         let ready = next;
         for c in keep.into_iter().rev() {
@@ -450,7 +469,9 @@ impl Stage2 {
                 }
             }
         }
-        self.metrics.step_seconds.with_label_values(&["code2wav"]).observe(t0.elapsed().as_secs_f64());
+        let took = t0.elapsed();
+        self.step_estimate = if self.step_estimate.is_zero() { took } else { (self.step_estimate * 3 + took) / 4 };
+        self.metrics.step_seconds.with_label_values(&["code2wav"]).observe(took.as_secs_f64());
         self.metrics.batch_size.with_label_values(&["code2wav"]).observe(batch_total as f64);
         true
     }
@@ -475,7 +496,7 @@ impl StageLoop for Stage2 {
                 self.waiting.push(Waiting { id, reference, phase: Phase::Queued });
             }
             Stage2Msg::Chunk { id, seq, codes, last, reference } => {
-                self.queue.push_back(ChunkWork { id, seq, codes, last, reference });
+                self.queue.push_back(ChunkWork { id, seq, codes, last, reference, queued: Instant::now() });
             }
             Stage2Msg::Cancel(id) => self.abort(&id),
             Stage2Msg::DuplexOpen(s) => {
@@ -498,5 +519,23 @@ impl StageLoop for Stage2 {
 
     fn idle(&mut self) {
         self.idle_step();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A playing stream whose buffer runs dry within a step goes before a chunk 0 that came just
+    /// now; one with a second of audio left goes after it; chunk 0s keep their arrival order.
+    #[test]
+    fn chunks_due_before_a_buffer_runs_dry_go_first() {
+        let now = Instant::now();
+        let lead = Duration::from_millis(300);
+        let chunk0_early = due(None, now, lead);
+        let chunk0_late = due(None, now + Duration::from_millis(50), lead);
+        let dry_soon = due(Some(now + Duration::from_millis(200)), now - Duration::from_secs(1), lead);
+        let dry_later = due(Some(now + Duration::from_secs(1)), now - Duration::from_secs(1), lead);
+        assert!(dry_soon < chunk0_early && chunk0_early < chunk0_late && chunk0_late < dry_later);
     }
 }
