@@ -267,10 +267,12 @@ impl Stage1 {
                 self.registry.add_codes(&id, 1);
                 if let Some(p) = r.chunker.push(code) {
                     let r = &self.reqs[&id];
+                    tracing::debug!(request = %id, seq = p.seq, codes = p.codes.len(), "talker chunk out");
                     self.send(&id, r, p);
                 }
             }
         }
+        tracing::debug!(streams = n, paced = self.paced, ms = t0.elapsed().as_secs_f64() * 1e3, "talker step");
         self.metrics.step_seconds.with_label_values(&["talker"]).observe(t0.elapsed().as_secs_f64());
         self.metrics.batch_size.with_label_values(&["talker"]).observe(n as f64);
         Ok(true)

@@ -417,14 +417,20 @@ impl Stage2 {
             }
         }
         let mut batch_total = 0;
-        for (_, last, group) in groups {
+        for (len, last, group) in groups {
             batch_total += group.len();
+            let tg = Instant::now();
             let mut states: Vec<(RequestId, Live)> = group.iter().map(|c| (c.id.clone(), self.live.remove(&c.id).expect("live"))).collect();
             let out = {
                 let mut refs: Vec<&mut StreamState> = states.iter_mut().map(|(_, l)| &mut l.stream).collect();
                 let codes: Vec<&[u32]> = group.iter().map(|c| c.codes.as_slice()).collect();
                 self.model.chunk_batch(&mut refs, &codes, last)
             };
+            if tracing::enabled!(tracing::Level::DEBUG) {
+                let chunks: Vec<String> = group.iter().map(|c| format!("{}#{}", c.id, c.seq)).collect();
+                let ms = tg.elapsed().as_secs_f64() * 1e3;
+                tracing::debug!(codes = len, last, batch = group.len(), ms, chunks = %chunks.join(" "), "code2wav group (ms: its flow and vocoder)");
+            }
             match out {
                 Ok(audio) => {
                     for ((c, (id, mut live)), a) in group.into_iter().zip(states).zip(audio) {
