@@ -247,6 +247,35 @@ impl Decoder {
 }
 
 impl Decoder {
+    /// A step where some streams hold slots of `pool`: those in one batch (one-position steps, and
+    /// with ragged prefill the prompt chunks too), the others op by op beside it.
+    pub(super) fn forward_slots(&self, pool: &Arc<PoolInner>, streams: &mut [super::StreamStep<'_>]) -> Result<Vec<Tensor>> {
+        use super::StreamStep;
+        // (a lone stream in a slot prefilling runs op by op: measured no faster batched)
+        let ragged = self.ragged && streams.iter().filter(|s| in_slots_of(s, pool)).count() > 1;
+        let joins = |s: &StreamStep<'_>| if ragged { in_slots_of(s, pool) } else { in_pool(s, pool) };
+        if !streams.iter().any(&joins) {
+            return self.forward_eager(streams);
+        }
+        let mut batched = Vec::new();
+        let mut rest = Vec::new();
+        let mut order = Vec::with_capacity(streams.len());
+        for s in streams.iter_mut() {
+            let one = StreamStep { cache: &mut *s.cache, embeds: s.embeds.clone() };
+            if joins(&one) {
+                order.push((true, batched.len()));
+                batched.push(one);
+            } else {
+                order.push((false, rest.len()));
+                rest.push(one);
+            }
+        }
+        let a =
+            if batched.iter().all(|s| in_pool(s, pool)) { self.decode_batch(pool, &mut batched)? } else { self.ragged_batch(pool, &mut batched)? };
+        let b = self.forward_eager(&mut rest)?;
+        Ok(order.into_iter().map(|(fast, i)| if fast { a[i].clone() } else { b[i].clone() }).collect())
+    }
+
     /// Streams in slots of `pool` advancing by any number of positions (prompt chunks beside
     /// one-position steps) as one batch of rows: row r is a position of its stream, its K/V go to
     /// the stream's slot at that position before attention reads the positions up to it, so a

@@ -474,41 +474,14 @@ impl Decoder {
             return self.decode_batch(&pool, streams);
         }
         if let Some(pool) = self.mode.ne(&DecodeMode::Eager).then(|| batch::pool_of_slots(streams)).flatten() {
-            // the streams in slots of one pool, prefilling or not (with ragged prefill), in one
-            // batch; the others op by op beside it
-            let mut batched = Vec::new();
-            let mut rest = Vec::new();
-            let mut order = Vec::with_capacity(streams.len());
-            // (a lone stream in a slot prefilling runs op by op: measured no faster batched)
-            let ragged = self.ragged && streams.iter().filter(|s| batch::in_slots_of(s, &pool)).count() > 1;
-            let joins = |s: &StreamStep<'_>| if ragged { batch::in_slots_of(s, &pool) } else { batch::in_pool(s, &pool) };
-            if !streams.iter().any(&joins) {
-                return self.forward_eager(streams);
-            }
-            for s in streams.iter_mut() {
-                let one = StreamStep { cache: &mut *s.cache, embeds: s.embeds.clone() };
-                if joins(&one) {
-                    order.push((true, batched.len()));
-                    batched.push(one);
-                } else {
-                    order.push((false, rest.len()));
-                    rest.push(one);
-                }
-            }
-            let a = if batched.iter().all(|s| batch::in_pool(s, &pool)) {
-                self.decode_batch(&pool, &mut batched)?
-            } else {
-                self.ragged_batch(&pool, &mut batched)?
-            };
-            let b = self.forward_eager(&mut rest)?;
-            return Ok(order.into_iter().map(|(fast, i)| if fast { a[i].clone() } else { b[i].clone() }).collect());
+            return self.forward_slots(&pool, streams);
         }
         self.forward_eager(streams)
     }
 
     /// [`Decoder::forward`] without the batched step: one stream by one position over its own
     /// cache's fixed buffers ([`DecodeMode::Static`] / [`DecodeMode::Graph`]), or op by op.
-    fn forward_eager(&self, streams: &mut [StreamStep<'_>]) -> Result<Vec<Tensor>> {
+    pub(super) fn forward_eager(&self, streams: &mut [StreamStep<'_>]) -> Result<Vec<Tensor>> {
         if streams.is_empty() {
             return Ok(vec![]);
         }
