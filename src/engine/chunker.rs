@@ -2,6 +2,12 @@
 //! silence code for the first) followed by new codes — `first` of them in the first payload (a
 //! smaller first chunk cuts first-audio time), `size` in every later one; the final flush sends
 //! whatever is pending, flagged last.
+//!
+//! A holding chunker ([`Chunker::holding`], turn mode) sends a complete chunk only when the next
+//! code comes: when the stream ends instead, that chunk goes out as the last one. Without the
+//! hold, a reply whose codes end on a chunk boundary needed one more chunk of no new codes (the
+//! context alone, to flush the flow's look-ahead): a whole Code2Wav step for nothing, and one of
+//! the slowest shapes it runs.
 
 /// One hand-off to Stage 2.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -19,13 +25,25 @@ pub struct Chunker {
     pending: Vec<u32>,
     seq: usize,
     flushed: bool,
+    hold: bool,
 }
 
 impl Chunker {
     /// `first` outside `1..size` means "same as `size`".
     pub fn new(first: usize, size: usize, context: usize, silence: u32) -> Self {
         let first = if first > 0 && first < size { first } else { size };
-        Self { first, size: size.max(1), context: vec![silence; context], pending: Vec::new(), seq: 0, flushed: false }
+        Self { first, size: size.max(1), context: vec![silence; context], pending: Vec::new(), seq: 0, flushed: false, hold: false }
+    }
+
+    /// Holds each complete chunk until the next code comes (see the module documentation).
+    pub fn holding(mut self) -> Self {
+        self.hold = true;
+        self
+    }
+
+    /// Codes a stream makes beyond a chunk before that chunk goes out (1 when holding).
+    pub fn held_codes(&self) -> usize {
+        usize::from(self.hold)
     }
 
     /// New codes in the first payload.
@@ -47,10 +65,15 @@ impl Chunker {
             return None;
         }
         self.pending.push(code);
-        if self.pending.len() < self.want() {
+        let want = self.want();
+        if self.pending.len() < want + self.held_codes() {
             return None;
         }
-        Some(self.emit(false))
+        // (holding: the code beyond the complete chunk starts the next one)
+        let next = self.pending.split_off(want);
+        let p = self.emit(false);
+        self.pending = next;
+        Some(p)
     }
 
     fn emit(&mut self, last: bool) -> Payload {
@@ -107,6 +130,33 @@ mod tests {
         let second = c.push(29).unwrap();
         assert_eq!(second.codes.len(), 28);
         assert_eq!(&second.codes[..3], &[2, 3, 4]);
+    }
+
+    /// Holding: the same payloads, each sent one code later, and a reply that ends on a chunk
+    /// boundary ends with that chunk flagged last (no chunk of context alone).
+    #[test]
+    fn a_holding_chunker_sends_the_same_chunks_and_ends_on_the_boundary() {
+        for (first, n) in [(25, 60), (8, 83), (25, 100), (8, 108), (25, 1)] {
+            let (mut plain, mut held) = (Chunker::new(first, 25, 3, 4218), Chunker::new(first, 25, 3, 4218).holding());
+            let mut a: Vec<Payload> = (0..n).filter_map(|i| plain.push(i)).collect();
+            let mut b = Vec::new();
+            for i in 0..n {
+                let p = held.push(i);
+                // a chunk goes out with the code after it, not with its own last code
+                assert_eq!(p.is_some(), i > 0 && a.iter().any(|x| *x.codes.last().unwrap() == i - 1), "first {first}, code {i}");
+                b.extend(p);
+            }
+            a.extend(plain.flush());
+            b.extend(held.flush());
+            let boundary = a.last().unwrap().codes.len() == 3;
+            if boundary {
+                // plain: the boundary chunk, then the context alone; holding: the chunk, last
+                let tail = a.pop().unwrap();
+                assert!(tail.last && tail.codes.len() == 3 && a.last().unwrap().codes.ends_with(&tail.codes));
+                a.last_mut().unwrap().last = true;
+            }
+            assert_eq!(a, b, "first {first}, {n} codes");
+        }
     }
 
     #[test]

@@ -164,7 +164,7 @@ impl Stage1 {
                 if let (Some(lead), None) = (self.cfg.talker_lead_chunks, &r.duplex) {
                     // (a request that just ended is dropped by the next step's sweep)
                     let Some(delivered) = self.registry.chunks_if_live(id) else { continue };
-                    if r.codes >= self.pacing_limit(r.chunker.first(), delivered, lead) {
+                    if r.codes >= self.pacing_limit(r.chunker.first(), delivered, lead) + r.chunker.held_codes() {
                         self.paced = true;
                         continue;
                     }
@@ -323,7 +323,15 @@ impl StageLoop for Stage1 {
                     last_code: None,
                     sampler: Sampler::new(self.cfg.talker_sampling.clone(), seed),
                     length: LengthPolicy::new(vec![self.talker.eos_code()], min_codes, max_codes),
-                    chunker: Chunker::new(first, self.cfg.chunk_codes, self.cfg.context_codes, SILENCE_CODE),
+                    chunker: {
+                        let c = Chunker::new(first, self.cfg.chunk_codes, self.cfg.context_codes, SILENCE_CODE);
+                        // (a duplex turn's codes stop at each unit's end: its chunks go out at once)
+                        if mode == Mode::Turn {
+                            c.holding()
+                        } else {
+                            c
+                        }
+                    },
                     codes: 0,
                     duplex: (mode == Mode::Duplex).then(DuplexTalk::default),
                 };
