@@ -30,7 +30,6 @@ const CODES: &[&str] = &[
     "message_too_large",
     "journal_overflow",
     "internal",
-    "context_full",
 ];
 
 const EVENTS: &[&str] = &[
