@@ -500,3 +500,21 @@ fn top_k_on_the_device_matches_the_host_twin() {
         }
     }
 }
+
+/// Idle caches stay within their pool's byte budget: the largest go first, and a cache larger
+/// than the whole budget is freed when its stream ends.
+#[test]
+fn idle_caches_stay_within_the_byte_budget() {
+    let (thinker, _) = models();
+    let dec = thinker.llm.decoder();
+    let one = dec.cache_with_capacity(64).unwrap().bytes();
+    let pool = CachePool::with_budget(8, 64, 3 * one);
+    {
+        let caches: Vec<_> = [64, 64, 128, 64].iter().map(|&n| pool.take(dec, n).unwrap()).collect();
+        assert_eq!(caches[2].bytes(), 2 * one);
+    }
+    // 1 + 1 + 2 + 1 units came back to a budget of 3: the 128-position cache went
+    assert_eq!((pool.idle(), pool.idle_bytes()), (3, 3 * one));
+    drop(pool.take(dec, 64 * 4).unwrap());
+    assert_eq!(pool.idle_bytes(), 3 * one, "a cache larger than the budget is not kept");
+}

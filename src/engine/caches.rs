@@ -14,9 +14,10 @@ pub struct StageCaches {
 
 impl StageCaches {
     /// `slots` streams of `slot_context` positions (clamped to the model's context; 0 slots: none),
-    /// and a pool of `pooled` idle caches rounded to `quantum` positions. With a batched decode
-    /// mode, every batch size's step is captured now, so no request pays a capture.
-    pub fn new(dec: &Decoder, pooled: usize, quantum: usize, slots: usize, slot_context: usize) -> Result<Self> {
+    /// and a pool of `pooled` idle caches rounded to `quantum` positions, holding at most
+    /// `idle_bytes` together. With a batched decode mode, every batch size's step is captured now,
+    /// so no request pays a capture.
+    pub fn new(dec: &Decoder, pooled: usize, quantum: usize, idle_bytes: usize, slots: usize, slot_context: usize) -> Result<Self> {
         let slots = if slots == 0 {
             None
         } else {
@@ -28,7 +29,7 @@ impl StageCaches {
             tracing::info!(slots, positions = ctx, mib = pool.bytes() >> 20, "KV slot pool");
             Some(pool)
         };
-        Ok(Self { pooled: CachePool::with_quantum(pooled, quantum), slots })
+        Ok(Self { pooled: CachePool::with_budget(pooled, quantum, idle_bytes), slots })
     }
 
     /// An empty cache with room for `need` positions.

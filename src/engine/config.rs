@@ -43,6 +43,11 @@ pub struct EngineConfig {
     /// finished turns (prompt + reply) for their conversation's next prompt. A new prompt starts
     /// from the entry it shares the most leading ids with.
     pub thinker_prefix_cache: usize,
+    /// ...holding at most this many MiB of KV together (the least recently used go first).
+    pub thinker_prefix_mib: usize,
+    /// Idle KV caches each stage keeps for its next streams (beyond its slots) hold at most this
+    /// many MiB together; a cache that would pass it is freed instead.
+    pub idle_cache_mib: usize,
     /// KV slots allocated at start-up for Thinker streams (0: none), each with room for
     /// `thinker_slot_context` positions: streams in slots decode in one batched step (on CUDA a
     /// graph per batch size); a stream that finds no free slot, or needs more, gets a cache of
@@ -122,6 +127,8 @@ impl Default for EngineConfig {
             talker_lead_chunks: Some(1),
             talker_hold_first_chunk: false,
             thinker_prefix_cache: 16,
+            thinker_prefix_mib: 1024,
+            idle_cache_mib: 1024,
             thinker_slots: 16,
             thinker_slot_context: 4096,
             talker_slots: 32,

@@ -20,13 +20,16 @@ pub struct Entry<V> {
     /// The ids the value holds, from position 0.
     pub ids: Vec<u32>,
     pub value: V,
+    /// What the value holds in memory.
+    pub bytes: usize,
 }
 
-/// Least recently used first out, at most `cap` entries.
+/// Least recently used first out, at most `cap` entries holding at most `max_bytes` together.
 #[derive(Debug)]
 pub struct PrefixStore<V> {
     entries: VecDeque<Entry<V>>,
     cap: usize,
+    max_bytes: usize,
 }
 
 /// Positions `a` and `b` share from the start.
@@ -35,8 +38,13 @@ pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 impl<V> PrefixStore<V> {
-    pub fn new(cap: usize) -> Self {
-        Self { entries: VecDeque::new(), cap }
+    pub fn new(cap: usize, max_bytes: usize) -> Self {
+        Self { entries: VecDeque::new(), cap, max_bytes }
+    }
+
+    /// Bytes the entries hold.
+    pub fn bytes(&self) -> usize {
+        self.entries.iter().map(|e| e.bytes).sum()
     }
 
     pub fn len(&self) -> usize {
@@ -71,15 +79,19 @@ impl<V> PrefixStore<V> {
         self.entries.iter().any(|e| e.voice == voice && e.ids.len() >= ids.len() && common_prefix(&e.ids, ids) == ids.len())
     }
 
-    /// Adds an entry as the most recent. Entries it holds entirely are dropped (it answers every
-    /// lookup they would), then the least recent beyond the capacity.
-    pub fn insert(&mut self, voice: u64, ids: Vec<u32>, value: V) {
-        if self.cap == 0 {
+    /// Adds an entry of `bytes` as the most recent. Entries it holds entirely are dropped (it
+    /// answers every lookup they would), then the least recent beyond the capacity or the byte
+    /// budget (an entry larger than the whole budget is not kept).
+    pub fn insert(&mut self, voice: u64, ids: Vec<u32>, value: V, bytes: usize) {
+        if self.cap == 0 || bytes > self.max_bytes {
             return;
         }
         self.entries.retain(|e| !(e.voice == voice && e.ids.len() <= ids.len() && common_prefix(&e.ids, &ids) == e.ids.len()));
-        self.entries.push_front(Entry { voice, ids, value });
+        self.entries.push_front(Entry { voice, ids, value, bytes });
         self.entries.truncate(self.cap);
+        while self.bytes() > self.max_bytes {
+            self.entries.pop_back();
+        }
     }
 }
 
@@ -89,10 +101,10 @@ mod tests {
 
     #[test]
     fn the_longest_shared_run_wins_within_the_limit_and_voice() {
-        let mut s = PrefixStore::new(4);
-        s.insert(1, vec![1, 2, 3], "system");
-        s.insert(1, vec![1, 2, 3, 4, 5, 6, 7], "turn 1");
-        s.insert(2, vec![1, 2, 3, 4, 5, 6, 7, 8], "other voice");
+        let mut s = PrefixStore::new(4, usize::MAX);
+        s.insert(1, vec![1, 2, 3], "system", 1);
+        s.insert(1, vec![1, 2, 3, 4, 5, 6, 7], "turn 1", 1);
+        s.insert(2, vec![1, 2, 3, 4, 5, 6, 7, 8], "other voice", 1);
         // "system" is held entirely by "turn 1": dropped
         assert_eq!(s.len(), 2);
         assert!(s.covers(1, &[1, 2, 3]));
@@ -106,14 +118,28 @@ mod tests {
 
     #[test]
     fn least_recently_used_goes_first() {
-        let mut s = PrefixStore::new(2);
-        s.insert(0, vec![1, 1], 'a');
-        s.insert(0, vec![2, 2], 'b');
+        let mut s = PrefixStore::new(2, usize::MAX);
+        s.insert(0, vec![1, 1], 'a', 1);
+        s.insert(0, vec![2, 2], 'b', 1);
         assert!(s.lookup(0, &[1, 1, 5], 10, 1).is_some()); // 'a' is now the most recent
-        s.insert(0, vec![3, 3], 'c');
+        s.insert(0, vec![3, 3], 'c', 1);
         assert!(s.covers(0, &[1, 1]) && s.covers(0, &[3, 3]) && !s.covers(0, &[2, 2]));
-        let mut off = PrefixStore::new(0);
-        off.insert(0, vec![1], 'x');
+        let mut off = PrefixStore::new(0, usize::MAX);
+        off.insert(0, vec![1], 'x', 1);
         assert!(off.is_empty());
+    }
+
+    /// The entries together stay within the byte budget: the least recent go first, and an entry
+    /// larger than the whole budget is not kept.
+    #[test]
+    fn entries_stay_within_the_byte_budget() {
+        let mut s = PrefixStore::new(10, 100);
+        s.insert(0, vec![1], 'a', 40);
+        s.insert(0, vec![2], 'b', 40);
+        s.insert(0, vec![3], 'c', 40);
+        assert_eq!(s.bytes(), 80);
+        assert!(!s.covers(0, &[1]) && s.covers(0, &[2]) && s.covers(0, &[3]));
+        s.insert(0, vec![4], 'd', 101);
+        assert!(!s.covers(0, &[4]) && s.bytes() == 80);
     }
 }

@@ -73,7 +73,8 @@ impl Stage1 {
         metrics: EngineMetrics,
         to_c2w: SyncSender<Stage2Msg>,
     ) -> anyhow::Result<Self> {
-        let caches = StageCaches::new(talker.decoder(), cfg.talker_max_batch, 256, cfg.talker_slots, cfg.talker_slot_context)?;
+        let caches =
+            StageCaches::new(talker.decoder(), cfg.talker_max_batch, 256, cfg.idle_cache_mib << 20, cfg.talker_slots, cfg.talker_slot_context)?;
         Ok(Self { talker, cfg, registry, metrics, to_c2w, reqs: HashMap::new(), order: Vec::new(), paced: false, caches })
     }
 

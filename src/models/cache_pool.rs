@@ -15,6 +15,8 @@ pub struct CachePool {
     max: usize,
     /// New caches get a capacity rounded up to this many positions, so that they fit later streams.
     quantum: usize,
+    /// The idle caches hold at most this many bytes together.
+    max_bytes: usize,
 }
 
 impl CachePool {
@@ -25,7 +27,18 @@ impl CachePool {
 
     /// As [`CachePool::new`], new caches' capacities rounded up to `quantum` positions.
     pub fn with_quantum(max: usize, quantum: usize) -> Self {
-        Self { inner: Default::default(), max, quantum: quantum.max(1) }
+        Self::with_budget(max, quantum, usize::MAX)
+    }
+
+    /// As [`CachePool::with_quantum`], the idle caches holding at most `max_bytes` together: a
+    /// cache that would pass it is freed, smaller ones first kept.
+    pub fn with_budget(max: usize, quantum: usize, max_bytes: usize) -> Self {
+        Self { inner: Default::default(), max, quantum: quantum.max(1), max_bytes }
+    }
+
+    /// Bytes the idle caches hold.
+    pub fn idle_bytes(&self) -> usize {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).iter().map(KvCache::bytes).sum()
     }
 
     /// Idle caches held.
@@ -61,6 +74,11 @@ impl CachePool {
         {
             // full: the larger cache stays (it fits more streams)
             free[i] = c;
+        }
+        // within the byte budget: the largest go first
+        while free.iter().map(KvCache::bytes).sum::<usize>() > self.max_bytes {
+            let Some(i) = free.iter().enumerate().max_by_key(|(_, f)| f.bytes()).map(|(i, _)| i) else { break };
+            free.swap_remove(i);
         }
     }
 }

@@ -169,9 +169,15 @@ impl Stage0 {
         to_talker: SyncSender<Stage1Msg>,
     ) -> anyhow::Result<Self> {
         let forbidden = tok.special().forbidden();
-        let prefixes = PrefixStore::new(cfg.thinker_prefix_cache);
-        let caches =
-            StageCaches::new(thinker.llm.decoder(), cfg.thinker_max_batch, THINKER_CACHE_QUANTUM, cfg.thinker_slots, cfg.thinker_slot_context)?;
+        let prefixes = PrefixStore::new(cfg.thinker_prefix_cache, cfg.thinker_prefix_mib << 20);
+        let caches = StageCaches::new(
+            thinker.llm.decoder(),
+            cfg.thinker_max_batch,
+            THINKER_CACHE_QUANTUM,
+            cfg.idle_cache_mib << 20,
+            cfg.thinker_slots,
+            cfg.thinker_slot_context,
+        )?;
         let ctx = Ctx { thinker, tok, cfg, registry, metrics, to_talker, forbidden, ref_embeds: Recent::new(REF_EMBED_CACHE), prefixes };
         Ok(Self { ctx, queue: VecDeque::new(), turns: Vec::new(), duplex: Vec::new(), caches })
     }

@@ -56,7 +56,10 @@ fn first_user_audio(ids: &[u32], from: usize, m: &antiphon_models::thinker::Audi
 /// and the stream goes on.
 fn store_prefix(ctx: &mut Ctx, voice: u64, ids: &[u32], cache: &KvCache) {
     match cache.copy_prefix(ids.len(), 0) {
-        Ok(kv) => ctx.prefixes.insert(voice, ids.to_vec(), kv),
+        Ok(kv) => {
+            let bytes = kv.bytes();
+            ctx.prefixes.insert(voice, ids.to_vec(), kv, bytes)
+        }
         Err(e) => tracing::warn!("prefix store copy failed: {e:#}"),
     }
 }
