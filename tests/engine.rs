@@ -270,8 +270,8 @@ fn a_bad_reference_is_refused_and_the_engine_keeps_serving() {
     assert_eq!(collect(submit(&e, spec("ok", "x", 4, 10, 1))).status, Status::Completed);
 }
 
-/// Counts no model holds fail the request with a clear reason (no allocation is attempted),
-/// and the engine keeps serving.
+/// Counts no model holds are refused with a clear reason naming the field (no allocation is
+/// attempted), and the engine keeps serving.
 #[test]
 fn counts_beyond_the_contexts_fail_the_request_not_the_engine() {
     let e = engine(EngineConfig::default());
@@ -283,7 +283,7 @@ fn counts_beyond_the_contexts_fail_the_request_not_the_engine() {
         s.generation.max_audio_tokens = Some(codes);
         s.generation.min_audio_tokens = Some(codes.min(10));
         match collect(submit(&e, s)).status {
-            Status::Failed(why) => assert!(why.contains(what), "{why}"),
+            Status::Refused(why) => assert!(why.contains(&format!("generation.{what}")), "{why}"),
             other => panic!("{id}: {other:?}"),
         }
     }
@@ -309,9 +309,9 @@ fn a_history_longer_than_the_context_loses_its_oldest_turns() {
     let mut s = spec("long-history", "and now?", 4, 10, 1);
     s.history = (0..60).map(|i| antiphon_engine::Turn { user: format!("question {i} ").repeat(40), assistant: "answer ".repeat(60) }).collect();
     assert_eq!(collect(submit(&e, s)).status, Status::Completed);
-    // a prompt that alone is longer than the context fails clearly
+    // a prompt that alone is longer than the context is refused clearly
     let o = collect(submit(&e, spec("huge", &"la ".repeat(4000), 4, 10, 1)));
-    assert!(matches!(&o.status, Status::Failed(m) if m.contains("context")), "{:?}", o.status);
+    assert!(matches!(&o.status, Status::Refused(m) if m.contains("context") && m.contains("`text`")), "{:?}", o.status);
 }
 
 /// The GPU runs bf16 weights: the same pipeline in bf16 on the CPU finds dtype mismatches without a

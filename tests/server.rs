@@ -430,7 +430,7 @@ async fn tls_when_a_certificate_is_configured() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unacknowledged_journal_overflows_and_a_failed_response_is_internal() {
+async fn an_unacknowledged_journal_overflows_and_a_prompt_beyond_the_context_is_a_bad_field() {
     let s = server(|c| c.server.journal_max_audio_s = 1).await;
     // a response of more than 1 s of audio, never acknowledged
     let mut c = Client::connect(&s).await;
@@ -445,12 +445,12 @@ async fn an_unacknowledged_journal_overflows_and_a_failed_response_is_internal()
         other => panic!("{other:?}"),
     }
     assert!(matches!(c.recv().await, In::Closed(_)));
-    // a request the engine cannot serve (a prompt longer than the context): internal, not fatal
+    // a request the engine cannot hold (a prompt longer than the context): bad_field, not fatal
     let mut c = Client::connect(&s).await;
     c.create(json!({})).await;
     c.send(json!({"type": "input.text", "text": "la ".repeat(4000), "generation": short(10)})).await;
     let ms = c.until(is_done).await;
-    assert!(ms.iter().any(|m| matches!(m, In::Event(v) if v["code"] == "internal" && v["fatal"] == false)), "{ms:?}");
+    assert!(ms.iter().any(|m| matches!(m, In::Event(v) if v["code"] == "bad_field" && v["fatal"] == false)), "{ms:?}");
     assert!(matches!(ms.last().unwrap(), In::Event(v) if v["status"] == "failed"));
     c.send(json!({"type": "input.text", "text": "short", "generation": short(10)})).await;
     let ms = c.until(is_done).await;

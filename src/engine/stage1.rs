@@ -297,8 +297,10 @@ impl StageLoop for Stage1 {
                 let need = self.cfg.default_max_text_tokens.saturating_add(2).saturating_add(max_codes);
                 let context = self.talker.decoder().config().max_positions;
                 if need > context {
-                    let why = format!("max_audio_tokens {max_codes}: the codes and the text do not fit the Talker's context ({context})");
-                    self.registry.finish_counted(&id, Status::Failed(why), &self.metrics.requests);
+                    let why = format!(
+                        "field `generation.max_audio_tokens`: {max_codes}; the codes and the text do not fit the Talker's context ({context})"
+                    );
+                    self.registry.finish_counted(&id, Status::Refused(why), &self.metrics.requests);
                     return;
                 }
                 // a small first chunk while few streams share the Talker (first audio sooner);

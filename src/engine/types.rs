@@ -93,6 +93,9 @@ pub enum Status {
     Completed,
     Cancelled,
     Failed(String),
+    /// The request asks for more than the engine can hold (a prompt beyond the context, counts
+    /// that do not fit it): the client's to change, not a fault. The message names the field.
+    Refused(String),
 }
 
 /// Per-request timestamps.
@@ -338,7 +341,7 @@ impl Registry {
                 let label = match &status {
                     Status::Completed => "completed",
                     Status::Cancelled => "cancelled",
-                    Status::Failed(_) => "failed",
+                    Status::Failed(_) | Status::Refused(_) => "failed",
                 };
                 c.with_label_values(&[label]).inc();
             }

@@ -54,6 +54,14 @@ impl Ctx {
         }
     }
 
+    /// Ends a request the engine cannot hold as asked (its `Done` carries `why`, naming the field).
+    pub fn refuse(&self, id: &RequestId, why: String) {
+        tracing::info!(request = %id, "thinker refused: {why}");
+        if self.registry.finish(id, Status::Refused(why)).is_some() {
+            self.metrics.requests.with_label_values(&["failed"]).inc();
+        }
+    }
+
     /// The reference voice's audio embeddings (its first [`PROMPT_SECONDS`] at 16 kHz), cached by
     /// content.
     pub fn reference_embeddings(&mut self, samples: &[f32], rate: u32) -> Result<Tensor> {

@@ -141,7 +141,8 @@ impl TurnStream {
         };
         let context = ctx.context();
         if ids.len() >= context {
-            ctx.fail(&spec.id, format!("the prompt has {} tokens; the context holds {context}", ids.len()));
+            let why = format!("the prompt (`instructions`, the conversation and `text`) has {} tokens; the context holds {context}", ids.len());
+            ctx.refuse(&spec.id, why);
             return None;
         }
         let g = &spec.generation;
@@ -149,10 +150,11 @@ impl TurnStream {
         let max = g.max_text_tokens.unwrap_or(ctx.cfg.default_max_text_tokens);
         let min = g.min_text_tokens.unwrap_or(0);
         if prompt_len_fits(ids.len(), max, context).is_err() {
-            ctx.fail(
-                &spec.id,
-                format!("max_text_tokens {max}: the prompt ({} positions) and the reply do not fit the context ({context})", ids.len()),
+            let why = format!(
+                "field `generation.max_text_tokens`: {max}; the prompt ({} positions) and the reply do not fit the context ({context})",
+                ids.len()
             );
+            ctx.refuse(&spec.id, why);
             return None;
         }
         let mut params = ctx.cfg.thinker_sampling.clone();

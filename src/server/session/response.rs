@@ -137,13 +137,16 @@ impl Session {
         if let Some(d) = &mut self.duplex {
             d.turns.remove(&r.engine_id);
         }
-        let (label, msg) = match &status {
-            Status::Completed => ("completed", None),
-            Status::Cancelled => ("cancelled", None),
-            Status::Failed(why) => ("failed", Some(why.clone())),
+        let label = match &status {
+            Status::Completed => "completed",
+            Status::Cancelled => "cancelled",
+            Status::Failed(_) | Status::Refused(_) => "failed",
         };
-        if let Some(why) = msg {
-            self.send_error(super::internal_error(&format!("response {} failed", r.id), &why, false));
+        match &status {
+            Status::Failed(why) => self.send_error(super::internal_error(&format!("response {} failed", r.id), why, false)),
+            // what the request asked for does not fit: the client's to change (not fatal)
+            Status::Refused(why) => self.send_error(WireError::new(ErrorCode::BadField, format!("response {}: {why}", r.id))),
+            _ => {}
         }
         let audio_ms = r.audio_samples * 1000 / crate::audio_edge::OUTPUT_RATE as u64;
         self.send_event(ServerEvent::ResponseDone { seq: 0, response_id: r.id, status: label, audio_ms, packets: r.packets, chunks: r.chunks });
