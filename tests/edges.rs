@@ -202,3 +202,25 @@ async fn the_drain_deadline_cancels_what_runs_and_closes_1001() {
     assert!(matches!(ms.last(), Some(In::Closed(Some(1001)))), "{:?}", ms.last());
     stop.await.unwrap().unwrap();
 }
+
+/// A reconnection names its session in the URL for a proxy to route on; `session.resume` is the
+/// authority, and a mismatch between the two is a `bad_field` (the socket stays open).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_whose_url_names_another_session_is_a_bad_field() {
+    let s = server(|_| {}).await;
+    let mut c = Client::connect(&s).await;
+    let created = c.create(json!({})).await;
+    let (id, token) = (created["session_id"].as_str().unwrap().to_string(), created["resume_token"].as_str().unwrap().to_string());
+    drop(c); // parked
+    let resume = json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": 1});
+    let mut other = Client::connect_to(&format!("ws://{}/v1/realtime?session_id=s_other", s.addr)).await.unwrap();
+    other.send(resume.clone()).await;
+    let e = other.event("error").await;
+    assert!(e["code"] == "bad_field" && e["fatal"] == false && e["message"].as_str().unwrap().contains("session_id"), "{e}");
+    // a URL that names the same session resumes it
+    let mut right = Client::connect_to(&format!("ws://{}/v1/realtime?session_id={id}", s.addr)).await.unwrap();
+    right.send(resume).await;
+    let r = right.event("session.resumed").await;
+    assert_eq!(r["session_id"], id.as_str());
+    s.shutdown().await.unwrap();
+}

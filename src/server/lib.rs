@@ -292,6 +292,8 @@ pub fn router(shared: Arc<Shared>) -> Router {
 #[derive(serde::Deserialize)]
 struct RealtimeQuery {
     token: Option<String>,
+    /// The session a reconnection resumes, for a proxy to route on (`session.resume` decides).
+    session_id: Option<String>,
 }
 
 async fn realtime(State(shared): State<Arc<Shared>>, headers: HeaderMap, q: Query<RealtimeQuery>, ws: WebSocketUpgrade) -> Response {
@@ -318,9 +320,10 @@ async fn realtime(State(shared): State<Arc<Shared>>, headers: HeaderMap, q: Quer
         let n = shared.config.server.max_connections;
         return (StatusCode::SERVICE_UNAVAILABLE, format!("too many connections (limit {n}); retry later")).into_response();
     };
+    let routed = q.0.session_id;
     ws.max_message_size(limit).max_frame_size(limit).on_upgrade(move |socket| async move {
         let _permit = permit;
-        ws::handle_socket(socket, shared).await
+        ws::handle_socket(socket, shared, routed).await
     })
 }
 

@@ -11,7 +11,7 @@ use super::session::{Conn, Outbound, SessionMsg};
 use super::Shared;
 use antiphon_protocol::{parse_client, AudioFrame, ClientEvent, ErrorCode, ServerEvent, WireError};
 
-pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>) {
+pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Option<String>) {
     shared.metrics.connections.inc();
     let (mut sink, mut stream) = socket.split();
     let limits = &shared.config.server;
@@ -123,6 +123,10 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>) {
                             }
                         }
                     },
+                    (None, ClientEvent::SessionResume(r)) if routed.as_ref().is_some_and(|q| *q != r.session_id) => error(WireError::new(
+                        ErrorCode::BadField,
+                        "field `session_id`: it differs from the session_id in the URL (the proxy routed on that one)",
+                    )),
                     (None, ClientEvent::SessionResume(r)) => match shared.sessions.resume(&r.session_id, &r.resume_token) {
                         Ok(h) => {
                             let _ = h.input.send(SessionMsg::Attach { conn: conn.clone(), last_seq: r.last_seq }).await;
