@@ -56,6 +56,26 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
         shared.metrics.errors.with_label_values(&[e.code.as_str()]).inc();
         conn.send_event(&ServerEvent::error(&e));
     };
+    // a refused frame: its error (in the session's order when there is one), then the close frame
+    let refuse = |session: &Option<tokio::sync::mpsc::Sender<SessionMsg>>, e: Option<WireError>, close: (u16, String)| {
+        let conn = conn.clone();
+        let session = session.clone();
+        let shared = shared.clone();
+        async move {
+            match (session, e) {
+                (Some(s), Some(error)) => {
+                    let _ = s.send(SessionMsg::Refused { error, close }).await;
+                }
+                (_, e) => {
+                    if let Some(e) = e {
+                        shared.metrics.errors.with_label_values(&[e.code.as_str()]).inc();
+                        conn.send_event(&ServerEvent::error(&e));
+                    }
+                    conn.send(Outbound::Close(close.0, close.1));
+                }
+            }
+        }
+    };
     let first_deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(limits.first_event_timeout_s);
     let mut kicked = kicked;
     loop {
@@ -78,12 +98,16 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
             Err(e) => {
                 // the transport refused the frame: say why, with the close code the protocol asks for
                 let (code, close) = transport_error(&e, limits.max_text_frame.max(limits.max_binary_frame));
-                if let Some(code) = code {
-                    error(WireError::fatal(code, e.to_string()));
-                }
-                if let Some((c, reason)) = close {
-                    conn.send(Outbound::Close(c, reason));
-                    linger = true;
+                match close {
+                    Some(close) => {
+                        refuse(&session, code.map(|c| WireError::fatal(c, e.to_string())), close).await;
+                        linger = true;
+                    }
+                    None => {
+                        if let Some(code) = code {
+                            error(WireError::fatal(code, e.to_string()));
+                        }
+                    }
                 }
                 break;
             }
@@ -91,8 +115,10 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
         match frame {
             Message::Text(t) => {
                 if t.len() > limits.max_text_frame {
-                    error(WireError::fatal(ErrorCode::MessageTooLarge, format!("text frame of {} bytes (limit {})", t.len(), limits.max_text_frame)));
-                    conn.send(Outbound::Close(1009, "message too large".into()));
+                    let e =
+                        WireError::fatal(ErrorCode::MessageTooLarge, format!("text frame of {} bytes (limit {})", t.len(), limits.max_text_frame));
+                    refuse(&session, Some(e), (1009, "message too large".into())).await;
+                    linger = true;
                     break;
                 }
                 let inc = match parse_client(t.as_str()) {
@@ -147,11 +173,12 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
             }
             Message::Binary(b) => {
                 if b.len() > limits.max_binary_frame {
-                    error(WireError::fatal(
+                    let e = WireError::fatal(
                         ErrorCode::MessageTooLarge,
                         format!("binary frame of {} bytes (limit {})", b.len(), limits.max_binary_frame),
-                    ));
-                    conn.send(Outbound::Close(1009, "message too large".into()));
+                    );
+                    refuse(&session, Some(e), (1009, "message too large".into())).await;
+                    linger = true;
                     break;
                 }
                 let Some(s) = &session else {

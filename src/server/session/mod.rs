@@ -107,6 +107,13 @@ pub enum SessionMsg {
     },
     /// A client message that could not be parsed.
     Invalid(WireError),
+    /// The connection is refused for what it sent (a frame over the limit, invalid UTF-8): the
+    /// error goes out in the session's order (with its seq), then the close frame; the session
+    /// parks when the socket ends.
+    Refused {
+        error: WireError,
+        close: (u16, String),
+    },
     /// A resume (token checked): attach this connection, replay after `last_seq`.
     Attach {
         conn: Conn,
@@ -498,6 +505,13 @@ impl Session {
                 self.feed_units();
             }
             SessionMsg::Invalid(e) => self.send_error(e),
+            SessionMsg::Refused { error, close } => {
+                self.shared.metrics.errors.with_label_values(&[error.code.as_str()]).inc();
+                self.send_event(ServerEvent::error(&error).with_seq(0));
+                if let Some(c) = &self.conn {
+                    c.send(Outbound::Close(close.0, close.1));
+                }
+            }
             SessionMsg::Attach { conn, last_seq } => {
                 if let Some(old) = self.conn.take() {
                     if old.id != conn.id {
