@@ -77,6 +77,11 @@ pub struct EngineConfig {
     pub code2wav_slots: usize,
     pub code2wav_slot_frames: usize,
     pub code2wav_pool_graphs: usize,
+    /// On a GPU with a stream per stage, the Thinker's and the Talker's captured steps run at the
+    /// highest stream priority: when their kernels wait beside Code2Wav's, the block scheduler
+    /// starts theirs first (a decode step is a few ms; Code2Wav's chunks are hundreds). Off by
+    /// default until measured on a GPU.
+    pub stage_priorities: bool,
     /// On a GPU, f32 matrix products (the vocoder's convolutions, reference preparation) run on
     /// tensor cores in TF32 (10-bit mantissa products, f32 sums); off: full f32. Process-wide.
     pub gpu_tf32: bool,
@@ -140,6 +145,7 @@ impl Default for EngineConfig {
             code2wav_slots: 8,
             code2wav_slot_frames: 576,
             code2wav_pool_graphs: 16,
+            stage_priorities: false,
             gpu_tf32: true,
             ref_cache_capacity: 4,
             setup_cache_capacity: 1,

@@ -176,6 +176,16 @@ impl Engine {
         let (d0, d1, d2) =
             (models.thinker.llm.decoder().device().clone(), models.talker.decoder().device().clone(), models.code2wav.device().clone());
         let own_stream = |d: &candle_core::Device, others: [&candle_core::Device; 2]| d.is_cuda() && !others.iter().any(|o| d.same_device(o));
+        if cfg.stage_priorities {
+            // before any capture: the Thinker's and the Talker's graphs go ahead of Code2Wav's
+            for (name, d, others) in [("thinker", &d0, [&d1, &d2]), ("talker", &d1, [&d0, &d2])] {
+                if own_stream(d, others) {
+                    if let Some(p) = antiphon_models::cuda_graph::raise_priority(d) {
+                        tracing::info!("{name}: graphs run at stream priority {p}");
+                    }
+                }
+            }
+        }
         if cfg.decode_graphs && own_stream(&d0, [&d1, &d2]) {
             models.thinker.llm.set_decode_mode(DecodeMode::Graph);
         }

@@ -4,10 +4,27 @@
 
 use candle_core::{Device, Result};
 
+/// A captured, instantiated graph: cudarc's, or (for kernels at a raised priority, which must be
+/// set between the capture and the instantiation) one made here by the same driver calls.
 #[cfg(feature = "cuda")]
-pub struct Graph(candle_core::cuda_backend::cudarc::driver::CudaGraph);
+pub struct Graph(GraphKind);
 #[cfg(not(feature = "cuda"))]
 pub struct Graph(());
+
+#[cfg(feature = "cuda")]
+enum GraphKind {
+    Cudarc(candle_core::cuda_backend::cudarc::driver::CudaGraph),
+    Raised(RaisedGraph),
+}
+
+/// A graph whose kernel nodes carry a priority, and the stream it was captured on (and is
+/// launched into).
+#[cfg(feature = "cuda")]
+struct RaisedGraph {
+    graph: candle_core::cuda_backend::cudarc::driver::sys::CUgraph,
+    exec: candle_core::cuda_backend::cudarc::driver::sys::CUgraphExec,
+    stream: std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+}
 
 // SAFETY: a graph is used only by the thread that owns its stream's cache at the time (caches
 // move between threads only with their stage, never concurrently).
@@ -15,6 +32,21 @@ pub struct Graph(());
 unsafe impl Send for Graph {}
 #[cfg(feature = "cuda")]
 unsafe impl Sync for Graph {}
+
+#[cfg(feature = "cuda")]
+impl Drop for RaisedGraph {
+    fn drop(&mut self) {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        if self.stream.context().bind_to_thread().is_err() {
+            return;
+        }
+        // SAFETY: both handles were made by `record_raised` and are destroyed only here.
+        unsafe {
+            let _ = sys::cuGraphExecDestroy(self.exec);
+            let _ = sys::cuGraphDestroy(self.graph);
+        }
+    }
+}
 
 /// Whether steps on `dev` can be captured. Not with cudarc's per-buffer event tracking on:
 /// events recorded inside a capture never fire, and a later wait on one outside the graph
@@ -29,12 +61,82 @@ pub fn can_capture(_dev: &Device) -> bool {
     false
 }
 
+/// The devices (each a stage's stream) whose graphs run at the highest stream priority: when
+/// their kernels wait beside another stage's, the GPU's block scheduler starts theirs first.
+#[cfg(feature = "cuda")]
+static RAISED: std::sync::Mutex<Vec<candle_core::cuda_backend::DeviceId>> = std::sync::Mutex::new(Vec::new());
+
+/// Graphs captured on `dev` from now on run at the GPU's highest stream priority (kernels outside
+/// graphs, and other devices' graphs, keep the default, the lowest). Returns that priority, or
+/// `None` where there is nothing to raise (no CUDA).
+#[cfg(feature = "cuda")]
+pub fn raise_priority(dev: &Device) -> Option<i32> {
+    let Device::Cuda(d) = dev else { return None };
+    let (_least, greatest) = candle_core::cuda_backend::cudarc::driver::result::stream::get_priority_range().ok()?;
+    let mut raised = RAISED.lock().unwrap_or_else(|e| e.into_inner());
+    if !raised.contains(&d.id()) {
+        raised.push(d.id());
+    }
+    Some(greatest)
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn raise_priority(_dev: &Device) -> Option<i32> {
+    None
+}
+
+#[cfg(feature = "cuda")]
+fn raised_priority(d: &candle_core::cuda_backend::CudaDevice) -> Option<i32> {
+    if !RAISED.lock().unwrap_or_else(|e| e.into_inner()).contains(&d.id()) {
+        return None;
+    }
+    candle_core::cuda_backend::cudarc::driver::result::stream::get_priority_range().ok().map(|(_, greatest)| greatest)
+}
+
+/// Sets `priority` on every kernel node of `graph`; the number of nodes set.
+///
+/// # Safety
+/// `graph` must be a valid graph of the current context.
+#[cfg(feature = "cuda")]
+unsafe fn set_kernel_priority(graph: candle_core::cuda_backend::cudarc::driver::sys::CUgraph, priority: i32) -> Result<usize> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let check = |r: sys::CUresult, what: &str| -> Result<()> {
+        if r == sys::CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            candle_core::bail!("{what}: {r:?}")
+        }
+    };
+    let mut n = 0usize;
+    check(unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) }, "cuGraphGetNodes")?;
+    let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
+    check(unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) }, "cuGraphGetNodes")?;
+    let mut set = 0;
+    for &node in &nodes[..n] {
+        let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        check(unsafe { sys::cuGraphNodeGetType(node, &mut kind) }, "cuGraphNodeGetType")?;
+        if kind != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
+            continue;
+        }
+        // SAFETY: a zeroed union is a valid value of every member; `priority` is then set.
+        let mut value: sys::CUkernelNodeAttrValue = unsafe { std::mem::zeroed() };
+        value.priority = priority;
+        check(
+            unsafe { sys::cuGraphKernelNodeSetAttribute(node, sys::CUkernelNodeAttrID::CU_LAUNCH_ATTRIBUTE_PRIORITY, &value) },
+            "cuGraphKernelNodeSetAttribute(priority)",
+        )?;
+        set += 1;
+    }
+    Ok(set)
+}
+
 /// Runs `body` once (the step itself), then records its kernels as a graph. Candle uploads
 /// the shapes and strides of strided kernels from host memory at each launch; a recorded
 /// upload would read that (freed) host memory again at every replay. With candle's upload
 /// cache on, the first run leaves each upload in a device buffer that lives as long as this
 /// thread, and the recording copies from there. `body` must be idempotent (it is run twice
-/// here and once per replay).
+/// here and once per replay). On a device given [`raise_priority`], every kernel of the graph
+/// runs at that priority.
 #[cfg(feature = "cuda")]
 pub fn record(dev: &Device, body: impl Fn() -> Result<()>) -> Result<Graph> {
     use candle_core::cuda_backend::cudarc::driver::sys;
@@ -45,15 +147,69 @@ pub fn record(dev: &Device, body: impl Fn() -> Result<()>) -> Result<Graph> {
     // relaxed: the other stages keep making their own driver calls meanwhile
     stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(candle_core::Error::wrap)?;
     let ran = body();
+    if let Some(p) = raised_priority(d) {
+        return record_raised(stream, ran, p).map(|g| Graph(GraphKind::Raised(g)));
+    }
     let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
     ran?;
     match ended.map_err(candle_core::Error::wrap)? {
         Some(g) => {
             g.upload().map_err(candle_core::Error::wrap)?;
-            Ok(Graph(g))
+            Ok(Graph(GraphKind::Cudarc(g)))
         }
         None => candle_core::bail!("the capture recorded nothing"),
     }
+}
+
+/// Ends the capture on `stream` (whose body gave `ran`), sets `priority` on every kernel node and
+/// instantiates the graph to run with those priorities.
+#[cfg(feature = "cuda")]
+fn record_raised(
+    stream: std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+    ran: Result<()>,
+    priority: i32,
+) -> Result<RaisedGraph> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: ends the capture begun on the same stream, from the same thread.
+    let ended = unsafe { sys::cuStreamEndCapture(stream.cu_stream(), &mut graph) };
+    let destroy = |g: sys::CUgraph| {
+        if !g.is_null() {
+            // SAFETY: `g` was made by the capture above and is not used after this.
+            let _ = unsafe { sys::cuGraphDestroy(g) };
+        }
+    };
+    if let Err(e) = ran {
+        destroy(graph);
+        return Err(e);
+    }
+    if ended != sys::CUresult::CUDA_SUCCESS {
+        destroy(graph);
+        candle_core::bail!("cuStreamEndCapture: {ended:?}");
+    }
+    if graph.is_null() {
+        candle_core::bail!("the capture recorded nothing");
+    }
+    let mut flags = 0u64;
+    // SAFETY: `graph` is the valid graph just captured in this context.
+    match unsafe { set_kernel_priority(graph, priority) } {
+        Ok(_) => flags |= sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.0 as u64,
+        Err(e) => tracing::warn!("graph kernels keep the stream's priority: {e}"),
+    }
+    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+    // SAFETY: instantiates the valid `graph`; `exec` is written on success.
+    let r = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, flags) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        destroy(graph);
+        candle_core::bail!("cuGraphInstantiateWithFlags: {r:?}");
+    }
+    let g = RaisedGraph { graph, exec, stream };
+    // SAFETY: `exec` was just instantiated; the stream is the one it runs on.
+    let r = unsafe { sys::cuGraphUpload(g.exec, g.stream.cu_stream()) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        candle_core::bail!("cuGraphUpload: {r:?}");
+    }
+    Ok(g)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -64,7 +220,19 @@ pub fn record(_dev: &Device, _body: impl Fn() -> Result<()>) -> Result<Graph> {
 impl Graph {
     #[cfg(feature = "cuda")]
     pub fn launch(&self) -> Result<()> {
-        self.0.launch().map_err(candle_core::Error::wrap)
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        match &self.0 {
+            GraphKind::Cudarc(g) => g.launch().map_err(candle_core::Error::wrap),
+            GraphKind::Raised(g) => {
+                g.stream.context().bind_to_thread().map_err(candle_core::Error::wrap)?;
+                // SAFETY: `exec` lives as long as `g`; it is launched into the stream it was made on.
+                let r = unsafe { sys::cuGraphLaunch(g.exec, g.stream.cu_stream()) };
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    candle_core::bail!("cuGraphLaunch: {r:?}");
+                }
+                Ok(())
+            }
+        }
     }
     #[cfg(not(feature = "cuda"))]
     pub fn launch(&self) -> Result<()> {
