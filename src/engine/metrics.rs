@@ -1,6 +1,6 @@
 //! Engine metrics in a Prometheus registry of their own (the server exposes it at /metrics).
 
-use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{Counter, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
 
 /// Every figure the stages report.
 #[derive(Clone)]
@@ -19,6 +19,10 @@ pub struct EngineMetrics {
     pub prefix_cache: IntCounterVec,
     /// Prompt positions taken from the prefix store (`reused`) or prefilled (`prefilled`).
     pub prompt_positions: IntCounterVec,
+    /// Audio chunks that went out after the listener's buffer had run dry (a real-time listener
+    /// from the first audio on), and the gaps they left, in seconds.
+    pub playback_late: IntCounter,
+    pub playback_late_seconds: Counter,
 }
 
 impl Default for EngineMetrics {
@@ -73,8 +77,15 @@ impl EngineMetrics {
             &["source"],
         )
         .expect("valid metric");
+        let playback_late = IntCounter::new("antiphon_playback_late_total", "Audio chunks sent after a real-time listener's buffer ran dry (stalls)")
+            .expect("valid metric");
+        let playback_late_seconds =
+            Counter::new("antiphon_playback_late_seconds_total", "Silence those late chunks left a real-time listener, in seconds")
+                .expect("valid metric");
         for c in [
             Box::new(step_seconds.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(playback_late.clone()),
+            Box::new(playback_late_seconds.clone()),
             Box::new(batch_size.clone()),
             Box::new(queue_depth.clone()),
             Box::new(prefetch.clone()),
@@ -99,6 +110,8 @@ impl EngineMetrics {
             phase_seconds,
             prefix_cache,
             prompt_positions,
+            playback_late,
+            playback_late_seconds,
         }
     }
 

@@ -59,6 +59,9 @@ struct Live {
     /// When the stream's first audio went out and how much audio it has delivered since:
     /// its playback deadline (the moment a listener's buffer runs dry) is their sum.
     played: Option<(Instant, Duration)>,
+    /// Silence a real-time listener has heard so far (each late chunk's gap): its buffer runs
+    /// dry at the playback deadline plus this.
+    heard_gaps: Duration,
 }
 
 impl Live {
@@ -256,7 +259,7 @@ impl Stage2 {
             }
         }
         let stream = self.model.start(&features, &state)?;
-        self.live.insert(c.id.clone(), Live { stream, next_seq: 0, played: None });
+        self.live.insert(c.id.clone(), Live { stream, next_seq: 0, played: None, heard_gaps: Duration::ZERO });
         Ok(())
     }
 
@@ -444,6 +447,14 @@ impl Stage2 {
                         };
                         let first = c.seq == 0;
                         let audio = Duration::from_secs_f64(samples.len() as f64 / self.model.sample_rate() as f64);
+                        if let Some(dry) = live.deadline().map(|d| d + live.heard_gaps) {
+                            let gap = Instant::now().saturating_duration_since(dry);
+                            if gap > Duration::ZERO {
+                                self.metrics.playback_late.inc();
+                                self.metrics.playback_late_seconds.inc_by(gap.as_secs_f64());
+                                live.heard_gaps += gap;
+                            }
+                        }
                         live.played = match live.played {
                             Some((t, a)) => Some((t, a + audio)),
                             None if audio > Duration::ZERO => Some((Instant::now(), audio)),
