@@ -25,6 +25,9 @@ enum Command {
         /// Overrides server.listen.
         #[arg(long)]
         listen: Option<String>,
+        /// Overrides server.replica_id (the prefix of every session id; e.g. the pod name).
+        #[arg(long, env = "ANTIPHON_REPLICA_ID")]
+        replica_id: Option<String>,
     },
     /// Validate a configuration file without starting anything.
     CheckConfig { file: PathBuf },
@@ -177,16 +180,19 @@ fn main() -> Result<()> {
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,tower_http=warn".into()))
         .init();
     let cli = Cli::parse();
-    match cli.command.unwrap_or(Command::Serve { config: None, listen: None }) {
-        Command::Serve { config, listen } => {
+    match cli.command.unwrap_or(Command::Serve { config: None, listen: None, replica_id: std::env::var("ANTIPHON_REPLICA_ID").ok() }) {
+        Command::Serve { config, listen, replica_id } => {
             let mut cfg = match &config {
                 Some(p) => Config::load(p)?,
                 None => Config::embedded_default().context("the embedded default (run from the repository root)")?,
             };
             if let Some(l) = listen {
                 cfg.server.listen = l;
-                cfg.validate()?;
             }
+            if let Some(r) = replica_id {
+                cfg.server.replica_id = r;
+            }
+            cfg.validate()?;
             serve(cfg)
         }
         Command::CheckConfig { file } => {

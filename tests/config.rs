@@ -33,6 +33,12 @@ fn mistakes_are_named() {
     assert!(err(&base.replace("default.wav", "missing.wav")).contains("does not exist"));
     assert!(err(&format!("{base}\n[server2]\nx = 1\n")).contains("server2"), "unknown tables are refused");
     assert!(err(&base.replace("max_sessions = 8", "max_sessions = 0")).contains("max_sessions"));
+    // a replica id is a DNS label: it prefixes session ids and a proxy routes on it
+    let with_replica = |id: &str| base.replace("max_sessions = 8", &format!("max_sessions = 8\nreplica_id = {id:?}"));
+    assert!(Config::parse(&with_replica("antiphon-3"), &cfgdir).is_ok());
+    for bad in ["a.b", "-a", "a b", &"x".repeat(64)] {
+        assert!(err(&with_replica(bad)).contains("server.replica_id"), "{bad:?} is refused");
+    }
 }
 
 #[test]

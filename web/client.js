@@ -24,6 +24,13 @@ export function parseFrame(data) {
   return { kind: dv.getUint8(0), flags: dv.getUint8(1), seq: dv.getUint32(4, true), responseId: dv.getUint32(8, true), payload: new Uint8Array(data, 12) };
 }
 
+/** The URL of a resume: the session id in the query (`?session_id=`), beside any there already. */
+export function resumeUrl(url, sessionId) {
+  const u = new URL(url);
+  u.searchParams.set('session_id', sessionId);
+  return u.toString();
+}
+
 export class Client extends EventTarget {
   /**
    * @param {string} url  ws:// or wss:// URL of /v1/realtime
@@ -54,7 +61,8 @@ export class Client extends EventTarget {
 
   connect() {
     this.setState(this.session ? 'reconnecting' : 'connecting');
-    const ws = new WebSocket(this.url);
+    // a resume names its session in the URL too: a proxy routes it to the replica that holds it
+    const ws = new WebSocket(this.session ? resumeUrl(this.url, this.session.id) : this.url);
     ws.binaryType = 'arraybuffer';
     this.ws = ws;
     ws.onopen = () => {

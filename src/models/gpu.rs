@@ -193,3 +193,20 @@ pub fn profiler_range(dev: &Device, on: bool) {
 
 #[cfg(not(feature = "cuda"))]
 pub fn profiler_range(_dev: &Device, _on: bool) {}
+
+/// The GPU's memory in bytes, `(used, total)`; `None` without CUDA or for the CPU.
+#[cfg(feature = "cuda")]
+pub fn cuda_memory(spec: DeviceSpec) -> Option<(u64, u64)> {
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    use std::sync::{Arc, OnceLock};
+    static CONTEXT: OnceLock<Option<Arc<CudaContext>>> = OnceLock::new();
+    let DeviceSpec::Cuda(ordinal) = spec else { return None };
+    let ctx = CONTEXT.get_or_init(|| CudaContext::new(ordinal).ok()).as_ref()?;
+    let (free, total) = ctx.mem_get_info().ok()?;
+    Some(((total - free) as u64, total as u64))
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn cuda_memory(_spec: DeviceSpec) -> Option<(u64, u64)> {
+    None
+}

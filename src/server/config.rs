@@ -60,6 +60,10 @@ pub struct ServerSection {
     /// Client audio a session holds at once (an uncommitted turn); a packet beyond gets
     /// `bad_audio` and is dropped.
     pub max_input_audio_s: u64,
+    /// This replica's name (e.g. its StatefulSet pod name): every session id starts with it and a
+    /// dot, so a proxy routes a resume (`?session_id=`) to the replica that holds the session.
+    /// Empty: ids start with `s_` (one server). Letters, digits and `-`, at most 63.
+    pub replica_id: String,
 }
 
 impl Default for ServerSection {
@@ -82,6 +86,7 @@ impl Default for ServerSection {
             max_connections: 256,
             first_event_timeout_s: 10,
             max_input_audio_s: 120,
+            replica_id: String::new(),
         }
     }
 }
@@ -215,6 +220,9 @@ impl Config {
         if s.outbound_queue == 0 || s.session_inbox == 0 || s.max_connections == 0 || s.first_event_timeout_s == 0 || s.max_input_audio_s == 0 {
             bail!("server.outbound_queue, session_inbox, max_connections, first_event_timeout_s and max_input_audio_s must be at least 1");
         }
+        if let Err(e) = check_replica_id(&s.replica_id) {
+            bail!("server.replica_id {:?}: {e}", s.replica_id);
+        }
         if self.server.max_binary_frame < 64 || self.server.max_text_frame < 1024 {
             bail!("server.max_binary_frame / max_text_frame are too small");
         }
@@ -247,4 +255,12 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// A replica id: empty, or 1–63 letters, digits and `-` (a DNS label, as a pod name is).
+pub fn check_replica_id(id: &str) -> std::result::Result<(), &'static str> {
+    if id.len() > 63 || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') || id.starts_with('-') {
+        return Err("letters, digits and '-' (not first), at most 63");
+    }
+    Ok(())
 }

@@ -21,7 +21,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 use tokio::net::TcpListener;
 
 use antiphon_engine::{Engine, EngineEvent, GenerationParams, Mode, Models, RefInput, RequestId, RequestSpec, Status, UserInput};
@@ -40,6 +40,13 @@ pub struct ServerMetrics {
     pub errors: IntCounterVec,
     pub responses: IntCounterVec,
     pub ttfa: Histogram,
+    pub resumes: IntCounter,
+    /// 1 for this replica's id (the label), so dashboards can tell replicas apart.
+    pub replica: IntGaugeVec,
+    pub draining: IntGauge,
+    /// The model device's memory (`used`, `total`): the GPU's, or on the CPU the process's resident
+    /// set and the host's memory; read at each scrape.
+    pub device_memory: IntGaugeVec,
 }
 
 impl ServerMetrics {
@@ -57,8 +64,17 @@ impl ServerMetrics {
                 .buckets(vec![0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]),
         )
         .expect("metric");
+        let resumes = IntCounter::new("antiphon_resumes_total", "Sessions resumed on a new socket").expect("metric");
+        let replica = IntGaugeVec::new(Opts::new("antiphon_replica_info", "This replica (its id in the label)"), &["replica"]).expect("metric");
+        let draining = IntGauge::new("antiphon_draining", "1 while the server drains for shutdown").expect("metric");
+        let device_memory =
+            IntGaugeVec::new(Opts::new("antiphon_device_memory_bytes", "Memory of the model's device (used, total)"), &["state"]).expect("metric");
         for c in [
             Box::new(sessions.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(resumes.clone()),
+            Box::new(replica.clone()),
+            Box::new(draining.clone()),
+            Box::new(device_memory.clone()),
             Box::new(parked.clone()),
             Box::new(journal_bytes.clone()),
             Box::new(sessions_created.clone()),
@@ -72,7 +88,21 @@ impl ServerMetrics {
         for code in antiphon_protocol::ErrorCode::ALL {
             errors.with_label_values(&[code.as_str()]);
         }
-        Self { registry, sessions, parked, journal_bytes, sessions_created, connections, errors, responses, ttfa }
+        Self {
+            registry,
+            sessions,
+            parked,
+            journal_bytes,
+            sessions_created,
+            connections,
+            errors,
+            responses,
+            ttfa,
+            resumes,
+            replica,
+            draining,
+            device_memory,
+        }
     }
 }
 
@@ -166,6 +196,7 @@ pub async fn start(cfg: Config, models: Models) -> Result<Server> {
         started: Instant::now(),
         connection_permits: Arc::new(tokio::sync::Semaphore::new(cfg.server.max_connections)),
     });
+    shared.metrics.replica.with_label_values(&[cfg.server.replica_id.as_str()]).set(1);
     let listener = TcpListener::bind(&cfg.server.listen).await.with_context(|| format!("binding {}", cfg.server.listen))?;
     let addr = listener.local_addr()?;
     let app = router(shared.clone());
@@ -353,11 +384,28 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
     m.sessions.set(shared.sessions.len() as i64);
     m.parked.set(shared.sessions.parked() as i64);
     m.journal_bytes.set(shared.sessions.journal_bytes() as i64);
+    m.draining.set(shared.is_shutting_down() as i64);
+    if let Some((used, total)) = device_memory(shared.config.model.device) {
+        m.device_memory.with_label_values(&["used"]).set(used as i64);
+        m.device_memory.with_label_values(&["total"]).set(total as i64);
+    }
     let mut buf = Vec::new();
     let _ = prometheus::TextEncoder::new().encode(&m.registry.gather(), &mut buf);
     let mut text = String::from_utf8(buf).unwrap_or_default();
     text.push_str(&shared.engine.metrics().render());
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// The model device's memory `(used, total)` in bytes: the GPU's, or on the CPU this process's
+/// resident set and the host's memory (Linux `/proc`).
+fn device_memory(spec: antiphon_models::gpu::DeviceSpec) -> Option<(u64, u64)> {
+    if spec != antiphon_models::gpu::DeviceSpec::Cpu {
+        return antiphon_models::gpu::cuda_memory(spec);
+    }
+    let pages: u64 = std::fs::read_to_string("/proc/self/statm").ok()?.split_whitespace().nth(1)?.parse().ok()?;
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let total_kib: u64 = meminfo.lines().find_map(|l| l.strip_prefix("MemTotal:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some((pages * 4096, total_kib * 1024))
 }
 
 async fn build_info(State(shared): State<Arc<Shared>>) -> Json<serde_json::Value> {
@@ -367,6 +415,7 @@ async fn build_info(State(shared): State<Arc<Shared>>) -> Json<serde_json::Value
         "version": env!("CARGO_PKG_VERSION"),
         "git": option_env!("ANTIPHON_GIT").unwrap_or("unknown"),
         "protocol": antiphon_protocol::PROTOCOL_VERSION,
+        "replica": shared.config.server.replica_id,
         "model": {
             "source": match c.source { ModelSource::Synthetic => "synthetic", ModelSource::Checkpoint => "checkpoint" },
             "preset": format!("{:?}", c.preset).to_lowercase(),

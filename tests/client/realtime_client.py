@@ -34,6 +34,12 @@ def frame(kind, seq, payload, flags=0, response_id=0):
     return HEADER.pack(kind, flags, 0, seq, response_id) + payload
 
 
+def resume_url(url, sid):
+    """A resume connects with the session id in the URL too, so a proxy can route it."""
+    from urllib.parse import quote
+    return url + ("&" if "?" in url else "?") + "session_id=" + quote(sid, safe="")
+
+
 class Conn:
     def __init__(self, ws):
         self.ws = ws
@@ -153,7 +159,7 @@ async def drops(url, n, rng):
                 break
         c.cut()
         last = max(held)
-        c = await Conn.open(url)
+        c = await Conn.open(resume_url(url, sid))
         await c.send({"type": "session.resume", "session_id": sid, "resume_token": tok, "last_seq": last})
         r = await c.event("session.resumed")
         check("seq" not in r and r["input_seq"] == 1, f"session.resumed: {r}")
@@ -286,7 +292,7 @@ async def duplex(url):
                 state["conn"].cut()
                 dropped = True
                 await asyncio.sleep(0.7)
-                c2 = await Conn.open(url)
+                c2 = await Conn.open(resume_url(url, sid))
                 await c2.send({"type": "session.resume", "session_id": sid, "resume_token": tok, "last_seq": max(held)})
                 r = await c2.event("session.resumed")
                 check(r["input_seq"] <= state["next"], f"input_seq {r['input_seq']} beyond what was sent")

@@ -114,7 +114,10 @@ impl SessionManager {
             return Err(WireError::fatal(ErrorCode::Capacity, "the server is shutting down").retry_after(cfg.retry_after_ms));
         }
         let session = Session::new(shared.clone(), &c)?;
-        let id = format!("s_{}", random_token(12));
+        let id = match cfg.replica_id.as_str() {
+            "" => format!("s_{}", random_token(12)),
+            replica => format!("{replica}.{}", random_token(12)),
+        };
         let token = random_token(24);
         let (tx, rx) = unbounded_channel();
         let (input, input_rx) = channel(cfg.session_inbox);

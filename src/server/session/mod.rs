@@ -535,6 +535,7 @@ impl Session {
                 if let Some(m) = &self.manager {
                     m.set_parked(&self.id, false);
                 }
+                self.shared.metrics.resumes.inc();
                 tracing::info!(last_seq, "session resumed");
             }
             SessionMsg::Detach { conn } => {
