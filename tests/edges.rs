@@ -1,6 +1,6 @@
-//! The server's edges: a connection cap, a deadline for the first event, path segments longer
-//! than any file name (against a real server on port 0), the bounded outbound queue and the
-//! shape of `internal` errors.
+//! The server's edges: connection caps (WebSockets and TCP), deadlines for a request head and for
+//! the first event, path segments longer than any file name (against a real server on port 0),
+//! the bounded outbound queue and the shape of `internal` errors.
 
 // (shared with tests/server.rs, which uses all of it)
 #[allow(dead_code)]
@@ -222,5 +222,49 @@ async fn a_resume_whose_url_names_another_session_is_a_bad_field() {
     right.send(resume).await;
     let r = right.event("session.resumed").await;
     assert_eq!(r["session_id"], id.as_str());
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_heads_that_never_end_are_cut_and_tcp_connections_are_capped() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = server(|c| {
+        c.server.max_connections = 2;
+        c.server.max_tcp_connections = 3;
+        c.server.header_timeout_s = 1;
+    })
+    .await;
+    // three sockets that send half a request head, then nothing (slowloris)
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        let mut t = tokio::net::TcpStream::connect(s.addr).await.unwrap();
+        t.write_all(b"GET /v1/realtime HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+        idle.push(t);
+    }
+    // a fourth TCP connection is answered at once with a plain 503, its request unread
+    let mut t = tokio::net::TcpStream::connect(s.addr).await.unwrap();
+    let mut reply = Vec::new();
+    tokio::time::timeout(std::time::Duration::from_secs(30), t.read_to_end(&mut reply)).await.expect("refused, not held").ok();
+    let reply = String::from_utf8_lossy(&reply);
+    assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
+    // the half heads are cut at the header timeout: each socket ends
+    for mut t in idle {
+        let mut rest = Vec::new();
+        let ended = tokio::time::timeout(std::time::Duration::from_secs(30), t.read_to_end(&mut rest)).await;
+        assert!(ended.is_ok(), "a request head that never ends holds its socket");
+    }
+    // their permits come back: a session works again
+    let url = format!("ws://{}/v1/realtime", s.addr);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        match Client::connect_to(&url).await {
+            Ok(mut c) => {
+                c.create(json!({})).await;
+                break;
+            }
+            Err(_) if std::time::Instant::now() < deadline => tokio::task::yield_now().await,
+            Err(e) => panic!("the TCP permits never came back: {e}"),
+        }
+    }
     s.shutdown().await.unwrap();
 }

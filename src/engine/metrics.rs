@@ -98,6 +98,15 @@ impl EngineMetrics {
         ] {
             registry.register(c).expect("unique metric");
         }
+        // every series a dashboard or an alert reads is there from the start, at 0
+        for status in ["completed", "failed", "cancelled"] {
+            requests.with_label_values(&[status]);
+        }
+        for (v, labels) in [(&prefix_cache, ["hit", "miss"]), (&prompt_positions, ["reused", "prefilled"])] {
+            for l in labels {
+                v.with_label_values(&[l]);
+            }
+        }
         Self {
             registry,
             step_seconds,

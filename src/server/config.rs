@@ -64,6 +64,12 @@ pub struct ServerSection {
     /// dot, so a proxy routes a resume (`?session_id=`) to the replica that holds the session.
     /// Empty: ids start with `s_` (one server). Letters, digits and `-`, at most 63.
     pub replica_id: String,
+    /// TCP connections open at once, upgraded or not (beyond: a plain 503 and close). At least
+    /// `max_connections`.
+    pub max_tcp_connections: usize,
+    /// A TLS handshake, and every HTTP request head (an idle keep-alive wait included), must
+    /// complete within this many seconds, or the connection is closed.
+    pub header_timeout_s: u64,
 }
 
 impl Default for ServerSection {
@@ -87,6 +93,8 @@ impl Default for ServerSection {
             first_event_timeout_s: 10,
             max_input_audio_s: 120,
             replica_id: String::new(),
+            max_tcp_connections: 1024,
+            header_timeout_s: 10,
         }
     }
 }
@@ -219,6 +227,9 @@ impl Config {
         let s = &self.server;
         if s.outbound_queue == 0 || s.session_inbox == 0 || s.max_connections == 0 || s.first_event_timeout_s == 0 || s.max_input_audio_s == 0 {
             bail!("server.outbound_queue, session_inbox, max_connections, first_event_timeout_s and max_input_audio_s must be at least 1");
+        }
+        if s.header_timeout_s == 0 || s.max_tcp_connections < s.max_connections {
+            bail!("server.header_timeout_s must be at least 1, and server.max_tcp_connections at least server.max_connections");
         }
         if let Err(e) = check_replica_id(&s.replica_id) {
             bail!("server.replica_id {:?}: {e}", s.replica_id);

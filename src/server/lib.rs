@@ -2,6 +2,7 @@
 //! (`/healthz`, `/readyz`, `/metrics`, `/api/build_info`), the browser demo at `/`, graceful
 //! shutdown. Sessions and the audio edge live here; model code lives in the engine's threads.
 
+mod accept;
 pub mod audio_edge;
 pub mod auth;
 pub mod config;
@@ -210,35 +211,32 @@ pub async fn start(cfg: Config, models: Models) -> Result<Server> {
         }
         warm.ready.store(true, Ordering::SeqCst);
     });
-    let sh = shared.clone();
-    let task = match cfg.tls.clone() {
-        None => tokio::spawn(async move {
-            let drain_shared = sh.clone();
-            let served = axum::serve(listener, app.into_make_service()).with_graceful_shutdown(async move {
-                let _ = stopped.wait_for(|s| *s).await;
-                drain(&drain_shared).await;
-            });
-            served.await.context("serving")?;
-            Ok(())
-        }),
+    let tls = match &cfg.tls {
+        None => None,
         Some(tls) => {
             let _ = rustls::crypto::ring::default_provider().install_default();
-            let rustls_cfg = axum_server::tls_rustls::RustlsConfig::from_pem_file(&tls.cert, &tls.key)
+            let loaded = axum_server::tls_rustls::RustlsConfig::from_pem_file(&tls.cert, &tls.key)
                 .await
                 .with_context(|| format!("loading {} / {}", tls.cert.display(), tls.key.display()))?;
-            let std_listener = listener.into_std()?;
-            let handle = axum_server::Handle::new();
-            let h = handle.clone();
-            tokio::spawn(async move {
-                let _ = stopped.wait_for(|s| *s).await;
-                drain(&sh).await;
-                h.graceful_shutdown(Some(Duration::from_secs(1)));
-            });
-            tokio::spawn(async move {
-                axum_server::from_tcp_rustls(std_listener, rustls_cfg).handle(handle).serve(app.into_make_service()).await.context("serving TLS")
-            })
+            // HTTP/1.1 only: WebSockets upgrade over it, and its request heads have a timeout
+            let mut c = (*loaded.get_inner()).clone();
+            c.alpn_protocols = vec![b"http/1.1".to_vec()];
+            Some(Arc::new(c))
         }
     };
+    let limits = accept::AcceptLimits {
+        max_tcp_connections: cfg.server.max_tcp_connections,
+        header_timeout: Duration::from_secs(cfg.server.header_timeout_s),
+    };
+    let sh = shared.clone();
+    let task = tokio::spawn(async move {
+        accept::serve(listener, app, tls, limits, async move {
+            let _ = stopped.wait_for(|s| *s).await;
+            drain(&sh).await;
+        })
+        .await;
+        Ok(())
+    });
     tracing::info!("listening on {addr}");
     Ok(Server { addr, shared, stop, task })
 }
