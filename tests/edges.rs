@@ -185,6 +185,15 @@ async fn oversized_instructions_are_refused_at_create_and_update() {
     d.send(json!({"type": "ping", "id": "still"})).await;
     assert_eq!(d.event("pong").await["id"], "still");
     s.shutdown().await.unwrap();
+    // within the characters but beyond the tokens
+    let s = server(|c| c.server.max_instructions_tokens = 16).await;
+    let mut c = Client::connect(&s).await;
+    c.create(json!({"instructions": "Be brief."})).await;
+    c.send(json!({"type": "session.update", "instructions": "word ".repeat(200)})).await;
+    let e = c.event("error").await;
+    assert_eq!(e["code"], "bad_field", "{e}");
+    assert!(e["message"].as_str().unwrap().contains("tokens") && e["message"].as_str().unwrap().contains("at most 16"), "{e}");
+    s.shutdown().await.unwrap();
 }
 
 /// At the drain deadline a response still running is cancelled, not cut: its `response.done`

@@ -166,6 +166,8 @@ pub struct Engine {
     metrics: EngineMetrics,
     cfg: Arc<EngineConfig>,
     limits: antiphon_protocol::GenerationLimits,
+    /// The Thinker's tokenizer, for what the server must count in tokens before admitting it.
+    tokenizer: Arc<antiphon_models::tokenizer::TextTokenizer>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -219,6 +221,7 @@ impl Engine {
         let (tx0, rx0) = mpsc::sync_channel::<Stage0Msg>(cap);
         let (tx1, rx1) = mpsc::sync_channel::<Stage1Msg>(cap);
         let (tx2, rx2) = mpsc::sync_channel::<Stage2Msg>(cap);
+        let tokenizer = Arc::new(models.tokenizer.clone());
         let s0 = stage0::Stage0::new(models.thinker, models.tokenizer, cfg.clone(), registry.clone(), metrics.clone(), tx1.clone())?;
         let s1 = stage1::Stage1::new(models.talker, cfg.clone(), registry.clone(), metrics.clone(), tx2.clone())?;
         let s2 = stage2::Stage2::new(models.code2wav, cfg.clone(), registry.clone(), metrics.clone());
@@ -228,11 +231,16 @@ impl Engine {
             spawn("stage1-talker", Box::new(move || run_stage(s1, rx1)))?,
             spawn("stage2-code2wav", Box::new(move || run_stage(s2, rx2)))?,
         ];
-        Ok(Self { to0: Some(tx0), to1: Some(tx1), to2: Some(tx2), registry, metrics, cfg, limits, threads })
+        Ok(Self { to0: Some(tx0), to1: Some(tx1), to2: Some(tx2), registry, metrics, cfg, limits, tokenizer, threads })
     }
 
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
+    }
+
+    /// `text` in the Thinker's tokens (special-token text is not recognized).
+    pub fn count_tokens(&self, text: &str) -> Result<usize> {
+        Ok(self.tokenizer.encode(text)?.len())
     }
 
     /// The most a request's generation may ask for (the models' contexts).

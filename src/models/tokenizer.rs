@@ -223,6 +223,7 @@ enum Piece {
 }
 
 /// The tokenizer with the pipeline's special tokens resolved.
+#[derive(Clone)]
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     special: SpecialTokens,

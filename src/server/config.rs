@@ -70,6 +70,9 @@ pub struct ServerSection {
     /// A TLS handshake, and every HTTP request head (an idle keep-alive wait included), must
     /// complete within this many seconds, or the connection is closed.
     pub header_timeout_s: u64,
+    /// The longest `instructions` (system prompt) accepted, in Thinker tokens (beside the
+    /// protocol's cap in characters).
+    pub max_instructions_tokens: usize,
 }
 
 impl Default for ServerSection {
@@ -95,6 +98,7 @@ impl Default for ServerSection {
             replica_id: String::new(),
             max_tcp_connections: 1024,
             header_timeout_s: 10,
+            max_instructions_tokens: 2048,
         }
     }
 }
@@ -227,6 +231,9 @@ impl Config {
         let s = &self.server;
         if s.outbound_queue == 0 || s.session_inbox == 0 || s.max_connections == 0 || s.first_event_timeout_s == 0 || s.max_input_audio_s == 0 {
             bail!("server.outbound_queue, session_inbox, max_connections, first_event_timeout_s and max_input_audio_s must be at least 1");
+        }
+        if s.max_instructions_tokens == 0 {
+            bail!("server.max_instructions_tokens must be at least 1");
         }
         if s.header_timeout_s == 0 || s.max_tcp_connections < s.max_connections {
             bail!("server.header_timeout_s must be at least 1, and server.max_tcp_connections at least server.max_connections");

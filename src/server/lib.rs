@@ -124,6 +124,23 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// `instructions` within the protocol's cap in characters, then within
+    /// `server.max_instructions_tokens` of the Thinker's tokens (`bad_field` naming the limit).
+    pub fn check_instructions(&self, i: Option<&str>) -> Result<(), antiphon_protocol::WireError> {
+        use antiphon_protocol::{ErrorCode, WireError};
+        antiphon_protocol::validate_instructions(i)?;
+        let Some(i) = i else { return Ok(()) };
+        let max = self.config.server.max_instructions_tokens;
+        let n = self.engine.count_tokens(i).map_err(|e| WireError::new(ErrorCode::BadField, format!("field `instructions`: {e}")))?;
+        if n > max {
+            return Err(WireError::new(
+                ErrorCode::BadField,
+                format!("field `instructions`: {n} tokens, more than this server takes (at most {max})"),
+            ));
+        }
+        Ok(())
+    }
+
     pub fn is_shutting_down(&self) -> bool {
         self.shutting_down.load(Ordering::SeqCst)
     }

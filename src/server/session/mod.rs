@@ -203,7 +203,7 @@ impl Session {
         if let Some(g) = &c.generation {
             g.validate(&shared.engine.generation_limits())?;
         }
-        antiphon_protocol::validate_instructions(c.instructions.as_deref())?;
+        shared.check_instructions(c.instructions.as_deref())?;
         let now = Instant::now();
         Ok(Self {
             journal: Journal::new(cfg.journal_max_bytes, cfg.journal_max_audio_s * 1000),
@@ -371,7 +371,7 @@ impl Session {
         if let Some(g) = &u.generation {
             g.validate(&self.shared.engine.generation_limits())?;
         }
-        antiphon_protocol::validate_instructions(u.instructions.as_deref())?;
+        self.shared.check_instructions(u.instructions.as_deref())?;
         if let Some(i) = &u.input_audio {
             self.input = InputAudio::new(i.codec, i.sample_rate)
                 .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `input_audio.sample_rate`: {e}")))?
