@@ -77,7 +77,9 @@ for name in ("base", "gpu"):
     cfg = tomllib.loads(toml_text)
     srv = cfg.get("server", {})
     drain = srv.get("shutdown_drain_s", 10)
-    sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
+    hook = " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
+    need(re.search(r"kill -TERM 1\b", hook) and "kill -0 1" in hook, f"preStop does not drain the server and wait for it: {hook}")
+    sleep = int(re.search(r"sleep (\d+);", hook).group(1))
     grace = pod["terminationGracePeriodSeconds"]
     need(grace >= drain + sleep + 5, f"terminationGracePeriodSeconds {grace} < shutdown_drain_s {drain} + preStop {sleep} + 5")
     need("replica_id" not in srv, "server.replica_id in antiphon.toml: it comes from the pod name")
