@@ -24,17 +24,7 @@ async fn connections_beyond_the_cap_are_refused_and_a_freed_permit_is_reused() {
     a.send(json!({"type": "session.close"})).await;
     assert!(matches!(a.until(|m| matches!(m, In::Closed(_))).await.last(), Some(In::Closed(_))));
     drop(a);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    loop {
-        match Client::connect_to(&url).await {
-            Ok(mut b) => {
-                b.create(json!({})).await;
-                break;
-            }
-            Err(_) if std::time::Instant::now() < deadline => tokio::task::yield_now().await,
-            Err(e) => panic!("the permit never came back: {e}"),
-        }
-    }
+    a_session_once_a_permit_is_back(&url, "the permit never came back").await;
     s.shutdown().await.unwrap();
 }
 
@@ -264,16 +254,22 @@ async fn request_heads_that_never_end_are_cut_and_tcp_connections_are_capped() {
     }
     // their permits come back: a session works again
     let url = format!("ws://{}/v1/realtime", s.addr);
+    a_session_once_a_permit_is_back(&url, "the TCP permits never came back").await;
+    s.shutdown().await.unwrap();
+}
+
+/// Connects until a connection is accepted again (a freed permit comes back a moment after its
+/// socket ends; bounded at 30 s), and creates a session on it.
+async fn a_session_once_a_permit_is_back(url: &str, what: &str) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
-        match Client::connect_to(&url).await {
+        match Client::connect_to(url).await {
             Ok(mut c) => {
                 c.create(json!({})).await;
-                break;
+                return;
             }
             Err(_) if std::time::Instant::now() < deadline => tokio::task::yield_now().await,
-            Err(e) => panic!("the TCP permits never came back: {e}"),
+            Err(e) => panic!("{what}: {e}"),
         }
     }
-    s.shutdown().await.unwrap();
 }
