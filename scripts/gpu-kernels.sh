@@ -20,7 +20,8 @@ export LD_LIBRARY_PATH=${SP:+$SP/nvidia/cu13/lib:}/usr/local/nvidia/lib64:${LD_L
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 IFS=';' read -ra rows <<< "$ONLY"
 for row in "${rows[@]}"; do
-  tag=$(echo "$row" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-48)
+  # (the name's start plus a hash of all of it: rows that share a long prefix keep apart)
+  tag=$(echo "$row" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-40)_$(echo "$row" | md5sum | cut -c1-6)
   timeout "${NCU_TIMEOUT:-400}" "$NCU" --profile-from-start off --clock-control none --cache-control none ${NCU_ARGS:-} \
     --metrics gpu__time_duration.sum --print-units base --csv --page raw --log-file "$OUT/ncu-$tag.csv" \
     /tmp/antiphon profile --config "$CONFIG" --iters "$ITERS" --batch "${BATCH:-1}" --only "$row" > "$OUT/profile-$tag.txt" 2>&1

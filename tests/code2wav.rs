@@ -207,3 +207,33 @@ fn conv_columns_times_the_weight_are_the_convolution() {
         assert!(diff < 1e-4, "k {k}, d {d}, padding ({pad_l}, {pad_r}): max diff {diff}");
     }
 }
+
+/// The same with a stride and with a nearest upsampling of the input first (the causal vocoder's
+/// downsampling and upsampling convolutions), against candle's conv1d on the upsampled, padded input.
+#[test]
+fn strided_and_upsampled_conv_columns_are_the_convolution() {
+    use antiphon_models::code2wav::dit_ops::{conv_cols_with, Cols};
+    let dev = Device::Cpu;
+    let (b, c, o, t) = (2, 3, 4, 47);
+    let x = Tensor::randn(0f32, 1., (b, c, t), &dev).unwrap();
+    for (k, d, pad_l, pad_r, stride, up) in
+        [(30, 1, 14, 0, 15, 1), (6, 1, 2, 0, 3, 1), (16, 1, 15, 0, 1, 8), (7, 1, 6, 0, 1, 3), (5, 1, 0, 4, 1, 1), (4, 2, 3, 1, 2, 2)]
+    {
+        let w = Tensor::randn(0f32, 1., (o, c, k), &dev).unwrap();
+        let bias = Tensor::randn(0f32, 1., o, &dev).unwrap();
+        let xu = x.unsqueeze(3).unwrap().broadcast_as((b, c, t, up)).unwrap().reshape((b, c, t * up)).unwrap();
+        let want = xu
+            .pad_with_zeros(2, pad_l, pad_r)
+            .unwrap()
+            .conv1d(&w, 0, stride, d, 1)
+            .unwrap()
+            .broadcast_add(&bias.reshape((1, o, 1)).unwrap())
+            .unwrap();
+        let wc = Tensor::cat(&[&w.reshape((o, c * k)).unwrap(), &bias.reshape((o, 1)).unwrap()], 1).unwrap();
+        let cols = conv_cols_with(&x, Cols { k, d, pad_l, pad_r, stride, up }).unwrap();
+        let got = wc.broadcast_left(b).unwrap().matmul(&cols).unwrap();
+        assert_eq!(got.dims(), want.dims(), "k {k}, stride {stride}, up {up}");
+        let diff = common::max_abs_diff(&got.flatten_all().unwrap().to_vec1().unwrap(), &want.flatten_all().unwrap().to_vec1().unwrap());
+        assert!(diff < 1e-4, "k {k}, d {d}, padding ({pad_l}, {pad_r}), stride {stride}, up {up}: max diff {diff}");
+    }
+}

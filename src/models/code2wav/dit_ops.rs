@@ -173,26 +173,50 @@ pub fn qkv_heads(
 /// pad_l + pad_r - d (k - 1)), row `c k + j` = the padded input at `t + j d`, the last row ones;
 /// `[O, C k + 1]` (the weight with its bias as the last column) times it is the convolution.
 pub fn conv_cols(x: &Tensor, k: usize, d: usize, pad_l: usize, pad_r: usize) -> Result<Tensor> {
+    conv_cols_with(x, Cols { k, d, pad_l, pad_r, stride: 1, up: 1 })
+}
+
+/// The shape of a convolution for [`conv_cols_with`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cols {
+    /// Kernel size and dilation.
+    pub k: usize,
+    pub d: usize,
+    /// Zeros before and after the (upsampled) input.
+    pub pad_l: usize,
+    pub pad_r: usize,
+    /// The convolution's stride.
+    pub stride: usize,
+    /// Nearest upsampling of the input first: every sample `up` times (1: none).
+    pub up: usize,
+}
+
+/// [`conv_cols`] for any stride and a nearest upsampling of the input first: row `c k + j`,
+/// column `t` is the upsampled, padded input at `t · stride + j d`; L = (T · up + pad_l + pad_r −
+/// d (k − 1) − 1) / stride + 1.
+pub fn conv_cols_with(x: &Tensor, p: Cols) -> Result<Tensor> {
     let (b, c, t) = x.dims3()?;
-    let span = d * (k - 1);
-    if k == 0 || t + pad_l + pad_r <= span {
-        candle_core::bail!("conv_cols: {t} frames (+ {pad_l} + {pad_r}) for a kernel of {k} at dilation {d}");
+    let Cols { k, d, pad_l, pad_r, stride, up } = p;
+    let t_up = t * up;
+    let span = d * k.saturating_sub(1);
+    if k == 0 || stride == 0 || up == 0 || t_up + pad_l + pad_r <= span {
+        candle_core::bail!("conv_cols: {t} frames (× {up}, + {pad_l} + {pad_r}) for a kernel of {k} at dilation {d}, stride {stride}");
     }
-    let l = t + pad_l + pad_r - span;
+    let l = (t_up + pad_l + pad_r - span - 1) / stride + 1;
     #[cfg(feature = "cuda")]
     if on_cuda(x) {
-        let total = b * (c * k + 1) * l;
-        let ints = [c as i32, t as i32, k as i32, d as i32, pad_l as i32, l as i32];
+        let rows = b * (c * k + 1);
+        let ints = [c, t, k, d, pad_l, l, stride, up, rows].map(|v| v as i32);
         let shape = candle_core::Shape::from((b, c * k + 1, l));
-        return cuda::launch_shaped("conv_cols", x, &[], &ints, &[total as u64], &[], cuda::grid(total), Some(shape));
+        return cuda::launch_shaped("conv_cols", x, &[], &ints, &[], &[], (rows.clamp(1, 65535) as u32, 256), Some(shape));
     }
+    let x = if up > 1 { x.unsqueeze(3)?.broadcast_as((b, c, t, up))?.reshape((b, c, t_up))? } else { x.clone() };
     let xp = x.pad_with_zeros(2, pad_l, pad_r)?;
-    let mut rows = Vec::with_capacity(k + 1);
-    for j in 0..k {
-        rows.push(xp.narrow(2, j * d, l)?.unsqueeze(2)?);
-    }
-    // [B, C, k, L] -> [B, C k, L], then the ones row
-    let cols = Tensor::cat(&rows, 2)?.reshape((b, c * k, l))?;
+    // every (j, t): the padded input's position t · stride + j d, gathered at once
+    let idx: Vec<u32> = (0..k).flat_map(|j| (0..l).map(move |t| (t * stride + j * d) as u32)).collect();
+    let idx = Tensor::from_vec(idx, k * l, x.device())?;
+    // [B, C, k L] -> [B, C k, L], then the ones row
+    let cols = xp.contiguous()?.index_select(&idx, 2)?.reshape((b, c * k, l))?;
     Tensor::cat(&[cols, Tensor::ones((b, 1, l), x.dtype(), x.device())?], 1)
 }
 

@@ -5,6 +5,7 @@
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 
+use super::super::dit_ops::Cols;
 use super::HiftConfig;
 use crate::talker::load_weight_norm;
 
@@ -62,16 +63,18 @@ impl Conv {
         Ok(Self { w, b, kind, dilation, cols })
     }
 
-    /// On a GPU, a stride-1 conv with zero padding `(before, after)` as its columns times the
-    /// weight with the bias folded in: two kernels, no padded copy, no transposed output, no
-    /// broadcast bias add (candle's conv1d: im2col, the product, a transposing copy, then ours).
-    fn by_columns(&self, x: &Tensor, pad_l: usize, pad_r: usize) -> Result<Option<Tensor>> {
+    /// On a GPU, the conv with zero padding `(before, after)`, a stride and a nearest upsampling
+    /// of its input first, as its columns times the weight with the bias folded in: two kernels,
+    /// no padded or upsampled copy, no transposed output, no broadcast bias add (candle's conv1d:
+    /// im2col, the product, a transposing copy, then ours).
+    fn by_columns(&self, x: &Tensor, pad_l: usize, pad_r: usize, stride: usize, up: usize) -> Result<Option<Tensor>> {
         let Some(w) = &self.cols else { return Ok(None) };
         // (our kernels exist for f32, bf16 and f16; the F0 predictor runs in f64)
         if !x.device().is_cuda() || !matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) {
             return Ok(None);
         }
-        let cols = super::super::dit_ops::conv_cols(x, self.kernel(), self.dilation, pad_l, pad_r)?;
+        let p = Cols { k: self.kernel(), d: self.dilation, pad_l, pad_r, stride, up };
+        let cols = super::super::dit_ops::conv_cols_with(x, p)?;
         Ok(Some(w.broadcast_left(x.dim(0)?)?.matmul(&cols)?))
     }
 
@@ -83,9 +86,15 @@ impl Conv {
     pub(super) fn forward(&self, x: &Tensor, right: Option<&Tensor>) -> Result<Tensor> {
         let (b, c, _) = x.dims3()?;
         let fast = match self.kind {
-            ConvKind::Plain { padding, stride: 1 } => self.by_columns(x, padding, padding)?,
-            ConvKind::Left { padding } => self.by_columns(x, padding, 0)?,
-            _ => None,
+            ConvKind::Plain { padding, stride } => self.by_columns(x, padding, padding, stride, 1)?,
+            ConvKind::Left { padding } => self.by_columns(x, padding, 0, 1, 1)?,
+            ConvKind::Right { padding } => match right {
+                Some(r) => self.by_columns(&Tensor::cat(&[x, r], 2)?, 0, 0, 1, 1)?,
+                None => self.by_columns(x, 0, padding, 1, 1)?,
+            },
+            ConvKind::Down { stride } => self.by_columns(x, stride - 1, 0, stride, 1)?,
+            ConvKind::Up { scale } => self.by_columns(x, self.kernel() - 1, 0, 1, scale)?,
+            ConvKind::Transpose { .. } => None,
         };
         if let Some(y) = fast {
             return Ok(y);
