@@ -101,9 +101,13 @@ pub struct HiftGenerator {
     f0_predictor: F0Predictor,
     l_linear: Linear,
     spectral: Spectral,
-    /// The causal source's fixed noise table `[samples, harmonics + 1]` (on the host too).
-    noise_table: Vec<f32>,
+    /// Rows of the causal source's fixed noise table `[samples, harmonics + 1]`.
     noise_rows: usize,
+    /// `m_source.l_linear` on the host (weights per harmonic, bias), and each noise-table row
+    /// through its weights: the causal source merges its harmonics on the host (streaming.rs).
+    merge_w: Vec<f32>,
+    merge_b: f32,
+    noise_merged: Vec<f32>,
     cfg: HiftConfig,
     limits: Option<StreamLimits>,
     /// The streaming F0 predictor and decoder, replayed as CUDA graphs per shape (when on).
@@ -203,6 +207,11 @@ impl HiftGenerator {
             (true, None) => candle_core::bail!("the causal vocoder needs its noise table"),
             (false, _) => (vec![], 0),
         };
+        // the merge's weights on the host, and the noise table through them (in f64)
+        let merge_w = l_linear.weight().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let merge_b = l_linear.bias().map(|b| b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()).transpose()?.map_or(0.0, |b| b[0]);
+        let noise_merged: Vec<f32> =
+            noise_table.chunks(h1).map(|row| row.iter().zip(&merge_w).map(|(&x, &w)| x as f64 * w as f64).sum::<f64>() as f32).collect();
         let mut g = Self {
             conv_pre,
             ups,
@@ -213,8 +222,10 @@ impl HiftGenerator {
             f0_predictor,
             l_linear,
             spectral,
-            noise_table,
             noise_rows,
+            merge_w,
+            merge_b,
+            noise_merged,
             cfg: cfg.clone(),
             limits: None,
             graphs: crate::cuda_graph::GraphSlot::off(),

@@ -120,18 +120,24 @@ impl HiftGenerator {
                 *p = l.rem_euclid(1.0);
             }
         }
-        // per sample: the frame's sine plus table noise
-        let mut exc = vec![0f32; n * hop * h1];
+        // per sample: tanh(l_linear(the frame's sines + the table's noise)); the linear merge is
+        // split into the frame's part and the noise row's part (merged once at load), so each
+        // sample costs one product and a tanh on the host, and only the merged signal goes up
+        let mut merged = vec![0f32; n * hop];
+        let rows = self.noise_rows;
         for t in 0..n {
-            for j in 0..hop {
-                let pos = ((frame_offset * hop + t * hop + j) % self.noise_rows) * h1;
-                let row = &mut exc[(t * hop + j) * h1..(t * hop + j + 1) * h1];
-                for h in 0..h1 {
-                    row[h] = per_frame[t * h1 + h] + noise_amp[t] * self.noise_table[pos + h];
+            let sines: f32 = per_frame[t * h1..(t + 1) * h1].iter().zip(&self.merge_w).map(|(s, w)| s * w).sum::<f32>() + self.merge_b;
+            let mut pos = (frame_offset * hop + t * hop) % rows;
+            for out in &mut merged[t * hop..(t + 1) * hop] {
+                *out = (sines + noise_amp[t] * self.noise_merged[pos]).tanh();
+                pos += 1;
+                if pos == rows {
+                    pos = 0;
                 }
             }
         }
-        self.merge_harmonics(exc, n * hop, h1)
+        let dev = self.conv_pre.w.device();
+        Tensor::from_vec(merged, (1, 1, n * hop), dev)?.to_dtype(self.conv_pre.w.dtype())
     }
 
     /// One round over a batch of states that each took in a block (or, finalizing, nothing): the
