@@ -182,8 +182,9 @@ impl Engine {
             // before any capture: the Thinker's and the Talker's graphs go ahead of Code2Wav's
             for (name, d, others) in [("thinker", &d0, [&d1, &d2]), ("talker", &d1, [&d0, &d2])] {
                 if own_stream(d, others) {
-                    if let Some(p) = antiphon_models::cuda_graph::raise_priority(d) {
-                        tracing::info!("{name}: graphs run at stream priority {p}");
+                    match antiphon_models::cuda_graph::raise_priority(d) {
+                        Some(p) => tracing::info!("{name}: graphs run at stream priority {p}"),
+                        None => tracing::warn!("{name}: no stream priorities on this device; its graphs keep the default one"),
                     }
                 }
             }

@@ -72,6 +72,8 @@ static RAISED: std::sync::Mutex<Vec<candle_core::cuda_backend::DeviceId>> = std:
 #[cfg(feature = "cuda")]
 pub fn raise_priority(dev: &Device) -> Option<i32> {
     let Device::Cuda(d) = dev else { return None };
+    // (the range is the current context's: without one bound to this thread the query fails)
+    d.cuda_stream().context().bind_to_thread().ok()?;
     let (_least, greatest) = candle_core::cuda_backend::cudarc::driver::result::stream::get_priority_range().ok()?;
     let mut raised = RAISED.lock().unwrap_or_else(|e| e.into_inner());
     if !raised.contains(&d.id()) {
@@ -144,10 +146,12 @@ pub fn record(dev: &Device, body: impl Fn() -> Result<()>) -> Result<Graph> {
     let _uploads = d.enable_cuda_graph_htod_cache();
     body()?;
     let stream = d.cuda_stream();
+    // (asked before the capture: no driver query inside it)
+    let raised = raised_priority(d);
     // relaxed: the other stages keep making their own driver calls meanwhile
     stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(candle_core::Error::wrap)?;
     let ran = body();
-    if let Some(p) = raised_priority(d) {
+    if let Some(p) = raised {
         return record_raised(stream, ran, p).map(|g| Graph(GraphKind::Raised(g)));
     }
     let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
