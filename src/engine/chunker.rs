@@ -51,6 +51,15 @@ impl Chunker {
         self.first
     }
 
+    /// A full first payload after all, while no code has come yet (false once one has).
+    pub fn widen_first(&mut self) -> bool {
+        if self.seq > 0 || !self.pending.is_empty() {
+            return false;
+        }
+        self.first = self.size;
+        true
+    }
+
     fn want(&self) -> usize {
         if self.seq == 0 {
             self.first
@@ -98,6 +107,19 @@ impl Chunker {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_first_payload_widens_only_before_any_code() {
+        let mut c = super::Chunker::new(2, 4, 1, 9);
+        assert!(c.widen_first());
+        assert_eq!(c.first(), 4);
+        assert!((0..3).all(|i| c.push(i).is_none()), "a full first payload now");
+        assert_eq!(c.push(3).map(|p| p.codes), Some(vec![9, 0, 1, 2, 3]));
+        let mut c = super::Chunker::new(2, 4, 1, 9);
+        assert!(c.push(0).is_none());
+        assert!(!c.widen_first(), "a code has come");
+        assert_eq!(c.push(1).map(|p| p.codes), Some(vec![9, 0, 1]));
+    }
+
     use super::*;
 
     #[test]

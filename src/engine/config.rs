@@ -20,8 +20,9 @@ pub struct EngineConfig {
     pub code2wav_max_batch: usize,
     /// New codes in the first Code2Wav chunk (a smaller first chunk lowers first-audio time)...
     pub first_chunk_codes: usize,
-    /// ...for a stream that joins the Talker with at most this many streams (itself included);
-    /// busier, its first chunk is a full one, whose second of audio covers the next chunk's wait.
+    /// ...for a stream that finds at most this many requests in the engine (itself included, in
+    /// any stage) when the Thinker takes it and again when its text is complete; busier, its first
+    /// chunk is a full one, whose second of audio covers the next chunk's wait.
     /// Absent: every stream (unlimited); 0: never.
     pub small_first_chunk_streams: usize,
     pub chunk_codes: usize,
@@ -80,7 +81,7 @@ pub struct EngineConfig {
     /// On a GPU with a stream per stage, the Thinker's and the Talker's captured steps run at the
     /// highest stream priority: when their kernels wait beside Code2Wav's, the block scheduler
     /// starts theirs first (a decode step is a few ms; Code2Wav's chunks are hundreds). Off by
-    /// default until measured on a GPU.
+    /// default; on in the GPU configuration (docs/performance.md).
     pub stage_priorities: bool,
     /// On a GPU, f32 matrix products (the vocoder's convolutions, reference preparation) run on
     /// tensor cores in TF32 (10-bit mantissa products, f32 sums); off: full f32. Process-wide.

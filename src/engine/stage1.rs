@@ -278,6 +278,13 @@ impl Stage1 {
         self.metrics.batch_size.with_label_values(&["talker"]).observe(n as f64);
         Ok(true)
     }
+
+    /// Whether more than `small_first_chunk_streams` requests are in the engine (in any stage),
+    /// counting `joining` more streams in the Talker than it holds now.
+    fn busy(&self, joining: usize) -> bool {
+        let engaged = (self.reqs.len() + joining).max(self.registry.live_count());
+        engaged > self.cfg.small_first_chunk_streams
+    }
 }
 
 impl StageLoop for Stage1 {
@@ -303,12 +310,14 @@ impl StageLoop for Stage1 {
                     self.registry.finish_counted(&id, Status::Refused(why), &self.metrics.requests);
                     return;
                 }
-                // a small first chunk while few streams share the Talker (first audio sooner);
-                // under load a full one (its audio covers the next chunk's wait). A duplex turn's
-                // first chunk is always a full one: its codes come a unit at a time, and a small
-                // chunk's audio would end long before the next unit's codes fill the next chunk.
-                let busy = self.reqs.len() + 1 > self.cfg.small_first_chunk_streams;
-                let first = if busy || mode == Mode::Duplex { self.cfg.chunk_codes } else { self.cfg.first_chunk_codes };
+                // a small first chunk while few requests are in the engine (first audio sooner);
+                // under load a full one (its audio covers the next chunk's wait). Requests still in
+                // the Thinker count: a wave of them reaches the Talker together, and the first of
+                // them to come would find it idle, then wait for its next chunk behind the others'
+                // first ones. A duplex turn's first chunk is always a full one: its codes come a
+                // unit at a time, and a small chunk's audio would end long before the next unit's
+                // codes fill the next chunk.
+                let first = if self.busy(1) || mode == Mode::Duplex { self.cfg.chunk_codes } else { self.cfg.first_chunk_codes };
                 let cache = match self.caches.take(self.talker.decoder(), need) {
                     Ok(c) => c,
                     Err(e) => {
@@ -352,9 +361,15 @@ impl StageLoop for Stage1 {
                 }
             }
             Stage1Msg::End { id } => {
+                // (Begin comes when the Thinker takes a request: requests submitted while it
+                // thought count too, so the first of a wave keeps a full first chunk)
+                let busy = self.busy(0);
                 let Some(r) = self.reqs.get_mut(&id) else {
                     return;
                 };
+                if busy && r.mode == Mode::Turn && r.chunker.first() < self.cfg.chunk_codes {
+                    r.chunker.widen_first();
+                }
                 let mode = match r.mode {
                     Mode::Turn => ConditionMode::Turn,
                     Mode::Duplex => ConditionMode::Duplex,
