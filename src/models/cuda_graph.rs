@@ -354,8 +354,13 @@ impl GraphCache {
         let outs: Vec<Tensor> = f(&ins)?.iter().map(|t| t.contiguous().and_then(|t| t.copy())).collect::<Result<_>>()?;
         let mut h = Held { inputs: ins, outputs: outs, graph: None };
         if can_capture(&dev) {
+            let t0 = std::time::Instant::now();
             match record(&dev, || body(&h)) {
-                Ok(g) => h.graph = Some(g),
+                Ok(g) => {
+                    h.graph = Some(g);
+                    // (a capture outside warm-up costs its step this much more)
+                    tracing::debug!(tag, shape = ?&self.entries[i].key, held = held.len() + 1, ms = t0.elapsed().as_secs_f64() * 1e3, "graph captured");
+                }
                 Err(err) => {
                     tracing::warn!("graph capture failed (tag {tag}), running op by op: {err}");
                     self.entries[i].failed = true;
