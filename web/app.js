@@ -70,6 +70,13 @@ async function buildInfo() {
     }
     const sel = $('voice');
     for (const v of b.voices || []) sel.add(new Option(v, v));
+    // and the voices registered on this server (docs/voices.md), when it lets us list them
+    try {
+      const r = await fetch('/v1/voices' + tokenQuery('?'));
+      if (r.ok) for (const v of (await r.json()).voices) if (v.kind === 'registered') sel.add(new Option(`${v.name} (${v.id})`, v.id));
+    } catch (e) {
+      log('voices: ' + e);
+    }
     $('build').textContent = `antiphon ${b.version} · ${b.model.source} ${b.model.preset} · ${b.model.device}`;
     return b;
   } catch (e) {
@@ -350,10 +357,37 @@ async function start(info) {
   $('drop').disabled = false;
 }
 
+/** `?token=…` (or `&token=…`) when the page was opened with one, else nothing. */
+function tokenQuery(sep) {
+  const token = params.get('token');
+  return token ? `${sep}token=${encodeURIComponent(token)}` : '';
+}
+
+/** 16 kHz mono PCM16 samples as a WAV file. */
+function wavBlob(pcm, rate) {
+  const h = new DataView(new ArrayBuffer(44));
+  const text = (at, s) => [...s].forEach((c, i) => h.setUint8(at + i, c.charCodeAt(0)));
+  text(0, 'RIFF');
+  h.setUint32(4, 36 + pcm.byteLength, true);
+  text(8, 'WAVEfmt ');
+  h.setUint32(16, 16, true);
+  h.setUint16(20, 1, true); // PCM
+  h.setUint16(22, 1, true); // mono
+  h.setUint32(24, rate, true);
+  h.setUint32(28, 2 * rate, true);
+  h.setUint16(32, 2, true);
+  h.setUint16(34, 16, true);
+  text(36, 'data');
+  h.setUint32(40, pcm.byteLength, true);
+  return new Blob([h.buffer, pcm.buffer], { type: 'audio/wav' });
+}
+
 /**
- * The voice: a configured one, or an uploaded recording in any format the browser decodes, sent
- * as the first 6 s of 16 kHz mono PCM16 (what the model uses of it; it fits the protocol's 256 KiB
- * text frame once in base64).
+ * The voice: a configured or registered one, or an uploaded recording in any format the browser
+ * decodes, cut to its first 6 s of 16 kHz mono PCM16 (what the model uses of it). An upload is
+ * registered on the server (`POST /v1/voices`) and named by its id from then on; where the
+ * registry refuses it, it goes inline with the session (it fits the protocol's 256 KiB text frame
+ * once in base64).
  */
 async function voiceChoice() {
   const file = $('ref').files[0];
@@ -367,10 +401,27 @@ async function voiceChoice() {
   const pcm16k = resample(mono, decoded.sampleRate, 16000).subarray(0, 16000 * 6);
   const pcm = new Int16Array(pcm16k.length);
   for (let i = 0; i < pcm.length; i++) pcm[i] = Math.max(-32768, Math.min(32767, Math.round(pcm16k[i] * 32767)));
+  const secs = (pcm.length / 16000).toFixed(1);
+  try {
+    const name = encodeURIComponent(file.name.slice(0, 64));
+    const r = await fetch(`/v1/voices?name=${name}${tokenQuery('&')}`, { method: 'POST', headers: { 'Content-Type': 'audio/wav' }, body: wavBlob(pcm, 16000) });
+    const v = await r.json();
+    if (r.ok) {
+      log(`reference voice: ${file.name}, ${secs} s registered as ${v.id}`);
+      const sel = $('voice');
+      sel.add(new Option(`${v.name} (${v.id})`, v.id));
+      sel.value = v.id;
+      $('ref').value = '';
+      return { id: v.id };
+    }
+    log(`voice registry refused it (${v.error ? v.error.message : r.status}); sending it with the session`);
+  } catch (e) {
+    log(`voice registry: ${e}; sending it with the session`);
+  }
   const bytes = new Uint8Array(pcm.buffer);
   let bin = '';
   for (let i = 0; i < bytes.length; i += 0x8000) bin += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
-  log(`reference voice: ${file.name}, ${(pcm.length / 16000).toFixed(1)} s sent as 16 kHz PCM16`);
+  log(`reference voice: ${file.name}, ${secs} s sent as 16 kHz PCM16`);
   return { ref_audio_b64: btoa(bin), sample_rate: 16000 };
 }
 

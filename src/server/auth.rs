@@ -64,3 +64,14 @@ pub async fn operational(State(shared): State<Arc<Shared>>, req: Request, next: 
     }
     next.run(req).await
 }
+
+/// Middleware of the voice registry (`/v1/voices`): on a server with keys, the same keys as the
+/// WebSocket.
+pub async fn keyed(State(shared): State<Arc<Shared>>, req: Request, next: Next) -> Response {
+    let auth = &shared.config.auth;
+    if !auth.api_keys.is_empty() && !key_ok(auth, presented_key(req.headers(), req.uri().query()).as_deref()) {
+        return (StatusCode::UNAUTHORIZED, axum::Json(serde_json::json!({"error": {"code": "unauthorized", "message": "missing or wrong API key"}})))
+            .into_response();
+    }
+    next.run(req).await
+}

@@ -73,6 +73,15 @@ pub struct ServerSection {
     /// The longest `instructions` (system prompt) accepted, in Thinker tokens (beside the
     /// protocol's cap in characters).
     pub max_instructions_tokens: usize,
+    /// Where voices registered over HTTP (`POST /v1/voices`) are kept, so a restart serves them
+    /// again (made if missing). Empty: kept in memory only.
+    pub voice_dir: PathBuf,
+    /// Registered voices kept at once (configured ones not counted).
+    pub max_voices: usize,
+    /// The largest voice upload, in bytes.
+    pub max_voice_bytes: usize,
+    /// The longest voice upload, in seconds of audio.
+    pub max_voice_s: f64,
 }
 
 impl Default for ServerSection {
@@ -99,6 +108,10 @@ impl Default for ServerSection {
             max_tcp_connections: 1024,
             header_timeout_s: 10,
             max_instructions_tokens: 2048,
+            voice_dir: PathBuf::new(),
+            max_voices: 100,
+            max_voice_bytes: 8 * 1024 * 1024,
+            max_voice_s: 30.0,
         }
     }
 }
@@ -195,6 +208,9 @@ impl Config {
             }
         };
         c.server.web_dir = rel(&c.server.web_dir);
+        if !c.server.voice_dir.as_os_str().is_empty() {
+            c.server.voice_dir = rel(&c.server.voice_dir);
+        }
         for v in c.voices.iter_mut() {
             v.wav = rel(&v.wav);
         }
@@ -240,6 +256,9 @@ impl Config {
         }
         if let Err(e) = check_replica_id(&s.replica_id) {
             bail!("server.replica_id {:?}: {e}", s.replica_id);
+        }
+        if !self.server.max_voice_s.is_finite() || self.server.max_voice_s <= 0.0 || self.server.max_voice_bytes < 1024 {
+            bail!("server.max_voice_s must be above 0 and server.max_voice_bytes at least 1024");
         }
         if self.server.max_binary_frame < 64 || self.server.max_text_frame < 1024 {
             bail!("server.max_binary_frame / max_text_frame are too small");

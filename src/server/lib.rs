@@ -8,9 +8,9 @@ pub mod auth;
 pub mod config;
 pub mod journal;
 pub mod session;
+pub mod voices;
 pub mod ws;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -25,7 +25,7 @@ use axum::{Json, Router};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 use tokio::net::TcpListener;
 
-use antiphon_engine::{Engine, EngineEvent, GenerationParams, Mode, Models, RefInput, RequestId, RequestSpec, Status, UserInput};
+use antiphon_engine::{Engine, EngineEvent, GenerationParams, Mode, Models, RequestId, RequestSpec, Status, UserInput};
 use config::{Config, ModelSource};
 use session::SessionManager;
 
@@ -112,8 +112,8 @@ pub struct Shared {
     pub config: Arc<Config>,
     pub engine: Arc<Engine>,
     pub sessions: Arc<SessionManager>,
-    pub voices: HashMap<String, RefInput>,
-    pub default_voice: String,
+    /// The configured and the registered voices.
+    pub voices: voices::Voices,
     pub metrics: ServerMetrics,
     pub synthetic: bool,
     pub ready: AtomicBool,
@@ -168,16 +168,6 @@ pub fn load_models(cfg: &Config) -> Result<Models> {
     }
 }
 
-fn load_voices(cfg: &Config) -> Result<HashMap<String, RefInput>> {
-    let mut out = HashMap::new();
-    for v in &cfg.voices {
-        let bytes = std::fs::read(&v.wav).with_context(|| format!("voice {}: reading {}", v.id, v.wav.display()))?;
-        let (samples, rate) = antiphon_audio::decode_wav(&bytes).with_context(|| format!("voice {}", v.id))?;
-        out.insert(v.id.clone(), RefInput::new(samples, rate));
-    }
-    Ok(out)
-}
-
 /// A running server: its address and the means to stop it.
 pub struct Server {
     pub addr: SocketAddr,
@@ -198,15 +188,13 @@ impl Server {
 /// Builds everything and starts serving on `cfg.server.listen` (port 0 picks a free port).
 pub async fn start(cfg: Config, models: Models) -> Result<Server> {
     let cfg = Arc::new(cfg);
-    let voices = load_voices(&cfg)?;
-    let default_voice = cfg.voices[0].id.clone();
+    let voices = voices::Voices::load(&cfg)?;
     let engine = Arc::new(Engine::start(models, cfg.engine.clone())?);
     let shared = Arc::new(Shared {
         config: cfg.clone(),
         engine,
         sessions: Arc::new(SessionManager::default()),
         voices,
-        default_voice,
         metrics: ServerMetrics::new(),
         synthetic: cfg.model.source == ModelSource::Synthetic,
         ready: AtomicBool::new(false),
@@ -295,7 +283,7 @@ async fn warm_up(shared: &Arc<Shared>) -> Result<f64> {
         input: UserInput::Text("warm up".into()),
         instructions: None,
         history: vec![],
-        voice: shared.voices[&shared.default_voice].clone(),
+        voice: shared.voices.default_input(),
         generation: GenerationParams {
             min_text_tokens: Some(4),
             max_text_tokens: Some(4),
@@ -321,6 +309,17 @@ pub fn router(shared: Arc<Shared>) -> Router {
     let web = tower_http::services::ServeDir::new(&shared.config.server.web_dir);
     Router::new()
         .route("/v1/realtime", get(realtime))
+        .route(
+            "/v1/voices",
+            get(voices::list)
+                .post(voices::register)
+                .layer(axum::extract::DefaultBodyLimit::max(shared.config.server.max_voice_bytes))
+                .route_layer(axum::middleware::from_fn_with_state(shared.clone(), auth::keyed)),
+        )
+        .route(
+            "/v1/voices/{id}",
+            get(voices::one).delete(voices::remove).route_layer(axum::middleware::from_fn_with_state(shared.clone(), auth::keyed)),
+        )
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics).route_layer(axum::middleware::from_fn_with_state(shared.clone(), auth::operational)))

@@ -223,7 +223,7 @@ await test('input spoken during a drop is kept and resent after the resume', asy
   await page.close();
 });
 
-await test('PCM16 both ways (no WebCodecs) and an uploaded reference voice', async () => {
+await test('PCM16 both ways (no WebCodecs) and an uploaded reference voice, registered', async () => {
   const page = await openPage('pcm=1&text_tokens=8&audio_tokens=50');
   await page.setInputFiles('#ref', wav);
   await connect(page);
@@ -235,7 +235,8 @@ await test('PCM16 both ways (no WebCodecs) and an uploaded reference voice', asy
   const s = await stats(page);
   const r = s.responses[id];
   assert(s.codecIn === 'pcm16' && s.codecOut === 'pcm16', `PCM16 in and out (${s.codecIn}/${s.codecOut})`);
-  assert(s.events.some((e) => /reference voice: default\.wav, 6\.0 s sent as 16 kHz PCM16/.test(e)), 'the uploaded voice was sent');
+  assert(s.events.some((e) => /reference voice: default\.wav, 6\.0 s registered as v_/.test(e)), 'the uploaded voice was registered');
+  assert((await page.$eval('#voice', (el) => el.value)).startsWith('v_'), 'and is picked by its id');
   assert(!s.events.some((e) => /error/.test(e)), `no error: ${s.events.filter((e) => /error/.test(e))}`);
   assert(r.status === 'completed' && r.packets === r.donePackets, `answered in the uploaded voice (${r.status})`);
   const playedMs = (s.playedSamples / 48000) * 1000;

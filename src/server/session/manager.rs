@@ -38,7 +38,8 @@ struct ManagerState {
     journal_bytes: HashMap<String, usize>,
 }
 
-fn random_token(bytes: usize) -> String {
+/// `bytes` random bytes as URL-safe base64 (letters, digits, `-` and `_`).
+pub(crate) fn random_token(bytes: usize) -> String {
     use rand::RngCore;
     let mut b = vec![0u8; bytes];
     rand::rng().fill_bytes(&mut b);

@@ -17,6 +17,7 @@ mod duplex;
 mod manager;
 mod response;
 
+pub(crate) use manager::random_token;
 pub use manager::{Handle, SessionManager};
 
 use super::audio_edge::{InputAudio, OutputAudio};

@@ -233,9 +233,9 @@ pub(super) fn merge(base: &Generation, over: Option<&Generation>) -> Generation 
 /// A configured voice by id, uploaded audio (WAV, or raw PCM16 at `sample_rate`), or the default.
 pub(super) fn resolve_voice(shared: &Shared, v: Option<&Voice>) -> Result<RefInput, WireError> {
     match v {
-        None => Ok(shared.voices[&shared.default_voice].clone()),
+        None => Ok(shared.voices.default_input()),
         Some(Voice::Configured { id }) => {
-            shared.voices.get(id).cloned().ok_or_else(|| WireError::new(ErrorCode::BadField, format!("field `voice.id`: no voice {id:?}")))
+            shared.voices.get(id).ok_or_else(|| WireError::new(ErrorCode::BadField, format!("field `voice.id`: no voice {id:?}")))
         }
         Some(Voice::Uploaded { ref_audio_b64, sample_rate }) => {
             let bytes = base64::engine::general_purpose::STANDARD

@@ -1,0 +1,316 @@
+//! The voice registry: the voices of `[[voices]]` plus voices registered over HTTP (`POST
+//! /v1/voices`). A registered voice is kept in `server.voice_dir` (the uploaded file as it came
+//! and its metadata), so a restart serves it again under the same id. Sessions pick either kind
+//! by `voice.id`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+
+use antiphon_engine::RefInput;
+use anyhow::{Context, Result};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path as UrlPath, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::{Deserialize, Serialize};
+
+use super::config::Config;
+use super::Shared;
+
+/// What the API says of a voice.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VoiceInfo {
+    pub id: String,
+    pub name: String,
+    /// `configured` (`[[voices]]`, fixed) or `registered` (`POST /v1/voices`).
+    pub kind: String,
+    pub seconds: f64,
+    pub sample_rate: u32,
+    /// Unix time of the registration in seconds (0 for a configured voice).
+    pub created: u64,
+}
+
+struct Entry {
+    info: VoiceInfo,
+    input: RefInput,
+}
+
+/// A refusal: its HTTP status, a stable code and a message that names the limit or the field.
+#[derive(Debug)]
+pub struct VoiceError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl VoiceError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self { status, code, message: message.into() }
+    }
+}
+
+impl IntoResponse for VoiceError {
+    fn into_response(self) -> Response {
+        (self.status, Json(serde_json::json!({"error": {"code": self.code, "message": self.message}}))).into_response()
+    }
+}
+
+/// Every voice a session can name.
+pub struct Voices {
+    entries: RwLock<HashMap<String, Entry>>,
+    /// The configured ids, in the configuration's order (the first is the default).
+    configured: Vec<String>,
+    dir: Option<PathBuf>,
+    max_voices: usize,
+    max_bytes: usize,
+    max_seconds: f64,
+}
+
+/// Registered ids: `v_` and letters, digits, `-` or `_` (they name files in the voice directory).
+fn registered_id_ok(id: &str) -> bool {
+    id.len() <= 64 && id.strip_prefix("v_").is_some_and(|r| !r.is_empty() && r.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'))
+}
+
+fn now_unix() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+impl Voices {
+    /// The configured voices, and the registered ones found in `server.voice_dir` (made if
+    /// missing). A registered voice that cannot be read is skipped with a warning.
+    pub fn load(cfg: &Config) -> Result<Self> {
+        let mut entries = HashMap::new();
+        let mut configured = Vec::new();
+        for v in &cfg.voices {
+            let bytes = std::fs::read(&v.wav).with_context(|| format!("voice {}: reading {}", v.id, v.wav.display()))?;
+            let (samples, rate) = antiphon_audio::decode_wav(&bytes).with_context(|| format!("voice {}", v.id))?;
+            let seconds = samples.len() as f64 / f64::from(rate.max(1));
+            let info = VoiceInfo { id: v.id.clone(), name: v.id.clone(), kind: "configured".into(), seconds, sample_rate: rate, created: 0 };
+            entries.insert(v.id.clone(), Entry { info, input: RefInput::new(samples, rate) });
+            configured.push(v.id.clone());
+        }
+        let s = &cfg.server;
+        let dir = (!s.voice_dir.as_os_str().is_empty()).then(|| s.voice_dir.clone());
+        let voices = Self {
+            entries: RwLock::new(entries),
+            configured,
+            dir,
+            max_voices: s.max_voices,
+            max_bytes: s.max_voice_bytes,
+            max_seconds: s.max_voice_s,
+        };
+        if let Some(dir) = &voices.dir {
+            std::fs::create_dir_all(dir).with_context(|| format!("server.voice_dir {}", dir.display()))?;
+            voices.load_dir(dir)?;
+        }
+        Ok(voices)
+    }
+
+    fn load_dir(&self, dir: &Path) -> Result<()> {
+        let mut found = 0;
+        for e in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+            let path = e?.path();
+            if path.extension().is_none_or(|x| x != "json") {
+                continue;
+            }
+            match Self::read_registered(&path) {
+                Ok(entry) => {
+                    let mut m = self.entries.write().unwrap_or_else(|e| e.into_inner());
+                    if m.contains_key(&entry.info.id) {
+                        tracing::warn!("{}: voice id {} is taken, skipped", path.display(), entry.info.id);
+                        continue;
+                    }
+                    m.insert(entry.info.id.clone(), entry);
+                    found += 1;
+                }
+                Err(err) => tracing::warn!("{}: not a registered voice, skipped: {err:#}", path.display()),
+            }
+        }
+        tracing::info!("{found} registered voice(s) in {}", dir.display());
+        Ok(())
+    }
+
+    fn read_registered(meta: &Path) -> Result<Entry> {
+        let info: VoiceInfo = serde_json::from_slice(&std::fs::read(meta)?).context("metadata")?;
+        if !registered_id_ok(&info.id) || info.kind != "registered" {
+            anyhow::bail!("id {:?} / kind {:?}", info.id, info.kind);
+        }
+        let bytes = std::fs::read(meta.with_extension("wav")).context("its audio")?;
+        let (samples, rate) = antiphon_audio::decode_wav(&bytes)?;
+        Ok(Entry { info, input: RefInput::new(samples, rate) })
+    }
+
+    /// The voice a session names.
+    pub fn get(&self, id: &str) -> Option<RefInput> {
+        self.entries.read().unwrap_or_else(|e| e.into_inner()).get(id).map(|e| e.input.clone())
+    }
+
+    /// The default voice (the first configured one).
+    pub fn default_input(&self) -> RefInput {
+        self.get(&self.configured[0]).expect("the default voice is configured")
+    }
+
+    pub fn info(&self, id: &str) -> Option<VoiceInfo> {
+        self.entries.read().unwrap_or_else(|e| e.into_inner()).get(id).map(|e| e.info.clone())
+    }
+
+    /// Configured voices first, in their order, then the registered ones by registration.
+    pub fn list(&self) -> Vec<VoiceInfo> {
+        let m = self.entries.read().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<VoiceInfo> = self.configured.iter().filter_map(|id| m.get(id)).map(|e| e.info.clone()).collect();
+        let mut registered: Vec<VoiceInfo> = m.values().filter(|e| e.info.kind == "registered").map(|e| e.info.clone()).collect();
+        registered.sort_by(|a, b| (a.created, &a.id).cmp(&(b.created, &b.id)));
+        out.extend(registered);
+        out
+    }
+
+    /// Registers `bytes` (a WAV file) as voice `name`; every limit is checked before anything is
+    /// kept.
+    pub fn register(&self, name: &str, bytes: &[u8]) -> Result<VoiceInfo, VoiceError> {
+        let bad = |code, m: String| VoiceError::new(StatusCode::BAD_REQUEST, code, m);
+        let name = name.trim();
+        if name.is_empty() || name.chars().count() > 64 || name.chars().any(char::is_control) {
+            return Err(bad("bad_field", "query parameter `name`: 1 to 64 characters, none of them control characters".into()));
+        }
+        if bytes.len() > self.max_bytes {
+            return Err(VoiceError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "too_large",
+                format!("the upload is {} bytes, more than this server takes (server.max_voice_bytes = {})", bytes.len(), self.max_bytes),
+            ));
+        }
+        if !bytes.starts_with(b"RIFF") {
+            return Err(bad("bad_audio", "the body is not a WAV file (it must start with RIFF)".into()));
+        }
+        let (samples, rate) = antiphon_audio::decode_wav(bytes).map_err(|e| bad("bad_audio", format!("the WAV file cannot be read: {e:#}")))?;
+        if !(8000..=192_000).contains(&rate) {
+            return Err(bad("bad_audio", format!("sample rate {rate} Hz: 8000 to 192000 are taken")));
+        }
+        if samples.is_empty() || samples.iter().any(|s| !s.is_finite()) {
+            return Err(bad("bad_audio", "no samples, or samples that are not finite numbers".into()));
+        }
+        let seconds = samples.len() as f64 / f64::from(rate);
+        if seconds > self.max_seconds {
+            return Err(bad("too_long", format!("{seconds:.1} s of audio, more than this server takes (server.max_voice_s = {})", self.max_seconds)));
+        }
+        let mut m = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        let registered = m.values().filter(|e| e.info.kind == "registered").count();
+        if registered >= self.max_voices {
+            return Err(VoiceError::new(
+                StatusCode::CONFLICT,
+                "too_many_voices",
+                format!("{registered} voices are registered, the most this server keeps (server.max_voices); delete one first"),
+            ));
+        }
+        let id = loop {
+            let id = format!("v_{}", super::session::random_token(12));
+            if !m.contains_key(&id) {
+                break id;
+            }
+        };
+        let info = VoiceInfo { id: id.clone(), name: name.to_string(), kind: "registered".into(), seconds, sample_rate: rate, created: now_unix() };
+        if let Some(dir) = &self.dir {
+            self.persist(dir, &info, bytes)
+                .map_err(|e| VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("keeping the voice: {e:#}")))?;
+        }
+        m.insert(id, Entry { info: info.clone(), input: RefInput::new(samples, rate) });
+        Ok(info)
+    }
+
+    /// The audio first, then the metadata (what a restart looks for), each written whole and
+    /// renamed into place.
+    fn persist(&self, dir: &Path, info: &VoiceInfo, bytes: &[u8]) -> Result<()> {
+        let write = |name: String, data: &[u8]| -> Result<()> {
+            let tmp = dir.join(format!(".{name}.tmp"));
+            std::fs::write(&tmp, data)?;
+            std::fs::rename(&tmp, dir.join(name))?;
+            Ok(())
+        };
+        write(format!("{}.wav", info.id), bytes)?;
+        write(format!("{}.json", info.id), &serde_json::to_vec_pretty(info)?)
+    }
+
+    /// Deletes a registered voice (its files too). Sessions that already use it keep their copy.
+    pub fn delete(&self, id: &str) -> Result<(), VoiceError> {
+        let mut m = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        match m.get(id).map(|e| e.info.kind.as_str()) {
+            None => return Err(not_found(id)),
+            Some("configured") => {
+                return Err(VoiceError::new(
+                    StatusCode::CONFLICT,
+                    "configured_voice",
+                    format!("voice {id:?} is configured ([[voices]]); it cannot be deleted"),
+                ))
+            }
+            Some(_) => {}
+        }
+        if let Some(dir) = &self.dir {
+            for ext in ["json", "wav"] {
+                match std::fs::remove_file(dir.join(format!("{id}.{ext}"))) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("deleting the voice: {e}"))),
+                }
+            }
+        }
+        m.remove(id);
+        Ok(())
+    }
+}
+
+fn not_found(id: &str) -> VoiceError {
+    VoiceError::new(StatusCode::NOT_FOUND, "not_found", format!("no voice {id:?}"))
+}
+
+#[derive(Deserialize)]
+pub struct RegisterQuery {
+    name: Option<String>,
+}
+
+/// `POST /v1/voices?name=<name>`, the body a WAV file: 201 and the voice.
+pub async fn register(State(shared): State<Arc<Shared>>, q: Query<RegisterQuery>, body: Result<Bytes, BytesRejection>) -> Response {
+    let body = match body {
+        Ok(b) => b,
+        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+            let max = shared.config.server.max_voice_bytes;
+            return VoiceError::new(e.status(), "too_large", format!("the upload is more than this server takes (server.max_voice_bytes = {max})"))
+                .into_response();
+        }
+        Err(e) => return VoiceError::new(e.status(), "bad_request", e.body_text()).into_response(),
+    };
+    let Some(name) = q.0.name else {
+        return VoiceError::new(StatusCode::BAD_REQUEST, "bad_field", "query parameter `name` is required").into_response();
+    };
+    let s = shared.clone();
+    match tokio::task::spawn_blocking(move || s.voices.register(&name, &body)).await {
+        Ok(Ok(info)) => (StatusCode::CREATED, Json(info)).into_response(),
+        Ok(Err(e)) => e.into_response(),
+        Err(e) => VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("{e}")).into_response(),
+    }
+}
+
+/// `GET /v1/voices`: every voice.
+pub async fn list(State(shared): State<Arc<Shared>>) -> Response {
+    Json(serde_json::json!({"voices": shared.voices.list()})).into_response()
+}
+
+/// `GET /v1/voices/{id}`.
+pub async fn one(State(shared): State<Arc<Shared>>, UrlPath(id): UrlPath<String>) -> Response {
+    match shared.voices.info(&id) {
+        Some(info) => Json(info).into_response(),
+        None => not_found(&id).into_response(),
+    }
+}
+
+/// `DELETE /v1/voices/{id}`: 204.
+pub async fn remove(State(shared): State<Arc<Shared>>, UrlPath(id): UrlPath<String>) -> Response {
+    let s = shared.clone();
+    match tokio::task::spawn_blocking(move || s.voices.delete(&id)).await {
+        Ok(Ok(())) => StatusCode::NO_CONTENT.into_response(),
+        Ok(Err(e)) => e.into_response(),
+        Err(e) => VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("{e}")).into_response(),
+    }
+}
