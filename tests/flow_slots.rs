@@ -147,13 +147,14 @@ fn a_voice_that_does_not_fit_keeps_its_own_caches() {
     assert_eq!(pooled.pool().unwrap().free_slots(), 2);
 }
 
-/// Warming the graphs runs every batch size's chunks (twice, so each shape is held after), skips
-/// a batch larger than the free slots, and gives every slot back.
+/// Warming the graphs takes every batch size through each payload sequence (twice, so each shape
+/// is held after), skips a batch larger than the free slots, and gives every slot back.
 #[test]
 fn graph_warm_up_runs_each_batch_size_and_frees_its_slots() {
+    let seqs = vec![vec![(11, false), (28, false), (28, true)]];
     let own = tiny();
     assert_eq!(
-        own.warm_graphs(&own.prepare(&reference()).unwrap(), &own.setup(&own.prepare(&reference()).unwrap()).unwrap(), &[1], 8, 25).unwrap(),
+        own.warm_graphs(&own.prepare(&reference()).unwrap(), &own.setup(&own.prepare(&reference()).unwrap()).unwrap(), &[1], &seqs).unwrap(),
         0,
         "no graphs: nothing to warm"
     );
@@ -162,9 +163,40 @@ fn graph_warm_up_runs_each_batch_size_and_frees_its_slots() {
     c.set_graphs(Some(GraphPolicy::default()), Some(8));
     let f = c.prepare(&reference()).unwrap();
     let setup = c.setup(&f).unwrap();
-    let runs = c.warm_graphs(&f, &setup, &[1, 2, 4], 8, 25).unwrap();
+    let runs = c.warm_graphs(&f, &setup, &[1, 2, 4], &seqs).unwrap();
     assert_eq!(runs, 2 * 2 * 3, "batches 1 and 2, twice, three chunks each; 4 skipped");
     assert_eq!(c.pool().unwrap().free_slots(), 2);
     let (flow, vocoder) = c.graphs_held();
     assert!(flow >= 2 && vocoder >= 1, "shapes held: flow {flow}, vocoder {vocoder}");
+}
+
+/// After the warm-up Stage 2 runs (the engine's payload sequences), the requests Stage 1's
+/// chunkers make, an idle turn, a busy one and a duplex one, bring no shape that is not held
+/// already: running each twice (a shape is captured at its second sighting) captures nothing.
+/// (The warm-up once ran payloads three codes longer than any chunker makes, so every real
+/// shape was captured while requests waited.)
+#[test]
+fn the_warm_up_holds_every_shape_the_chunkers_make() {
+    use antiphon_engine::chunker::{warm_sequences, Chunker};
+    use antiphon_engine::EngineConfig;
+    let cfg = EngineConfig { first_chunk_codes: 8, small_first_chunk_streams: 1, ..EngineConfig::default() };
+    let mut c = tiny();
+    c.set_slots(2, 512, 25).unwrap();
+    c.set_graphs(Some(GraphPolicy::default()), Some(64));
+    let f = c.prepare(&reference()).unwrap();
+    let setup = c.setup(&f).unwrap();
+    c.warm_graphs(&f, &setup, &[1, 2], &warm_sequences(&cfg)).unwrap();
+    let held = c.graphs_held();
+    for (first, turn, n) in [(8, true, 83), (25, true, 100), (25, false, 50), (25, false, 25)] {
+        for _ in 0..2 {
+            let mut ch = Chunker::for_stream(&cfg, first, turn);
+            let mut payloads: Vec<_> = (0..n as u32).filter_map(|i| ch.push(i * 7 % 6561)).collect();
+            payloads.extend(ch.flush());
+            let mut st = c.start(&f, &setup).unwrap();
+            for p in payloads {
+                c.chunk_batch(&mut [&mut st], &[p.codes.as_slice()], p.last).unwrap();
+            }
+        }
+        assert_eq!(c.graphs_held(), held, "a request (first {first}, turn {turn}, {n} codes) brought a shape the warm-up did not hold");
+    }
 }

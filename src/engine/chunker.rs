@@ -35,6 +35,18 @@ impl Chunker {
         Self { first, size: size.max(1), context: vec![silence; context], pending: Vec::new(), seq: 0, flushed: false, hold: false }
     }
 
+    /// A stream's chunker as Stage 1 makes it: `first` new codes in the first payload, the
+    /// configured size and context after; a turn's holds its chunks, a duplex turn's does not
+    /// (its codes stop at each unit's end, so its chunks go out at once).
+    pub fn for_stream(cfg: &crate::EngineConfig, first: usize, turn: bool) -> Self {
+        let c = Self::new(first, cfg.chunk_codes, cfg.context_codes, antiphon_models::code2wav::SILENCE_CODE);
+        if turn {
+            c.holding()
+        } else {
+            c
+        }
+    }
+
     /// Holds each complete chunk until the next code comes (see the module documentation).
     pub fn holding(mut self) -> Self {
         self.hold = true;
@@ -103,6 +115,32 @@ impl Chunker {
         self.flushed = true;
         Some(self.emit(true))
     }
+}
+
+/// The payloads (length in codes, context included; last or not) of the requests Stage 2 sees
+/// most, made by the chunkers Stage 1 makes: a turn that found the engine idle (the small first
+/// chunk), a turn that found it busy, and duplex turns of one and two units, each ending on a
+/// whole chunk. Code2Wav's graph warm-up takes streams through these, so that their shapes are
+/// captured before the first request (a last chunk of another length is captured as it comes).
+pub fn warm_sequences(cfg: &crate::EngineConfig) -> Vec<Vec<(usize, bool)>> {
+    let size = cfg.chunk_codes.max(1);
+    let run = |first: usize, turn: bool, codes: usize| -> Vec<(usize, bool)> {
+        let mut c = Chunker::for_stream(cfg, first, turn);
+        let mut out: Vec<(usize, bool)> = (0..codes as u32).filter_map(|i| c.push(i)).map(|p| (p.codes.len(), p.last)).collect();
+        out.extend(c.flush().map(|p| (p.codes.len(), p.last)));
+        out
+    };
+    let unit = cfg.duplex_codes_per_unit();
+    let mut seqs = Vec::new();
+    let small = Chunker::new(cfg.first_chunk_codes, size, 0, 0).first();
+    if small < size {
+        seqs.push(run(small, true, small + 3 * size));
+    }
+    seqs.push(run(size, true, 4 * size));
+    seqs.push(run(size, false, 2 * unit));
+    seqs.push(run(size, false, unit));
+    seqs.dedup();
+    seqs
 }
 
 #[cfg(test)]

@@ -13,7 +13,6 @@ use candle_core::{DType, Tensor};
 use super::caches::StageCaches;
 use super::chunker::{Chunker, Payload};
 use super::{EngineConfig, EngineMetrics, Mode, RefInput, Registry, RequestId, Stage1Msg, Stage2Msg, StageLoop, Status};
-use antiphon_models::code2wav::SILENCE_CODE;
 use antiphon_models::decoder::{KvCache, PooledCache, StreamStep};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::talker::{ConditionMode, Talker};
@@ -335,15 +334,7 @@ impl StageLoop for Stage1 {
                     last_code: None,
                     sampler: Sampler::new(self.cfg.talker_sampling.clone(), seed),
                     length: LengthPolicy::new(vec![self.talker.eos_code()], min_codes, max_codes),
-                    chunker: {
-                        let c = Chunker::new(first, self.cfg.chunk_codes, self.cfg.context_codes, SILENCE_CODE);
-                        // (a duplex turn's codes stop at each unit's end: its chunks go out at once)
-                        if mode == Mode::Turn {
-                            c.holding()
-                        } else {
-                            c
-                        }
-                    },
+                    chunker: Chunker::for_stream(&self.cfg, first, mode == Mode::Turn),
                     codes: 0,
                     duplex: (mode == Mode::Duplex).then(DuplexTalk::default),
                 };

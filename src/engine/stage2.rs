@@ -252,9 +252,13 @@ impl Stage2 {
             let top = self.cfg.code2wav_max_batch.min(self.cfg.code2wav_slots).max(1);
             let batches: Vec<usize> = (0..).map(|i| 1usize << i).take_while(|&b| b <= top).collect();
             let t0 = std::time::Instant::now();
-            match self.model.warm_graphs(&features, &state, &batches, self.cfg.first_chunk_codes, self.cfg.chunk_codes) {
+            let sequences = super::chunker::warm_sequences(&self.cfg);
+            match self.model.warm_graphs(&features, &state, &batches, &sequences) {
                 Ok(0) => {}
-                Ok(n) => tracing::info!("code2wav graphs warm: {n} chunks at batches {batches:?} in {:.0} ms", t0.elapsed().as_secs_f64() * 1e3),
+                Ok(n) => tracing::info!(
+                    "code2wav graphs warm: {n} chunks at batches {batches:?}, payloads {sequences:?}, in {:.0} ms",
+                    t0.elapsed().as_secs_f64() * 1e3
+                ),
                 Err(e) => tracing::warn!("code2wav graph warm-up failed (shapes are captured as they come): {e:#}"),
             }
         }

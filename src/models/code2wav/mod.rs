@@ -200,28 +200,30 @@ impl Code2Wav {
         Ok(StreamState { flow, vocoder, speaker: f.speaker.clone(), frames: 0, finished: false })
     }
 
-    /// With graphs on: chunks of every batch size in `batches` (a first chunk of `first` new
-    /// codes, then two of `steady`), twice over, so that each shape's graphs (the pooled flow
-    /// solve, the vocoder's windows) are captured now rather than when a request first brings
-    /// it. A batch larger than the free slots is skipped. Returns the chunks run.
-    pub fn warm_graphs(&self, f: &PromptFeatures, setup: &FlowState, batches: &[usize], first: usize, steady: usize) -> Result<usize> {
+    /// With graphs on: for every batch size in `batches`, streams taken through each of
+    /// `sequences` (a request's payloads in order, each its length in codes, left context
+    /// included, and whether it is the last), twice over, so that each shape's graphs (the pooled
+    /// flow solve, the vocoder's windows) are captured now rather than when a request first
+    /// brings it. A batch larger than the free slots is skipped. Returns the chunks run.
+    pub fn warm_graphs(&self, f: &PromptFeatures, setup: &FlowState, batches: &[usize], sequences: &[Vec<(usize, bool)>]) -> Result<usize> {
         if self.flow.decoder.policy().is_none() {
             return Ok(0);
         }
-        let (ctx, la) = (3, self.flow.lookahead());
-        let payload = |n: usize, salt: u32| -> Vec<u32> { (0..(ctx + n + la) as u32).map(|i| (i * 131 + salt * 17 + 7) % 6561).collect() };
+        let payload = |n: usize, salt: u32| -> Vec<u32> { (0..n as u32).map(|i| (i * 131 + salt * 17 + 7) % 6561).collect() };
         let mut runs = 0;
         for &b in batches {
             if self.pool.as_ref().is_none_or(|p| p.free_slots() < b) {
                 continue;
             }
-            for _ in 0..2 {
-                let mut streams = (0..b).map(|_| self.start(f, setup)).collect::<Result<Vec<_>>>()?;
-                for (i, n) in [first, steady, steady].into_iter().enumerate() {
-                    let codes = payload(n, i as u32);
-                    let refs: Vec<&[u32]> = (0..b).map(|_| codes.as_slice()).collect();
-                    self.chunk_batch(&mut streams.iter_mut().collect::<Vec<_>>(), &refs, false)?;
-                    runs += 1;
+            for seq in sequences {
+                for _ in 0..2 {
+                    let mut streams = (0..b).map(|_| self.start(f, setup)).collect::<Result<Vec<_>>>()?;
+                    for (i, &(n, last)) in seq.iter().enumerate() {
+                        let codes = payload(n, i as u32);
+                        let refs: Vec<&[u32]> = (0..b).map(|_| codes.as_slice()).collect();
+                        self.chunk_batch(&mut streams.iter_mut().collect::<Vec<_>>(), &refs, last)?;
+                        runs += 1;
+                    }
                 }
             }
         }
