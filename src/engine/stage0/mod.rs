@@ -97,6 +97,9 @@ pub trait ThinkerStream {
     fn after_step(&mut self, _ctx: &mut Ctx) -> Result<()> {
         Ok(())
     }
+    /// After every stream of the step handed on what was due (ended streams too): work that
+    /// must not delay another stream's hand-off in the same step.
+    fn after_hand_offs(&mut self, _ctx: &mut Ctx) {}
     /// Ends the stream with a failure, telling its client.
     fn fail(&mut self, ctx: &mut Ctx, why: &str);
     /// Over: handed off, failed, cancelled or closed; the scheduler drops it after the step.
@@ -274,6 +277,10 @@ impl Stage0 {
                     s.fail(ctx, &format!("thinker hand-off: {e:#}"));
                 }
             }
+        }
+        // (a wave of replies that end in the same step: every End goes out before any prefix copy)
+        for (s, _) in picked.iter_mut() {
+            s.after_hand_offs(ctx);
         }
         // steps that prefill (prompt rows, duplex units) apart from pure decode steps
         let label = if budget < ctx.cfg.thinker_prefill_tokens { "thinker_prefill" } else { "thinker" };

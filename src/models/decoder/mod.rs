@@ -13,6 +13,7 @@
 use candle_core::{DType, Device, Module, Result, Tensor};
 
 mod batch;
+mod snapshot;
 
 pub use super::cache_pool::{CachePool, PooledCache};
 pub use batch::SlotPool;
