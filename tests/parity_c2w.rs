@@ -379,3 +379,31 @@ fn parity_hift_original_whole_utterance() {
     let e = common::rel_err(&ours, &io["orig_source"]);
     assert!(e < 2e-2, "deterministic source differs by {e}");
 }
+
+/// The pool's slot gather (`fused::rows_gather`, one 16-byte copy per thread on CUDA) gives what
+/// index_select gives, rows repeated and out of order, from a view that starts inside a larger
+/// buffer, in bf16 and f32; a row that is not whole 16-byte pieces takes index_select itself.
+#[test]
+fn rows_gather_is_index_select() {
+    let dev = common::device();
+    let big = Tensor::randn(0f32, 1.0, (2, 5, 3, 8, 4), &dev).unwrap();
+    let rows = Tensor::new(&[4u32, 0, 4, 2], &dev).unwrap();
+    for dt in [DType::F32, DType::BF16] {
+        let pool = big.to_dtype(dt).unwrap().get(1).unwrap();
+        let got = antiphon_models::fused::rows_gather(&pool, &rows).unwrap();
+        let want = pool.index_select(&rows, 0).unwrap();
+        assert_eq!(got.dims(), want.dims());
+        let d = (got.to_dtype(DType::F32).unwrap() - want.to_dtype(DType::F32).unwrap())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert!(d.iter().all(|x| *x == 0.0), "{dt:?}: rows differ");
+    }
+    let odd = Tensor::randn(0f32, 1.0, (5, 3), &dev).unwrap();
+    let got = antiphon_models::fused::rows_gather(&odd, &rows).unwrap();
+    assert_eq!(got.to_vec2::<f32>().unwrap(), odd.index_select(&rows, 0).unwrap().to_vec2::<f32>().unwrap());
+}

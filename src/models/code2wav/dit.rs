@@ -217,8 +217,8 @@ impl Block {
             }
             Att::Pool { k: pk, v: pv, rows, pos, mask } => {
                 crate::fused::kv_rows_store(&pk.unsqueeze(0)?, &pv.unsqueeze(0)?, &k.unsqueeze(0)?, &v.unsqueeze(0)?, rows, pos)?;
-                k = pk.index_select(rows, 0)?;
-                v = pv.index_select(rows, 0)?;
+                k = crate::fused::rows_gather(pk, rows)?;
+                v = crate::fused::rows_gather(pv, rows)?;
                 (Some(mask), true)
             }
         };

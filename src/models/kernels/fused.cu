@@ -99,3 +99,14 @@ __device__ void kv_rows_store(const T* __restrict__ k, const T* __restrict__ v, 
 FUSED(f32, float)
 FUSED(bf16, __nv_bfloat16)
 FUSED(f16, __half)
+
+// Rows `rows[r]` of a contiguous [S, row] tensor into a new [N, row] one, 16 bytes at a time
+// (any dtype; the row's bytes and both starts 16-byte aligned): blockIdx.y is the output row.
+extern "C" __global__ void rows_gather_u4(const uint4* __restrict__ src, const unsigned* __restrict__ rows, uint4* __restrict__ out,
+                                          unsigned long long row_vecs) {
+  const uint4* s = src + (size_t)rows[blockIdx.y] * row_vecs;
+  uint4* o = out + (size_t)blockIdx.y * row_vecs;
+  for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < row_vecs; e += (size_t)gridDim.x * blockDim.x) {
+    o[e] = s[e];
+  }
+}
