@@ -161,22 +161,24 @@ __device__ void masked_softmax(const T* __restrict__ att, const T* __restrict__ 
   for (int i = threadIdx.x; i < l; i += blockDim.x) out[row + i] = from_f<T>(expf(to_f(att[row + i]) + to_f(mask[mrow + i]) - mx) * inv);
 }
 
-// A convolution's columns (see conv_cols in dit_ops.rs): x [B, C, T] -> col [B, C K + 1, L];
+// A convolution's columns (see conv_cols in dit_ops.rs): x [B, C, T] -> col [B, R, L] (R: C K + 1
+// rounded up to a multiple of 4, the rows after C K zero);
 // col[b, c K + j, t] = u(x)[b, c, t s + j d - pad_l] (zero outside), col[b, C K, t] = 1, where u
 // repeats every sample `up` times (nearest upsampling). One block per output row at a time: the
 // row's indices are worked out once, the threads walk its positions (no 64-bit division per
 // element).
 template <typename T>
 __device__ void conv_cols(const T* __restrict__ x, T* __restrict__ col, int c, int t_in, int k, int d, int pad_l, int l_out,
-                          int stride, int up, int rows_total) {
-  const int rows = c * k + 1;
+                          int stride, int up, int rows_per, int rows_total) {
+  const int rows = rows_per;
   const int t_up = t_in * up;
   for (int r = blockIdx.x; r < rows_total; r += gridDim.x) {
     const int row = r % rows;
     const int b = r / rows;
     T* __restrict__ out = col + (size_t)r * l_out;
-    if (row == c * k) {
-      for (int t = threadIdx.x; t < l_out; t += blockDim.x) out[t] = from_f<T>(1.f);
+    if (row >= c * k) {
+      const T fill = from_f<T>(row == c * k ? 1.f : 0.f);
+      for (int t = threadIdx.x; t < l_out; t += blockDim.x) out[t] = fill;
       continue;
     }
     const int cc = row / k, j = row % k;
@@ -213,8 +215,8 @@ __device__ void conv_cols(const T* __restrict__ x, T* __restrict__ col, int c, i
     qkv_heads<T>(qkv, bias, qw, qb, kw, kb, out, n, t_len, h, d, eps);                                                     \
   }                                                                                                                        \
   extern "C" __global__ void conv_cols_##SUFFIX(const T* x, T* col, int c, int t_in, int k, int d, int pad_l, int l_out,  \
-                                                int stride, int up, int rows_total) {                                      \
-    conv_cols<T>(x, col, c, t_in, k, d, pad_l, l_out, stride, up, rows_total);                                             \
+                                                int stride, int up, int rows_per, int rows_total) {                        \
+    conv_cols<T>(x, col, c, t_in, k, d, pad_l, l_out, stride, up, rows_per, rows_total);                                   \
   }                                                                                                                        \
   extern "C" __global__ void masked_softmax_##SUFFIX(const T* att, const T* mask, T* out, int l, int rows_per_mask) {       \
     masked_softmax<T>(att, mask, out, l, rows_per_mask);                                                                   \

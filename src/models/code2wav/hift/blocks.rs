@@ -52,13 +52,7 @@ impl Conv {
         let b = if bias { Some(vb.get(o, "bias")?) } else { None };
         let cols = match kind {
             ConvKind::Transpose { .. } => None,
-            _ => {
-                let bias_col = match &b {
-                    Some(b) => b.reshape((o, 1))?,
-                    None => Tensor::zeros((o, 1), w.dtype(), w.device())?,
-                };
-                Some(Tensor::cat(&[&w.reshape((o, i * k))?, &bias_col], 1)?.contiguous()?)
-            }
+            _ => Some(super::super::dit_ops::cols_weight(&w, b.as_ref())?),
         };
         Ok(Self { w, b, kind, dilation, cols })
     }
