@@ -8,6 +8,10 @@
 # PROFILE_ONLY= picks rows by name, as `--only`).
 #
 #   OUT=/some/dir WORKLOADS="tts clone" LEVELS=1,2,4,8,16,32 REQUESTS=16 scripts/gpu-measure.sh
+#
+# Memory: the server's resident set and its GPU memory go to memory.txt when it is warm and after
+# each workload; SOAK_ROUNDS=n then runs n more rounds of conversations (SOAK_LEVEL sessions of
+# SOAK_TURNS turns each, tts) and snapshots after each, to show whether memory comes back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/antiphon-gpu}
@@ -43,6 +47,13 @@ if [ "${PROFILE:-1}" = 1 ]; then
     > "$RES/profile.txt" 2>&1
   grep -E "B=" "$RES/profile.txt"
 fi
+# the server's resident set (VmRSS) and the GPU memory its process holds
+mem() {
+  local rss gpu
+  rss=$(awk '/VmRSS/ {print $2 / 1024}' "/proc/$SERVER/status" 2>/dev/null)
+  gpu=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null | awk -F', ' -v p="$SERVER" '$1 == p {print $2}')
+  echo "$1: rss ${rss:-?} MiB, gpu ${gpu:-?} MiB" | tee -a "$RES/memory.txt"
+}
 t0=$(date +%s)
 RUST_LOG=${SERVER_LOG:-info,tower_http=warn} /tmp/antiphon serve --config "$CONFIG" --listen 127.0.0.1:8080 > "$RES/server.log" 2>&1 &
 SERVER=$!
@@ -57,12 +68,21 @@ grep -E "warm-up|loading|listening|error|panic" "$RES/server.log" | tail -5
 if [ $ready = 1 ]; then
   curl -sf http://127.0.0.1:8080/api/build_info > "$RES/build_info.json"
   curl -sf http://127.0.0.1:8080/metrics > "$RES/metrics-0-warm.txt"
+  mem "warm"
   for w in $WORKLOADS; do
     echo "== $w at C=$LEVELS ($(( $(date +%s) - t0 )) s)"
     timeout "$BENCH_TIMEOUT" /tmp/antiphon bench --url ws://127.0.0.1:8080/v1/realtime --workload "$w" \
       --concurrency "$LEVELS" --requests "$REQUESTS" --warmup "$WARMUP" --no-progress --timeout-s 120 \
       --label "H200, full-size synthetic bf16, $CONFIG" --out "$RES/$w" $EXTRA 2>&1 | tail -12
     curl -sf http://127.0.0.1:8080/metrics > "$RES/metrics-$w.txt"
+    mem "after $w"
+  done
+  for r in $(seq 1 "${SOAK_ROUNDS:-0}"); do
+    n=$(( ${SOAK_LEVEL:-8} * ${SOAK_TURNS:-15} ))
+    timeout "$BENCH_TIMEOUT" /tmp/antiphon bench --url ws://127.0.0.1:8080/v1/realtime --workload tts \
+      --concurrency "${SOAK_LEVEL:-8}" --requests "$n" --warmup 0 --no-progress --timeout-s 120 \
+      --label "soak round $r" --out "$RES/soak-$r" 2>&1 | tail -3
+    mem "after soak round $r ($n turns over ${SOAK_LEVEL:-8} sessions)"
   done
   nvidia-smi --query-gpu=memory.used --format=csv >> "$RES/gpu.txt" 2>&1
 fi
