@@ -6,6 +6,10 @@
 #   scripts/build-cuda.sh            # then: scripts/gpu-measure.sh on the GPU machine
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the bundled libopus builds with cmake (a fresh machine has none)
+if ! command -v cmake > /dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq cmake
+fi
 source scripts/cuda-env.sh
 cargo build --release --features cuda --bin antiphon
 mkdir -p .device
