@@ -255,13 +255,47 @@ impl Client {
                     return Ok(v);
                 }
                 Msg::Event(v) if v["type"] == "error" => {
+                    if v["code"] == "capacity" {
+                        return Err(anyhow::Error::new(Capacity(v["retry_after_ms"].as_u64().unwrap_or(1000))));
+                    }
                     bail!("session.create: {} ({})", v["code"], v["message"])
                 }
                 _ => {}
             }
         }
     }
+
+    /// A new connection with a turn-mode session. A server with no free session (`capacity`) is
+    /// asked again after its `retry_after_ms`, for up to the bench's timeout: sessions that
+    /// earlier clients left parked free their places as they expire.
+    async fn open(cfg: &BenchConfig) -> Result<Self> {
+        let t0 = Instant::now();
+        loop {
+            let mut c = Self::connect(cfg).await?;
+            match c.create(cfg).await {
+                Ok(_) => return Ok(c),
+                Err(e) => match e.downcast_ref::<Capacity>() {
+                    Some(Capacity(ms)) if t0.elapsed() < cfg.timeout => {
+                        tokio::time::sleep(Duration::from_millis((*ms).clamp(50, 5000))).await;
+                    }
+                    _ => return Err(e),
+                },
+            }
+        }
+    }
 }
+
+/// The server had no free session; it asked to retry after this many ms.
+#[derive(Debug)]
+struct Capacity(u64);
+
+impl std::fmt::Display for Capacity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "session.create: \"capacity\" (the server has no free session; retry after {} ms)", self.0)
+    }
+}
+
+impl std::error::Error for Capacity {}
 
 /// The spoken input for the `voice` workload: 48 kHz Opus packets of 20 ms.
 pub fn voice_packets(wav: &Path) -> Result<Vec<Vec<u8>>> {
@@ -421,11 +455,7 @@ async fn run_level(sh: Arc<Shared>, level: usize) -> Result<(Vec<RequestRecord>,
         let sh = sh.clone();
         tasks.push(tokio::spawn(async move {
             let mut out = Vec::new();
-            let mut client = match Client::connect(&sh.cfg).await {
-                Ok(c) => c,
-                Err(e) => return Err(e),
-            };
-            client.create(&sh.cfg).await?;
+            let mut client = Client::open(&sh.cfg).await?;
             for i in 0..warm_per_worker + per_worker {
                 let warm = i < warm_per_worker;
                 let r = one_request(&sh, &mut client, level, w, i, warm, start).await;
@@ -433,8 +463,7 @@ async fn run_level(sh: Arc<Shared>, level: usize) -> Result<(Vec<RequestRecord>,
                 out.push(r);
                 if broken {
                     // a new session for the next request
-                    client = Client::connect(&sh.cfg).await?;
-                    client.create(&sh.cfg).await?;
+                    client = Client::open(&sh.cfg).await?;
                 }
             }
             let _ = client.send(json!({"type": "session.close"})).await;
