@@ -407,3 +407,28 @@ fn rows_gather_is_index_select() {
     let got = antiphon_models::fused::rows_gather(&odd, &rows).unwrap();
     assert_eq!(got.to_vec2::<f32>().unwrap(), odd.index_select(&rows, 0).unwrap().to_vec2::<f32>().unwrap());
 }
+
+/// The columns of Snake's output (`dit_ops::conv_cols_snake`, one kernel on CUDA) times the weight
+/// are the convolution of `snake(x)`, zero-padded on the left as the causal residual blocks pad,
+/// at the dilations they use, with the input a view inside a larger buffer.
+#[test]
+fn snake_columns_are_the_convolution_of_snake() {
+    use antiphon_models::code2wav::dit_ops::{cols_weight, conv_cols_snake, Cols};
+    let dev = common::device();
+    let (b, c, o, t) = (2, 5, 3, 41);
+    let big = Tensor::randn(0f32, 2.0, (b, c, t + 3), &dev).unwrap();
+    let x = big.narrow(2, 3, t).unwrap();
+    let alpha = (Tensor::rand(0f32, 1.0, c, &dev).unwrap() + 0.25).unwrap();
+    for (k, d) in [(3, 1), (7, 3), (11, 5)] {
+        let pad = d * (k - 1);
+        let w = Tensor::randn(0f32, 1., (o, c, k), &dev).unwrap();
+        let bias = Tensor::randn(0f32, 1., o, &dev).unwrap();
+        let s = antiphon_models::fused::snake_twin(&x, &alpha).unwrap();
+        let want = s.pad_with_zeros(2, pad, 0).unwrap().conv1d(&w, 0, 1, d, 1).unwrap().broadcast_add(&bias.reshape((1, o, 1)).unwrap()).unwrap();
+        let cols = conv_cols_snake(&x, Cols { k, d, pad_l: pad, pad_r: 0, stride: 1, up: 1 }, Some(&alpha)).unwrap();
+        let got = cols_weight(&w, Some(&bias)).unwrap().broadcast_left(b).unwrap().matmul(&cols).unwrap();
+        assert_close(&format!("snake columns, k {k}, d {d}"), &got, &want, 1e-4);
+    }
+    // a wrong alpha is refused
+    assert!(conv_cols_snake(&x, Cols { k: 3, d: 1, pad_l: 2, pad_r: 0, stride: 1, up: 1 }, Some(&alpha.narrow(0, 0, 2).unwrap())).is_err());
+}

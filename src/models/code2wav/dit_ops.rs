@@ -218,7 +218,18 @@ pub struct Cols {
 /// column `t` is the upsampled, padded input at `t · stride + j d`; L = (T · up + pad_l + pad_r −
 /// d (k − 1) − 1) / stride + 1.
 pub fn conv_cols_with(x: &Tensor, p: Cols) -> Result<Tensor> {
+    conv_cols_snake(x, p, None)
+}
+
+/// [`conv_cols_with`] of `snake(x, alpha)` (`alpha: [C]`, see [`crate::fused::snake`]) when
+/// `alpha` is given: on a GPU in the same kernel, so the activation is never written out.
+pub fn conv_cols_snake(x: &Tensor, p: Cols, alpha: Option<&Tensor>) -> Result<Tensor> {
     let (b, c, t) = x.dims3()?;
+    if let Some(a) = alpha {
+        if a.dims() != [c] {
+            candle_core::bail!("conv_cols: Snake's alpha {:?} for {c} channels", a.shape());
+        }
+    }
     let Cols { k, d, pad_l, pad_r, stride, up } = p;
     let t_up = t * up;
     let span = d * k.saturating_sub(1);
@@ -232,8 +243,13 @@ pub fn conv_cols_with(x: &Tensor, p: Cols) -> Result<Tensor> {
         let rows = b * per;
         let ints = [c, t, k, d, pad_l, l, stride, up, per, rows].map(|v| v as i32);
         let shape = candle_core::Shape::from((b, per, l));
-        return cuda::launch_shaped("conv_cols", x, &[], &ints, &[], &[], (rows.clamp(1, 65535) as u32, 256), Some(shape));
+        let alpha = alpha.map(|a| a.to_dtype(x.dtype())?.contiguous()).transpose()?;
+        return cuda::launch_shaped("conv_cols", x, &[alpha.as_ref()], &ints, &[], &[], (rows.clamp(1, 65535) as u32, 256), Some(shape));
     }
+    let x = match alpha {
+        Some(a) => crate::fused::snake_twin(x, &a.to_dtype(x.dtype())?)?,
+        None => x.clone(),
+    };
     let x = if up > 1 { x.unsqueeze(3)?.broadcast_as((b, c, t, up))?.reshape((b, c, t_up))? } else { x.clone() };
     let xp = x.pad_with_zeros(2, pad_l, pad_r)?;
     // every (j, t): the padded input's position t · stride + j d, gathered at once

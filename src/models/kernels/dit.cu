@@ -164,11 +164,12 @@ __device__ void masked_softmax(const T* __restrict__ att, const T* __restrict__ 
 // A convolution's columns (see conv_cols in dit_ops.rs): x [B, C, T] -> col [B, R, L] (R: C K + 1
 // rounded up to a multiple of 4, the rows after C K zero);
 // col[b, c K + j, t] = u(x)[b, c, t s + j d - pad_l] (zero outside), col[b, C K, t] = 1, where u
-// repeats every sample `up` times (nearest upsampling). One block per output row at a time: the
-// row's indices are worked out once, the threads walk its positions (no 64-bit division per
-// element).
+// repeats every sample `up` times (nearest upsampling); with `alpha` (per channel, may be null) the
+// input goes through Snake first, x + sin²(αx) / (α + 1e-9) (zero stays zero, so the padding is the
+// same either way). One block per output row at a time: the row's indices are worked out once, the
+// threads walk its positions (no 64-bit division per element).
 template <typename T>
-__device__ void conv_cols(const T* __restrict__ x, T* __restrict__ col, int c, int t_in, int k, int d, int pad_l, int l_out,
+__device__ void conv_cols(const T* __restrict__ x, const T* __restrict__ alpha, T* __restrict__ col, int c, int t_in, int k, int d, int pad_l, int l_out,
                           int stride, int up, int rows_per, int rows_total) {
   const int rows = rows_per;
   const int t_up = t_in * up;
@@ -184,6 +185,20 @@ __device__ void conv_cols(const T* __restrict__ x, T* __restrict__ col, int c, i
     const int cc = row / k, j = row % k;
     const T* __restrict__ src = x + ((size_t)b * c + cc) * t_in;
     const int off = j * d - pad_l;
+    if (alpha != nullptr) {
+      const float al = to_f(alpha[cc]);
+      for (int t = threadIdx.x; t < l_out; t += blockDim.x) {
+        const int u = t * stride + off;
+        float v = 0.f;
+        if (u >= 0 && u < t_up) {
+          v = to_f(src[up == 1 ? u : u / up]);
+          const float s = sinf(al * v);
+          v = v + s * s / (al + 1e-9f);
+        }
+        out[t] = from_f<T>(v);
+      }
+      continue;
+    }
     for (int t = threadIdx.x; t < l_out; t += blockDim.x) {
       const int u = t * stride + off;
       out[t] = (u >= 0 && u < t_up) ? src[up == 1 ? u : u / up] : from_f<T>(0.f);
@@ -214,9 +229,9 @@ __device__ void conv_cols(const T* __restrict__ x, T* __restrict__ col, int c, i
                                                 const T* kb, T* out, int n, int t_len, int h, int d, float eps) {          \
     qkv_heads<T>(qkv, bias, qw, qb, kw, kb, out, n, t_len, h, d, eps);                                                     \
   }                                                                                                                        \
-  extern "C" __global__ void conv_cols_##SUFFIX(const T* x, T* col, int c, int t_in, int k, int d, int pad_l, int l_out,  \
-                                                int stride, int up, int rows_per, int rows_total) {                        \
-    conv_cols<T>(x, col, c, t_in, k, d, pad_l, l_out, stride, up, rows_per, rows_total);                                   \
+  extern "C" __global__ void conv_cols_##SUFFIX(const T* x, const T* alpha, T* col, int c, int t_in, int k, int d,       \
+                                                int pad_l, int l_out, int stride, int up, int rows_per, int rows_total) {  \
+    conv_cols<T>(x, alpha, col, c, t_in, k, d, pad_l, l_out, stride, up, rows_per, rows_total);                            \
   }                                                                                                                        \
   extern "C" __global__ void masked_softmax_##SUFFIX(const T* att, const T* mask, T* out, int l, int rows_per_mask) {       \
     masked_softmax<T>(att, mask, out, l, rows_per_mask);                                                                   \

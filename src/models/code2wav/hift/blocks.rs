@@ -62,14 +62,31 @@ impl Conv {
     /// no padded or upsampled copy, no transposed output, no broadcast bias add (candle's conv1d:
     /// im2col, the product, a transposing copy, then ours).
     fn by_columns(&self, x: &Tensor, pad_l: usize, pad_r: usize, stride: usize, up: usize) -> Result<Option<Tensor>> {
+        self.by_columns_snake(x, Cols { k: self.kernel(), d: self.dilation, pad_l, pad_r, stride, up }, None)
+    }
+
+    /// [`Conv::by_columns`] of `snake(x, alpha)` when `alpha` is given (the Snake in the columns'
+    /// kernel).
+    fn by_columns_snake(&self, x: &Tensor, p: Cols, alpha: Option<&Tensor>) -> Result<Option<Tensor>> {
         let Some(w) = &self.cols else { return Ok(None) };
         // (our kernels exist for f32, bf16 and f16; the F0 predictor runs in f64)
         if !x.device().is_cuda() || !matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) {
             return Ok(None);
         }
-        let p = Cols { k: self.kernel(), d: self.dilation, pad_l, pad_r, stride, up };
-        let cols = super::super::dit_ops::conv_cols_with(x, p)?;
+        let cols = super::super::dit_ops::conv_cols_snake(x, p, alpha)?;
         Ok(Some(w.broadcast_left(x.dim(0)?)?.matmul(&cols)?))
+    }
+
+    /// `forward(snake(x, alpha), None)` for a left-padded conv: on a GPU one columns kernel does
+    /// both (the residual blocks' every conv).
+    pub(super) fn forward_snake(&self, x: &Tensor, alpha: &Tensor) -> Result<Tensor> {
+        if let ConvKind::Left { padding } = self.kind {
+            let p = Cols { k: self.kernel(), d: self.dilation, pad_l: padding, pad_r: 0, stride: 1, up: 1 };
+            if let Some(y) = self.by_columns_snake(x, p, Some(alpha))? {
+                return Ok(y);
+            }
+        }
+        self.forward(&snake(x, alpha)?, None)
     }
 
     pub(super) fn kernel(&self) -> usize {
@@ -155,8 +172,8 @@ impl ResBlock {
     pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut x = x.clone();
         for i in 0..self.convs1.len() {
-            let t = self.convs1[i].forward(&snake(&x, &self.alpha1[i])?, None)?;
-            let t = self.convs2[i].forward(&snake(&t, &self.alpha2[i])?, None)?;
+            let t = self.convs1[i].forward_snake(&x, &self.alpha1[i])?;
+            let t = self.convs2[i].forward_snake(&t, &self.alpha2[i])?;
             x = (t + x)?;
         }
         Ok(x)

@@ -50,6 +50,9 @@ pub const ROUND_FRAMES: usize = 64;
 const GRAPH_F0: usize = 0;
 const GRAPH_DECODE: usize = 2;
 
+/// At most this many threads make a batch's excitation.
+const SOURCE_THREADS: usize = 8;
+
 /// Indices grouped by equal keys, groups and members in first-seen order.
 fn groups<K: PartialEq>(keyed: Vec<(usize, K)>) -> Vec<(K, Vec<usize>)> {
     let mut out: Vec<(K, Vec<usize>)> = Vec::new();
@@ -93,8 +96,43 @@ impl HiftGenerator {
         Tensor::cat(&rows, 0)
     }
 
+    /// The causal excitation for a stream's new frames `f0` (from its `source_end` on), in the
+    /// reference's blocks: the samples, on the host; advances the phase and `source_end`.
+    fn source_blocks(&self, st: &mut HiftState, f0: &[f32]) -> Vec<f32> {
+        let block = self.limits.map_or(f0.len(), |l| l.block_frames).max(1);
+        let mut out = Vec::with_capacity(f0.len() * self.cfg.hop());
+        for part in f0.chunks(block) {
+            let offset = st.source_end;
+            out.extend(self.source(st, part, offset));
+            st.source_end += part.len();
+        }
+        out
+    }
+
+    /// [`Self::source_blocks`] for several streams, on threads of their own when there are
+    /// several (a steady chunk is ~24k samples, each a tanh on the host: serially, a batch of 8
+    /// held the GPU idle for milliseconds between the F0 and the decode).
+    fn sources(&self, jobs: &mut [(&mut HiftState, &[f32])]) -> Result<Vec<Vec<f32>>> {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(SOURCE_THREADS).min(jobs.len());
+        if threads <= 1 {
+            return Ok(jobs.iter_mut().map(|(st, f0)| self.source_blocks(st, f0)).collect());
+        }
+        let (n, per) = (jobs.len(), jobs.len().div_ceil(threads));
+        std::thread::scope(|s| {
+            let handles: Vec<_> = jobs
+                .chunks_mut(per)
+                .map(|part| s.spawn(move || part.iter_mut().map(|(st, f0)| self.source_blocks(st, f0)).collect::<Vec<_>>()))
+                .collect();
+            let mut out = Vec::with_capacity(n);
+            for h in handles {
+                out.extend(h.join().map_err(|_| candle_core::Error::Msg("the vocoder's source thread panicked".into()))?);
+            }
+            Ok(out)
+        })
+    }
+
     /// The causal excitation for frames `f0` starting at frame `frame_offset`, advancing the phase.
-    fn source(&self, st: &mut HiftState, f0: &[f32], frame_offset: usize) -> Result<Tensor> {
+    fn source(&self, st: &mut HiftState, f0: &[f32], frame_offset: usize) -> Vec<f32> {
         let cfg = &self.cfg;
         let (hop, h1, sr, amp, thr) = self.source_params();
         let n = f0.len();
@@ -136,8 +174,7 @@ impl HiftGenerator {
                 }
             }
         }
-        let dev = self.conv_pre.w.device();
-        Tensor::from_vec(merged, (1, 1, n * hop), dev)?.to_dtype(self.conv_pre.w.dtype())
+        merged
     }
 
     /// One round over a batch of states that each took in a block (or, finalizing, nothing): the
@@ -161,16 +198,21 @@ impl HiftGenerator {
             let x = self.stack_rows(&feats)?;
             let f0 = self.graphs.run(GRAPH_F0 + usize::from(finalize), &[&x], &|x| Ok(vec![self.f0_predictor.forward(&x[0], finalize)?]))?;
             let f0 = f0[0].to_vec2::<f32>()?;
-            for (&i, row) in idx.iter().zip(f0) {
-                let st = &mut *sts[i];
-                let f0 = &row[st.source_end - f0_start(st)..];
-                let mut parts = vec![st.source.clone()];
-                for block in f0.chunks(lim.block_frames) {
-                    let offset = st.source_end;
-                    parts.push(self.source(st, block, offset)?);
-                    st.source_end += block.len();
+            // (idx ascends: the streams' rows in order)
+            let mut rows = idx.iter().zip(&f0).peekable();
+            let mut jobs: Vec<(&mut HiftState, &[f32])> = Vec::with_capacity(idx.len());
+            for (i, st) in sts.iter_mut().enumerate() {
+                if let Some((_, row)) = rows.next_if(|(&j, _)| j == i) {
+                    let skip = st.source_end - f0_start(st);
+                    jobs.push((&mut **st, &row[skip..]));
                 }
-                st.source = Tensor::cat(&parts, 2)?;
+            }
+            let made = self.sources(&mut jobs)?;
+            let (dev, dt) = (self.conv_pre.w.device(), self.conv_pre.w.dtype());
+            for ((st, _), samples) in jobs.into_iter().zip(made) {
+                let n = samples.len();
+                let new = Tensor::from_vec(samples, (1, 1, n), dev)?.to_dtype(dt)?;
+                st.source = Tensor::cat(&[&st.source, &new], 2)?;
             }
         }
         // 2. audio
