@@ -306,3 +306,50 @@ fn prefetch_chunk0_output_is_bit_identical_on_and_off() {
     assert_eq!(on_a, off);
     assert_eq!(on_ab, off);
 }
+
+/// A registration is prepared once, in a step with no chunk due, and its features survive a round
+/// trip through the tensors the server saves: a fresh Stage 2 handed them serves the voice with no
+/// new preparation (`registered`, no `inline`) and the same audio as a stage that prepared it
+/// itself; once forgotten, the voice is prepared again.
+#[test]
+fn a_registered_voice_is_served_from_its_kept_features() {
+    use antiphon_engine::voices::PreparedVoice;
+    let v = voice(220.0);
+    let mut a = Rig::new(EngineConfig::default());
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    a.stage.on_message(Stage2Msg::Prepare { voice: v.clone(), reply: tx });
+    assert!(a.stage.step(), "the preparation ran in a step with nothing due");
+    let prepared = rx.try_recv().expect("a reply").expect("prepared");
+    assert_eq!(prepared.key, key(&v));
+    assert_eq!(a.metrics.voice_preparations.get(), 1);
+    let loaded = PreparedVoice::from_tensors(&prepared.key, &prepared.tensors().unwrap()).unwrap();
+    assert_eq!(loaded, prepared);
+    // a bad saved file is refused
+    let mut bad = prepared.tensors().unwrap();
+    bad.remove("mel");
+    assert!(PreparedVoice::from_tensors(&prepared.key, &bad).is_err());
+
+    let run = |r: &mut Rig, name: &str| {
+        let log = r.admit(name, None);
+        r.chunk(name, 0, chunk0_codes(), false, Some(v.clone()));
+        assert!(r.stage.step());
+        audio(&log).remove(0)
+    };
+    let mut b = Rig::new(EngineConfig::default());
+    b.stage.on_message(Stage2Msg::Install(loaded));
+    let served = run(&mut b, "b");
+    assert_eq!(b.metrics.voice_preparations.get(), 0, "no new preparation");
+    assert_eq!(b.metrics.prefetch_count("registered"), 1);
+    assert_eq!(b.metrics.prefetch_count("inline"), 0);
+    let mut c = Rig::new(EngineConfig::default());
+    let prepared_here = run(&mut c, "c");
+    assert_eq!(c.metrics.prefetch_count("inline"), 1);
+    assert!(!served.is_empty() && served.iter().all(|s| s.is_finite()));
+    assert_eq!(served, prepared_here, "the kept features give the same audio");
+
+    let mut d = Rig::new(EngineConfig::default());
+    d.stage.on_message(Stage2Msg::Install(prepared.clone()));
+    d.stage.on_message(Stage2Msg::Forget(prepared.key.clone()));
+    run(&mut d, "d");
+    assert_eq!(d.metrics.voice_preparations.get(), 1, "forgotten: prepared again");
+}

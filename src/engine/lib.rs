@@ -24,6 +24,7 @@ pub mod stage0;
 pub mod stage1;
 pub mod stage2;
 pub mod types;
+pub mod voices;
 
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError};
 use std::sync::Arc;
@@ -100,6 +101,15 @@ pub enum Stage2Msg {
         reference: Option<RefInput>,
     },
     Cancel(RequestId),
+    /// Prepare a voice now (when no chunk is due) and keep its features while it is registered.
+    Prepare {
+        voice: RefInput,
+        reply: SyncSender<Result<voices::PreparedVoice, String>>,
+    },
+    /// Keep features prepared earlier (saved by a previous run) for the voice they name.
+    Install(voices::PreparedVoice),
+    /// A voice is no longer registered: its kept features go (by reference key).
+    Forget(String),
     /// A duplex session is live: while any is, no prefetch runs (the busy gate).
     DuplexOpen(String),
     DuplexClose(String),
@@ -328,6 +338,36 @@ impl Engine {
         }
         if let Some(t) = &self.to2 {
             let _ = t.send(Stage2Msg::DuplexClose(session.to_string()));
+        }
+    }
+
+    /// Prepares a reference voice in Stage 2 (in a step when no chunk is due) and keeps its
+    /// features there until [`Engine::forget_voice`]; the features (host copies, to be saved) come
+    /// on the returned channel.
+    pub fn prepare_voice(&self, voice: RefInput) -> Result<Receiver<Result<voices::PreparedVoice, String>>> {
+        if voice.samples.is_empty() || voice.sample_rate == 0 || voice.samples.iter().any(|s| !s.is_finite()) {
+            bail!("the reference voice must be non-empty, finite audio with a sample rate");
+        }
+        let (tx, rx) = mpsc::sync_channel(1);
+        if !self.to2.as_ref().map(|t| t.send(Stage2Msg::Prepare { voice, reply: tx }).is_ok()).unwrap_or(false) {
+            bail!("the engine has stopped");
+        }
+        Ok(rx)
+    }
+
+    /// Hands Stage 2 features prepared by an earlier run (see [`voices::PreparedVoice::tensors`]):
+    /// requests with that voice use them instead of preparing it.
+    pub fn install_voice(&self, voice: voices::PreparedVoice) -> Result<()> {
+        if !self.to2.as_ref().map(|t| t.send(Stage2Msg::Install(voice)).is_ok()).unwrap_or(false) {
+            bail!("the engine has stopped");
+        }
+        Ok(())
+    }
+
+    /// Stage 2 drops the features it keeps for the voice of this reference key.
+    pub fn forget_voice(&self, key: &str) {
+        if let Some(t) = &self.to2 {
+            let _ = t.send(Stage2Msg::Forget(key.to_string()));
         }
     }
 

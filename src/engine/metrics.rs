@@ -23,6 +23,8 @@ pub struct EngineMetrics {
     /// from the first audio on), and the gaps they left, in seconds.
     pub playback_late: IntCounter,
     pub playback_late_seconds: Counter,
+    /// Reference voices Code2Wav prepared (S3 codes, speaker embedding, prompt mel), on any path.
+    pub voice_preparations: IntCounter,
 }
 
 impl Default for EngineMetrics {
@@ -82,8 +84,14 @@ impl EngineMetrics {
         let playback_late_seconds =
             Counter::new("antiphon_playback_late_seconds_total", "Silence those late chunks left a real-time listener, in seconds")
                 .expect("valid metric");
+        let voice_preparations = IntCounter::new(
+            "antiphon_voice_preparations_total",
+            "Reference voices prepared by Code2Wav (S3 codes, speaker embedding, prompt mel): inline, by prefetch or at registration",
+        )
+        .expect("valid metric");
         for c in [
             Box::new(step_seconds.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(voice_preparations.clone()),
             Box::new(playback_late.clone()),
             Box::new(playback_late_seconds.clone()),
             Box::new(batch_size.clone()),
@@ -121,6 +129,7 @@ impl EngineMetrics {
             prompt_positions,
             playback_late,
             playback_late_seconds,
+            voice_preparations,
         }
     }
 

@@ -16,15 +16,19 @@
 //! bit-identical with or without prefetch: the same deterministic computation, done earlier.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
 
 use super::refcache::{RefCache, SetupCache};
+use super::voices::{PreparedStore, PreparedVoice};
 use super::{EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId, Stage2Msg, StageLoop, Status};
 use antiphon_models::code2wav::prompt::Reference;
 use antiphon_models::code2wav::{Code2Wav, StreamState};
+
+mod prepare;
 
 #[derive(Debug, Clone, PartialEq)]
 enum Phase {
@@ -120,7 +124,16 @@ pub struct Stage2 {
     step_estimate: Duration,
     /// Open duplex sessions (each a live duplex stream for the busy gate).
     duplex: std::collections::HashSet<String>,
+    /// Registered voices' features, by reference key.
+    prepared: PreparedStore,
+    /// Registrations waiting for a step with no chunk due.
+    prepare_jobs: VecDeque<(RefInput, SyncSender<Result<PreparedVoice, String>>)>,
 }
+
+/// Registrations waiting to be prepared at most (beyond, one is refused at once).
+const PREPARE_QUEUE: usize = 16;
+/// Registered voices' features kept at most (each ~100 KB).
+const PREPARED_VOICES: usize = 1024;
 
 impl Stage2 {
     pub fn new(model: Code2Wav, cfg: Arc<EngineConfig>, registry: Registry, metrics: EngineMetrics) -> Self {
@@ -138,6 +151,8 @@ impl Stage2 {
             graphs_warm: false,
             step_estimate: Duration::ZERO,
             duplex: Default::default(),
+            prepared: PreparedStore::new(PREPARED_VOICES),
+            prepare_jobs: VecDeque::new(),
         }
     }
 
@@ -221,9 +236,11 @@ impl Stage2 {
                 let needs = self.cache.entry(r).features.is_none();
                 if needs {
                     let r = self.cache.get(&k).expect("just inserted").reference.clone();
-                    let f = self.model.prepare(&r)?;
+                    let (f, kept) = self.features_for(&r)?;
                     self.cache.entry_mut(&k).expect("present").features = Some(f);
-                    self.count("inline");
+                    if !kept {
+                        self.count("inline");
+                    }
                 } else {
                     self.count("cache_hit");
                 }
@@ -306,7 +323,7 @@ impl Stage2 {
                     let k = r.key.clone();
                     if self.cache.entry(r).features.is_none() {
                         let r = self.cache.get(&k).expect("just inserted").reference.clone();
-                        let f = self.model.prepare(&r)?;
+                        let f = self.features_for(&r)?.0;
                         self.cache.entry_mut(&k).expect("present").features = Some(f);
                     }
                     self.cache.pin(&k, &id);
@@ -520,6 +537,20 @@ impl StageLoop for Stage2 {
                 self.queue.push_back(ChunkWork { id, seq, codes, last, reference, queued: Instant::now() });
             }
             Stage2Msg::Cancel(id) => self.abort(&id),
+            Stage2Msg::Prepare { voice, reply } => {
+                if self.prepare_jobs.len() >= PREPARE_QUEUE {
+                    let _ = reply.try_send(Err(format!("{PREPARE_QUEUE} voices are waiting to be prepared already")));
+                } else {
+                    self.prepare_jobs.push_back((voice, reply));
+                }
+            }
+            Stage2Msg::Install(v) => match v.to_features(self.model.device()) {
+                Ok(f) => self.prepared.insert(v.key, f),
+                Err(e) => tracing::warn!("a saved voice's features were not taken: {e:#}"),
+            },
+            Stage2Msg::Forget(key) => {
+                self.prepared.remove(&key);
+            }
             Stage2Msg::DuplexOpen(s) => {
                 self.duplex.insert(s);
             }
@@ -530,7 +561,8 @@ impl StageLoop for Stage2 {
     }
 
     fn step(&mut self) -> bool {
-        self.work()
+        // (a registration's preparation only in a step with no chunk due)
+        self.work() || self.prepare_one()
     }
 
     fn idle_wait(&self) -> Option<Duration> {
