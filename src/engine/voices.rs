@@ -8,15 +8,7 @@ use std::collections::HashMap;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 
-use antiphon_models::code2wav::prompt::{PromptFeatures, Reference};
-
-use crate::RefInput;
-
-/// The key Stage 2 knows a voice by (the hash of its normalized samples): resamples the voice,
-/// so call it off the stage threads.
-pub fn reference_key(voice: &RefInput) -> Result<String> {
-    Ok(Reference::materialize(&voice.samples, voice.sample_rate)?.key)
-}
+use antiphon_models::code2wav::prompt::PromptFeatures;
 
 /// A voice's prepared features on the host, with the key of the reference they were made from
 /// (the hash of its normalized samples, `Reference::materialize`).
