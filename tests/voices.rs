@@ -48,6 +48,16 @@ async fn http(addr: std::net::SocketAddr, method: &str, path: &str, headers: &st
     (status, body)
 }
 
+/// A counter's value on the server's /metrics (0 when it has no line yet).
+async fn metric(addr: std::net::SocketAddr, series: &str) -> f64 {
+    let (status, body) = http(addr, "GET", "/metrics", "", b"").await;
+    assert_eq!(status, 200);
+    body.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
+}
+
+const PREPARATIONS: &str = "antiphon_voice_preparations_total";
+const REGISTERED_USES: &str = "antiphon_prefetch_total{event=\"registered\"}";
+
 fn json_of(body: &str) -> Value {
     serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}"))
 }
@@ -76,19 +86,27 @@ async fn a_registered_voice_serves_sessions_survives_a_restart_and_can_be_delete
     assert!(id.starts_with("v_") && id.len() >= 18, "{id}");
     assert_eq!((v["name"].as_str(), v["kind"].as_str(), v["sample_rate"].as_u64()), (Some("Alice"), Some("registered"), Some(16_000)));
     assert!((v["seconds"].as_f64().unwrap() - 2.0).abs() < 1e-3, "{v}");
+    assert!(voice_dir.join(format!("{id}.features.safetensors")).is_file(), "its prepared features are kept");
     let (status, body) = http(s.addr, "GET", "/v1/voices", "", b"").await;
     assert_eq!(status, 200);
     let ids: Vec<String> = json_of(&body)["voices"].as_array().unwrap().iter().map(|v| v["id"].as_str().unwrap().to_string()).collect();
     assert_eq!(ids, vec!["default".to_string(), id.clone()], "the configured voice first");
+    // prepared once, at its registration: the session finds its features kept
+    let prepared = metric(s.addr, PREPARATIONS).await;
     speak_with(&s, &id).await;
+    assert_eq!(metric(s.addr, PREPARATIONS).await, prepared, "no new preparation for a registered voice");
+    assert!(metric(s.addr, REGISTERED_USES).await >= 1.0);
     s.shutdown().await.unwrap();
 
-    // a new server over the same directory serves it under the same id
+    // a new server over the same directory serves it under the same id, from the saved features
     let s = server(|c| c.server.voice_dir = voice_dir.clone()).await;
     let (status, body) = http(s.addr, "GET", &format!("/v1/voices/{id}"), "", b"").await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(json_of(&body), v, "the same voice after the restart");
+    let prepared = metric(s.addr, PREPARATIONS).await;
     speak_with(&s, &id).await;
+    assert_eq!(metric(s.addr, PREPARATIONS).await, prepared, "the restarted server did not prepare it again");
+    assert!(metric(s.addr, REGISTERED_USES).await >= 1.0, "served from the installed features");
     let (status, _) = http(s.addr, "DELETE", &format!("/v1/voices/{id}"), "", b"").await;
     assert_eq!(status, 204);
     let (status, body) = http(s.addr, "GET", &format!("/v1/voices/{id}"), "", b"").await;

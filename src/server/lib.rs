@@ -8,6 +8,7 @@ pub mod auth;
 pub mod config;
 pub mod journal;
 pub mod session;
+pub mod voice_features;
 pub mod voices;
 pub mod ws;
 
@@ -190,6 +191,8 @@ pub async fn start(cfg: Config, models: Models) -> Result<Server> {
     let cfg = Arc::new(cfg);
     let voices = voices::Voices::load(&cfg)?;
     let engine = Arc::new(Engine::start(models, cfg.engine.clone())?);
+    // saved features into Stage 2 before any request; the rest prepared before ready
+    let unprepared = voices.install_saved(&engine);
     let shared = Arc::new(Shared {
         config: cfg.clone(),
         engine,
@@ -210,6 +213,10 @@ pub async fn start(cfg: Config, models: Models) -> Result<Server> {
     // warm-up before ready: one short request through all three stages
     let warm = shared.clone();
     tokio::spawn(async move {
+        if !unprepared.is_empty() {
+            let w = warm.clone();
+            let _ = tokio::task::spawn_blocking(move || w.voices.prepare_missing(&w.engine, &unprepared)).await;
+        }
         match warm_up(&warm).await {
             Ok(ms) => tracing::info!("warm-up done in {ms:.0} ms; ready"),
             Err(e) => tracing::error!("warm-up failed: {e:#}"),

@@ -1,13 +1,15 @@
 //! The voice registry: the voices of `[[voices]]` plus voices registered over HTTP (`POST
-//! /v1/voices`). A registered voice is kept in `server.voice_dir` (the uploaded file as it came
-//! and its metadata), so a restart serves it again under the same id. Sessions pick either kind
-//! by `voice.id`.
+//! /v1/voices`). A registered voice is prepared once, when it is registered (Stage 2 keeps its
+//! features), and kept in `server.voice_dir`: the uploaded file as it came, its metadata and its
+//! prepared features ([`super::voice_features`]), so a restart serves it again under the same id
+//! without preparing it again. Sessions pick either kind by `voice.id`.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
-use antiphon_engine::RefInput;
+use antiphon_engine::voices::PreparedVoice;
+use antiphon_engine::{Engine, RefInput};
 use anyhow::{Context, Result};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -18,7 +20,7 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 
 use super::config::Config;
-use super::Shared;
+use super::{voice_features, Shared};
 
 /// What the API says of a voice.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -36,6 +38,8 @@ pub struct VoiceInfo {
 struct Entry {
     info: VoiceInfo,
     input: RefInput,
+    /// The reference key of the features Stage 2 keeps for it (registered voices).
+    key: Option<String>,
 }
 
 /// A refusal: its HTTP status, a stable code and a message that names the limit or the field.
@@ -67,6 +71,24 @@ pub struct Voices {
     max_voices: usize,
     max_bytes: usize,
     max_seconds: f64,
+    /// The models' fingerprint that saved features must carry ([`voice_features::model_fingerprint`]).
+    fingerprint: String,
+}
+
+/// How long a registration or a start-up waits for Stage 2's preparation of a voice.
+const PREPARE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// A voice prepared by the engine (on Stage 2's thread, in a step with no chunk due): its
+/// features, or why not (`bad_audio` when the audio cannot make a voice, 503 when the engine is
+/// stopped or does not answer in time).
+pub fn prepare_with(engine: &Engine, input: RefInput) -> Result<PreparedVoice, VoiceError> {
+    let unavailable = |m: String| VoiceError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", m);
+    let rx = engine.prepare_voice(input).map_err(|e| unavailable(format!("{e:#}")))?;
+    match rx.recv_timeout(PREPARE_TIMEOUT) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(VoiceError::new(StatusCode::BAD_REQUEST, "bad_audio", format!("the audio cannot be prepared as a voice: {e}"))),
+        Err(_) => Err(unavailable(format!("the engine did not prepare the voice within {} s", PREPARE_TIMEOUT.as_secs()))),
+    }
 }
 
 /// Registered ids: `v_` and letters, digits, `-` or `_` (they name files in the voice directory).
@@ -89,7 +111,7 @@ impl Voices {
             let (samples, rate) = antiphon_audio::decode_wav(&bytes).with_context(|| format!("voice {}", v.id))?;
             let seconds = samples.len() as f64 / f64::from(rate.max(1));
             let info = VoiceInfo { id: v.id.clone(), name: v.id.clone(), kind: "configured".into(), seconds, sample_rate: rate, created: 0 };
-            entries.insert(v.id.clone(), Entry { info, input: RefInput::new(samples, rate) });
+            entries.insert(v.id.clone(), Entry { info, input: RefInput::new(samples, rate), key: None });
             configured.push(v.id.clone());
         }
         let s = &cfg.server;
@@ -101,6 +123,7 @@ impl Voices {
             max_voices: s.max_voices,
             max_bytes: s.max_voice_bytes,
             max_seconds: s.max_voice_s,
+            fingerprint: voice_features::model_fingerprint(cfg),
         };
         if let Some(dir) = &voices.dir {
             std::fs::create_dir_all(dir).with_context(|| format!("server.voice_dir {}", dir.display()))?;
@@ -140,7 +163,58 @@ impl Voices {
         }
         let bytes = std::fs::read(meta.with_extension("wav")).context("its audio")?;
         let (samples, rate) = antiphon_audio::decode_wav(&bytes)?;
-        Ok(Entry { info, input: RefInput::new(samples, rate) })
+        Ok(Entry { info, input: RefInput::new(samples, rate), key: None })
+    }
+
+    /// At start-up: hands Stage 2 the saved features of every registered voice made by this
+    /// model; returns the ids whose features are missing or stale ([`Voices::prepare_missing`]).
+    pub fn install_saved(&self, engine: &Engine) -> Vec<String> {
+        let Some(dir) = &self.dir else { return vec![] };
+        let mut m = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        let mut missing = Vec::new();
+        let mut installed = 0;
+        for (id, e) in m.iter_mut().filter(|(_, e)| e.info.kind == "registered") {
+            match voice_features::load(dir, id, &self.fingerprint) {
+                Ok(Some(v)) => {
+                    let key = v.key.clone();
+                    match engine.install_voice(v) {
+                        Ok(()) => {
+                            e.key = Some(key);
+                            installed += 1;
+                        }
+                        Err(err) => tracing::warn!("voice {id}: its features were not installed: {err:#}"),
+                    }
+                }
+                Ok(None) => missing.push(id.clone()),
+                Err(err) => {
+                    tracing::warn!("voice {id}: its saved features cannot be read, preparing it again: {err:#}");
+                    missing.push(id.clone());
+                }
+            }
+        }
+        tracing::info!("{installed} registered voice(s) installed from their saved features, {} to prepare", missing.len());
+        missing.sort();
+        missing
+    }
+
+    /// Prepares the voices `ids` (features missing or made by another model) and saves their
+    /// features; a voice that fails stays registered and is prepared when a request needs it.
+    pub fn prepare_missing(&self, engine: &Engine, ids: &[String]) {
+        let Some(dir) = &self.dir else { return };
+        for id in ids {
+            let Some(input) = self.get(id) else { continue };
+            match prepare_with(engine, input) {
+                Ok(v) => {
+                    if let Err(err) = voice_features::save(dir, id, &v, &self.fingerprint) {
+                        tracing::warn!("voice {id}: its features were not saved: {err:#}");
+                    }
+                    if let Some(e) = self.entries.write().unwrap_or_else(|e| e.into_inner()).get_mut(id) {
+                        e.key = Some(v.key);
+                    }
+                }
+                Err(err) => tracing::warn!("voice {id}: not prepared ({}): {}", err.code, err.message),
+            }
+        }
     }
 
     /// The voice a session names.
@@ -167,9 +241,14 @@ impl Voices {
         out
     }
 
-    /// Registers `bytes` (a WAV file) as voice `name`; every limit is checked before anything is
-    /// kept.
-    pub fn register(&self, name: &str, bytes: &[u8]) -> Result<VoiceInfo, VoiceError> {
+    /// Registers `bytes` (a WAV file) as voice `name`, prepared by `prepare` (see
+    /// [`prepare_with`]); every limit is checked and the voice prepared before anything is kept.
+    pub fn register(
+        &self,
+        name: &str,
+        bytes: &[u8],
+        prepare: impl FnOnce(RefInput) -> Result<PreparedVoice, VoiceError>,
+    ) -> Result<VoiceInfo, VoiceError> {
         let bad = |code, m: String| VoiceError::new(StatusCode::BAD_REQUEST, code, m);
         let name = name.trim();
         if name.is_empty() || name.chars().count() > 64 || name.chars().any(char::is_control) {
@@ -196,14 +275,25 @@ impl Voices {
         if seconds > self.max_seconds {
             return Err(bad("too_long", format!("{seconds:.1} s of audio, more than this server takes (server.max_voice_s = {})", self.max_seconds)));
         }
+        let full = |m: &HashMap<String, Entry>| {
+            let registered = m.values().filter(|e| e.info.kind == "registered").count();
+            (registered >= self.max_voices).then(|| {
+                VoiceError::new(
+                    StatusCode::CONFLICT,
+                    "too_many_voices",
+                    format!("{registered} voices are registered, the most this server keeps (server.max_voices); delete one first"),
+                )
+            })
+        };
+        if let Some(e) = full(&self.entries.read().unwrap_or_else(|e| e.into_inner())) {
+            return Err(e);
+        }
+        // (no lock held while Stage 2 prepares it)
+        let input = RefInput::new(samples, rate);
+        let prepared = prepare(input.clone())?;
         let mut m = self.entries.write().unwrap_or_else(|e| e.into_inner());
-        let registered = m.values().filter(|e| e.info.kind == "registered").count();
-        if registered >= self.max_voices {
-            return Err(VoiceError::new(
-                StatusCode::CONFLICT,
-                "too_many_voices",
-                format!("{registered} voices are registered, the most this server keeps (server.max_voices); delete one first"),
-            ));
+        if let Some(e) = full(&m) {
+            return Err(e);
         }
         let id = loop {
             let id = format!("v_{}", super::session::random_token(12));
@@ -213,16 +303,16 @@ impl Voices {
         };
         let info = VoiceInfo { id: id.clone(), name: name.to_string(), kind: "registered".into(), seconds, sample_rate: rate, created: now_unix() };
         if let Some(dir) = &self.dir {
-            self.persist(dir, &info, bytes)
+            self.persist(dir, &info, bytes, &prepared)
                 .map_err(|e| VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("keeping the voice: {e:#}")))?;
         }
-        m.insert(id, Entry { info: info.clone(), input: RefInput::new(samples, rate) });
+        m.insert(id, Entry { info: info.clone(), input, key: Some(prepared.key) });
         Ok(info)
     }
 
-    /// The audio first, then the metadata (what a restart looks for), each written whole and
-    /// renamed into place.
-    fn persist(&self, dir: &Path, info: &VoiceInfo, bytes: &[u8]) -> Result<()> {
+    /// The audio and the features first, then the metadata (what a restart looks for), each
+    /// written whole and renamed into place.
+    fn persist(&self, dir: &Path, info: &VoiceInfo, bytes: &[u8], prepared: &PreparedVoice) -> Result<()> {
         let write = |name: String, data: &[u8]| -> Result<()> {
             let tmp = dir.join(format!(".{name}.tmp"));
             std::fs::write(&tmp, data)?;
@@ -230,11 +320,14 @@ impl Voices {
             Ok(())
         };
         write(format!("{}.wav", info.id), bytes)?;
+        voice_features::save(dir, &info.id, prepared, &self.fingerprint)?;
         write(format!("{}.json", info.id), &serde_json::to_vec_pretty(info)?)
     }
 
-    /// Deletes a registered voice (its files too). Sessions that already use it keep their copy.
-    pub fn delete(&self, id: &str) -> Result<(), VoiceError> {
+    /// Deletes a registered voice (its files too); returns the reference key whose features Stage
+    /// 2 may now forget (none while another voice has the same audio). Sessions that already use
+    /// it keep their copy.
+    pub fn delete(&self, id: &str) -> Result<Option<String>, VoiceError> {
         let mut m = self.entries.write().unwrap_or_else(|e| e.into_inner());
         match m.get(id).map(|e| e.info.kind.as_str()) {
             None => return Err(not_found(id)),
@@ -248,7 +341,8 @@ impl Voices {
             Some(_) => {}
         }
         if let Some(dir) = &self.dir {
-            for ext in ["json", "wav"] {
+            // the metadata first: a restart after a partial delete does not find the voice
+            for ext in ["json", "wav", "features.safetensors"] {
                 match std::fs::remove_file(dir.join(format!("{id}.{ext}"))) {
                     Ok(()) => {}
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -256,8 +350,8 @@ impl Voices {
                 }
             }
         }
-        m.remove(id);
-        Ok(())
+        let key = m.remove(id).and_then(|e| e.key);
+        Ok(key.filter(|k| !m.values().any(|e| e.key.as_ref() == Some(k))))
     }
 }
 
@@ -285,7 +379,7 @@ pub async fn register(State(shared): State<Arc<Shared>>, q: Query<RegisterQuery>
         return VoiceError::new(StatusCode::BAD_REQUEST, "bad_field", "query parameter `name` is required").into_response();
     };
     let s = shared.clone();
-    match tokio::task::spawn_blocking(move || s.voices.register(&name, &body)).await {
+    match tokio::task::spawn_blocking(move || s.voices.register(&name, &body, |input| prepare_with(&s.engine, input))).await {
         Ok(Ok(info)) => (StatusCode::CREATED, Json(info)).into_response(),
         Ok(Err(e)) => e.into_response(),
         Err(e) => VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("{e}")).into_response(),
@@ -308,7 +402,15 @@ pub async fn one(State(shared): State<Arc<Shared>>, UrlPath(id): UrlPath<String>
 /// `DELETE /v1/voices/{id}`: 204.
 pub async fn remove(State(shared): State<Arc<Shared>>, UrlPath(id): UrlPath<String>) -> Response {
     let s = shared.clone();
-    match tokio::task::spawn_blocking(move || s.voices.delete(&id)).await {
+    match tokio::task::spawn_blocking(move || {
+        let key = s.voices.delete(&id)?;
+        if let Some(key) = key {
+            s.engine.forget_voice(&key);
+        }
+        Ok::<_, VoiceError>(())
+    })
+    .await
+    {
         Ok(Ok(())) => StatusCode::NO_CONTENT.into_response(),
         Ok(Err(e)) => e.into_response(),
         Err(e) => VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("{e}")).into_response(),
