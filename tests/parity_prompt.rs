@@ -53,7 +53,7 @@ fn parity_prompt_s3_mel_and_codes_exact() {
 fn parity_prompt_campplus_embedding() {
     let io = load_io(FIX);
     let m = antiphon_assets::onnx::read_model(&common::fixture_dir(FIX).join("campplus.onnx")).unwrap();
-    let cam = CamPlusPlus::from_model(&m).unwrap();
+    let cam = CamPlusPlus::from_model(&m).unwrap().on(&common::device()).unwrap();
     let mut fb = v(&io["fbank"]);
     mean_normalize(&mut fb, 80);
     let n = fb.len() / 80;
@@ -69,7 +69,8 @@ fn parity_prompt_features_end_to_end() {
     let meta = load_meta(FIX);
     let dir = common::fixture_dir(FIX);
     let tok = load_tokenizer(&dir.join("speech_tokenizer_v2_25hz.onnx"), DType::F32, &common::device()).unwrap();
-    let cam = CamPlusPlus::from_model(&antiphon_assets::onnx::read_model(&dir.join("campplus.onnx")).unwrap()).unwrap();
+    let cam =
+        CamPlusPlus::from_model(&antiphon_assets::onnx::read_model(&dir.join("campplus.onnx")).unwrap()).unwrap().on(&common::device()).unwrap();
     let f = prompt::prepare_features(&v(&io["audio_16k"]), &v(&io["audio_24k"]), &tok, &cam, &FlowMel::standard(), 2, &common::device()).unwrap();
     assert_eq!(f.codes, ids(&meta["s3_codes"]));
     assert_eq!(f.mel.dims(), &[300, 80], "prompt mel padded to 2 × 150 frames");

@@ -39,7 +39,7 @@ pub fn load_dir(dir: &Path, dtype: DType, device: &Device, seeds: BufferSeeds) -
     };
     // the S3 tokenizer rounds to codes: f32 whatever the flow's dtype
     let s3 = load_tokenizer(&dir.join(TOKENIZER_ONNX), DType::F32, device)?;
-    let campplus = CamPlusPlus::from_model(&crate::onnx::read_model(&dir.join(CAMPPLUS_ONNX))?)?;
+    let campplus = CamPlusPlus::from_model(&crate::onnx::read_model(&dir.join(CAMPPLUS_ONNX))?)?.on(device)?;
     Ok(Code2Wav::new(flow, vocoder, s3, campplus, device))
 }
 

@@ -324,6 +324,7 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
         drop(c2w.prepare(&r)?);
         Ok(())
     })?;
+    prepare_parts(&mut rows, c2w, &r, iters.min(5))?;
     let f = c2w.prepare(&r)?;
     rows.time("code2wav setup (flow over the prompt)", 1, iters.min(5), || {
         drop(c2w.setup(&f)?);
@@ -451,4 +452,43 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
         eprintln!("(code2wav ran {n} chunks meanwhile)");
     }
     Ok(rows.out)
+}
+
+/// The parts of `code2wav prepare`, each alone (the row is their sum).
+fn prepare_parts(rows: &mut Rows<'_>, c2w: &antiphon_models::code2wav::Code2Wav, r: &Reference, iters: usize) -> Result<()> {
+    use antiphon_models::code2wav::prompt::{PROMPT_RATE, TOKENIZER_RATE};
+    use antiphon_models::mel::{kaldi_fbank, mean_normalize, WhisperLogMel};
+    let a16 = antiphon_audio::resample(&r.samples, PROMPT_RATE, TOKENIZER_RATE)?;
+    rows.time("code2wav prepare: resample to 16 kHz (host)", 1, iters, || {
+        drop(antiphon_audio::resample(&r.samples, PROMPT_RATE, TOKENIZER_RATE)?);
+        Ok(())
+    })?;
+    let wm = WhisperLogMel::new(c2w.s3.n_mels());
+    rows.time("code2wav prepare: S3 log-mel (host)", 1, iters, || {
+        drop(wm.compute(&a16));
+        Ok(())
+    })?;
+    let (m, frames) = wm.compute(&a16);
+    let mel128 = Tensor::from_vec(m, (c2w.s3.n_mels(), frames), c2w.device())?;
+    rows.time("code2wav prepare: S3 tokenizer", 1, iters, || {
+        drop(c2w.s3.quantize(&mel128)?);
+        Ok(())
+    })?;
+    rows.time("code2wav prepare: kaldi fbank (host)", 1, iters, || {
+        let (mut fb, _) = kaldi_fbank(&a16, TOKENIZER_RATE as usize, 80);
+        mean_normalize(&mut fb, 80);
+        Ok(())
+    })?;
+    let (mut fb, nf) = kaldi_fbank(&a16, TOKENIZER_RATE as usize, 80);
+    mean_normalize(&mut fb, 80);
+    let fb = Tensor::from_vec(fb, (nf, 80), &Device::Cpu)?;
+    rows.time("code2wav prepare: CAM++", 1, iters, || {
+        drop(c2w.campplus.embed(&fb)?);
+        Ok(())
+    })?;
+    rows.time("code2wav prepare: prompt mel (host)", 1, iters, || {
+        drop(c2w.flow_mel().compute(&r.samples));
+        Ok(())
+    })?;
+    Ok(())
 }

@@ -149,7 +149,7 @@ pub fn code2wav_in_memory(preset: Preset, seed: u64, dtype: DType, dev: &Device)
     let (hift, _) = synthesize(seed ^ 0x41f7, DType::F32, dev, false, |vb| Ok(HiftGenerator::load(vb, &d.hift, Some(&table))?))?;
     // the S3 tokenizer rounds to codes: it runs in f32 whatever the flow's dtype
     let (s3, _) = synthesize(seed ^ 0x53, DType::F32, dev, false, |vb| S3Tokenizer::load(vb, d.s3_state, 128, d.s3_layers))?;
-    let cam = CamPlusPlus::from_model(&build_graph(&d.cam, &mut cam_weight(seed ^ 0xca, DType::F32, &Device::Cpu))?)?;
+    let cam = CamPlusPlus::from_model(&build_graph(&d.cam, &mut cam_weight(seed ^ 0xca, DType::F32, &Device::Cpu))?)?.on(dev)?;
     Ok(Code2Wav::new(flow, Vocoder::Causal(hift), s3, cam, dev))
 }
 

@@ -3,8 +3,10 @@
 //!
 //! The file is an exported graph whose batch norms are partly folded into convolutions and whose
 //! initializers are partly anonymous, so it is not mapped onto module names: the graph itself is
-//! walked and evaluated node by node, on the CPU, as the reference servers run it (onnxruntime on
-//! the CPU). The evaluator covers the operators such exports contain (convolutions, batch norm,
+//! walked and evaluated node by node. Its arithmetic runs on the model's device (`on`: float
+//! initializers there, the input moved there), its shape plumbing (Shape, Gather of dims, integer
+//! constants) on the host, and an operator that meets both moves the host operand over. The
+//! evaluator covers the operators such exports contain (convolutions, batch norm,
 //! pooling, reductions, elementwise arithmetic and the shape plumbing around them); an operator
 //! outside that set is reported by name when the file is opened.
 
@@ -65,6 +67,7 @@ pub struct OnnxGraph {
     inits: HashMap<String, Tensor>,
     input: String,
     output: String,
+    device: Device,
 }
 
 impl OnnxGraph {
@@ -88,13 +91,25 @@ impl OnnxGraph {
         let input =
             g.input.iter().map(|v| v.name.clone()).find(|n| !inits.contains_key(n)).ok_or_else(|| anyhow!("{what}: the graph has no data input"))?;
         let output = g.output.first().map(|v| v.name.clone()).ok_or_else(|| anyhow!("{what}: the graph has no output"))?;
-        Ok(Self { nodes: g.node.clone(), inits, input, output })
+        Ok(Self { nodes: g.node.clone(), inits, input, output, device: Device::Cpu })
     }
 
-    /// Evaluates the graph on one input (f32, CPU).
+    /// The graph with its arithmetic on `dev`: the float initializers moved there (integer ones,
+    /// shape plumbing, stay on the host).
+    pub fn on(mut self, dev: &Device) -> Result<Self> {
+        for t in self.inits.values_mut() {
+            if t.dtype().is_float() {
+                *t = t.to_device(dev)?;
+            }
+        }
+        self.device = dev.clone();
+        Ok(self)
+    }
+
+    /// Evaluates the graph on one input (f32, on the graph's device).
     pub fn run(&self, x: &Tensor) -> Result<Tensor> {
         let mut env: HashMap<&str, Tensor> = HashMap::new();
-        env.insert(self.input.as_str(), x.to_device(&Device::Cpu)?.to_dtype(DType::F32)?);
+        env.insert(self.input.as_str(), x.to_device(&self.device)?.to_dtype(DType::F32)?);
         for n in &self.nodes {
             let get = |i: usize| -> Result<Option<Tensor>> {
                 match n.input.get(i) {
@@ -132,8 +147,22 @@ fn axis(a: i64, rank: usize) -> usize {
     }
 }
 
-/// Same dtype for both operands of a binary op (integers stay integers when both are).
+/// Both operands on one device: a host operand moves to the other's device.
+fn colocate(a: Tensor, b: Tensor) -> Result<(Tensor, Tensor)> {
+    if a.device().same_device(b.device()) {
+        return Ok((a, b));
+    }
+    if a.device().is_cpu() {
+        Ok((a.to_device(b.device())?, b))
+    } else {
+        let b = b.to_device(a.device())?;
+        Ok((a, b))
+    }
+}
+
+/// Same device and dtype for both operands of a binary op (integers stay integers when both are).
 fn unify(a: Tensor, b: Tensor) -> Result<(Tensor, Tensor)> {
+    let (a, b) = colocate(a, b)?;
     if a.dtype() == b.dtype() {
         return Ok((a, b));
     }
@@ -175,7 +204,7 @@ fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>) -> Result<
             let size = data.dim(ax)? as i64;
             let iv: Vec<u32> = ints(&idx)?.iter().map(|&i| if i < 0 { i + size } else { i } as u32).collect();
             let count = iv.len();
-            let sel = data.index_select(&Tensor::from_vec(iv, count, &Device::Cpu)?, ax)?;
+            let sel = data.index_select(&Tensor::from_vec(iv, count, data.device())?, ax)?;
             let mut shape: Vec<usize> = data.dims()[..ax].to_vec();
             shape.extend(idx.dims());
             shape.extend(&data.dims()[ax + 1..]);
@@ -220,6 +249,9 @@ fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>) -> Result<
                 i += 1;
             }
             let ax = axis(n.attr_i("axis", 0), parts[0].rank());
+            if let Some(dev) = parts.iter().map(|p| p.device().clone()).find(|d| !d.is_cpu()) {
+                parts = parts.into_iter().map(|p| p.to_device(&dev)).collect::<candle_core::Result<_>>()?;
+            }
             if parts.iter().any(|p| p.dtype() != parts[0].dtype()) {
                 parts = parts.into_iter().map(|p| p.to_dtype(DType::F32)).collect::<candle_core::Result<_>>()?;
             }
@@ -301,8 +333,8 @@ fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>) -> Result<
             a.broadcast_eq(&b)?
         }
         "Where" => {
-            let c = x()?;
             let (a, b) = unify(y()?, need(get(2), "2")?)?;
+            let c = x()?.to_device(a.device())?;
             let shape = c.shape().broadcast_shape_binary_op(a.shape(), "where")?;
             let shape = shape.broadcast_shape_binary_op(b.shape(), "where")?;
             c.broadcast_as(shape.clone())?.where_cond(&a.broadcast_as(shape.clone())?, &b.broadcast_as(shape)?)?
@@ -324,8 +356,7 @@ fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>) -> Result<
             a.broadcast_div(&b)?
         }
         "Pow" => {
-            let a = x()?.to_dtype(DType::F32)?;
-            let b = y()?.to_dtype(DType::F32)?;
+            let (a, b) = colocate(x()?.to_dtype(DType::F32)?, y()?.to_dtype(DType::F32)?)?;
             a.broadcast_pow(&b)?
         }
         "Max" => {
@@ -339,10 +370,10 @@ fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>) -> Result<
         "Clip" => {
             let mut t = x()?;
             if let Some(lo) = get(1)? {
-                t = t.broadcast_maximum(&lo.to_dtype(t.dtype())?)?;
+                t = t.broadcast_maximum(&lo.to_dtype(t.dtype())?.to_device(t.device())?)?;
             }
             if let Some(hi) = get(2)? {
-                t = t.broadcast_minimum(&hi.to_dtype(t.dtype())?)?;
+                t = t.broadcast_minimum(&hi.to_dtype(t.dtype())?.to_device(t.device())?)?;
             }
             t
         }
@@ -396,7 +427,7 @@ fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>) -> Result<
                         }
                         let mut nd = dims.clone();
                         nd[a] = 1;
-                        Tensor::from_vec(res, nd, &Device::Cpu)?.to_dtype(out.dtype())?
+                        Tensor::from_vec(res, nd, out.device())?.to_dtype(out.dtype())?
                     }
                 };
             }
@@ -419,8 +450,7 @@ fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>) -> Result<
             a.broadcast_matmul(&b)?
         }
         "Gemm" => {
-            let mut a = x()?;
-            let mut b = y()?;
+            let (mut a, mut b) = colocate(x()?, y()?)?;
             if n.attr_i("transA", 0) == 1 {
                 a = a.t()?;
             }
@@ -429,7 +459,7 @@ fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>) -> Result<
             }
             let mut out = (a.matmul(&b)? * n.attr_f("alpha", 1.0) as f64)?;
             if let Some(c) = get(2)? {
-                out = out.broadcast_add(&(c * n.attr_f("beta", 1.0) as f64)?)?;
+                out = out.broadcast_add(&(c.to_device(out.device())? * n.attr_f("beta", 1.0) as f64)?)?;
             }
             out
         }
@@ -439,11 +469,15 @@ fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>) -> Result<
             let eps = n.attr_f("epsilon", 1e-5) as f64;
             let mut shape = vec![1usize; t.rank()];
             shape[1] = t.dim(1)?;
-            let r = |v: Tensor| v.reshape(shape.clone());
+            let r = |v: Tensor| v.to_device(t.device())?.reshape(shape.clone());
             let inv = (r(var)? + eps)?.sqrt()?.recip()?;
             t.broadcast_sub(&r(mean)?)?.broadcast_mul(&inv)?.broadcast_mul(&r(scale)?)?.broadcast_add(&r(bias)?)?
         }
-        "Conv" => conv(n, x()?, y()?, get(2)?)?,
+        "Conv" => {
+            let (x, w) = colocate(x()?, y()?)?;
+            let b = get(2)?.map(|b| b.to_device(w.device())).transpose()?;
+            conv(n, x, w, b)?
+        }
         "AveragePool" => avg_pool(n, x()?)?,
         other => bail!("operator {other}"),
     })
@@ -472,7 +506,8 @@ fn conv(n: &NodeProto, x: Tensor, w: Tensor, b: Option<Tensor>) -> Result<Tensor
                 let rows: Vec<u32> = (0..h).step_by(strides[0] as usize).map(|v| v as u32).collect();
                 let cols: Vec<u32> = (0..wd).step_by(strides[1] as usize).map(|v| v as u32).collect();
                 let (nr, nc) = (rows.len(), cols.len());
-                full.index_select(&Tensor::from_vec(rows, nr, &Device::Cpu)?, 2)?.index_select(&Tensor::from_vec(cols, nc, &Device::Cpu)?, 3)?
+                let dev = full.device();
+                full.index_select(&Tensor::from_vec(rows, nr, dev)?, 2)?.index_select(&Tensor::from_vec(cols, nc, dev)?, 3)?
             } else {
                 x.conv2d(&w, 0, strides[0] as usize, dil[0] as usize, group)?
             }
@@ -525,7 +560,12 @@ impl CamPlusPlus {
         Ok(Self { graph: OnnxGraph::from_model(m, "campplus.onnx")? })
     }
 
-    /// Mean-normalized fbank `[frames, 80]` -> `[192]`.
+    /// The model with its arithmetic on `dev` (see [`OnnxGraph::on`]).
+    pub fn on(self, dev: &Device) -> Result<Self> {
+        Ok(Self { graph: self.graph.on(dev)? })
+    }
+
+    /// Mean-normalized fbank `[frames, 80]` (on any device) -> `[192]` on the model's device.
     pub fn embed(&self, fbank: &Tensor) -> Result<Tensor> {
         let out = self.graph.run(&fbank.unsqueeze(0)?)?;
         Ok(out.flatten_all()?)

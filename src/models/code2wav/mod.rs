@@ -174,6 +174,11 @@ impl Code2Wav {
     }
 
     /// Step 2 of reference preparation (step 1 is [`Reference::materialize`]).
+    /// The prompt mel's analysis (24 kHz).
+    pub fn flow_mel(&self) -> &FlowMel {
+        &self.flow_mel
+    }
+
     pub fn prepare(&self, reference: &Reference) -> Result<PromptFeatures> {
         let a16 = antiphon_audio::resample(&reference.samples, prompt::PROMPT_RATE, prompt::TOKENIZER_RATE)?;
         prompt::prepare_features(&a16, &reference.samples, &self.s3, &self.campplus, &self.flow_mel, self.flow.up_rate(), &self.device)

@@ -82,7 +82,7 @@ pub fn prepare_features(
     if codes.is_empty() {
         bail!("reference audio is too short for speech codes");
     }
-    // speaker: kaldi fbank, mean-normalized, CAM++ (on the CPU)
+    // speaker: kaldi fbank (host), mean-normalized, CAM++ (on its device)
     let (mut fb, nf) = kaldi_fbank(audio_16k, TOKENIZER_RATE as usize, 80);
     mean_normalize(&mut fb, 80);
     let fb = Tensor::from_vec(fb, (nf, 80), &Device::Cpu)?;

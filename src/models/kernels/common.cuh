@@ -13,6 +13,11 @@ template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
+// Snake, the vocoder's activation: x + sin²(αx) / (α + 1e-9)
+__device__ __forceinline__ float snake_of(float v, float al) {
+  const float s = sinf(al * v);
+  return v + s * s / (al + 1e-9f);
+}
 // x rounded to T and back: where the op-by-op path stores an intermediate in T
 template <typename T> __device__ __forceinline__ float rnd(float x) { return to_f(from_f<T>(x)); }
 

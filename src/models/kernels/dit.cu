@@ -191,9 +191,7 @@ __device__ void conv_cols(const T* __restrict__ x, const T* __restrict__ alpha, 
         const int u = t * stride + off;
         float v = 0.f;
         if (u >= 0 && u < t_up) {
-          v = to_f(src[up == 1 ? u : u / up]);
-          const float s = sinf(al * v);
-          v = v + s * s / (al + 1e-9f);
+          v = snake_of(to_f(src[up == 1 ? u : u / up]), al);
         }
         out[t] = from_f<T>(v);
       }

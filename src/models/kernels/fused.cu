@@ -52,8 +52,7 @@ __device__ void snake(const T* __restrict__ x, const T* __restrict__ a, T* __res
   for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x) {
     const float al = to_f(a[(k / t) % c]);
     const float v = to_f(x[k]);
-    const float s = sinf(al * v);
-    out[k] = from_f<T>(v + s * s / (al + 1e-9f));
+    out[k] = from_f<T>(snake_of(v, al));
   }
 }
 
