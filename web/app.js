@@ -107,6 +107,9 @@ function resample(x, from, to) {
   return y;
 }
 
+/** The timestamp (µs) of the last packet given to the decoder before the latest barge-in. */
+let dropThrough = -1;
+
 function play(samples, rate) {
   player.port.postMessage({ type: 'push', samples: resample(samples, rate, audioCtx.sampleRate) });
 }
@@ -115,6 +118,8 @@ function makeDecoder() {
   if (typeof AudioDecoder === 'undefined' || params.get('pcm') === '1') return null;
   const d = new AudioDecoder({
     output: (data) => {
+      // decoded after a barge-in from packets sent before it: not to be heard
+      if (data.timestamp <= dropThrough) return data.close();
       const pcm = new Float32Array(data.numberOfFrames);
       data.copyTo(pcm, { planeIndex: 0, format: 'f32-planar' });
       play(pcm, data.sampleRate);
@@ -241,6 +246,7 @@ function bargeIn() {
   client.send({ type: 'response.cancel', response_id: current.id });
   client.send({ type: 'playback', response_id: current.id, played_ms: heard });
   player.port.postMessage({ type: 'flush' });
+  dropThrough = stats.audioPackets * 20000;
   log(`barge-in: response ${current.id} cancelled after ${heard} ms heard`);
   current = null;
 }

@@ -55,6 +55,7 @@ class Player extends AudioWorkletProcessor {
         this.offset = 0;
         this.depth = 0;
         this.streaming = false;
+        this.report(); // the page sees the empty queue now, not up to 8 quanta later
       }
     };
   }
@@ -86,10 +87,12 @@ class Player extends AudioWorkletProcessor {
       this.dry = false;
     }
     for (let c = 1; c < outputs[0].length; c++) outputs[0][c].set(out);
-    if (++this.ticks % 8 === 0) {
-      this.port.postMessage({ played: this.played, depth: this.depth, stalls: this.stalls, stallMs: (this.stallSamples / sampleRate) * 1000 });
-    }
+    if (++this.ticks % 8 === 0) this.report();
     return true;
+  }
+
+  report() {
+    this.port.postMessage({ played: this.played, depth: this.depth, stalls: this.stalls, stallMs: (this.stallSamples / sampleRate) * 1000 });
   }
 }
 
