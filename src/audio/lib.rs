@@ -7,6 +7,7 @@ use anyhow::{bail, Context, Result};
 use rubato::{FftFixedIn, Resampler};
 
 mod stream;
+pub mod vad;
 pub use stream::StreamResampler;
 
 /// Decodes a WAV file (PCM 8/16/24/32-bit or float) to mono f32 in [-1, 1] and its sample rate.
