@@ -6,6 +6,7 @@ use std::io::Cursor;
 use anyhow::{bail, Context, Result};
 use rubato::{FftFixedIn, Resampler};
 
+pub mod g711;
 mod stream;
 pub mod vad;
 pub use stream::StreamResampler;

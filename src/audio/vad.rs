@@ -45,6 +45,9 @@ struct SendVad(Vad);
 // SAFETY: the `Vad` owns its libfvad instance exclusively (no shared or thread-local state), and it
 // is only ever used through `&mut self`.
 unsafe impl Send for SendVad {}
+// SAFETY: nothing reaches the `Vad` through a shared reference (`TurnDetector` uses it only
+// through `&mut self`), so sharing `&SendVad` between threads shares nothing.
+unsafe impl Sync for SendVad {}
 
 /// Speech edges from a stream of mono samples, pushed in pieces of any size.
 pub struct TurnDetector {

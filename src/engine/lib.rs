@@ -42,6 +42,9 @@ use antiphon_models::decoder::DecodeMode;
 
 pub use antiphon_models::Models;
 
+/// The system prompt of a turn whose session gave no `instructions`.
+pub const DEFAULT_INSTRUCTIONS: &str = "You are a helpful assistant with the above voice style.";
+
 /// Messages to Stage 0.
 pub enum Stage0Msg {
     Admit(RequestSpec),

@@ -5,6 +5,10 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+pub mod openai;
+mod received;
+pub use received::{parse_server, Received};
+
 pub const PROTOCOL_VERSION: u32 = 1;
 pub const FRAME_HEADER: usize = 12;
 pub const KIND_AUDIO: u8 = 1;

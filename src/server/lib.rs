@@ -7,6 +7,7 @@ pub mod audio_edge;
 pub mod auth;
 pub mod config;
 pub mod journal;
+pub mod openai;
 pub mod session;
 pub mod voice_features;
 pub mod voices;
@@ -316,6 +317,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
     let web = tower_http::services::ServeDir::new(&shared.config.server.web_dir);
     Router::new()
         .route("/v1/realtime", get(realtime))
+        .route("/openai/v1/realtime", get(openai::realtime))
         .route(
             "/v1/voices",
             get(voices::list)
@@ -348,30 +350,37 @@ struct RealtimeQuery {
     session_id: Option<String>,
 }
 
-async fn realtime(State(shared): State<Arc<Shared>>, headers: HeaderMap, q: Query<RealtimeQuery>, ws: WebSocketUpgrade) -> Response {
+/// Whether a WebSocket may open: the key (when the server has keys), the origin, not shutting
+/// down, and a free connection permit (`server.max_connections`); the answer to send otherwise.
+pub(crate) fn admit(shared: &Arc<Shared>, headers: &HeaderMap, key: Option<&str>) -> Result<tokio::sync::OwnedSemaphorePermit, (StatusCode, String)> {
     let auth = &shared.config.auth;
-    if !auth.api_keys.is_empty() {
-        let key = auth::presented_key(&headers, None).or_else(|| q.token.clone());
-        if !auth::key_ok(auth, key.as_deref()) {
-            return (StatusCode::UNAUTHORIZED, "missing or wrong API key").into_response();
-        }
+    if !auth.api_keys.is_empty() && !auth::key_ok(auth, key) {
+        return Err((StatusCode::UNAUTHORIZED, "missing or wrong API key".into()));
     }
     if !auth.allowed_origins.is_empty() {
         if let Some(origin) = headers.get(axum::http::header::ORIGIN).and_then(|v| v.to_str().ok()) {
             if !auth.allowed_origins.iter().any(|o| o == origin) {
-                return (StatusCode::FORBIDDEN, "origin not allowed").into_response();
+                return Err((StatusCode::FORBIDDEN, "origin not allowed".into()));
             }
         }
     }
     if shared.is_shutting_down() {
-        return (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response();
+        return Err((StatusCode::SERVICE_UNAVAILABLE, "shutting down".into()));
     }
+    shared.connection_permits.clone().try_acquire_owned().map_err(|_| {
+        let n = shared.config.server.max_connections;
+        (StatusCode::SERVICE_UNAVAILABLE, format!("too many connections (limit {n}); retry later"))
+    })
+}
+
+async fn realtime(State(shared): State<Arc<Shared>>, headers: HeaderMap, q: Query<RealtimeQuery>, ws: WebSocketUpgrade) -> Response {
+    let key = auth::presented_key(&headers, None).or_else(|| q.token.clone());
+    let permit = match admit(&shared, &headers, key.as_deref()) {
+        Ok(p) => p,
+        Err(r) => return r.into_response(),
+    };
     // the transport's limit is the configured one: a bigger frame is refused before it is buffered
     let limit = shared.config.server.max_text_frame.max(shared.config.server.max_binary_frame);
-    let Ok(permit) = shared.connection_permits.clone().try_acquire_owned() else {
-        let n = shared.config.server.max_connections;
-        return (StatusCode::SERVICE_UNAVAILABLE, format!("too many connections (limit {n}); retry later")).into_response();
-    };
     let routed = q.0.session_id;
     ws.max_message_size(limit).max_frame_size(limit).on_upgrade(move |socket| async move {
         let _permit = permit;

@@ -77,7 +77,7 @@ fn prompt_len_fits(prompt: usize, max: usize, context: usize) -> Result<(), ()> 
 fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<(Vec<u32>, Tensor)> {
     let mut audio = Vec::new();
     let mut messages = Vec::new();
-    let instructions = spec.instructions.clone().unwrap_or_else(|| "You are a helpful assistant with the above voice style.".into());
+    let instructions = spec.instructions.clone().unwrap_or_else(|| crate::DEFAULT_INSTRUCTIONS.into());
     if ctx.cfg.thinker_hears_reference {
         let emb = ctx.reference_embeddings(&spec.voice.samples, spec.voice.sample_rate)?;
         messages.push(Message {

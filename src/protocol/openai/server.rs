@@ -1,0 +1,302 @@
+//! The dialect's server events with the GA names and the fields the official SDKs' types and
+//! pipecat's validators require (docs/openai-realtime-research.md §3.3): `event_id` on every
+//! event, objects with their `object` tags.
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+use super::{AudioFormat, MaxTokens, Modality, TurnDetection};
+
+fn format_json(f: AudioFormat) -> Value {
+    match f {
+        AudioFormat::Pcm24k => serde_json::json!({"type": "audio/pcm", "rate": 24000}),
+        AudioFormat::Pcmu => serde_json::json!({"type": "audio/pcmu"}),
+        AudioFormat::Pcma => serde_json::json!({"type": "audio/pcma"}),
+    }
+}
+
+fn modalities_json(m: Modality) -> Vec<&'static str> {
+    match m {
+        Modality::Audio => vec!["audio"],
+        Modality::Text => vec!["text"],
+    }
+}
+
+fn max_tokens_json(m: MaxTokens) -> Value {
+    match m {
+        MaxTokens::Inf => Value::from("inf"),
+        MaxTokens::N(n) => Value::from(n),
+    }
+}
+
+/// The session as the server holds it (what `session.created` / `session.updated` echo).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SessionView {
+    pub id: String,
+    pub model: String,
+    pub instructions: String,
+    pub output_modalities: Modality,
+    pub input_format: AudioFormat,
+    pub output_format: AudioFormat,
+    pub turn_detection: Option<TurnDetection>,
+    pub voice: String,
+    pub max_output_tokens: MaxTokens,
+    pub tools: Vec<Value>,
+    pub tool_choice: String,
+}
+
+impl SessionView {
+    pub fn to_json(&self) -> Value {
+        let td = self.turn_detection.as_ref().map(|t| {
+            let mut v = serde_json::json!({
+                "type": if t.semantic { "semantic_vad" } else { "server_vad" },
+                "create_response": t.create_response,
+                "interrupt_response": t.interrupt_response,
+            });
+            if t.semantic {
+                v["eagerness"] = Value::from(t.eagerness.clone().unwrap_or_else(|| "auto".into()));
+            } else {
+                v["threshold"] = Value::from(t.threshold);
+                v["prefix_padding_ms"] = Value::from(t.prefix_padding_ms);
+                v["silence_duration_ms"] = Value::from(t.silence_duration_ms);
+            }
+            v
+        });
+        serde_json::json!({
+            "type": "realtime",
+            "object": "realtime.session",
+            "id": self.id,
+            "model": self.model,
+            "output_modalities": modalities_json(self.output_modalities),
+            "instructions": self.instructions,
+            "audio": {
+                "input": {"format": format_json(self.input_format), "transcription": null, "noise_reduction": null, "turn_detection": td},
+                "output": {"format": format_json(self.output_format), "voice": self.voice, "speed": 1.0},
+            },
+            "tools": self.tools,
+            "tool_choice": self.tool_choice,
+            "max_output_tokens": max_tokens_json(self.max_output_tokens),
+            "tracing": null,
+        })
+    }
+}
+
+/// A content part in the server's items (`output_audio` / `output_text` / `input_*`).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct PartView {
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub transcript: Option<String>,
+}
+
+impl PartView {
+    pub fn of(kind: &'static str, text: Option<String>, transcript: Option<String>) -> Self {
+        Self { kind, text, transcript }
+    }
+}
+
+/// A conversation item as the server reports it.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ItemView {
+    pub id: String,
+    pub object: &'static str,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub status: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<Vec<PartView>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub call_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub output: Option<String>,
+}
+
+impl ItemView {
+    pub fn message(id: &str, role: &'static str, status: &'static str, content: Vec<PartView>) -> Self {
+        Self {
+            id: id.to_string(),
+            object: "realtime.item",
+            kind: "message",
+            status,
+            role: Some(role),
+            content: Some(content),
+            call_id: None,
+            name: None,
+            arguments: None,
+            output: None,
+        }
+    }
+}
+
+/// What `usage` reports: the reply's text tokens (one per text delta the Thinker emitted) and
+/// speech tokens (the Talker's codes at 25 per second of audio).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct UsageView {
+    pub text_tokens: u64,
+    pub audio_tokens: u64,
+}
+
+/// A response object.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResponseView {
+    pub id: String,
+    pub status: &'static str,
+    /// `(type, reason)` of `status_details`, e.g. `("cancelled", "turn_detected")`.
+    pub status_details: Option<(&'static str, Option<&'static str>, Option<String>)>,
+    pub output: Vec<ItemView>,
+    pub modalities: Modality,
+    pub output_format: AudioFormat,
+    pub voice: String,
+    pub max_output_tokens: MaxTokens,
+    pub metadata: Option<Map<String, Value>>,
+    pub conversation_id: Option<String>,
+    pub usage: Option<UsageView>,
+}
+
+impl ResponseView {
+    pub fn to_json(&self) -> Value {
+        let details = self.status_details.as_ref().map(|(ty, reason, error)| {
+            let mut d = serde_json::json!({"type": ty, "reason": reason});
+            if let Some(e) = error {
+                d["error"] = serde_json::json!({"type": "server_error", "code": "response_failed", "message": e});
+            }
+            d
+        });
+        let usage = self.usage.map(|u| {
+            serde_json::json!({
+                "total_tokens": u.text_tokens + u.audio_tokens,
+                "output_tokens": u.text_tokens + u.audio_tokens,
+                "output_token_details": {"text_tokens": u.text_tokens, "audio_tokens": u.audio_tokens},
+            })
+        });
+        serde_json::json!({
+            "id": self.id,
+            "object": "realtime.response",
+            "status": self.status,
+            "status_details": details,
+            "output": self.output,
+            "output_modalities": modalities_json(self.modalities),
+            "audio": {"output": {"format": format_json(self.output_format), "voice": self.voice}},
+            "conversation_id": self.conversation_id,
+            "max_output_tokens": max_tokens_json(self.max_output_tokens),
+            "metadata": self.metadata,
+            "usage": usage,
+        })
+    }
+}
+
+/// Where a response's content is: the five fields every delta event carries (less `delta`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ContentAt {
+    pub response_id: String,
+    pub item_id: String,
+    pub output_index: u32,
+    pub content_index: u32,
+}
+
+/// A server event of the dialect.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OaiServerEvent {
+    Error { code: &'static str, message: String, param: Option<String>, client_event_id: Option<String>, server_side: bool },
+    SessionCreated(SessionView),
+    SessionUpdated(SessionView),
+    Committed { previous_item_id: Option<String>, item_id: String },
+    Cleared,
+    SpeechStarted { audio_start_ms: u64, item_id: String },
+    SpeechStopped { audio_end_ms: u64, item_id: String },
+    ItemAdded { previous_item_id: Option<String>, item: ItemView },
+    ItemDone { previous_item_id: Option<String>, item: ItemView },
+    ItemTruncated { item_id: String, content_index: u32, audio_end_ms: u64 },
+    ItemDeleted { item_id: String },
+    ItemRetrieved { item: ItemView },
+    ResponseCreated(ResponseView),
+    ResponseDone(ResponseView),
+    OutputItemAdded { response_id: String, output_index: u32, item: ItemView },
+    OutputItemDone { response_id: String, output_index: u32, item: ItemView },
+    ContentPartAdded { at: ContentAt, part: PartView },
+    ContentPartDone { at: ContentAt, part: PartView },
+    AudioDelta { at: ContentAt, delta_b64: String },
+    AudioDone { at: ContentAt },
+    TranscriptDelta { at: ContentAt, delta: String },
+    TranscriptDone { at: ContentAt, transcript: String },
+    TextDelta { at: ContentAt, delta: String },
+    TextDone { at: ContentAt, text: String },
+}
+
+impl OaiServerEvent {
+    /// The event's JSON with its `event_id`.
+    pub fn to_json(&self, event_id: &str) -> String {
+        use OaiServerEvent as E;
+        let at = |ty: &str, at: &ContentAt| {
+            serde_json::json!({
+                "type": ty, "response_id": at.response_id, "item_id": at.item_id,
+                "output_index": at.output_index, "content_index": at.content_index,
+            })
+        };
+        let with = |mut v: Value, k: &str, x: Value| {
+            v[k] = x;
+            v
+        };
+        let mut v = match self {
+            E::Error { code, message, param, client_event_id, server_side } => serde_json::json!({
+                "type": "error",
+                "error": {
+                    "type": if *server_side { "server_error" } else { "invalid_request_error" },
+                    "code": code, "message": message, "param": param, "event_id": client_event_id,
+                },
+            }),
+            E::SessionCreated(s) => serde_json::json!({"type": "session.created", "session": s.to_json()}),
+            E::SessionUpdated(s) => serde_json::json!({"type": "session.updated", "session": s.to_json()}),
+            E::Committed { previous_item_id, item_id } => {
+                serde_json::json!({"type": "input_audio_buffer.committed", "previous_item_id": previous_item_id, "item_id": item_id})
+            }
+            E::Cleared => serde_json::json!({"type": "input_audio_buffer.cleared"}),
+            E::SpeechStarted { audio_start_ms, item_id } => {
+                serde_json::json!({"type": "input_audio_buffer.speech_started", "audio_start_ms": audio_start_ms, "item_id": item_id})
+            }
+            E::SpeechStopped { audio_end_ms, item_id } => {
+                serde_json::json!({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": audio_end_ms, "item_id": item_id})
+            }
+            E::ItemAdded { previous_item_id, item } => {
+                serde_json::json!({"type": "conversation.item.added", "previous_item_id": previous_item_id, "item": item})
+            }
+            E::ItemDone { previous_item_id, item } => {
+                serde_json::json!({"type": "conversation.item.done", "previous_item_id": previous_item_id, "item": item})
+            }
+            E::ItemTruncated { item_id, content_index, audio_end_ms } => serde_json::json!({
+                "type": "conversation.item.truncated", "item_id": item_id, "content_index": content_index, "audio_end_ms": audio_end_ms,
+            }),
+            E::ItemDeleted { item_id } => serde_json::json!({"type": "conversation.item.deleted", "item_id": item_id}),
+            E::ItemRetrieved { item } => serde_json::json!({"type": "conversation.item.retrieved", "item": item}),
+            E::ResponseCreated(r) => serde_json::json!({"type": "response.created", "response": r.to_json()}),
+            E::ResponseDone(r) => serde_json::json!({"type": "response.done", "response": r.to_json()}),
+            E::OutputItemAdded { response_id, output_index, item } => serde_json::json!({
+                "type": "response.output_item.added", "response_id": response_id, "output_index": output_index, "item": item,
+            }),
+            E::OutputItemDone { response_id, output_index, item } => serde_json::json!({
+                "type": "response.output_item.done", "response_id": response_id, "output_index": output_index, "item": item,
+            }),
+            E::ContentPartAdded { at: a, part } => with(at("response.content_part.added", a), "part", serde_json::json!(part)),
+            E::ContentPartDone { at: a, part } => with(at("response.content_part.done", a), "part", serde_json::json!(part)),
+            E::AudioDelta { at: a, delta_b64 } => with(at("response.output_audio.delta", a), "delta", Value::from(delta_b64.as_str())),
+            E::AudioDone { at: a } => at("response.output_audio.done", a),
+            E::TranscriptDelta { at: a, delta } => with(at("response.output_audio_transcript.delta", a), "delta", Value::from(delta.as_str())),
+            E::TranscriptDone { at: a, transcript } => {
+                with(at("response.output_audio_transcript.done", a), "transcript", Value::from(transcript.as_str()))
+            }
+            E::TextDelta { at: a, delta } => with(at("response.output_text.delta", a), "delta", Value::from(delta.as_str())),
+            E::TextDone { at: a, text } => with(at("response.output_text.done", a), "text", Value::from(text.as_str())),
+        };
+        v["event_id"] = Value::from(event_id);
+        v.to_string()
+    }
+}

@@ -1,0 +1,114 @@
+use super::server::{ItemView, OaiServerEvent, PartView, SessionView};
+use super::*;
+
+fn parse(v: serde_json::Value) -> Result<OaiIncoming, (Option<String>, OaiError)> {
+    parse_client(&v.to_string())
+}
+
+#[test]
+fn ga_and_beta_session_updates_mean_the_same() {
+    let ga = parse(serde_json::json!({"type": "session.update", "event_id": "e1", "session": {
+        "type": "realtime", "instructions": "be brief", "output_modalities": ["text"],
+        "audio": {"input": {"format": {"type": "audio/pcmu"}, "turn_detection": null},
+                  "output": {"format": {"type": "audio/pcm", "rate": 24000}, "voice": "marin"}},
+        "max_output_tokens": 200, "tracing": "auto", "tools": []}}))
+    .unwrap();
+    assert_eq!(ga.event_id.as_deref(), Some("e1"));
+    let beta = parse(serde_json::json!({"type": "session.update", "session": {
+        "instructions": "be brief", "modalities": ["text"], "input_audio_format": "g711_ulaw",
+        "output_audio_format": "pcm16", "turn_detection": null, "voice": "marin",
+        "max_response_output_tokens": 200, "tools": []}}))
+    .unwrap();
+    assert_eq!(ga.event, beta.event);
+    let OaiClientEvent::SessionUpdate(p) = ga.event else { panic!("{:?}", ga.event) };
+    assert_eq!(p.output_modalities, Some(Modality::Text));
+    assert_eq!(p.input_format, Some(AudioFormat::Pcmu));
+    assert_eq!(p.turn_detection, Some(None));
+    assert_eq!(p.max_output_tokens, Some(MaxTokens::N(200)));
+}
+
+#[test]
+fn semantic_vad_is_served_and_bad_knobs_are_named() {
+    let e = parse(serde_json::json!({"type": "session.update", "session": {"type": "realtime",
+        "audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "medium"}}}}}))
+    .unwrap();
+    let OaiClientEvent::SessionUpdate(p) = e.event else { panic!() };
+    let t = p.turn_detection.unwrap().unwrap();
+    assert!(t.semantic && t.create_response && t.interrupt_response);
+    for (session, param) in [
+        (serde_json::json!({"turn_detection": {"type": "server_vad", "threshold": 1.5}}), "session.turn_detection.threshold"),
+        (serde_json::json!({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}), "session.audio.input.format"),
+        (serde_json::json!({"type": "transcription"}), "session.type"),
+        (serde_json::json!({"output_modalities": ["video"]}), "session.output_modalities"),
+    ] {
+        let (id, err) = parse(serde_json::json!({"type": "session.update", "event_id": "x", "session": session})).unwrap_err();
+        assert_eq!(id.as_deref(), Some("x"));
+        assert_eq!(err.param.as_deref(), Some(param), "{err:?}");
+    }
+}
+
+#[test]
+fn audio_and_items_decode() {
+    let e = parse(serde_json::json!({"type": "input_audio_buffer.append", "audio": "AAEC"})).unwrap();
+    assert_eq!(e.event, OaiClientEvent::Append(vec![0, 1, 2]));
+    let (_, err) = parse(serde_json::json!({"type": "input_audio_buffer.append", "audio": "not base64!"})).unwrap_err();
+    assert_eq!(err.param.as_deref(), Some("audio"));
+    let (_, err) = parse(serde_json::json!({"type": "input_audio_buffer.append"})).unwrap_err();
+    assert_eq!(err.code, "missing_required_parameter");
+    let e = parse(serde_json::json!({"type": "conversation.item.create", "item": {"id": "abc", "type": "message", "role": "user",
+        "content": [{"type": "input_text", "text": "hi"}]}}))
+    .unwrap();
+    let OaiClientEvent::ItemCreate { item, .. } = e.event else { panic!() };
+    assert_eq!(item, Item::Message { id: Some("abc".into()), role: Role::User, content: vec![Part::InputText("hi".into())] });
+    let e = parse(serde_json::json!({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "c1", "output": "42"}}))
+        .unwrap();
+    assert!(matches!(e.event, OaiClientEvent::ItemCreate { item: Item::FunctionCallOutput { .. }, .. }));
+    let (_, err) =
+        parse(serde_json::json!({"type": "conversation.item.create", "item": {"type": "message", "role": "robot", "content": []}})).unwrap_err();
+    assert_eq!(err.param.as_deref(), Some("item.role"));
+}
+
+#[test]
+fn response_create_overrides_and_unknown_events() {
+    let e = parse(serde_json::json!({"type": "response.create", "response": {"instructions": "shout", "metadata": {"client_event_id": "q"},
+        "conversation": "none", "output_modalities": ["audio"], "input": [{"type": "item_reference", "id": "abc"}]}}))
+    .unwrap();
+    let OaiClientEvent::ResponseCreate(p) = e.event else { panic!() };
+    assert!(p.out_of_band);
+    assert_eq!(p.metadata.unwrap()["client_event_id"], "q");
+    assert_eq!(p.input, Some(vec![Item::Reference { id: "abc".into() }]));
+    assert_eq!(parse(serde_json::json!({"type": "response.create"})).unwrap().event, OaiClientEvent::ResponseCreate(Box::default()));
+    let (_, err) = parse(serde_json::json!({"type": "transcription_session.update"})).unwrap_err();
+    assert_eq!(err.code, "invalid_event");
+    let (id, err) = parse_client("{not json").unwrap_err();
+    assert!(id.is_none() && err.code == "invalid_json");
+}
+
+#[test]
+fn server_events_carry_event_id_and_the_ga_names() {
+    let s = SessionView {
+        id: "sess_1".into(),
+        model: "m".into(),
+        instructions: "i".into(),
+        output_modalities: Modality::Audio,
+        input_format: AudioFormat::Pcm24k,
+        output_format: AudioFormat::Pcm24k,
+        turn_detection: Some(TurnDetection::default()),
+        voice: "alloy".into(),
+        max_output_tokens: MaxTokens::Inf,
+        tools: vec![],
+        tool_choice: "auto".into(),
+    };
+    let v: serde_json::Value = serde_json::from_str(&OaiServerEvent::SessionCreated(s).to_json("event_1")).unwrap();
+    assert_eq!(v["type"], "session.created");
+    assert_eq!(v["event_id"], "event_1");
+    assert_eq!(v["session"]["type"], "realtime");
+    assert_eq!(v["session"]["audio"]["output"]["format"], serde_json::json!({"type": "audio/pcm", "rate": 24000}));
+    assert_eq!(v["session"]["audio"]["input"]["turn_detection"]["type"], "server_vad");
+    assert_eq!(v["session"]["tool_choice"], "auto");
+    let item = ItemView::message("item_1", "assistant", "completed", vec![PartView::of("output_audio", None, Some("hi".into()))]);
+    let v: serde_json::Value = serde_json::from_str(&OaiServerEvent::ItemAdded { previous_item_id: None, item }.to_json("e")).unwrap();
+    assert_eq!(v["type"], "conversation.item.added");
+    assert_eq!(v["item"]["object"], "realtime.item");
+    assert_eq!(v["item"]["content"][0], serde_json::json!({"type": "output_audio", "transcript": "hi"}));
+}

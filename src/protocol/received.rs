@@ -1,0 +1,51 @@
+//! What a client receives, typed: the v1 server events a program that speaks v1 to a session
+//! (the OpenAI dialect's translator) acts on. Fields it does not need are left out.
+
+use serde::Deserialize;
+
+/// A v1 server event as a client reads it.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "type")]
+pub enum Received {
+    #[serde(rename = "session.created")]
+    SessionCreated { seq: u64, session_id: String },
+    #[serde(rename = "response.created")]
+    ResponseCreated { seq: u64, response_id: u32 },
+    #[serde(rename = "response.text.delta")]
+    TextDelta { seq: u64, response_id: u32, text: String },
+    #[serde(rename = "response.done")]
+    ResponseDone { seq: u64, response_id: u32, status: String, audio_ms: u64 },
+    #[serde(rename = "session.closing")]
+    SessionClosing { seq: u64, reason: String },
+    #[serde(rename = "error")]
+    Error {
+        #[serde(default)]
+        seq: Option<u64>,
+        code: String,
+        message: String,
+        fatal: bool,
+    },
+    /// Anything else (acks, pongs, duplex events): no action needed.
+    #[serde(other)]
+    Other,
+}
+
+impl Received {
+    /// The event's session seq, for an ack (`None` for connection-level events).
+    pub fn seq(&self) -> Option<u64> {
+        match self {
+            Received::SessionCreated { seq, .. }
+            | Received::ResponseCreated { seq, .. }
+            | Received::TextDelta { seq, .. }
+            | Received::ResponseDone { seq, .. }
+            | Received::SessionClosing { seq, .. } => Some(*seq),
+            Received::Error { seq, .. } => seq.filter(|s| *s > 0),
+            Received::Other => None,
+        }
+    }
+}
+
+/// Parses a v1 server text frame (`None` if it is not one).
+pub fn parse_server(text: &str) -> Option<Received> {
+    serde_json::from_str(text).ok()
+}

@@ -1,0 +1,157 @@
+//! The dialect's input audio buffer: 24 kHz PCM16 since the last commit, and with turn detection
+//! on, WebRTC's VAD ([`antiphon_audio::vad`]) over everything appended. Times are in ms of all
+//! audio the session was sent (`audio_start_ms` / `audio_end_ms` count from there).
+
+use antiphon_audio::vad::{TurnDetector, VadConfig, VadEvent};
+use antiphon_protocol::openai::TurnDetection;
+
+pub const RATE: u64 = 24_000;
+const PER_MS: u64 = RATE / 1000;
+/// Audio kept before a turn, beyond the prefix padding: the detector reports a start ~90 ms
+/// after it happened.
+const KEEP_MS: u64 = 1000;
+
+/// What turn detection saw in appended audio.
+#[derive(Debug, Clone, PartialEq)]
+pub enum InputEvent {
+    Started {
+        audio_start_ms: u64,
+    },
+    /// A turn ended: its audio (prefix padding included).
+    Stopped {
+        audio_end_ms: u64,
+        audio: Vec<i16>,
+    },
+}
+
+struct Detection {
+    detector: TurnDetector,
+    settings: TurnDetection,
+    /// The stream sample at the detector's time 0.
+    origin: u64,
+    /// The stream sample a turn in progress starts at (prefix padding included).
+    speech: Option<u64>,
+    /// The detector's next stop belongs to a turn already ended (committed, cleared or cut at
+    /// the size limit).
+    skip_stop: bool,
+}
+
+pub struct InputBuffer {
+    samples: Vec<i16>,
+    /// The stream sample of `samples[0]`, and all samples appended so far.
+    base: u64,
+    total: u64,
+    max: usize,
+    detection: Option<Detection>,
+}
+
+impl InputBuffer {
+    /// A buffer holding at most `max_s` seconds.
+    pub fn new(max_s: u64) -> Self {
+        Self { samples: Vec::new(), base: 0, total: 0, max: (max_s * RATE) as usize, detection: None }
+    }
+
+    pub fn turn_detection(&self) -> Option<&TurnDetection> {
+        self.detection.as_ref().map(|d| &d.settings)
+    }
+
+    /// Turns detection on (anew, with these settings) or off.
+    pub fn set_turn_detection(&mut self, t: Option<TurnDetection>) -> anyhow::Result<()> {
+        self.detection = match t {
+            None => None,
+            Some(settings) => {
+                let config = VadConfig { threshold: settings.threshold, silence_duration_ms: settings.silence_duration_ms };
+                Some(Detection { detector: TurnDetector::new(RATE as u32, config)?, settings, origin: self.total, speech: None, skip_stop: false })
+            }
+        };
+        // a manual buffer's audio is not a detected turn's prefix: it starts over
+        self.samples.clear();
+        self.base = self.total;
+        Ok(())
+    }
+
+    /// Appends audio. Without turn detection, audio beyond the limit is refused; with it, a turn
+    /// that reaches the limit ends there.
+    pub fn push(&mut self, x: &[i16]) -> Result<Vec<InputEvent>, String> {
+        if self.detection.is_none() && self.samples.len() + x.len() > self.max {
+            return Err(format!("the input audio buffer holds at most {} s: commit or clear it", self.max as u64 / RATE));
+        }
+        self.samples.extend_from_slice(x);
+        self.total += x.len() as u64;
+        let Some(d) = self.detection.as_mut() else { return Ok(Vec::new()) };
+        let f: Vec<f32> = x.iter().map(|&s| antiphon_audio::i16_to_f32(s)).collect();
+        let mut out = Vec::new();
+        for e in d.detector.push(&f) {
+            match e {
+                VadEvent::SpeechStarted { at_ms } => {
+                    let at = d.origin + at_ms * PER_MS;
+                    let start = at.saturating_sub(d.settings.prefix_padding_ms as u64 * PER_MS).max(self.base);
+                    d.speech = Some(start);
+                    out.push(InputEvent::Started { audio_start_ms: start / PER_MS });
+                }
+                VadEvent::SpeechStopped { .. } if d.skip_stop => d.skip_stop = false,
+                VadEvent::SpeechStopped { at_ms } => {
+                    let end = (d.origin + at_ms * PER_MS).min(self.total);
+                    let start = d.speech.take().unwrap_or(self.base);
+                    out.push(InputEvent::Stopped { audio_end_ms: end / PER_MS, audio: take(&mut self.samples, &mut self.base, start, end) });
+                }
+            }
+        }
+        match d.speech {
+            Some(start) if self.samples.len() > self.max => {
+                // the turn is as long as a turn may be: it ends here
+                d.speech = None;
+                d.skip_stop = true;
+                let end = self.total;
+                out.push(InputEvent::Stopped { audio_end_ms: end / PER_MS, audio: take(&mut self.samples, &mut self.base, start, end) });
+            }
+            Some(_) => {}
+            None => {
+                let keep = ((d.settings.prefix_padding_ms as u64 + KEEP_MS) * PER_MS) as usize;
+                if self.samples.len() > keep {
+                    let cut = self.samples.len() - keep;
+                    self.samples.drain(..cut);
+                    self.base += cut as u64;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// `input_audio_buffer.commit`: the audio of the turn so far (with turn detection: of the
+    /// turn in progress, if any); `None` when there is none.
+    pub fn commit(&mut self) -> Option<Vec<i16>> {
+        let start = match self.detection.as_mut() {
+            None => self.base,
+            Some(d) => {
+                let start = d.speech.take()?;
+                d.skip_stop = true;
+                start
+            }
+        };
+        let end = self.total;
+        let audio = take(&mut self.samples, &mut self.base, start, end);
+        (!audio.is_empty()).then_some(audio)
+    }
+
+    /// `input_audio_buffer.clear`: the buffered audio and any turn in progress are dropped.
+    pub fn clear(&mut self) {
+        self.samples.clear();
+        self.base = self.total;
+        if let Some(d) = self.detection.as_mut() {
+            if d.speech.take().is_some() {
+                d.skip_stop = true;
+            }
+        }
+    }
+}
+
+/// Stream samples `start..end` out of the buffer; everything before `end` is dropped.
+fn take(samples: &mut Vec<i16>, base: &mut u64, start: u64, end: u64) -> Vec<i16> {
+    let s = (start.saturating_sub(*base) as usize).min(samples.len());
+    let e = (end.saturating_sub(*base) as usize).clamp(s, samples.len());
+    let audio = samples[s..e].to_vec();
+    samples.drain(..e);
+    *base += e as u64;
+    audio
+}

@@ -1,0 +1,276 @@
+//! The v1 session's events turned into the dialect's: a v1 response becomes a response with one
+//! assistant message item and one content part (audio with its transcript, or text), its PCM16
+//! frames audio deltas (joined up to 100 ms, converted to the session's output format), its
+//! `response.done` the closing sequence of `*.done` events with usage. Every v1 message is acked,
+//! so the v1 journal stays empty: this dialect has no resume.
+
+use antiphon_audio::g711::{alaw_encode, ulaw_encode, Downsample24kTo8k};
+use antiphon_protocol::openai::server::{ContentAt, ItemView, OaiServerEvent as S, PartView, ResponseView, UsageView};
+use antiphon_protocol::openai::{AudioFormat, MaxTokens, Modality, ResponseParams};
+use antiphon_protocol::{parse_server, AudioFrame, ClientEvent, Received};
+use base64::Engine as _;
+use serde_json::{Map, Value};
+
+use super::translate::{cut_transcript, new_id, ConvItem, Translator};
+
+/// Output audio is sent once this much is gathered (or the v1 queue runs dry).
+const DELTA_SAMPLES: usize = 2400;
+/// Acks go back after this many v1 messages (and at every response's end).
+const ACK_EVERY: u64 = 32;
+
+/// The response in progress.
+pub(super) struct Active {
+    pub id: String,
+    pub item_id: String,
+    /// The v1 response, once v1 has created it.
+    pub v1: Option<u32>,
+    modality: Modality,
+    voice: String,
+    format: AudioFormat,
+    max_tokens: MaxTokens,
+    metadata: Option<Map<String, Value>>,
+    out_of_band: bool,
+    transcript: String,
+    pending_audio: Vec<i16>,
+    narrow: Downsample24kTo8k,
+    pub cancelling: bool,
+    pub cancel_reason: Option<&'static str>,
+    failure: Option<String>,
+    pub truncate_ms: Option<u64>,
+    started: bool,
+}
+
+impl Active {
+    pub(super) fn new(t: &Translator, p: &ResponseParams, voice: String, _event_id: Option<String>) -> Self {
+        Self {
+            id: new_id("resp"),
+            item_id: new_id("item"),
+            v1: None,
+            modality: p.output_modalities.unwrap_or(t.session.output_modalities),
+            voice,
+            format: p.output_format.unwrap_or(t.session.output_format),
+            max_tokens: p.max_output_tokens.unwrap_or(t.session.max_output_tokens),
+            metadata: p.metadata.clone(),
+            out_of_band: p.out_of_band,
+            transcript: String::new(),
+            pending_audio: Vec::new(),
+            narrow: Downsample24kTo8k::default(),
+            cancelling: false,
+            cancel_reason: None,
+            failure: None,
+            truncate_ms: None,
+            started: false,
+        }
+    }
+
+    fn at(&self) -> ContentAt {
+        ContentAt { response_id: self.id.clone(), item_id: self.item_id.clone(), output_index: 0, content_index: 0 }
+    }
+
+    fn part(&self) -> PartView {
+        match self.modality {
+            Modality::Audio => PartView::of("audio", None, Some(self.transcript.clone())),
+            Modality::Text => PartView::of("text", Some(self.transcript.clone()), None),
+        }
+    }
+
+    fn item(&self, status: &'static str) -> ItemView {
+        let content = match (status, self.modality) {
+            ("in_progress", _) => Vec::new(),
+            (_, Modality::Audio) => vec![PartView::of("output_audio", None, Some(self.transcript.clone()))],
+            (_, Modality::Text) => vec![PartView::of("output_text", Some(self.transcript.clone()), None)],
+        };
+        ItemView::message(&self.item_id, "assistant", status, content)
+    }
+
+    fn view(&self, status: &'static str, output: Vec<ItemView>, usage: Option<UsageView>) -> ResponseView {
+        let status_details = match status {
+            "cancelled" => Some(("cancelled", Some(self.cancel_reason.unwrap_or("client_cancelled")), None)),
+            "failed" => Some(("failed", None, Some(self.failure.clone().unwrap_or_else(|| "the response failed".into())))),
+            _ => None,
+        };
+        ResponseView {
+            id: self.id.clone(),
+            status,
+            status_details,
+            output,
+            modalities: self.modality,
+            output_format: self.format,
+            voice: self.voice.clone(),
+            max_output_tokens: self.max_tokens,
+            metadata: self.metadata.clone(),
+            conversation_id: (!self.out_of_band).then(|| "conv_default".to_string()),
+            usage,
+        }
+    }
+}
+
+impl Translator {
+    fn saw(&mut self, seq: Option<u64>) {
+        if let Some(s) = seq {
+            self.seen_seq = self.seen_seq.max(s);
+        }
+    }
+
+    async fn ack(&mut self, now: bool) {
+        if self.seen_seq > self.acked_seq && (now || self.seen_seq - self.acked_seq >= ACK_EVERY) {
+            self.acked_seq = self.seen_seq;
+            self.to_v1_event(ClientEvent::Ack { seq: self.seen_seq }).await;
+        }
+    }
+
+    /// A v1 text frame.
+    pub async fn on_v1_text(&mut self, text: &str) {
+        let Some(r) = parse_server(text) else { return };
+        self.saw(r.seq());
+        self.flush_audio();
+        let mut done = false;
+        match r {
+            Received::SessionCreated { .. } => self.out.event(&S::SessionCreated(self.session.clone())),
+            Received::ResponseCreated { response_id, .. } => {
+                if let Some(a) = self.active.as_mut().filter(|a| a.v1.is_none()) {
+                    a.v1 = Some(response_id);
+                    self.begin();
+                }
+            }
+            Received::TextDelta { response_id, text, .. } => {
+                if let Some(a) = self.active.as_mut().filter(|a| a.v1 == Some(response_id)) {
+                    a.transcript.push_str(&text);
+                    let e = match a.modality {
+                        Modality::Audio => S::TranscriptDelta { at: a.at(), delta: text },
+                        Modality::Text => S::TextDelta { at: a.at(), delta: text },
+                    };
+                    self.out.event(&e);
+                }
+            }
+            Received::ResponseDone { response_id, status, audio_ms, .. } => {
+                if self.active.as_ref().is_some_and(|a| a.v1 == Some(response_id)) {
+                    self.finish(&status, audio_ms).await;
+                }
+                done = true;
+            }
+            Received::SessionClosing { reason, .. } => {
+                self.out.event(&S::Error {
+                    code: "session_closing",
+                    message: format!("the server is closing this session ({reason})"),
+                    param: None,
+                    client_event_id: None,
+                    server_side: true,
+                });
+            }
+            Received::Error { code, message, fatal, .. } => {
+                let unstarted = self.active.as_ref().is_some_and(|a| a.v1.is_none());
+                let ours = self.active.as_ref().and_then(|a| a.v1).is_some_and(|v| message.starts_with(&format!("response {v}")));
+                if (unstarted && !fatal) || ours {
+                    // the response failed: its response.done says why (pipecat hangs up on any `error`)
+                    if let Some(a) = self.active.as_mut() {
+                        a.failure = Some(message);
+                    }
+                    if unstarted {
+                        self.finish("failed", 0).await;
+                    }
+                } else {
+                    self.shared.metrics.errors.with_label_values(&["openai_forwarded"]).inc();
+                    let server_side = code == "internal" || fatal;
+                    let code: &'static str =
+                        antiphon_protocol::ErrorCode::ALL.iter().map(|c| c.as_str()).find(|c| *c == code).unwrap_or("server_error");
+                    self.out.event(&S::Error { code, message, param: None, client_event_id: None, server_side });
+                }
+            }
+            Received::Other => {}
+        }
+        self.ack(done).await;
+    }
+
+    /// A v1 binary frame: the active response's PCM16 audio.
+    pub async fn on_v1_audio(&mut self, bytes: &[u8]) {
+        let Some(f) = AudioFrame::decode(bytes) else { return };
+        self.saw((f.seq != 0).then_some(f.seq as u64));
+        if let Some(a) = self.active.as_mut().filter(|a| a.v1 == Some(f.response_id) && a.modality == Modality::Audio) {
+            a.pending_audio.extend(f.payload.chunks_exact(2).map(|b| i16::from_le_bytes([b[0], b[1]])));
+            if a.pending_audio.len() >= DELTA_SAMPLES {
+                self.flush_audio();
+            }
+        }
+        self.ack(false).await;
+    }
+
+    /// The gathered output audio as one delta, in the response's format.
+    pub fn flush_audio(&mut self) {
+        let Some(a) = self.active.as_mut().filter(|a| !a.pending_audio.is_empty()) else { return };
+        let pcm = std::mem::take(&mut a.pending_audio);
+        let bytes: Vec<u8> = match a.format {
+            AudioFormat::Pcm24k => pcm.iter().flat_map(|s| s.to_le_bytes()).collect(),
+            law => {
+                let f: Vec<f32> = pcm.iter().map(|&s| antiphon_audio::i16_to_f32(s)).collect();
+                let narrow = a.narrow.push(&f);
+                narrow.iter().map(|&s| if law == AudioFormat::Pcmu { ulaw_encode(s) } else { alaw_encode(s) }).collect()
+            }
+        };
+        if bytes.is_empty() {
+            return;
+        }
+        let delta_b64 = base64::engine::general_purpose::STANDARD.encode(&bytes);
+        self.out.event(&S::AudioDelta { at: a.at(), delta_b64 });
+    }
+
+    /// The response's opening events, once v1 has created it.
+    fn begin(&mut self) {
+        let Some(a) = self.active.as_mut() else { return };
+        a.started = true;
+        let item = a.item("in_progress");
+        self.out.event(&S::ResponseCreated(a.view("in_progress", Vec::new(), None)));
+        self.out.event(&S::OutputItemAdded { response_id: a.id.clone(), output_index: 0, item: item.clone() });
+        if !a.out_of_band {
+            let previous_item_id = self.items.last().map(|i| i.view.id.clone());
+            self.out.event(&S::ItemAdded { previous_item_id, item });
+        }
+        self.out.event(&S::ContentPartAdded { at: a.at(), part: a.part() });
+    }
+
+    /// The response's closing events (v1 status `completed`, `cancelled` or `failed`).
+    async fn finish(&mut self, v1_status: &str, audio_ms: u64) {
+        if self.active.as_ref().is_some_and(|a| !a.started) {
+            self.begin();
+        }
+        let Some(a) = self.active.take() else { return };
+        let (status, item_status) = match v1_status {
+            "completed" => ("completed", "completed"),
+            "cancelled" => ("cancelled", "incomplete"),
+            _ => ("failed", "incomplete"),
+        };
+        let at = a.at();
+        match a.modality {
+            Modality::Audio => {
+                self.out.event(&S::AudioDone { at: at.clone() });
+                self.out.event(&S::TranscriptDone { at: at.clone(), transcript: a.transcript.clone() });
+            }
+            Modality::Text => self.out.event(&S::TextDone { at: at.clone(), text: a.transcript.clone() }),
+        }
+        self.out.event(&S::ContentPartDone { at, part: a.part() });
+        let item = a.item(item_status);
+        if !a.out_of_band {
+            let previous_item_id = self.items.last().map(|i| i.view.id.clone());
+            self.out.event(&S::ItemDone { previous_item_id, item: item.clone() });
+        }
+        self.out.event(&S::OutputItemDone { response_id: a.id.clone(), output_index: 0, item: item.clone() });
+        let usage = UsageView {
+            text_tokens: self.shared.engine.count_tokens(&a.transcript).map(|n| n as u64).unwrap_or(0),
+            audio_tokens: audio_ms * 25 / 1000,
+        };
+        self.out.event(&S::ResponseDone(a.view(status, vec![item.clone()], Some(usage))));
+        if !a.out_of_band && status != "failed" {
+            let mut view = item;
+            if let (Some(ms), Some(rid)) = (a.truncate_ms, a.v1) {
+                cut_transcript(&mut view, ms, audio_ms);
+                self.to_v1_event(ClientEvent::Playback { response_id: rid, played_ms: ms.min(audio_ms) }).await;
+            }
+            self.push_item(ConvItem { view, pending: None, v1_response: a.v1, audio_ms });
+        }
+        if let Some((p, event_id)) = self.queued.take() {
+            if let Err(e) = self.start_response(p, event_id.clone()).await {
+                self.error(event_id, e);
+            }
+        }
+    }
+}

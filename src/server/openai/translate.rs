@@ -1,0 +1,502 @@
+//! The translator between one OpenAI Realtime connection and the v1 session behind it: it holds
+//! what the dialect has and v1 has not (the session as the client configured it, the
+//! conversation's items, the input audio buffer and turn detection, the response in progress)
+//! and turns client events into v1 session messages. Its other half, v1 events into the
+//! dialect's response events, is in `respond.rs`.
+
+use std::sync::Arc;
+
+use antiphon_protocol::openai::server::{ItemView, OaiServerEvent as S, PartView, SessionView};
+use antiphon_protocol::openai::{AudioFormat, Item, MaxTokens, Modality, OaiClientEvent, OaiError, Part, ResponseParams, Role, SessionPatch};
+use antiphon_protocol::{ClientEvent, Codec, Generation, InputAudio, SessionUpdate, Voice, KIND_AUDIO};
+use tokio::sync::mpsc::Sender;
+
+use super::input::{InputBuffer, InputEvent};
+use super::respond::Active;
+use super::Out;
+use crate::session::{random_token, SessionMsg};
+use crate::Shared;
+
+/// The most items a conversation keeps (the oldest give way); each holds text only.
+pub const MAX_ITEMS: usize = 1024;
+/// v1 audio messages are sent in pieces of at most this many bytes.
+const AUDIO_PIECE: usize = 32 * 1024;
+
+/// A conversation item and what the translator needs of it.
+pub(super) struct ConvItem {
+    pub view: ItemView,
+    /// A user item not yet answered: its input (text, or 24 kHz audio).
+    pub pending: Option<Pending>,
+    /// An assistant item: the v1 response behind it and its audio length.
+    pub v1_response: Option<u32>,
+    pub audio_ms: u64,
+}
+
+#[derive(Clone)]
+pub(super) enum Pending {
+    Text(String),
+    Audio(Vec<i16>),
+}
+
+pub struct Translator {
+    pub(super) shared: Arc<Shared>,
+    pub(super) v1: Sender<SessionMsg>,
+    pub(super) out: Out,
+    pub(super) session: SessionView,
+    pub(super) temperature: Option<f32>,
+    /// What the v1 session holds now (synchronised lazily, before a response).
+    v1_instructions: Option<String>,
+    v1_voice: String,
+    pub(super) items: Vec<ConvItem>,
+    pub(super) input: InputBuffer,
+    /// The item id a turn in progress will get (sent with `speech_started`).
+    turn_item: Option<String>,
+    pub(super) active: Option<Active>,
+    /// A response asked for while the previous one was still ending.
+    pub(super) queued: Option<(ResponseParams, Option<String>)>,
+    /// Highest v1 seq seen and the last acked.
+    pub(super) seen_seq: u64,
+    pub(super) acked_seq: u64,
+}
+
+pub(super) fn new_id(prefix: &str) -> String {
+    format!("{prefix}_{}", random_token(12))
+}
+
+fn err(code: &'static str, message: impl Into<String>) -> OaiError {
+    OaiError::new(code, message)
+}
+
+/// 24 kHz samples of audio in `format` (G.711 is 8 kHz: interpolated up).
+pub(super) fn decode_input(format: AudioFormat, bytes: &[u8], param: &str) -> Result<Vec<i16>, OaiError> {
+    match format {
+        AudioFormat::Pcm24k => {
+            if !bytes.len().is_multiple_of(2) {
+                return Err(OaiError::param("invalid_value", param, "PCM16 audio of an odd number of bytes"));
+            }
+            Ok(bytes.chunks_exact(2).map(|b| i16::from_le_bytes([b[0], b[1]])).collect())
+        }
+        AudioFormat::Pcmu | AudioFormat::Pcma => {
+            let narrow: Vec<i16> = bytes
+                .iter()
+                .map(|&b| if format == AudioFormat::Pcmu { antiphon_audio::g711::ulaw_decode(b) } else { antiphon_audio::g711::alaw_decode(b) })
+                .collect();
+            Ok(antiphon_audio::g711::upsample_8k_to_24k(&narrow))
+        }
+    }
+}
+
+impl Translator {
+    pub fn new(shared: Arc<Shared>, v1: Sender<SessionMsg>, out: Out, session_id: String, model: String) -> Self {
+        let default_voice = shared.config.voices[0].id.clone();
+        let mut input = InputBuffer::new(shared.config.server.max_input_audio_s);
+        let td = antiphon_protocol::openai::TurnDetection::default();
+        // (the detector is libfvad with fixed settings: it cannot fail to start)
+        let vad_ok = input.set_turn_detection(Some(td.clone())).is_ok();
+        let session = SessionView {
+            id: session_id,
+            model,
+            instructions: antiphon_engine::DEFAULT_INSTRUCTIONS.to_string(),
+            output_modalities: Modality::Audio,
+            input_format: AudioFormat::Pcm24k,
+            output_format: AudioFormat::Pcm24k,
+            turn_detection: vad_ok.then_some(td),
+            voice: default_voice.clone(),
+            max_output_tokens: MaxTokens::Inf,
+            tools: Vec::new(),
+            tool_choice: "auto".into(),
+        };
+        Self {
+            shared,
+            v1,
+            out,
+            session,
+            temperature: None,
+            v1_instructions: Some(antiphon_engine::DEFAULT_INSTRUCTIONS.to_string()),
+            v1_voice: default_voice,
+            items: Vec::new(),
+            input,
+            turn_item: None,
+            active: None,
+            queued: None,
+            seen_seq: 0,
+            acked_seq: 0,
+        }
+    }
+
+    pub(super) async fn to_v1(&self, m: SessionMsg) {
+        // (a session that ended has dropped its inbox; the socket then closes on its own)
+        let _ = self.v1.send(m).await;
+    }
+
+    pub(super) async fn to_v1_event(&self, event: ClientEvent) {
+        self.to_v1(SessionMsg::Event { seq: None, event }).await
+    }
+
+    pub(super) fn error(&self, client_event: Option<String>, e: OaiError) {
+        self.shared.metrics.errors.with_label_values(&[e.code]).inc();
+        self.out.event(&S::Error { code: e.code, message: e.message, param: e.param, client_event_id: client_event, server_side: false });
+    }
+
+    pub async fn on_client(&mut self, event_id: Option<String>, event: OaiClientEvent) {
+        if let Err(e) = self.client(event_id.clone(), event).await {
+            self.error(event_id, e);
+        }
+    }
+
+    async fn client(&mut self, event_id: Option<String>, event: OaiClientEvent) -> Result<(), OaiError> {
+        match event {
+            OaiClientEvent::SessionUpdate(p) => self.update(*p),
+            OaiClientEvent::Append(bytes) => {
+                let x = decode_input(self.session.input_format, &bytes, "audio")?;
+                let events = self.input.push(&x).map_err(|m| err("input_audio_buffer_full", m))?;
+                for e in events {
+                    self.turn_event(e).await;
+                }
+                Ok(())
+            }
+            OaiClientEvent::Commit => {
+                let audio = self.input.commit().ok_or_else(|| err("input_audio_buffer_commit_empty", "the input audio buffer is empty"))?;
+                let id = self.turn_item.take().unwrap_or_else(|| new_id("item"));
+                self.commit_audio(id, audio);
+                Ok(())
+            }
+            OaiClientEvent::Clear => {
+                self.input.clear();
+                self.turn_item = None;
+                self.out.event(&S::Cleared);
+                Ok(())
+            }
+            OaiClientEvent::ItemCreate { item, .. } => self.create_item(item),
+            OaiClientEvent::ItemTruncate { item_id, content_index, audio_end_ms } => self.truncate(&item_id, content_index, audio_end_ms).await,
+            OaiClientEvent::ItemDelete { item_id } => {
+                let i = self.find(&item_id).ok_or_else(|| OaiError::param("item_delete_invalid_item_id", "item_id", format!("no item {item_id}")))?;
+                self.items.remove(i);
+                self.out.event(&S::ItemDeleted { item_id });
+                Ok(())
+            }
+            OaiClientEvent::ItemRetrieve { item_id } => {
+                let i =
+                    self.find(&item_id).ok_or_else(|| OaiError::param("item_retrieve_invalid_item_id", "item_id", format!("no item {item_id}")))?;
+                self.out.event(&S::ItemRetrieved { item: self.items[i].view.clone() });
+                Ok(())
+            }
+            OaiClientEvent::ResponseCreate(p) => {
+                if self.active.is_some() {
+                    return Err(err(
+                        "conversation_already_has_active_response",
+                        "a response is in progress: cancel it or wait for its response.done",
+                    ));
+                }
+                self.start_response(*p, event_id).await
+            }
+            OaiClientEvent::ResponseCancel { response_id } => {
+                let live = self.active.as_ref().is_some_and(|a| !a.cancelling && response_id.as_ref().is_none_or(|r| *r == a.id));
+                if !live {
+                    return Err(err("response_cancel_not_active", "there is no response in progress to cancel"));
+                }
+                self.cancel("client_cancelled").await;
+                Ok(())
+            }
+            OaiClientEvent::OutputAudioClear => {
+                if self.active.as_ref().is_some_and(|a| !a.cancelling) {
+                    self.cancel("client_cancelled").await;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn update(&mut self, p: SessionPatch) -> Result<(), OaiError> {
+        // checked before any part of the update applies
+        if let Some(i) = &p.instructions {
+            self.shared.check_instructions(Some(i)).map_err(|e| OaiError::param("invalid_value", "session.instructions", e.message))?;
+        }
+        if let Some(t) = p.turn_detection {
+            self.input
+                .set_turn_detection(t.clone())
+                .map_err(|e| OaiError::param("invalid_value", "session.audio.input.turn_detection", e.to_string()))?;
+            self.turn_item = None;
+            self.session.turn_detection = t;
+        }
+        let s = &mut self.session;
+        if let Some(i) = p.instructions {
+            s.instructions = i;
+        }
+        if let Some(m) = p.output_modalities {
+            s.output_modalities = m;
+        }
+        if let Some(f) = p.input_format {
+            s.input_format = f;
+        }
+        if let Some(f) = p.output_format {
+            s.output_format = f;
+        }
+        if let Some(v) = p.voice {
+            s.voice = v;
+        }
+        if let Some(m) = p.max_output_tokens {
+            s.max_output_tokens = m;
+        }
+        if let Some(t) = p.tools {
+            s.tools = t;
+        }
+        if let Some(c) = p.tool_choice {
+            s.tool_choice = c.as_str().unwrap_or("auto").chars().take(16).collect();
+        }
+        if p.temperature.is_some() {
+            self.temperature = p.temperature;
+        }
+        self.out.event(&S::SessionUpdated(self.session.clone()));
+        Ok(())
+    }
+
+    /// Turn detection's edges: `speech_started` (barge-in when a response is playing) and
+    /// `speech_stopped` → a committed user item → a response.
+    async fn turn_event(&mut self, e: InputEvent) {
+        let td = self.input.turn_detection().cloned().unwrap_or_default();
+        match e {
+            InputEvent::Started { audio_start_ms } => {
+                let item_id = new_id("item");
+                self.turn_item = Some(item_id.clone());
+                self.out.event(&S::SpeechStarted { audio_start_ms, item_id });
+                if td.interrupt_response && self.active.as_ref().is_some_and(|a| !a.cancelling) {
+                    self.cancel("turn_detected").await;
+                }
+            }
+            InputEvent::Stopped { audio_end_ms, audio } => {
+                let item_id = self.turn_item.take().unwrap_or_else(|| new_id("item"));
+                self.out.event(&S::SpeechStopped { audio_end_ms, item_id: item_id.clone() });
+                if audio.is_empty() {
+                    return;
+                }
+                self.commit_audio(item_id, audio);
+                if td.create_response {
+                    if self.active.is_some() {
+                        self.queued = Some((ResponseParams::default(), None));
+                    } else if let Err(e) = self.start_response(ResponseParams::default(), None).await {
+                        self.error(None, e);
+                    }
+                }
+            }
+        }
+    }
+
+    fn last_id(&self) -> Option<String> {
+        self.items.last().map(|i| i.view.id.clone())
+    }
+
+    pub(super) fn find(&self, id: &str) -> Option<usize> {
+        self.items.iter().position(|i| i.view.id == id)
+    }
+
+    pub(super) fn push_item(&mut self, item: ConvItem) {
+        if self.items.len() >= MAX_ITEMS {
+            self.items.remove(0);
+        }
+        self.items.push(item);
+    }
+
+    fn commit_audio(&mut self, id: String, audio: Vec<i16>) {
+        let previous = self.last_id();
+        self.out.event(&S::Committed { previous_item_id: previous.clone(), item_id: id.clone() });
+        let view = ItemView::message(&id, "user", "completed", vec![PartView::of("input_audio", None, None)]);
+        self.out.event(&S::ItemAdded { previous_item_id: previous.clone(), item: view.clone() });
+        self.out.event(&S::ItemDone { previous_item_id: previous, item: view.clone() });
+        self.push_item(ConvItem { view, pending: Some(Pending::Audio(audio)), v1_response: None, audio_ms: 0 });
+    }
+
+    /// The item as the conversation holds it, and its input if it is a user's.
+    fn item_of(&self, item: Item) -> Result<(ItemView, Option<Pending>), OaiError> {
+        let id = item.id().map(str::to_string).unwrap_or_else(|| new_id("item"));
+        Ok(match item {
+            Item::Message { role, content, .. } => {
+                let mut parts = Vec::new();
+                let (mut text, mut audio) = (String::new(), Vec::new());
+                for p in content {
+                    match p {
+                        Part::InputText(t) => {
+                            text.push_str(&t);
+                            parts.push(PartView::of("input_text", Some(t), None));
+                        }
+                        Part::InputAudio { audio: bytes, transcript } => {
+                            audio.extend(decode_input(self.session.input_format, &bytes, "item.content.audio")?);
+                            parts.push(PartView::of("input_audio", None, transcript));
+                        }
+                        Part::Text(t) => parts.push(PartView::of("output_text", Some(t), None)),
+                        Part::Audio { transcript } => parts.push(PartView::of("output_audio", None, transcript)),
+                    }
+                }
+                let pending = match role {
+                    Role::User if !audio.is_empty() => Some(Pending::Audio(audio)),
+                    Role::User => Some(Pending::Text(text)),
+                    _ => None,
+                };
+                (ItemView::message(&id, role.as_str(), "completed", parts), pending)
+            }
+            Item::FunctionCall { call_id, name, arguments, .. } => {
+                let mut v = ItemView::message(&id, "assistant", "completed", Vec::new());
+                (v.kind, v.role, v.content, v.call_id, v.name, v.arguments) = ("function_call", None, None, call_id, Some(name), Some(arguments));
+                (v, None)
+            }
+            Item::FunctionCallOutput { call_id, output, .. } => {
+                let mut v = ItemView::message(&id, "user", "completed", Vec::new());
+                let text = format!("[the function call {call_id} returned] {output}");
+                (v.kind, v.role, v.content, v.call_id, v.output) = ("function_call_output", None, None, Some(call_id), Some(output));
+                (v, Some(Pending::Text(text)))
+            }
+            Item::Reference { id } => {
+                return Err(OaiError::param("invalid_value", "item.type", format!("item_reference {id}: only in response.input")))
+            }
+        })
+    }
+
+    fn create_item(&mut self, item: Item) -> Result<(), OaiError> {
+        if let Some(id) = item.id() {
+            if self.find(id).is_some() {
+                return Err(OaiError::param("invalid_value", "item.id", format!("the conversation already has an item {id}")));
+            }
+        }
+        let (view, pending) = self.item_of(item)?;
+        let previous = self.last_id();
+        self.out.event(&S::ItemAdded { previous_item_id: previous.clone(), item: view.clone() });
+        self.out.event(&S::ItemDone { previous_item_id: previous, item: view.clone() });
+        self.push_item(ConvItem { view, pending, v1_response: None, audio_ms: 0 });
+        Ok(())
+    }
+
+    async fn truncate(&mut self, item_id: &str, content_index: u32, audio_end_ms: u64) -> Result<(), OaiError> {
+        let bad = |m: String| OaiError::param("invalid_value", "audio_end_ms", m);
+        if let Some(a) = self.active.as_mut().filter(|a| a.item_id == item_id) {
+            // the response is still ending: the cut applies when it is done
+            a.truncate_ms = Some(audio_end_ms);
+        } else {
+            let i = self.find(item_id).ok_or_else(|| OaiError::param("item_truncate_invalid_item_id", "item_id", format!("no item {item_id}")))?;
+            let it = &mut self.items[i];
+            let Some(rid) = it.v1_response else {
+                return Err(OaiError::param("invalid_value", "item_id", format!("item {item_id} is not an assistant's audio")));
+            };
+            if audio_end_ms > it.audio_ms {
+                return Err(bad(format!("audio_end_ms {audio_end_ms} is beyond the item's {} ms of audio", it.audio_ms)));
+            }
+            cut_transcript(&mut it.view, audio_end_ms, it.audio_ms);
+            self.to_v1_event(ClientEvent::Playback { response_id: rid, played_ms: audio_end_ms }).await;
+        }
+        self.out.event(&S::ItemTruncated { item_id: item_id.to_string(), content_index, audio_end_ms });
+        Ok(())
+    }
+
+    /// Starts a response: the new user items (or `response.input`) go to v1 as its input, after
+    /// the v1 session's instructions and voice are brought to what this response uses.
+    pub(super) async fn start_response(&mut self, p: ResponseParams, event_id: Option<String>) -> Result<(), OaiError> {
+        let inputs: Vec<Pending> = match &p.input {
+            Some(items) => {
+                let mut v = Vec::new();
+                for it in items {
+                    match it {
+                        Item::Reference { id } => {
+                            let i = self.find(id).ok_or_else(|| OaiError::param("invalid_value", "response.input", format!("no item {id}")))?;
+                            v.extend(self.items[i].pending.clone());
+                        }
+                        it => v.extend(self.item_of(it.clone())?.1),
+                    }
+                }
+                v
+            }
+            None => self.items.iter_mut().filter_map(|i| i.pending.take()).collect(),
+        };
+        if let Some(i) = &p.instructions {
+            self.shared.check_instructions(Some(i)).map_err(|e| OaiError::param("invalid_value", "response.instructions", e.message))?;
+        }
+        let mut instructions = p.instructions.clone().unwrap_or_else(|| self.session.instructions.clone());
+        for it in self.items.iter().filter(|i| i.view.role == Some("system")) {
+            for part in it.view.content.iter().flatten() {
+                instructions.push('\n');
+                instructions.push_str(part.text.as_deref().unwrap_or(""));
+            }
+        }
+        if self.v1_instructions.as_deref() != Some(instructions.as_str()) {
+            self.to_v1_event(ClientEvent::SessionUpdate(Box::new(SessionUpdate { instructions: Some(instructions.clone()), ..update() }))).await;
+            self.v1_instructions = Some(instructions);
+        }
+        let voice_name = p.voice.clone().unwrap_or_else(|| self.session.voice.clone());
+        // a voice this server has (configured or registered) by its id; OpenAI's names ("alloy",
+        // "marin", ...) are spoken in the default voice
+        let v1_voice = if self.shared.voices.get(&voice_name).is_some() { voice_name.clone() } else { self.shared.config.voices[0].id.clone() };
+        if v1_voice != self.v1_voice {
+            self.to_v1_event(ClientEvent::SessionUpdate(Box::new(SessionUpdate {
+                voice: Some(Voice::Configured { id: v1_voice.clone() }),
+                ..update()
+            })))
+            .await;
+            self.v1_voice = v1_voice;
+        }
+        let limits = self.shared.engine.generation_limits();
+        let max = p.max_output_tokens.unwrap_or(self.session.max_output_tokens);
+        let generation = Generation {
+            max_text_tokens: match max {
+                MaxTokens::N(n) => Some((n as usize).min(limits.max_text_tokens)),
+                MaxTokens::Inf => None,
+            },
+            temperature: p.temperature.or(self.temperature),
+            ..Generation::default()
+        };
+        let audio: Vec<i16> = inputs.iter().flat_map(|i| if let Pending::Audio(a) = i { a.clone() } else { Vec::new() }).collect();
+        let text: Vec<String> = inputs.iter().filter_map(|i| if let Pending::Text(t) = i { Some(t.clone()) } else { None }).collect();
+        let max_audio = self.shared.config.server.max_input_audio_s as usize * super::input::RATE as usize;
+        if audio.len() > max_audio {
+            return Err(err("input_audio_buffer_full", format!("the new user audio is over the {} s a turn may hold", max_audio / 24_000)));
+        }
+        self.active = Some(Active::new(self, &p, voice_name, event_id));
+        if audio.is_empty() {
+            self.to_v1_event(ClientEvent::InputText { text: text.join("\n"), generation: Some(generation) }).await;
+        } else {
+            let bytes: Vec<u8> = audio.iter().flat_map(|s| s.to_le_bytes()).collect();
+            for piece in bytes.chunks(AUDIO_PIECE) {
+                self.to_v1(SessionMsg::Audio { seq: None, kind: KIND_AUDIO, payload: piece.to_vec() }).await;
+            }
+            self.to_v1_event(ClientEvent::InputCommit { generation: Some(generation) }).await;
+        }
+        Ok(())
+    }
+
+    pub(super) async fn cancel(&mut self, reason: &'static str) {
+        let Some(a) = self.active.as_mut() else { return };
+        a.cancelling = true;
+        a.cancel_reason = Some(reason);
+        let response_id = a.v1;
+        self.to_v1_event(ClientEvent::ResponseCancel { response_id }).await;
+    }
+}
+
+/// An empty v1 session.update (the input is fixed: PCM16 at 24 kHz).
+fn update() -> SessionUpdate {
+    SessionUpdate { input_audio: None, output_audio: None, voice: None, instructions: None, generation: None, duplex: None }
+}
+
+/// The v1 session this dialect runs on: turns, PCM16 at 24 kHz both ways.
+pub(super) fn v1_create(instructions: &str) -> antiphon_protocol::SessionCreate {
+    antiphon_protocol::SessionCreate {
+        mode: antiphon_protocol::Mode::Turn,
+        input_audio: InputAudio { codec: Codec::Pcm16, sample_rate: 24_000 },
+        output_audio: antiphon_protocol::OutputAudio { codec: Codec::Pcm16, frame_ms: Some(20) },
+        voice: None,
+        instructions: Some(instructions.to_string()),
+        generation: None,
+        duplex: None,
+    }
+}
+
+/// The transcript of an assistant item cut to what `played_ms` of `audio_ms` carried.
+pub(super) fn cut_transcript(view: &mut ItemView, played_ms: u64, audio_ms: u64) {
+    if audio_ms == 0 || played_ms >= audio_ms {
+        return;
+    }
+    for part in view.content.iter_mut().flatten() {
+        for t in [&mut part.transcript, &mut part.text].into_iter().flatten() {
+            let chars: Vec<char> = t.chars().collect();
+            let keep = (chars.len() as u64 * played_ms / audio_ms) as usize;
+            *t = chars[..keep].iter().collect();
+        }
+    }
+}
