@@ -198,3 +198,55 @@ async fn keys_by_header_subprotocol_or_query_and_the_session_ends_with_its_socke
     assert_eq!(s.shared.sessions.parked(), 0);
     s.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_client_keeps_on_the_server_is_bounded() {
+    let s = server(|c| {
+        quick(c);
+        c.server.max_input_audio_s = 2;
+    })
+    .await;
+    let mut c = connect(&s).await;
+    let text_item = |id: String, text: String| json!({"type": "conversation.item.create", "item": {"id": id, "type": "message", "role": "system", "content": [{"type": "input_text", "text": text}]}});
+    // more items than the list keeps: the oldest give way
+    for i in 0..1030 {
+        c.send(text_item(format!("i{i}"), "x".into())).await;
+        assert_eq!(event(&mut c).await["type"], "conversation.item.added");
+        assert_eq!(event(&mut c).await["type"], "conversation.item.done");
+    }
+    c.send(json!({"type": "conversation.item.retrieve", "item_id": "i0"})).await;
+    assert_eq!(error(&mut c).await["code"], "item_retrieve_invalid_item_id", "the oldest item is gone");
+    c.send(json!({"type": "conversation.item.retrieve", "item_id": "i1029"})).await;
+    assert_eq!(event(&mut c).await["type"], "conversation.item.retrieved");
+    // more text than the list keeps: 6 items of 200 KB hold over 1 MiB
+    for i in 0..6 {
+        c.send(text_item(format!("big{i}"), "y".repeat(200_000))).await;
+        event(&mut c).await;
+        event(&mut c).await;
+    }
+    c.send(json!({"type": "conversation.item.retrieve", "item_id": "big0"})).await;
+    assert_eq!(error(&mut c).await["code"], "item_retrieve_invalid_item_id", "the oldest text gave way");
+    c.send(json!({"type": "conversation.item.retrieve", "item_id": "big5"})).await;
+    assert_eq!(event(&mut c).await["type"], "conversation.item.retrieved");
+    // user audio waiting for a response: at most what a turn holds (2 s here)
+    let second = base64::engine::general_purpose::STANDARD.encode(vec![0u8; 48_000]);
+    let audio_item = json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+        "content": [{"type": "input_audio", "audio": second}]}});
+    c.send(audio_item.clone()).await;
+    c.send(audio_item.clone()).await;
+    for _ in 0..4 {
+        assert!(event(&mut c).await["type"].as_str().unwrap().starts_with("conversation.item."));
+    }
+    c.send(audio_item).await;
+    assert_eq!(error(&mut c).await["code"], "input_audio_buffer_full");
+    // and the input buffer without turn detection
+    c.send(json!({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": null}}}})).await;
+    assert_eq!(event(&mut c).await["type"], "session.updated");
+    for _ in 0..2 {
+        c.send(json!({"type": "input_audio_buffer.append", "audio": second})).await;
+    }
+    c.send(json!({"type": "input_audio_buffer.append", "audio": second, "event_id": "third"})).await;
+    let e = error(&mut c).await;
+    assert_eq!((e["code"].as_str(), e["event_id"].as_str()), (Some("input_audio_buffer_full"), Some("third")));
+    s.shutdown().await.unwrap();
+}

@@ -31,11 +31,11 @@ from pipecat.frames.frames import (
     TTSStoppedFrame,
 )
 from pipecat.pipeline.pipeline import Pipeline
-from pipecat.pipeline.runner import PipelineRunner
 from pipecat.pipeline.worker import PipelineWorker
 from pipecat.processors.aggregators.llm_context import LLMContext
 from pipecat.processors.frame_processor import FrameProcessor
 from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService
+from pipecat.workers.runner import WorkerRunner
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
@@ -99,8 +99,9 @@ async def main(url):
     llm = OpenAIRealtimeLLMService(api_key=os.environ.get("ANTIPHON_KEY", "sk-antiphon-test"), base_url=url)
     collector = Collector()
     worker = PipelineWorker(Pipeline([llm, collector]), idle_timeout_secs=None, enable_rtvi=False)
-    runner = PipelineRunner(handle_sigint=False)
-    run = asyncio.create_task(runner.run(worker))
+    runner = WorkerRunner(handle_sigint=False)
+    await runner.add_workers(worker)
+    run = asyncio.create_task(runner.run())
 
     # 1. a text turn
     await worker.queue_frame(LLMContextFrame(LLMContext(messages=[{"role": "user", "content": "Hello, how are you?"}])))

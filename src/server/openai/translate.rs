@@ -17,8 +17,10 @@ use super::Out;
 use crate::session::{random_token, SessionMsg};
 use crate::Shared;
 
-/// The most items a conversation keeps (the oldest give way); each holds text only.
+/// The most items a conversation keeps, and the most text they hold together (the oldest give
+/// way); an answered item keeps its text only.
 pub const MAX_ITEMS: usize = 1024;
+pub const MAX_ITEM_TEXT: usize = 1 << 20;
 /// v1 audio messages are sent in pieces of at most this many bytes.
 const AUDIO_PIECE: usize = 32 * 1024;
 
@@ -30,6 +32,19 @@ pub(super) struct ConvItem {
     /// An assistant item: the v1 response behind it and its audio length.
     pub v1_response: Option<u32>,
     pub audio_ms: u64,
+}
+
+impl ConvItem {
+    fn text_bytes(&self) -> usize {
+        let v = &self.view;
+        let parts: usize =
+            v.content.iter().flatten().map(|p| p.text.as_ref().map_or(0, String::len) + p.transcript.as_ref().map_or(0, String::len)).sum();
+        let pending = match &self.pending {
+            Some(Pending::Text(t)) => t.len(),
+            _ => 0,
+        };
+        parts + pending + [&v.arguments, &v.output, &v.name, &v.call_id].iter().map(|s| s.as_ref().map_or(0, String::len)).sum::<usize>()
+    }
 }
 
 #[derive(Clone)]
@@ -291,13 +306,34 @@ impl Translator {
     }
 
     pub(super) fn push_item(&mut self, item: ConvItem) {
-        if self.items.len() >= MAX_ITEMS {
-            self.items.remove(0);
-        }
         self.items.push(item);
+        let mut text: usize = self.items.iter().map(ConvItem::text_bytes).sum();
+        while self.items.len() > 1 && (self.items.len() > MAX_ITEMS || text > MAX_ITEM_TEXT) {
+            text -= self.items.remove(0).text_bytes();
+        }
+    }
+
+    /// User audio waiting for a response, in samples.
+    fn pending_audio(&self) -> usize {
+        self.items.iter().map(|i| if let Some(Pending::Audio(a)) = &i.pending { a.len() } else { 0 }).sum()
+    }
+
+    /// Refuses `more` samples of user audio beyond what a turn may hold.
+    fn check_pending_audio(&self, more: usize) -> Result<(), OaiError> {
+        let max = self.shared.config.server.max_input_audio_s as usize * super::input::RATE as usize;
+        if self.pending_audio() + more > max {
+            return Err(err(
+                "input_audio_buffer_full",
+                format!("the user audio waiting for a response would be over the {} s a turn may hold", max / 24_000),
+            ));
+        }
+        Ok(())
     }
 
     fn commit_audio(&mut self, id: String, audio: Vec<i16>) {
+        if let Err(e) = self.check_pending_audio(audio.len()) {
+            return self.error(None, e);
+        }
         let previous = self.last_id();
         self.out.event(&S::Committed { previous_item_id: previous.clone(), item_id: id.clone() });
         let view = ItemView::message(&id, "user", "completed", vec![PartView::of("input_audio", None, None)]);
@@ -358,6 +394,9 @@ impl Translator {
             }
         }
         let (view, pending) = self.item_of(item)?;
+        if let Some(Pending::Audio(a)) = &pending {
+            self.check_pending_audio(a.len())?;
+        }
         let previous = self.last_id();
         self.out.event(&S::ItemAdded { previous_item_id: previous.clone(), item: view.clone() });
         self.out.event(&S::ItemDone { previous_item_id: previous, item: view.clone() });
@@ -403,7 +442,7 @@ impl Translator {
                 }
                 v
             }
-            None => self.items.iter_mut().filter_map(|i| i.pending.take()).collect(),
+            None => self.items.iter().filter_map(|i| i.pending.clone()).collect(),
         };
         if let Some(i) = &p.instructions {
             self.shared.check_instructions(Some(i)).map_err(|e| OaiError::param("invalid_value", "response.instructions", e.message))?;
@@ -446,6 +485,12 @@ impl Translator {
         let max_audio = self.shared.config.server.max_input_audio_s as usize * super::input::RATE as usize;
         if audio.len() > max_audio {
             return Err(err("input_audio_buffer_full", format!("the new user audio is over the {} s a turn may hold", max_audio / 24_000)));
+        }
+        // checked: the new user items are answered now
+        if p.input.is_none() {
+            for i in &mut self.items {
+                i.pending = None;
+            }
         }
         self.active = Some(Active::new(self, &p, voice_name, event_id));
         if audio.is_empty() {
