@@ -243,11 +243,15 @@ impl Voices {
 
     /// Registers `bytes` (a WAV file) as voice `name`, prepared by `prepare` (see
     /// [`prepare_with`]); every limit is checked and the voice prepared before anything is kept.
+    /// A voice prepared but then not kept (the registry filled meanwhile, or its files could not
+    /// be written) leaves nothing: its files are removed and `forget` gets its reference key
+    /// (unless another voice has the same audio), for Stage 2 to drop its features.
     pub fn register(
         &self,
         name: &str,
         bytes: &[u8],
         prepare: impl FnOnce(RefInput) -> Result<PreparedVoice, VoiceError>,
+        forget: impl FnOnce(&str),
     ) -> Result<VoiceInfo, VoiceError> {
         let bad = |code, m: String| VoiceError::new(StatusCode::BAD_REQUEST, code, m);
         let name = name.trim();
@@ -292,7 +296,27 @@ impl Voices {
         let input = RefInput::new(samples, rate);
         let prepared = prepare(input.clone())?;
         let mut m = self.entries.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(e) = full(&m) {
+        let kept = self.keep(&mut m, name, bytes, input, seconds, rate, &prepared, full);
+        if kept.is_err() && !m.values().any(|e| e.key.as_ref() == Some(&prepared.key)) {
+            drop(m);
+            forget(&prepared.key);
+        }
+        kept
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn keep(
+        &self,
+        m: &mut HashMap<String, Entry>,
+        name: &str,
+        bytes: &[u8],
+        input: RefInput,
+        seconds: f64,
+        rate: u32,
+        prepared: &PreparedVoice,
+        full: impl Fn(&HashMap<String, Entry>) -> Option<VoiceError>,
+    ) -> Result<VoiceInfo, VoiceError> {
+        if let Some(e) = full(m) {
             return Err(e);
         }
         let id = loop {
@@ -303,10 +327,15 @@ impl Voices {
         };
         let info = VoiceInfo { id: id.clone(), name: name.to_string(), kind: "registered".into(), seconds, sample_rate: rate, created: now_unix() };
         if let Some(dir) = &self.dir {
-            self.persist(dir, &info, bytes, &prepared)
-                .map_err(|e| VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("keeping the voice: {e:#}")))?;
+            if let Err(e) = self.persist(dir, &info, bytes, prepared) {
+                // a voice half written is no voice: what was written goes
+                if let Err(r) = remove_files(dir, &info.id) {
+                    tracing::warn!("voice {}: its partly written files could not all be removed: {r}", info.id);
+                }
+                return Err(VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("keeping the voice: {e:#}")));
+            }
         }
-        m.insert(id, Entry { info: info.clone(), input, key: Some(prepared.key) });
+        m.insert(id, Entry { info: info.clone(), input, key: Some(prepared.key.clone()) });
         Ok(info)
     }
 
@@ -341,18 +370,26 @@ impl Voices {
             Some(_) => {}
         }
         if let Some(dir) = &self.dir {
-            // the metadata first: a restart after a partial delete does not find the voice
-            for ext in ["json", "wav", "features.safetensors"] {
-                match std::fs::remove_file(dir.join(format!("{id}.{ext}"))) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("deleting the voice: {e}"))),
-                }
-            }
+            remove_files(dir, id).map_err(|e| VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("deleting the voice: {e}")))?;
         }
         let key = m.remove(id).and_then(|e| e.key);
         Ok(key.filter(|k| !m.values().any(|e| e.key.as_ref() == Some(k))))
     }
+}
+
+/// A registered voice's files, the metadata first (a restart after a partial removal does not
+/// find the voice), then its audio, its features and any temporary file of a write.
+fn remove_files(dir: &Path, id: &str) -> std::io::Result<()> {
+    let names =
+        [format!("{id}.json"), format!("{id}.wav"), format!("{id}.features.safetensors"), format!(".{id}.json.tmp"), format!(".{id}.wav.tmp")];
+    for name in names {
+        match std::fs::remove_file(dir.join(name)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 fn not_found(id: &str) -> VoiceError {
@@ -379,7 +416,11 @@ pub async fn register(State(shared): State<Arc<Shared>>, q: Query<RegisterQuery>
         return VoiceError::new(StatusCode::BAD_REQUEST, "bad_field", "query parameter `name` is required").into_response();
     };
     let s = shared.clone();
-    match tokio::task::spawn_blocking(move || s.voices.register(&name, &body, |input| prepare_with(&s.engine, input))).await {
+    match tokio::task::spawn_blocking(move || {
+        s.voices.register(&name, &body, |input| prepare_with(&s.engine, input), |key| s.engine.forget_voice(key))
+    })
+    .await
+    {
         Ok(Ok(info)) => (StatusCode::CREATED, Json(info)).into_response(),
         Ok(Err(e)) => e.into_response(),
         Err(e) => VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("{e}")).into_response(),
@@ -414,5 +455,50 @@ pub async fn remove(State(shared): State<Arc<Shared>>, UrlPath(id): UrlPath<Stri
         Ok(Ok(())) => StatusCode::NO_CONTENT.into_response(),
         Ok(Err(e)) => e.into_response(),
         Err(e) => VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("{e}")).into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn registry(dir: &Path) -> Voices {
+        let configs = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs"));
+        let mut cfg = Config::parse(crate::config::DEFAULT_TOML, configs).unwrap();
+        cfg.server.voice_dir = dir.to_path_buf();
+        Voices::load(&cfg).unwrap()
+    }
+
+    fn wav() -> Vec<u8> {
+        let x: Vec<f32> = (0..16_000).map(|i| (i as f32 * 0.05).sin() * 0.3).collect();
+        antiphon_audio::encode_wav_pcm16(&x, 16_000).unwrap()
+    }
+
+    fn prepared(key: &str, speaker: f32) -> PreparedVoice {
+        PreparedVoice { key: key.into(), codes: vec![1, 2, 3], speaker: vec![speaker; 4], mel: vec![0.0; 8], mel_bins: 2 }
+    }
+
+    #[test]
+    fn a_voice_that_cannot_be_kept_leaves_no_file_and_no_features() {
+        let dir = tempfile::tempdir().unwrap();
+        let v = registry(dir.path());
+        let files = || std::fs::read_dir(dir.path()).unwrap().count();
+        let mut forgotten = Vec::new();
+        // its audio is written first; its features (not finite) then cannot be
+        let e = v.register("x", &wav(), |_| Ok(prepared("k1", f32::NAN)), |k| forgotten.push(k.to_string())).unwrap_err();
+        assert_eq!((e.status, e.code), (StatusCode::INTERNAL_SERVER_ERROR, "internal"), "{}", e.message);
+        assert_eq!(files(), 0, "the audio written before the failure is gone");
+        assert_eq!(forgotten, ["k1"], "Stage 2 is told to drop the features");
+        assert!(v.list().iter().all(|i| i.kind != "registered"));
+        // one that can be kept: its three files, nothing forgotten
+        let info = v.register("y", &wav(), |_| Ok(prepared("k2", 0.5)), |k| forgotten.push(k.to_string())).unwrap();
+        assert_eq!(files(), 3);
+        assert_eq!(forgotten, ["k1"]);
+        // a failure for audio another voice also has: its features stay (that voice uses them)
+        let e = v.register("z", &wav(), |_| Ok(prepared("k2", f32::NAN)), |k| forgotten.push(k.to_string()));
+        assert!(e.is_err());
+        assert_eq!(forgotten, ["k1"]);
+        assert_eq!(files(), 3);
+        assert!(v.info(&info.id).is_some());
     }
 }
