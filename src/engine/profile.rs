@@ -113,6 +113,16 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
         Ok(())
     })?;
     {
+        // what a new voice costs the Thinker before its prefill: the reference heard (the first
+        // 6 s at 16 kHz through the audio encoder and its projection)
+        let r16 = antiphon_audio::resample(reference.0, reference.1, 16_000)?;
+        let clip = &r16[..r16.len().min(6 * 16_000)];
+        rows.time("thinker encode the reference (6 s)", 1, iters, || {
+            std::hint::black_box(m.thinker.encode_clip(clip)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+            Ok(())
+        })?;
+    }
+    {
         // a prompt-prefix cache hit as the server serves it: the cached system turn's KV copied,
         // the user turn prefilled, the last row's logits to the host
         let mut prefix = llm.new_cache();
@@ -191,6 +201,15 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
                 }
                 Ok(())
             })?;
+            if b == 1 {
+                // a lone stream's whole prompt in its slot, as the server prefills a new voice's
+                rows.time("thinker prefill 200 tokens in a slot (a lone prompt, server path)", 1, iters, || {
+                    caches[0].truncate(0);
+                    let h = g.forward(&mut [StreamStep { cache: &mut caches[0], embeds: llm.embed(&prompt)? }])?;
+                    std::hint::black_box(h[0].narrow(0, 199, 1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+                    Ok(())
+                })?;
+            }
             // a prefill step as the server runs it: b prompt chunks of 30 positions, each after a
             // 170-position prefix, in slots (one ragged batch) or in caches of their own (op by
             // op, attention stream by stream)
