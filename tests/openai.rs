@@ -250,3 +250,27 @@ async fn what_a_client_keeps_on_the_server_is_bounded() {
     assert_eq!((e["code"].as_str(), e["event_id"].as_str()), (Some("input_audio_buffer_full"), Some("third")));
     s.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_streaming_silence_is_active_and_an_idle_one_is_closed() {
+    let s = server(|c| {
+        quick(c);
+        c.server.idle_timeout_s = 2;
+    })
+    .await;
+    let mut c = connect(&s).await;
+    // 4 s of silence in 100 ms appends, 100 ms apart: turn detection holds it all (no turn), yet
+    // the session stays: the client is active
+    let silence = base64::engine::general_purpose::STANDARD.encode(vec![0u8; 4800]);
+    for _ in 0..40 {
+        c.send(json!({"type": "input_audio_buffer.append", "audio": silence})).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    c.send(json!({"type": "session.update", "session": {"type": "realtime"}})).await;
+    assert_eq!(event(&mut c).await["type"], "session.updated", "the session outlived 4 s of streamed silence");
+    // then nothing: the idle timeout ends it, and the client is told why before the close
+    let e = error(&mut c).await;
+    assert_eq!(e["code"], "session_closing", "{e}");
+    assert!(matches!(c.recv().await, In::Closed(_)));
+    s.shutdown().await.unwrap();
+}

@@ -72,6 +72,10 @@ pub struct Translator {
     /// Highest v1 seq seen and the last acked.
     pub(super) seen_seq: u64,
     pub(super) acked_seq: u64,
+    /// When the v1 session last heard of the client: audio held here (turn detection) reaches v1
+    /// only with a turn, so client activity is passed on as a ping at most once a second, and a
+    /// configured `server.idle_timeout_s` sees a client that streams silence as active.
+    keepalive: std::time::Instant,
 }
 
 pub(super) fn new_id(prefix: &str) -> String {
@@ -136,6 +140,7 @@ impl Translator {
             queued: None,
             seen_seq: 0,
             acked_seq: 0,
+            keepalive: std::time::Instant::now(),
         }
     }
 
@@ -154,6 +159,10 @@ impl Translator {
     }
 
     pub async fn on_client(&mut self, event_id: Option<String>, event: OaiClientEvent) {
+        if self.keepalive.elapsed() >= std::time::Duration::from_secs(1) {
+            self.keepalive = std::time::Instant::now();
+            self.to_v1_event(ClientEvent::Ping { id: None }).await;
+        }
         if let Err(e) = self.client(event_id.clone(), event).await {
             self.error(event_id, e);
         }
