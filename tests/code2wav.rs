@@ -128,6 +128,29 @@ fn streams_with_different_histories_and_voices_share_a_batch() {
     assert!(ragged >= 2, "batches mixed cache lengths {ragged} times");
 }
 
+/// Voices set up together (one encoder pass and one solve over all their prompts, as Stage 2 sets
+/// up the new voices of a step) give each the state it gets alone: the same first chunk.
+#[test]
+fn voices_set_up_in_one_batch_match_voices_set_up_alone() {
+    let c2w = synth::code2wav_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap();
+    let f = c2w.prepare(&reference()).unwrap();
+    let short: Vec<f32> = reference().samples[..24_000 * 2].to_vec();
+    let g = c2w.prepare(&Reference::materialize(&short, 24_000).unwrap()).unwrap();
+    let together = c2w.setup_batch(&[&f, &g, &f]).unwrap();
+    assert_eq!(together.len(), 3);
+    let first = codes(28, 3);
+    for (i, (v, st)) in [&f, &g, &f].into_iter().zip(&together).enumerate() {
+        let alone = c2w.setup(v).unwrap();
+        assert_eq!(st.estimator.att.dims(), alone.estimator.att.dims(), "voice {i}");
+        let want = samples(&c2w.chunk(&mut c2w.start(v, &alone).unwrap(), &first, false).unwrap());
+        let got = samples(&c2w.chunk(&mut c2w.start(v, st).unwrap(), &first, false).unwrap());
+        assert_eq!(got.len(), want.len(), "voice {i}");
+        let d = common::max_abs_diff(&got, &want);
+        assert!(d < 1e-4, "voice {i}: max diff {d}");
+    }
+    assert!(c2w.setup_batch(&[]).unwrap().is_empty());
+}
+
 #[test]
 fn missing_assets_are_named() {
     let dir = tempfile::tempdir().unwrap();

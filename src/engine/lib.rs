@@ -217,6 +217,7 @@ impl Engine {
                 max_graphs: cfg.code2wav_graph_count,
                 pool_batch: cfg.code2wav_max_batch.next_power_of_two(),
                 pool_graphs: cfg.code2wav_pool_graphs,
+                ..Default::default()
             };
             models.code2wav.set_graphs(Some(policy), Some(VOCODER_GRAPHS));
         }

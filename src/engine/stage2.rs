@@ -29,6 +29,7 @@ use antiphon_models::code2wav::prompt::Reference;
 use antiphon_models::code2wav::{Code2Wav, StreamState};
 
 mod prepare;
+mod start;
 
 #[derive(Debug, Clone, PartialEq)]
 enum Phase {
@@ -192,98 +193,6 @@ impl Stage2 {
         self.abort(id);
     }
 
-    /// Chunk 0: the reference (claimed, or prepared inline), the setup caches, a new stream.
-    fn start_stream(&mut self, c: &ChunkWork) -> Result<()> {
-        let pos = self.waiting.iter().position(|w| w.id == c.id);
-        let w = pos.map(|i| self.waiting.remove(i));
-        let reference = c
-            .reference
-            .clone()
-            .or_else(|| w.as_ref().and_then(|w| w.reference.clone()))
-            .ok_or_else(|| anyhow!("chunk 0 came without a reference voice"))?;
-        let mut key = None;
-        if let Some(w) = &w {
-            match (w.pinned_key(), &w.reference) {
-                (Some(k), Some(pre)) if pre.same_as(&reference) && self.cache.get(k).is_some_and(|e| e.features.is_some()) => {
-                    // claim: the pin becomes ownership
-                    let k = k.to_string();
-                    self.cache.unpin(&c.id);
-                    self.cache.own(&k, &c.id);
-                    self.count("claimed");
-                    key = Some(k);
-                }
-                (Some(k), _) => {
-                    // a different reference at chunk 0: drop the prefetched one
-                    let k = k.to_string();
-                    self.cache.unpin(&c.id);
-                    if self.cache.evict(&k) {
-                        self.setup.remove(&k);
-                    }
-                    self.count("evicted");
-                }
-                (None, _) => {
-                    if w.phase == Phase::Queued && w.reference.is_some() {
-                        self.count("retired");
-                    }
-                }
-            }
-        }
-        let key = match key {
-            Some(k) => k,
-            None => {
-                let r = Reference::materialize(&reference.samples, reference.sample_rate)?;
-                let k = r.key.clone();
-                let needs = self.cache.entry(r).features.is_none();
-                if needs {
-                    let r = self.cache.get(&k).expect("just inserted").reference.clone();
-                    let (f, kept) = self.features_for(&r)?;
-                    self.cache.entry_mut(&k).expect("present").features = Some(f);
-                    if !kept {
-                        self.count("inline");
-                    }
-                } else {
-                    self.count("cache_hit");
-                }
-                self.cache.own(&k, &c.id);
-                for gone in self.cache.trim() {
-                    self.setup.remove(&gone);
-                }
-                k
-            }
-        };
-        let features = self.cache.get(&key).and_then(|e| e.features.clone()).ok_or_else(|| anyhow!("reference features vanished"))?;
-        let state = match self.setup.get(&key) {
-            Some(s) => {
-                self.count("setup_hit");
-                s
-            }
-            None => {
-                let s = self.model.setup(&features)?;
-                self.setup.put(key.clone(), s.clone());
-                s
-            }
-        };
-        if !self.graphs_warm {
-            // (the server's own warm-up request comes first: it pays this before `ready`)
-            self.graphs_warm = true;
-            let top = self.cfg.code2wav_max_batch.min(self.cfg.code2wav_slots).max(1);
-            let batches: Vec<usize> = (0..).map(|i| 1usize << i).take_while(|&b| b <= top).collect();
-            let t0 = std::time::Instant::now();
-            let sequences = super::chunker::warm_sequences(&self.cfg);
-            match self.model.warm_graphs(&features, &state, &batches, &sequences) {
-                Ok(0) => {}
-                Ok(n) => tracing::info!(
-                    "code2wav graphs warm: {n} chunks at batches {batches:?}, payloads {sequences:?}, in {:.0} ms",
-                    t0.elapsed().as_secs_f64() * 1e3
-                ),
-                Err(e) => tracing::warn!("code2wav graph warm-up failed (shapes are captured as they come): {e:#}"),
-            }
-        }
-        let stream = self.model.start(&features, &state)?;
-        self.live.insert(c.id.clone(), Live { stream, next_seq: 0, played: None, heard_gaps: Duration::ZERO });
-        Ok(())
-    }
-
     /// One phase of prefetch, if the gates allow it.
     pub fn idle_step(&mut self) -> IdleOutcome {
         let double = self.prev_idle;
@@ -419,18 +328,13 @@ impl Stage2 {
         }
         self.prev_idle = false;
         let t0 = Instant::now();
-        // chunk 0s: resolve the reference and open the stream
-        let mut runnable = Vec::new();
-        for c in ready {
-            if c.seq == 0 {
-                self.registry.mark(&c.id, |t| t.first_chunk = Some(Instant::now()));
-                if let Err(e) = self.start_stream(&c) {
-                    self.finish(&c.id, Status::Failed(format!("reference voice: {e:#}")));
-                    continue;
-                }
-            }
-            runnable.push(c);
+        // chunk 0s: resolve the references, set up the new voices together, open the streams
+        let (zeros, others): (Vec<ChunkWork>, Vec<ChunkWork>) = ready.into_iter().partition(|c| c.seq == 0);
+        for c in &zeros {
+            self.registry.mark(&c.id, |t| t.first_chunk = Some(Instant::now()));
         }
+        let mut runnable = self.start_streams(zeros);
+        runnable.extend(others);
         // batch by (chunk length, last): streams at different points of their histories and with
         // different voices share a chunk (the flow pads their caches to the longest)
         let mut groups: Vec<(usize, bool, Vec<ChunkWork>)> = Vec::new();

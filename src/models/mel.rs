@@ -55,6 +55,40 @@ pub fn mel_filters_slaney(sample_rate: usize, n_fft: usize, n_mels: usize, fmin:
         .collect()
 }
 
+/// A bank of mel filters kept as the span of bins each one covers (first to last non-zero
+/// weight): applying it sums the same products in the same order as the dense rows, without the
+/// zeros (most of each row), so the result is the same to the bit.
+#[derive(Debug, Clone)]
+pub struct MelBank {
+    bands: Vec<(usize, Vec<f64>)>,
+}
+
+impl MelBank {
+    pub fn from_dense(rows: &[Vec<f64>]) -> Self {
+        let bands = rows
+            .iter()
+            .map(|r| match (r.iter().position(|&w| w != 0.0), r.iter().rposition(|&w| w != 0.0)) {
+                (Some(a), Some(b)) => (a, r[a..=b].to_vec()),
+                _ => (0, vec![]),
+            })
+            .collect();
+        Self { bands }
+    }
+
+    pub fn len(&self) -> usize {
+        self.bands.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bands.is_empty()
+    }
+
+    /// Each band's energy in `spectrum` (one frame's bins), in band order.
+    pub fn apply<'a>(&'a self, spectrum: &'a [f64]) -> impl Iterator<Item = f64> + 'a {
+        self.bands.iter().map(move |(start, w)| w.iter().zip(&spectrum[*start..]).map(|(a, b)| a * b).sum())
+    }
+}
+
 /// Short-time Fourier transform of framed, windowed real signals.
 pub struct Stft {
     n_fft: usize,
@@ -119,7 +153,7 @@ pub fn reflect_pad(x: &[f32], pad: usize) -> Vec<f64> {
 /// floored at (max - 8), then (x + 4) / 4.
 pub struct WhisperLogMel {
     stft: Stft,
-    filters: Vec<Vec<f64>>,
+    filters: MelBank,
     hop: usize,
 }
 
@@ -137,7 +171,7 @@ impl WhisperLogMel {
     pub fn new(n_mels: usize) -> Self {
         Self {
             stft: Stft::new(Self::N_FFT, Self::HOP, hann_periodic(Self::N_FFT)),
-            filters: mel_filters_slaney(Self::SAMPLE_RATE, Self::N_FFT, n_mels, 0.0, 8000.0),
+            filters: MelBank::from_dense(&mel_filters_slaney(Self::SAMPLE_RATE, Self::N_FFT, n_mels, 0.0, 8000.0)),
             hop: Self::HOP,
         }
     }
@@ -161,8 +195,7 @@ impl WhisperLogMel {
         let mut logmel = vec![0f64; n_mels * frames];
         let mut max = f64::NEG_INFINITY;
         for (t, p) in power.iter().enumerate() {
-            for (m, f) in self.filters.iter().enumerate() {
-                let e: f64 = f.iter().zip(p).map(|(a, b)| a * b).sum();
+            for (m, e) in self.filters.apply(p).enumerate() {
                 let v = e.max(1e-10).log10();
                 max = max.max(v);
                 logmel[m * frames + t] = v;
@@ -206,6 +239,7 @@ pub fn kaldi_fbank(samples: &[f32], sample_rate: usize, n_mels: usize) -> (Vec<f
                 .collect()
         })
         .collect();
+    let banks = MelBank::from_dense(&banks);
     let plan = RealFftPlanner::<f64>::new().plan_fft_forward(nfft);
     let mut input = plan.make_input_vec();
     let mut spec = plan.make_output_vec();
@@ -222,8 +256,7 @@ pub fn kaldi_fbank(samples: &[f32], sample_rate: usize, n_mels: usize) -> (Vec<f
         }
         plan.process(&mut input, &mut spec).expect("fft sizes match the plan");
         let power: Vec<f64> = spec.iter().map(|c| c.norm_sqr()).collect();
-        for (m, b) in banks.iter().enumerate() {
-            let e: f64 = b.iter().zip(&power).map(|(w, p)| w * p).sum();
+        for (m, e) in banks.apply(&power).enumerate() {
             out[t * n_mels + m] = e.max(eps).ln() as f32;
         }
     }
@@ -249,14 +282,19 @@ pub fn mean_normalize(x: &mut [f32], dim: usize) {
 /// 1e-5). Returns `[n_mels][frames]` row-major and `frames` (50 per second).
 pub struct FlowMel {
     stft: Stft,
-    filters: Vec<Vec<f64>>,
+    filters: MelBank,
     n_fft: usize,
     hop: usize,
 }
 
 impl FlowMel {
     pub fn new(sample_rate: usize, n_fft: usize, hop: usize, n_mels: usize, fmax: f64) -> Self {
-        Self { stft: Stft::new(n_fft, hop, hann_periodic(n_fft)), filters: mel_filters_slaney(sample_rate, n_fft, n_mels, 0.0, fmax), n_fft, hop }
+        Self {
+            stft: Stft::new(n_fft, hop, hann_periodic(n_fft)),
+            filters: MelBank::from_dense(&mel_filters_slaney(sample_rate, n_fft, n_mels, 0.0, fmax)),
+            n_fft,
+            hop,
+        }
     }
 
     /// The configuration the token2wav assets check for.
@@ -272,8 +310,7 @@ impl FlowMel {
         let mut out = vec![0f32; n_mels * frames];
         for (t, p) in power.iter().enumerate() {
             let mag: Vec<f64> = p.iter().map(|v| (v + 1e-9).sqrt()).collect();
-            for (m, f) in self.filters.iter().enumerate() {
-                let e: f64 = f.iter().zip(&mag).map(|(a, b)| a * b).sum();
+            for (m, e) in self.filters.apply(&mag).enumerate() {
                 out[m * frames + t] = e.max(1e-5).ln() as f32;
             }
         }
@@ -293,6 +330,22 @@ mod tests {
         for row in &f {
             assert!(row.iter().all(|&v| v >= 0.0));
             assert!(row.iter().any(|&v| v > 0.0), "every filter covers some bin");
+        }
+    }
+
+    #[test]
+    fn the_sparse_bank_sums_to_the_bit_what_the_dense_rows_sum() {
+        for (rate, n_fft, n_mels) in [(16_000, 400, 128), (24_000, 1920, 80), (16_000, 400, 80)] {
+            let dense = mel_filters_slaney(rate, n_fft, n_mels, 0.0, 8000.0);
+            let bank = MelBank::from_dense(&dense);
+            assert_eq!(bank.len(), n_mels);
+            let kept: usize = bank.bands.iter().map(|b| b.1.len()).sum();
+            assert!(kept * 4 < n_mels * (n_fft / 2 + 1), "the bank keeps {kept} weights");
+            let spectrum: Vec<f64> = (0..n_fft / 2 + 1).map(|k| ((k * 7919) % 1000) as f64 * 1e-3 + 1e-7).collect();
+            for (row, e) in dense.iter().zip(bank.apply(&spectrum)) {
+                let want: f64 = row.iter().zip(&spectrum).map(|(a, b)| a * b).sum();
+                assert_eq!(want.to_bits(), e.to_bits(), "{want} against {e}");
+            }
         }
     }
 

@@ -13,8 +13,10 @@
 use std::collections::HashMap;
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 
+use super::onnx_fold::Fold;
+use super::onnx_ops::{avg_pool, conv};
 use crate::onnx::{dtype, to_tensor, ModelProto, NodeProto};
 
 const SUPPORTED: &[&str] = &[
@@ -60,6 +62,9 @@ const SUPPORTED: &[&str] = &[
     "Where",
 ];
 
+/// Input shapes folded at most (a reference is always cut to one length, so one is used).
+const MAX_FOLDS: usize = 4;
+
 /// An ONNX graph ready to evaluate.
 #[derive(Debug, Clone)]
 pub struct OnnxGraph {
@@ -68,6 +73,10 @@ pub struct OnnxGraph {
     input: String,
     output: String,
     device: Device,
+    /// What the first evaluation of each input shape left for the next runs of that shape (a
+    /// few shapes at most; a fold is never dropped while its graph lives, since a captured run
+    /// reads its operands).
+    folds: std::sync::Arc<std::sync::Mutex<Vec<std::sync::Arc<Fold>>>>,
 }
 
 impl OnnxGraph {
@@ -91,7 +100,7 @@ impl OnnxGraph {
         let input =
             g.input.iter().map(|v| v.name.clone()).find(|n| !inits.contains_key(n)).ok_or_else(|| anyhow!("{what}: the graph has no data input"))?;
         let output = g.output.first().map(|v| v.name.clone()).ok_or_else(|| anyhow!("{what}: the graph has no output"))?;
-        Ok(Self { nodes: g.node.clone(), inits, input, output, device: Device::Cpu })
+        Ok(Self { nodes: g.node.clone(), inits, input, output, device: Device::Cpu, folds: Default::default() })
     }
 
     /// The graph with its arithmetic on `dev`: the float initializers moved there (integer ones,
@@ -103,20 +112,30 @@ impl OnnxGraph {
             }
         }
         self.device = dev.clone();
+        self.folds = Default::default();
         Ok(self)
     }
 
-    /// Evaluates the graph on one input (f32, on the graph's device).
+    /// Evaluates the graph on one input (f32, on the graph's device). The first run of an input
+    /// shape evaluates every node and keeps a [`Fold`]; later runs of that shape evaluate only
+    /// the nodes that depend on the input's data, with nothing moved between host and device.
     pub fn run(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.to_device(&self.device)?.to_dtype(DType::F32)?;
+        let fold = self.folds.lock().unwrap_or_else(|e| e.into_inner()).iter().find(|f| f.dims == x.dims()).cloned();
         let mut env: HashMap<&str, Tensor> = HashMap::new();
-        env.insert(self.input.as_str(), x.to_device(&self.device)?.to_dtype(DType::F32)?);
-        for n in &self.nodes {
-            let get = |i: usize| -> Result<Option<Tensor>> {
-                match n.input.get(i) {
+        env.insert(self.input.as_str(), x.clone());
+        for (i, n) in self.nodes.iter().enumerate() {
+            if fold.as_ref().is_some_and(|f| !f.dynamic[i]) {
+                continue;
+            }
+            let get = |k: usize| -> Result<Option<Tensor>> {
+                match n.input.get(k) {
                     None => Ok(None),
                     Some(s) if s.is_empty() => Ok(None),
-                    Some(s) => env
-                        .get(s.as_str())
+                    Some(s) => fold
+                        .as_ref()
+                        .and_then(|f| f.operands.get(&(i, k)).or_else(|| f.values.get(s)))
+                        .or_else(|| env.get(s.as_str()))
                         .or_else(|| self.inits.get(s))
                         .cloned()
                         .map(Some)
@@ -127,6 +146,11 @@ impl OnnxGraph {
             let name = n.output.first().ok_or_else(|| anyhow!("node {} has no output", n.name))?;
             env.insert(name.as_str(), out);
         }
+        let mut folds = self.folds.lock().unwrap_or_else(|e| e.into_inner());
+        if fold.is_none() && folds.len() < MAX_FOLDS && !folds.iter().any(|f| f.dims == x.dims()) {
+            folds.push(std::sync::Arc::new(Fold::new(&self.nodes, &self.input, x.dims().to_vec(), &env, &self.inits, &self.device)?));
+        }
+        drop(folds);
         env.remove(self.output.as_str()).ok_or_else(|| anyhow!("the graph never produced its output {}", self.output))
     }
 }
@@ -201,6 +225,13 @@ fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>) -> Result<
             let data = x()?;
             let idx = y()?;
             let ax = axis(n.attr_i("axis", 0), data.rank());
+            if idx.dtype() == DType::U32 && idx.device().same_device(data.device()) {
+                // a fold's indices: already non-negative, already on the data's device
+                let mut shape: Vec<usize> = data.dims()[..ax].to_vec();
+                shape.extend(idx.dims());
+                shape.extend(&data.dims()[ax + 1..]);
+                return Ok(data.index_select(&idx.flatten_all()?, ax)?.reshape(shape)?);
+            }
             let size = data.dim(ax)? as i64;
             let iv: Vec<u32> = ints(&idx)?.iter().map(|&i| if i < 0 { i + size } else { i } as u32).collect();
             let count = iv.len();
@@ -483,91 +514,42 @@ fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>) -> Result<
     })
 }
 
-fn conv(n: &NodeProto, x: Tensor, w: Tensor, b: Option<Tensor>) -> Result<Tensor> {
-    let spatial = w.rank() - 2;
-    let strides = n.attr_ints("strides").map(|v| v.to_vec()).unwrap_or(vec![1; spatial]);
-    let dil = n.attr_ints("dilations").map(|v| v.to_vec()).unwrap_or(vec![1; spatial]);
-    let pads = n.attr_ints("pads").map(|v| v.to_vec()).unwrap_or(vec![0; 2 * spatial]);
-    let group = n.attr_i("group", 1) as usize;
-    let mut x = x;
-    for s in 0..spatial {
-        x = x.pad_with_zeros(2 + s, pads[s] as usize, pads[spatial + s] as usize)?;
-    }
-    let y = match spatial {
-        1 => x.conv1d(&w, 0, strides[0] as usize, dil[0] as usize, group)?,
-        2 => {
-            if strides[0] != strides[1] || dil[0] != dil[1] {
-                // candle's conv2d takes one stride / dilation for both axes: do rows via subsampling
-                if dil[0] != 1 || dil[1] != 1 {
-                    bail!("Conv2d with unequal dilations");
-                }
-                let full = x.conv2d(&w, 0, 1, 1, group)?;
-                let (_, _, h, wd) = full.dims4()?;
-                let rows: Vec<u32> = (0..h).step_by(strides[0] as usize).map(|v| v as u32).collect();
-                let cols: Vec<u32> = (0..wd).step_by(strides[1] as usize).map(|v| v as u32).collect();
-                let (nr, nc) = (rows.len(), cols.len());
-                let dev = full.device();
-                full.index_select(&Tensor::from_vec(rows, nr, dev)?, 2)?.index_select(&Tensor::from_vec(cols, nc, dev)?, 3)?
-            } else {
-                x.conv2d(&w, 0, strides[0] as usize, dil[0] as usize, group)?
-            }
-        }
-        _ => bail!("Conv with {spatial} spatial dimensions"),
-    };
-    Ok(match b {
-        Some(b) => {
-            let mut shape = vec![1usize; y.rank()];
-            shape[1] = b.elem_count();
-            y.broadcast_add(&b.reshape(shape)?)?
-        }
-        None => y,
-    })
-}
-
-/// 1-D average pooling (the CAM layer's segment pooling): windows past the end are clipped and
-/// averaged over the elements they hold.
-fn avg_pool(n: &NodeProto, x: Tensor) -> Result<Tensor> {
-    let k = n.attr_ints("kernel_shape").ok_or_else(|| anyhow!("AveragePool without kernel_shape"))?;
-    if k.len() != 1 {
-        bail!("AveragePool over {} dimensions", k.len());
-    }
-    let k = k[0] as usize;
-    let s = n.attr_ints("strides").map(|v| v[0] as usize).unwrap_or(1);
-    let pads = n.attr_ints("pads").map(|v| v.to_vec()).unwrap_or(vec![0, 0]);
-    if pads.iter().any(|&p| p != 0) {
-        bail!("AveragePool with padding");
-    }
-    let ceil = n.attr_i("ceil_mode", 0) == 1;
-    let l = x.dim(D::Minus1)?;
-    let out = if ceil { l.saturating_sub(k).div_ceil(s) + 1 } else { (l - k) / s + 1 };
-    let mut parts = Vec::with_capacity(out);
-    for o in 0..out {
-        let start = o * s;
-        let len = k.min(l - start.min(l));
-        parts.push(x.narrow(D::Minus1, start, len)?.mean_keepdim(D::Minus1)?);
-    }
-    Ok(Tensor::cat(&parts, D::Minus1)?)
-}
-
 /// The speaker model.
 #[derive(Debug, Clone)]
 pub struct CamPlusPlus {
     graph: OnnxGraph,
+    /// Folded runs replayed as a CUDA graph per input shape, when on (a clone starts with none).
+    graphs: crate::cuda_graph::GraphSlot,
 }
 
 impl CamPlusPlus {
     pub fn from_model(m: &ModelProto) -> Result<Self> {
-        Ok(Self { graph: OnnxGraph::from_model(m, "campplus.onnx")? })
+        Ok(Self { graph: OnnxGraph::from_model(m, "campplus.onnx")?, graphs: crate::cuda_graph::GraphSlot::off() })
     }
 
     /// The model with its arithmetic on `dev` (see [`OnnxGraph::on`]).
     pub fn on(self, dev: &Device) -> Result<Self> {
-        Ok(Self { graph: self.graph.on(dev)? })
+        Ok(Self { graph: self.graph.on(dev)?, graphs: crate::cuda_graph::GraphSlot::off() })
+    }
+
+    /// Runs of a folded input shape replayed as a CUDA graph (from the shape's third run; where
+    /// the device cannot capture, op by op over fixed buffers).
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs = if on { crate::cuda_graph::GraphSlot::on(MAX_FOLDS) } else { crate::cuda_graph::GraphSlot::off() };
     }
 
     /// Mean-normalized fbank `[frames, 80]` (on any device) -> `[192]` on the model's device.
     pub fn embed(&self, fbank: &Tensor) -> Result<Tensor> {
-        let out = self.graph.run(&fbank.unsqueeze(0)?)?;
-        Ok(out.flatten_all()?)
+        let x = fbank.unsqueeze(0)?.to_device(&self.graph.device)?.to_dtype(DType::F32)?;
+        let run = |ins: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
+            Ok(vec![self.graph.run(&ins[0]).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?])
+        };
+        // (only a folded shape is captured: an unfolded run moves constants from the host)
+        let out = if self.graphs.is_on() && self.graph.folds.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|f| f.dims == x.dims()) {
+            self.graphs.run(0, &[&x], &run)?
+        } else {
+            vec![self.graph.run(&x)?]
+        };
+        Ok(out[0].flatten_all()?)
     }
 }

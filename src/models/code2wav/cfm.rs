@@ -38,11 +38,14 @@ pub struct GraphPolicy {
     pub pool_batch: usize,
     /// Graphs of pooled solves kept at once (one per batch size and chunk length).
     pub pool_graphs: usize,
+    /// Largest batch of voices whose setup (the solve over their prompts) is captured; callers
+    /// pad their batches to powers of two up to it ([`super::Code2Wav::setup_batch`]).
+    pub setup_batch: usize,
 }
 
 impl Default for GraphPolicy {
     fn default() -> Self {
-        Self { max_batch: 2, max_graphs: 12, pool_batch: 32, pool_graphs: 16 }
+        Self { max_batch: 2, max_graphs: 12, pool_batch: 32, pool_graphs: 16, setup_batch: 4 }
     }
 }
 
@@ -280,6 +283,9 @@ impl Cfm {
             // (the shape key holds the cache length, hence the noise offset)
             (Some(p), Some(c)) if b <= p.max_batch => self.graphs.run(n_timesteps, &[mu, spks, cond, &c.att, &c.cnn], &solve)?,
             (_, Some(c)) => solve(&[mu.clone(), spks.clone(), cond.clone(), c.att.clone(), c.cnn.clone()])?,
+            // a voice's setup (no cache yet): the reference is cut to a fixed length, so one
+            // graph serves every voice
+            (Some(p), None) if b <= p.setup_batch => self.graphs.run(n_timesteps, &[mu, spks, cond], &solve)?,
             (_, None) => solve(&[mu.clone(), spks.clone(), cond.clone()])?,
         };
         let [x, att, cnn]: [Tensor; 3] = out.try_into().map_err(|_| candle_core::Error::Msg("the chunk solve gives three outputs".into()))?;

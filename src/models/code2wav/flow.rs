@@ -136,18 +136,44 @@ impl Flow {
     /// codes; `prompt_mel: [frames, 80]` with frames = up_rate × (codes - look-ahead);
     /// `spk: [192]`.
     pub fn setup(&self, prompt_codes: &[u32], prompt_mel: &Tensor, spk: &Tensor) -> Result<FlowState> {
+        Ok(self.setup_batch(&[(prompt_codes, prompt_mel, spk)])?.remove(0))
+    }
+
+    /// [`Flow::setup`] for several prompts of one length at once (the encoder and the CFM solve
+    /// batched over them): one state per prompt, in order.
+    pub fn setup_batch(&self, prompts: &[(&[u32], &Tensor, &Tensor)]) -> Result<Vec<FlowState>> {
         let la = self.lookahead();
-        let frames = prompt_mel.dim(0)?;
-        if prompt_codes.len() <= la || (prompt_codes.len() - la) * self.up_rate() != frames {
-            candle_core::bail!("prompt of {} codes (with {la} look-ahead) does not match {frames} prompt mel frames", prompt_codes.len());
+        let Some(&(first, first_mel, _)) = prompts.first() else { return Ok(vec![]) };
+        let frames = first_mel.dim(0)?;
+        for &(codes, mel, _) in prompts {
+            if codes.len() <= la || (codes.len() - la) * self.up_rate() != mel.dim(0)? {
+                candle_core::bail!("prompt of {} codes (with {la} look-ahead) does not match {} prompt mel frames", codes.len(), mel.dim(0)?);
+            }
+            if codes.len() != first.len() {
+                candle_core::bail!("a batched setup needs prompts of one length ({} and {} codes)", first.len(), codes.len());
+            }
         }
-        let xs = self.embed(&[prompt_codes])?;
+        let b = prompts.len();
+        let xs = self.embed(&prompts.iter().map(|p| p.0).collect::<Vec<_>>())?;
         let (h, conformer) = self.encoder.forward_chunk(&xs, false, None)?;
         let mu = self.encoder_proj.forward(&h)?.transpose(1, 2)?.contiguous()?;
-        let spk = self.speaker(&spk.unsqueeze(0)?)?;
-        let cond = prompt_mel.to_dtype(self.dtype())?.t()?.unsqueeze(0)?.contiguous()?;
+        let spk = self.speaker(&Tensor::stack(&prompts.iter().map(|p| p.2).collect::<Vec<_>>(), 0)?)?;
+        let mels = prompts.iter().map(|p| p.1.to_dtype(self.dtype())?.t()).collect::<Result<Vec<_>>>()?;
+        let cond = Tensor::stack(&mels, 0)?.contiguous()?;
         let (_, estimator) = self.decoder.solve_chunk(&mu, &spk, &cond, self.cfg.n_timesteps, None)?;
-        Ok(FlowState { conformer, estimator, prompt_frames: frames, slot: None })
+        if b == 1 {
+            return Ok(vec![FlowState { conformer, estimator, prompt_frames: frames, slot: None }]);
+        }
+        (0..b)
+            .map(|i| {
+                Ok(FlowState {
+                    conformer: conformer.row(i)?,
+                    estimator: EstimatorCache { att: pick_stream(&estimator.att, i, b)?, cnn: pick_stream(&estimator.cnn, i, b)? },
+                    prompt_frames: frames,
+                    slot: None,
+                })
+            })
+            .collect()
     }
 
     /// One chunk for a batch of streams whose chunks have equal lengths and the same `last` flag

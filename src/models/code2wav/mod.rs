@@ -14,6 +14,8 @@ pub mod dit;
 pub mod dit_ops;
 pub mod flow;
 pub mod hift;
+mod onnx_fold;
+mod onnx_ops;
 pub mod prompt;
 pub mod s3tokenizer;
 pub mod slots;
@@ -124,9 +126,12 @@ impl Code2Wav {
     }
 
     /// CUDA graphs for the streaming chunk: the flow's CFM solve (`flow`) and the causal vocoder's
-    /// F0 and decode steps (at most `vocoder` shapes held); `None` = op by op.
+    /// F0 and decode steps (at most `vocoder` shapes held); `None` = op by op. With the flow's
+    /// graphs on, a voice's preparation (the S3 tokenizer, CAM++) and setup are graphs too.
     pub fn set_graphs(&mut self, flow: Option<dit::GraphPolicy>, vocoder: Option<usize>) {
         self.flow.decoder.set_graphs(flow);
+        self.campplus.set_graphs(flow.is_some());
+        self.s3.set_graphs(flow.is_some());
         if let Vocoder::Causal(h) = &mut self.vocoder {
             h.set_graphs(vocoder);
         }
@@ -184,11 +189,47 @@ impl Code2Wav {
         prompt::prepare_features(&a16, &reference.samples, &self.s3, &self.campplus, &self.flow_mel, self.flow.up_rate(), &self.device)
     }
 
+    /// With graphs on, a voice's preparation run until its graphs are captured (from its third
+    /// run: the first folds CAM++'s shapes), so that the first voices a server meets do not pay
+    /// for the capture.
+    pub fn warm_prepare(&self, reference: &Reference) -> Result<()> {
+        if self.flow.decoder.policy().is_some() {
+            for _ in 0..2 {
+                drop(self.prepare(reference)?);
+            }
+        }
+        Ok(())
+    }
+
     /// Step 3: the flow over the prompt (prompt codes + look-ahead silence), filling the caches.
     pub fn setup(&self, f: &PromptFeatures) -> Result<FlowState> {
-        let mut codes = f.codes.clone();
-        codes.extend(std::iter::repeat_n(SILENCE_CODE, self.flow.lookahead()));
-        Ok(self.flow.setup(&codes, &f.mel, &f.speaker)?)
+        Ok(self.setup_batch(&[f])?.remove(0))
+    }
+
+    /// [`Code2Wav::setup`] for several voices, batched: voices of one prompt length together, in
+    /// batches of at most the graph policy's `setup_batch` padded to a power of two (so that a
+    /// few captured shapes serve every count). One state per voice, in order.
+    pub fn setup_batch(&self, fs: &[&PromptFeatures]) -> Result<Vec<FlowState>> {
+        let la = self.flow.lookahead();
+        let prompts: Vec<Vec<u32>> = fs.iter().map(|f| f.codes.iter().copied().chain(std::iter::repeat_n(SILENCE_CODE, la)).collect()).collect();
+        let cap = self.flow.decoder.policy().map(|p| p.setup_batch.max(1));
+        let mut out: Vec<Option<FlowState>> = vec![None; fs.len()];
+        let mut lengths: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+        lengths.dedup();
+        lengths.sort_unstable();
+        lengths.dedup();
+        for len in lengths {
+            let idx: Vec<usize> = (0..fs.len()).filter(|&i| prompts[i].len() == len).collect();
+            for part in idx.chunks(cap.unwrap_or(idx.len().max(1))) {
+                let padded = if cap.is_some() { part.len().next_power_of_two() } else { part.len() };
+                let args: Vec<(&[u32], &candle_core::Tensor, &candle_core::Tensor)> =
+                    (0..padded).map(|j| part[j.min(part.len() - 1)]).map(|i| (prompts[i].as_slice(), &fs[i].mel, &fs[i].speaker)).collect();
+                for (&i, st) in part.iter().zip(self.flow.setup_batch(&args)?) {
+                    out[i] = Some(st);
+                }
+            }
+        }
+        Ok(out.into_iter().map(|s| s.expect("every voice set up")).collect())
     }
 
     /// A new stream from prepared features and setup caches (the caches are copied on write, or
@@ -209,12 +250,21 @@ impl Code2Wav {
     /// `sequences` (a request's payloads in order, each its length in codes, left context
     /// included, and whether it is the last), twice over, so that each shape's graphs (the pooled
     /// flow solve, the vocoder's windows) are captured now rather than when a request first
-    /// brings it. A batch larger than the free slots is skipped. Returns the chunks run.
+    /// brings it (and the setup over a prompt likewise). A batch larger than the free slots is
+    /// skipped. Returns the chunks run.
     pub fn warm_graphs(&self, f: &PromptFeatures, setup: &FlowState, batches: &[usize], sequences: &[Vec<(usize, bool)>]) -> Result<usize> {
         if self.flow.decoder.policy().is_none() {
             return Ok(0);
         }
         let payload = |n: usize, salt: u32| -> Vec<u32> { (0..n as u32).map(|i| (i * 131 + salt * 17 + 7) % 6561).collect() };
+        // the setup over prompts (every voice's has the same shape): a graph per batch size from
+        // its second run
+        let top = self.flow.decoder.policy().map(|p| p.setup_batch.max(1)).unwrap_or(1);
+        for b in (0..).map(|i| 1usize << i).take_while(|&b| b <= top) {
+            for _ in 0..2 {
+                drop(self.setup_batch(&vec![f; b])?);
+            }
+        }
         let mut runs = 0;
         for &b in batches {
             if self.pool.as_ref().is_none_or(|p| p.free_slots() < b) {

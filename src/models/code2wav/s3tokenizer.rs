@@ -32,10 +32,22 @@ pub fn depthwise_conv(x: &Tensor, w: &Tensor, pad_l: usize, pad_r: usize) -> Res
         bail!("depthwise conv: weight {:?} for [{c}, {t}] padded by {pad_l} + {pad_r}", w.shape());
     }
     let l = t + pad_l + pad_r + 1 - k;
-    let xp = x.pad_with_zeros(1, pad_l, pad_r)?;
+    depthwise_conv_at(x, w, &window_index(l, k, x.device())?, pad_l, pad_r)
+}
+
+/// The gather index of [`depthwise_conv`]'s `l` windows of `k` taps.
+fn window_index(l: usize, k: usize, dev: &candle_core::Device) -> Result<Tensor> {
     let idx: Vec<u32> = (0..l).flat_map(|i| (0..k).map(move |j| (i + j) as u32)).collect();
-    let idx = Tensor::from_vec(idx, l * k, x.device())?;
-    let win = xp.contiguous()?.index_select(&idx, 1)?.reshape((c, l, k))?;
+    Ok(Tensor::from_vec(idx, l * k, dev)?)
+}
+
+/// [`depthwise_conv`] with its gather index made beforehand (nothing comes from the host).
+fn depthwise_conv_at(x: &Tensor, w: &Tensor, idx: &Tensor, pad_l: usize, pad_r: usize) -> Result<Tensor> {
+    let c = x.dim(0)?;
+    let k = w.dim(2)?;
+    let l = idx.elem_count() / k.max(1);
+    let xp = x.pad_with_zeros(1, pad_l, pad_r)?;
+    let win = xp.contiguous()?.index_select(idx, 1)?.reshape((c, l, k))?;
     Ok(win.broadcast_mul(&w.reshape((c, 1, k))?.to_dtype(x.dtype())?)?.sum(2)?)
 }
 
@@ -123,6 +135,11 @@ pub struct S3Tokenizer {
     rope: Rope,
     n_state: usize,
     n_mels: usize,
+    /// Per frame count: the positions and the FSMN's gather index, made once (a captured run reads
+    /// them; they live as long as the tokenizer).
+    tables: std::sync::Arc<std::sync::Mutex<Vec<(usize, Tensor, Tensor)>>>,
+    /// The device part of a run replayed as a CUDA graph per frame count, when on.
+    graphs: crate::cuda_graph::GraphSlot,
 }
 
 fn lin(vb: &VarBuilder, name: &str, i: usize, o: usize, bias: bool) -> candle_core::Result<Linear> {
@@ -163,7 +180,17 @@ impl S3Tokenizer {
         }
         let project_down = lin(&vb.pp("quantizer").pp("_codebook"), "project_down", n_state, 8, true)?;
         let rope = Rope::new(HEAD_DIM, 10000.0, 2048, vb.dtype(), vb.device())?;
-        Ok(Self { conv1: c("conv1", n_mels)?, conv2: c("conv2", n_state)?, blocks, project_down, rope, n_state, n_mels })
+        Ok(Self {
+            conv1: c("conv1", n_mels)?,
+            conv2: c("conv2", n_state)?,
+            blocks,
+            project_down,
+            rope,
+            n_state,
+            n_mels,
+            tables: Default::default(),
+            graphs: crate::cuda_graph::GraphSlot::off(),
+        })
     }
 
     /// Loads from the renamed ONNX state dict, reading the widths off its tensors.
@@ -185,13 +212,50 @@ impl S3Tokenizer {
 
     /// Log-mel `[n_mels, frames]` -> speech codes (frames / 4 of them).
     pub fn quantize(&self, mel: &Tensor) -> Result<Vec<u32>> {
+        // (each conv halves the frames: stride 2, kernel 3, padding 1)
+        let t = mel.dim(1)?.div_ceil(2).div_ceil(2);
+        let (pos, idx) = self.tables_for(t, mel.device())?;
+        let levels = |x: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
+            Ok(vec![self.levels(&x[0], &pos, &idx).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?])
+        };
+        let hq = self.graphs.run(0, &[mel], &levels)?.remove(0).to_vec2::<f32>()?;
+        Ok(hq
+            .iter()
+            .map(|row| row.iter().enumerate().map(|(i, &v)| ((v + 1.0) * 2.0 / 2.0).round_ties_even() as u32 * 3u32.pow(i as u32)).sum())
+            .collect())
+    }
+
+    /// The device part of a run replayed as a CUDA graph per frame count (from a count's second
+    /// run); off: op by op.
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs = if on { crate::cuda_graph::GraphSlot::on(2) } else { crate::cuda_graph::GraphSlot::off() };
+    }
+
+    fn tables_for(&self, t: usize, dev: &candle_core::Device) -> Result<(Tensor, Tensor)> {
+        let mut tables = self.tables.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, p, i)) = tables.iter().find(|e| e.0 == t) {
+            return Ok((p.clone(), i.clone()));
+        }
+        let pos = Tensor::arange(0u32, t as u32, dev)?;
+        let idx = window_index(t, FSMN_KERNEL, dev)?;
+        if tables.len() < 4 {
+            tables.push((t, pos.clone(), idx.clone()));
+        }
+        Ok((pos, idx))
+    }
+
+    /// `mel: [n_mels, frames]` -> the FSQ levels before rounding, `[T, digits]` (f32, tanh'd and
+    /// clamped), with nothing from the host.
+    fn levels(&self, mel: &Tensor, pos: &Tensor, idx: &Tensor) -> Result<Tensor> {
         let x = self.conv1.forward(&mel.unsqueeze(0)?)?.gelu_erf()?;
         let x = self.conv2.forward(&x)?.gelu_erf()?;
         let mut x = x.squeeze(0)?.t()?.contiguous()?; // [T, C]
         let t = x.dim(0)?;
+        if pos.dim(0)? != t {
+            bail!("speech tokenizer: {t} frames after the convs, tables for {}", pos.dim(0)?);
+        }
         let heads = self.n_state / HEAD_DIM;
-        let pos = Tensor::arange(0u32, t as u32, x.device())?;
-        let (cos, sin) = self.rope.tables(&pos)?;
+        let (cos, sin) = self.rope.tables(pos)?;
         let scale = (HEAD_DIM as f64).powf(-0.25);
         for b in &self.blocks {
             let h = b.attn_ln.forward(&x)?;
@@ -202,7 +266,7 @@ impl S3Tokenizer {
             let k = Rope::apply(&k, &cos, &sin)?;
             // FSMN memory: depthwise conv over the values (zero padded both sides) plus the values
             let pad = (FSMN_KERNEL - 1) / 2;
-            let mem = (depthwise_conv(&v.t()?, &b.fsmn, pad, FSMN_KERNEL - 1 - pad)?.t()? + &v)?;
+            let mem = (depthwise_conv_at(&v.t()?, &b.fsmn, idx, pad, FSMN_KERNEL - 1 - pad)?.t()? + &v)?;
             let qh = (q * scale)?.transpose(0, 1)?.contiguous()?; // [H, T, d]
             let kh = (k * scale)?.transpose(0, 1)?.contiguous()?;
             let vh = v.reshape((t, heads, HEAD_DIM))?.transpose(0, 1)?.contiguous()?;
@@ -214,11 +278,7 @@ impl S3Tokenizer {
         }
         // FSQ: tanh, clamp, round((h + 1) · (L − 1) / 2) with L = 3, base-3 digits
         let hq = self.project_down.forward(&x)?.to_dtype(candle_core::DType::F32)?.tanh()?;
-        let hq = hq.clamp(-1.0 + 1e-6, 1.0 - 1e-6)?.to_vec2::<f32>()?;
-        Ok(hq
-            .iter()
-            .map(|row| row.iter().enumerate().map(|(i, &v)| ((v + 1.0) * 2.0 / 2.0).round_ties_even() as u32 * 3u32.pow(i as u32)).sum())
-            .collect())
+        Ok(hq.clamp(-1.0 + 1e-6, 1.0 - 1e-6)?)
     }
 }
 

@@ -1,0 +1,166 @@
+//! Chunk 0s in Stage 2: each request's reference resolved (claimed from prefetch, found in the
+//! cache, or prepared now), the voices with no setup state yet set up together in one batch (one
+//! solve over all their prompts rather than one each), then the streams opened.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use anyhow::{anyhow, Result};
+
+use super::{ChunkWork, Live, Phase, Stage2, Status};
+use antiphon_models::code2wav::flow::FlowState;
+use antiphon_models::code2wav::prompt::Reference;
+
+impl Stage2 {
+    /// This step's chunk 0s, their streams opened. A chunk 0 whose reference cannot be resolved,
+    /// set up or opened is finished as failed and left out of what comes back.
+    pub(super) fn start_streams(&mut self, chunk0s: Vec<ChunkWork>) -> Vec<ChunkWork> {
+        let mut keyed = Vec::with_capacity(chunk0s.len());
+        for c in chunk0s {
+            match self.resolve(&c) {
+                Ok(k) => keyed.push((c, k)),
+                Err(e) => self.finish(&c.id, Status::Failed(format!("reference voice: {e:#}"))),
+            }
+        }
+        // each voice with no setup state yet, once, in one batch
+        let mut states: HashMap<String, FlowState> = HashMap::new();
+        let mut todo: Vec<String> = Vec::new();
+        for (_, k) in &keyed {
+            if states.contains_key(k) || todo.contains(k) {
+                self.count("setup_hit");
+            } else if let Some(s) = self.setup.get(k) {
+                self.count("setup_hit");
+                states.insert(k.clone(), s);
+            } else {
+                todo.push(k.clone());
+            }
+        }
+        if !todo.is_empty() {
+            let done = todo
+                .iter()
+                .map(|k| self.cache.get(k).and_then(|e| e.features.clone()).ok_or_else(|| anyhow!("reference features vanished")))
+                .collect::<Result<Vec<_>>>()
+                .and_then(|fs| self.model.setup_batch(&fs.iter().collect::<Vec<_>>()));
+            match done {
+                Ok(set) => {
+                    if todo.len() > 1 {
+                        tracing::debug!(voices = todo.len(), "code2wav: voices set up in one batch");
+                    }
+                    for (k, s) in todo.iter().zip(set) {
+                        self.setup.put(k.clone(), s.clone());
+                        states.insert(k.clone(), s);
+                    }
+                }
+                Err(e) => {
+                    let why = format!("reference voice: setup: {e:#}");
+                    let (failed, kept): (Vec<_>, Vec<_>) = keyed.into_iter().partition(|(_, k)| todo.contains(k));
+                    keyed = kept;
+                    for (c, _) in failed {
+                        self.finish(&c.id, Status::Failed(why.clone()));
+                    }
+                }
+            }
+        }
+        let mut opened = Vec::with_capacity(keyed.len());
+        for (c, k) in keyed {
+            let Some(state) = states.get(&k) else {
+                self.finish(&c.id, Status::Failed("reference voice: no setup state".into()));
+                continue;
+            };
+            match self.open(&c, &k, state) {
+                Ok(()) => opened.push(c),
+                Err(e) => self.finish(&c.id, Status::Failed(format!("reference voice: {e:#}"))),
+            }
+        }
+        opened
+    }
+
+    /// Chunk 0's reference: claimed from prefetch, or found in (or prepared into) the reference
+    /// cache, owned by the request. Returns its cache key.
+    fn resolve(&mut self, c: &ChunkWork) -> Result<String> {
+        let pos = self.waiting.iter().position(|w| w.id == c.id);
+        let w = pos.map(|i| self.waiting.remove(i));
+        let reference = c
+            .reference
+            .clone()
+            .or_else(|| w.as_ref().and_then(|w| w.reference.clone()))
+            .ok_or_else(|| anyhow!("chunk 0 came without a reference voice"))?;
+        let mut key = None;
+        if let Some(w) = &w {
+            match (w.pinned_key(), &w.reference) {
+                (Some(k), Some(pre)) if pre.same_as(&reference) && self.cache.get(k).is_some_and(|e| e.features.is_some()) => {
+                    // claim: the pin becomes ownership
+                    let k = k.to_string();
+                    self.cache.unpin(&c.id);
+                    self.cache.own(&k, &c.id);
+                    self.count("claimed");
+                    key = Some(k);
+                }
+                (Some(k), _) => {
+                    // a different reference at chunk 0: drop the prefetched one
+                    let k = k.to_string();
+                    self.cache.unpin(&c.id);
+                    if self.cache.evict(&k) {
+                        self.setup.remove(&k);
+                    }
+                    self.count("evicted");
+                }
+                (None, _) => {
+                    if w.phase == Phase::Queued && w.reference.is_some() {
+                        self.count("retired");
+                    }
+                }
+            }
+        }
+        Ok(match key {
+            Some(k) => k,
+            None => {
+                let r = Reference::materialize(&reference.samples, reference.sample_rate)?;
+                let k = r.key.clone();
+                let needs = self.cache.entry(r).features.is_none();
+                if needs {
+                    let r = self.cache.get(&k).expect("just inserted").reference.clone();
+                    let (f, kept) = self.features_for(&r)?;
+                    self.cache.entry_mut(&k).expect("present").features = Some(f);
+                    if !kept {
+                        self.count("inline");
+                    }
+                } else {
+                    self.count("cache_hit");
+                }
+                self.cache.own(&k, &c.id);
+                for gone in self.cache.trim() {
+                    self.setup.remove(&gone);
+                }
+                k
+            }
+        })
+    }
+
+    /// A new stream for chunk 0 from its voice's features (in the cache under `key`) and setup state.
+    fn open(&mut self, c: &ChunkWork, key: &str, state: &FlowState) -> Result<()> {
+        let features = self.cache.get(key).and_then(|e| e.features.clone()).ok_or_else(|| anyhow!("reference features vanished"))?;
+        if !self.graphs_warm {
+            // (the server's own warm-up request comes first: it pays this before `ready`)
+            self.graphs_warm = true;
+            let top = self.cfg.code2wav_max_batch.min(self.cfg.code2wav_slots).max(1);
+            let batches: Vec<usize> = (0..).map(|i| 1usize << i).take_while(|&b| b <= top).collect();
+            let t0 = std::time::Instant::now();
+            let sequences = super::super::chunker::warm_sequences(&self.cfg);
+            match self.model.warm_graphs(&features, state, &batches, &sequences) {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(
+                    "code2wav graphs warm: {n} chunks at batches {batches:?}, payloads {sequences:?}, in {:.0} ms",
+                    t0.elapsed().as_secs_f64() * 1e3
+                ),
+                Err(e) => tracing::warn!("code2wav graph warm-up failed (shapes are captured as they come): {e:#}"),
+            }
+            if let Some(Err(e)) = self.cache.get(key).map(|e| self.model.warm_prepare(&e.reference)) {
+                tracing::warn!("reference preparation warm-up failed: {e:#}");
+            }
+        }
+        let stream = self.model.start(&features, state)?;
+        self.live.insert(c.id.clone(), Live { stream, next_seq: 0, played: None, heard_gaps: Duration::ZERO });
+        Ok(())
+    }
+}
