@@ -113,13 +113,17 @@ async fn tts_summary_follows_the_contract() {
 async fn voice_and_clone_workloads() {
     let s = server().await;
     let url = format!("ws://{}/v1/realtime", s.addr);
-    for w in [Workload::Voice, Workload::Clone] {
+    for w in [Workload::Voice, Workload::Clone, Workload::CloneTurns] {
         let dir = tempfile::tempdir().unwrap();
         let t0 = Instant::now();
+        let created = s.shared.metrics.sessions_created.get();
         let summary = antiphon_bench::run(config(url.clone(), w, vec![1], 1, dir.path().into())).await.unwrap();
         let l = &summary.levels[0];
         assert_eq!(l.failures, 0, "{w:?}: {:?}", l.failures_by_code);
         assert!(l.ttfa_ms.p50 > 0.0);
+        // a warm-up request and a measured one: two callers for `clone`, one conversation else
+        let sessions = s.shared.metrics.sessions_created.get() - created;
+        assert_eq!(sessions, if w == Workload::Clone { 2 } else { 1 }, "{w:?}");
         if w == Workload::Voice {
             // the 6 s input is streamed in real time, twice (warm-up + measured)
             assert!(t0.elapsed() > Duration::from_secs(11), "{:?}", t0.elapsed());

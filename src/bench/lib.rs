@@ -4,10 +4,14 @@
 //! of docs: spec/bench.md), `requests.jsonl`, `summary.csv`, an SVG plot and a text table.
 //!
 //! Workloads: `tts` (text in, forced lengths), `voice` (a WAV streamed in real time as Opus
-//! packets, then `input.commit`), `clone` (like `tts`, a different reference voice every request).
+//! packets, then `input.commit`), `clone` (like `tts`, a different reference voice every request,
+//! each request a new caller: a session of its own), `clone-turns` (the same voices as the turns
+//! of one conversation per worker: the Thinker hears a new voice at the head of the system turn,
+//! so every turn prefills the whole conversation again).
 
 pub mod ab;
 mod duplex;
+mod prompts;
 pub mod report;
 pub mod scrape;
 
@@ -25,48 +29,15 @@ use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message;
 
-/// Fixed English prompts (read-this-sentence requests, in the manner of Seed-TTS).
-pub const PROMPTS: [&str; 32] = [
-    "Please read this sentence aloud: the morning train was late again.",
-    "Please read this sentence aloud: a quiet river runs behind the old mill.",
-    "Please read this sentence aloud: she packed three books and a warm scarf.",
-    "Please read this sentence aloud: the market opens at seven on weekdays.",
-    "Please read this sentence aloud: our neighbor plants tomatoes every spring.",
-    "Please read this sentence aloud: the lamp flickered during the storm.",
-    "Please read this sentence aloud: he finally fixed the squeaky door.",
-    "Please read this sentence aloud: the museum added a room for old maps.",
-    "Please read this sentence aloud: a small boat crossed the harbor at dawn.",
-    "Please read this sentence aloud: the recipe needs two cups of flour.",
-    "Please read this sentence aloud: the children counted stars from the roof.",
-    "Please read this sentence aloud: a letter arrived without a return address.",
-    "Please read this sentence aloud: the bakery sells out by noon.",
-    "Please read this sentence aloud: the bridge was painted bright green.",
-    "Please read this sentence aloud: we walked home along the empty beach.",
-    "Please read this sentence aloud: the clock tower rings every quarter hour.",
-    "Please read this sentence aloud: his bicycle has a basket and a bell.",
-    "Please read this sentence aloud: the garden smells of rain and mint.",
-    "Please read this sentence aloud: a fox crossed the field before sunrise.",
-    "Please read this sentence aloud: the library extended its opening hours.",
-    "Please read this sentence aloud: she learned to play the violin at nine.",
-    "Please read this sentence aloud: the soup needs a pinch more salt.",
-    "Please read this sentence aloud: the hikers reached the summit by noon.",
-    "Please read this sentence aloud: the old radio still works perfectly.",
-    "Please read this sentence aloud: a gentle wind moved the curtains.",
-    "Please read this sentence aloud: the team celebrated with cold lemonade.",
-    "Please read this sentence aloud: the town hall has a blue wooden door.",
-    "Please read this sentence aloud: he keeps his notes in a red folder.",
-    "Please read this sentence aloud: the snow melted faster than expected.",
-    "Please read this sentence aloud: the cat sleeps on the warm windowsill.",
-    "Please read this sentence aloud: the festival starts after the parade.",
-    "Please read this sentence aloud: we shared bread, cheese and ripe pears.",
-];
+pub use prompts::PROMPTS;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub enum Workload {
     Tts,
     Voice,
     Clone,
+    CloneTurns,
     Duplex,
 }
 
@@ -76,6 +47,7 @@ impl Workload {
             Workload::Tts => "tts",
             Workload::Voice => "voice",
             Workload::Clone => "clone",
+            Workload::CloneTurns => "clone-turns",
             Workload::Duplex => "duplex",
         }
     }
@@ -265,6 +237,13 @@ impl Client {
         }
     }
 
+    /// Ends the session (`session.close`) and waits (up to 5 s) for the server to close the
+    /// connection, so that its place is free before the caller opens another.
+    async fn close(&mut self) {
+        let _ = self.send(json!({"type": "session.close"})).await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), async { while let Some(Ok(_)) = self.ws.next().await {} }).await;
+    }
+
     /// A new connection with a turn-mode session. A server with no free session (`capacity`) is
     /// asked again after its `retry_after_ms`, for up to the bench's timeout: sessions that
     /// earlier clients left parked free their places as they expire.
@@ -347,12 +326,12 @@ async fn one_request(sh: &Shared, c: &mut Client, level: usize, worker: usize, i
         "min_audio_tokens": cfg.audio_tokens, "max_audio_tokens": cfg.audio_tokens, "seed": (worker * 1000 + index) as u64});
     let result: Result<()> = async {
         let request_start = Instant::now();
-        if cfg.workload == Workload::Clone {
+        if matches!(cfg.workload, Workload::Clone | Workload::CloneTurns) {
             let b64 = clone_voice(&sh.clone_base.0, sh.clone_base.1, level * 100_000 + worker * 1000 + index);
             c.send(json!({"type": "session.update", "voice": {"ref_audio_b64": b64, "sample_rate": sh.clone_base.1}})).await?;
         }
         let input_end = match cfg.workload {
-            Workload::Tts | Workload::Clone => {
+            Workload::Tts | Workload::Clone | Workload::CloneTurns => {
                 c.send(json!({"type": "input.text", "text": PROMPTS[prompt], "generation": gen})).await?;
                 Instant::now()
             }
@@ -458,6 +437,11 @@ async fn run_level(sh: Arc<Shared>, level: usize) -> Result<(Vec<RequestRecord>,
             let mut client = Client::open(&sh.cfg).await?;
             for i in 0..warm_per_worker + per_worker {
                 let warm = i < warm_per_worker;
+                if i > 0 && sh.cfg.workload == Workload::Clone {
+                    // a new caller: the last one hangs up, the next one opens its own session
+                    client.close().await;
+                    client = Client::open(&sh.cfg).await?;
+                }
                 let r = one_request(&sh, &mut client, level, w, i, warm, start).await;
                 let broken = !r.ok && r.error.as_deref().is_some_and(|e| e.contains("closed") || e.contains("ended"));
                 out.push(r);
@@ -466,8 +450,7 @@ async fn run_level(sh: Arc<Shared>, level: usize) -> Result<(Vec<RequestRecord>,
                     client = Client::open(&sh.cfg).await?;
                 }
             }
-            let _ = client.send(json!({"type": "session.close"})).await;
-            let _ = tokio::time::timeout(Duration::from_secs(5), async { while let Some(Ok(_)) = client.ws.next().await {} }).await;
+            client.close().await;
             Ok::<_, anyhow::Error>(out)
         }));
     }
@@ -497,8 +480,10 @@ pub async fn run(cfg: BenchConfig) -> Result<report::Summary> {
     };
     let base = std::fs::read("assets/voices/default.wav").ok().and_then(|b| antiphon_audio::decode_wav(&b).ok());
     let clone_base = match (cfg.workload, base) {
-        (Workload::Clone, Some(b)) => b,
-        (Workload::Clone, None) => bail!("the clone workload derives its voices from assets/voices/default.wav (run from the repository root)"),
+        (Workload::Clone | Workload::CloneTurns, Some(b)) => b,
+        (Workload::Clone | Workload::CloneTurns, None) => {
+            bail!("the clone workloads derive its voices from assets/voices/default.wav (run from the repository root)")
+        }
         (_, b) => b.unwrap_or((vec![0.0; 16_000], 16_000)),
     };
     let total: usize = match cfg.workload {
