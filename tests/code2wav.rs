@@ -149,6 +149,17 @@ fn voices_set_up_in_one_batch_match_voices_set_up_alone() {
         assert!(d < 1e-4, "voice {i}: max diff {d}");
     }
     assert!(c2w.setup_batch(&[]).unwrap().is_empty());
+    // as the server runs it: over fixed buffers (CUDA graphs on a GPU), padded to a power of two,
+    // the same state from every run
+    let mut g2w = c2w.clone();
+    g2w.set_graphs(Some(antiphon_models::code2wav::dit::GraphPolicy::default()), Some(4));
+    let want = samples(&c2w.chunk(&mut c2w.start(&g, &together[1]).unwrap(), &first, false).unwrap());
+    for run in 0..3 {
+        let set = g2w.setup_batch(&[&f, &g, &f]).unwrap();
+        let got = samples(&g2w.chunk(&mut g2w.start(&g, &set[1]).unwrap(), &first, false).unwrap());
+        let d = common::max_abs_diff(&got, &want);
+        assert!(d < 1e-4, "fixed-buffer run {run}: max diff {d}");
+    }
 }
 
 #[test]

@@ -123,8 +123,9 @@ impl RelSelfAttention {
         })
     }
 
-    /// `x: [B, T, d]`, `cache: [B, h, L, 2 dk]` (K | V), `pos: [2 (L+T) - 1, d]`.
-    fn forward(&self, x: &Tensor, cache: Option<&Tensor>, pos: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// `x: [B, T, d]`, `cache: [B, h, L, 2 dk]` (K | V), `pos: [2 (L+T) - 1, d]`, `shift`: the
+    /// relative shift's index `[1, 1, T, L+T]` ([`ConformerEncoder::shift`]).
+    fn forward(&self, x: &Tensor, cache: Option<&Tensor>, pos: &Tensor, shift: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, t, d) = x.dims3()?;
         let heads = |y: Tensor| y.reshape((b, t, self.heads, self.dk))?.transpose(1, 2);
         let q = self.linear_q.forward(x)?.reshape((b, t, self.heads, self.dk))?;
@@ -143,9 +144,10 @@ impl RelSelfAttention {
         let qv = q.broadcast_add(&self.pos_bias_v)?.transpose(1, 2)?.contiguous()?;
         let ac = qu.matmul(&k.transpose(2, 3)?.contiguous()?)?; // [B, h, T, S]
         let bd = qv.broadcast_matmul(&p.t()?.contiguous()?.unsqueeze(0)?)?; // [B, h, T, 2S-1]
-                                                                            // relative shift: query i (absolute position S-T+i) against key j uses row j + T-1-i
-        let idx: Vec<u32> = (0..t).flat_map(|i| (0..s).map(move |j| (j + t - 1 - i) as u32)).collect();
-        let idx = Tensor::from_vec(idx, (1, 1, t, s), x.device())?.broadcast_as((b, self.heads, t, s))?.contiguous()?;
+        if shift.dims() != [1, 1, t, s] {
+            candle_core::bail!("relative shift index {:?} for {t} queries against {s} keys", shift.dims());
+        }
+        let idx = shift.broadcast_as((b, self.heads, t, s))?.contiguous()?;
         let bd = bd.contiguous()?.gather(&idx, 3)?;
         let scores = ((ac + bd)? / (self.dk as f64).sqrt())?;
         let att = candle_nn::ops::softmax_last_dim(&scores)?;
@@ -175,8 +177,8 @@ impl ConformerLayer {
         })
     }
 
-    fn forward(&self, x: &Tensor, cache: Option<&Tensor>, pos: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (a, new_cache) = self.self_attn.forward(&self.norm_mha.forward(x)?, cache, pos)?;
+    fn forward(&self, x: &Tensor, cache: Option<&Tensor>, pos: &Tensor, shift: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (a, new_cache) = self.self_attn.forward(&self.norm_mha.forward(x)?, cache, pos, shift)?;
         let x = (x + a)?;
         let h = self.w_2.forward(&candle_nn::ops::silu(&self.w_1.forward(&self.norm_ff.forward(&x)?)?)?)?;
         Ok(((x + h)?, new_cache))
@@ -253,7 +255,21 @@ pub struct ConformerEncoder {
     up_encoders: Vec<ConformerLayer>,
     after_norm: LayerNorm,
     cfg: ConformerConfig,
+    /// [`rel_positions`] for [`POS_TABLE`] positions in the model's dtype, made once: a smaller
+    /// size is a slice of it (each row depends only on its relative position).
+    pos_table: Tensor,
+    /// The relative shift's gather index per (queries, keys), made once each (a few shapes: the
+    /// chunk lengths against the cache lengths); a run then moves nothing from the host.
+    shifts: Shifts,
 }
+
+/// Relative-shift indices by (queries, keys).
+type Shifts = std::sync::Arc<std::sync::Mutex<Vec<((usize, usize), Tensor)>>>;
+
+/// Positions the encoder's relative-position table covers (longer runs compute theirs).
+const POS_TABLE: usize = 2048;
+/// Shift indices kept at most (the oldest goes first).
+const SHIFTS: usize = 64;
 
 impl ConformerEncoder {
     /// `vb` points at `encoder`.
@@ -274,7 +290,33 @@ impl ConformerEncoder {
             up_encoders: (0..cfg.num_up_blocks).map(|i| ConformerLayer::load(vb.pp("up_encoders").pp(i), cfg)).collect::<Result<_>>()?,
             after_norm: candle_nn::layer_norm(c, 1e-5, vb.pp("after_norm"))?,
             cfg: cfg.clone(),
+            pos_table: rel_positions(POS_TABLE, c, vb.device())?.to_dtype(vb.dtype())?,
+            shifts: Default::default(),
         })
+    }
+
+    /// Relative-position rows for `size` positions, `[2 size - 1, C]` in `dtype`.
+    fn positions(&self, size: usize, dtype: candle_core::DType, dev: &Device) -> Result<Tensor> {
+        if size <= POS_TABLE && self.pos_table.dtype() == dtype && self.pos_table.device().same_device(dev) {
+            return self.pos_table.narrow(0, POS_TABLE - size, 2 * size - 1);
+        }
+        rel_positions(size, self.cfg.output_size, dev)?.to_dtype(dtype)
+    }
+
+    /// The relative shift's index for `t` queries against `s` keys: query `i` (absolute position
+    /// `s - t + i`) against key `j` reads row `j + t - 1 - i`; `[1, 1, t, s]` u32.
+    fn shift(&self, t: usize, s: usize, dev: &Device) -> Result<Tensor> {
+        let mut shifts = self.shifts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, idx)) = shifts.iter().find(|(k, idx)| *k == (t, s) && idx.device().same_device(dev)) {
+            return Ok(idx.clone());
+        }
+        let idx: Vec<u32> = (0..t).flat_map(|i| (0..s).map(move |j| (j + t - 1 - i) as u32)).collect();
+        let idx = Tensor::from_vec(idx, (1, 1, t, s), dev)?;
+        if shifts.len() >= SHIFTS {
+            shifts.remove(0);
+        }
+        shifts.push(((t, s), idx.clone()));
+        Ok(idx)
     }
 
     pub fn config(&self) -> &ConformerConfig {
@@ -311,10 +353,11 @@ impl ConformerEncoder {
         let mut x = (o.transpose(1, 2)? + x.narrow(1, 0, t1)?)?;
         // 3. token-rate Conformer blocks
         let offset1 = cache.map(|cc| cc.token_len()).unwrap_or(0);
-        let pos = rel_positions(offset1 + t1, c, dev)?.to_dtype(x.dtype())?;
+        let pos = self.positions(offset1 + t1, x.dtype(), dev)?;
+        let shift = self.shift(t1, offset1 + t1, dev)?;
         let mut att_token = Vec::with_capacity(self.encoders.len());
         for (i, l) in self.encoders.iter().enumerate() {
-            let (y, nc) = l.forward(&x, cache.map(|cc| &cc.att_token[i]), &pos)?;
+            let (y, nc) = l.forward(&x, cache.map(|cc| &cc.att_token[i]), &pos, &shift)?;
             x = y;
             att_token.push(nc);
         }
@@ -332,10 +375,11 @@ impl ConformerEncoder {
                                                              // 5. mel-rate Conformer blocks
         let mut x = self.up_embed.forward(&x.contiguous()?)?;
         let t2 = x.dim(1)?;
-        let pos = rel_positions(offset1 * stride + t2, c, dev)?.to_dtype(x.dtype())?;
+        let pos = self.positions(offset1 * stride + t2, x.dtype(), dev)?;
+        let shift = self.shift(t2, offset1 * stride + t2, dev)?;
         let mut att_mel = Vec::with_capacity(self.up_encoders.len());
         for (i, l) in self.up_encoders.iter().enumerate() {
-            let (y, nc) = l.forward(&x, cache.map(|cc| &cc.att_mel[i]), &pos)?;
+            let (y, nc) = l.forward(&x, cache.map(|cc| &cc.att_mel[i]), &pos, &shift)?;
             x = y;
             att_mel.push(nc);
         }

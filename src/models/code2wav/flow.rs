@@ -71,6 +71,8 @@ pub struct Flow {
     encoder_proj: Linear,
     pub decoder: Cfm,
     cfg: FlowConfig,
+    /// The setup's encoder pass replayed as a CUDA graph per batch size, when on.
+    setup_graphs: crate::cuda_graph::GraphSlot,
 }
 
 impl Flow {
@@ -88,7 +90,14 @@ impl Flow {
                 noise.to_dtype(vb.dtype())?.to_device(vb.device())?,
             ),
             cfg: cfg.clone(),
+            setup_graphs: crate::cuda_graph::GraphSlot::off(),
         })
+    }
+
+    /// The setup's encoder pass as a CUDA graph per batch size (the solve's graphs follow the
+    /// decoder's policy).
+    pub fn set_setup_graphs(&mut self, on: bool) {
+        self.setup_graphs = if on { crate::cuda_graph::GraphSlot::on(4) } else { crate::cuda_graph::GraphSlot::off() };
     }
 
     pub fn config(&self) -> &FlowConfig {
@@ -154,9 +163,24 @@ impl Flow {
             }
         }
         let b = prompts.len();
-        let xs = self.embed(&prompts.iter().map(|p| p.0).collect::<Vec<_>>())?;
-        let (h, conformer) = self.encoder.forward_chunk(&xs, false, None)?;
-        let mu = self.encoder_proj.forward(&h)?.transpose(1, 2)?.contiguous()?;
+        if let Some(&bad) = prompts.iter().flat_map(|p| p.0).find(|&&x| x as usize >= self.cfg.vocab_size) {
+            candle_core::bail!("speech code {bad} is outside the flow's {} codes", self.cfg.vocab_size);
+        }
+        let ids = Tensor::new(prompts.iter().flat_map(|p| p.0.iter().copied()).collect::<Vec<u32>>(), self.device())?.reshape((b, first.len()))?;
+        // the encoder over the prompts: mu, then the conformer's caches (conv, token-rate layers,
+        // mel-rate layers), as one list of tensors for the graph
+        let encode = |x: &[Tensor]| -> Result<Vec<Tensor>> {
+            let (h, c) = self.encoder.forward_chunk(&self.input_embedding.forward(&x[0])?, false, None)?;
+            let mut out = vec![self.encoder_proj.forward(&h)?.transpose(1, 2)?.contiguous()?, c.cnn];
+            out.extend(c.att_token);
+            out.extend(c.att_mel);
+            Ok(out)
+        };
+        let mut outs = self.setup_graphs.run(0, &[&ids], &encode)?.into_iter();
+        let (Some(mu), Some(cnn)) = (outs.next(), outs.next()) else { candle_core::bail!("the setup's encoder gave no outputs") };
+        let mut att_token: Vec<Tensor> = outs.collect();
+        let att_mel = att_token.split_off(self.cfg.encoder.num_blocks.min(att_token.len()));
+        let conformer = ConformerCache { cnn, att_token, att_mel };
         let spk = self.speaker(&Tensor::stack(&prompts.iter().map(|p| p.2).collect::<Vec<_>>(), 0)?)?;
         let mels = prompts.iter().map(|p| p.1.to_dtype(self.dtype())?.t()).collect::<Result<Vec<_>>>()?;
         let cond = Tensor::stack(&mels, 0)?.contiguous()?;

@@ -132,6 +132,7 @@ impl Code2Wav {
         self.flow.decoder.set_graphs(flow);
         self.campplus.set_graphs(flow.is_some());
         self.s3.set_graphs(flow.is_some());
+        self.flow.set_setup_graphs(flow.is_some());
         if let Vocoder::Causal(h) = &mut self.vocoder {
             h.set_graphs(vocoder);
         }
