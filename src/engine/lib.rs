@@ -204,6 +204,15 @@ impl Engine {
         }
         if cfg.decode_graphs && own_stream(&d0, [&d1, &d2]) {
             models.thinker.llm.set_decode_mode(DecodeMode::Graph);
+            // the references it hears (cut to 6 s) as a graph, captured now rather than at the
+            // second new voice
+            let n = (16_000.0 * antiphon_models::code2wav::prompt::PROMPT_SECONDS) as usize;
+            models.thinker.set_clip_graphs(Some(n));
+            for _ in 0..2 {
+                if let Err(e) = models.thinker.encode_clip(&vec![0.0; n]) {
+                    tracing::warn!("thinker: reference encoding warm-up failed: {e:#}");
+                }
+            }
         }
         if cfg.decode_graphs && own_stream(&d1, [&d0, &d2]) {
             models.talker.set_decode_mode(DecodeMode::Graph);

@@ -70,6 +70,10 @@ pub struct Thinker {
     pub audio_projection_layer: AudioProjector,
     mel: std::sync::Arc<WhisperLogMel>,
     pool_step: usize,
+    /// Clips of exactly this many samples (a reference voice, cut to its fixed length) are
+    /// encoded and projected as a replayed CUDA graph ([`Thinker::set_clip_graphs`]).
+    graph_clip: Option<usize>,
+    clip_graphs: crate::cuda_graph::GraphSlot,
 }
 
 impl Thinker {
@@ -84,6 +88,8 @@ impl Thinker {
             audio_projection_layer,
             mel: std::sync::Arc::new(WhisperLogMel::new(cfg.audio_config.num_mel_bins)),
             pool_step: cfg.audio_pool_step,
+            graph_clip: None,
+            clip_graphs: crate::cuda_graph::GraphSlot::off(),
         })
     }
 
@@ -111,6 +117,13 @@ impl Thinker {
         avg_pool_time(&self.audio_projection_layer.forward(enc)?, self.pool_step)
     }
 
+    /// Clips of exactly `samples` 16 kHz samples (the reference voices the Thinker hears, all cut
+    /// to one length) encoded as a CUDA graph from their second run; `None`: op by op.
+    pub fn set_clip_graphs(&mut self, samples: Option<usize>) {
+        self.graph_clip = samples;
+        self.clip_graphs = if samples.is_some() { crate::cuda_graph::GraphSlot::on(1) } else { crate::cuda_graph::GraphSlot::off() };
+    }
+
     /// A whole clip of 16 kHz audio -> LLM-width audio embeddings. Clips longer than the encoder's
     /// window (30 s) are encoded window by window.
     pub fn encode_clip(&self, samples: &[f32]) -> Result<Tensor> {
@@ -123,7 +136,12 @@ impl Thinker {
         let mut parts = Vec::new();
         for chunk in samples.chunks(window).filter(|c| self.mel.frames_for(c.len()) > 0) {
             let mel = self.log_mel(chunk)?;
-            parts.push(self.project(&self.apm.forward_clip(&mel)?)?);
+            if self.graph_clip == Some(chunk.len()) {
+                let encode = |x: &[Tensor]| -> candle_core::Result<Vec<Tensor>> { Ok(vec![self.project(&self.apm.forward_clip(&x[0])?)?]) };
+                parts.push(self.clip_graphs.run(0, &[&mel], &encode)?.remove(0));
+            } else {
+                parts.push(self.project(&self.apm.forward_clip(&mel)?)?);
+            }
         }
         Tensor::cat(&parts, 0)
     }

@@ -116,6 +116,10 @@ impl WhisperEncoder {
     /// Learned positions `offset .. offset + n`; past the table the last row repeats.
     fn positions(&self, offset: usize, n: usize) -> Result<Tensor> {
         let max = self.cfg.max_source_positions;
+        if offset + n <= max {
+            // (the same rows as the gather below, with nothing from the host)
+            return self.embed_positions.narrow(0, offset, n);
+        }
         let idx: Vec<u32> = (offset..offset + n).map(|p| p.min(max - 1) as u32).collect();
         let idx = Tensor::from_vec(idx, n, self.embed_positions.device())?;
         self.embed_positions.index_select(&idx, 0)

@@ -74,21 +74,30 @@ pub fn prepare_features(
     up_rate: usize,
     dev: &Device,
 ) -> Result<PromptFeatures> {
-    // speech codes: 128-bin Whisper log-mel -> S3 tokenizer
-    let wm = WhisperLogMel::new(s3.n_mels());
-    let (m, frames) = wm.compute(audio_16k);
-    let mel128 = Tensor::from_vec(m, (s3.n_mels(), frames), dev)?;
-    let codes = s3.quantize(&mel128)?;
-    if codes.is_empty() {
-        bail!("reference audio is too short for speech codes");
-    }
-    // speaker: kaldi fbank (host), mean-normalized, CAM++ (on its device)
-    let (mut fb, nf) = kaldi_fbank(audio_16k, TOKENIZER_RATE as usize, 80);
-    mean_normalize(&mut fb, 80);
-    let fb = Tensor::from_vec(fb, (nf, 80), &Device::Cpu)?;
-    let speaker = campplus.embed(&fb)?.to_device(dev)?;
+    // the host's three spectral front ends run side by side: the kaldi fbank and the prompt mel
+    // on helper threads, the S3 log-mel here, whose codes the device computes meanwhile
+    let (codes, speaker, (pm, pf)) = std::thread::scope(|scope| -> Result<_> {
+        let fbank = scope.spawn(|| {
+            let (mut fb, nf) = kaldi_fbank(audio_16k, TOKENIZER_RATE as usize, 80);
+            mean_normalize(&mut fb, 80);
+            (fb, nf)
+        });
+        let prompt_mel = scope.spawn(|| flow_mel.compute(audio_24k));
+        // speech codes: 128-bin Whisper log-mel -> S3 tokenizer
+        let wm = WhisperLogMel::new(s3.n_mels());
+        let (m, frames) = wm.compute(audio_16k);
+        let mel128 = Tensor::from_vec(m, (s3.n_mels(), frames), dev)?;
+        let codes = s3.quantize(&mel128)?;
+        if codes.is_empty() {
+            bail!("reference audio is too short for speech codes");
+        }
+        // speaker: kaldi fbank (host), mean-normalized, CAM++ (on its device)
+        let (fb, nf) = fbank.join().map_err(|_| anyhow::anyhow!("the fbank thread panicked"))?;
+        let fb = Tensor::from_vec(fb, (nf, 80), &Device::Cpu)?;
+        let speaker = campplus.embed(&fb)?.to_device(dev)?;
+        Ok((codes, speaker, prompt_mel.join().map_err(|_| anyhow::anyhow!("the prompt mel thread panicked"))?))
+    })?;
     // prompt mel at 24 kHz, replicate-padded (or cut) to up_rate × codes frames
-    let (pm, pf) = flow_mel.compute(audio_24k);
     let n_mels = pm.len() / pf.max(1);
     let mut rows = vec![0f32; codes.len() * up_rate * n_mels];
     let want = codes.len() * up_rate;
