@@ -6,7 +6,7 @@ mod common;
 use common::streams::{codes, due, payloads, reference, samples};
 
 use antiphon_assets::synth::{self, Preset};
-use antiphon_models::code2wav::prompt::Reference;
+use antiphon_models::code2wav::prompt::{PromptFeatures, Reference};
 use antiphon_models::code2wav::{BufferSeeds, Code2Wav};
 use candle_core::{DType, Device, Tensor};
 
@@ -85,15 +85,21 @@ fn batched_streams_match_single_streams() {
     }
 }
 
+/// A tiny Code2Wav and two voices: the reference, and its first 2 s (padded to the same 6 s).
+fn two_voices() -> (Code2Wav, PromptFeatures, PromptFeatures) {
+    let c2w = synth::code2wav_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap();
+    let f = c2w.prepare(&reference()).unwrap();
+    let short: Vec<f32> = reference().samples[..24_000 * 2].to_vec();
+    let g = c2w.prepare(&Reference::materialize(&short, 24_000).unwrap()).unwrap();
+    (c2w, f, g)
+}
+
 /// Streams at different points of their histories (so caches of different lengths: the flow pads
 /// them and masks the padding) and with different voices share every chunk, through to the last,
 /// and each gets what it gets alone.
 #[test]
 fn streams_with_different_histories_and_voices_share_a_batch() {
-    let c2w = synth::code2wav_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap();
-    let f = c2w.prepare(&reference()).unwrap();
-    let short: Vec<f32> = reference().samples[..24_000 * 2].to_vec();
-    let g = c2w.prepare(&Reference::materialize(&short, 24_000).unwrap()).unwrap();
+    let (c2w, f, g) = two_voices();
     // (every reference is padded to the same 6 s: the voices differ in content, not length)
     assert_ne!(samples(&f.speaker), samples(&g.speaker), "two voices");
     let (sf, sg) = (c2w.setup(&f).unwrap(), c2w.setup(&g).unwrap());
@@ -132,10 +138,7 @@ fn streams_with_different_histories_and_voices_share_a_batch() {
 /// up the new voices of a step) give each the state it gets alone: the same first chunk.
 #[test]
 fn voices_set_up_in_one_batch_match_voices_set_up_alone() {
-    let c2w = synth::code2wav_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap();
-    let f = c2w.prepare(&reference()).unwrap();
-    let short: Vec<f32> = reference().samples[..24_000 * 2].to_vec();
-    let g = c2w.prepare(&Reference::materialize(&short, 24_000).unwrap()).unwrap();
+    let (c2w, f, g) = two_voices();
     let together = c2w.setup_batch(&[&f, &g, &f]).unwrap();
     assert_eq!(together.len(), 3);
     let first = codes(28, 3);

@@ -344,6 +344,7 @@ mod tests {
             let spectrum: Vec<f64> = (0..n_fft / 2 + 1).map(|k| ((k * 7919) % 1000) as f64 * 1e-3 + 1e-7).collect();
             for (row, e) in dense.iter().zip(bank.apply(&spectrum)) {
                 let want: f64 = row.iter().zip(&spectrum).map(|(a, b)| a * b).sum();
+                assert!(want.is_finite() && want > 0.0, "{want}");
                 assert_eq!(want.to_bits(), e.to_bits(), "{want} against {e}");
             }
         }

@@ -216,7 +216,6 @@ impl Code2Wav {
         let cap = self.flow.decoder.policy().map(|p| p.setup_batch.max(1));
         let mut out: Vec<Option<FlowState>> = vec![None; fs.len()];
         let mut lengths: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
-        lengths.dedup();
         lengths.sort_unstable();
         lengths.dedup();
         for len in lengths {

@@ -43,22 +43,6 @@ pub struct Fold {
     pub operands: HashMap<Slot, Tensor>,
 }
 
-/// Which nodes depend on the input's data: the input, and anything computed from it except its
-/// shape.
-pub fn dynamic_nodes(nodes: &[NodeProto], input: &str) -> Vec<bool> {
-    let mut live: std::collections::HashSet<&str> = std::collections::HashSet::from([input]);
-    nodes
-        .iter()
-        .map(|n| {
-            let d = n.op_type != "Shape" && n.input.iter().any(|s| live.contains(s.as_str()));
-            if d {
-                live.extend(n.output.iter().map(|s| s.as_str()));
-            }
-            d
-        })
-        .collect()
-}
-
 impl Fold {
     /// After a full evaluation (`env`: every node's output; `inits`: the graph's initializers):
     /// keeps the values of the nodes that do not depend on the input, and places each constant
@@ -71,10 +55,13 @@ impl Fold {
         inits: &HashMap<String, Tensor>,
         dev: &Device,
     ) -> Result<Self> {
-        let dynamic = dynamic_nodes(nodes, input);
+        // a node depends on the input's data when it reads the input or such a node's output
+        // (a `Shape` of it does not: the shape is fixed)
         let mut live: std::collections::HashSet<&str> = std::collections::HashSet::from([input]);
+        let mut dynamic = Vec::with_capacity(nodes.len());
         let mut values = HashMap::new();
-        for (n, &d) in nodes.iter().zip(&dynamic) {
+        for n in nodes {
+            let d = n.op_type != "Shape" && n.input.iter().any(|s| live.contains(s.as_str()));
             for o in &n.output {
                 if d {
                     live.insert(o.as_str());
@@ -82,6 +69,7 @@ impl Fold {
                     values.insert(o.clone(), t.clone());
                 }
             }
+            dynamic.push(d);
         }
         let mut operands = HashMap::new();
         for (i, n) in nodes.iter().enumerate().filter(|(i, _)| dynamic[*i]) {
@@ -93,7 +81,7 @@ impl Fold {
                 let placed = if n.op_type == "Gather" && k == 1 {
                     // the data's size on the gathered axis, from the evaluation that made the fold
                     let Some(data) = n.input.first().and_then(|s| env.get(s.as_str())) else { continue };
-                    let ax = n.attribute.iter().find(|a| a.name == "axis").map(|a| a.i).unwrap_or(0);
+                    let ax = n.attr_i("axis", 0);
                     let ax = if ax < 0 { (ax + data.rank() as i64) as usize } else { ax as usize };
                     let size = data.dim(ax)? as i64;
                     let idx: Vec<u32> =
