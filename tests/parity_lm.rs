@@ -53,6 +53,23 @@ fn parity_thinker_encoder_whole_clip() {
         let again = thinker.encode_clip(&samples(&io["clip"])).unwrap();
         assert_close(&format!("graphed clip, run {run}"), &again, &io["clip_embeds"], TOL);
     }
+    // a shorter clip than the graphed length (a reference voice under 6 s) is encoded padded to
+    // it with the padding masked out: still the reference's numbers, and as many embeddings
+    let n = io["clip"].dim(0).unwrap();
+    thinker.set_clip_graphs(Some(n + 2 * 1600 + 480));
+    for run in 0..3 {
+        let padded = thinker.encode_clip(&samples(&io["clip"])).unwrap();
+        assert_close(&format!("clip padded to a longer graph, run {run}"), &padded, &io["clip_embeds"], TOL);
+    }
+    let enc = thinker.apm.forward_clip(&mel).unwrap();
+    assert_close("encoder output after the padded runs", &enc, &io["clip_encoder"], TOL);
+    // an odd number of frames (conv2's last window reaches past the clip) against its own shapes
+    let odd = &samples(&io["clip"])[..n - 100];
+    let (mut alone, _) = models();
+    alone.set_clip_graphs(None);
+    let want = alone.encode_clip(odd).unwrap();
+    assert_eq!(want.dim(0).unwrap(), alone.audio_embeddings_for(odd.len()));
+    assert_close("odd-length clip, padded", &thinker.encode_clip(odd).unwrap(), &want, TOL);
 }
 
 #[test]

@@ -9,7 +9,7 @@ use super::config::MiniCpmoConfig;
 use super::decoder::KvCache;
 use super::mel::WhisperLogMel;
 use super::qwen3::Qwen3;
-use super::whisper::{avg_pool_time, EncoderStep, WhisperEncoder};
+use super::whisper::{avg_pool_time, ClipMask, EncoderStep, WhisperEncoder};
 
 /// `audio_projection_layer`: linear1 (encoder width -> LLM width), ReLU, linear2.
 #[derive(Debug, Clone)]
@@ -70,8 +70,8 @@ pub struct Thinker {
     pub audio_projection_layer: AudioProjector,
     mel: std::sync::Arc<WhisperLogMel>,
     pool_step: usize,
-    /// Clips of exactly this many samples (a reference voice, cut to its fixed length) are
-    /// encoded and projected as a replayed CUDA graph ([`Thinker::set_clip_graphs`]).
+    /// Clips of at most this many samples (reference voices, cut to a fixed length; short
+    /// utterances) are encoded padded to it, as a replayed CUDA graph ([`Thinker::set_clip_graphs`]).
     graph_clip: Option<usize>,
     clip_graphs: crate::cuda_graph::GraphSlot,
 }
@@ -117,8 +117,9 @@ impl Thinker {
         avg_pool_time(&self.audio_projection_layer.forward(enc)?, self.pool_step)
     }
 
-    /// Clips of exactly `samples` 16 kHz samples (the reference voices the Thinker hears, all cut
-    /// to one length) encoded as a CUDA graph from their second run; `None`: op by op.
+    /// Clips of at most `samples` 16 kHz samples (the reference voices the Thinker hears, cut to
+    /// that length, and anything shorter) encoded padded to it, as a CUDA graph from the second
+    /// run on; `None`: every clip op by op in its own shapes.
     pub fn set_clip_graphs(&mut self, samples: Option<usize>) {
         self.graph_clip = samples;
         self.clip_graphs = if samples.is_some() { crate::cuda_graph::GraphSlot::on(1) } else { crate::cuda_graph::GraphSlot::off() };
@@ -135,15 +136,38 @@ impl Thinker {
         let window = self.apm.config().max_source_positions * 2 * WhisperLogMel::HOP;
         let mut parts = Vec::new();
         for chunk in samples.chunks(window).filter(|c| self.mel.frames_for(c.len()) > 0) {
-            let mel = self.log_mel(chunk)?;
-            if self.graph_clip == Some(chunk.len()) {
-                let encode = |x: &[Tensor]| -> candle_core::Result<Vec<Tensor>> { Ok(vec![self.project(&self.apm.forward_clip(&x[0])?)?]) };
-                parts.push(self.clip_graphs.run(0, &[&mel], &encode)?.remove(0));
-            } else {
-                parts.push(self.project(&self.apm.forward_clip(&mel)?)?);
+            match self.graph_clip {
+                Some(n) if chunk.len() <= n => parts.push(self.encode_padded(chunk, n)?),
+                _ => parts.push(self.project(&self.apm.forward_clip(&self.log_mel(chunk)?)?)?),
             }
         }
         Tensor::cat(&parts, 0)
+    }
+
+    /// A clip of at most `n` samples encoded as one of `n` samples, the padding masked out
+    /// ([`WhisperEncoder::forward_clip_padded`]), replayed as a CUDA graph: the same embeddings as
+    /// the clip's own shapes give, for every length up to `n`.
+    fn encode_padded(&self, clip: &[f32], n: usize) -> Result<Tensor> {
+        let (m, frames) = self.mel.compute(clip);
+        let (fmax, nm) = (self.mel.frames_for(n), self.mel.n_mels());
+        let (pmax, p) = (WhisperEncoder::positions_for(fmax), WhisperEncoder::positions_for(frames));
+        // one upload: the padded mel, conv1's output mask, the attention key mask
+        let mut host = vec![0f32; nm * fmax + fmax + pmax];
+        for (r, row) in m.chunks_exact(frames).enumerate() {
+            host[r * fmax..r * fmax + frames].copy_from_slice(row);
+        }
+        host[nm * fmax..nm * fmax + frames].fill(1.0);
+        host[nm * fmax + fmax + p..].fill(f32::NEG_INFINITY);
+        let all = Tensor::from_vec(host, nm * fmax + fmax + pmax, self.llm_device())?.to_dtype(self.llm_dtype())?;
+        let mel = all.narrow(0, 0, nm * fmax)?.reshape((nm, fmax))?;
+        let conv = all.narrow(0, nm * fmax, fmax)?.reshape((1, fmax))?;
+        let keys = all.narrow(0, nm * fmax + fmax, pmax)?.reshape((1, 1, 1, pmax))?;
+        let encode = |x: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
+            let mask = ClipMask { conv: x[1].clone(), keys: x[2].clone() };
+            Ok(vec![self.project(&self.apm.forward_clip_padded(&x[0], &mask)?)?])
+        };
+        let pooled = self.clip_graphs.run(0, &[&mel, &conv, &keys], &encode)?.remove(0);
+        pooled.narrow(0, 0, p / self.pool_step)
     }
 
     /// Streaming units (the duplex path): each stream's next unit of 16 kHz audio, encoded against

@@ -17,7 +17,7 @@ pub fn reference() -> Reference {
 }
 
 pub fn codes(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| (i * 2654435761u32.wrapping_add(salt)) % 6561).collect()
+    (0..n as u32).map(|i| i.wrapping_mul(2654435761u32.wrapping_add(salt)) % 6561).collect()
 }
 
 /// Chunks of [3 context + n new] codes, the first context being silence; the last has no look-ahead.

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{Result, Tensor};
 
-use super::dit::{Att, Dit, EstimatorCache, Kv, StepCondition};
+use super::dit::{Att, Dit, EstimatorCache, Sink, StepCondition};
 use super::slots::{FlowPool, PoolBatch};
 use crate::cuda_graph::GraphSlot;
 
@@ -47,16 +47,6 @@ impl Default for GraphPolicy {
     fn default() -> Self {
         Self { max_batch: 2, max_graphs: 12, pool_batch: 32, pool_graphs: 16, setup_batch: 4 }
     }
-}
-
-/// Every step's blocks' keys and values (step-major) in the cache layout
-/// `[steps, depth, N, h, L, 2 hd]`, in one stacking pass.
-fn steps_joined(kvs: &[Kv], steps: usize) -> Result<Tensor> {
-    let joined = Kv::stack_joined(kvs)?;
-    let mut dims = joined.dims().to_vec();
-    let depth = dims[0] / steps;
-    dims.splice(0..1, [steps, depth]);
-    joined.reshape(dims)
 }
 
 /// What the Euler loop's estimator attends over besides the chunk itself.
@@ -191,22 +181,13 @@ impl Cfm {
         self.noise.narrow(1, offset, t)
     }
 
-    /// The Euler loop from `x0: [B, 80, T]` over the estimator caches `cache`; every step's new
-    /// caches go to `keep(cnn, att)`, in step order (a pool's keys and values are written in place
-    /// and none are kept). Returns the solution `[B, 80, T]`.
+    /// The Euler loop from `x0: [B, 80, T]` over the estimator caches `cache`. Returns the solution
+    /// `[B, 80, T]` and every step's new caches: conv `[steps, depth, 2 B, 2, 2 H]` and (unless the
+    /// cache is a pool's, written in place) attention `[steps, depth, 2 B, h, T + L, 2 hd]`.
     #[allow(clippy::too_many_arguments)]
-    fn euler(
-        &self,
-        x0: Tensor,
-        mu: &Tensor,
-        spks: &Tensor,
-        cond: &Tensor,
-        conds: &[StepCondition],
-        cache: Cache<'_>,
-        mut keep: impl FnMut(Tensor, Vec<Kv>) -> Result<()>,
-    ) -> Result<Tensor> {
+    fn euler(&self, x0: Tensor, mu: &Tensor, spks: &Tensor, cond: &Tensor, conds: &[StepCondition], cache: Cache<'_>) -> Result<(Tensor, Tensor, Option<Tensor>)> {
         let n_timesteps = conds.len();
-        let b = mu.dim(0)?;
+        let (b, _, t) = mu.dims3()?;
         let mut x = x0;
         // keys and values apart, once per chunk: each block then appends its new ones with one
         // plain copy and attends without another
@@ -215,6 +196,8 @@ impl Cfm {
             Cache::Joined { att, .. } => Some((att.narrow(5, 0, hd)?.contiguous()?, att.narrow(5, hd, hd)?.contiguous()?)),
             _ => None,
         };
+        let l = kv.as_ref().map(|(k, _)| k.dim(4)).transpose()?.unwrap_or(0);
+        let (cnn_out, att_out) = Sink::buffers(self.estimator.config(), n_timesteps, 2 * b, t, l, matches!(cache, Cache::Pool { .. }), mu)?;
         let span = cosine_t_span(n_timesteps);
         let mu_in = Tensor::cat(&[mu, &mu.zeros_like()?], 0)?;
         let spks_in = Tensor::cat(&[spks, &spks.zeros_like()?], 0)?;
@@ -237,7 +220,9 @@ impl Cfm {
                 (Cache::Pool { batch, .. }, Some((k, v))) => Att::Pool { k, v, rows: &batch.rows, pos: &batch.pos, mask: &batch.mask },
                 _ => Att::Empty,
             };
-            let (v, nc, na) = self.estimator.forward_kv(&x_in, &mu_in, &conds[step - 1], &spks_in, &cond_in, cc.as_ref(), att)?;
+            let (sink_cnn, sink_att) = (cnn_out.get(step - 1)?, att_out.as_ref().map(|a| a.get(step - 1)).transpose()?);
+            let sink = Sink { cnn: &sink_cnn, att: sink_att.as_ref() };
+            let v = self.estimator.forward_into(&x_in, &mu_in, &conds[step - 1], &spks_in, &cond_in, cc.as_ref(), att, &sink)?;
             let vc = v.narrow(0, 0, b)?;
             let vu = v.narrow(0, b, b)?;
             let v = ((vc * (1.0 + self.cfg_rate))? - (vu * self.cfg_rate)?)?;
@@ -246,9 +231,8 @@ impl Cfm {
             if step < n_timesteps {
                 dt = span[step + 1] - tt;
             }
-            keep(nc, na)?;
         }
-        Ok(x)
+        Ok((x, cnn_out, att_out))
     }
 
     /// Solves one chunk for a batch of `B` streams. `mu`, `cond`: `[B, 80, T]`, `spks: [B, 80]`;
@@ -269,15 +253,10 @@ impl Cfm {
         // inputs: mu, speakers, condition, then (with a cache) its attention and conv parts;
         // outputs: the solution, the new attention and conv caches
         let solve = |x: &[Tensor]| -> Result<Vec<Tensor>> {
-            let (mut cnns, mut kvs) = (Vec::with_capacity(n_timesteps), Vec::new());
             let x0 = noise.unsqueeze(0)?.broadcast_as((b, ch, t))?.to_dtype(x[0].dtype())?.contiguous()?;
             let cache = if x.len() == 5 { Cache::Joined { att: &x[3], cnn: &x[4], mask: None } } else { Cache::None };
-            let out = self.euler(x0, &x[0], &x[1], &x[2], &conds, cache, |nc, na| {
-                cnns.push(nc);
-                kvs.extend(na);
-                Ok(())
-            })?;
-            Ok(vec![out, steps_joined(&kvs, n_timesteps)?, Tensor::stack(&cnns, 0)?])
+            let (out, cnn, att) = self.euler(x0, &x[0], &x[1], &x[2], &conds, cache)?;
+            Ok(vec![out, att.expect("caches held apart"), cnn])
         };
         let out = match (self.policy, cache) {
             // (the shape key holds the cache length, hence the noise offset)
@@ -313,12 +292,8 @@ impl Cfm {
         let conds = self.conditions(n_timesteps, mu.device())?;
         let solve = |x: &[Tensor]| -> Result<Vec<Tensor>> {
             let batch = PoolBatch { rows: x[5].clone(), pos: x[6].clone(), mask: x[7].clone() };
-            let mut cnns = Vec::with_capacity(n_timesteps);
-            let out = self.euler(x[0].clone(), &x[1], &x[2], &x[3], &conds, Cache::Pool { pool, cnn: &x[4], batch: &batch }, |nc, _| {
-                cnns.push(nc);
-                Ok(())
-            })?;
-            Ok(vec![out, Tensor::stack(&cnns, 0)?])
+            let (out, cnn, _) = self.euler(x[0].clone(), &x[1], &x[2], &x[3], &conds, Cache::Pool { pool, cnn: &x[4], batch: &batch })?;
+            Ok(vec![out, cnn])
         };
         let inputs = [x0, mu, spks, cond, cnn, &batch.rows, &batch.pos, &batch.mask];
         let out = match self.policy {
@@ -358,12 +333,7 @@ impl Cfm {
         }
         let mask = Tensor::from_vec(m, (2 * b, 1, 1, t + lmax), mu.device())?.to_dtype(mu.dtype())?;
         let conds = self.conditions(n_timesteps, mu.device())?;
-        let (mut cnns, mut kvs) = (Vec::with_capacity(n_timesteps), Vec::new());
-        let x = self.euler(x0, mu, spks, cond, &conds, Cache::Joined { att: &cache.att, cnn: &cache.cnn, mask: Some(&mask) }, |nc, na| {
-            cnns.push(nc);
-            kvs.extend(na);
-            Ok(())
-        })?;
-        Ok((x, EstimatorCache { att: steps_joined(&kvs, n_timesteps)?, cnn: Tensor::stack(&cnns, 0)? }))
+        let (x, cnn, att) = self.euler(x0, mu, spks, cond, &conds, Cache::Joined { att: &cache.att, cnn: &cache.cnn, mask: Some(&mask) })?;
+        Ok((x, EstimatorCache { att: att.expect("caches held apart"), cnn }))
     }
 }

@@ -102,28 +102,32 @@ impl ConvBlock {
     }
 
     /// `x: [N, T, C]`, `cache: [N, 2, 2C]` (the last two input frames of conv 1 | of conv 2,
-    /// time-major) -> (conv 2's output before its bias, `[N, T, C]`; the new cache).
-    fn forward(&self, x: &Tensor, cache: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+    /// time-major) -> conv 2's output before its bias, `[N, T, C]`; the new cache is written into
+    /// `dst` (`[N, 2, 2C]`, contiguous).
+    fn forward(&self, x: &Tensor, cache: Option<&Tensor>, dst: &Tensor) -> Result<Tensor> {
         let c = self.channels;
         let (t1, t2) = match cache {
             Some(t) => (Some(t.narrow(2, 0, c)?.contiguous()?), Some(t.narrow(2, c, c)?.contiguous()?)),
             None => (None, None),
         };
-        let tail = |x: &Tensor, pre: Option<&Tensor>| -> Result<Tensor> {
-            let t = x.dim(1)?;
-            if t >= 2 {
-                return x.narrow(1, t - 2, 2);
-            }
-            let pre = match pre {
-                Some(p) => p.clone(),
-                None => x.narrow(1, 0, 1)?.zeros_like()?.repeat((1, 2, 1))?,
-            };
-            Tensor::cat(&[&pre, x], 1)?.narrow(1, t, 2)
-        };
         let y = mm(&dit_ops::causal_im2col(x, t1.as_ref())?, &self.w1)?;
         let y = dit_ops::bias_ln_mish(&y, &self.b1, self.norm.weight(), self.norm.bias().expect("layer_norm has a bias"), 1e-5)?;
         let z = mm(&dit_ops::causal_im2col(&y, t2.as_ref())?, &self.w2)?;
-        Ok((z, Tensor::cat(&[tail(x, t1.as_ref())?, tail(&y, t2.as_ref())?], 2)?))
+        let t = x.dim(1)?;
+        if t >= 2 {
+            dit_ops::conv_tails_into(dst, x, &y)?;
+        } else {
+            // a chunk shorter than the cache: its frames after the cached ones
+            let tail = |x: &Tensor, pre: Option<&Tensor>| -> Result<Tensor> {
+                let pre = match pre {
+                    Some(p) => p.clone(),
+                    None => x.narrow(1, 0, 1)?.zeros_like()?.repeat((1, 2, 1))?,
+                };
+                Tensor::cat(&[&pre, x], 1)?.narrow(1, t, 2)
+            };
+            dst.slice_set(&Tensor::cat(&[tail(x, t1.as_ref())?, tail(&y, t2.as_ref())?], 2)?.contiguous()?, 0, 0)?;
+        }
+        Ok(z)
     }
 }
 
@@ -177,28 +181,27 @@ impl Block {
     }
 
     /// `x: [N, T, H]`; `m`: this block's modulation, `[1, 9 H]`; `att`: this block's cached keys
-    /// and values (a block's share of [`Att`]).
-    fn forward(&self, x: &Tensor, m: &Tensor, cnn: Option<&Tensor>, att: Att<'_>) -> Result<(Tensor, Tensor, Option<Kv>)> {
+    /// and values (a block's share of [`Att`]); the new caches go into `sink` (this block's share).
+    fn forward(&self, x: &Tensor, m: &Tensor, cnn: Option<&Tensor>, att: Att<'_>, sink: &BlockSink<'_>) -> Result<Tensor> {
         let m = m.chunk(9, D::Minus1)?;
         let (shift_msa, scale_msa, gate_msa) = (&m[0], &m[1], &m[2]);
         let (shift_mlp, scale_mlp, gate_mlp) = (&m[3], &m[4], &m[5]);
         let (shift_conv, scale_conv, gate_conv) = (&m[6], &m[7], &m[8]);
         // attention
-        let (o, new_att) = self.attn_forward(&dit_ops::ln_modulate(x, shift_msa, scale_msa, 1e-6)?, att)?;
+        let o = self.attn_forward(&dit_ops::ln_modulate(x, shift_msa, scale_msa, 1e-6)?, att, sink.att)?;
         let x = dit_ops::gate_residual(x, &mm(&o, &self.attn.w_proj)?, Some(&self.attn.b_proj), gate_msa)?;
         // conv
-        let (cv, new_cnn) = self.conv.forward(&dit_ops::ln_modulate(&x, shift_conv, scale_conv, 1e-6)?, cnn)?;
+        let cv = self.conv.forward(&dit_ops::ln_modulate(&x, shift_conv, scale_conv, 1e-6)?, cnn, sink.cnn)?;
         let x = dit_ops::gate_residual(&x, &cv, Some(&self.conv.b2), gate_conv)?;
         // mlp
         let h = dit_ops::bias_gelu(&mm(&dit_ops::ln_modulate(&x, shift_mlp, scale_mlp, 1e-6)?, &self.w_fc1)?, &self.b_fc1)?;
-        let x = dit_ops::gate_residual(&x, &mm(&h, &self.w_fc2)?, Some(&self.b_fc2), gate_mlp)?;
-        Ok((x, new_cnn, new_att))
+        dit_ops::gate_residual(&x, &mm(&h, &self.w_fc2)?, Some(&self.b_fc2), gate_mlp)
     }
 
     /// Attention over the chunk's new keys and the cache ([`Att`]): returns the heads' output
-    /// `[N, T, h hd]` (before `proj`) and, for caches held apart, the new keys and values
-    /// `[N, h, T + L, hd]` each (contiguous), newest first; a pool's slots are written in place.
-    fn attn_forward(&self, x: &Tensor, cache: Att<'_>) -> Result<(Tensor, Option<Kv>)> {
+    /// `[N, T, h hd]` (before `proj`); for caches held apart the new keys and values (newest
+    /// first) go into `dst` (`[N, h, T + L, 2 hd]`), a pool's slots are written in place.
+    fn attn_forward(&self, x: &Tensor, cache: Att<'_>, dst: Option<&Tensor>) -> Result<Tensor> {
         let a = &self.attn;
         let (n, t, _) = x.dims3()?;
         let norm = |l: &LayerNorm| (l.weight().clone(), l.bias().expect("layer_norm has a bias").clone());
@@ -227,8 +230,11 @@ impl Block {
             Some(m) => dit_ops::masked_softmax(&att, m)?,
             None => candle_nn::ops::softmax_last_dim(&att)?,
         };
-        let o = att.matmul(&v)?.transpose(1, 2)?.reshape((n, t, a.heads * a.hd))?;
-        Ok((o, (!pooled).then_some(Kv { k, v })))
+        if !pooled {
+            let Some(dst) = dst else { candle_core::bail!("DiT attention: no buffer for the new keys and values") };
+            dit_ops::kv_join_into(dst, &k, &v)?;
+        }
+        att.matmul(&v)?.transpose(1, 2)?.reshape((n, t, a.heads * a.hd))
     }
 }
 
@@ -275,20 +281,34 @@ impl BlockAtt<'_> {
     }
 }
 
-/// One block's attention keys and values, `[N, h, L, hd]` each (contiguous).
+/// Where an estimator evaluation writes its new caches, in place: `cnn` `[depth, N, 2, 2 H]`,
+/// `att` `[depth, N, h, T + L, 2 hd]` (K | V on the last axis; `None` for a pool's caches, which
+/// are written into the pool), both contiguous (views of a solve's per-step buffers: no copy
+/// gathers them afterwards).
 #[derive(Debug, Clone)]
-pub struct Kv {
-    pub k: Tensor,
-    pub v: Tensor,
+pub struct Sink<'a> {
+    pub cnn: &'a Tensor,
+    pub att: Option<&'a Tensor>,
 }
 
-impl Kv {
-    /// Blocks' (or steps × blocks') keys and values stacked in the cache layout
-    /// `[len, N, h, L, 2 hd]` (K | V on the last axis).
-    pub fn stack_joined(kvs: &[Kv]) -> Result<Tensor> {
-        let k = Tensor::stack(&kvs.iter().map(|kv| &kv.k).collect::<Vec<_>>(), 0)?;
-        let v = Tensor::stack(&kvs.iter().map(|kv| &kv.v).collect::<Vec<_>>(), 0)?;
-        Tensor::cat(&[&k, &v], 4)
+/// One block's share of a [`Sink`].
+struct BlockSink<'a> {
+    cnn: &'a Tensor,
+    att: Option<&'a Tensor>,
+}
+
+impl Sink<'_> {
+    /// Buffers for `steps` evaluations (a leading axis) over `n` rows of `t` frames with caches of
+    /// `l` (no attention buffer with `pooled`), in `like`'s dtype and device.
+    pub fn buffers(cfg: &DitConfig, steps: usize, n: usize, t: usize, l: usize, pooled: bool, like: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+        let (dt, dev) = (like.dtype(), like.device());
+        // SAFETY: left uninitialised because the evaluations write every element before anything
+        // reads it: block i of step s writes all of `cnn[s, i]` ([`dit_ops::conv_tails_into`] or a
+        // whole-slice `slice_set`) and all of `att[s, i]` ([`dit_ops::kv_join_into`] over every
+        // row and position); a solve that fails drops them unread.
+        let cnn = unsafe { Tensor::empty((steps, cfg.depth, n, 2, 2 * cfg.hidden_size), dt, dev) }?;
+        let att = if pooled { None } else { Some(unsafe { Tensor::empty((steps, cfg.depth, n, cfg.num_heads, t + l, 2 * cfg.head_dim), dt, dev) }?) };
+        Ok((cnn, att))
     }
 }
 
@@ -436,19 +456,23 @@ impl Dit {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let hd = self.cfg.head_dim;
         let split = att.map(|a| Ok::<_, candle_core::Error>((a.narrow(4, 0, hd)?.contiguous()?, a.narrow(4, hd, hd)?.contiguous()?))).transpose()?;
+        let l = split.as_ref().map(|(k, _)| k.dim(3)).transpose()?.unwrap_or(0);
         let att = match &split {
             Some((k, v)) => Att::Joined { k, v, mask },
             None => Att::Empty,
         };
-        let (out, cnn, kvs) = self.forward_kv(x, mu, sc, spks, cond, cnn, att)?;
-        Ok((out, cnn, Kv::stack_joined(&kvs)?))
+        let (n, _, t) = x.dims3()?;
+        let (cnn_out, att_out) = Sink::buffers(&self.cfg, 1, n, t, l, false, x)?;
+        let (cnn_out, att_out) = (cnn_out.get(0)?, att_out.expect("caches held apart").get(0)?);
+        let out = self.forward_into(x, mu, sc, spks, cond, cnn, att, &Sink { cnn: &cnn_out, att: Some(&att_out) })?;
+        Ok((out, cnn_out, att_out))
     }
 
     /// The estimator over attention caches `att` (keys and values with a leading `depth` axis):
-    /// returns the velocity, the new conv caches `[depth, N, 2, 2 H]` and, unless the cache is a
-    /// pool's (written in place), each block's new keys and values.
+    /// returns the velocity; the new conv caches and (unless the cache is a pool's, written in
+    /// place) the new keys and values go into `sink`.
     #[allow(clippy::too_many_arguments)]
-    pub fn forward_kv(
+    pub fn forward_into(
         &self,
         x: &Tensor,
         mu: &Tensor,
@@ -457,27 +481,23 @@ impl Dit {
         cond: &Tensor,
         cnn: Option<&Tensor>,
         att: Att<'_>,
-    ) -> Result<(Tensor, Tensor, Vec<Kv>)> {
+        sink: &Sink<'_>,
+    ) -> Result<Tensor> {
         let (n, _, tl) = x.dims3()?;
         // the time condition is the same for every row: one row, broadcast where used
         let h9 = 9 * self.cfg.hidden_size;
         let s = spks.unsqueeze(2)?.broadcast_as((n, spks.dim(1)?, tl))?;
         let h = Tensor::cat(&[x, mu, &s, cond], 1)?.transpose(1, 2)?.contiguous()?;
         let mut h = self.in_proj.forward(&h)?;
-        let mut new_cnn = Vec::with_capacity(self.blocks.len());
-        let mut new_att = Vec::with_capacity(self.blocks.len());
         for (i, b) in self.blocks.iter().enumerate() {
             let cc = cnn.map(|t| t.get(i)).transpose()?;
             let ac = att.block(i)?;
-            let (y, nc, na) = b.forward(&h, &sc.blocks.narrow(1, i * h9, h9)?, cc.as_ref(), ac.as_att())?;
-            h = y;
-            new_cnn.push(nc);
-            new_att.extend(na);
+            let (sc_cnn, sc_att) = (sink.cnn.get(i)?, sink.att.map(|a| a.get(i)).transpose()?);
+            h = b.forward(&h, &sc.blocks.narrow(1, i * h9, h9)?, cc.as_ref(), ac.as_att(), &BlockSink { cnn: &sc_cnn, att: sc_att.as_ref() })?;
         }
         let m = sc.last.chunk(2, D::Minus1)?;
         let h = dit_ops::ln_modulate(&h, &m[0], &m[1], 1e-6)?;
-        let out = self.final_linear.forward(&h)?.transpose(1, 2)?;
-        Ok((out, Tensor::stack(&new_cnn, 0)?, new_att))
+        Ok(self.final_linear.forward(&h)?.transpose(1, 2)?)
     }
 }
 

@@ -280,6 +280,38 @@ pub fn masked_softmax(att: &Tensor, mask: &Tensor) -> Result<Tensor> {
     candle_nn::ops::softmax_last_dim(&att.broadcast_add(mask)?)
 }
 
+/// Writes the last two frames of `x` and of `y` (`[N, T, C]` each, `T >= 2`) into `dst` (`[N, 2,
+/// 2 C]`, contiguous: a conv cache, or a view of a solve's conv cache buffer) in place: `dst[n, f]
+/// = [x[n, T - 2 + f] | y[n, T - 2 + f]]`.
+pub fn conv_tails_into(dst: &Tensor, x: &Tensor, y: &Tensor) -> Result<()> {
+    let (n, t, c) = x.dims3()?;
+    if t < 2 || y.dims() != x.dims() || dst.dims() != [n, 2, 2 * c] || !dst.is_contiguous() || dst.dtype() != x.dtype() {
+        candle_core::bail!("conv_tails_into: x {:?}, y {:?} into {:?}", x.shape(), y.shape(), dst.shape());
+    }
+    #[cfg(feature = "cuda")]
+    if on_cuda(x) {
+        let total = n * 2 * 2 * c;
+        return cuda::launch_into("conv_tails", dst, &[&x.contiguous()?, &y.contiguous()?], &[t as i32, c as i32], &[total as u64], cuda::grid(total));
+    }
+    dst.slice_set(&Tensor::cat(&[x.narrow(1, t - 2, 2)?, y.narrow(1, t - 2, 2)?], 2)?.contiguous()?, 0, 0)
+}
+
+/// Writes keys and values (`[N, h, L, d]` each) joined on the last axis into `dst` (`[N, h, L, 2
+/// d]`, contiguous: a view of a solve's attention cache buffer) in place.
+pub fn kv_join_into(dst: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
+    let (n, h, l, d) = k.dims4()?;
+    if v.dims() != k.dims() || dst.dims() != [n, h, l, 2 * d] || !dst.is_contiguous() || dst.dtype() != k.dtype() {
+        candle_core::bail!("kv_join_into: k {:?}, v {:?} into {:?}", k.shape(), v.shape(), dst.shape());
+    }
+    #[cfg(feature = "cuda")]
+    if on_cuda(k) {
+        let total = n * h * l * 2 * d;
+        return cuda::launch_into("kv_join", dst, &[&k.contiguous()?, &v.contiguous()?], &[d as i32], &[total as u64], cuda::grid(total));
+    }
+    dst.slice_set(&k.contiguous()?, 3, 0)?;
+    dst.slice_set(&v.contiguous()?, 3, d)
+}
+
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda {
     use candle_core::backend::BackendStorage;
@@ -334,6 +366,70 @@ pub(crate) mod cuda {
             cfg: LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 },
         };
         x.contiguous()?.apply_op1_no_bwd(&op)
+    }
+
+    /// Runs kernel `name` writing into `dst` in place (contiguous; a view's offset is honoured):
+    /// arguments `(srcs…, dst, ints…, u64s…)`, every tensor of `dst`'s dtype, contiguous, and none
+    /// sharing `dst`'s storage.
+    pub(crate) fn launch_into(name: &'static str, dst: &Tensor, srcs: &[&Tensor], ints: &[i32], u64s: &[u64], (grid, block): (u32, u32)) -> Result<()> {
+        let op = LaunchInto {
+            name,
+            srcs: srcs.iter().map(|t| (*t).clone()).collect(),
+            ints: ints.to_vec(),
+            u64s: u64s.to_vec(),
+            cfg: LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 },
+        };
+        dst.inplace_op1(&op)
+    }
+
+    struct LaunchInto {
+        name: &'static str,
+        srcs: Vec<Tensor>,
+        ints: Vec<i32>,
+        u64s: Vec<u64>,
+        cfg: LaunchConfig,
+    }
+
+    impl LaunchInto {
+        fn run<T: CudaDType + DeviceRepr>(&self, s: &mut CudaStorage, l: &Layout) -> Result<()> {
+            let dev = s.device().clone();
+            let dst = s.as_cuda_slice::<T>()?.slice(l.start_offset()..);
+            let guards: Vec<_> = self.srcs.iter().map(|t| t.storage_and_layout()).collect();
+            let views = guards.iter().map(|(s, l)| view::<T>(s, l, self.name)).collect::<Result<Vec<CudaView<T>>>>()?;
+            let f = dev.get_or_load_custom_func(&kernel(self.name, s.dtype())?, MODULE, PTX)?;
+            let mut b = f.builder();
+            for v in &views {
+                b.arg(v);
+            }
+            b.arg(&dst);
+            for i in &self.ints {
+                b.arg(i);
+            }
+            for u in &self.u64s {
+                b.arg(u);
+            }
+            // SAFETY: the callers pass the arguments each kernel declares, in its order, with
+            // shapes they checked (the destination holds every element the kernel writes).
+            unsafe { b.launch(self.cfg) }.map_err(err)?;
+            Ok(())
+        }
+    }
+
+    impl candle_core::InplaceOp1 for LaunchInto {
+        fn name(&self) -> &'static str {
+            self.name
+        }
+
+        fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &Layout) -> Result<()> {
+            candle_core::bail!("{}: the CUDA op ran on the CPU", self.name)
+        }
+
+        fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> Result<()> {
+            if !l.is_contiguous() {
+                candle_core::bail!("{}: destination not contiguous", self.name);
+            }
+            crate::fused::by_dtype!(self.name, s.dtype(), T => self.run::<T>(s, l))
+        }
     }
 
     struct Launch {

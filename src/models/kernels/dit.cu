@@ -204,6 +204,30 @@ __device__ void conv_cols(const T* __restrict__ x, const T* __restrict__ alpha, 
   }
 }
 
+// A conv block's cache, written in place: dst [N, 2, 2c] (row n, frame f) = x's | y's frame t - 2 + f
+// (x, y [N, t, c]).
+template <typename T>
+__device__ void conv_tails(const T* __restrict__ x, const T* __restrict__ y, T* __restrict__ dst, int t, int c, size_t total) {
+  for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x) {
+    const int col = k % (2 * c);
+    const size_t r = k / (2 * c);
+    const int f = r % 2;
+    const size_t n = r / 2;
+    const size_t at = (n * t + t - 2 + f) * c;
+    dst[k] = col < c ? x[at + col] : y[at + col - c];
+  }
+}
+
+// Keys and values joined on the last axis, written in place: dst [R, 2d] = k [R, d] | v [R, d].
+template <typename T>
+__device__ void kv_join(const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ dst, int d, size_t total) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+    const int col = i % (2 * d);
+    const size_t r = i / (2 * d);
+    dst[i] = col < d ? k[r * d + col] : v[r * d + col - d];
+  }
+}
+
 #define DIT(SUFFIX, T)                                                                                                      \
   extern "C" __global__ void ln_modulate_##SUFFIX(const T* x, const T* shift, const T* scale, T* out, int h, float eps) {    \
     ln_modulate<T>(x, shift, scale, out, h, eps);                                                                          \
@@ -233,6 +257,12 @@ __device__ void conv_cols(const T* __restrict__ x, const T* __restrict__ alpha, 
   }                                                                                                                        \
   extern "C" __global__ void masked_softmax_##SUFFIX(const T* att, const T* mask, T* out, int l, int rows_per_mask) {       \
     masked_softmax<T>(att, mask, out, l, rows_per_mask);                                                                   \
+  }                                                                                                                        \
+  extern "C" __global__ void conv_tails_##SUFFIX(const T* x, const T* y, T* dst, int t_len, int c, unsigned long long total) { \
+    conv_tails<T>(x, y, dst, t_len, c, (size_t)total);                                                                     \
+  }                                                                                                                        \
+  extern "C" __global__ void kv_join_##SUFFIX(const T* k, const T* v, T* dst, int d, unsigned long long total) {            \
+    kv_join<T>(k, v, dst, d, (size_t)total);                                                                               \
   }
 
 DIT(f32, float)
