@@ -274,3 +274,24 @@ fn strided_and_upsampled_conv_columns_are_the_convolution() {
         assert!(diff < 1e-4, "k {k}, d {d}, padding ({pad_l}, {pad_r}), stride {stride}, up {up}: max diff {diff}");
     }
 }
+
+/// A burst's references prepared in one batch (host front ends side by side, device work queued
+/// together) give each voice exactly what it gets alone.
+#[test]
+fn references_prepared_in_one_batch_match_references_prepared_alone() {
+    let c2w = synth::code2wav_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap();
+    let a = reference();
+    let b = Reference::materialize(&reference().samples[..24_000 * 2], 24_000).unwrap();
+    let c = Reference::materialize(&reference().samples.iter().map(|s| 0.5 * s).collect::<Vec<_>>(), 24_000).unwrap();
+    let together = c2w.prepare_batch(&[&a, &b, &c]);
+    assert_eq!(together.len(), 3);
+    for (r, got) in [&a, &b, &c].into_iter().zip(&together) {
+        let want = c2w.prepare(r).unwrap();
+        let got = got.as_ref().expect("each voice prepared");
+        assert_eq!(got.codes, want.codes);
+        // (CAM++ over a batch may sum in another order than over one voice)
+        assert!(common::max_abs_diff(&got.speaker.to_vec1::<f32>().unwrap(), &want.speaker.to_vec1::<f32>().unwrap()) < 1e-5);
+        assert_eq!(got.mel.to_vec2::<f32>().unwrap(), want.mel.to_vec2::<f32>().unwrap());
+    }
+    assert_ne!(together[0].as_ref().unwrap().codes, together[1].as_ref().unwrap().codes, "different voices, different codes");
+}

@@ -22,6 +22,25 @@ impl Stage2 {
                 Err(e) => self.finish(&c.id, Status::Failed(format!("reference voice: {e:#}"))),
             }
         }
+        // the references with no features yet, prepared together
+        let mut unprepared: Vec<String> = Vec::new();
+        for (_, k) in &keyed {
+            if !unprepared.contains(k) && self.cache.get(k).is_some_and(|e| e.features.is_none()) {
+                unprepared.push(k.clone());
+            }
+        }
+        if !unprepared.is_empty() {
+            let failed = self.prepare_inline(&unprepared);
+            let (lost, kept): (Vec<_>, Vec<_>) = keyed.into_iter().partition(|(_, k)| failed.iter().any(|(f, _)| f == k));
+            keyed = kept;
+            for (c, k) in lost {
+                let why = failed.iter().find(|(f, _)| *f == k).map(|(_, why)| why.clone()).unwrap_or_default();
+                self.finish(&c.id, Status::Failed(format!("reference voice: {why}")));
+                if self.cache.get(&k).is_some_and(|e| e.features.is_none()) && self.cache.evict(&k) {
+                    self.setup.remove(&k);
+                }
+            }
+        }
         // each voice with no setup state yet, once, in one batch
         let mut states: HashMap<String, FlowState> = HashMap::new();
         let mut todo: Vec<String> = Vec::new();
@@ -36,6 +55,7 @@ impl Stage2 {
             }
         }
         if !todo.is_empty() {
+            let t0 = std::time::Instant::now();
             let done = todo
                 .iter()
                 .map(|k| self.cache.get(k).and_then(|e| e.features.clone()).ok_or_else(|| anyhow!("reference features vanished")))
@@ -43,9 +63,7 @@ impl Stage2 {
                 .and_then(|fs| self.model.setup_batch(&fs.iter().collect::<Vec<_>>()));
             match done {
                 Ok(set) => {
-                    if todo.len() > 1 {
-                        tracing::debug!(voices = todo.len(), "code2wav: voices set up in one batch");
-                    }
+                    tracing::debug!(voices = todo.len(), ms = t0.elapsed().as_secs_f64() * 1e3, "code2wav: voices set up in one batch (ms: queued)");
                     for (k, s) in todo.iter().zip(set) {
                         self.setup.put(k.clone(), s.clone());
                         states.insert(k.clone(), s);
@@ -115,17 +133,10 @@ impl Stage2 {
         Ok(match key {
             Some(k) => k,
             None => {
+                // (a reference with no features yet is prepared with the step's others)
                 let r = Reference::materialize(&reference.samples, reference.sample_rate)?;
                 let k = r.key.clone();
-                let needs = self.cache.entry(r).features.is_none();
-                if needs {
-                    let r = self.cache.get(&k).expect("just inserted").reference.clone();
-                    let (f, kept) = self.features_for(&r)?;
-                    self.cache.entry_mut(&k).expect("present").features = Some(f);
-                    if !kept {
-                        self.count("inline");
-                    }
-                } else {
+                if self.cache.entry(r).features.is_some() {
                     self.count("cache_hit");
                 }
                 self.cache.own(&k, &c.id);
@@ -135,6 +146,46 @@ impl Stage2 {
                 k
             }
         })
+    }
+
+    /// Features for the cache's entries `keys` (owned, none prepared yet): a registered voice's
+    /// kept ones, the others prepared in one batch. Returns the keys that failed, with why.
+    fn prepare_inline(&mut self, keys: &[String]) -> Vec<(String, String)> {
+        let mut failed = Vec::new();
+        let mut todo: Vec<(String, Reference)> = Vec::new();
+        for k in keys {
+            let Some(r) = self.cache.get(k).map(|e| e.reference.clone()) else {
+                failed.push((k.clone(), "reference entry vanished".to_string()));
+                continue;
+            };
+            match self.prepared.get(k) {
+                Some(f) => {
+                    self.count("registered");
+                    let f = f.clone();
+                    self.cache.entry_mut(k).expect("present").features = Some(f);
+                }
+                None => todo.push((k.clone(), r)),
+            }
+        }
+        let refs: Vec<&Reference> = todo.iter().map(|(_, r)| r).collect();
+        let t0 = std::time::Instant::now();
+        let done = self.model.prepare_batch(&refs);
+        tracing::debug!(
+            voices = refs.len(),
+            ms = t0.elapsed().as_secs_f64() * 1e3,
+            "code2wav: references prepared (one batch; ms until their codes were read back)"
+        );
+        for ((k, _), f) in todo.iter().zip(done) {
+            self.metrics.voice_preparations.inc();
+            match f {
+                Ok(f) => {
+                    self.cache.entry_mut(k).expect("present").features = Some(f);
+                    self.count("inline");
+                }
+                Err(e) => failed.push((k.clone(), format!("{e:#}"))),
+            }
+        }
+        failed
     }
 
     /// A new stream for chunk 0 from its voice's features (in the cache under `key`) and setup state.

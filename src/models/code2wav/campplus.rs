@@ -514,22 +514,27 @@ fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>) -> Result<
     })
 }
 
+mod batch;
+pub use batch::MAX_BATCH;
+
 /// The speaker model.
 #[derive(Debug, Clone)]
 pub struct CamPlusPlus {
     graph: OnnxGraph,
     /// Folded runs replayed as a CUDA graph per input shape, when on (a clone starts with none).
     graphs: crate::cuda_graph::GraphSlot,
+    /// Whether the graph takes a batch of voices ([`CamPlusPlus::embed_batch`]), once known.
+    batches: std::sync::OnceLock<bool>,
 }
 
 impl CamPlusPlus {
     pub fn from_model(m: &ModelProto) -> Result<Self> {
-        Ok(Self { graph: OnnxGraph::from_model(m, "campplus.onnx")?, graphs: crate::cuda_graph::GraphSlot::off() })
+        Ok(Self { graph: OnnxGraph::from_model(m, "campplus.onnx")?, graphs: crate::cuda_graph::GraphSlot::off(), batches: Default::default() })
     }
 
     /// The model with its arithmetic on `dev` (see [`OnnxGraph::on`]).
     pub fn on(self, dev: &Device) -> Result<Self> {
-        Ok(Self { graph: self.graph.on(dev)?, graphs: crate::cuda_graph::GraphSlot::off() })
+        Ok(Self { graph: self.graph.on(dev)?, graphs: crate::cuda_graph::GraphSlot::off(), batches: Default::default() })
     }
 
     /// Runs of a folded input shape replayed as a CUDA graph (from the shape's third run; where
@@ -540,7 +545,12 @@ impl CamPlusPlus {
 
     /// Mean-normalized fbank `[frames, 80]` (on any device) -> `[192]` on the model's device.
     pub fn embed(&self, fbank: &Tensor) -> Result<Tensor> {
-        let x = fbank.unsqueeze(0)?.to_device(&self.graph.device)?.to_dtype(DType::F32)?;
+        Ok(self.run_input(&fbank.unsqueeze(0)?)?.flatten_all()?)
+    }
+
+    /// The graph over `x` (`[B, frames, 80]`, any device), through its CUDA graph once folded.
+    fn run_input(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.to_device(&self.graph.device)?.to_dtype(DType::F32)?;
         let run = |ins: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
             Ok(vec![self.graph.run(&ins[0]).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?])
         };
@@ -550,6 +560,6 @@ impl CamPlusPlus {
         } else {
             vec![self.graph.run(&x)?]
         };
-        Ok(out[0].flatten_all()?)
+        out.into_iter().next().ok_or_else(|| anyhow!("campplus.onnx gave no output"))
     }
 }

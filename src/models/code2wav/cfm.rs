@@ -45,7 +45,7 @@ pub struct GraphPolicy {
 
 impl Default for GraphPolicy {
     fn default() -> Self {
-        Self { max_batch: 2, max_graphs: 12, pool_batch: 32, pool_graphs: 16, setup_batch: 4 }
+        Self { max_batch: 2, max_graphs: 12, pool_batch: 32, pool_graphs: 16, setup_batch: 8 }
     }
 }
 
@@ -185,7 +185,15 @@ impl Cfm {
     /// `[B, 80, T]` and every step's new caches: conv `[steps, depth, 2 B, 2, 2 H]` and (unless the
     /// cache is a pool's, written in place) attention `[steps, depth, 2 B, h, T + L, 2 hd]`.
     #[allow(clippy::too_many_arguments)]
-    fn euler(&self, x0: Tensor, mu: &Tensor, spks: &Tensor, cond: &Tensor, conds: &[StepCondition], cache: Cache<'_>) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    fn euler(
+        &self,
+        x0: Tensor,
+        mu: &Tensor,
+        spks: &Tensor,
+        cond: &Tensor,
+        conds: &[StepCondition],
+        cache: Cache<'_>,
+    ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
         let n_timesteps = conds.len();
         let (b, _, t) = mu.dims3()?;
         let mut x = x0;

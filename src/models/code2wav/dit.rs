@@ -189,12 +189,14 @@ impl Block {
         let (shift_conv, scale_conv, gate_conv) = (&m[6], &m[7], &m[8]);
         // attention
         let o = self.attn_forward(&dit_ops::ln_modulate(x, shift_msa, scale_msa, 1e-6)?, att, sink.att)?;
-        let x = dit_ops::gate_residual(x, &mm(&o, &self.attn.w_proj)?, Some(&self.attn.b_proj), gate_msa)?;
+        // (each residual and the next part's modulated input in one pass)
+        let (x, hc) =
+            dit_ops::gate_residual_ln_modulate(x, &mm(&o, &self.attn.w_proj)?, Some(&self.attn.b_proj), gate_msa, shift_conv, scale_conv, 1e-6)?;
         // conv
-        let cv = self.conv.forward(&dit_ops::ln_modulate(&x, shift_conv, scale_conv, 1e-6)?, cnn, sink.cnn)?;
-        let x = dit_ops::gate_residual(&x, &cv, Some(&self.conv.b2), gate_conv)?;
+        let cv = self.conv.forward(&hc, cnn, sink.cnn)?;
+        let (x, hm) = dit_ops::gate_residual_ln_modulate(&x, &cv, Some(&self.conv.b2), gate_conv, shift_mlp, scale_mlp, 1e-6)?;
         // mlp
-        let h = dit_ops::bias_gelu(&mm(&dit_ops::ln_modulate(&x, shift_mlp, scale_mlp, 1e-6)?, &self.w_fc1)?, &self.b_fc1)?;
+        let h = dit_ops::bias_gelu(&mm(&hm, &self.w_fc1)?, &self.b_fc1)?;
         dit_ops::gate_residual(&x, &mm(&h, &self.w_fc2)?, Some(&self.b_fc2), gate_mlp)
     }
 
@@ -497,7 +499,7 @@ impl Dit {
         }
         let m = sc.last.chunk(2, D::Minus1)?;
         let h = dit_ops::ln_modulate(&h, &m[0], &m[1], 1e-6)?;
-        Ok(self.final_linear.forward(&h)?.transpose(1, 2)?)
+        self.final_linear.forward(&h)?.transpose(1, 2)
     }
 }
 

@@ -79,6 +79,48 @@ pub fn gate_residual(x: &Tensor, a: &Tensor, bias: Option<&Tensor>, gate: &Tenso
     x + a.broadcast_mul(&gate)?
 }
 
+/// [`gate_residual`] and [`ln_modulate`] of its result in one pass (one kernel on CUDA, equal to
+/// the two): `(r, LN(r) · (1 + scale) + shift)` with `r = x + (a + bias) · gate`.
+#[allow(clippy::too_many_arguments)]
+pub fn gate_residual_ln_modulate(
+    x: &Tensor,
+    a: &Tensor,
+    bias: Option<&Tensor>,
+    gate: &Tensor,
+    shift: &Tensor,
+    scale: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if on_cuda(x) {
+        let h = x.dim(D::Minus1)?;
+        if a.shape() != x.shape() {
+            candle_core::bail!("gate_residual_ln_modulate: {:?} and {:?}", x.shape(), a.shape());
+        }
+        let bias = bias.map(|b| vector(b, h, "gate_residual bias")).transpose()?;
+        let vs = [(gate, "gate"), (shift, "shift"), (scale, "scale")].map(|(t, what)| vector(t, h, what));
+        let [gate, shift, scale] = vs;
+        let (gate, shift, scale) = (gate?, shift?, scale?);
+        let rows = x.elem_count() / h;
+        let mut dims = vec![2];
+        dims.extend_from_slice(x.dims());
+        let out = cuda::launch_shaped(
+            "gate_residual_ln",
+            x,
+            &[Some(&a.contiguous()?), bias.as_ref(), Some(&gate), Some(&shift), Some(&scale)],
+            &[h as i32, rows as i32],
+            &[],
+            &[eps as f32],
+            (rows as u32, 256),
+            Some(candle_core::Shape::from(dims)),
+        )?;
+        return Ok((out.get(0)?, out.get(1)?));
+    }
+    let r = gate_residual(x, a, bias, gate)?;
+    let y = ln_modulate(&r, shift, scale, eps)?;
+    Ok((r, y))
+}
+
 /// `gelu_tanh(a + bias)`.
 pub fn bias_gelu(a: &Tensor, bias: &Tensor) -> Result<Tensor> {
     let h = a.dim(D::Minus1)?;
@@ -291,7 +333,14 @@ pub fn conv_tails_into(dst: &Tensor, x: &Tensor, y: &Tensor) -> Result<()> {
     #[cfg(feature = "cuda")]
     if on_cuda(x) {
         let total = n * 2 * 2 * c;
-        return cuda::launch_into("conv_tails", dst, &[&x.contiguous()?, &y.contiguous()?], &[t as i32, c as i32], &[total as u64], cuda::grid(total));
+        return cuda::launch_into(
+            "conv_tails",
+            dst,
+            &[&x.contiguous()?, &y.contiguous()?],
+            &[t as i32, c as i32],
+            &[total as u64],
+            cuda::grid(total),
+        );
     }
     dst.slice_set(&Tensor::cat(&[x.narrow(1, t - 2, 2)?, y.narrow(1, t - 2, 2)?], 2)?.contiguous()?, 0, 0)
 }
@@ -371,7 +420,14 @@ pub(crate) mod cuda {
     /// Runs kernel `name` writing into `dst` in place (contiguous; a view's offset is honoured):
     /// arguments `(srcs…, dst, ints…, u64s…)`, every tensor of `dst`'s dtype, contiguous, and none
     /// sharing `dst`'s storage.
-    pub(crate) fn launch_into(name: &'static str, dst: &Tensor, srcs: &[&Tensor], ints: &[i32], u64s: &[u64], (grid, block): (u32, u32)) -> Result<()> {
+    pub(crate) fn launch_into(
+        name: &'static str,
+        dst: &Tensor,
+        srcs: &[&Tensor],
+        ints: &[i32],
+        u64s: &[u64],
+        (grid, block): (u32, u32),
+    ) -> Result<()> {
         let op = LaunchInto {
             name,
             srcs: srcs.iter().map(|t| (*t).clone()).collect(),

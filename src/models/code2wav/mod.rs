@@ -190,6 +190,16 @@ impl Code2Wav {
         prompt::prepare_features(&a16, &reference.samples, &self.s3, &self.campplus, &self.flow_mel, self.flow.up_rate(), &self.device)
     }
 
+    /// [`Code2Wav::prepare`] for several references at once (a burst of new voices): their host
+    /// front ends side by side, their device work queued together. One result per reference.
+    pub fn prepare_batch(&self, references: &[&Reference]) -> Vec<Result<PromptFeatures>> {
+        if references.len() == 1 {
+            return vec![self.prepare(references[0])];
+        }
+        let voices: Vec<&[f32]> = references.iter().map(|r| r.samples.as_slice()).collect();
+        prompt::prepare_features_batch(&voices, &self.s3, &self.campplus, &self.flow_mel, self.flow.up_rate(), &self.device)
+    }
+
     /// With graphs on, a voice's preparation run until its graphs are captured (from its third
     /// run: the first folds CAM++'s shapes), so that the first voices a server meets do not pay
     /// for the capture.
@@ -197,6 +207,14 @@ impl Code2Wav {
         if self.flow.decoder.policy().is_some() {
             for _ in 0..2 {
                 drop(self.prepare(reference)?);
+            }
+            // and a burst's batches (CAM++ folds and captures each batch size)
+            for b in (1..).map(|i| 1usize << i).take_while(|&b| b <= campplus::MAX_BATCH) {
+                for _ in 0..3 {
+                    for f in self.prepare_batch(&vec![reference; b]) {
+                        drop(f?);
+                    }
+                }
             }
         }
         Ok(())

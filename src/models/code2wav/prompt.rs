@@ -97,7 +97,12 @@ pub fn prepare_features(
         let speaker = campplus.embed(&fb)?.to_device(dev)?;
         Ok((codes, speaker, prompt_mel.join().map_err(|_| anyhow::anyhow!("the prompt mel thread panicked"))?))
     })?;
-    // prompt mel at 24 kHz, replicate-padded (or cut) to up_rate × codes frames
+    finish(codes, speaker, &pm, pf, up_rate, dev)
+}
+
+/// The prompt mel at 24 kHz (`pm`: `[n_mels, pf]` row-major) replicate-padded (or cut) to
+/// `up_rate` × the code count, and the features.
+fn finish(codes: Vec<u32>, speaker: Tensor, pm: &[f32], pf: usize, up_rate: usize, dev: &Device) -> Result<PromptFeatures> {
     let n_mels = pm.len() / pf.max(1);
     let mut rows = vec![0f32; codes.len() * up_rate * n_mels];
     let want = codes.len() * up_rate;
@@ -109,4 +114,69 @@ pub fn prepare_features(
     }
     let mel = Tensor::from_vec(rows, (want, n_mels), dev)?;
     Ok(PromptFeatures { codes, speaker, mel })
+}
+
+/// One voice's host front ends: the S3 log-mel (`[n_mels, frames]`), the mean-normalized kaldi
+/// fbank (`[frames, 80]`), the prompt mel (`[80, frames]`), each with its frame count.
+struct HostParts {
+    s3_mel: (Vec<f32>, usize),
+    fbank: (Vec<f32>, usize),
+    prompt_mel: (Vec<f32>, usize),
+}
+
+fn host_parts(audio_24k: &[f32], s3_mels: usize, flow_mel: &FlowMel) -> Result<HostParts> {
+    let a16 = antiphon_audio::resample(audio_24k, PROMPT_RATE, TOKENIZER_RATE)?;
+    let (mut fb, nf) = kaldi_fbank(&a16, TOKENIZER_RATE as usize, 80);
+    mean_normalize(&mut fb, 80);
+    Ok(HostParts { s3_mel: WhisperLogMel::new(s3_mels).compute(&a16), fbank: (fb, nf), prompt_mel: flow_mel.compute(audio_24k) })
+}
+
+/// Step 2 for several voices (24 kHz, as materialized) at once: every voice's host front ends side
+/// by side (a thread each), then every voice's device work queued (S3 codes, CAM++) with one wait
+/// for them all, rather than a wait per voice. One result per voice, in order; a voice that fails
+/// fails alone.
+pub fn prepare_features_batch(
+    voices: &[&[f32]],
+    s3: &S3Tokenizer,
+    campplus: &CamPlusPlus,
+    flow_mel: &FlowMel,
+    up_rate: usize,
+    dev: &Device,
+) -> Vec<Result<PromptFeatures>> {
+    let hosts: Vec<Result<HostParts>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = voices.iter().map(|&a| scope.spawn(move || host_parts(a, s3.n_mels(), flow_mel))).collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a preparation thread panicked")))).collect()
+    });
+    // the device's work queued for every voice: S3 levels, then the speakers in one batch where
+    // CAM++ takes one (else voice by voice)
+    // (each voice: its S3 levels, queued, and its prompt mel `[80, frames]`)
+    type Queued = (Tensor, (Vec<f32>, usize));
+    let mut queued: Vec<Result<Queued>> = Vec::with_capacity(voices.len());
+    let mut fbanks: Vec<Tensor> = Vec::new();
+    for h in hosts {
+        let q = h.and_then(|HostParts { s3_mel, fbank, prompt_mel }| {
+            let levels = s3.levels_queued(&Tensor::from_vec(s3_mel.0, (s3.n_mels(), s3_mel.1), dev)?)?;
+            fbanks.push(Tensor::from_vec(fbank.0, (fbank.1, 80), &Device::Cpu)?);
+            Ok((levels, prompt_mel))
+        });
+        queued.push(q);
+    }
+    let fb: Vec<&Tensor> = fbanks.iter().collect();
+    let mut speakers: std::vec::IntoIter<Result<Tensor>> = match campplus.embed_batch(&fb) {
+        Ok(Some(rows)) => rows.into_iter().map(Ok).collect::<Vec<_>>().into_iter(),
+        _ => fb.iter().map(|f| campplus.embed(f)).collect::<Vec<_>>().into_iter(),
+    };
+    // then read back, voice by voice (the first wait finds the others' work done or under way)
+    queued
+        .into_iter()
+        .map(|q| {
+            let (levels, (pm, pf)) = q?;
+            let speaker = speakers.next().ok_or_else(|| anyhow::anyhow!("a voice's speaker embedding went missing"))??;
+            let codes = S3Tokenizer::codes_of(&levels)?;
+            if codes.is_empty() {
+                bail!("reference audio is too short for speech codes");
+            }
+            finish(codes, speaker.to_device(dev)?, &pm, pf, up_rate, dev)
+        })
+        .collect()
 }

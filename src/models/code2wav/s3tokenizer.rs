@@ -212,13 +212,24 @@ impl S3Tokenizer {
 
     /// Log-mel `[n_mels, frames]` -> speech codes (frames / 4 of them).
     pub fn quantize(&self, mel: &Tensor) -> Result<Vec<u32>> {
+        Self::codes_of(&self.levels_queued(mel)?)
+    }
+
+    /// The device part of [`S3Tokenizer::quantize`], queued: the FSQ levels `[T, digits]` (f32),
+    /// for [`S3Tokenizer::codes_of`] to read back when they are needed.
+    pub fn levels_queued(&self, mel: &Tensor) -> Result<Tensor> {
         // (each conv halves the frames: stride 2, kernel 3, padding 1)
         let t = mel.dim(1)?.div_ceil(2).div_ceil(2);
         let (pos, idx) = self.tables_for(t, mel.device())?;
         let levels = |x: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
             Ok(vec![self.levels(&x[0], &pos, &idx).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?])
         };
-        let hq = self.graphs.run(0, &[mel], &levels)?.remove(0).to_vec2::<f32>()?;
+        Ok(self.graphs.run(0, &[mel], &levels)?.remove(0))
+    }
+
+    /// The speech codes of FSQ levels from [`S3Tokenizer::levels_queued`] (waits for them).
+    pub fn codes_of(levels: &Tensor) -> Result<Vec<u32>> {
+        let hq = levels.to_vec2::<f32>()?;
         Ok(hq
             .iter()
             .map(|row| row.iter().enumerate().map(|(i, &v)| ((v + 1.0) * 2.0 / 2.0).round_ties_even() as u32 * 3u32.pow(i as u32)).sum())

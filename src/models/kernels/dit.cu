@@ -63,6 +63,29 @@ __device__ void gate_residual(const T* __restrict__ x, const T* __restrict__ a, 
   }
 }
 
+// gate_residual, then ln_modulate of its (rounded) result, one block per row: out [2, R, h] = the
+// residual x + (a + bias) * gate, then LN(residual) * (1 + scale) + shift; bias may be null. Each
+// thread reads back only the elements it wrote, and the statistics are ln_modulate's, so both
+// halves equal the two kernels' outputs.
+template <typename T>
+__device__ void gate_residual_ln(const T* __restrict__ x, const T* __restrict__ a, const T* __restrict__ bias, const T* __restrict__ gate,
+                                 const T* __restrict__ shift, const T* __restrict__ scale, T* __restrict__ out, int h, int rows, float eps) {
+  __shared__ float red[32];
+  const size_t row = (size_t)blockIdx.x * h;
+  T* res = out + row;
+  for (int i = threadIdx.x; i < h; i += blockDim.x) {
+    const float av = to_f(a[row + i]) + (bias ? to_f(bias[i]) : 0.f);
+    res[i] = from_f<T>(to_f(x[row + i]) + av * to_f(gate[i]));
+  }
+  float mean, rstd;
+  row_stats<T>(res, nullptr, h, eps, red, mean, rstd);
+  T* y = out + (size_t)rows * h + row;
+  for (int i = threadIdx.x; i < h; i += blockDim.x) {
+    const float v = (to_f(res[i]) - mean) * rstd;
+    y[i] = from_f<T>(v * (1.f + to_f(scale[i])) + to_f(shift[i]));
+  }
+}
+
 // out = gelu_tanh(a + bias) over [R, h]
 template <typename T>
 __device__ void bias_gelu(const T* __restrict__ a, const T* __restrict__ bias, T* __restrict__ out, int h, size_t total) {
@@ -239,6 +262,10 @@ __device__ void kv_join(const T* __restrict__ k, const T* __restrict__ v, T* __r
   extern "C" __global__ void gate_residual_##SUFFIX(const T* x, const T* a, const T* bias, const T* gate, T* out, int h,     \
                                                     unsigned long long total) {                                            \
     gate_residual<T>(x, a, bias, gate, out, h, (size_t)total);                                                             \
+  }                                                                                                                        \
+  extern "C" __global__ void gate_residual_ln_##SUFFIX(const T* x, const T* a, const T* bias, const T* gate, const T* shift,    \
+                                                       const T* scale, T* out, int h, int rows, float eps) {                \
+    gate_residual_ln<T>(x, a, bias, gate, shift, scale, out, h, rows, eps);                                                \
   }                                                                                                                        \
   extern "C" __global__ void bias_gelu_##SUFFIX(const T* a, const T* bias, T* out, int h, unsigned long long total) {       \
     bias_gelu<T>(a, bias, out, h, (size_t)total);                                                                          \
