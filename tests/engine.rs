@@ -146,6 +146,32 @@ fn requests_batched_together_match_requests_alone() {
     }
 }
 
+/// New callers with new voices at once (the Thinker hears a burst's references together, Stage 2
+/// prefetches them together): each gets what it gets alone, on an engine that has heard none.
+#[test]
+fn a_burst_of_new_voices_gives_what_each_gives_alone() {
+    let voiced = |i: usize| {
+        let mut s = spec(&format!("v{i}"), "Say it in my voice.", 8, 30, 3);
+        s.voice = RefInput::new((0..16_000 * 2).map(|k| 0.3 * (k as f32 * (0.05 + 0.01 * i as f32)).sin()).collect(), 16_000);
+        s
+    };
+    let alone: Vec<Outcome> = (0..3).map(|i| collect(submit(&engine(EngineConfig::default()), voiced(i)))).collect();
+    let e = engine(EngineConfig { prefetch_setup: true, ..EngineConfig::default() });
+    let rxs: Vec<_> = (0..3).map(|i| submit(&e, voiced(i))).collect();
+    let together: Vec<Outcome> = rxs.into_iter().map(collect).collect();
+    assert_ne!(alone[0].audio, alone[1].audio, "two voices, two sounds");
+    for (a, t) in alone.iter().zip(&together) {
+        assert_eq!(a.status, Status::Completed);
+        assert_eq!((&a.status, &a.text, a.codes), (&t.status, &t.text, t.codes));
+        assert_eq!(a.audio.len(), t.audio.len());
+        for (x, y) in a.audio.iter().zip(&t.audio) {
+            assert_eq!(x.len(), y.len());
+            let err = common::max_abs_diff(x, y);
+            assert!(err < 1e-4, "audio in a burst differs from alone by {err}");
+        }
+    }
+}
+
 #[test]
 fn cancel_stops_output_and_frees_every_stage() {
     let e = engine(EngineConfig::default());

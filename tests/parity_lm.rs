@@ -70,6 +70,16 @@ fn parity_thinker_encoder_whole_clip() {
     let want = alone.encode_clip(odd).unwrap();
     assert_eq!(want.dim(0).unwrap(), alone.audio_embeddings_for(odd.len()));
     assert_close("odd-length clip, padded", &thinker.encode_clip(odd).unwrap(), &want, TOL);
+    // a burst of references heard together (padded to a batch of 4, one graph): each what it
+    // gets alone
+    let clip = samples(&io["clip"]);
+    for run in 0..3 {
+        let got = thinker.encode_clips(&[&clip, odd, &clip]).unwrap();
+        assert_eq!(got.len(), 3);
+        assert_close(&format!("burst, clip 0, run {run}"), &got[0], &io["clip_embeds"], TOL);
+        assert_close(&format!("burst, odd clip, run {run}"), &got[1], &want, TOL);
+        assert_close(&format!("burst, clip 2, run {run}"), &got[2], &io["clip_embeds"], TOL);
+    }
 }
 
 #[test]

@@ -1,5 +1,5 @@
 //! Reference prefetch in Stage 2, one rule per test, driving the stage step by step (no threads,
-//! no timing): the double-idle rule, the busy gate, the lone-waiter gate, the pin cap, phase B off by
+//! no timing): the double-idle rule, the busy gate, a burst prefetched together, the pin cap, phase B off by
 //! default, claim / retire / inline / evict at chunk 0, failures, aborts, duplex, owner/pin
 //! separation, and bit-identical chunk 0.
 
@@ -84,7 +84,7 @@ fn prefetch_runs_only_on_an_idle_step_after_an_idle_step() {
     let v = voice(180.0);
     r.admit("a", Some(v.clone()));
     assert_eq!(r.idle(), IdleOutcome::Skipped("single_idle"));
-    assert_eq!(r.idle(), IdleOutcome::PhaseA(id("a")));
+    assert_eq!(r.idle(), IdleOutcome::PhaseA(vec![id("a")]));
     let e = r.stage.ref_cache().get(&key(&v)).unwrap();
     assert!(e.features.is_some() && e.pins.contains(&id("a")) && e.owners.is_empty());
     // a busy step resets the rule
@@ -100,7 +100,7 @@ fn prefetch_phase_b_is_off_by_default_and_on_when_asked() {
     let mut r = Rig::new(EngineConfig::default());
     r.admit("a", Some(voice(180.0)));
     r.idle();
-    assert_eq!(r.idle(), IdleOutcome::PhaseA(id("a")));
+    assert_eq!(r.idle(), IdleOutcome::PhaseA(vec![id("a")]));
     assert_eq!(r.idle(), IdleOutcome::Nothing, "phase B is off by default");
     assert!(r.stage.setup_cache().is_empty());
 
@@ -108,8 +108,8 @@ fn prefetch_phase_b_is_off_by_default_and_on_when_asked() {
     let v = voice(180.0);
     r.admit("a", Some(v.clone()));
     r.idle();
-    assert_eq!(r.idle(), IdleOutcome::PhaseA(id("a")));
-    assert_eq!(r.idle(), IdleOutcome::PhaseB(id("a")), "one phase per idle step");
+    assert_eq!(r.idle(), IdleOutcome::PhaseA(vec![id("a")]));
+    assert_eq!(r.idle(), IdleOutcome::PhaseB(vec![id("a")]), "one phase per idle step");
     assert!(r.stage.setup_cache().contains(&key(&v)));
     assert_eq!(r.idle(), IdleOutcome::Nothing);
     // chunk 0 reuses both
@@ -120,16 +120,46 @@ fn prefetch_phase_b_is_off_by_default_and_on_when_asked() {
     assert_eq!(r.metrics.prefetch_count("inline"), 0);
 }
 
+/// A burst of waiting references goes through each phase together: phase A prepares them in one
+/// batch (up to the pin cap), phase B sets them up in one (up to the setup cache's room), and their
+/// chunk 0s claim both, with the first audio a burst prepared at its chunk 0s gets.
 #[test]
-fn prefetch_skips_a_burst_of_placeholders() {
-    let mut r = Rig::new(EngineConfig::default());
-    r.admit("a", Some(voice(180.0)));
-    r.admit("b", Some(voice(200.0)));
+fn a_burst_of_placeholders_is_prefetched_together() {
+    let (va, vb, vc) = (voice(180.0), voice(200.0), voice(240.0));
+    let cfg = EngineConfig { ref_cache_capacity: 2, setup_cache_capacity: 1, prefetch_setup: true, ..EngineConfig::default() };
+    let mut r = Rig::new(cfg);
+    let (la, lb) = (r.admit("a", Some(va.clone())), r.admit("b", Some(vb.clone())));
+    r.admit("c", Some(vc.clone()));
     r.idle();
-    assert_eq!(r.idle(), IdleOutcome::Skipped("burst"));
-    assert_eq!(r.idle(), IdleOutcome::Skipped("burst"));
-    assert_eq!(r.stage.ref_cache().len(), 0);
-    assert!(r.metrics.skip_count("burst") >= 2);
+    assert_eq!(r.idle(), IdleOutcome::PhaseA(vec![id("a"), id("b")]), "both in one phase, c beyond the pin cap");
+    assert_eq!(r.metrics.voice_preparations.get(), 2);
+    assert_eq!(r.stage.ref_cache().pin_count(), 2);
+    assert_eq!(r.idle(), IdleOutcome::PhaseB(vec![id("a")]), "the setup cache holds one");
+    assert_eq!(r.idle(), IdleOutcome::Skipped("setup_cap"), "a's state is not pushed out while a waits");
+    assert!(r.stage.setup_cache().contains(&key(&va)));
+    r.chunk("a", 0, chunk0_codes(), false, Some(va.clone()));
+    r.chunk("b", 0, chunk0_codes(), false, Some(vb.clone()));
+    assert!(r.stage.step());
+    assert_eq!(r.metrics.prefetch_count("claimed"), 2);
+    assert_eq!(r.metrics.prefetch_count("setup_hit"), 1);
+    assert_eq!(r.metrics.prefetch_count("inline"), 0);
+    assert_eq!(r.metrics.skip_count("setup_cap"), 1);
+
+    // the same burst prepared at its chunk 0s (no prefetch) gives the same first audio
+    let mut q = Rig::new(EngineConfig { prefetch: false, ..EngineConfig::default() });
+    let (qa, qb) = (q.admit("a", Some(va.clone())), q.admit("b", Some(vb.clone())));
+    q.chunk("a", 0, chunk0_codes(), false, Some(va));
+    q.chunk("b", 0, chunk0_codes(), false, Some(vb));
+    assert!(q.stage.step());
+    assert_eq!(q.metrics.prefetch_count("inline"), 2);
+    // (a setup batch of one or of two: equal to rounding)
+    for (got, want) in [(audio(&la), audio(&qa)), (audio(&lb), audio(&qb))] {
+        assert_eq!((got.len(), want.len()), (1, 1));
+        assert_eq!(got[0].len(), want[0].len());
+        let d =
+            got[0].iter().zip(&want[0]).map(|(x, y)| if x.is_finite() && y.is_finite() { (x - y).abs() } else { f32::INFINITY }).fold(0f32, f32::max);
+        assert!(d < 1e-4, "first audio differs by {d} from the burst prepared at its chunk 0s");
+    }
 }
 
 /// A burst's chunk 0s in one step: both references prepared inline, together, and each stream's
@@ -188,7 +218,7 @@ fn an_open_duplex_session_is_a_live_stream_for_the_busy_gate() {
     r.stage.on_message(Stage2Msg::DuplexClose("s1".into()));
     assert_eq!(r.idle(), IdleOutcome::Skipped("busy"));
     r.stage.on_message(Stage2Msg::DuplexClose("s2".into()));
-    assert_eq!(r.idle(), IdleOutcome::PhaseA(id("a")));
+    assert_eq!(r.idle(), IdleOutcome::PhaseA(vec![id("a")]));
 }
 
 #[test]
@@ -196,7 +226,7 @@ fn prefetch_pins_never_exceed_the_cache_capacity() {
     let mut r = Rig::new(EngineConfig { ref_cache_capacity: 1, ..EngineConfig::default() });
     r.admit("a", Some(voice(180.0)));
     r.idle();
-    assert_eq!(r.idle(), IdleOutcome::PhaseA(id("a")));
+    assert_eq!(r.idle(), IdleOutcome::PhaseA(vec![id("a")]));
     r.admit("b", Some(voice(200.0)));
     assert_eq!(r.idle(), IdleOutcome::Skipped("pin_cap"));
     assert_eq!(r.stage.ref_cache().pin_count(), 1);
@@ -253,7 +283,7 @@ fn prefetch_a_failed_phase_is_dropped_and_unpinned() {
     let bad = RefInput::new(vec![f32::NAN; 1000], 16_000);
     let log = r.admit("a", Some(bad));
     r.idle();
-    assert_eq!(r.idle(), IdleOutcome::Failed(id("a")));
+    assert_eq!(r.idle(), IdleOutcome::Failed(vec![id("a")]));
     assert_eq!(r.stage.ref_cache().pin_count(), 0);
     assert_eq!(r.metrics.prefetch_count("failed"), 1);
     assert_eq!(r.idle(), IdleOutcome::Nothing, "a failed phase is not retried");
@@ -285,7 +315,7 @@ fn prefetch_owner_and_pin_cannot_alias() {
     let v = voice(180.0);
     r.admit("req-1", Some(v.clone()));
     r.idle();
-    assert_eq!(r.idle(), IdleOutcome::PhaseA(id("req-1")));
+    assert_eq!(r.idle(), IdleOutcome::PhaseA(vec![id("req-1")]));
     r.admit("pin:req-1", None);
     r.chunk("pin:req-1", 0, chunk0_codes(), false, Some(v.clone()));
     assert!(r.stage.step());

@@ -208,9 +208,14 @@ impl Engine {
             // second new voice
             let n = (16_000.0 * antiphon_models::code2wav::prompt::PROMPT_SECONDS) as usize;
             models.thinker.set_clip_graphs(Some(n));
-            for _ in 0..2 {
-                if let Err(e) = models.thinker.encode_clip(&vec![0.0; n]) {
-                    tracing::warn!("thinker: reference encoding warm-up failed: {e:#}");
+            // (and a burst of them, every batch size, heard together)
+            let silence = vec![0.0; n];
+            let batches = (0..).map(|i| 1usize << i).take_while(|&b| b <= antiphon_models::thinker::CLIP_BATCH);
+            for b in batches {
+                for _ in 0..2 {
+                    if let Err(e) = models.thinker.encode_clips(&vec![silence.as_slice(); b]) {
+                        tracing::warn!("thinker: reference encoding warm-up ({b} at once) failed: {e:#}");
+                    }
                 }
             }
         }

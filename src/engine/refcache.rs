@@ -172,6 +172,11 @@ impl SetupCache {
         self.entries.iter().any(|(k, _)| k == key)
     }
 
+    /// The most setup states kept.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     pub fn put(&mut self, key: String, state: FlowState) {
         if self.capacity == 0 {
             return;

@@ -10,24 +10,27 @@
 //! duplex requests). On its idle steps it runs one phase of preparation for a waiting reference:
 //! phase A = materialize + prepare (on by default), phase B = setup (off by default). A phase runs
 //! only on an idle step that follows an idle step, only while no stream is live in this stage (the
-//! busy gate; an open duplex session counts as a live stream), only when exactly one reference waits (the lone-waiter gate), and only while pins
-//! stay below the reference cache's capacity (the pin cap). A failed phase is dropped and its pin
-//! released (chunk 0 then prepares inline); a cancelled request releases its pins. Chunk 0 is
-//! bit-identical with or without prefetch: the same deterministic computation, done earlier.
+//! busy gate; an open duplex session counts as a live stream), and only while pins stay below the
+//! reference cache's capacity (the pin cap). Several waiting references (a burst of new callers)
+//! go through a phase together: phase A prepares them in one batch, phase B sets them up in one
+//! (at most as many as the setup cache holds). A failed phase is dropped and its pin released
+//! (chunk 0 then prepares inline); a cancelled request releases its pins. Chunk 0 of a lone waiter
+//! is bit-identical with or without prefetch: the same deterministic computation, done earlier; a
+//! burst's differs only by rounding (CAM++ sums a batch in another order than one voice).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, Result};
+use anyhow::Result;
 
 use super::refcache::{RefCache, SetupCache};
 use super::voices::{PreparedStore, PreparedVoice};
 use super::{EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId, Stage2Msg, StageLoop, Status};
-use antiphon_models::code2wav::prompt::Reference;
 use antiphon_models::code2wav::{Code2Wav, StreamState};
 
+mod prefetch;
 mod prepare;
 mod start;
 
@@ -102,9 +105,12 @@ struct ChunkWork {
 pub enum IdleOutcome {
     Nothing,
     Skipped(&'static str),
-    PhaseA(RequestId),
-    PhaseB(RequestId),
-    Failed(RequestId),
+    /// Phase A ran for these requests' references (a burst together).
+    PhaseA(Vec<RequestId>),
+    /// Phase B ran for these requests' references (a burst together).
+    PhaseB(Vec<RequestId>),
+    /// Every reference the phase took failed.
+    Failed(Vec<RequestId>),
 }
 
 pub struct Stage2 {
@@ -191,97 +197,6 @@ impl Stage2 {
         }
         self.registry.finish_counted(id, status, &self.metrics.requests);
         self.abort(id);
-    }
-
-    /// One phase of prefetch, if the gates allow it.
-    pub fn idle_step(&mut self) -> IdleOutcome {
-        let double = self.prev_idle;
-        self.prev_idle = true;
-        if !self.cfg.prefetch {
-            return IdleOutcome::Nothing;
-        }
-        let with_setup = self.cfg.prefetch_setup;
-        let candidates: Vec<usize> = (0..self.waiting.len()).filter(|&i| self.waiting[i].needs_phase(with_setup)).collect();
-        if candidates.is_empty() {
-            return IdleOutcome::Nothing;
-        }
-        let skip = |s: &Self, reason: &'static str| {
-            s.metrics.prefetch_skips.with_label_values(&[reason]).inc();
-            IdleOutcome::Skipped(reason)
-        };
-        if !double {
-            return skip(self, "single_idle");
-        }
-        if !self.live.is_empty() || !self.duplex.is_empty() {
-            return skip(self, "busy");
-        }
-        if candidates.len() != 1 {
-            return skip(self, "burst");
-        }
-        let i = candidates[0];
-        let id = self.waiting[i].id.clone();
-        let reference = self.waiting[i].reference.clone().expect("a candidate has a reference");
-        match self.waiting[i].phase.clone() {
-            Phase::Queued => {
-                if self.cache.pin_count() >= self.cache.capacity().max(1) {
-                    return skip(self, "pin_cap");
-                }
-                let t0 = Instant::now();
-                let done: Result<String> = (|| {
-                    let r = Reference::materialize(&reference.samples, reference.sample_rate)?;
-                    let k = r.key.clone();
-                    if self.cache.entry(r).features.is_none() {
-                        let r = self.cache.get(&k).expect("just inserted").reference.clone();
-                        let f = self.features_for(&r)?.0;
-                        self.cache.entry_mut(&k).expect("present").features = Some(f);
-                    }
-                    self.cache.pin(&k, &id);
-                    Ok(k)
-                })();
-                self.metrics.step_seconds.with_label_values(&["prefetch"]).observe(t0.elapsed().as_secs_f64());
-                match done {
-                    Ok(k) => {
-                        self.waiting[i].phase = Phase::Prepared(k);
-                        self.count("phase_a");
-                        IdleOutcome::PhaseA(id)
-                    }
-                    Err(e) => {
-                        tracing::debug!(request = %id, "prefetch phase A failed: {e:#}");
-                        self.cache.unpin(&id);
-                        self.cache.trim();
-                        self.waiting[i].phase = Phase::Failed;
-                        self.count("failed");
-                        IdleOutcome::Failed(id)
-                    }
-                }
-            }
-            Phase::Prepared(k) => {
-                let t0 = Instant::now();
-                let done: Result<()> = (|| {
-                    if !self.setup.contains(&k) {
-                        let f = self.cache.get(&k).and_then(|e| e.features.clone()).ok_or_else(|| anyhow!("prefetched entry gone"))?;
-                        let s = self.model.setup(&f)?;
-                        self.setup.put(k.clone(), s);
-                    }
-                    Ok(())
-                })();
-                self.metrics.step_seconds.with_label_values(&["prefetch"]).observe(t0.elapsed().as_secs_f64());
-                match done {
-                    Ok(()) => {
-                        self.waiting[i].phase = Phase::SetUp(k);
-                        self.count("phase_b");
-                        IdleOutcome::PhaseB(id)
-                    }
-                    Err(_) => {
-                        self.cache.unpin(&id);
-                        self.waiting[i].phase = Phase::Failed;
-                        self.count("failed");
-                        IdleOutcome::Failed(id)
-                    }
-                }
-            }
-            _ => IdleOutcome::Nothing,
-        }
     }
 
     /// One work step: every chunk that is next in its request's order, batched by cache shape.

@@ -11,6 +11,10 @@ use super::mel::WhisperLogMel;
 use super::qwen3::Qwen3;
 use super::whisper::{avg_pool_time, ClipMask, EncoderStep, WhisperEncoder};
 
+/// Clips encoded together at most ([`Thinker::encode_clips`]; a batch is padded to a power of two,
+/// so graphs of 1, 2, 4 and 8 clips serve every count).
+pub const CLIP_BATCH: usize = 8;
+
 /// `audio_projection_layer`: linear1 (encoder width -> LLM width), ReLU, linear2.
 #[derive(Debug, Clone)]
 pub struct AudioProjector {
@@ -122,7 +126,8 @@ impl Thinker {
     /// run on; `None`: every clip op by op in its own shapes.
     pub fn set_clip_graphs(&mut self, samples: Option<usize>) {
         self.graph_clip = samples;
-        self.clip_graphs = if samples.is_some() { crate::cuda_graph::GraphSlot::on(1) } else { crate::cuda_graph::GraphSlot::off() };
+        let shapes = CLIP_BATCH.trailing_zeros() as usize + 1;
+        self.clip_graphs = if samples.is_some() { crate::cuda_graph::GraphSlot::on(shapes) } else { crate::cuda_graph::GraphSlot::off() };
     }
 
     /// A whole clip of 16 kHz audio -> LLM-width audio embeddings. Clips longer than the encoder's
@@ -137,37 +142,80 @@ impl Thinker {
         let mut parts = Vec::new();
         for chunk in samples.chunks(window).filter(|c| self.mel.frames_for(c.len()) > 0) {
             match self.graph_clip {
-                Some(n) if chunk.len() <= n => parts.push(self.encode_padded(chunk, n)?),
+                Some(n) if chunk.len() <= n => parts.push(self.encode_padded(&[chunk], n)?.remove(0)),
                 _ => parts.push(self.project(&self.apm.forward_clip(&self.log_mel(chunk)?)?)?),
             }
         }
         Tensor::cat(&parts, 0)
     }
 
-    /// A clip of at most `n` samples encoded as one of `n` samples, the padding masked out
-    /// ([`WhisperEncoder::forward_clip_padded`]), replayed as a CUDA graph: the same embeddings as
-    /// the clip's own shapes give, for every length up to `n`.
-    fn encode_padded(&self, clip: &[f32], n: usize) -> Result<Tensor> {
-        let (m, frames) = self.mel.compute(clip);
-        let (fmax, nm) = (self.mel.frames_for(n), self.mel.n_mels());
-        let (pmax, p) = (WhisperEncoder::positions_for(fmax), WhisperEncoder::positions_for(frames));
-        // one upload: the padded mel, conv1's output mask, the attention key mask
-        let mut host = vec![0f32; nm * fmax + fmax + pmax];
-        for (r, row) in m.chunks_exact(frames).enumerate() {
-            host[r * fmax..r * fmax + frames].copy_from_slice(row);
+    /// Several whole clips of 16 kHz audio (a burst of reference voices) -> each one's LLM-width
+    /// embeddings, as [`Thinker::encode_clip`] gives them. With clip graphs on and every clip within
+    /// the graphed length, they are encoded together, up to [`CLIP_BATCH`] at a time: their log-mels
+    /// computed side by side on threads, one upload, one replayed graph per batch; else clip by clip.
+    pub fn encode_clips(&self, clips: &[&[f32]]) -> Result<Vec<Tensor>> {
+        match self.graph_clip {
+            Some(n) if clips.len() > 1 && clips.iter().all(|c| c.len() <= n && self.mel.frames_for(c.len()) > 0) => {
+                let mut out = Vec::with_capacity(clips.len());
+                for part in clips.chunks(CLIP_BATCH) {
+                    out.extend(self.encode_padded(part, n)?);
+                }
+                Ok(out)
+            }
+            _ => clips.iter().map(|c| self.encode_clip(c)).collect(),
         }
-        host[nm * fmax..nm * fmax + frames].fill(1.0);
-        host[nm * fmax + fmax + p..].fill(f32::NEG_INFINITY);
-        let all = Tensor::from_vec(host, nm * fmax + fmax + pmax, self.llm_device())?.to_dtype(self.llm_dtype())?;
-        let mel = all.narrow(0, 0, nm * fmax)?.reshape((nm, fmax))?;
-        let conv = all.narrow(0, nm * fmax, fmax)?.reshape((1, fmax))?;
-        let keys = all.narrow(0, nm * fmax + fmax, pmax)?.reshape((1, 1, 1, pmax))?;
-        let encode = |x: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
-            let mask = ClipMask { conv: x[1].clone(), keys: x[2].clone() };
-            Ok(vec![self.project(&self.apm.forward_clip_padded(&x[0], &mask)?)?])
+    }
+
+    /// Clips of at most `n` samples (at least one mel frame each) encoded as clips of `n` samples,
+    /// padded to a power-of-two batch, the padding masked out
+    /// ([`WhisperEncoder::forward_clips_padded`]), replayed as a CUDA graph per batch size: each the
+    /// same embeddings as the clip's own shapes give, for every length up to `n`.
+    fn encode_padded(&self, clips: &[&[f32]], n: usize) -> Result<Vec<Tensor>> {
+        let mels: Vec<(Vec<f32>, usize)> = if clips.len() == 1 {
+            vec![self.mel.compute(clips[0])]
+        } else {
+            std::thread::scope(|scope| {
+                let jobs: Vec<_> = clips.iter().map(|&c| scope.spawn(move || self.mel.compute(c))).collect();
+                jobs.into_iter()
+                    .map(|j| j.join().map_err(|_| candle_core::Error::Msg("a log-mel thread panicked".into())))
+                    .collect::<Result<Vec<_>>>()
+            })?
         };
-        let pooled = self.clip_graphs.run(0, &[&mel, &conv, &keys], &encode)?.remove(0);
-        pooled.narrow(0, 0, p / self.pool_step)
+        let (fmax, nm) = (self.mel.frames_for(n), self.mel.n_mels());
+        let pmax = WhisperEncoder::positions_for(fmax);
+        let b = clips.len().next_power_of_two();
+        // one upload: per clip its padded mel, conv1's output mask, the attention key mask (a
+        // padding clip has no frames and hides no key, so its rows stay finite)
+        let row = nm * fmax + fmax + pmax;
+        let mut host = vec![0f32; b * row];
+        let mut lengths = Vec::with_capacity(mels.len());
+        for ((m, frames), r) in mels.iter().zip(host.chunks_exact_mut(row)) {
+            let frames = *frames;
+            for (k, mel_row) in m.chunks_exact(frames).enumerate() {
+                r[k * fmax..k * fmax + frames].copy_from_slice(mel_row);
+            }
+            r[nm * fmax..nm * fmax + frames].fill(1.0);
+            let p = WhisperEncoder::positions_for(frames);
+            r[nm * fmax + fmax + p..].fill(f32::NEG_INFINITY);
+            lengths.push(p);
+        }
+        let all = Tensor::from_vec(host, (b, row), self.llm_device())?.to_dtype(self.llm_dtype())?;
+        let step = self.pool_step;
+        let encode = |x: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
+            let mel = x[0].narrow(1, 0, nm * fmax)?.reshape((b, nm, fmax))?;
+            let conv = x[0].narrow(1, nm * fmax, fmax)?.reshape((b, 1, fmax))?;
+            let keys = x[0].narrow(1, nm * fmax + fmax, pmax)?.reshape((b, 1, 1, pmax))?;
+            let enc = self.apm.forward_clips_padded(&mel, &ClipMask { conv, keys })?;
+            // projector over every clip's rows at once, then average pooling over time by `step`
+            // per clip (as `project`)
+            let d = enc.dim(2)?;
+            let h = self.audio_projection_layer.forward(&enc.reshape((b * pmax, d))?)?;
+            let width = h.dim(1)?;
+            let (h, pooled) = (h.reshape((b, pmax, width))?, pmax / step);
+            Ok(vec![h.narrow(1, 0, pooled * step)?.reshape((b, pooled, step, width))?.mean(2)?])
+        };
+        let pooled = self.clip_graphs.run(0, &[&all], &encode)?.remove(0);
+        lengths.iter().enumerate().map(|(i, &p)| pooled.get(i)?.narrow(0, 0, p / step)).collect()
     }
 
     /// Streaming units (the duplex path): each stream's next unit of 16 kHz audio, encoded against

@@ -74,11 +74,11 @@ pub struct EncoderStep<'a> {
     pub mel: Tensor,
 }
 
-/// Where a whole clip padded to fixed buffers is real ([`WhisperEncoder::forward_clip_padded`]):
-/// the padded log-mel's frames past the clip are zero, `conv` (`[1, frames]`, 1 or 0) zeroes
-/// conv1's outputs past them (conv2 then sees the zeros the reference's padding gives it) and
-/// `keys` (`[1, 1, 1, positions]`, 0 or -inf) hides the padding's positions from attention, so
-/// every real position is computed from exactly what the unpadded clip gives it.
+/// Where whole clips padded to one length are real ([`WhisperEncoder::forward_clips_padded`]): for
+/// `B` clips padded to `frames` log-mel frames (zero past each clip), `conv` (`[B, 1, frames]`, 1 or
+/// 0) zeroes conv1's outputs past each clip (conv2 then sees the zeros the clip's own padding gives
+/// it) and `keys` (`[B, 1, 1, positions]`, 0 or -inf) hides each clip's padding from its attention,
+/// so every real position is computed from exactly what the unpadded clip gives it.
 pub struct ClipMask {
     pub conv: Tensor,
     pub keys: Tensor,
@@ -115,14 +115,10 @@ impl WhisperEncoder {
         }
     }
 
-    /// Convolutional front end: `[n_mels, frames]` -> `[positions, d_model]` (conv1's outputs
-    /// times `conv_mask` where given).
-    fn front(&self, mel: &Tensor, conv_mask: Option<&Tensor>) -> Result<Tensor> {
+    /// Convolutional front end: `[n_mels, frames]` -> `[positions, d_model]`.
+    fn front(&self, mel: &Tensor) -> Result<Tensor> {
         let x = mel.unsqueeze(0)?;
-        let mut x = self.conv1.forward(&x)?.gelu_erf()?;
-        if let Some(m) = conv_mask {
-            x = x.broadcast_mul(m)?;
-        }
+        let x = self.conv1.forward(&x)?.gelu_erf()?;
         let x = self.conv2.forward(&x)?.gelu_erf()?;
         x.squeeze(0)?.t()
     }
@@ -146,24 +142,43 @@ impl WhisperEncoder {
         Ok(out.pop().expect("one stream in, one out"))
     }
 
-    /// [`WhisperEncoder::forward_clip`] of a clip padded to a fixed number of frames (fixed
-    /// shapes: one CUDA graph serves clips of every length up to it): `[positions, d_model]` for
-    /// the padded length, whose first `positions_for(real frames)` rows are the clip's.
-    pub fn forward_clip_padded(&self, mel: &Tensor, mask: &ClipMask) -> Result<Tensor> {
-        let mut out = self.forward_masked(&mut [EncoderStep { cache: None, mel: mel.clone() }], Some(mask))?;
-        Ok(out.pop().expect("one stream in, one out"))
+    /// `B` whole clips padded to one length (`mels: [B, n_mels, frames]`, at most
+    /// `2 * max_source_positions` frames), each masked by its rows of `mask`: `[B, positions,
+    /// d_model]` (after the final layer norm), every real position of a clip what that clip alone
+    /// gives it (the padding's positions hold whatever they hold). The clips share every matrix
+    /// product; attention is one batched product over all of them.
+    pub fn forward_clips_padded(&self, mels: &Tensor, mask: &ClipMask) -> Result<Tensor> {
+        let b = mels.dim(0)?;
+        let (heads, d) = (self.cfg.encoder_attention_heads, self.cfg.d_model);
+        let hd = d / heads;
+        let x = self.conv1.forward(mels)?.gelu_erf()?.broadcast_mul(&mask.conv)?;
+        let x = self.conv2.forward(&x)?.gelu_erf()?;
+        let p = x.dim(2)?;
+        if p > self.cfg.max_source_positions {
+            candle_core::bail!("audio clip of {p} encoder positions exceeds {}; split it first", self.cfg.max_source_positions);
+        }
+        let mut x = x.transpose(1, 2)?.broadcast_add(&self.positions(0, p)?)?.reshape((b * p, d))?;
+        let scale = (hd as f64).powf(-0.5);
+        let split = |t: Tensor| t.reshape((b, p, heads, hd))?.transpose(1, 2)?.contiguous();
+        for l in &self.layers {
+            let h = l.self_attn_layer_norm.forward(&x)?;
+            let q = split((l.q_proj.forward(&h)? * scale)?)?;
+            let k = split(l.k_proj.forward(&h)?)?;
+            let v = split(l.v_proj.forward(&h)?)?;
+            // scores in the activations' dtype, the softmax accumulating in f32 (as `attend`)
+            let att = q.matmul(&k.t()?)?.broadcast_add(&mask.keys)?;
+            let o = candle_nn::ops::softmax_last_dim(&att)?.matmul(&v)?.transpose(1, 2)?.reshape((b * p, d))?;
+            x = (x + l.out_proj.forward(&o)?)?;
+            let h = l.final_layer_norm.forward(&x)?;
+            let h = l.fc2.forward(&l.fc1.forward(&h)?.gelu_erf()?)?;
+            x = (x + h)?;
+        }
+        self.layer_norm.forward(&x)?.reshape((b, p, d))
     }
 
     /// Batched step over streams: each entry is a whole clip (`cache: None`) or the next unit of a
     /// streaming session (its cache advances). Returns `[positions, d_model]` per entry.
     pub fn forward(&self, steps: &mut [EncoderStep<'_>]) -> Result<Vec<Tensor>> {
-        self.forward_masked(steps, None)
-    }
-
-    fn forward_masked(&self, steps: &mut [EncoderStep<'_>], mask: Option<&ClipMask>) -> Result<Vec<Tensor>> {
-        if mask.is_some() && (steps.len() != 1 || steps[0].cache.is_some()) {
-            candle_core::bail!("a padded clip is encoded alone and without a cache");
-        }
         let max = self.cfg.max_source_positions;
         let heads = self.cfg.encoder_attention_heads;
         let d = self.cfg.d_model;
@@ -177,7 +192,7 @@ impl WhisperEncoder {
             if s.mel.dim(1)? == 0 {
                 candle_core::bail!("audio encoder input has no frames");
             }
-            let x = self.front(&s.mel, mask.map(|m| &m.conv))?;
+            let x = self.front(&s.mel)?;
             let n = x.dim(0)?;
             let offset = match s.cache.as_deref_mut() {
                 Some(c) => {
@@ -218,7 +233,7 @@ impl WhisperEncoder {
             for (cache, &(s, n)) in caches.iter_mut().zip(&spans) {
                 let qs = q.narrow(0, s, n)?.transpose(0, 1)?;
                 let (ka, va) = cache.append(li, &k.narrow(0, s, n)?.transpose(0, 1)?, &v.narrow(0, s, n)?.transpose(0, 1)?)?;
-                outs.push(attend(&qs, &ka, &va, mask.map(|m| &m.keys))?.transpose(0, 1)?.reshape((n, d))?);
+                outs.push(attend(&qs, &ka, &va, None)?.transpose(0, 1)?.reshape((n, d))?);
             }
             let o = if outs.len() == 1 { outs.pop().expect("one") } else { Tensor::cat(&outs, 0)? };
             x = (x + l.out_proj.forward(&o)?)?;

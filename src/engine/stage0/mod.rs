@@ -19,7 +19,7 @@ use candle_core::Tensor;
 
 use super::caches::StageCaches;
 use super::prefix::PrefixStore;
-use super::{EngineConfig, EngineMetrics, Registry, RequestId, RequestSpec, Stage0Msg, Stage1Msg, StageLoop, Status};
+use super::{EngineConfig, EngineMetrics, RefInput, Registry, RequestId, RequestSpec, Stage0Msg, Stage1Msg, StageLoop, Status};
 use antiphon_models::code2wav::prompt::PROMPT_SECONDS;
 use antiphon_models::decoder::{KvCache, StreamStep};
 use antiphon_models::thinker::Thinker;
@@ -75,6 +75,52 @@ impl Ctx {
         Ok(emb)
     }
 
+    /// The reference voices of a burst of new prompts, encoded together (each prompt hears its
+    /// voice at the head of its system turn): those not kept yet, at most half of what is kept, are
+    /// resampled side by side and encoded in one batch ([`Thinker::encode_clips`]), and kept for
+    /// [`Ctx::reference_embeddings`]. Only an optimisation: a failure is logged, and each prompt
+    /// then encodes its own voice (and fails alone if it cannot).
+    pub fn hear_references(&mut self, voices: &[&RefInput]) {
+        let mut todo: Vec<(u64, &RefInput)> = Vec::new();
+        for v in voices {
+            let key = content_key(&v.samples, v.sample_rate);
+            if !todo.iter().any(|(k, _)| *k == key) && !self.ref_embeds.contains(key) && todo.len() < REF_EMBED_CACHE / 2 {
+                todo.push((key, v));
+            }
+        }
+        if todo.len() < 2 {
+            return;
+        }
+        let t0 = Instant::now();
+        let cut = (16_000.0 * PROMPT_SECONDS) as usize;
+        let clips: Vec<(u64, Vec<f32>)> = std::thread::scope(|scope| {
+            let jobs: Vec<_> = todo
+                .iter()
+                .map(|&(k, v)| {
+                    scope.spawn(move || {
+                        antiphon_audio::resample(&v.samples, v.sample_rate, 16_000).map(|mut r| {
+                            (k, {
+                                r.truncate(cut);
+                                r
+                            })
+                        })
+                    })
+                })
+                .collect();
+            jobs.into_iter().filter_map(|j| j.join().ok().and_then(|r| r.ok())).collect()
+        });
+        let refs: Vec<&[f32]> = clips.iter().map(|(_, c)| c.as_slice()).collect();
+        match self.thinker.encode_clips(&refs) {
+            Ok(embs) => {
+                for ((k, _), e) in clips.iter().zip(embs) {
+                    self.ref_embeds.insert(*k, e);
+                }
+            }
+            Err(e) => tracing::warn!("thinker: a burst of reference voices could not be encoded together: {e:#}"),
+        }
+        self.metrics.step_seconds.with_label_values(&["thinker_hear"]).observe(t0.elapsed().as_secs_f64());
+    }
+
     /// The Thinker's context, in positions.
     pub fn context(&self) -> usize {
         self.thinker.llm.decoder().config().max_positions
@@ -116,8 +162,8 @@ pub struct Stage0 {
     caches: StageCaches,
 }
 
-/// Reference voices whose embeddings Stage 0 keeps.
-const REF_EMBED_CACHE: usize = 8;
+/// Reference voices whose embeddings Stage 0 keeps (each ~0.5 MB at full size: 60 rows of 4096).
+const REF_EMBED_CACHE: usize = 32;
 
 /// Thinker caches are made with room for a multiple of this many positions: a conversation
 /// grows by its turns, and a stream that outgrows the pooled caches needs a new one, whose decode
@@ -142,6 +188,10 @@ impl<V> Recent<V> {
         let hit = self.entries.remove(i).expect("found");
         self.entries.push_front(hit);
         self.entries.front().map(|(_, v)| v)
+    }
+
+    fn contains(&self, key: u64) -> bool {
+        self.entries.iter().any(|(k, _)| *k == key)
     }
 
     fn insert(&mut self, key: u64, value: V) {
@@ -349,7 +399,13 @@ impl StageLoop for Stage0 {
     }
 
     fn step(&mut self) -> bool {
-        // admission: prompts are built and queued for prefill
+        // admission: prompts are built and queued for prefill (a burst's new voices heard together)
+        let room = self.ctx.cfg.thinker_max_batch.saturating_sub(self.turns.len());
+        if self.ctx.cfg.thinker_hears_reference && room > 1 && self.queue.len() > 1 {
+            let registry = &self.ctx.registry;
+            let voices: Vec<&RefInput> = self.queue.iter().take(room).filter(|s| registry.is_live(&s.id)).map(|s| &s.voice).collect();
+            self.ctx.hear_references(&voices);
+        }
         while self.turns.len() < self.ctx.cfg.thinker_max_batch {
             let Some(spec) = self.queue.pop_front() else { break };
             if let Some(t) = TurnStream::admit(&mut self.ctx, &self.caches, spec) {

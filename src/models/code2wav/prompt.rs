@@ -37,10 +37,11 @@ impl Reference {
         }
         let mut x = antiphon_audio::resample(samples, rate, PROMPT_RATE)?;
         x.resize((PROMPT_SECONDS * PROMPT_RATE as f64) as usize, 0.0);
+        // (the samples' bytes in one update: the same digest as sample by sample, a fraction of
+        // the time)
+        let bytes: Vec<u8> = x.iter().flat_map(|s| s.to_le_bytes()).collect();
         let mut h = Sha256::new();
-        for s in &x {
-            h.update(s.to_le_bytes());
-        }
+        h.update(&bytes);
         h.update(PROMPT_RATE.to_string().as_bytes());
         let key = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
         Ok(Self { samples: x, key })
@@ -179,4 +180,25 @@ pub fn prepare_features_batch(
             finish(codes, speaker.to_device(dev)?, &pm, pf, up_rate, dev)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reference's key is what registered voices are saved under: it stays the SHA-256 of its
+    /// samples' little-endian bytes (fed sample by sample, as the key was first made) and the rate.
+    #[test]
+    fn a_references_key_is_the_digest_of_its_samples_and_rate() {
+        let x: Vec<f32> = (0..16_000).map(|i| (i as f32 * 0.013).sin() * 0.4).collect();
+        let r = Reference::materialize(&x, 16_000).unwrap();
+        let mut h = Sha256::new();
+        for s in &r.samples {
+            h.update(s.to_le_bytes());
+        }
+        h.update(PROMPT_RATE.to_string().as_bytes());
+        let want: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(r.key, want);
+        assert_ne!(Reference::materialize(&x[1..], 16_000).unwrap().key, want);
+    }
 }
