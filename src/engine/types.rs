@@ -30,16 +30,25 @@ pub enum Mode {
     Duplex,
 }
 
-/// A reference voice as given (any rate, mono); identity is the shared buffer and its rate.
+/// A reference voice as given (any rate, mono); identity is the shared buffer and its rate. Its
+/// content key is made once, here, where the voice comes in (not on a stage's thread, which would
+/// hash it again for every prompt that hears it).
 #[derive(Debug, Clone)]
 pub struct RefInput {
     pub samples: Arc<Vec<f32>>,
     pub sample_rate: u32,
+    key: u64,
 }
 
 impl RefInput {
     pub fn new(samples: Vec<f32>, sample_rate: u32) -> Self {
-        Self { samples: Arc::new(samples), sample_rate }
+        let key = content_key(&samples, sample_rate);
+        Self { samples: Arc::new(samples), sample_rate, key }
+    }
+
+    /// A key for the audio by its content (the same samples at the same rate, the same key).
+    pub fn content_key(&self) -> u64 {
+        self.key
     }
 
     /// Same audio (cheap when it is the same buffer).
@@ -359,5 +368,41 @@ impl Registry {
         };
         self.inner.lock().expect("registry").remove(id);
         Some(out)
+    }
+}
+
+/// A key for audio by its content: its rate, length and samples' bits, the samples hashed a block
+/// of bytes at a time.
+fn content_key(samples: &[f32], rate: u32) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    rate.hash(&mut h);
+    samples.len().hash(&mut h);
+    let mut block = [0u8; 4096];
+    for part in samples.chunks(1024) {
+        for (b, s) in block.chunks_exact_mut(4).zip(part) {
+            b.copy_from_slice(&s.to_le_bytes());
+        }
+        h.write(&block[..4 * part.len()]);
+    }
+    h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RefInput;
+
+    /// The key made once per voice tells contents apart: the same samples at the same rate give
+    /// the same key, one sample or the rate changed gives another.
+    #[test]
+    fn a_voices_key_follows_its_content() {
+        let x: Vec<f32> = (0..40_000).map(|i| (i as f32 * 0.01).sin()).collect();
+        let a = RefInput::new(x.clone(), 16_000);
+        assert_eq!(a.content_key(), RefInput::new(x.clone(), 16_000).content_key());
+        let mut y = x.clone();
+        y[39_999] += 1e-6;
+        assert_ne!(a.content_key(), RefInput::new(y, 16_000).content_key());
+        assert_ne!(a.content_key(), RefInput::new(x.clone(), 24_000).content_key());
+        assert_ne!(a.content_key(), RefInput::new(x[..39_999].to_vec(), 16_000).content_key());
     }
 }

@@ -98,7 +98,7 @@ impl DuplexStream {
             let mut audio = Vec::new();
             let mut parts: Vec<Result<&str, u32>> = vec![Err(s.im_start), Ok("system\n"), Ok(instructions.as_str())];
             if ctx.cfg.thinker_hears_reference {
-                let emb = ctx.reference_embeddings(&spec.voice.samples, spec.voice.sample_rate)?;
+                let emb = ctx.reference_embeddings(&spec.voice)?;
                 parts.push(Ok("\n"));
                 parts.push(Err(s.audio_start));
                 parts.extend(std::iter::repeat_n(Err(s.unk), emb.dim(0)?));

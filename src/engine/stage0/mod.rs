@@ -64,12 +64,12 @@ impl Ctx {
 
     /// The reference voice's audio embeddings (its first [`PROMPT_SECONDS`] at 16 kHz), cached by
     /// content.
-    pub fn reference_embeddings(&mut self, samples: &[f32], rate: u32) -> Result<Tensor> {
-        let key = content_key(samples, rate);
+    pub fn reference_embeddings(&mut self, voice: &RefInput) -> Result<Tensor> {
+        let key = voice.content_key();
         if let Some(hit) = self.ref_embeds.get(key) {
             return Ok(hit.clone());
         }
-        let r16 = antiphon_audio::resample(samples, rate, 16_000)?;
+        let r16 = antiphon_audio::resample(&voice.samples, voice.sample_rate, 16_000)?;
         let emb = self.thinker.encode_clip(&r16[..r16.len().min((16_000.0 * PROMPT_SECONDS) as usize)])?;
         self.ref_embeds.insert(key, emb.clone());
         Ok(emb)
@@ -83,7 +83,7 @@ impl Ctx {
     pub fn hear_references(&mut self, voices: &[&RefInput]) {
         let mut todo: Vec<(u64, &RefInput)> = Vec::new();
         for v in voices {
-            let key = content_key(&v.samples, v.sample_rate);
+            let key = v.content_key();
             if !todo.iter().any(|(k, _)| *k == key) && !self.ref_embeds.contains(key) && todo.len() < REF_EMBED_CACHE / 2 {
                 todo.push((key, v));
             }
@@ -199,18 +199,6 @@ impl<V> Recent<V> {
         self.entries.push_front((key, value));
         self.entries.truncate(self.cap);
     }
-}
-
-/// A key for audio by its content.
-pub(crate) fn content_key(samples: &[f32], rate: u32) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    rate.hash(&mut h);
-    samples.len().hash(&mut h);
-    for s in samples {
-        s.to_bits().hash(&mut h);
-    }
-    h.finish()
 }
 
 /// Rows for the Talker, in host memory: the Talker may run on another stream, and a tensor is used

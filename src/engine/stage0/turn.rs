@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
 
-use super::{content_key, to_host, Ctx, ThinkerStream};
+use super::{to_host, Ctx, ThinkerStream};
 use crate::caches::StageCaches;
 use crate::{Mode, RequestId, RequestSpec, Stage1Msg, UserInput};
 use antiphon_models::decoder::{KvCache, PooledCache};
@@ -79,7 +79,7 @@ fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<(Vec<u32>, Tensor)>
     let mut messages = Vec::new();
     let instructions = spec.instructions.clone().unwrap_or_else(|| crate::DEFAULT_INSTRUCTIONS.into());
     if ctx.cfg.thinker_hears_reference {
-        let emb = ctx.reference_embeddings(&spec.voice.samples, spec.voice.sample_rate)?;
+        let emb = ctx.reference_embeddings(&spec.voice)?;
         messages.push(Message {
             role: Role::System,
             parts: vec![
@@ -182,7 +182,7 @@ impl TurnStream {
         let prompt_len = ids.len();
         // the KV of the longest prompt prefix seen before (the system turn with the voice, or
         // this conversation up to its last turn), up to the first user audio clip
-        let voice = if ctx.cfg.thinker_hears_reference { content_key(&spec.voice.samples, spec.voice.sample_rate) } else { 0 };
+        let voice = if ctx.cfg.thinker_hears_reference { spec.voice.content_key() } else { 0 };
         let system = ids.iter().position(|&t| t == s.im_end).map(|end| end + 1).filter(|&len| len < prompt_len);
         let shareable = first_user_audio(&ids, system.unwrap_or(0), &s.audio_markers());
         // a finished stream's cache (its buffers and captured decode step) when one fits
