@@ -424,6 +424,39 @@ fn a_conversations_next_turn_reuses_its_previous_turn() {
     }
 }
 
+/// A new voice's system turn takes its head (the template and the text before the voice's audio)
+/// from another voice's, and gives what it gives with the store off.
+#[test]
+fn a_new_voice_reuses_the_head_of_another_voices_system_turn() {
+    let off = engine(EngineConfig { thinker_prefix_cache: 0, ..EngineConfig::default() });
+    let on = engine(EngineConfig::default());
+    let run = |e: &Engine| {
+        let a = collect(submit(e, spec("a", "the first question", 10, 30, 3)));
+        let mut b = spec("b", "the first question", 10, 30, 3);
+        b.voice = RefInput::new((0..16_000 * 2).map(|k| 0.3 * (k as f32 * 0.031).sin()).collect(), 16_000);
+        (a, collect(submit(e, b)))
+    };
+    let (a0, b0) = run(&off);
+    let (a1, b1) = run(&on);
+    let m = on.metrics().render();
+    assert!(m.contains("antiphon_prefix_cache_total{event=\"hit\"} 1"), "the second voice found the first's head: {m}");
+    assert_ne!(b0.audio, a0.audio, "two voices, two sounds");
+    for (x, y) in [(&a0, &a1), (&b0, &b1)] {
+        assert_eq!(x.status, Status::Completed);
+        assert_same_response(x, y, "the shared head");
+    }
+}
+
+/// The same text and codes, and audio within 1e-4 (`what` changed it otherwise).
+fn assert_same_response(x: &Outcome, y: &Outcome, what: &str) {
+    assert_eq!(x.text, y.text);
+    assert_eq!(x.codes, y.codes);
+    let (p, q): (Vec<f32>, Vec<f32>) = (x.audio.concat(), y.audio.concat());
+    assert_eq!(p.len(), q.len());
+    let err = common::max_abs_diff(&p, &q);
+    assert!(err < 1e-4, "{what} changed the audio by {err}");
+}
+
 #[test]
 fn a_cached_prompt_prefix_gives_the_same_response() {
     let off = engine(EngineConfig { thinker_prefix_cache: 0, ..EngineConfig::default() });
@@ -441,11 +474,6 @@ fn a_cached_prompt_prefix_gives_the_same_response() {
     assert!(m.contains("antiphon_prefix_cache_total{event=\"hit\"} 1"), "{m}");
     assert!(off.metrics().render().contains("antiphon_prefix_cache_total{event=\"hit\"} 0"), "no hit with the cache off");
     for (x, y) in [(&a0, &a1), (&b0, &b1)] {
-        assert_eq!(x.text, y.text);
-        assert_eq!(x.codes, y.codes);
-        let (p, q): (Vec<f32>, Vec<f32>) = (x.audio.concat(), y.audio.concat());
-        assert_eq!(p.len(), q.len());
-        let err = common::max_abs_diff(&p, &q);
-        assert!(err < 1e-4, "the prefix cache changed the audio by {err}");
+        assert_same_response(x, y, "the prefix cache");
     }
 }

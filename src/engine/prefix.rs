@@ -9,7 +9,9 @@
 //! An entry is valid for a prompt only up to the first position whose embedding is not fixed by
 //! its id: the reference voice's audio sits in the system turn and is keyed by `voice`; a user's
 //! audio clip has placeholder ids that say nothing of its content, so no match crosses one (the
-//! caller passes that limit).
+//! caller passes that limit). Before the voice's audio every position is fixed by its id, so an
+//! entry of any voice serves a prompt up to where its voice's rows begin: a new voice's system turn
+//! takes its head (the template and the text before the audio) from another voice's.
 
 use std::collections::VecDeque;
 
@@ -55,16 +57,19 @@ impl<V> PrefixStore<V> {
         self.entries.is_empty()
     }
 
-    /// The entry with `voice` that shares the most leading ids with `ids`, counting at most
-    /// `limit` of them; `None` when the best shares fewer than `min`. The entry becomes the most
-    /// recent. Returns it and the positions to take from it.
-    pub fn lookup(&mut self, voice: u64, ids: &[u32], limit: usize, min: usize) -> Option<(&V, usize)> {
+    /// The entry that shares the most leading ids with `ids`, counting at most `limit` of them,
+    /// and, for an entry of another voice than `voice`, at most `voice_free` (the positions before
+    /// the prompt's voice audio begins); `None` when the best shares fewer than `min`. The entry
+    /// becomes the most recent. Returns it and the positions to take from it.
+    pub fn lookup(&mut self, voice: u64, ids: &[u32], limit: usize, voice_free: usize, min: usize) -> Option<(&V, usize)> {
         let (i, n) = self
             .entries
             .iter()
             .enumerate()
-            .filter(|(_, e)| e.voice == voice)
-            .map(|(i, e)| (i, common_prefix(&e.ids, ids).min(limit)))
+            .map(|(i, e)| {
+                let n = common_prefix(&e.ids, ids).min(limit);
+                (i, if e.voice == voice { n } else { n.min(voice_free) })
+            })
             .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)))?;
         if n < min.max(1) {
             return None;
@@ -109,11 +114,26 @@ mod tests {
         assert_eq!(s.len(), 2);
         assert!(s.covers(1, &[1, 2, 3]));
         let next = [1, 2, 3, 4, 5, 6, 9, 9];
-        assert_eq!(s.lookup(1, &next, 100, 2), Some((&"turn 1", 6)));
-        assert_eq!(s.lookup(1, &next, 4, 2), Some((&"turn 1", 4)), "a user audio clip at 4 stops the match");
-        assert_eq!(s.lookup(1, &next, 100, 7), None, "fewer than min shared");
-        assert_eq!(s.lookup(3, &next, 100, 1), None, "no entry with that voice");
-        assert_eq!(s.lookup(2, &[1, 2, 3, 4, 5, 6, 7, 8, 9], 8, 1), Some((&"other voice", 8)));
+        assert_eq!(s.lookup(1, &next, 100, 0, 2), Some((&"turn 1", 6)));
+        assert_eq!(s.lookup(1, &next, 4, 0, 2), Some((&"turn 1", 4)), "a user audio clip at 4 stops the match");
+        assert_eq!(s.lookup(1, &next, 100, 0, 7), None, "fewer than min shared");
+        assert_eq!(s.lookup(3, &next, 100, 0, 1), None, "another voice's entries only before the voice");
+        assert_eq!(s.lookup(2, &[1, 2, 3, 4, 5, 6, 7, 8, 9], 8, 0, 1), Some((&"other voice", 8)));
+    }
+
+    /// A prompt with a new voice takes another voice's entry up to where its own voice's rows
+    /// begin, and no further; an entry of its own voice goes further when it shares more.
+    #[test]
+    fn another_voices_entry_serves_the_head_before_the_voice() {
+        let mut s = PrefixStore::new(4, usize::MAX);
+        // (ids 9 mark the voice's rows, from position 3)
+        s.insert(1, vec![1, 2, 3, 9, 9, 5, 6], "voice 1", 1);
+        let new_voice = [1, 2, 3, 9, 9, 5, 7];
+        assert_eq!(s.lookup(2, &new_voice, 100, 3, 1), Some((&"voice 1", 3)));
+        assert_eq!(s.lookup(2, &new_voice, 100, 3, 4), None, "fewer than min before the voice");
+        assert_eq!(s.lookup(1, &new_voice, 100, 3, 1), Some((&"voice 1", 6)), "its own voice: the whole shared run");
+        s.insert(2, vec![1, 2, 3, 9, 9, 5], "voice 2", 1);
+        assert_eq!(s.lookup(2, &new_voice, 100, 3, 1), Some((&"voice 2", 6)));
     }
 
     #[test]
@@ -121,7 +141,7 @@ mod tests {
         let mut s = PrefixStore::new(2, usize::MAX);
         s.insert(0, vec![1, 1], 'a', 1);
         s.insert(0, vec![2, 2], 'b', 1);
-        assert!(s.lookup(0, &[1, 1, 5], 10, 1).is_some()); // 'a' is now the most recent
+        assert!(s.lookup(0, &[1, 1, 5], 10, 0, 1).is_some()); // 'a' is now the most recent
         s.insert(0, vec![3, 3], 'c', 1);
         assert!(s.covers(0, &[1, 1]) && s.covers(0, &[3, 3]) && !s.covers(0, &[2, 2]));
         let mut off = PrefixStore::new(0, usize::MAX);

@@ -181,7 +181,8 @@ impl TurnStream {
         });
         let prompt_len = ids.len();
         // the KV of the longest prompt prefix seen before (the system turn with the voice, or
-        // this conversation up to its last turn), up to the first user audio clip
+        // this conversation up to its last turn, or another voice's system turn up to the voice),
+        // up to the first user audio clip
         let voice = if ctx.cfg.thinker_hears_reference { spec.voice.content_key() } else { 0 };
         let system = ids.iter().position(|&t| t == s.im_end).map(|end| end + 1).filter(|&len| len < prompt_len);
         let shareable = first_user_audio(&ids, system.unwrap_or(0), &s.audio_markers());
@@ -196,7 +197,10 @@ impl TurnStream {
         let mut prefill_pos = 0;
         if ctx.cfg.thinker_prefix_cache > 0 {
             // (at least one prompt position is prefilled: its logits start the reply)
-            match ctx.prefixes.lookup(voice, &ids, shareable.min(prompt_len - 1), MIN_SHARED) {
+            // (another voice's entry serves the head before this voice's rows: a new voice's
+            // system turn starts from the template and text every system turn begins with)
+            let voice_free = ids.iter().position(|&t| t == s.audio_markers().placeholder).unwrap_or(ids.len());
+            match ctx.prefixes.lookup(voice, &ids, shareable.min(prompt_len - 1), voice_free, MIN_SHARED) {
                 Some((hit, len)) => match cache.load_prefix(hit, len) {
                     Ok(()) => {
                         prefill_pos = len;
