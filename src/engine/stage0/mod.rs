@@ -69,8 +69,7 @@ impl Ctx {
         if let Some(hit) = self.ref_embeds.get(key) {
             return Ok(hit.clone());
         }
-        let r16 = antiphon_audio::resample(&voice.samples, voice.sample_rate, 16_000)?;
-        let emb = self.thinker.encode_clip(&r16[..r16.len().min((16_000.0 * PROMPT_SECONDS) as usize)])?;
+        let emb = self.thinker.encode_clip(&heard_clip(voice)?)?;
         self.ref_embeds.insert(key, emb.clone());
         Ok(emb)
     }
@@ -92,21 +91,8 @@ impl Ctx {
             return;
         }
         let t0 = Instant::now();
-        let cut = (16_000.0 * PROMPT_SECONDS) as usize;
         let clips: Vec<(u64, Vec<f32>)> = std::thread::scope(|scope| {
-            let jobs: Vec<_> = todo
-                .iter()
-                .map(|&(k, v)| {
-                    scope.spawn(move || {
-                        antiphon_audio::resample(&v.samples, v.sample_rate, 16_000).map(|mut r| {
-                            (k, {
-                                r.truncate(cut);
-                                r
-                            })
-                        })
-                    })
-                })
-                .collect();
+            let jobs: Vec<_> = todo.iter().map(|&(k, v)| scope.spawn(move || heard_clip(v).map(|c| (k, c)))).collect();
             jobs.into_iter().filter_map(|j| j.join().ok().and_then(|r| r.ok())).collect()
         });
         let refs: Vec<&[f32]> = clips.iter().map(|(_, c)| c.as_slice()).collect();
@@ -199,6 +185,13 @@ impl<V> Recent<V> {
         self.entries.push_front((key, value));
         self.entries.truncate(self.cap);
     }
+}
+
+/// What the Thinker hears of a reference voice: its first [`PROMPT_SECONDS`] at 16 kHz.
+fn heard_clip(voice: &RefInput) -> Result<Vec<f32>> {
+    let mut r16 = antiphon_audio::resample(&voice.samples, voice.sample_rate, 16_000)?;
+    r16.truncate((16_000.0 * PROMPT_SECONDS) as usize);
+    Ok(r16)
 }
 
 /// Rows for the Talker, in host memory: the Talker may run on another stream, and a tensor is used

@@ -70,7 +70,6 @@ impl Stage2 {
             idx.iter().map(|&i| (self.waiting[i].id.clone(), self.waiting[i].reference.clone().expect("a candidate has a reference"))).collect();
         let mut keyed: Vec<(RequestId, String)> = Vec::with_capacity(jobs.len());
         let mut failed: Vec<RequestId> = Vec::new();
-        let mut todo: Vec<(String, Reference)> = Vec::new();
         // (several references resampled and keyed side by side, off this thread)
         let materialized: Vec<anyhow::Result<Reference>> = if jobs.len() == 1 {
             vec![Reference::materialize(&jobs[0].1.samples, jobs[0].1.sample_rate)]
@@ -80,6 +79,7 @@ impl Stage2 {
                 handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a reference thread panicked")))).collect()
             })
         };
+        let mut unprepared: Vec<String> = Vec::new();
         for ((id, _), r) in jobs.into_iter().zip(materialized) {
             let r = match r {
                 Ok(r) => r,
@@ -90,40 +90,20 @@ impl Stage2 {
                 }
             };
             let k = r.key.clone();
-            if self.cache.entry(r).features.is_none() && !todo.iter().any(|(t, _)| *t == k) {
-                match self.prepared.get(&k) {
-                    Some(f) => {
-                        self.count("registered");
-                        let f = f.clone();
-                        self.cache.entry_mut(&k).expect("present").features = Some(f);
-                    }
-                    None => {
-                        let r = self.cache.get(&k).expect("just inserted").reference.clone();
-                        todo.push((k.clone(), r));
-                    }
-                }
+            if self.cache.entry(r).features.is_none() && !unprepared.contains(&k) {
+                unprepared.push(k.clone());
             }
             // (pinned now, so that no trim takes the entry while the batch is prepared)
             self.cache.pin(&k, &id);
             keyed.push((id, k));
         }
-        if !todo.is_empty() {
-            let refs: Vec<&Reference> = todo.iter().map(|(_, r)| r).collect();
-            let done = self.model.prepare_batch(&refs);
-            for ((k, _), f) in todo.iter().zip(done) {
-                self.metrics.voice_preparations.inc();
-                match f {
-                    Ok(f) => self.cache.entry_mut(k).expect("pinned").features = Some(f),
-                    Err(e) => {
-                        let lost: Vec<RequestId> = keyed.iter().filter(|(_, kk)| kk == k).map(|(id, _)| id.clone()).collect();
-                        for id in lost {
-                            self.fail_phase(&id, &format!("{e:#}"));
-                            failed.push(id);
-                        }
-                        self.cache.evict(k);
-                    }
-                }
+        for (k, why) in self.prepare_entries(&unprepared, None) {
+            let lost: Vec<RequestId> = keyed.iter().filter(|(_, kk)| *kk == k).map(|(id, _)| id.clone()).collect();
+            for id in lost {
+                self.fail_phase(&id, &why);
+                failed.push(id);
             }
+            self.cache.evict(&k);
         }
         for gone in self.cache.trim() {
             self.setup.remove(&gone);

@@ -30,7 +30,7 @@ impl Stage2 {
             }
         }
         if !unprepared.is_empty() {
-            let failed = self.prepare_inline(&unprepared);
+            let failed = self.prepare_entries(&unprepared, Some("inline"));
             let (lost, kept): (Vec<_>, Vec<_>) = keyed.into_iter().partition(|(_, k)| failed.iter().any(|(f, _)| f == k));
             keyed = kept;
             for (c, k) in lost {
@@ -148,9 +148,11 @@ impl Stage2 {
         })
     }
 
-    /// Features for the cache's entries `keys` (owned, none prepared yet): a registered voice's
-    /// kept ones, the others prepared in one batch. Returns the keys that failed, with why.
-    fn prepare_inline(&mut self, keys: &[String]) -> Vec<(String, String)> {
+    /// Features for the cache's entries `keys` (held, none prepared yet): a registered voice's
+    /// kept ones, the others prepared in one batch, each preparation counted as `event` when
+    /// given. Returns the keys that failed, with why. (Chunk 0s prepare inline with it; prefetch's
+    /// phase A too.)
+    pub(super) fn prepare_entries(&mut self, keys: &[String], event: Option<&str>) -> Vec<(String, String)> {
         let mut failed = Vec::new();
         let mut todo: Vec<(String, Reference)> = Vec::new();
         for k in keys {
@@ -180,7 +182,9 @@ impl Stage2 {
             match f {
                 Ok(f) => {
                     self.cache.entry_mut(k).expect("present").features = Some(f);
-                    self.count("inline");
+                    if let Some(event) = event {
+                        self.count(event);
+                    }
                 }
                 Err(e) => failed.push((k.clone(), format!("{e:#}"))),
             }
