@@ -9,6 +9,14 @@
 #
 #   OUT=/some/dir WORKLOADS="tts clone" LEVELS=1,2,4,8,16,32 REQUESTS=16 scripts/gpu-measure.sh
 #
+# LEVELS_<workload> and REQUESTS_<workload> (e.g. LEVELS_duplex=32,64) override them for one
+# workload.
+#
+# RATES=2,4,8 then runs the open-loop conversations workload (Poisson arrivals at each rate;
+# CONVERSATIONS per rate, default 120, of TURNS text turns, default 3, THINK_MS apart, default 1000)
+# into $RES/conversations; BENCH_TIMEOUT bounds all the rates together (each rate's outputs are
+# written when it ends).
+#
 # Memory: the server's resident set and its GPU memory go to memory.txt when it is warm and after
 # each workload; SOAK_ROUNDS=n then runs n more rounds of conversations (SOAK_LEVEL sessions of
 # SOAK_TURNS turns each, tts) and snapshots after each, to show whether memory comes back.
@@ -70,13 +78,24 @@ if [ $ready = 1 ]; then
   curl -sf http://127.0.0.1:8080/metrics > "$RES/metrics-0-warm.txt"
   mem "warm"
   for w in $WORKLOADS; do
-    echo "== $w at C=$LEVELS ($(( $(date +%s) - t0 )) s)"
+    # (LEVELS_<workload> / REQUESTS_<workload>, e.g. LEVELS_duplex=32,64, override them for one)
+    lv="LEVELS_${w//-/_}"; lv=${!lv:-$LEVELS}
+    rq="REQUESTS_${w//-/_}"; rq=${!rq:-$REQUESTS}
+    echo "== $w at C=$lv ($(( $(date +%s) - t0 )) s)"
     timeout "$BENCH_TIMEOUT" /tmp/antiphon bench --url ws://127.0.0.1:8080/v1/realtime --workload "$w" \
-      --concurrency "$LEVELS" --requests "$REQUESTS" --warmup "$WARMUP" --no-progress --timeout-s 120 \
+      --concurrency "$lv" --requests "$rq" --warmup "$WARMUP" --no-progress --timeout-s 120 \
       --label "H200, full-size synthetic bf16, $CONFIG" --out "$RES/$w" $EXTRA 2>&1 | tail -12
     curl -sf http://127.0.0.1:8080/metrics > "$RES/metrics-$w.txt"
     mem "after $w"
   done
+  if [ -n "${RATES:-}" ]; then
+    echo "== conversations at $RATES/s ($(( $(date +%s) - t0 )) s)"
+    timeout "$BENCH_TIMEOUT" /tmp/antiphon bench --url ws://127.0.0.1:8080/v1/realtime --workload conversations \
+      --rates "$RATES" --conversations "${CONVERSATIONS:-120}" --turns "${TURNS:-3}" --think-ms "${THINK_MS:-1000}" --no-progress --timeout-s 120 \
+      --label "H200, full-size synthetic bf16, $CONFIG" --out "$RES/conversations" $EXTRA 2>&1 | tail -12
+    curl -sf http://127.0.0.1:8080/metrics > "$RES/metrics-conversations.txt"
+    mem "after conversations"
+  fi
   for r in $(seq 1 "${SOAK_ROUNDS:-0}"); do
     n=$(( ${SOAK_LEVEL:-8} * ${SOAK_TURNS:-15} ))
     timeout "$BENCH_TIMEOUT" /tmp/antiphon bench --url ws://127.0.0.1:8080/v1/realtime --workload tts \

@@ -142,6 +142,22 @@ struct BenchArgs {
     /// Duplex workload: seconds of audio each session streams per level.
     #[arg(long, default_value_t = 12)]
     duplex_units: usize,
+    /// Conversations workload (open loop): arrival rates in conversations per second,
+    /// comma-separated; one level each (replaces --concurrency; --warmup does not apply).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![2.0, 4.0, 8.0])]
+    rates: Vec<f64>,
+    /// Conversations workload: conversations started per rate.
+    #[arg(long, default_value_t = 120)]
+    conversations: usize,
+    /// Conversations workload: text turns per conversation.
+    #[arg(long, default_value_t = 3)]
+    turns: usize,
+    /// Conversations workload: ms from a reply having played (no pre-buffer) to the next turn.
+    #[arg(long, default_value_t = 1000)]
+    think_ms: u64,
+    /// Conversations workload: seeds the Poisson arrival schedule.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
 impl BenchArgs {
@@ -171,6 +187,11 @@ impl BenchArgs {
             timeout: std::time::Duration::from_secs(self.timeout_s),
             speak_every: self.speak_every,
             duplex_units: self.duplex_units,
+            rates: self.rates,
+            conversations: self.conversations,
+            turns: self.turns,
+            think: std::time::Duration::from_millis(self.think_ms),
+            seed: self.seed,
         })
     }
 }

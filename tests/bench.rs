@@ -44,6 +44,11 @@ fn config(url: String, workload: Workload, levels: Vec<usize>, requests: usize, 
         timeout: Duration::from_secs(120),
         speak_every: 2,
         duplex_units: 6,
+        rates: vec![2.0],
+        conversations: 2,
+        turns: 2,
+        think: Duration::from_millis(100),
+        seed: 0,
     }
 }
 
@@ -159,6 +164,74 @@ async fn duplex_workload() {
     let recs = std::fs::read_to_string(dir.path().join("requests.jsonl")).unwrap();
     let units: Vec<u64> = recs.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()["prompt"].as_u64().unwrap()).collect();
     assert!(units.iter().all(|u| [1, 3].contains(u)), "{units:?}");
+    s.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversations_arrive_at_a_rate() {
+    let s = server().await;
+    let url = format!("ws://{}/v1/realtime", s.addr);
+    let dir = tempfile::tempdir().unwrap();
+    let created = s.shared.metrics.sessions_created.get();
+    let mut cfg = config(url, Workload::Conversations, vec![1], 1, dir.path().into());
+    cfg.rates = vec![4.0];
+    cfg.conversations = 3;
+    cfg.turns = 2;
+    cfg.think = Duration::from_millis(50);
+    cfg.seed = 3;
+    let summary = antiphon_bench::run(cfg).await.unwrap();
+
+    let v: Value = serde_json::from_slice(&std::fs::read(dir.path().join("summary.json")).unwrap()).unwrap();
+    assert_eq!(v["workload"], "conversations");
+    let levels = v["levels"].as_array().unwrap();
+    assert_eq!(levels.len(), 1);
+    let l = &levels[0];
+    assert_eq!(l["rate_per_s"], 4.0, "{l}");
+    assert_eq!(l["calls_offered"], 3, "{l}");
+    assert_eq!(l["calls_refused"], 0, "{l}");
+    assert_eq!(l["replies_refused"], 0, "{l}");
+    // every turn of every conversation, none failed; no warm-up in this workload
+    assert_eq!(l["requests"], 6, "{l}");
+    assert_eq!(l["failures"], 0, "{l}");
+    assert_eq!(l["warmup_requests"], 0, "{l}");
+    assert!(l["ttfa_ms"]["p50"].as_f64().unwrap() > 0.0, "{l}");
+    assert!(l["audio_throughput"].as_f64().unwrap() > 0.0, "{l}");
+    let peak = l["concurrency"].as_u64().unwrap();
+    assert!((1..=3).contains(&peak), "{l}");
+    assert!((1..=peak).contains(&l["live_sessions_peak"].as_u64().unwrap()), "{l}");
+    let frac = l["responses_without_stall_frac"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&frac), "{l}");
+    assert!(l.get("retry_after_ms").is_none(), "no refusal, no retry_after_ms: {l}");
+    assert_eq!(s.shared.metrics.sessions_created.get() - created, 3, "a session per conversation");
+    // the goodput, in conversations per second (whether 4/s meets it depends on the machine)
+    let g = &v["goodput"];
+    assert_eq!(g["unit"], "conversations/s", "{g}");
+    assert!(g["criterion"].as_str().unwrap().contains("800 ms"), "{g}");
+    assert!(g["level"].is_null() || g["level"] == 4.0, "{g}");
+    assert!(summary.goodput.is_some());
+
+    // each turn's record names its rate, conversation and turn; turn 1 comes after turn 0 played
+    let lines = std::fs::read_to_string(dir.path().join("requests.jsonl")).unwrap();
+    let recs: Vec<Value> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(recs.len(), 6);
+    for c in 0..3u64 {
+        let turns: Vec<&Value> = recs.iter().filter(|r| r["conversation"] == c).collect();
+        assert_eq!(turns.len(), 2, "conversation {c}");
+        let (t0, t1) = (turns.iter().find(|r| r["turn"] == 0).unwrap(), turns.iter().find(|r| r["turn"] == 1).unwrap());
+        assert!(turns.iter().all(|r| r["rate_per_s"] == 4.0 && r["ok"] == true), "{turns:?}");
+        // the reply is at least its audio long, then the think time
+        let played = t0["start_s"].as_f64().unwrap() + (t0["ttfa_ms"].as_f64().unwrap() + t0["audio_ms"].as_f64().unwrap() + 50.0) / 1000.0;
+        assert!(t1["start_s"].as_f64().unwrap() >= played - 0.05, "{t0} {t1}");
+    }
+    let table = std::fs::read_to_string(dir.path().join("table.txt")).unwrap();
+    assert!(table.contains("4/s") && table.contains("goodput"), "{table}");
+    let csv = std::fs::read_to_string(dir.path().join("summary.csv")).unwrap();
+    assert!(csv
+        .lines()
+        .next()
+        .unwrap()
+        .ends_with(",rate_per_s,calls_offered,calls_refused,replies_refused,live_sessions_peak,responses_without_stall_frac,retry_after_ms"));
+    assert!(std::fs::read_to_string(dir.path().join("ttfa.svg")).unwrap().contains("\n4/s\n"), "the rate's tick");
     s.shutdown().await.unwrap();
 }
 

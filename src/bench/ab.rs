@@ -74,6 +74,10 @@ pub fn block_order(blocks: usize) -> Vec<char> {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Comparison {
     pub concurrency: usize,
+    /// The level's arrival rate (the `conversations` workload, whose levels are rates: there
+    /// `concurrency` is the first A block's peak of conversations in progress).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_per_s: Option<f64>,
     pub metric: String,
     pub a_mean: f64,
     pub a_min: f64,
@@ -123,10 +127,11 @@ fn spread(v: &[f64]) -> (f64, f64, f64) {
 /// Compares the blocks of both sides, level by level.
 pub fn compare(a: &[Summary], b: &[Summary]) -> Vec<Comparison> {
     let mut out = Vec::new();
-    let levels: Vec<usize> = a.first().map(|s| s.levels.iter().map(|l| l.concurrency).collect()).unwrap_or_default();
-    for c in levels {
-        let pick =
-            |runs: &[Summary], g: Getter| -> Vec<f64> { runs.iter().filter_map(|s| s.levels.iter().find(|l| l.concurrency == c)).map(g).collect() };
+    // a level is its concurrency, or its arrival rate
+    let levels: Vec<LevelSummary> = a.first().map(|s| s.levels.clone()).unwrap_or_default();
+    for first in &levels {
+        let same = |l: &&LevelSummary| l.rate_per_s == first.rate_per_s && (first.rate_per_s.is_some() || l.concurrency == first.concurrency);
+        let pick = |runs: &[Summary], g: Getter| -> Vec<f64> { runs.iter().filter_map(|s| s.levels.iter().find(same)).map(g).collect() };
         for (name, g, lower_better) in METRICS {
             let (va, vb) = (pick(a, g), pick(b, g));
             if va.is_empty() || vb.is_empty() {
@@ -150,7 +155,8 @@ pub fn compare(a: &[Summary], b: &[Summary]) -> Vec<Comparison> {
                 1.0
             };
             out.push(Comparison {
-                concurrency: c,
+                concurrency: first.concurrency,
+                rate_per_s: first.rate_per_s,
                 metric: name.into(),
                 a_mean: am,
                 a_min: an,
@@ -175,7 +181,16 @@ pub fn table(r: &AbReport) -> String {
     for c in &r.comparisons {
         s.push_str(&format!(
             "| {} | {} | {:.2} [{:.2}–{:.2}] | {:.2} [{:.2}–{:.2}] | {:.3} | {} |\n",
-            c.concurrency, c.metric, c.a_mean, c.a_min, c.a_max, c.b_mean, c.b_min, c.b_max, c.ratio, c.verdict
+            c.rate_per_s.map_or(c.concurrency.to_string(), |r| format!("{r}/s")),
+            c.metric,
+            c.a_mean,
+            c.a_min,
+            c.a_max,
+            c.b_mean,
+            c.b_min,
+            c.b_max,
+            c.ratio,
+            c.verdict
         ));
     }
     s
@@ -300,7 +315,7 @@ mod tests {
             audio_ms_mean: 4000.0,
             chunks_mean: 4.0,
             wall_s: 10.0,
-            server: None,
+            ..Default::default()
         };
         Summary {
             workload: "tts".into(),
@@ -311,6 +326,7 @@ mod tests {
             text_tokens: 32,
             audio_tokens: 100,
             levels: vec![l],
+            goodput: None,
         }
     }
 

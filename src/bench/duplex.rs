@@ -91,27 +91,8 @@ async fn duplex_session(sh: Arc<Shared>, level: usize, worker: usize, level_star
                     "response.created" if last_speak as usize + 1 >= cfg.duplex_units => {}
                     "response.created" => {
                         let index = records.len();
-                        records.push(RequestRecord {
-                            concurrency: level,
-                            worker,
-                            index,
-                            warmup: index < warm,
-                            prompt: last_speak as usize,
-                            ok: false,
-                            error: None,
-                            status: None,
-                            ttft_ms: None,
-                            ttfa_ms: None,
-                            last_audio_ms: None,
-                            audio_ms: 0.0,
-                            packets: 0,
-                            chunks: None,
-                            rtf: None,
-                            rtf_compute: None,
-                            stalls: vec![],
-                            start_s: unit_end(last_speak).map_or(0.0, |t| t.duration_since(level_start).as_secs_f64()),
-                            arrivals_ms: vec![],
-                        });
+                        let start_s = unit_end(last_speak).map_or(0.0, |t| t.duration_since(level_start).as_secs_f64());
+                        records.push(RequestRecord::new(level, worker, index, index < warm, last_speak as usize, start_s));
                         open.insert(v["response_id"].as_u64().unwrap_or(0), (index, last_speak, vec![]));
                     }
                     "response.text.delta" => {

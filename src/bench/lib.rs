@@ -1,32 +1,49 @@
 //! `antiphon bench`: a scripted client of the wire protocol that measures what a listener gets —
 //! time to first text and first audio, real-time factors, playback stalls under a jitter-buffer
-//! model, throughput — at closed-loop concurrency levels, and writes `summary.json` (the contract
-//! of docs: spec/bench.md), `requests.jsonl`, `summary.csv`, an SVG plot and a text table.
+//! model, throughput — and writes `summary.json` (the contract of docs: spec/bench.md),
+//! `requests.jsonl`, `summary.csv`, an SVG plot and a text table.
 //!
-//! Workloads: `tts` (text in, forced lengths), `voice` (a WAV streamed in real time as Opus
-//! packets, then `input.commit`), `clone` (like `tts`, a different reference voice every request,
-//! each request a new caller: a session of its own), `clone-turns` (the same voices as the turns
-//! of one conversation per worker: the Thinker hears a new voice at the head of the system turn,
-//! so every turn prefills the whole conversation again).
+//! Closed-loop workloads, one level per concurrency C (C sessions, each sending its next request
+//! as soon as the last one is done): `tts` (text in, forced lengths), `voice` (a WAV streamed in
+//! real time as Opus packets, then `input.commit`), `clone` (like `tts`, a different reference
+//! voice every request, each request a new caller: a session of its own), `clone-turns` (the same
+//! voices as the turns of one conversation per worker: the Thinker hears a new voice at the head
+//! of the system turn, so every turn prefills the whole conversation again), `duplex` (C sessions
+//! streaming audio in real time, one record per spoken turn).
+//!
+//! Open loop, one level per arrival rate: `conversations` (`arrivals.rs`). Callers arrive as a
+//! Poisson process (seeded exponential gaps); each connects, creates a turn-mode session — a
+//! `capacity` answer refuses the call, recorded at once and never retried — and sends `--turns`
+//! text turns, each `--think-ms` after the previous reply has played (its last packet's audio
+//! ended under the no-pre-buffer playback model), then closes. `--warmup` does not apply (warm the
+//! server before). A level's `concurrency` is the peak number of conversations in progress at once.
+//!
+//! Every summary carries its goodput (`goodput.rs`): the highest level at which TTFA p95 stays
+//! within 800 ms, 99 % of the completed responses play without a stall, nothing is refused and
+//! nothing fails.
 
 pub mod ab;
+mod arrivals;
+mod client;
 mod duplex;
+pub mod goodput;
 mod prompts;
 pub mod report;
 pub mod scrape;
 
+pub use arrivals::poisson_arrivals;
+use client::{Client, Msg};
 use duplex::{duplex_drain, duplex_turns, run_duplex_level};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use base64::Engine as _;
-use futures_util::{SinkExt, StreamExt};
+use futures_util::SinkExt;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message;
 
 pub use prompts::PROMPTS;
@@ -39,6 +56,7 @@ pub enum Workload {
     Clone,
     CloneTurns,
     Duplex,
+    Conversations,
 }
 
 impl Workload {
@@ -49,6 +67,7 @@ impl Workload {
             Workload::Clone => "clone",
             Workload::CloneTurns => "clone-turns",
             Workload::Duplex => "duplex",
+            Workload::Conversations => "conversations",
         }
     }
 }
@@ -79,11 +98,23 @@ pub struct BenchConfig {
     pub speak_every: u64,
     /// Duplex: seconds (units) of audio each session streams per level.
     pub duplex_units: usize,
+    /// Conversations: arrival rates (conversations per second), one level each.
+    pub rates: Vec<f64>,
+    /// Conversations: conversations started per rate.
+    pub conversations: usize,
+    /// Conversations: text turns per conversation.
+    pub turns: usize,
+    /// Conversations: from a reply having played to the next turn.
+    pub think: Duration,
+    /// Conversations: seeds the arrival schedule (the same at every rate, scaled).
+    pub seed: u64,
 }
 
 /// One request's raw figures.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RequestRecord {
+    /// The level's concurrency; in the `conversations` workload, the conversations in progress
+    /// when the turn started.
     pub concurrency: usize,
     pub worker: usize,
     pub index: usize,
@@ -112,14 +143,64 @@ pub struct RequestRecord {
     /// Arrival times of audio packets, ms after input end (for stall recomputation).
     #[serde(skip_serializing_if = "Vec::is_empty", default)]
     pub arrivals_ms: Vec<f64>,
+    /// Conversations: the level's arrival rate (per second).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_per_s: Option<f64>,
+    /// Conversations: the conversation (its place in the arrival order) and its turn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conversation: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn: Option<usize>,
+}
+
+impl RequestRecord {
+    /// A request not yet answered.
+    pub fn new(concurrency: usize, worker: usize, index: usize, warmup: bool, prompt: usize, start_s: f64) -> Self {
+        Self {
+            concurrency,
+            worker,
+            index,
+            warmup,
+            prompt,
+            ok: false,
+            error: None,
+            status: None,
+            ttft_ms: None,
+            ttfa_ms: None,
+            last_audio_ms: None,
+            audio_ms: 0.0,
+            packets: 0,
+            chunks: None,
+            rtf: None,
+            rtf_compute: None,
+            stalls: vec![],
+            start_s,
+            arrivals_ms: vec![],
+            rate_per_s: None,
+            conversation: None,
+            turn: None,
+        }
+    }
 }
 
 /// The playback model: playback starts when the first packet arrives plus `prebuffer`, consumes
 /// in real time, and pauses whenever the buffer is empty before the response's last packet (one
 /// stall per pause). Returns (events, total ms).
 pub fn stalls(arrivals_ms: &[f64], durations_ms: &[f64], prebuffer_ms: f64) -> (usize, f64) {
+    let (events, total, _) = playback(arrivals_ms, durations_ms, prebuffer_ms);
+    (events, total)
+}
+
+/// When playback of a response ends under the playback model with no pre-buffer (the moment its
+/// buffer runs dry after the last packet: first arrival + audio + stalls), in the arrivals' time.
+pub fn played_ms(arrivals_ms: &[f64], durations_ms: &[f64]) -> Option<f64> {
+    (!arrivals_ms.is_empty()).then(|| playback(arrivals_ms, durations_ms, 0.0).2)
+}
+
+/// The playback model: (stall events, stall ms, the moment the buffer runs dry at the end).
+fn playback(arrivals_ms: &[f64], durations_ms: &[f64], prebuffer_ms: f64) -> (usize, f64, f64) {
     let Some(&first) = arrivals_ms.first() else {
-        return (0, 0.0);
+        return (0, 0.0, 0.0);
     };
     // the moment the buffer runs dry if nothing more arrives
     let mut dry = first + prebuffer_ms;
@@ -133,7 +214,7 @@ pub fn stalls(arrivals_ms: &[f64], durations_ms: &[f64], prebuffer_ms: f64) -> (
         }
         dry += d;
     }
-    (events, total)
+    (events, total, dry)
 }
 
 /// A 16-bit PCM WAV of a reference voice, made different per request (a cold reference cache).
@@ -145,136 +226,6 @@ fn clone_voice(base: &[f32], rate: u32, n: usize) -> String {
     let wav = antiphon_audio::encode_wav_pcm16(&x, rate).expect("wav encoding");
     base64::engine::general_purpose::STANDARD.encode(wav)
 }
-
-type Ws = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
-
-struct Client {
-    ws: Ws,
-    last_seq: u64,
-    input_seq: u64,
-    frame_ms: f64,
-}
-
-enum Msg {
-    Event(Value),
-    Audio,
-}
-
-impl Client {
-    async fn connect(cfg: &BenchConfig) -> Result<Self> {
-        let mut req = cfg.url.as_str().into_client_request()?;
-        if let Some(k) = &cfg.api_key {
-            req.headers_mut().insert("authorization", format!("Bearer {k}").parse()?);
-        }
-        let (ws, _) = tokio_tungstenite::connect_async(req).await.with_context(|| format!("connecting to {}", cfg.url))?;
-        Ok(Self { ws, last_seq: 0, input_seq: 0, frame_ms: 20.0 })
-    }
-
-    async fn send(&mut self, mut v: Value) -> Result<()> {
-        if v["type"] != "ack" {
-            self.input_seq += 1;
-            v["seq"] = json!(self.input_seq);
-        }
-        self.ws.send(Message::Text(v.to_string().into())).await?;
-        Ok(())
-    }
-
-    async fn recv(&mut self, timeout: Duration) -> Result<Msg> {
-        loop {
-            let m = tokio::time::timeout(timeout, self.ws.next()).await.map_err(|_| anyhow!("timed out waiting for the server"))?;
-            match m {
-                Some(Ok(Message::Text(t))) => {
-                    let v: Value = serde_json::from_str(&t)?;
-                    if let Some(s) = v.get("seq").and_then(Value::as_u64) {
-                        self.last_seq = self.last_seq.max(s);
-                    }
-                    return Ok(Msg::Event(v));
-                }
-                Some(Ok(Message::Binary(b))) => {
-                    if b.len() < 12 {
-                        bail!("a binary frame shorter than its header");
-                    }
-                    let seq = u32::from_le_bytes([b[4], b[5], b[6], b[7]]) as u64;
-                    self.last_seq = self.last_seq.max(seq);
-                    if b[0] != 1 {
-                        continue;
-                    }
-                    return Ok(Msg::Audio);
-                }
-                Some(Ok(Message::Close(c))) => bail!("closed by the server: {c:?}"),
-                Some(Ok(_)) => continue,
-                Some(Err(e)) => return Err(e.into()),
-                None => bail!("the connection ended"),
-            }
-        }
-    }
-
-    async fn ack(&mut self) -> Result<()> {
-        let s = self.last_seq;
-        self.ws.send(Message::Text(json!({"type": "ack", "seq": s}).to_string().into())).await?;
-        Ok(())
-    }
-
-    async fn create(&mut self, cfg: &BenchConfig) -> Result<Value> {
-        self.send(json!({"type": "session.create", "mode": "turn",
-            "input_audio": {"codec": "opus", "sample_rate": 48000},
-            "output_audio": {"codec": "opus", "frame_ms": 20}}))
-            .await?;
-        loop {
-            match self.recv(cfg.timeout).await? {
-                Msg::Event(v) if v["type"] == "session.created" => {
-                    self.frame_ms = v["output_audio"]["frame_ms"].as_f64().unwrap_or(20.0);
-                    return Ok(v);
-                }
-                Msg::Event(v) if v["type"] == "error" => {
-                    if v["code"] == "capacity" {
-                        return Err(anyhow::Error::new(Capacity(v["retry_after_ms"].as_u64().unwrap_or(1000))));
-                    }
-                    bail!("session.create: {} ({})", v["code"], v["message"])
-                }
-                _ => {}
-            }
-        }
-    }
-
-    /// Ends the session (`session.close`) and waits (up to 5 s) for the server to close the
-    /// connection, so that its place is free before the caller opens another.
-    async fn close(&mut self) {
-        let _ = self.send(json!({"type": "session.close"})).await;
-        let _ = tokio::time::timeout(Duration::from_secs(5), async { while let Some(Ok(_)) = self.ws.next().await {} }).await;
-    }
-
-    /// A new connection with a turn-mode session. A server with no free session (`capacity`) is
-    /// asked again after its `retry_after_ms`, for up to the bench's timeout: sessions that
-    /// earlier clients left parked free their places as they expire.
-    async fn open(cfg: &BenchConfig) -> Result<Self> {
-        let t0 = Instant::now();
-        loop {
-            let mut c = Self::connect(cfg).await?;
-            match c.create(cfg).await {
-                Ok(_) => return Ok(c),
-                Err(e) => match e.downcast_ref::<Capacity>() {
-                    Some(Capacity(ms)) if t0.elapsed() < cfg.timeout => {
-                        tokio::time::sleep(Duration::from_millis((*ms).clamp(50, 5000))).await;
-                    }
-                    _ => return Err(e),
-                },
-            }
-        }
-    }
-}
-
-/// The server had no free session; it asked to retry after this many ms.
-#[derive(Debug)]
-struct Capacity(u64);
-
-impl std::fmt::Display for Capacity {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "session.create: \"capacity\" (the server has no free session; retry after {} ms)", self.0)
-    }
-}
-
-impl std::error::Error for Capacity {}
 
 /// The spoken input for the `voice` workload: 48 kHz Opus packets of 20 ms.
 pub fn voice_packets(wav: &Path) -> Result<Vec<Vec<u8>>> {
@@ -299,39 +250,34 @@ struct Shared {
 }
 
 async fn one_request(sh: &Shared, c: &mut Client, level: usize, worker: usize, index: usize, warmup: bool, level_start: Instant) -> RequestRecord {
+    request(sh, c, level, worker, index, warmup, level_start).await.0
+}
+
+/// One request on an open session, and when its reply has played (no pre-buffer), if it came.
+/// A reply the server refuses (a non-fatal `capacity` error) is a failure with error `capacity`.
+async fn request(
+    sh: &Shared,
+    c: &mut Client,
+    level: usize,
+    worker: usize,
+    index: usize,
+    warmup: bool,
+    level_start: Instant,
+) -> (RequestRecord, Option<Instant>) {
     let cfg = &sh.cfg;
     let prompt = (worker * 7 + index) % PROMPTS.len();
-    let mut rec = RequestRecord {
-        concurrency: level,
-        worker,
-        index,
-        warmup,
-        prompt,
-        ok: false,
-        error: None,
-        status: None,
-        ttft_ms: None,
-        ttfa_ms: None,
-        last_audio_ms: None,
-        audio_ms: 0.0,
-        packets: 0,
-        chunks: None,
-        rtf: None,
-        rtf_compute: None,
-        stalls: vec![],
-        start_s: level_start.elapsed().as_secs_f64(),
-        arrivals_ms: vec![],
-    };
+    let mut rec = RequestRecord::new(level, worker, index, warmup, prompt, level_start.elapsed().as_secs_f64());
     let gen = json!({"min_text_tokens": cfg.text_tokens, "max_text_tokens": cfg.text_tokens,
         "min_audio_tokens": cfg.audio_tokens, "max_audio_tokens": cfg.audio_tokens, "seed": (worker * 1000 + index) as u64});
-    let result: Result<()> = async {
+    let mut refused = false;
+    let result: Result<Option<Instant>> = async {
         let request_start = Instant::now();
         if matches!(cfg.workload, Workload::Clone | Workload::CloneTurns) {
             let b64 = clone_voice(&sh.clone_base.0, sh.clone_base.1, level * 100_000 + worker * 1000 + index);
             c.send(json!({"type": "session.update", "voice": {"ref_audio_b64": b64, "sample_rate": sh.clone_base.1}})).await?;
         }
         let input_end = match cfg.workload {
-            Workload::Tts | Workload::Clone | Workload::CloneTurns => {
+            Workload::Tts | Workload::Clone | Workload::CloneTurns | Workload::Conversations => {
                 c.send(json!({"type": "input.text", "text": PROMPTS[prompt], "generation": gen})).await?;
                 Instant::now()
             }
@@ -357,9 +303,11 @@ async fn one_request(sh: &Shared, c: &mut Client, level: usize, worker: usize, i
         let ms = |t: Instant| t.duration_since(input_end).as_secs_f64() * 1000.0;
         let mut durations = Vec::new();
         let mut last_ack = Instant::now();
+        let mut created = false;
         loop {
             match c.recv(cfg.timeout).await? {
                 Msg::Event(v) => match v["type"].as_str().unwrap_or("") {
+                    "response.created" => created = true,
                     "response.text.delta" => {
                         rec.ttft_ms.get_or_insert(ms(Instant::now()));
                     }
@@ -376,6 +324,13 @@ async fn one_request(sh: &Shared, c: &mut Client, level: usize, worker: usize, i
                             bail!("error {}: {}", v["code"], v["message"]);
                         }
                         rec.error = Some(v["code"].as_str().unwrap_or("?").to_string());
+                        if v["code"] == "capacity" {
+                            // the server refused the reply: no response comes unless one had begun
+                            refused = true;
+                            if !created {
+                                break;
+                            }
+                        }
                     }
                     _ => {}
                 },
@@ -408,19 +363,29 @@ async fn one_request(sh: &Shared, c: &mut Client, level: usize, worker: usize, i
                 (p, e, t)
             })
             .collect();
-        Ok(())
+        Ok(played_ms(&rec.arrivals_ms, &durations).map(|p| input_end + Duration::from_secs_f64(p / 1000.0)))
     }
     .await;
-    match result {
-        Ok(()) => rec.ok = rec.ttfa_ms.is_some(),
-        Err(e) => rec.error = Some(e.to_string()),
+    let played = match result {
+        Ok(p) => {
+            rec.ok = rec.ttfa_ms.is_some() && !refused;
+            p
+        }
+        Err(e) => {
+            rec.error = Some(e.to_string());
+            None
+        }
+    };
+    if refused {
+        rec.ok = false;
+        rec.error = Some("capacity".into());
     }
     if let Some(p) = &sh.progress {
         if !warmup {
             p.inc(1);
         }
     }
-    rec
+    (rec, played)
 }
 
 /// Runs one concurrency level: `level` workers, each with its own session, closed loop.
@@ -471,6 +436,9 @@ pub async fn run(cfg: BenchConfig) -> Result<report::Summary> {
     if cfg.workload == Workload::Duplex && cfg.speak_every < 2 {
         bail!("the duplex workload needs --speak-every >= 2 (a turn ends at the next listening unit)");
     }
+    if cfg.workload == Workload::Conversations {
+        arrivals::check(&cfg)?;
+    }
     let voice = match cfg.workload {
         Workload::Voice | Workload::Duplex => {
             let wav = cfg.input_wav.clone().unwrap_or_else(|| PathBuf::from("assets/voices/default.wav"));
@@ -488,6 +456,7 @@ pub async fn run(cfg: BenchConfig) -> Result<report::Summary> {
     };
     let total: usize = match cfg.workload {
         Workload::Duplex => cfg.levels.iter().map(|&c| c * duplex_turns(&cfg)).sum(),
+        Workload::Conversations => cfg.rates.len() * cfg.conversations * cfg.turns,
         _ => cfg.levels.len() * cfg.requests,
     };
     let progress = cfg.progress.then(|| {
@@ -498,19 +467,32 @@ pub async fn run(cfg: BenchConfig) -> Result<report::Summary> {
     let sh = Arc::new(Shared { cfg: cfg.clone(), voice, clone_base, progress });
     let mut records = Vec::new();
     let mut levels = Vec::new();
-    for &level in &cfg.levels {
+    // one level per concurrency, or per arrival rate
+    let count = if cfg.workload == Workload::Conversations { cfg.rates.len() } else { cfg.levels.len() };
+    for i in 0..count {
+        let tag = match cfg.workload {
+            Workload::Conversations => format!("r{}", cfg.rates[i]),
+            _ => format!("c{}", cfg.levels[i]),
+        };
         if let Some(p) = &sh.progress {
-            p.set_message(format!("(C{level})"));
+            p.set_message(format!("({})", tag.to_uppercase()));
         }
         let before = scrape::http_get(&cfg.url, "/metrics").await;
-        let (recs, wall) = match cfg.workload {
-            Workload::Duplex => run_duplex_level(sh.clone(), level).await?,
-            _ => run_level(sh.clone(), level).await?,
+        let (recs, mut summary) = match cfg.workload {
+            Workload::Conversations => arrivals::run_rate_level(sh.clone(), cfg.rates[i]).await?,
+            _ => {
+                let level = cfg.levels[i];
+                let (recs, wall) = match cfg.workload {
+                    Workload::Duplex => run_duplex_level(sh.clone(), level).await?,
+                    _ => run_level(sh.clone(), level).await?,
+                };
+                let summary = report::level_summary(level, &recs, wall);
+                (recs, summary)
+            }
         };
-        let mut summary = report::level_summary(level, &recs, wall);
         // the server's own breakdown of this level, where its /metrics can be read
         if let (Some(b), Some(a)) = (before, scrape::http_get(&cfg.url, "/metrics").await) {
-            let _ = std::fs::write(cfg.out.join(format!("metrics-c{level}.txt")), &a);
+            let _ = std::fs::write(cfg.out.join(format!("metrics-{tag}.txt")), &a);
             summary.server = Some(scrape::breakdown(&scrape::parse(&b), &scrape::parse(&a)));
         }
         levels.push(summary);
@@ -540,6 +522,7 @@ fn summary_of(cfg: &BenchConfig, levels: Vec<report::LevelSummary>) -> report::S
             cfg.text_tokens
         },
         audio_tokens: if cfg.workload == Workload::Duplex { 25 + duplex_drain(cfg) } else { cfg.audio_tokens },
+        goodput: Some(goodput::of(cfg.workload, &levels)),
         levels,
     }
 }
@@ -567,5 +550,15 @@ mod tests {
         assert_eq!(stalls(&a, &d, 100.0), (0, 0.0));
         // a burst arriving all at once never stalls
         assert_eq!(stalls(&[5.0; 5], &d, 0.0), (0, 0.0));
+    }
+
+    #[test]
+    fn a_reply_has_played_when_its_buffer_runs_dry() {
+        let d = vec![20.0; 5];
+        // first arrival + audio + stalls: 0 + 100 + 50
+        assert_eq!(played_ms(&[0.0, 20.0, 40.0, 110.0, 130.0], &d), Some(150.0));
+        // a burst: the audio's length after the first packet
+        assert_eq!(played_ms(&[5.0; 5], &d), Some(105.0));
+        assert_eq!(played_ms(&[], &[]), None);
     }
 }

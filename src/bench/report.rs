@@ -1,6 +1,6 @@
 //! The bench's outputs: `summary.json` (the contract scripts read), `requests.jsonl` (every raw
-//! figure), `summary.csv`, `ttfa.svg` (TTFA percentiles and stalls against concurrency) and a text
-//! table.
+//! figure), `summary.csv`, `ttfa.svg` (TTFA percentiles and stalls against concurrency, or against
+//! the arrival rate) and a text table.
 
 use std::io::Write;
 use std::path::Path;
@@ -35,9 +35,11 @@ impl Percentiles {
     }
 }
 
-/// One concurrency level (the contract's fields first, then more).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+/// One level (the contract's fields first, then more): a concurrency, or an arrival rate.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct LevelSummary {
+    /// The level's concurrency; in the `conversations` workload, the peak number of conversations
+    /// in progress at once (arrived, not yet ended).
     pub concurrency: usize,
     pub requests: usize,
     pub failures: usize,
@@ -66,6 +68,29 @@ pub struct LevelSummary {
     /// `/metrics`), where it could be read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub server: Option<super::scrape::ServerBreakdown>,
+    /// Conversations: the level's arrival rate (conversations per second).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_per_s: Option<f64>,
+    /// Conversations: calls that arrived.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calls_offered: Option<usize>,
+    /// Conversations: calls the server refused (`capacity` at `session.create`, or a 503 at the
+    /// upgrade); never retried, they send no request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calls_refused: Option<usize>,
+    /// Conversations: replies the server refused (a non-fatal `capacity` error); each is also a
+    /// failed request (code `capacity`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replies_refused: Option<usize>,
+    /// Conversations: the peak number of sessions held at once (created, not yet closed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub live_sessions_peak: Option<usize>,
+    /// The fraction of completed responses with no stall event (no pre-buffer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub responses_without_stall_frac: Option<f64>,
+    /// Conversations: the median `retry_after_ms` of the refused calls, where the server said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -78,6 +103,9 @@ pub struct Summary {
     pub text_tokens: usize,
     pub audio_tokens: usize,
     pub levels: Vec<LevelSummary>,
+    /// The highest level that meets the goodput criterion (`goodput.rs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub goodput: Option<super::goodput::Goodput>,
 }
 
 pub fn level_summary(level: usize, recs: &[RequestRecord], wall_s: f64) -> LevelSummary {
@@ -100,6 +128,8 @@ pub fn level_summary(level: usize, recs: &[RequestRecord], wall_s: f64) -> Level
     let stall =
         |p: u64| -> (usize, f64) { ok.iter().flat_map(|r| r.stalls.iter().filter(move |s| s.0 == p)).fold((0, 0.0), |(e, t), s| (e + s.1, t + s.2)) };
     let (se, sm) = stall(0);
+    let without_stall = ok.iter().filter(|r| r.stalls.iter().any(|s| s.0 == 0 && s.1 == 0)).count();
+    let with_model = ok.iter().filter(|r| r.stalls.iter().any(|s| s.0 == 0)).count();
     let (se100, sm100) = stall(100);
     let audio_s: f64 = ok.iter().map(|r| r.audio_ms / 1000.0).sum();
     let wall = wall_s.max(1e-9);
@@ -124,6 +154,16 @@ pub fn level_summary(level: usize, recs: &[RequestRecord], wall_s: f64) -> Level
         chunks_mean: mean(f(&|r| r.chunks.map(|c| c as f64))),
         wall_s,
         server: None,
+        responses_without_stall_frac: (with_model > 0).then(|| without_stall as f64 / with_model as f64),
+        ..Default::default()
+    }
+}
+
+/// A level as the axis and the table name it: "4" (concurrency) or "2/s" (arrival rate).
+pub fn level_label(l: &LevelSummary) -> String {
+    match l.rate_per_s {
+        Some(r) => format!("{r}/s"),
+        None => l.concurrency.to_string(),
     }
 }
 
@@ -150,24 +190,53 @@ pub fn table(s: &Summary) -> String {
         "workload {} · {} · synthetic weights: {} · forced lengths {} text / {} codes\n",
         s.workload, s.config, s.synthetic_weights, s.text_tokens, s.audio_tokens
     );
-    out.push_str("   C   req  fail  TTFA p50   p95   mean   TTFT p50   RTF  RTFc  stalls(ms)  audio s/s  req/s\n");
-    for l in &s.levels {
-        out.push_str(&format!(
-            "{:>4} {:>5} {:>5} {:>9.0} {:>5.0} {:>6.0} {:>10.0} {:>5.2} {:>5.2} {:>4} ({:>5.0}) {:>10.2} {:>6.2}\n",
-            l.concurrency,
-            l.requests,
-            l.failures,
-            l.ttfa_ms.p50,
-            l.ttfa_ms.p95,
-            l.ttfa_ms.mean,
-            l.ttft_ms.p50,
-            l.rtf_mean,
-            l.rtf_compute_mean,
-            l.stall_events,
-            l.stall_ms,
-            l.audio_throughput,
-            l.requests_per_s
-        ));
+    if s.workload == "conversations" {
+        out.push_str("  rate  calls  refused  live  req  fail  rrep  TTFA p50   p95   TTFT p50  stalls(ms)  no-stall  audio s/s\n");
+        for l in &s.levels {
+            out.push_str(&format!(
+                "{:>6} {:>6} {:>8} {:>5} {:>4} {:>5} {:>5} {:>9.0} {:>5.0} {:>10.0} {:>4} ({:>5.0}) {:>8.1}% {:>10.2}\n",
+                level_label(l),
+                l.calls_offered.unwrap_or(0),
+                l.calls_refused.unwrap_or(0),
+                l.live_sessions_peak.unwrap_or(l.concurrency),
+                l.requests,
+                l.failures,
+                l.replies_refused.unwrap_or(0),
+                l.ttfa_ms.p50,
+                l.ttfa_ms.p95,
+                l.ttft_ms.p50,
+                l.stall_events,
+                l.stall_ms,
+                100.0 * l.responses_without_stall_frac.unwrap_or(0.0),
+                l.audio_throughput
+            ));
+        }
+    } else {
+        out.push_str("   C   req  fail  TTFA p50   p95   mean   TTFT p50   RTF  RTFc  stalls(ms)  audio s/s  req/s\n");
+        for l in &s.levels {
+            out.push_str(&format!(
+                "{:>4} {:>5} {:>5} {:>9.0} {:>5.0} {:>6.0} {:>10.0} {:>5.2} {:>5.2} {:>4} ({:>5.0}) {:>10.2} {:>6.2}\n",
+                l.concurrency,
+                l.requests,
+                l.failures,
+                l.ttfa_ms.p50,
+                l.ttfa_ms.p95,
+                l.ttfa_ms.mean,
+                l.ttft_ms.p50,
+                l.rtf_mean,
+                l.rtf_compute_mean,
+                l.stall_events,
+                l.stall_ms,
+                l.audio_throughput,
+                l.requests_per_s
+            ));
+        }
+    }
+    if let Some(g) = &s.goodput {
+        match g.level {
+            Some(v) => out.push_str(&format!("goodput: {v} {} ({})\n", g.unit, g.criterion)),
+            None => out.push_str(&format!("goodput: no level ({})\n", g.criterion)),
+        }
     }
     for l in &s.levels {
         let Some(b) = &l.server else { continue };
@@ -180,19 +249,26 @@ pub fn table(s: &Summary) -> String {
             .collect();
         let order = ["first_text", "handoff", "first_code", "first_chunk", "first_audio"];
         let phases: Vec<String> = order.iter().filter_map(|p| Some(format!("{p} {:.0}", b.phase_ms.get(*p)?))).collect();
-        out.push_str(&format!("C{} server: {}\n      milestones (ms after admission): {}\n", l.concurrency, steps.join(", "), phases.join(", ")));
+        let name = if l.rate_per_s.is_some() { level_label(l) } else { format!("C{}", l.concurrency) };
+        out.push_str(&format!("{name} server: {}\n      milestones (ms after admission): {}\n", steps.join(", "), phases.join(", ")));
     }
     out
 }
 
+/// The summary as CSV; the `conversations` workload adds its columns at the end.
 fn csv(s: &Summary) -> String {
+    let rates = s.workload == "conversations";
     let mut out = String::from(
-        "workload,concurrency,requests,failures,ttfa_mean,ttfa_p50,ttfa_p90,ttfa_p95,ttfa_p99,ttft_mean,ttft_p50,ttft_p90,ttft_p95,ttft_p99,rtf_mean,rtf_compute_mean,stall_events,stall_ms,stall_events_prebuffer_100ms,stall_ms_prebuffer_100ms,audio_throughput,codes_per_s,requests_per_s\n",
+        "workload,concurrency,requests,failures,ttfa_mean,ttfa_p50,ttfa_p90,ttfa_p95,ttfa_p99,ttft_mean,ttft_p50,ttft_p90,ttft_p95,ttft_p99,rtf_mean,rtf_compute_mean,stall_events,stall_ms,stall_events_prebuffer_100ms,stall_ms_prebuffer_100ms,audio_throughput,codes_per_s,requests_per_s",
     );
+    if rates {
+        out.push_str(",rate_per_s,calls_offered,calls_refused,replies_refused,live_sessions_peak,responses_without_stall_frac,retry_after_ms");
+    }
+    out.push('\n');
     for l in &s.levels {
         let (a, t) = (&l.ttfa_ms, &l.ttft_ms);
         out.push_str(&format!(
-            "{},{},{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.4},{:.4},{},{:.1},{},{:.1},{:.4},{:.2},{:.4}\n",
+            "{},{},{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.4},{:.4},{},{:.1},{},{:.1},{:.4},{:.2},{:.4}",
             s.workload,
             l.concurrency,
             l.requests,
@@ -217,45 +293,103 @@ fn csv(s: &Summary) -> String {
             l.codes_per_s,
             l.requests_per_s
         ));
+        if rates {
+            let opt = |v: Option<f64>| v.map(|v| format!("{v}")).unwrap_or_default();
+            out.push_str(&format!(
+                ",{},{},{},{},{},{},{}",
+                opt(l.rate_per_s),
+                opt(l.calls_offered.map(|v| v as f64)),
+                opt(l.calls_refused.map(|v| v as f64)),
+                opt(l.replies_refused.map(|v| v as f64)),
+                opt(l.live_sessions_peak.map(|v| v as f64)),
+                opt(l.responses_without_stall_frac),
+                opt(l.retry_after_ms)
+            ));
+        }
+        out.push('\n');
     }
     out
 }
 
-/// TTFA p50 / p95 and stall count against concurrency (log2 axis), as SVG.
+/// TTFA p50 / p95 and stall events (and, for arrival rates, refused calls) against the levels, as
+/// SVG: one evenly spaced tick per level, labelled with it ("4", or "2/s" for a rate); the legend
+/// to the right of the plot area.
 pub fn plot(s: &Summary, path: &Path) -> Result<()> {
     use plotters::prelude::*;
-    let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
+    let rates = s.workload == "conversations";
+    let root = SVGBackend::new(path, (1000, 520)).into_drawing_area();
     root.fill(&WHITE)?;
-    let xs: Vec<f64> = s.levels.iter().map(|l| (l.concurrency as f64).log2()).collect();
+    let (area, legend) = root.split_horizontally(780);
+    let labels: Vec<String> = s.levels.iter().map(level_label).collect();
+    let xs: Vec<f64> = (0..s.levels.len()).map(|i| i as f64).collect();
+    let x_axis = || Categories(s.levels.len());
+    let refused = |l: &LevelSummary| l.calls_refused.unwrap_or(0) as f64;
     let ymax = s.levels.iter().map(|l| l.ttfa_ms.p95).fold(1.0, f64::max) * 1.15;
-    let smax = s.levels.iter().map(|l| l.stall_events as f64).fold(1.0, f64::max) * 1.15;
-    let xmax = xs.iter().cloned().fold(0.0, f64::max).max(1.0) + 0.25;
-    let mut chart = ChartBuilder::on(&root)
+    let smax = s.levels.iter().map(|l| (l.stall_events as f64).max(refused(l))).fold(1.0, f64::max) * 1.15;
+    let mut chart = ChartBuilder::on(&area)
         .caption(format!("antiphon bench — {} workload ({})", s.workload, s.config), ("sans-serif", 18))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
         .right_y_label_area_size(60)
-        .build_cartesian_2d(-0.25..xmax, 0.0..ymax)?
-        .set_secondary_coord(-0.25..xmax, 0.0..smax);
-    chart.configure_mesh().x_desc("concurrency C").y_desc("TTFA (ms)").x_label_formatter(&|x| format!("{}", 2f64.powf(*x).round())).draw()?;
-    chart.configure_secondary_axes().y_desc("stall events").draw()?;
+        .build_cartesian_2d(x_axis(), 0.0..ymax)?
+        .set_secondary_coord(x_axis(), 0.0..smax);
+    let tick = |x: &f64| {
+        let i = x.round();
+        if (x - i).abs() < 1e-6 && i >= 0.0 {
+            labels.get(i as usize).cloned().unwrap_or_default()
+        } else {
+            String::new()
+        }
+    };
+    let x_desc = if rates { "arrival rate (conversations per second)" } else { "concurrency C" };
+    chart.configure_mesh().x_desc(x_desc).y_desc("TTFA (ms)").x_label_formatter(&tick).draw()?;
+    chart.configure_secondary_axes().y_desc(if rates { "stall events, refused calls" } else { "stall events" }).draw()?;
     let series = |f: &dyn Fn(&LevelSummary) -> f64| -> Vec<(f64, f64)> { xs.iter().cloned().zip(s.levels.iter().map(f)).collect() };
-    chart
-        .draw_series(LineSeries::new(series(&|l| l.ttfa_ms.p50), &BLUE).point_size(4))?
-        .label("TTFA p50")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLUE));
-    chart
-        .draw_series(LineSeries::new(series(&|l| l.ttfa_ms.p95), &RED).point_size(4))?
-        .label("TTFA p95")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], RED));
-    chart
-        .draw_secondary_series(LineSeries::new(series(&|l| l.stall_events as f64), &GREEN).point_size(3))?
-        .label("stall events (no pre-buffer)")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], GREEN));
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    let mut keys: Vec<(RGBColor, &str)> = vec![(BLUE, "TTFA p50"), (RED, "TTFA p95"), (GREEN, "stall events (no pre-buffer)")];
+    chart.draw_series(LineSeries::new(series(&|l| l.ttfa_ms.p50), &BLUE).point_size(4))?;
+    chart.draw_series(LineSeries::new(series(&|l| l.ttfa_ms.p95), &RED).point_size(4))?;
+    chart.draw_secondary_series(LineSeries::new(series(&|l| l.stall_events as f64), &GREEN).point_size(3))?;
+    if rates {
+        chart.draw_secondary_series(LineSeries::new(series(&refused), &MAGENTA).point_size(3))?;
+        keys.push((MAGENTA, "refused calls"));
+    }
+    // the legend, beside the plot area rather than over the data
+    for (k, (color, name)) in keys.iter().enumerate() {
+        let y = 60 + 26 * k as i32;
+        legend.draw(&PathElement::new(vec![(8, y), (32, y)], color.stroke_width(2)))?;
+        legend.draw(&Circle::new((20, y), 3, color.filled()))?;
+        legend.draw(&Text::new(name.to_string(), (40, y - 7), ("sans-serif", 14).into_font()))?;
+    }
     root.present()?;
     Ok(())
+}
+
+/// A categorical axis of `n` levels: level i sits at x = i, evenly spaced from -0.5 to n - 0.5,
+/// with a tick at each level and nowhere else.
+struct Categories(usize);
+
+impl plotters::coord::ranged1d::Ranged for Categories {
+    type FormatOption = plotters::coord::ranged1d::DefaultFormatting;
+    type ValueType = f64;
+
+    fn map(&self, value: &f64, limit: (i32, i32)) -> i32 {
+        let frac = (value + 0.5) / self.0.max(1) as f64;
+        limit.0 + (frac * (limit.1 - limit.0) as f64).round() as i32
+    }
+
+    fn key_points<H: plotters::coord::ranged1d::KeyPointHint>(&self, hint: H) -> Vec<f64> {
+        // bold points only: no light mesh lines between the levels
+        if hint.weight().allow_light_points() {
+            vec![]
+        } else {
+            (0..self.0).map(|i| i as f64).collect()
+        }
+    }
+
+    fn range(&self) -> std::ops::Range<f64> {
+        -0.5..self.0.max(1) as f64 - 0.5
+    }
 }
 
 pub fn write_all(dir: &Path, s: &Summary, records: &[RequestRecord]) -> Result<()> {
@@ -282,6 +416,76 @@ mod tests {
         assert_eq!((p.p50, p.p90, p.p95, p.p99), (50.0, 90.0, 95.0, 99.0));
         assert!((p.mean - 50.5).abs() < 1e-9);
         assert_eq!(Percentiles::of(&[]), Percentiles::default());
+    }
+
+    fn summary(workload: &str, levels: Vec<LevelSummary>) -> Summary {
+        use super::super::{goodput, Workload};
+        let w = if workload == "conversations" { Workload::Conversations } else { Workload::Tts };
+        Summary {
+            workload: workload.into(),
+            server: "s".into(),
+            config: "c".into(),
+            synthetic_weights: true,
+            date: "d".into(),
+            text_tokens: 8,
+            audio_tokens: 30,
+            goodput: Some(goodput::of(w, &levels)),
+            levels,
+        }
+    }
+
+    fn level(concurrency: usize, p95: f64) -> LevelSummary {
+        LevelSummary {
+            concurrency,
+            requests: 10,
+            ttfa_ms: Percentiles { mean: p95 / 2.0, p50: p95 / 2.0, p90: p95, p95, p99: p95 },
+            stall_events: 3,
+            ..Default::default()
+        }
+    }
+
+    /// The SVG's text elements: (the element's attributes, its text).
+    fn svg_texts(s: &Summary, name: &str) -> Vec<(String, String)> {
+        let path = std::env::temp_dir().join(format!("antiphon-bench-{}-{name}.svg", std::process::id()));
+        plot(s, &path).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        svg.split("<text")
+            .skip(1)
+            .filter_map(|t| t.split_once('>').map(|(attrs, rest)| (attrs.to_string(), rest.split("</text>").next().unwrap_or("").trim().to_string())))
+            .collect()
+    }
+
+    /// The x axis's tick labels: the centred texts that are not a caption or an axis's
+    /// description (those have spaces).
+    fn x_ticks(texts: &[(String, String)]) -> Vec<String> {
+        texts.iter().filter(|(a, t)| a.contains("text-anchor=\"middle\"") && !t.contains(' ') && !t.is_empty()).map(|(_, t)| t.clone()).collect()
+    }
+
+    #[test]
+    fn one_tick_per_level_labelled_with_it() {
+        let s = summary("tts", vec![level(1, 300.0), level(2, 450.0)]);
+        let texts = svg_texts(&s, "levels");
+        assert_eq!(x_ticks(&texts), ["1", "2"], "{texts:?}");
+        let all: Vec<&str> = texts.iter().map(|(_, t)| t.as_str()).collect();
+        assert_eq!(all.iter().filter(|t| **t == "1").count(), 1, "{all:?}");
+        assert_eq!(all.iter().filter(|t| **t == "2").count(), 1, "{all:?}");
+        assert!(all.contains(&"concurrency C") && all.contains(&"TTFA p95"), "{all:?}");
+        // wide levels too: evenly spaced, never a repeated label
+        let s = summary("tts", [1, 2, 4, 8, 16, 32].iter().map(|&c| level(c, 100.0 * c as f64)).collect());
+        assert_eq!(x_ticks(&svg_texts(&s, "six")), ["1", "2", "4", "8", "16", "32"]);
+    }
+
+    #[test]
+    fn rates_are_ticks_too() {
+        let at = |r: f64, p95: f64| LevelSummary { rate_per_s: Some(r), calls_offered: Some(10), calls_refused: Some(1), ..level(3, p95) };
+        let s = summary("conversations", vec![at(0.5, 200.0), at(2.0, 300.0), at(8.0, 900.0)]);
+        let texts = svg_texts(&s, "rates");
+        assert_eq!(x_ticks(&texts), ["0.5/s", "2/s", "8/s"], "{texts:?}");
+        let all: Vec<&str> = texts.iter().map(|(_, t)| t.as_str()).collect();
+        assert!(all.contains(&"refused calls") && all.contains(&"arrival rate (conversations per second)"), "{all:?}");
+        let t = table(&s);
+        assert!(t.contains("0.5/s") && t.contains("goodput"), "{t}");
     }
 
     #[test]
