@@ -273,3 +273,51 @@ async fn a_session_once_a_permit_is_back(url: &str, what: &str) {
         }
     }
 }
+
+/// Admission by load at the server's edge: with one stream place and no queue, a second
+/// session's response while the first plays is refused at once (`capacity`, not fatal, with
+/// `retry_after_ms`, and its `response.done` failed) and a new call is refused (fatal) while no
+/// place is free; the admitted response plays on, and once it has ended, both are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_beyond_the_places_is_refused_at_once_and_the_admitted_one_plays() {
+    let s = server(|c| {
+        c.engine.max_streams = Some(1);
+        c.engine.max_queued = 0;
+        c.engine.call_headroom = 1;
+    })
+    .await;
+    let (mut a, mut b) = (Client::connect(&s).await, Client::connect(&s).await);
+    a.create(json!({})).await;
+    b.create(json!({})).await;
+    a.send(json!({"type": "input.text", "text": "talk a while", "generation": {"min_audio_tokens": 2000, "max_audio_tokens": 2000}})).await;
+    // A plays: its place is taken
+    a.until(|m| matches!(m, In::Audio(_))).await;
+    b.send(json!({"type": "input.text", "text": "me too"})).await;
+    let e = b.event("error").await;
+    assert_eq!(e["code"], "capacity", "{e}");
+    assert_eq!(e["fatal"], false);
+    assert!(e["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0), "{e}");
+    let done = b.event("response.done").await;
+    assert_eq!(done["status"], "failed", "{done}");
+    // a new call while no place is free (one is kept for admitted calls): refused, fatal
+    let mut c = Client::connect(&s).await;
+    c.send(json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16", "sample_rate": 16000},
+        "output_audio": {"codec": "opus"}}))
+        .await;
+    let e = c.event("error").await;
+    assert_eq!((e["code"].as_str(), e["fatal"].as_bool()), (Some("capacity"), Some(true)), "{e}");
+    assert!(e["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0), "{e}");
+    let ready = reqwest_like_get(&s, "/readyz").await;
+    assert!(ready.starts_with("HTTP/1.1 503") && ready.contains("\"accepts_calls\":false"), "{ready}");
+    // the admitted response plays on (more audio comes), until its caller stops it
+    a.until(|m| matches!(m, In::Audio(_))).await;
+    a.send(json!({"type": "response.cancel"})).await;
+    let done = a.event("response.done").await;
+    assert_eq!(done["status"], "cancelled", "{done}");
+    // its place is back: B is served, and a new call is taken
+    b.send(json!({"type": "input.text", "text": "now?"})).await;
+    assert_eq!(b.event("response.done").await["status"], "completed");
+    let mut d = Client::connect(&s).await;
+    d.create(json!({})).await;
+    s.shutdown().await.unwrap();
+}

@@ -477,3 +477,41 @@ fn a_cached_prompt_prefix_gives_the_same_response() {
         assert_same_response(x, y, "the prefix cache");
     }
 }
+
+/// Admission by load: with two stream places and a queue of two, the third and fourth requests
+/// wait, each starting only once a running one has ended, and a fifth is refused at once
+/// (`Busy`, with a time to retry); every admitted request completes.
+#[test]
+fn requests_beyond_the_places_wait_and_beyond_the_queue_are_refused() {
+    use antiphon_engine::SubmitError;
+    let e = engine(EngineConfig { max_streams: Some(2), max_queued: 2, ..EngineConfig::default() });
+    let (tx, rx) = mpsc::channel::<(usize, Instant, EngineEvent)>();
+    let tx = Arc::new(std::sync::Mutex::new(tx));
+    for i in 0..4 {
+        let tx = tx.clone();
+        let sink = Arc::new(move |ev| drop(tx.lock().unwrap().send((i, Instant::now(), ev))));
+        e.submit(spec(&format!("r{i}"), "hello", 6, 60, i as u64), sink).unwrap();
+    }
+    match e.submit(spec("r4", "hello", 6, 60, 4), Arc::new(|_| {})) {
+        Err(SubmitError::Busy(b)) => assert!(b.retry_after_ms > 0),
+        other => panic!("a fifth request beyond two places and a queue of two: {other:?}"),
+    }
+    let (mut first, mut done): ([Option<Instant>; 4], [Option<Instant>; 4]) = Default::default();
+    while done.iter().any(Option::is_none) {
+        let (i, t, ev) = rx.recv_timeout(Duration::from_secs(120)).expect("every admitted request finishes");
+        match ev {
+            EngineEvent::Done { status, .. } => {
+                assert_eq!(status, Status::Completed, "request {i}");
+                done[i] = Some(t);
+            }
+            _ => {
+                first[i].get_or_insert(t);
+            }
+        }
+    }
+    let first_end = done[0].unwrap().min(done[1].unwrap());
+    for (i, t) in first.iter().enumerate().skip(2) {
+        assert!(t.unwrap() >= first_end, "request {i} produced output before a place was free");
+    }
+    assert_eq!(e.admission().counts(), (0, 0, 2), "every place is back");
+}

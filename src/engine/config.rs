@@ -18,6 +18,11 @@ pub struct EngineConfig {
     pub thinker_prefill_tokens: usize,
     pub talker_max_batch: usize,
     pub code2wav_max_batch: usize,
+    /// A Code2Wav step takes every chunk due within its horizon (two recent steps, at least
+    /// 300 ms); while it has fewer than this many, chunks not yet due join it, earliest first (audio
+    /// sent ahead covers a client's network jitter). A step of many streams with seconds buffered
+    /// would keep a new stream's first chunk waiting.
+    pub code2wav_early_batch: usize,
     /// New codes in the first Code2Wav chunk (a smaller first chunk lowers first-audio time)...
     pub first_chunk_codes: usize,
     /// ...for a stream that finds at most this many requests in the engine (itself included, in
@@ -116,6 +121,20 @@ pub struct EngineConfig {
     /// In the file: 0 for the model's context.
     #[serde(deserialize_with = "zero_is_none")]
     pub duplex_max_context: Option<usize>,
+    /// Streams (turn responses from the Thinker to their last audio, and open duplex sessions) the
+    /// engine runs at once at most (admission.rs). Default: the fewest KV slots of a stage that
+    /// holds every stream (the Talker's and Code2Wav's, and the Thinker's for duplex sessions), so no
+    /// stream runs beside the batched step. In the file: 0 for that default.
+    #[serde(deserialize_with = "zero_is_none")]
+    pub max_streams: Option<usize>,
+    /// Responses that wait for a place at most; beyond, a response is refused (`capacity`).
+    pub max_queued: usize,
+    /// A chunk that reaches its listener late lowers the stream limit below the streams running
+    /// then; a while without one raises it again, up to `max_streams` (off: the limit stays there).
+    pub adaptive_stream_limit: bool,
+    /// Places kept free for the next turns of calls already admitted: a new call (session) is
+    /// refused while fewer are free or any response waits.
+    pub call_headroom: usize,
 }
 
 impl Default for EngineConfig {
@@ -125,6 +144,7 @@ impl Default for EngineConfig {
             thinker_prefill_tokens: 1024,
             talker_max_batch: 32,
             code2wav_max_batch: 8,
+            code2wav_early_batch: 8,
             first_chunk_codes: 25,
             small_first_chunk_streams: usize::MAX,
             chunk_codes: 25,
@@ -163,6 +183,10 @@ impl Default for EngineConfig {
             duplex_unit_ms: 1000,
             duplex_drain_codes: 104,
             duplex_max_context: None,
+            max_streams: None,
+            max_queued: 32,
+            adaptive_stream_limit: true,
+            call_headroom: 0,
         }
     }
 }
@@ -176,6 +200,12 @@ impl EngineConfig {
     /// Talker codes per spoken duplex unit (25 codes per second of speech).
     pub fn duplex_codes_per_unit(&self) -> usize {
         (self.duplex_unit_ms as usize / 40).max(1)
+    }
+
+    /// Streams the engine runs at once (see `max_streams`).
+    pub fn stream_places(&self) -> usize {
+        let slots = [self.thinker_slots, self.talker_slots, self.code2wav_slots].into_iter().filter(|&n| n > 0).min();
+        self.max_streams.or(slots).unwrap_or(self.talker_max_batch).max(1)
     }
 
     /// What the stages cannot run with, named by key.

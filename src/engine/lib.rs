@@ -12,6 +12,7 @@
 //! is no longer live. Stage 2 uses its idle steps to prepare a waiting request's reference voice
 //! (reference prefetch, see [`stage2`]).
 
+pub mod admission;
 pub mod caches;
 pub mod chunker;
 pub mod config;
@@ -34,6 +35,7 @@ use std::time::Duration;
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 
+pub use admission::{Admission, Busy};
 pub use config::EngineConfig;
 pub use metrics::EngineMetrics;
 pub use types::*;
@@ -50,9 +52,38 @@ pub enum Stage0Msg {
     Admit(RequestSpec),
     Cancel(RequestId),
     DuplexOpen(DuplexSpec, DuplexSink),
-    DuplexUnit { session: String, samples: Vec<f32>, arrived: std::time::Instant },
+    DuplexUnit {
+        session: String,
+        samples: Vec<f32>,
+        arrived: std::time::Instant,
+    },
     DuplexClose(String),
+    /// A place was freed (admission): queued requests may start.
+    Wake,
 }
+
+/// Why [`Engine::submit`] did not take a request.
+#[derive(Debug)]
+pub enum SubmitError {
+    /// No place now and the queue is full: the client may ask again later (`capacity`).
+    Busy(Busy),
+    /// The request cannot be run as given (the message says why).
+    Invalid(String),
+    /// The engine's stages have stopped.
+    Stopped,
+}
+
+impl std::fmt::Display for SubmitError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SubmitError::Busy(b) => b.fmt(f),
+            SubmitError::Invalid(why) => f.write_str(why),
+            SubmitError::Stopped => f.write_str("the engine has stopped"),
+        }
+    }
+}
+
+impl std::error::Error for SubmitError {}
 
 /// What Stage 0 hands Stage 1.
 pub enum Stage1Msg {
@@ -177,6 +208,7 @@ pub struct Engine {
     to2: Option<SyncSender<Stage2Msg>>,
     registry: Registry,
     metrics: EngineMetrics,
+    admission: Admission,
     cfg: Arc<EngineConfig>,
     limits: antiphon_protocol::GenerationLimits,
     /// The Thinker's tokenizer, for what the server must count in tokens before admitting it.
@@ -244,23 +276,47 @@ impl Engine {
             max_audio_tokens: ctx1.saturating_sub(cfg.default_max_text_tokens + 2),
         };
         let cfg = Arc::new(cfg);
-        let registry = Registry::default();
         let metrics = EngineMetrics::new();
+        let admission = Admission::new(
+            admission::AdmissionLimits {
+                max_streams: cfg.stream_places(),
+                max_queued: cfg.max_queued,
+                call_headroom: cfg.call_headroom,
+                adaptive: cfg.adaptive_stream_limit,
+            },
+            metrics.admission.clone(),
+        );
+        let registry = {
+            let a = admission.clone();
+            Registry::with_end_hook(Arc::new(move |id| a.release(&admission::Holder::Response(id.clone()))))
+        };
         let cap = cfg.channel_capacity;
         let (tx0, rx0) = mpsc::sync_channel::<Stage0Msg>(cap);
+        admission.set_wake(tx0.clone());
         let (tx1, rx1) = mpsc::sync_channel::<Stage1Msg>(cap);
         let (tx2, rx2) = mpsc::sync_channel::<Stage2Msg>(cap);
         let tokenizer = Arc::new(models.tokenizer.clone());
-        let s0 = stage0::Stage0::new(models.thinker, models.tokenizer, cfg.clone(), registry.clone(), metrics.clone(), tx1.clone())?;
+        let s0 =
+            stage0::Stage0::new(models.thinker, models.tokenizer, cfg.clone(), registry.clone(), metrics.clone(), tx1.clone(), admission.clone())?;
         let s1 = stage1::Stage1::new(models.talker, cfg.clone(), registry.clone(), metrics.clone(), tx2.clone())?;
-        let s2 = stage2::Stage2::new(models.code2wav, cfg.clone(), registry.clone(), metrics.clone());
+        let s2 = stage2::Stage2::new(models.code2wav, cfg.clone(), registry.clone(), metrics.clone()).with_admission(admission.clone());
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| std::thread::Builder::new().name(name.to_string()).spawn(f);
         let threads = vec![
             spawn("stage0-thinker", Box::new(move || run_stage(s0, rx0)))?,
             spawn("stage1-talker", Box::new(move || run_stage(s1, rx1)))?,
             spawn("stage2-code2wav", Box::new(move || run_stage(s2, rx2)))?,
         ];
-        Ok(Self { to0: Some(tx0), to1: Some(tx1), to2: Some(tx2), registry, metrics, cfg, limits, tokenizer, threads })
+        Ok(Self { to0: Some(tx0), to1: Some(tx1), to2: Some(tx2), registry, metrics, admission, cfg, limits, tokenizer, threads })
+    }
+
+    /// Admission by load: places, the queue, the headroom.
+    pub fn admission(&self) -> &Admission {
+        &self.admission
+    }
+
+    /// Whether a new call (a turn-mode session) may begin now; counted when refused.
+    pub fn accepts_call(&self) -> Result<(), Busy> {
+        self.admission.accepts_call().inspect_err(|_| self.metrics.admission_refused.with_label_values(&["call"]).inc())
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -287,19 +343,28 @@ impl Engine {
     }
 
     /// Admits a request; its events go to `sink`. Stage 2 learns of it at once (with its reference,
-    /// unless it is a duplex request).
-    pub fn submit(&self, spec: RequestSpec, sink: EventSink) -> Result<()> {
+    /// unless it is a duplex request). It starts when a place is free (admission.rs): until then it
+    /// waits in the queue, and with the queue full it is refused ([`SubmitError::Busy`]).
+    pub fn submit(&self, spec: RequestSpec, sink: EventSink) -> Result<(), SubmitError> {
         let v = &spec.voice;
         if v.samples.is_empty() || v.sample_rate == 0 || v.samples.iter().any(|s| !s.is_finite()) {
-            bail!("the reference voice must be non-empty, finite audio with a sample rate");
+            return Err(SubmitError::Invalid("the reference voice must be non-empty, finite audio with a sample rate".into()));
         }
         if let UserInput::Audio(a) = &spec.input {
             if a.iter().any(|s| !s.is_finite()) {
-                bail!("input audio holds non-finite samples");
+                return Err(SubmitError::Invalid("input audio holds non-finite samples".into()));
             }
         }
+        if self.registry.is_live(&spec.id) {
+            return Err(SubmitError::Invalid(format!("request {} is already live", spec.id)));
+        }
+        if let Err(b) = self.admission.enqueue(&spec.id) {
+            self.metrics.admission_refused.with_label_values(&["response"]).inc();
+            return Err(SubmitError::Busy(b));
+        }
         if !self.registry.insert(spec.id.clone(), sink) {
-            bail!("request {} is already live", spec.id);
+            self.admission.release(&admission::Holder::Response(spec.id.clone()));
+            return Err(SubmitError::Invalid(format!("request {} is already live", spec.id)));
         }
         let prefetch = (spec.mode == Mode::Turn).then(|| spec.voice.clone());
         let placeholder = Stage2Msg::Placeholder { id: spec.id.clone(), prefetch };
@@ -308,14 +373,21 @@ impl Engine {
             && self.to0.as_ref().map(|t| t.send(Stage0Msg::Admit(spec)).is_ok()).unwrap_or(false);
         if !sent {
             self.registry.finish(&id, Status::Failed("engine stopped".into()));
-            bail!("the engine has stopped");
+            return Err(SubmitError::Stopped);
         }
         Ok(())
     }
 
+    /// Takes a place for a duplex session (admission.rs) until [`Engine::close_duplex`]: a session
+    /// that gets none is refused when it is created, before anything is opened.
+    pub fn reserve_duplex(&self, session: &str) -> Result<(), Busy> {
+        self.admission.open_duplex(session).inspect_err(|_| self.metrics.admission_refused.with_label_values(&["duplex"]).inc())
+    }
+
     /// Opens a duplex session: a long-lived Thinker stream fed with [`Engine::duplex_unit`]; its
     /// decisions, spoken turns and end come through `sink`. Stage 2 counts it as a live duplex
-    /// stream (no prefetch while any is open) until [`Engine::close_duplex`].
+    /// stream (no prefetch while any is open) until [`Engine::close_duplex`]. It holds a place
+    /// (taken here unless [`Engine::reserve_duplex`] took it) until then.
     pub fn open_duplex(&self, spec: DuplexSpec, sink: DuplexSink) -> Result<()> {
         let v = &spec.voice;
         if v.samples.is_empty() || v.sample_rate == 0 || v.samples.iter().any(|s| !s.is_finite()) {
@@ -324,10 +396,13 @@ impl Engine {
         if let DuplexPolicy::SpeakEvery(0) = spec.policy {
             bail!("speak_every needs k >= 1");
         }
+        self.reserve_duplex(&spec.session)?;
         let session = spec.session.clone();
+        let spec_session = spec.session.clone();
         let sent = self.to2.as_ref().map(|t| t.send(Stage2Msg::DuplexOpen(session)).is_ok()).unwrap_or(false)
             && self.to0.as_ref().map(|t| t.send(Stage0Msg::DuplexOpen(spec, sink)).is_ok()).unwrap_or(false);
         if !sent {
+            self.admission.release(&admission::Holder::Duplex(spec_session));
             bail!("the engine has stopped");
         }
         Ok(())
@@ -351,6 +426,7 @@ impl Engine {
     /// Ends a duplex session: its open turn is cancelled, `Closed` is its last event, and Stage 2
     /// stops counting it.
     pub fn close_duplex(&self, session: &str) {
+        self.admission.release(&admission::Holder::Duplex(session.to_string()));
         if let Some(t) = &self.to0 {
             let _ = t.send(Stage0Msg::DuplexClose(session.to_string()));
         }
@@ -408,6 +484,8 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
+        // (admission's wake-up sender too: Stage 0 ends when its last sender is gone)
+        self.admission.clear_wake();
         self.to0.take();
         self.to1.take();
         self.to2.take();

@@ -25,6 +25,11 @@ pub struct EngineMetrics {
     pub playback_late_seconds: Counter,
     /// Reference voices Code2Wav prepared (S3 codes, speaker embedding, prompt mel), on any path.
     pub voice_preparations: IntCounter,
+    /// Admission (admission.rs): streams `running`, responses `queued`, the online `limit`, the
+    /// slots' `max`, and `headroom` (places free beyond the queue).
+    pub admission: IntGaugeVec,
+    /// What admission refused: a `response` (its queue was full), a `call` or a `duplex` session.
+    pub admission_refused: IntCounterVec,
 }
 
 impl Default for EngineMetrics {
@@ -89,8 +94,23 @@ impl EngineMetrics {
             "Reference voices prepared by Code2Wav (S3 codes, speaker embedding, prompt mel): inline, by prefetch or at registration",
         )
         .expect("valid metric");
+        let admission = IntGaugeVec::new(
+            Opts::new(
+                "antiphon_admission_streams",
+                "Admission by load: streams running, responses queued, the online limit, the slots (max), headroom",
+            ),
+            &["state"],
+        )
+        .expect("valid metric");
+        let admission_refused = IntCounterVec::new(
+            Opts::new("antiphon_admission_refused_total", "Refused for want of capacity: responses (queue full), calls, duplex sessions"),
+            &["what"],
+        )
+        .expect("valid metric");
         for c in [
             Box::new(step_seconds.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(admission.clone()),
+            Box::new(admission_refused.clone()),
             Box::new(voice_preparations.clone()),
             Box::new(playback_late.clone()),
             Box::new(playback_late_seconds.clone()),
@@ -110,7 +130,11 @@ impl EngineMetrics {
         for status in ["completed", "failed", "cancelled"] {
             requests.with_label_values(&[status]);
         }
-        for (v, labels) in [(&prefix_cache, ["hit", "miss"]), (&prompt_positions, ["reused", "prefilled"])] {
+        for (v, labels) in [
+            (&prefix_cache, &["hit", "miss"][..]),
+            (&prompt_positions, &["reused", "prefilled"]),
+            (&admission_refused, &["response", "call", "duplex"]),
+        ] {
             for l in labels {
                 v.with_label_values(&[l]);
             }
@@ -130,6 +154,8 @@ impl EngineMetrics {
             playback_late,
             playback_late_seconds,
             voice_preparations,
+            admission,
+            admission_refused,
         }
     }
 

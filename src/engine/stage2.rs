@@ -90,6 +90,20 @@ fn due(deadline: Option<Instant>, queued: Instant, lead: Duration) -> Instant {
     }
 }
 
+/// How far ahead of its due time a chunk may run: two recent steps, and never less than
+/// [`MIN_HORIZON`] (a step may take longer than the recent ones, as when new voices join it).
+fn horizon(step_estimate: Duration) -> Duration {
+    (step_estimate * 2).max(MIN_HORIZON)
+}
+
+const MIN_HORIZON: Duration = Duration::from_millis(300);
+
+/// How many of the chunks (due times sorted, earliest first) run in this step: those due within
+/// `horizon` of `now`, at most `max`.
+fn due_within(dues: &[Instant], now: Instant, horizon: Duration, max: usize) -> usize {
+    dues.iter().take(max).take_while(|&&d| d <= now + horizon).count()
+}
+
 struct ChunkWork {
     id: RequestId,
     seq: usize,
@@ -135,6 +149,10 @@ pub struct Stage2 {
     prepared: PreparedStore,
     /// Registrations waiting for a step with no chunk due.
     prepare_jobs: VecDeque<(RefInput, SyncSender<Result<PreparedVoice, String>>)>,
+    /// Told of every late chunk (the online stream limit).
+    admission: Option<super::Admission>,
+    /// When the earliest chunk left for a later step is due (the loop wakes a horizon before).
+    next_due: Option<Instant>,
 }
 
 /// Registrations waiting to be prepared at most (beyond, one is refused at once).
@@ -160,7 +178,15 @@ impl Stage2 {
             duplex: Default::default(),
             prepared: PreparedStore::new(PREPARED_VOICES),
             prepare_jobs: VecDeque::new(),
+            admission: None,
+            next_due: None,
         }
+    }
+
+    /// Late chunks lower the engine's stream limit (admission.rs).
+    pub fn with_admission(mut self, a: super::Admission) -> Self {
+        self.admission = Some(a);
+        self
     }
 
     /// Reference cache (inspection for tests and metrics).
@@ -231,8 +257,17 @@ impl Stage2 {
         }
         // (stable: equal deadlines keep their arrival order)
         let lead = self.step_estimate;
-        next.sort_by_key(|c| due(self.live.get(&c.id).and_then(Live::deadline), c.queued, lead));
-        let keep = next.split_off(next.len().min(self.cfg.code2wav_max_batch));
+        let due_of = |c: &ChunkWork| due(self.live.get(&c.id).and_then(Live::deadline), c.queued, lead);
+        next.sort_by_key(due_of);
+        // what is due within the horizon: a chunk 0 never waits behind a long step of streams that
+        // have seconds of audio buffered, and those run when their deadlines need them
+        let now = Instant::now();
+        let dues: Vec<Instant> = next.iter().map(due_of).collect();
+        let cut = due_within(&dues, now, horizon(self.step_estimate), self.cfg.code2wav_max_batch)
+            // (a small step may run ahead: audio sent early covers a client's network jitter)
+            .max(dues.len().min(self.cfg.code2wav_early_batch).min(self.cfg.code2wav_max_batch));
+        let keep = next.split_off(cut);
+        self.next_due = dues.get(cut).copied();
         let ready = next;
         for c in keep.into_iter().rev() {
             rest.push_front(c);
@@ -293,6 +328,9 @@ impl Stage2 {
                                 self.metrics.playback_late.inc();
                                 self.metrics.playback_late_seconds.inc_by(gap.as_secs_f64());
                                 live.heard_gaps += gap;
+                                if let Some(a) = &self.admission {
+                                    a.late_chunk();
+                                }
                             }
                         }
                         live.played = match live.played {
@@ -386,7 +424,16 @@ impl StageLoop for Stage2 {
 
     fn idle_wait(&self) -> Option<Duration> {
         let with_setup = self.cfg.prefetch_setup;
-        (self.cfg.prefetch && self.waiting.iter().any(|w| w.needs_phase(with_setup))).then_some(self.cfg.idle_tick)
+        let prefetch = (self.cfg.prefetch && self.waiting.iter().any(|w| w.needs_phase(with_setup))).then_some(self.cfg.idle_tick);
+        // a chunk left for later is woken for a horizon before it is due
+        let chunk = self.next_due.filter(|_| !self.queue.is_empty()).map(|d| {
+            let wake = d.checked_sub(horizon(self.step_estimate)).unwrap_or(d);
+            wake.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))
+        });
+        match (prefetch, chunk) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     fn idle(&mut self) {
@@ -409,5 +456,20 @@ mod tests {
         let dry_soon = due(Some(now + Duration::from_millis(200)), now - Duration::from_secs(1), lead);
         let dry_later = due(Some(now + Duration::from_secs(1)), now - Duration::from_secs(1), lead);
         assert!(dry_soon < chunk0_early && chunk0_early < chunk0_late && chunk0_late < dry_later);
+    }
+
+    /// A step takes the chunks due within its horizon (at most the batch), so a stream with
+    /// seconds buffered waits for a later step and a chunk 0 never waits behind it.
+    #[test]
+    fn a_step_takes_only_what_is_due_within_its_horizon() {
+        let now = Instant::now();
+        let ms = |m: u64| now + Duration::from_millis(m);
+        let h = horizon(Duration::from_millis(100));
+        assert_eq!(h, MIN_HORIZON, "never less than the floor");
+        assert_eq!(horizon(Duration::from_millis(400)), Duration::from_millis(800));
+        let dues = [now, ms(100), ms(299), ms(301), ms(2000)];
+        assert_eq!(due_within(&dues, now, h, 8), 3);
+        assert_eq!(due_within(&dues, now, h, 2), 2, "at most the batch");
+        assert_eq!(due_within(&[ms(900)], now, h, 8), 0, "nothing due: the step waits");
     }
 }

@@ -105,6 +105,8 @@ pub enum Status {
     /// The request asks for more than the engine can hold (a prompt beyond the context, counts
     /// that do not fit it): the client's to change, not a fault. The message names the field.
     Refused(String),
+    /// The engine had no place for it and its queue was full (admission.rs): never started.
+    Busy(super::Busy),
 }
 
 /// Per-request timestamps.
@@ -243,9 +245,19 @@ struct Entry {
 #[derive(Clone, Default)]
 pub struct Registry {
     inner: Arc<Mutex<HashMap<RequestId, Arc<Entry>>>>,
+    /// Called once for every request that ends, after its `Done` (admission frees its place).
+    on_end: Option<EndHook>,
 }
 
+/// What the registry calls when a request ends (after its `Done`).
+pub type EndHook = Arc<dyn Fn(&RequestId) + Send + Sync>;
+
 impl Registry {
+    /// A registry that tells `f` of every request's end.
+    pub fn with_end_hook(f: EndHook) -> Self {
+        Self { inner: Arc::default(), on_end: Some(f) }
+    }
+
     pub fn insert(&self, id: RequestId, sink: EventSink) -> bool {
         let mut m = self.inner.lock().expect("registry");
         if m.contains_key(&id) {
@@ -350,7 +362,7 @@ impl Registry {
                 let label = match &status {
                     Status::Completed => "completed",
                     Status::Cancelled => "cancelled",
-                    Status::Failed(_) | Status::Refused(_) => "failed",
+                    Status::Failed(_) | Status::Refused(_) | Status::Busy(_) => "failed",
                 };
                 c.with_label_values(&[label]).inc();
             }
@@ -367,6 +379,9 @@ impl Registry {
             p.timings.clone()
         };
         self.inner.lock().expect("registry").remove(id);
+        if let Some(f) = &self.on_end {
+            f(id);
+        }
         Some(out)
     }
 }

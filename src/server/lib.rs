@@ -400,8 +400,14 @@ async fn reject_long_segments(req: axum::extract::Request, next: axum::middlewar
 async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
     let left = shared.config.server.max_sessions.saturating_sub(shared.sessions.len());
     let ready = shared.ready.load(Ordering::SeqCst) && !shared.is_shutting_down();
-    let body = Json(serde_json::json!({"ready": ready, "capacity_left": left, "sessions": shared.sessions.len()}));
-    if ready && left > 0 {
+    // admission by load: streams running and waiting, the engine's limit, places free beyond the
+    // waiting ones, and whether a new call would be taken now
+    let a = shared.engine.admission();
+    let (running, queued, limit) = a.counts();
+    let calls = a.accepts_call().is_ok();
+    let body = Json(serde_json::json!({"ready": ready, "capacity_left": left, "sessions": shared.sessions.len(),
+        "headroom": a.headroom(), "streams": running, "queued": queued, "stream_limit": limit, "accepts_calls": calls}));
+    if ready && left > 0 && calls {
         (StatusCode::OK, body).into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, body).into_response()

@@ -19,7 +19,7 @@ use candle_core::Tensor;
 
 use super::caches::StageCaches;
 use super::prefix::PrefixStore;
-use super::{EngineConfig, EngineMetrics, RefInput, Registry, RequestId, RequestSpec, Stage0Msg, Stage1Msg, StageLoop, Status};
+use super::{Admission, EngineConfig, EngineMetrics, RefInput, Registry, RequestId, RequestSpec, Stage0Msg, Stage1Msg, StageLoop, Status};
 use antiphon_models::code2wav::prompt::PROMPT_SECONDS;
 use antiphon_models::decoder::{KvCache, StreamStep};
 use antiphon_models::thinker::Thinker;
@@ -140,7 +140,10 @@ pub trait ThinkerStream {
 
 pub struct Stage0 {
     ctx: Ctx,
+    /// Requests waiting for the Thinker: for a free batch place and a free stream place
+    /// (admission), in arrival order.
     queue: VecDeque<RequestSpec>,
+    admission: Admission,
     turns: Vec<TurnStream>,
     duplex: Vec<DuplexStream>,
     /// KV slots (batched decode), and caches of finished turn-mode streams for the next ones
@@ -209,6 +212,7 @@ impl Stage0 {
         registry: Registry,
         metrics: EngineMetrics,
         to_talker: SyncSender<Stage1Msg>,
+        admission: Admission,
     ) -> anyhow::Result<Self> {
         let forbidden = tok.special().forbidden();
         let prefixes = PrefixStore::new(cfg.thinker_prefix_cache, cfg.thinker_prefix_mib << 20);
@@ -221,7 +225,7 @@ impl Stage0 {
             cfg.thinker_slot_context,
         )?;
         let ctx = Ctx { thinker, tok, cfg, registry, metrics, to_talker, forbidden, ref_embeds: Recent::new(REF_EMBED_CACHE), prefixes };
-        Ok(Self { ctx, queue: VecDeque::new(), turns: Vec::new(), duplex: Vec::new(), caches })
+        Ok(Self { ctx, queue: VecDeque::new(), admission, turns: Vec::new(), duplex: Vec::new(), caches })
     }
 
     /// One batched step over every stream with work (duplex units first: they are due in real
@@ -376,7 +380,14 @@ impl StageLoop for Stage0 {
                     d.end(&mut self.ctx, "closed");
                 }
             }
+            Stage0Msg::Wake => {}
         }
+    }
+
+    /// While requests wait for a stream place, look again now and then: the online limit also
+    /// rises with time, not only when a stream ends (which wakes this loop at once).
+    fn idle_wait(&self) -> Option<std::time::Duration> {
+        (!self.queue.is_empty()).then_some(std::time::Duration::from_millis(20))
     }
 
     fn step(&mut self) -> bool {
@@ -387,8 +398,17 @@ impl StageLoop for Stage0 {
             let voices: Vec<&RefInput> = self.queue.iter().take(room).filter(|s| registry.is_live(&s.id)).map(|s| &s.voice).collect();
             self.ctx.hear_references(&voices);
         }
+        // (a request starts only with a stream place: beyond them it would slow every stream)
         while self.turns.len() < self.ctx.cfg.thinker_max_batch {
-            let Some(spec) = self.queue.pop_front() else { break };
+            let Some(front) = self.queue.front() else { break };
+            if !self.ctx.registry.is_live(&front.id) {
+                self.queue.pop_front();
+                continue;
+            }
+            if !self.admission.try_start(&front.id) {
+                break;
+            }
+            let spec = self.queue.pop_front().expect("front");
             if let Some(t) = TurnStream::admit(&mut self.ctx, &self.caches, spec) {
                 self.turns.push(t);
             }

@@ -127,6 +127,16 @@ impl SessionManager {
             if m.sessions.len() >= cfg.max_sessions {
                 return Err(WireError::fatal(ErrorCode::Capacity, "the server has no free session").retry_after(cfg.retry_after_ms));
             }
+            // admission by load: a call begins only when the engine has room for it (a duplex
+            // session takes its place now, for its life)
+            let admitted = match c.mode {
+                antiphon_protocol::Mode::Duplex => shared.engine.reserve_duplex(&id),
+                antiphon_protocol::Mode::Turn => shared.engine.accepts_call(),
+            };
+            if let Err(b) = admitted {
+                let e = WireError::fatal(ErrorCode::Capacity, "the server is at capacity: no room for another call now");
+                return Err(e.retry_after(b.retry_after_ms));
+            }
             m.sessions.insert(id.clone(), Handle { token: token.clone(), tx: tx.clone(), input });
         }
         shared.metrics.sessions_created.inc();

@@ -68,8 +68,10 @@ impl Session {
             first_packet: false,
         });
         tracing::info!(response = rid, trigger, "response started");
-        if let Err(e) = self.shared.engine.submit(spec, sink) {
-            self.finish_response(rid, Status::Failed(e.to_string()));
+        match self.shared.engine.submit(spec, sink) {
+            Ok(()) => {}
+            Err(antiphon_engine::SubmitError::Busy(b)) => self.finish_response(rid, Status::Busy(b)),
+            Err(e) => self.finish_response(rid, Status::Failed(e.to_string())),
         }
     }
 
@@ -140,12 +142,17 @@ impl Session {
         let label = match &status {
             Status::Completed => "completed",
             Status::Cancelled => "cancelled",
-            Status::Failed(_) | Status::Refused(_) => "failed",
+            Status::Failed(_) | Status::Refused(_) | Status::Busy(_) => "failed",
         };
         match &status {
             Status::Failed(why) => self.send_error(super::internal_error(&format!("response {} failed", r.id), why, false)),
             // what the request asked for does not fit: the client's to change (not fatal)
             Status::Refused(why) => self.send_error(WireError::new(ErrorCode::BadField, format!("response {}: {why}", r.id))),
+            // no place in the engine and its queue full: busy, not the client's fault (not fatal)
+            Status::Busy(b) => self.send_error(
+                WireError::new(ErrorCode::Capacity, format!("response {}: the server is at capacity; try again later", r.id))
+                    .retry_after(b.retry_after_ms),
+            ),
             _ => {}
         }
         let audio_ms = r.audio_samples * 1000 / crate::audio_edge::OUTPUT_RATE as u64;

@@ -1,0 +1,396 @@
+//! Admission by load: how many streams the engine runs at once, and what happens to the next one.
+//!
+//! A *stream* is what holds a place in every stage for as long as it plays: a turn-mode response
+//! from the moment the Thinker takes it until its `Done`, or a duplex session for its whole life
+//! (its units are due in real time). Places are bounded by the KV slots of the stages (a stream
+//! beyond them would run beside the batched step and slow every stream down) and by what the GPU
+//! sustains, which the engine learns online from its own playback deadlines: a chunk that reaches
+//! a listener after their buffer ran dry lowers the limit below the streams running then (no new
+//! stream starts until enough have ended), and a while without a late chunk raises it again, one
+//! place at a time, up to the slots.
+//!
+//! A response that finds no place waits in a bounded queue (its own first audio grows, nobody
+//! else's); beyond the queue's bound it is refused at once with [`Busy`] (the server's
+//! `capacity`, with `retry_after_ms`). A new call is refused while a response waits for a place or
+//! fewer than `call_headroom` places are free beyond the queued ones: the places left are for the
+//! next turns of the calls already admitted. A duplex session takes its place when it opens, or is
+//! refused.
+
+use std::collections::HashSet;
+use std::sync::mpsc::SyncSender;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use prometheus::IntGaugeVec;
+
+use super::{RequestId, Stage0Msg};
+
+/// What holds a place.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Holder {
+    /// A turn-mode response, until its `Done`.
+    Response(RequestId),
+    /// A duplex session (by its id), until it closes.
+    Duplex(String),
+}
+
+/// The engine has no place for one more stream now; ask again after `retry_after_ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Busy {
+    pub retry_after_ms: u64,
+}
+
+impl std::fmt::Display for Busy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the engine is at capacity; retry after {} ms", self.retry_after_ms)
+    }
+}
+
+impl std::error::Error for Busy {}
+
+/// The limits, from the configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdmissionLimits {
+    /// Streams at once at most (the slots).
+    pub max_streams: usize,
+    /// Responses waiting for a place at most.
+    pub max_queued: usize,
+    /// Places kept free for admitted calls' next turns: a new call needs at least this many free.
+    pub call_headroom: usize,
+    /// Late chunks lower the limit (else it stays at `max_streams`).
+    pub adaptive: bool,
+}
+
+/// The online limit: multiplicative decrease on a late chunk, additive increase after a quiet
+/// while. Pure (the time comes in), so its rule is unit-tested.
+#[derive(Debug, Clone)]
+pub struct LoadLimit {
+    max: usize,
+    limit: usize,
+    last_late: Option<Instant>,
+    last_decrease: Option<Instant>,
+    last_change: Option<Instant>,
+}
+
+/// After a late chunk, the limit is not lowered again for this long (the streams started before
+/// it need a while to end).
+const DECREASE_EVERY: Duration = Duration::from_secs(2);
+/// The limit rises by one place per this long without a late chunk.
+const INCREASE_EVERY: Duration = Duration::from_millis(500);
+
+impl LoadLimit {
+    pub fn new(max: usize) -> Self {
+        Self { max: max.max(1), limit: max.max(1), last_late: None, last_decrease: None, last_change: None }
+    }
+
+    pub fn get(&self) -> usize {
+        self.limit
+    }
+
+    /// A chunk reached its listener after their buffer ran dry while `running` streams ran: the
+    /// limit goes to 7/8 of them (at least one), at most once per [`DECREASE_EVERY`].
+    pub fn late(&mut self, running: usize, now: Instant) {
+        self.last_late = Some(now);
+        if self.last_decrease.is_some_and(|t| now.duration_since(t) < DECREASE_EVERY) {
+            return;
+        }
+        let to = (running.min(self.limit) * 7 / 8).max(1);
+        if to < self.limit {
+            self.limit = to;
+            self.last_decrease = Some(now);
+            self.last_change = Some(now);
+        }
+    }
+
+    /// Time passes: one place more per [`INCREASE_EVERY`] without a late chunk, up to the max.
+    pub fn tick(&mut self, now: Instant) {
+        if self.limit >= self.max {
+            return;
+        }
+        let quiet_since = match (self.last_late, self.last_change) {
+            (Some(a), Some(b)) => a.max(b),
+            (a, b) => a.or(b).unwrap_or(now),
+        };
+        if now.duration_since(quiet_since) >= INCREASE_EVERY {
+            self.limit += 1;
+            self.last_change = Some(now);
+        }
+    }
+}
+
+struct State {
+    limits: AdmissionLimits,
+    load: LoadLimit,
+    running: HashSet<Holder>,
+    queued: HashSet<RequestId>,
+    /// Recent stream lengths (admission to end), for `retry_after_ms`.
+    mean_stream: Duration,
+    started: std::collections::HashMap<Holder, Instant>,
+}
+
+impl State {
+    fn free(&self) -> usize {
+        self.load.get().saturating_sub(self.running.len())
+    }
+
+    /// A guess at when a place frees up for a caller that asks again: the queue ahead of it
+    /// served at the rate streams end.
+    fn retry_after(&self) -> Busy {
+        let per_place = self.mean_stream.as_millis() as u64 / self.load.get().max(1) as u64;
+        let ms = per_place.saturating_mul(self.queued.len() as u64 + 1).clamp(250, 30_000);
+        Busy { retry_after_ms: ms }
+    }
+}
+
+/// The engine's admission state, shared by the server (submit, calls) and the stages (start,
+/// end, late chunks).
+#[derive(Clone)]
+pub struct Admission {
+    state: Arc<Mutex<State>>,
+    /// Stage 0 waits for a place with its queue; a place freed wakes it.
+    wake: Arc<Mutex<Option<SyncSender<Stage0Msg>>>>,
+    gauges: IntGaugeVec,
+}
+
+impl Admission {
+    pub fn new(limits: AdmissionLimits, gauges: IntGaugeVec) -> Self {
+        let state = State {
+            load: LoadLimit::new(limits.max_streams),
+            limits,
+            running: HashSet::new(),
+            queued: HashSet::new(),
+            mean_stream: Duration::from_secs(4),
+            started: Default::default(),
+        };
+        let a = Self { state: Arc::new(Mutex::new(state)), wake: Arc::default(), gauges };
+        a.publish(&a.state.lock().expect("admission"));
+        a
+    }
+
+    pub(crate) fn set_wake(&self, to0: SyncSender<Stage0Msg>) {
+        *self.wake.lock().expect("wake") = Some(to0);
+    }
+
+    /// Lets go of Stage 0's sender (the engine is stopping: Stage 0 ends with its last sender).
+    pub(crate) fn clear_wake(&self) {
+        self.wake.lock().expect("wake").take();
+    }
+
+    pub fn limits(&self) -> AdmissionLimits {
+        self.state.lock().expect("admission").limits
+    }
+
+    fn publish(&self, s: &State) {
+        let g = &self.gauges;
+        g.with_label_values(&["running"]).set(s.running.len() as i64);
+        g.with_label_values(&["queued"]).set(s.queued.len() as i64);
+        g.with_label_values(&["limit"]).set(s.load.get() as i64);
+        g.with_label_values(&["max"]).set(s.limits.max_streams as i64);
+        g.with_label_values(&["headroom"]).set(Self::headroom_of(s) as i64);
+    }
+
+    fn headroom_of(s: &State) -> usize {
+        s.free().saturating_sub(s.queued.len())
+    }
+
+    /// Places free now beyond the responses waiting (what /readyz reports).
+    pub fn headroom(&self) -> usize {
+        Self::headroom_of(&self.state.lock().expect("admission"))
+    }
+
+    /// (running, queued, limit)
+    pub fn counts(&self) -> (usize, usize, usize) {
+        let s = self.state.lock().expect("admission");
+        (s.running.len(), s.queued.len(), s.load.get())
+    }
+
+    /// A response asks for a place: queued (it starts when the Thinker finds one free), or
+    /// refused when the queue is full.
+    pub fn enqueue(&self, id: &RequestId) -> Result<(), Busy> {
+        let mut s = self.state.lock().expect("admission");
+        s.load.tick(Instant::now());
+        // (the queued ones take the free places first; beyond them, `max_queued` may wait)
+        if s.queued.len() >= s.free() + s.limits.max_queued {
+            return Err(s.retry_after());
+        }
+        s.queued.insert(id.clone());
+        self.publish(&s);
+        Ok(())
+    }
+
+    /// Whether a new call may begin: every queued response has a free place (none waits for one)
+    /// and at least `call_headroom` more are free.
+    pub fn accepts_call(&self) -> Result<(), Busy> {
+        let mut s = self.state.lock().expect("admission");
+        s.load.tick(Instant::now());
+        if s.queued.len() <= s.free() && Self::headroom_of(&s) >= s.limits.call_headroom {
+            Ok(())
+        } else {
+            Err(s.retry_after())
+        }
+    }
+
+    /// The Thinker takes a queued response if a place is free (in queue order: it asks for the
+    /// oldest first).
+    pub fn try_start(&self, id: &RequestId) -> bool {
+        let mut s = self.state.lock().expect("admission");
+        s.load.tick(Instant::now());
+        if s.free() == 0 {
+            return false;
+        }
+        s.queued.remove(id);
+        let h = Holder::Response(id.clone());
+        s.started.insert(h.clone(), Instant::now());
+        s.running.insert(h);
+        self.publish(&s);
+        true
+    }
+
+    /// A duplex session takes its place for its life, or is refused (it cannot wait: its audio
+    /// comes in real time).
+    pub fn open_duplex(&self, session: &str) -> Result<(), Busy> {
+        let mut s = self.state.lock().expect("admission");
+        s.load.tick(Instant::now());
+        let h = Holder::Duplex(session.to_string());
+        if s.running.contains(&h) {
+            return Ok(());
+        }
+        if Self::headroom_of(&s) == 0 {
+            return Err(s.retry_after());
+        }
+        s.running.insert(h);
+        self.publish(&s);
+        Ok(())
+    }
+
+    /// A holder ended (a response's `Done`, queued or running; a duplex session's close): its
+    /// place is free, and the Thinker is woken if responses wait. Idempotent.
+    pub fn release(&self, h: &Holder) {
+        let waiting = {
+            let mut s = self.state.lock().expect("admission");
+            let was_running = s.running.remove(h);
+            if let Holder::Response(id) = h {
+                s.queued.remove(id);
+            }
+            if let Some(t) = s.started.remove(h) {
+                let took = t.elapsed();
+                s.mean_stream = (s.mean_stream * 7 + took) / 8;
+            }
+            if !was_running {
+                self.publish(&s);
+                return;
+            }
+            self.publish(&s);
+            !s.queued.is_empty()
+        };
+        if waiting {
+            if let Some(w) = self.wake.lock().expect("wake").as_ref() {
+                let _ = w.try_send(Stage0Msg::Wake);
+            }
+        }
+    }
+
+    /// A chunk reached its listener after their buffer had run dry.
+    pub fn late_chunk(&self) {
+        let mut s = self.state.lock().expect("admission");
+        if !s.limits.adaptive {
+            return;
+        }
+        let running = s.running.len();
+        s.load.late(running, Instant::now());
+        self.publish(&s);
+    }
+
+    /// Whether responses wait for a place (Stage 0 then looks again soon: the limit also rises
+    /// with time).
+    pub fn has_queued(&self) -> bool {
+        !self.state.lock().expect("admission").queued.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn admission(max_streams: usize, max_queued: usize, call_headroom: usize) -> Admission {
+        let g = IntGaugeVec::new(prometheus::Opts::new("t", "t"), &["state"]).unwrap();
+        Admission::new(AdmissionLimits { max_streams, max_queued, call_headroom, adaptive: true }, g)
+    }
+
+    fn id(s: &str) -> RequestId {
+        RequestId(s.into())
+    }
+
+    #[test]
+    fn responses_beyond_the_places_wait_and_beyond_the_queue_are_refused() {
+        let a = admission(2, 1, 0);
+        for r in ["a", "b", "c"] {
+            a.enqueue(&id(r)).unwrap();
+        }
+        assert!(a.try_start(&id("a")) && a.try_start(&id("b")));
+        assert!(!a.try_start(&id("c")), "no third place");
+        let busy = a.enqueue(&id("d")).unwrap_err();
+        assert!(busy.retry_after_ms >= 250);
+        a.release(&Holder::Response(id("a")));
+        assert!(a.try_start(&id("c")));
+        assert_eq!(a.counts(), (2, 0, 2));
+        // a queued response that ends (cancelled) frees its queue place
+        a.enqueue(&id("e")).unwrap();
+        a.release(&Holder::Response(id("e")));
+        assert_eq!(a.counts(), (2, 0, 2));
+    }
+
+    #[test]
+    fn calls_need_headroom_beyond_the_queue() {
+        let a = admission(4, 8, 2);
+        assert!(a.accepts_call().is_ok());
+        for r in ["a", "b", "c"] {
+            a.enqueue(&id(r)).unwrap();
+            assert!(a.try_start(&id(r)));
+        }
+        assert!(a.accepts_call().is_err(), "one place left, two kept for admitted calls");
+        a.release(&Holder::Response(id("a")));
+        assert!(a.accepts_call().is_ok());
+        a.enqueue(&id("q")).unwrap();
+        assert!(a.accepts_call().is_err(), "one place left beyond the queued response");
+        assert!(a.open_duplex("s1").is_ok(), "the place beyond the queued response");
+        assert!(a.open_duplex("s2").is_err(), "none left beyond the queued response");
+        assert!(a.try_start(&id("q")));
+        assert!(a.open_duplex("s2").is_err(), "no place left");
+        a.release(&Holder::Response(id("b")));
+        assert!(a.open_duplex("s2").is_ok());
+        a.release(&Holder::Duplex("s1".into()));
+        assert_eq!(a.counts().0, 3);
+    }
+
+    #[test]
+    fn a_late_chunk_lowers_the_limit_and_quiet_raises_it() {
+        let t0 = Instant::now();
+        let mut l = LoadLimit::new(64);
+        l.late(64, t0);
+        assert_eq!(l.get(), 56);
+        // not again right away
+        l.late(56, t0 + Duration::from_millis(100));
+        assert_eq!(l.get(), 56);
+        // late chunks keep it from rising
+        l.tick(t0 + Duration::from_millis(400));
+        assert_eq!(l.get(), 56);
+        l.late(50, t0 + Duration::from_millis(2500));
+        assert_eq!(l.get(), 43);
+        let quiet = t0 + Duration::from_millis(2500);
+        l.tick(quiet + Duration::from_millis(499));
+        assert_eq!(l.get(), 43);
+        l.tick(quiet + Duration::from_millis(500));
+        assert_eq!(l.get(), 44);
+        l.tick(quiet + Duration::from_millis(900));
+        assert_eq!(l.get(), 44, "one place per half second");
+        let mut t = quiet + Duration::from_millis(1000);
+        for _ in 0..100 {
+            l.tick(t);
+            t += Duration::from_millis(500);
+        }
+        assert_eq!(l.get(), 64, "never above the max");
+        l.late(1, t);
+        assert_eq!(l.get(), 1, "at least one place");
+    }
+}
