@@ -245,11 +245,11 @@ struct Entry {
 #[derive(Clone, Default)]
 pub struct Registry {
     inner: Arc<Mutex<HashMap<RequestId, Arc<Entry>>>>,
-    /// Called once for every request that ends, after its `Done` (admission frees its place).
+    /// Called once for every request that ends, just before its `Done` (admission frees its place).
     on_end: Option<EndHook>,
 }
 
-/// What the registry calls when a request ends (after its `Done`).
+/// What the registry calls when a request ends (just before its `Done`).
 pub type EndHook = Arc<dyn Fn(&RequestId) + Send + Sync>;
 
 impl Registry {
@@ -367,6 +367,10 @@ impl Registry {
                 c.with_label_values(&[label]).inc();
             }
             p.timings.done = Some(Instant::now());
+            // (its place is free before its Done goes out: whoever sees the Done finds it free)
+            if let Some(f) = &self.on_end {
+                f(id);
+            }
             let ev = EngineEvent::Done {
                 status,
                 text: p.text.clone(),
@@ -379,9 +383,6 @@ impl Registry {
             p.timings.clone()
         };
         self.inner.lock().expect("registry").remove(id);
-        if let Some(f) = &self.on_end {
-            f(id);
-        }
         Some(out)
     }
 }
