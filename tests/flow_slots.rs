@@ -88,6 +88,80 @@ fn pooled_streams_padded_to_a_graph_batch_match_too() {
     pooled_batches_match_own_caches(3, true);
 }
 
+/// Four streams whose chunks differ in length and in being the last (a small first chunk, full
+/// chunks, last chunks of 28 and 13 codes), at different points of their histories, each step in
+/// one batch (one flow solve over the pool, every chunk padded to the step's longest), on a
+/// Code2Wav with `slots` slots: each gets what it gets alone with caches of its own, and the slots
+/// hold what the reference holds.
+fn mixed_steps_match_each_stream_alone(slots: usize, graphs: bool) {
+    let own = tiny();
+    let mut pooled = own.clone();
+    pooled.set_slots(slots, 512, 25).unwrap();
+    if graphs {
+        pooled.set_graphs(Some(GraphPolicy::default()), None);
+    }
+    let f = own.prepare(&reference()).unwrap();
+    let short: Vec<f32> = reference().samples[..24_000 * 2].to_vec();
+    let g = own.prepare(&Reference::materialize(&short, 24_000).unwrap()).unwrap();
+    let (sf, sg) = (own.setup(&f).unwrap(), own.setup(&g).unwrap());
+    let feats = [(&f, &sf), (&g, &sg), (&f, &sf), (&g, &sg)];
+    // (new codes per chunk; a stream's first chunk comes at round `lag`)
+    let sizes: [&[usize]; 4] = [&[8, 25, 25, 10], &[25, 25, 25], &[25, 25, 25, 25, 25], &[25, 25, 10]];
+    let lag = [0usize, 0, 1, 2];
+    let pay: Vec<Vec<Vec<u32>>> = (0..4).map(|s| payloads(&codes(sizes[s].iter().sum(), s as u32 + 11), sizes[s])).collect();
+    let mut together: Vec<StreamState> = feats.iter().map(|(f, s)| pooled.start(f, s).unwrap()).collect();
+    let mut alone: Vec<StreamState> = feats.iter().map(|(f, s)| own.start(f, s).unwrap()).collect();
+    let (mut mixed_lengths, mut mixed_flags) = (0, 0);
+    for round in 0usize..8 {
+        let members: Vec<(usize, usize)> = (0..4).filter_map(|s| round.checked_sub(lag[s]).filter(|&i| i < pay[s].len()).map(|i| (s, i))).collect();
+        if members.is_empty() {
+            continue;
+        }
+        let lasts: Vec<bool> = members.iter().map(|&(s, i)| i == pay[s].len() - 1).collect();
+        let cs: Vec<&[u32]> = members.iter().map(|&(s, i)| pay[s][i].as_slice()).collect();
+        mixed_lengths += usize::from(cs.iter().any(|c| c.len() != cs[0].len()));
+        mixed_flags += usize::from(lasts.iter().any(|&l| l != lasts[0]));
+        let mut refs: Vec<&mut StreamState> =
+            together.iter_mut().enumerate().filter(|(s, _)| members.iter().any(|m| m.0 == *s)).map(|(_, t)| t).collect();
+        let out = pooled.chunk_mixed(&mut refs, &cs, &lasts).unwrap();
+        for ((&(s, i), y), &last) in members.iter().zip(&out).zip(&lasts) {
+            let want = samples(&own.chunk(&mut alone[s], &pay[s][i], last).unwrap());
+            assert_near(&format!("round {round}: stream {s}, chunk {i} (last {last})"), &samples(y), &want, 1e-4);
+            if let Some(slot) = &together[s].flow.slot {
+                let (got, want) = (slot.materialize().unwrap(), &alone[s].flow.estimator.att);
+                assert_eq!(got.dims(), want.dims(), "round {round}: stream {s}'s cache shape");
+                assert_near(&format!("round {round}: stream {s}'s cache"), &flat(&got), &flat(want), 1e-4);
+            }
+        }
+    }
+    assert!(mixed_lengths >= 3 && mixed_flags >= 2, "steps mixed chunk lengths {mixed_lengths} times, last and not {mixed_flags} times");
+    assert!(together.iter().all(|s| s.finished), "every stream ended");
+}
+
+#[test]
+fn a_step_of_mixed_chunk_lengths_and_last_chunks_is_one_pooled_solve() {
+    // four pooled streams as a batch of four (graph padding, op by op on the CPU)
+    mixed_steps_match_each_stream_alone(4, true);
+}
+
+#[test]
+fn a_mixed_step_with_streams_outside_the_pool_matches_too() {
+    // two slots: the other two streams solve over their own caches, one solve per chunk length
+    mixed_steps_match_each_stream_alone(2, false);
+}
+
+/// A chunk the flow cannot take is named before it joins a batch.
+#[test]
+fn a_chunk_outside_the_vocabulary_or_too_short_is_refused_alone() {
+    let c = tiny();
+    assert!(c.check_chunk(&[4218, 4218, 4218, 1, 2, 3], false).is_ok());
+    assert!(c.check_chunk(&[1, 2], true).is_ok(), "a last chunk takes zero look-ahead");
+    let e = c.check_chunk(&[1, 9999, 2, 3, 4, 5], false).unwrap_err().to_string();
+    assert!(e.contains("9999"), "{e}");
+    assert!(c.check_chunk(&[1, 2, 3, 4], false).is_err(), "no room for the look-ahead");
+    assert!(c.check_chunk(&[1], true).is_err());
+}
+
 /// What a slot holds, read back in the reference's layout and order, is the reference's cache:
 /// the same entries in the same order (up to the order of the attention's sums).
 #[test]

@@ -23,6 +23,14 @@ pub struct EngineConfig {
     /// sent ahead covers a client's network jitter). A step of many streams with seconds buffered
     /// would keep a new stream's first chunk waiting.
     pub code2wav_early_batch: usize,
+    /// A Code2Wav step runs its chunks as one batch whatever their lengths and `last` flags (one
+    /// flow solve over the pool, every chunk padded to the step's longest and masked to its own);
+    /// off, one batch per (chunk length, last) as before.
+    pub code2wav_mixed_steps: bool,
+    /// A Code2Wav step that holds first chunks (chunk 0s) takes with them only the chunks due
+    /// within its horizon; the chunks of streams with more audio buffered run in the step right
+    /// after, so a new stream's first chunk does not ride a whole step of theirs.
+    pub code2wav_first_chunks_apart: bool,
     /// New codes in the first Code2Wav chunk (a smaller first chunk lowers first-audio time)...
     pub first_chunk_codes: usize,
     /// ...for a stream that finds at most this many requests in the engine (itself included, in
@@ -145,6 +153,8 @@ impl Default for EngineConfig {
             talker_max_batch: 32,
             code2wav_max_batch: 8,
             code2wav_early_batch: 8,
+            code2wav_mixed_steps: true,
+            code2wav_first_chunks_apart: false,
             first_chunk_codes: 25,
             small_first_chunk_streams: usize::MAX,
             chunk_codes: 25,

@@ -1,7 +1,7 @@
 //! Stage 2, the Code2Wav loop, and reference prefetch.
 //!
-//! Work: chunks of codes, in order per request, earliest playback deadline first, batched across
-//! requests whose chunks have the same length (whatever their voices and cache lengths). Chunk 0
+//! Work: chunks of codes, in order per request, earliest playback deadline first, in one batch
+//! per step whatever their lengths, voices and cache lengths (one flow solve). Chunk 0
 //! of a request resolves its reference voice: it **claims** a prefetched cache entry, or **retires** a placeholder that was never prefetched and prepares the reference
 //! **inline**; a chunk 0 whose reference differs from the prefetched one prepares inline and
 //! **evicts** the prefetched entry. Setup caches are reused from the setup cache when present.
@@ -102,6 +102,14 @@ const MIN_HORIZON: Duration = Duration::from_millis(300);
 /// `horizon` of `now`, at most `max`.
 fn due_within(dues: &[Instant], now: Instant, horizon: Duration, max: usize) -> usize {
     dues.iter().take(max).take_while(|&&d| d <= now + horizon).count()
+}
+
+/// Which chunks of a step (`seqs` and `dues` in step order) go to the step right after: when the
+/// step holds a first chunk (seq 0), every later chunk not due within `horizon` of `now` (its
+/// stream has audio buffered beyond it); otherwise none.
+fn first_chunks_apart(seqs: &[usize], dues: &[Instant], now: Instant, horizon: Duration) -> Vec<bool> {
+    let firsts = seqs.contains(&0);
+    seqs.iter().zip(dues).map(|(&s, &d)| firsts && s > 0 && d > now + horizon).collect()
 }
 
 struct ChunkWork {
@@ -225,7 +233,8 @@ impl Stage2 {
         self.abort(id);
     }
 
-    /// One work step: every chunk that is next in its request's order, batched by cache shape.
+    /// One work step: every chunk that is next in its request's order (up to the batch), in one
+    /// batch.
     fn work(&mut self) -> bool {
         // drop work of requests that ended elsewhere
         let registry = self.registry.clone();
@@ -268,9 +277,25 @@ impl Stage2 {
             .max(dues.len().min(self.cfg.code2wav_early_batch).min(self.cfg.code2wav_max_batch));
         let keep = next.split_off(cut);
         self.next_due = dues.get(cut).copied();
-        let ready = next;
+        let mut ready = next;
         for c in keep.into_iter().rev() {
             rest.push_front(c);
+        }
+        if self.cfg.code2wav_first_chunks_apart {
+            let seqs: Vec<usize> = ready.iter().map(|c| c.seq).collect();
+            let later = first_chunks_apart(&seqs, &dues[..ready.len()], now, horizon(self.step_estimate));
+            let (mut now_run, mut after) = (Vec::with_capacity(ready.len()), Vec::new());
+            for (c, l) in ready.into_iter().zip(later) {
+                if l {
+                    after.push(c);
+                } else {
+                    now_run.push(c);
+                }
+            }
+            for c in after.into_iter().rev() {
+                rest.push_front(c);
+            }
+            ready = now_run;
         }
         self.queue = rest;
         if ready.is_empty() {
@@ -285,83 +310,32 @@ impl Stage2 {
         }
         let mut runnable = self.start_streams(zeros);
         runnable.extend(others);
-        // batch by (chunk length, last): streams at different points of their histories and with
-        // different voices share a chunk (the flow pads their caches to the longest)
-        let mut groups: Vec<(usize, bool, Vec<ChunkWork>)> = Vec::new();
+        // one batch: streams at different points of their histories, with different voices and
+        // chunk lengths, last or not (the flow pads their caches and chunks to the longest); a
+        // chunk the model cannot take fails alone, before it could fail the batch
+        let mut group = Vec::with_capacity(runnable.len());
         for c in runnable {
-            match groups.iter_mut().find(|g| g.0 == c.codes.len() && g.1 == c.last) {
-                Some(g) => g.2.push(c),
-                None => groups.push((c.codes.len(), c.last, vec![c])),
+            match self.model.check_chunk(&c.codes, c.last) {
+                Ok(()) => group.push(c),
+                Err(e) => self.finish(&c.id, Status::Failed(format!("code2wav chunk: {e:#}"))),
             }
         }
-        let mut batch_total = 0;
-        for (len, last, group) in groups {
-            batch_total += group.len();
-            let tg = Instant::now();
-            let mut states: Vec<(RequestId, Live)> = group.iter().map(|c| (c.id.clone(), self.live.remove(&c.id).expect("live"))).collect();
-            let out = {
-                let mut refs: Vec<&mut StreamState> = states.iter_mut().map(|(_, l)| &mut l.stream).collect();
-                let codes: Vec<&[u32]> = group.iter().map(|c| c.codes.as_slice()).collect();
-                self.model.chunk_batch(&mut refs, &codes, last)
-            };
-            if tracing::enabled!(tracing::Level::DEBUG) {
-                let chunks: Vec<String> = group.iter().map(|c| format!("{}#{}", c.id, c.seq)).collect();
-                let ms = tg.elapsed().as_secs_f64() * 1e3;
-                tracing::debug!(codes = len, last, batch = group.len(), ms, chunks = %chunks.join(" "), "code2wav group (ms: its flow and vocoder)");
+        let batch_total = group.len();
+        if self.cfg.code2wav_mixed_steps {
+            if !group.is_empty() {
+                self.run_batch(group);
             }
-            match out {
-                Ok(audio) => {
-                    for ((c, (id, mut live)), a) in group.into_iter().zip(states).zip(audio) {
-                        live.next_seq += 1;
-                        let samples = match a.to_vec1::<f32>() {
-                            Ok(s) => s,
-                            Err(e) => {
-                                self.finish(&id, Status::Failed(e.to_string()));
-                                continue;
-                            }
-                        };
-                        let first = c.seq == 0;
-                        let audio = Duration::from_secs_f64(samples.len() as f64 / self.model.sample_rate() as f64);
-                        if let Some(dry) = live.deadline().map(|d| d + live.heard_gaps) {
-                            let gap = Instant::now().saturating_duration_since(dry);
-                            if gap > Duration::ZERO {
-                                self.metrics.playback_late.inc();
-                                self.metrics.playback_late_seconds.inc_by(gap.as_secs_f64());
-                                live.heard_gaps += gap;
-                                if let Some(a) = &self.admission {
-                                    a.late_chunk();
-                                }
-                            }
-                        }
-                        live.played = match live.played {
-                            Some((t, a)) => Some((t, a + audio)),
-                            None if audio > Duration::ZERO => Some((Instant::now(), audio)),
-                            None => None,
-                        };
-                        self.registry.emit(&id, EngineEvent::Audio { samples, chunk: c.seq, last: c.last });
-                        if first {
-                            if let Some(t) = self.registry.timings(&id) {
-                                if let Some(ms) = t.first_audio_ms() {
-                                    self.metrics.first_audio_seconds.observe(ms / 1000.0);
-                                }
-                                for (phase, ms) in t.phases_ms() {
-                                    self.metrics.phase_seconds.with_label_values(&[phase]).observe(ms / 1000.0);
-                                }
-                            }
-                        }
-                        if c.last {
-                            self.finish(&id, Status::Completed);
-                        } else {
-                            self.live.insert(id, live);
-                        }
-                    }
+        } else {
+            // one batch per (chunk length, last)
+            let mut groups: Vec<Vec<ChunkWork>> = Vec::new();
+            for c in group {
+                match groups.iter_mut().find(|g| g[0].codes.len() == c.codes.len() && g[0].last == c.last) {
+                    Some(g) => g.push(c),
+                    None => groups.push(vec![c]),
                 }
-                Err(e) => {
-                    let msg = format!("code2wav chunk: {e:#}");
-                    for c in group {
-                        self.finish(&c.id, Status::Failed(msg.clone()));
-                    }
-                }
+            }
+            for g in groups {
+                self.run_batch(g);
             }
         }
         let took = t0.elapsed();
@@ -369,6 +343,79 @@ impl Stage2 {
         self.metrics.step_seconds.with_label_values(&["code2wav"]).observe(took.as_secs_f64());
         self.metrics.batch_size.with_label_values(&["code2wav"]).observe(batch_total as f64);
         true
+    }
+
+    /// Runs one batch of chunks (each next in its stream's order, the stream started) and emits
+    /// their audio; the last ones finish their requests.
+    fn run_batch(&mut self, group: Vec<ChunkWork>) {
+        let tg = Instant::now();
+        let mut states: Vec<(RequestId, Live)> = group.iter().map(|c| (c.id.clone(), self.live.remove(&c.id).expect("live"))).collect();
+        let out = {
+            let mut refs: Vec<&mut StreamState> = states.iter_mut().map(|(_, l)| &mut l.stream).collect();
+            let codes: Vec<&[u32]> = group.iter().map(|c| c.codes.as_slice()).collect();
+            let lasts: Vec<bool> = group.iter().map(|c| c.last).collect();
+            self.model.chunk_mixed(&mut refs, &codes, &lasts)
+        };
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let chunks: Vec<String> =
+                group.iter().map(|c| format!("{}#{}:{}{}", c.id, c.seq, c.codes.len(), if c.last { "L" } else { "" })).collect();
+            let ms = tg.elapsed().as_secs_f64() * 1e3;
+            tracing::debug!(batch = group.len(), ms, chunks = %chunks.join(" "), "code2wav batch (ms: its flow and vocoder; chunks id#seq:codes, L = last)");
+        }
+        let audio = match out {
+            Ok(audio) => audio,
+            Err(e) => {
+                let msg = format!("code2wav chunk: {e:#}");
+                for c in group {
+                    self.finish(&c.id, Status::Failed(msg.clone()));
+                }
+                return;
+            }
+        };
+        for ((c, (id, mut live)), a) in group.into_iter().zip(states).zip(audio) {
+            live.next_seq += 1;
+            let samples = match a.to_vec1::<f32>() {
+                Ok(s) => s,
+                Err(e) => {
+                    self.finish(&id, Status::Failed(e.to_string()));
+                    continue;
+                }
+            };
+            let first = c.seq == 0;
+            let audio = Duration::from_secs_f64(samples.len() as f64 / self.model.sample_rate() as f64);
+            if let Some(dry) = live.deadline().map(|d| d + live.heard_gaps) {
+                let gap = Instant::now().saturating_duration_since(dry);
+                if gap > Duration::ZERO {
+                    self.metrics.playback_late.inc();
+                    self.metrics.playback_late_seconds.inc_by(gap.as_secs_f64());
+                    live.heard_gaps += gap;
+                    if let Some(a) = &self.admission {
+                        a.late_chunk();
+                    }
+                }
+            }
+            live.played = match live.played {
+                Some((t, a)) => Some((t, a + audio)),
+                None if audio > Duration::ZERO => Some((Instant::now(), audio)),
+                None => None,
+            };
+            self.registry.emit(&id, EngineEvent::Audio { samples, chunk: c.seq, last: c.last });
+            if first {
+                if let Some(t) = self.registry.timings(&id) {
+                    if let Some(ms) = t.first_audio_ms() {
+                        self.metrics.first_audio_seconds.observe(ms / 1000.0);
+                    }
+                    for (phase, ms) in t.phases_ms() {
+                        self.metrics.phase_seconds.with_label_values(&[phase]).observe(ms / 1000.0);
+                    }
+                }
+            }
+            if c.last {
+                self.finish(&id, Status::Completed);
+            } else {
+                self.live.insert(id, live);
+            }
+        }
     }
 }
 
@@ -456,6 +503,19 @@ mod tests {
         let dry_soon = due(Some(now + Duration::from_millis(200)), now - Duration::from_secs(1), lead);
         let dry_later = due(Some(now + Duration::from_secs(1)), now - Duration::from_secs(1), lead);
         assert!(dry_soon < chunk0_early && chunk0_early < chunk0_late && chunk0_late < dry_later);
+    }
+
+    /// With first chunks apart, a step holding a chunk 0 leaves the chunks with audio buffered
+    /// beyond its horizon to the next step; one that holds none keeps them all.
+    #[test]
+    fn first_chunks_leave_the_buffered_chunks_to_the_next_step() {
+        let now = Instant::now();
+        let ms = |m: u64| now + Duration::from_millis(m);
+        let h = Duration::from_millis(300);
+        let dues = [ms(0), ms(100), ms(299), ms(301), ms(2000)];
+        assert_eq!(first_chunks_apart(&[1, 0, 2, 3, 1], &dues, now, h), [false, false, false, true, true]);
+        assert_eq!(first_chunks_apart(&[1, 4, 2, 3, 1], &dues, now, h), [false; 5], "no first chunk: one step");
+        assert_eq!(first_chunks_apart(&[0, 0], &dues[3..], now, h), [false, false], "first chunks never wait");
     }
 
     /// A step takes the chunks due within its horizon (at most the batch), so a stream with

@@ -229,7 +229,11 @@ impl Cfm {
                 _ => Att::Empty,
             };
             let (sink_cnn, sink_att) = (cnn_out.get(step - 1)?, att_out.as_ref().map(|a| a.get(step - 1)).transpose()?);
-            let sink = Sink { cnn: &sink_cnn, att: sink_att.as_ref() };
+            let ends = match cache {
+                Cache::Pool { batch, .. } => Some(&batch.ends),
+                _ => None,
+            };
+            let sink = Sink { cnn: &sink_cnn, att: sink_att.as_ref(), ends };
             let v = self.estimator.forward_into(&x_in, &mu_in, &conds[step - 1], &spks_in, &cond_in, cc.as_ref(), att, &sink)?;
             let vc = v.narrow(0, 0, b)?;
             let vu = v.narrow(0, b, b)?;
@@ -299,11 +303,11 @@ impl Cfm {
     ) -> Result<(Tensor, Tensor)> {
         let conds = self.conditions(n_timesteps, mu.device())?;
         let solve = |x: &[Tensor]| -> Result<Vec<Tensor>> {
-            let batch = PoolBatch { rows: x[5].clone(), pos: x[6].clone(), mask: x[7].clone() };
+            let batch = PoolBatch { rows: x[5].clone(), pos: x[6].clone(), mask: x[7].clone(), ends: x[8].clone() };
             let (out, cnn, _) = self.euler(x[0].clone(), &x[1], &x[2], &x[3], &conds, Cache::Pool { pool, cnn: &x[4], batch: &batch })?;
             Ok(vec![out, cnn])
         };
-        let inputs = [x0, mu, spks, cond, cnn, &batch.rows, &batch.pos, &batch.mask];
+        let inputs = [x0, mu, spks, cond, cnn, &batch.rows, &batch.pos, &batch.mask, &batch.ends];
         let out = match self.policy {
             Some(p) if mu.dim(0)? <= p.pool_batch => self.pool_graphs.run(n_timesteps, &inputs, &solve)?,
             _ => solve(&inputs.map(|t| t.clone()))?,

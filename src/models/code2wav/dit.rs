@@ -103,8 +103,9 @@ impl ConvBlock {
 
     /// `x: [N, T, C]`, `cache: [N, 2, 2C]` (the last two input frames of conv 1 | of conv 2,
     /// time-major) -> conv 2's output before its bias, `[N, T, C]`; the new cache is written into
-    /// `dst` (`[N, 2, 2C]`, contiguous).
-    fn forward(&self, x: &Tensor, cache: Option<&Tensor>, dst: &Tensor) -> Result<Tensor> {
+    /// `dst` (`[N, 2, 2C]`, contiguous), taken where each row's frames end (`ends`, `[N]` u32, for
+    /// chunks of different lengths padded to `T`; `None`: at `T`).
+    fn forward(&self, x: &Tensor, cache: Option<&Tensor>, dst: &Tensor, ends: Option<&Tensor>) -> Result<Tensor> {
         let c = self.channels;
         let (t1, t2) = match cache {
             Some(t) => (Some(t.narrow(2, 0, c)?.contiguous()?), Some(t.narrow(2, c, c)?.contiguous()?)),
@@ -115,7 +116,9 @@ impl ConvBlock {
         let z = mm(&dit_ops::causal_im2col(&y, t2.as_ref())?, &self.w2)?;
         let t = x.dim(1)?;
         if t >= 2 {
-            dit_ops::conv_tails_into(dst, x, &y)?;
+            dit_ops::conv_tails_into(dst, x, &y, ends)?;
+        } else if ends.is_some() {
+            candle_core::bail!("a padded chunk of {t} frames");
         } else {
             // a chunk shorter than the cache: its frames after the cached ones
             let tail = |x: &Tensor, pre: Option<&Tensor>| -> Result<Tensor> {
@@ -193,7 +196,7 @@ impl Block {
         let (x, hc) =
             dit_ops::gate_residual_ln_modulate(x, &mm(&o, &self.attn.w_proj)?, Some(&self.attn.b_proj), gate_msa, shift_conv, scale_conv, 1e-6)?;
         // conv
-        let cv = self.conv.forward(&hc, cnn, sink.cnn)?;
+        let cv = self.conv.forward(&hc, cnn, sink.cnn, sink.ends)?;
         let (x, hm) = dit_ops::gate_residual_ln_modulate(&x, &cv, Some(&self.conv.b2), gate_conv, shift_mlp, scale_mlp, 1e-6)?;
         // mlp
         let h = dit_ops::bias_gelu(&mm(&hm, &self.w_fc1)?, &self.b_fc1)?;
@@ -291,12 +294,16 @@ impl BlockAtt<'_> {
 pub struct Sink<'a> {
     pub cnn: &'a Tensor,
     pub att: Option<&'a Tensor>,
+    /// Where each row's frames end (`[N]` u32), when the rows are chunks of different lengths
+    /// padded to the longest: the conv caches are taken there.
+    pub ends: Option<&'a Tensor>,
 }
 
 /// One block's share of a [`Sink`].
 struct BlockSink<'a> {
     cnn: &'a Tensor,
     att: Option<&'a Tensor>,
+    ends: Option<&'a Tensor>,
 }
 
 impl Sink<'_> {
@@ -466,7 +473,7 @@ impl Dit {
         let (n, _, t) = x.dims3()?;
         let (cnn_out, att_out) = Sink::buffers(&self.cfg, 1, n, t, l, false, x)?;
         let (cnn_out, att_out) = (cnn_out.get(0)?, att_out.expect("caches held apart").get(0)?);
-        let out = self.forward_into(x, mu, sc, spks, cond, cnn, att, &Sink { cnn: &cnn_out, att: Some(&att_out) })?;
+        let out = self.forward_into(x, mu, sc, spks, cond, cnn, att, &Sink { cnn: &cnn_out, att: Some(&att_out), ends: None })?;
         Ok((out, cnn_out, att_out))
     }
 
@@ -495,7 +502,13 @@ impl Dit {
             let cc = cnn.map(|t| t.get(i)).transpose()?;
             let ac = att.block(i)?;
             let (sc_cnn, sc_att) = (sink.cnn.get(i)?, sink.att.map(|a| a.get(i)).transpose()?);
-            h = b.forward(&h, &sc.blocks.narrow(1, i * h9, h9)?, cc.as_ref(), ac.as_att(), &BlockSink { cnn: &sc_cnn, att: sc_att.as_ref() })?;
+            h = b.forward(
+                &h,
+                &sc.blocks.narrow(1, i * h9, h9)?,
+                cc.as_ref(),
+                ac.as_att(),
+                &BlockSink { cnn: &sc_cnn, att: sc_att.as_ref(), ends: sink.ends },
+            )?;
         }
         let m = sc.last.chunk(2, D::Minus1)?;
         let h = dit_ops::ln_modulate(&h, &m[0], &m[1], 1e-6)?;

@@ -324,25 +324,45 @@ pub fn masked_softmax(att: &Tensor, mask: &Tensor) -> Result<Tensor> {
 
 /// Writes the last two frames of `x` and of `y` (`[N, T, C]` each, `T >= 2`) into `dst` (`[N, 2,
 /// 2 C]`, contiguous: a conv cache, or a view of a solve's conv cache buffer) in place: `dst[n, f]
-/// = [x[n, T - 2 + f] | y[n, T - 2 + f]]`.
-pub fn conv_tails_into(dst: &Tensor, x: &Tensor, y: &Tensor) -> Result<()> {
+/// = [x[n, e - 2 + f] | y[n, e - 2 + f]]`, `e` = `T`, or row `n`'s own end `ends[n]` (`[N]` u32,
+/// `2 ..= T`) when the rows are chunks of different lengths padded to `T`.
+pub fn conv_tails_into(dst: &Tensor, x: &Tensor, y: &Tensor, ends: Option<&Tensor>) -> Result<()> {
     let (n, t, c) = x.dims3()?;
     if t < 2 || y.dims() != x.dims() || dst.dims() != [n, 2, 2 * c] || !dst.is_contiguous() || dst.dtype() != x.dtype() {
         candle_core::bail!("conv_tails_into: x {:?}, y {:?} into {:?}", x.shape(), y.shape(), dst.shape());
     }
+    if let Some(e) = ends {
+        if e.dims() != [n] || e.dtype() != candle_core::DType::U32 {
+            candle_core::bail!("conv_tails_into: ends {:?} ({:?}) for {n} rows", e.shape(), e.dtype());
+        }
+    }
     #[cfg(feature = "cuda")]
     if on_cuda(x) {
         let total = n * 2 * 2 * c;
-        return cuda::launch_into(
-            "conv_tails",
-            dst,
-            &[&x.contiguous()?, &y.contiguous()?],
-            &[t as i32, c as i32],
-            &[total as u64],
-            cuda::grid(total),
-        );
+        let (x, y) = (x.contiguous()?, y.contiguous()?);
+        return match ends {
+            Some(e) => {
+                cuda::launch_into("conv_tails_at", dst, &[&x, &y], Some(&e.contiguous()?), &[t as i32, c as i32], &[total as u64], cuda::grid(total))
+            }
+            None => cuda::launch_into("conv_tails", dst, &[&x, &y], None, &[t as i32, c as i32], &[total as u64], cuda::grid(total)),
+        };
     }
-    dst.slice_set(&Tensor::cat(&[x.narrow(1, t - 2, 2)?, y.narrow(1, t - 2, 2)?], 2)?.contiguous()?, 0, 0)
+    let Some(ends) = ends else {
+        return dst.slice_set(&Tensor::cat(&[x.narrow(1, t - 2, 2)?, y.narrow(1, t - 2, 2)?], 2)?.contiguous()?, 0, 0);
+    };
+    let ends = ends.to_device(&candle_core::Device::Cpu)?.to_vec1::<u32>()?;
+    let rows = ends
+        .iter()
+        .enumerate()
+        .map(|(r, &e)| {
+            let e = e as usize;
+            if !(2..=t).contains(&e) {
+                candle_core::bail!("conv_tails_into: row {r} ends at {e} of {t} frames");
+            }
+            Tensor::cat(&[x.get(r)?.narrow(0, e - 2, 2)?, y.get(r)?.narrow(0, e - 2, 2)?], 1)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    dst.slice_set(&Tensor::stack(&rows, 0)?.contiguous()?, 0, 0)
 }
 
 /// Writes keys and values (`[N, h, L, d]` each) joined on the last axis into `dst` (`[N, h, L, 2
@@ -355,7 +375,7 @@ pub fn kv_join_into(dst: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
     #[cfg(feature = "cuda")]
     if on_cuda(k) {
         let total = n * h * l * 2 * d;
-        return cuda::launch_into("kv_join", dst, &[&k.contiguous()?, &v.contiguous()?], &[d as i32], &[total as u64], cuda::grid(total));
+        return cuda::launch_into("kv_join", dst, &[&k.contiguous()?, &v.contiguous()?], None, &[d as i32], &[total as u64], cuda::grid(total));
     }
     dst.slice_set(&k.contiguous()?, 3, 0)?;
     dst.slice_set(&v.contiguous()?, 3, d)
@@ -418,12 +438,13 @@ pub(crate) mod cuda {
     }
 
     /// Runs kernel `name` writing into `dst` in place (contiguous; a view's offset is honoured):
-    /// arguments `(srcs…, dst, ints…, u64s…)`, every tensor of `dst`'s dtype, contiguous, and none
-    /// sharing `dst`'s storage.
+    /// arguments `(srcs…, index (u32, when given), dst, ints…, u64s…)`, every other tensor of
+    /// `dst`'s dtype, contiguous, and none sharing `dst`'s storage.
     pub(crate) fn launch_into(
         name: &'static str,
         dst: &Tensor,
         srcs: &[&Tensor],
+        index: Option<&Tensor>,
         ints: &[i32],
         u64s: &[u64],
         (grid, block): (u32, u32),
@@ -431,6 +452,7 @@ pub(crate) mod cuda {
         let op = LaunchInto {
             name,
             srcs: srcs.iter().map(|t| (*t).clone()).collect(),
+            index: index.cloned(),
             ints: ints.to_vec(),
             u64s: u64s.to_vec(),
             cfg: LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 },
@@ -441,6 +463,7 @@ pub(crate) mod cuda {
     struct LaunchInto {
         name: &'static str,
         srcs: Vec<Tensor>,
+        index: Option<Tensor>,
         ints: Vec<i32>,
         u64s: Vec<u64>,
         cfg: LaunchConfig,
@@ -452,10 +475,15 @@ pub(crate) mod cuda {
             let dst = s.as_cuda_slice::<T>()?.slice(l.start_offset()..);
             let guards: Vec<_> = self.srcs.iter().map(|t| t.storage_and_layout()).collect();
             let views = guards.iter().map(|(s, l)| view::<T>(s, l, self.name)).collect::<Result<Vec<CudaView<T>>>>()?;
+            let index_guard = self.index.as_ref().map(|t| t.storage_and_layout());
+            let index = index_guard.as_ref().map(|(s, l)| view::<u32>(s, l, self.name)).transpose()?;
             let f = dev.get_or_load_custom_func(&kernel(self.name, s.dtype())?, MODULE, PTX)?;
             let mut b = f.builder();
             for v in &views {
                 b.arg(v);
+            }
+            if let Some(ix) = &index {
+                b.arg(ix);
             }
             b.arg(&dst);
             for i in &self.ints {

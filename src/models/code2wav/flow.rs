@@ -201,58 +201,64 @@ impl Flow {
     }
 
     /// One chunk for a batch of streams whose chunks have equal lengths and the same `last` flag
-    /// (their caches may differ in length: the encoder runs once per group of equal encoder cache
-    /// lengths; the CFM solve once for the streams in pool slots and once for the others, over
-    /// their caches padded to the longest). `codes[i]`
-    /// includes the leading context and trailing look-ahead; `spks[i]: [192]`. Returns each
-    /// stream's mel `[80, frames]` and advances (and trims) its state.
+    /// ([`Flow::chunk_mixed`] with one flag for all).
     pub fn chunk_batch(&self, codes: &[&[u32]], spks: &[&Tensor], states: &mut [&mut FlowState], last: bool) -> Result<Vec<Tensor>> {
+        self.chunk_mixed(codes, spks, states, &vec![last; codes.len()])
+    }
+
+    /// One chunk for a batch of streams, whatever their chunks' lengths, `last` flags and cache
+    /// lengths: the encoder runs once per group of equal (encoder cache length, chunk length,
+    /// `last`); the CFM solve once for the streams in pool slots, their chunks padded to the
+    /// longest and each row masked to its own, and once per chunk length for the others, over
+    /// their caches padded to the longest. `codes[i]` includes the leading context and (unless
+    /// `lasts[i]`) the trailing look-ahead; `spks[i]: [192]`. Returns each stream's mel `[80,
+    /// frames]` and advances (and trims) its state.
+    pub fn chunk_mixed(&self, codes: &[&[u32]], spks: &[&Tensor], states: &mut [&mut FlowState], lasts: &[bool]) -> Result<Vec<Tensor>> {
         let b = codes.len();
         if b == 0 {
             return Ok(vec![]);
         }
-        if spks.len() != b || states.len() != b {
-            candle_core::bail!("chunk_batch: {} codes, {} speakers, {} states", b, spks.len(), states.len());
+        if spks.len() != b || states.len() != b || lasts.len() != b {
+            candle_core::bail!("chunk_mixed: {} codes, {} speakers, {} states, {} flags", b, spks.len(), states.len(), lasts.len());
         }
-        if codes.iter().any(|c| c.len() != codes[0].len()) {
-            candle_core::bail!("chunk_batch needs chunks of equal lengths");
+        if let Some(i) = (0..b).find(|&i| !lasts[i] && codes[i].len() <= self.lookahead()) {
+            candle_core::bail!("a chunk that is not the last needs new codes plus {} look-ahead codes (stream {i})", self.lookahead());
         }
-        if !last && codes[0].len() <= self.lookahead() {
-            candle_core::bail!("a chunk that is not the last needs new codes plus {} look-ahead codes", self.lookahead());
-        }
-        // 1. the encoder, once per group of equal encoder cache lengths
+        // 1. the encoder, once per group of equal encoder cache length, chunk length and flag
         let mut mus: Vec<Option<Tensor>> = vec![None; b];
         let mut confs: Vec<Option<ConformerCache>> = vec![None; b];
-        let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
+        let mut groups: Vec<((usize, usize, bool), Vec<usize>)> = Vec::new();
         for (i, st) in states.iter().enumerate() {
-            let k = st.conformer.token_len();
+            let k = (st.conformer.token_len(), codes[i].len(), lasts[i]);
             match groups.iter_mut().find(|g| g.0 == k) {
                 Some(g) => g.1.push(i),
                 None => groups.push((k, vec![i])),
             }
         }
-        for (_, idx) in &groups {
+        for ((_, _, last), idx) in &groups {
             let conf = if idx.len() == 1 {
                 states[idx[0]].conformer.clone()
             } else {
                 ConformerCache::stack(&idx.iter().map(|&i| &states[i].conformer).collect::<Vec<_>>())?
             };
             let xs = self.embed(&idx.iter().map(|&i| codes[i]).collect::<Vec<_>>())?;
-            let (h, conf) = self.encoder.forward_chunk(&xs, last, Some(&conf))?;
+            let (h, conf) = self.encoder.forward_chunk(&xs, *last, Some(&conf))?;
             let mu = self.encoder_proj.forward(&h)?.transpose(1, 2)?;
             for (r, &i) in idx.iter().enumerate() {
                 mus[i] = Some(mu.narrow(0, r, 1)?);
                 confs[i] = Some(if idx.len() == 1 { conf.clone() } else { conf.row(r)? });
             }
         }
-        let mu = Tensor::cat(&mus.into_iter().map(|m| m.expect("every stream encoded")).collect::<Vec<_>>(), 0)?.contiguous()?;
+        let mus: Vec<Tensor> = mus.into_iter().map(|m| m.expect("every stream encoded")).collect();
         for (st, conf) in states.iter_mut().zip(confs) {
             st.conformer = conf.expect("every stream encoded");
             st.conformer.trim(st.prompt_frames, self.cfg.history_frames)?;
         }
+        let frames: Vec<usize> = mus.iter().map(|m| m.dim(2)).collect::<Result<_>>()?;
+        let t = frames.iter().copied().max().unwrap_or(0);
         // 2. the estimator: streams in pool slots in one solve over the pool, the others in one
-        // over their own caches (a slot that cannot take this chunk gives its cache back first)
-        let t = mu.dim(2)?;
+        // per chunk length over their own caches (a slot that cannot take the step's longest chunk
+        // gives its cache back first)
         for st in states.iter_mut() {
             if st.slot.as_ref().is_some_and(|s| !s.fits(t)) {
                 let slot = st.slot.take().expect("checked");
@@ -260,24 +266,33 @@ impl Flow {
             }
         }
         let spk = self.speaker(&Tensor::stack(spks, 0)?)?;
-        let (pooled, own): (Vec<usize>, Vec<usize>) = (0..b).partition(|&i| states[i].slot.is_some());
+        let mut solves: Vec<(Vec<usize>, bool)> = Vec::new();
+        let pooled: Vec<usize> = (0..b).filter(|&i| states[i].slot.is_some()).collect();
+        if !pooled.is_empty() {
+            solves.push((pooled, true));
+        }
+        let mut own_lengths: Vec<usize> = (0..b).filter(|&i| states[i].slot.is_none()).map(|i| frames[i]).collect();
+        own_lengths.sort_unstable();
+        own_lengths.dedup();
+        for f in own_lengths {
+            solves.push(((0..b).filter(|&i| states[i].slot.is_none() && frames[i] == f).collect(), false));
+        }
         let mut mels: Vec<Option<Tensor>> = vec![None; b];
-        for (idx, in_pool) in [(own, false), (pooled, true)] {
-            if idx.is_empty() {
-                continue;
-            }
-            let pick = |x: &Tensor| -> Result<Tensor> {
-                if idx.len() == b {
-                    Ok(x.clone())
-                } else {
-                    x.index_select(&Tensor::new(idx.iter().map(|&i| i as u32).collect::<Vec<_>>().as_slice(), x.device())?, 0)
-                }
+        for (idx, in_pool) in solves {
+            let tt = idx.iter().map(|&i| frames[i]).max().unwrap_or(0);
+            let rows = idx.iter().map(|&i| if frames[i] < tt { mus[i].pad_with_zeros(2, 0, tt - frames[i]) } else { Ok(mus[i].clone()) });
+            let mu_s = Tensor::cat(&rows.collect::<Result<Vec<_>>>()?, 0)?.contiguous()?;
+            let spk_s = if idx.len() == b {
+                spk.clone()
+            } else {
+                spk.index_select(&Tensor::new(idx.iter().map(|&i| i as u32).collect::<Vec<_>>().as_slice(), spk.device())?, 0)?
             };
-            let (mu_s, spk_s) = (pick(&mu)?.contiguous()?, pick(&spk)?);
+            let own_frames: Vec<usize> = idx.iter().map(|&i| frames[i]).collect();
             let mut sub: Vec<&mut FlowState> = states.iter_mut().enumerate().filter(|(i, _)| idx.contains(i)).map(|(_, s)| &mut **s).collect();
-            let mel = if in_pool { self.estimate_pooled(&mu_s, &spk_s, &mut sub)? } else { self.estimate_own(&mu_s, &spk_s, &mut sub)? };
+            let mel = if in_pool { self.estimate_pooled(&mu_s, &spk_s, &mut sub, &own_frames)? } else { self.estimate_own(&mu_s, &spk_s, &mut sub)? };
             for (r, &i) in idx.iter().enumerate() {
-                mels[i] = Some(mel.get(r)?);
+                let m = mel.get(r)?;
+                mels[i] = Some(if frames[i] < tt { m.narrow(1, 0, frames[i])? } else { m });
             }
         }
         Ok(mels.into_iter().map(|m| m.expect("every stream solved")).collect())
@@ -327,9 +342,10 @@ impl Flow {
         Ok(mel)
     }
 
-    /// The CFM solve for streams in pool slots (one pool), padded to the solver's batch; the
-    /// slots advance (and trim) in place. Returns the mel `[B, 80, T]`.
-    fn estimate_pooled(&self, mu: &Tensor, spk: &Tensor, states: &mut [&mut FlowState]) -> Result<Tensor> {
+    /// The CFM solve for streams in pool slots (one pool), padded to the solver's batch; stream
+    /// `i`'s chunk is the first `frames[i]` of `mu`'s `T` frames (the rest padding, masked out of
+    /// attention). The slots advance (and trim) in place. Returns the mel `[B, 80, T]`.
+    fn estimate_pooled(&self, mu: &Tensor, spk: &Tensor, states: &mut [&mut FlowState], frames: &[usize]) -> Result<Tensor> {
         let (b, _, t) = mu.dims3()?;
         let pad = self.decoder.pool_pad(b);
         let slots: Vec<&FlowSlot> = states.iter().map(|s| s.slot.as_ref().expect("a pooled stream has a slot")).collect();
@@ -337,7 +353,7 @@ impl Flow {
         if slots.iter().any(|s| !std::sync::Arc::ptr_eq(s.pool(), &pool)) {
             candle_core::bail!("streams of one flow batch hold slots of different pools");
         }
-        let batch = pool.batch(&slots, t, pad, self.dtype(), self.device())?;
+        let batch = pool.batch(&slots, frames, t, pad, self.dtype(), self.device())?;
         let lens: Vec<usize> = slots.iter().map(|s| s.len()).collect();
         let x0 = self.decoder.noise_rows(&lens, t, pad, self.dtype())?;
         let padded = |x: &Tensor| -> Result<Tensor> {
@@ -353,7 +369,7 @@ impl Flow {
         let (mel, cnn) = self.decoder.solve_chunk_pool(&x0, &mu_p, &spk_p, &mu_p.zeros_like()?, self.cfg.n_timesteps, &pool, &cnn, &batch)?;
         for (i, st) in states.iter_mut().enumerate() {
             st.estimator.cnn = pick_stream(&cnn, i, pad)?;
-            st.slot.as_mut().expect("pooled").advance(t, st.prompt_frames);
+            st.slot.as_mut().expect("pooled").advance(frames[i], st.prompt_frames);
         }
         mel.narrow(0, 0, b)
     }

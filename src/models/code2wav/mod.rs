@@ -303,20 +303,63 @@ impl Code2Wav {
         Ok(runs)
     }
 
+    /// Whether a chunk's payload is one the flow takes (every code in its vocabulary; enough codes
+    /// for the look-ahead layer), so that a batch fails for none of its chunks' contents.
+    pub fn check_chunk(&self, codes: &[u32], last: bool) -> Result<()> {
+        let (la, vocab) = (self.flow.lookahead(), self.flow.config().vocab_size);
+        if let Some(&bad) = codes.iter().find(|&&c| c as usize >= vocab) {
+            bail!("speech code {bad} is outside the flow's {vocab} codes");
+        }
+        let tokens = codes.len() + if last { la } else { 0 };
+        if tokens < la + 2 {
+            bail!(
+                "a chunk of {} codes{} is too short (the flow needs {} with its look-ahead)",
+                codes.len(),
+                if last { " (last)" } else { "" },
+                la + 2
+            );
+        }
+        Ok(())
+    }
+
     /// One chunk for several streams with equal chunk lengths (any voices, any points in their
     /// histories): the flow and the (causal) vocoder run batched. `codes[i]` = left context + new codes + look-ahead (the
     /// last chunk may end without look-ahead). Returns each stream's new 24 kHz samples.
     pub fn chunk_batch(&self, streams: &mut [&mut StreamState], codes: &[&[u32]], last: bool) -> Result<Vec<Tensor>> {
-        let mels = self.flow_batch(streams, codes, last)?;
-        let out = self.vocode_batch(streams, &mels, last)?;
-        for st in streams.iter_mut() {
+        self.chunk_mixed(streams, codes, &vec![last; codes.len()])
+    }
+
+    /// One chunk for several streams whatever their chunks' lengths and `last` flags: one flow
+    /// solve for every stream in a pool slot ([`Flow::chunk_mixed`]), the (causal) vocoder batched
+    /// per group of equal mel length and flag. Returns each stream's new 24 kHz samples.
+    pub fn chunk_mixed(&self, streams: &mut [&mut StreamState], codes: &[&[u32]], lasts: &[bool]) -> Result<Vec<Tensor>> {
+        let mels = self.flow_mixed(streams, codes, lasts)?;
+        let shapes: Vec<(usize, bool)> = mels.iter().zip(lasts).map(|(m, &l)| Ok((m.dim(1)?, l))).collect::<Result<_>>()?;
+        let mut groups: Vec<(usize, bool)> = shapes.clone();
+        groups.sort_unstable();
+        groups.dedup();
+        let mut out: Vec<Option<Tensor>> = vec![None; streams.len()];
+        for (frames, last) in groups {
+            let idx: Vec<usize> = (0..shapes.len()).filter(|&i| shapes[i] == (frames, last)).collect();
+            let mut sub: Vec<&mut StreamState> = streams.iter_mut().enumerate().filter(|(i, _)| idx.contains(i)).map(|(_, s)| &mut **s).collect();
+            let sub_mels: Vec<Tensor> = idx.iter().map(|&i| mels[i].clone()).collect();
+            for (&i, a) in idx.iter().zip(self.vocode_batch(&mut sub, &sub_mels, last)?) {
+                out[i] = Some(a);
+            }
+        }
+        for (st, &last) in streams.iter_mut().zip(lasts) {
             st.finished = last;
         }
-        Ok(out)
+        Ok(out.into_iter().map(|a| a.expect("every stream vocoded")).collect())
     }
 
     /// The flow's share of [`Code2Wav::chunk_batch`]: each stream's mel `[80, frames]`.
     pub fn flow_batch(&self, streams: &mut [&mut StreamState], codes: &[&[u32]], last: bool) -> Result<Vec<Tensor>> {
+        self.flow_mixed(streams, codes, &vec![last; codes.len()])
+    }
+
+    /// The flow's share of [`Code2Wav::chunk_mixed`]: each stream's mel `[80, frames]`.
+    pub fn flow_mixed(&self, streams: &mut [&mut StreamState], codes: &[&[u32]], lasts: &[bool]) -> Result<Vec<Tensor>> {
         if streams.iter().any(|s| s.finished) {
             bail!("a finished stream got another chunk");
         }
@@ -324,7 +367,7 @@ impl Code2Wav {
         let spk_refs: Vec<&Tensor> = spks.iter().collect();
         let mels = {
             let mut flows: Vec<&mut FlowState> = streams.iter_mut().map(|s| &mut s.flow).collect();
-            self.flow.chunk_batch(codes, &spk_refs, &mut flows, last)?
+            self.flow.chunk_mixed(codes, &spk_refs, &mut flows, lasts)?
         };
         for (st, mel) in streams.iter_mut().zip(&mels) {
             st.frames += mel.dim(1)?;

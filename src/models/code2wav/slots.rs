@@ -102,45 +102,55 @@ impl FlowPool {
         Ok(Some(slot))
     }
 
-    /// The rows, new positions and key mask of one chunk of `t` frames for `slots`, padded to `pad`
-    /// streams with scratch rows (rows `[cond of each stream; uncond of each]`).
-    pub fn batch(&self, slots: &[&FlowSlot], t: usize, pad: usize, dtype: DType, dev: &Device) -> Result<PoolBatch> {
+    /// The rows, new positions, key mask and frame ends of one step for `slots`, stream `i`'s chunk
+    /// holding `frames[i]` frames, every chunk padded to `t` (the longest) and the batch to `pad`
+    /// streams with scratch rows (rows `[cond of each stream; uncond of each]`). A chunk's padding
+    /// goes where the stream's next entries will (masked now, overwritten then), so a stream
+    /// whose slot [fits](FlowSlot::fits) `t` loses nothing to it.
+    pub fn batch(&self, slots: &[&FlowSlot], frames: &[usize], t: usize, pad: usize, dtype: DType, dev: &Device) -> Result<PoolBatch> {
         let b = slots.len();
-        if pad < b || t > self.max_chunk.max(self.ring()) {
-            candle_core::bail!("flow pool batch: {b} streams padded to {pad}, chunk of {t}");
+        if pad < b || frames.len() != b || t > self.max_chunk.max(self.ring()) || frames.iter().any(|&f| f > t || f < 2) {
+            candle_core::bail!("flow pool batch: {b} streams of {frames:?} frames padded to {pad} streams of {t}");
         }
-        let (mut rows, mut pos, mut mask) = (Vec::with_capacity(2 * pad), Vec::with_capacity(2 * pad * t), Vec::with_capacity(2 * pad * self.cap));
+        let n = 2 * pad;
+        let (mut rows, mut pos, mut mask, mut ends) =
+            (Vec::with_capacity(n), Vec::with_capacity(n * t), Vec::with_capacity(n * self.cap), Vec::with_capacity(n));
         for c in 0..2 {
             for i in 0..pad {
                 match slots.get(i) {
                     Some(s) => {
                         rows.push(self.row(s.index(), c));
-                        pos.extend(s.new_positions(t));
-                        mask.extend(s.mask_after(t));
+                        pos.extend(s.new_positions(frames[i], t));
+                        mask.extend(s.mask_after(frames[i]));
+                        ends.push(frames[i] as u32);
                     }
                     None => {
                         rows.push(self.row(self.slots, c));
                         pos.extend(0..t as u32);
                         mask.extend((0..self.cap).map(|j| if j < t { 0f32 } else { f32::NEG_INFINITY }));
+                        ends.push(t as u32);
                     }
                 }
             }
         }
         Ok(PoolBatch {
             rows: Tensor::new(rows.as_slice(), dev)?,
-            pos: Tensor::from_vec(pos, (2 * pad, t), dev)?,
-            mask: Tensor::from_vec(mask, (2 * pad, 1, 1, self.cap), dev)?.to_dtype(dtype)?,
+            pos: Tensor::from_vec(pos, (n, t), dev)?,
+            mask: Tensor::from_vec(mask, (n, 1, 1, self.cap), dev)?.to_dtype(dtype)?,
+            ends: Tensor::new(ends.as_slice(), dev)?,
         })
     }
 }
 
 /// A chunk's view of the pool: `rows: [N]` u32, `pos: [N, T]` u32 (where each new frame goes),
-/// `mask: [N, 1, 1, cap]` (0 where a key is valid after the new ones are stored, -inf elsewhere).
+/// `mask: [N, 1, 1, cap]` (0 where a key is valid after the new ones are stored, -inf elsewhere),
+/// `ends: [N]` u32 (how many of the `T` frames are the row's chunk, the rest padding).
 #[derive(Debug, Clone)]
 pub struct PoolBatch {
     pub rows: Tensor,
     pub pos: Tensor,
     pub mask: Tensor,
+    pub ends: Tensor,
 }
 
 /// A slot taken; back in the pool when the last holder lets go.
@@ -209,9 +219,10 @@ impl FlowSlot {
         (if j < h { j } else { h + (j - h) % ring }) as u32
     }
 
-    /// Where a chunk's frames `0..t` go (entries appended last frame first).
-    fn new_positions(&self, t: usize) -> Vec<u32> {
-        (0..t).map(|i| self.pos_of(self.appended + t - 1 - i)).collect()
+    /// Where a chunk's frames `0..t` go (entries appended last frame first), and the frames
+    /// `t..padded` of its padding (where the entries after them will go: not valid until then).
+    fn new_positions(&self, t: usize, padded: usize) -> Vec<u32> {
+        (0..padded).map(|i| self.pos_of(if i < t { self.appended + t - 1 - i } else { self.appended + i })).collect()
     }
 
     /// Valid entries, oldest appended first, once `t` more are appended.

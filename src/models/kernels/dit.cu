@@ -241,6 +241,21 @@ __device__ void conv_tails(const T* __restrict__ x, const T* __restrict__ y, T* 
   }
 }
 
+// conv_tails with each row's own length: row n's frames end at ends[n] (<= t, >= 2), the rest of
+// the row is a padded chunk's padding.
+template <typename T>
+__device__ void conv_tails_at(const T* __restrict__ x, const T* __restrict__ y, const unsigned int* __restrict__ ends, T* __restrict__ dst,
+                              int t, int c, size_t total) {
+  for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x) {
+    const int col = k % (2 * c);
+    const size_t r = k / (2 * c);
+    const int f = r % 2;
+    const size_t n = r / 2;
+    const size_t at = (n * t + ends[n] - 2 + f) * c;
+    dst[k] = col < c ? x[at + col] : y[at + col - c];
+  }
+}
+
 // Keys and values joined on the last axis, written in place: dst [R, 2d] = k [R, d] | v [R, d].
 template <typename T>
 __device__ void kv_join(const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ dst, int d, size_t total) {
@@ -287,6 +302,10 @@ __device__ void kv_join(const T* __restrict__ k, const T* __restrict__ v, T* __r
   }                                                                                                                        \
   extern "C" __global__ void conv_tails_##SUFFIX(const T* x, const T* y, T* dst, int t_len, int c, unsigned long long total) { \
     conv_tails<T>(x, y, dst, t_len, c, (size_t)total);                                                                     \
+  }                                                                                                                        \
+  extern "C" __global__ void conv_tails_at_##SUFFIX(const T* x, const T* y, const unsigned int* ends, T* dst, int t_len,      \
+                                                    int c, unsigned long long total) {                                     \
+    conv_tails_at<T>(x, y, ends, dst, t_len, c, (size_t)total);                                                            \
   }                                                                                                                        \
   extern "C" __global__ void kv_join_##SUFFIX(const T* k, const T* v, T* dst, int d, unsigned long long total) {            \
     kv_join<T>(k, v, dst, d, (size_t)total);                                                                               \

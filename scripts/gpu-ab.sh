@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Several engine configurations measured in one GPU call, one server each (scripts/gpu-measure.sh
+# per variant, the same workloads): the A/B of a change that ships behind an [engine] key.
+#
+#   OUT=/some/dir VARIANTS="base mixed:code2wav_mixed_steps=true apart:code2wav_mixed_steps=true,code2wav_first_chunks_apart=true" \
+#     WORKLOADS=" " RATES=4,8 PARITY=0 PROFILE=0 scripts/gpu-ab.sh
+#
+# A variant is `name` (the configuration as it is) or `name:key=value,key=value` ([engine] keys:
+# a key the file sets is replaced, another one is added under [engine]). Every other variable goes
+# to gpu-measure.sh as it is (CONFIG picks the base file). Results: $OUT/<name>/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/antiphon-gpu}
+BASE=${CONFIG:-configs/minicpmo45-synthetic.toml}
+for v in ${VARIANTS:-base}; do
+  name=${v%%:*}
+  cfg=configs/_ab-$name.toml
+  cp "$BASE" "$cfg"
+  if [ "$v" != "$name" ]; then
+    IFS=',' read -ra sets <<< "${v#*:}"
+    for kv in "${sets[@]}"; do
+      k=${kv%%=*}
+      if grep -q "^$k = " "$cfg"; then
+        sed -i "s|^$k = .*|$k = ${kv#*=}|" "$cfg"
+      else
+        sed -i "s|^\[engine\]$|[engine]\n${k} = ${kv#*=}|" "$cfg"
+      fi
+    done
+  fi
+  echo "=== variant $name: $(grep -E "^($(echo "${v#*:}" | sed 's/=[^,]*//g; s/,/|/g')) = " "$cfg" | tr '\n' ' ')"
+  OUT=$OUT/$name CONFIG=$cfg scripts/gpu-measure.sh
+  rm -f "$cfg"
+done
