@@ -128,7 +128,18 @@ fn the_same_seed_gives_the_same_response() {
 
 #[test]
 fn requests_batched_together_match_requests_alone() {
-    let e = engine(EngineConfig::default());
+    batched_requests_match_requests_alone(EngineConfig::default());
+}
+
+/// With mixed steps a Code2Wav step holds the three replies' chunks at once, whatever their
+/// lengths (their last chunks: 5, 10 and 15 new codes) and flags: each still gets its audio alone.
+#[test]
+fn requests_in_mixed_code2wav_steps_match_requests_alone() {
+    batched_requests_match_requests_alone(EngineConfig { code2wav_mixed_steps: true, ..EngineConfig::default() });
+}
+
+fn batched_requests_match_requests_alone(cfg: EngineConfig) {
+    let e = engine(cfg);
     let alone: Vec<Outcome> =
         (0..3).map(|i| collect(submit(&e, spec(&format!("alone{i}"), &format!("prompt {i}"), 8 + i, 30 + 5 * i, i as u64)))).collect();
     let rxs: Vec<_> = (0..3).map(|i| submit(&e, spec(&format!("together{i}"), &format!("prompt {i}"), 8 + i, 30 + 5 * i, i as u64))).collect();

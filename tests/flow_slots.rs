@@ -93,12 +93,17 @@ fn pooled_streams_padded_to_a_graph_batch_match_too() {
 /// one batch (one flow solve over the pool, every chunk padded to the step's longest), on a
 /// Code2Wav with `slots` slots: each gets what it gets alone with caches of its own, and the slots
 /// hold what the reference holds.
-fn mixed_steps_match_each_stream_alone(slots: usize, graphs: bool) {
+fn mixed_steps_match_each_stream_alone(slots: usize, graphs: bool, held_lengths: bool) {
     let own = tiny();
     let mut pooled = own.clone();
     pooled.set_slots(slots, 512, 25).unwrap();
     if graphs {
         pooled.set_graphs(Some(GraphPolicy::default()), None);
+    }
+    if held_lengths {
+        // solves padded up to the warm-up's lengths: 16, 50 and 56 frames
+        pooled.set_solve_payloads(&[(11, false), (28, false), (28, true)]);
+        assert_eq!([10, 16, 17, 26, 50, 56, 60].map(|f| pooled.flow.solve_length(f)), [16, 16, 50, 50, 50, 56, 60]);
     }
     let f = own.prepare(&reference()).unwrap();
     let short: Vec<f32> = reference().samples[..24_000 * 2].to_vec();
@@ -141,13 +146,19 @@ fn mixed_steps_match_each_stream_alone(slots: usize, graphs: bool) {
 #[test]
 fn a_step_of_mixed_chunk_lengths_and_last_chunks_is_one_pooled_solve() {
     // four pooled streams as a batch of four (graph padding, op by op on the CPU)
-    mixed_steps_match_each_stream_alone(4, true);
+    mixed_steps_match_each_stream_alone(4, true, false);
+}
+
+#[test]
+fn a_mixed_step_padded_up_to_a_held_length_matches_too() {
+    // every pooled solve at 16, 50 or 56 frames, whatever its chunks (a 13-code last one: 50)
+    mixed_steps_match_each_stream_alone(4, true, true);
 }
 
 #[test]
 fn a_mixed_step_with_streams_outside_the_pool_matches_too() {
     // two slots: the other two streams solve over their own caches, one solve per chunk length
-    mixed_steps_match_each_stream_alone(2, false);
+    mixed_steps_match_each_stream_alone(2, false, false);
 }
 
 /// A chunk the flow cannot take is named before it joins a batch.

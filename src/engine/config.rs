@@ -24,8 +24,10 @@ pub struct EngineConfig {
     /// would keep a new stream's first chunk waiting.
     pub code2wav_early_batch: usize,
     /// A Code2Wav step runs its chunks as one batch whatever their lengths and `last` flags (one
-    /// flow solve over the pool, every chunk padded to the step's longest and masked to its own);
-    /// off, one batch per (chunk length, last) as before.
+    /// flow solve over the pool, every chunk padded to the step's longest and masked to its own,
+    /// with graphs up to a length the warm-up captured); off, one batch per (chunk length, last).
+    /// Fewer solves pay where a solve has a fixed cost (a GPU); on the CPU the padding costs
+    /// compute, so it is off by default.
     pub code2wav_mixed_steps: bool,
     /// A Code2Wav step that holds first chunks (chunk 0s) takes with them only the chunks due
     /// within its horizon; the chunks of streams with more audio buffered run in the step right
@@ -153,7 +155,7 @@ impl Default for EngineConfig {
             talker_max_batch: 32,
             code2wav_max_batch: 8,
             code2wav_early_batch: 8,
-            code2wav_mixed_steps: true,
+            code2wav_mixed_steps: false,
             code2wav_first_chunks_apart: false,
             first_chunk_codes: 25,
             small_first_chunk_streams: usize::MAX,

@@ -266,6 +266,11 @@ impl Engine {
                 ..Default::default()
             };
             models.code2wav.set_graphs(Some(policy), Some(VOCODER_GRAPHS));
+            // mixed steps: a step's one solve padded up to a length the warm-up captures (a last
+            // chunk of any length rides a held graph)
+            if cfg.code2wav_mixed_steps && antiphon_models::cuda_graph::can_capture(&d2) {
+                models.code2wav.set_solve_payloads(&chunker::warm_sequences(&cfg).concat());
+            }
         }
         models.code2wav.set_slots(cfg.code2wav_slots, cfg.code2wav_slot_frames, cfg.max_chunk_codes())?;
         // what a request may ask for: a reply (with room for a prompt) that fits the Thinker's

@@ -73,6 +73,10 @@ pub struct Flow {
     cfg: FlowConfig,
     /// The setup's encoder pass replayed as a CUDA graph per batch size, when on.
     setup_graphs: crate::cuda_graph::GraphSlot,
+    /// Chunk lengths (mel frames) a pooled solve is padded up to, ascending (empty: its longest
+    /// chunk's): the lengths whose graphs the warm-up captured, so that a chunk of another length
+    /// (a reply's last, of any length) rides a held graph instead of bringing a new shape.
+    solve_frames: Vec<usize>,
 }
 
 impl Flow {
@@ -91,6 +95,7 @@ impl Flow {
             ),
             cfg: cfg.clone(),
             setup_graphs: crate::cuda_graph::GraphSlot::off(),
+            solve_frames: Vec::new(),
         })
     }
 
@@ -102,6 +107,27 @@ impl Flow {
 
     pub fn config(&self) -> &FlowConfig {
         &self.cfg
+    }
+
+    /// The lengths (mel frames) a pooled solve is padded up to ([`Flow::chunk_mixed`]).
+    pub fn set_solve_frames(&mut self, mut frames: Vec<usize>) {
+        frames.sort_unstable();
+        frames.dedup();
+        self.solve_frames = frames;
+    }
+
+    /// A pooled solve's length for a step whose longest chunk has `longest` frames.
+    pub fn solve_length(&self, longest: usize) -> usize {
+        self.solve_frames.iter().copied().find(|&f| f >= longest).unwrap_or(longest)
+    }
+
+    /// The mel frames a payload of `codes` codes makes (the look-ahead's held back unless `last`).
+    pub fn payload_frames(&self, codes: usize, last: bool) -> usize {
+        if last {
+            codes * self.up_rate()
+        } else {
+            codes.saturating_sub(self.lookahead()) * self.up_rate()
+        }
     }
 
     pub fn up_rate(&self) -> usize {
@@ -255,10 +281,11 @@ impl Flow {
             st.conformer.trim(st.prompt_frames, self.cfg.history_frames)?;
         }
         let frames: Vec<usize> = mus.iter().map(|m| m.dim(2)).collect::<Result<_>>()?;
-        let t = frames.iter().copied().max().unwrap_or(0);
+        // (the pooled solve's length: the step's longest chunk, up to the next held length)
+        let t = self.solve_length(frames.iter().copied().max().unwrap_or(0));
         // 2. the estimator: streams in pool slots in one solve over the pool, the others in one
-        // per chunk length over their own caches (a slot that cannot take the step's longest chunk
-        // gives its cache back first)
+        // per chunk length over their own caches (a slot that cannot take the pooled solve's
+        // length gives its cache back first)
         for st in states.iter_mut() {
             if st.slot.as_ref().is_some_and(|s| !s.fits(t)) {
                 let slot = st.slot.take().expect("checked");
@@ -279,7 +306,7 @@ impl Flow {
         }
         let mut mels: Vec<Option<Tensor>> = vec![None; b];
         for (idx, in_pool) in solves {
-            let tt = idx.iter().map(|&i| frames[i]).max().unwrap_or(0);
+            let tt = if in_pool { t } else { idx.iter().map(|&i| frames[i]).max().unwrap_or(0) };
             let rows = idx.iter().map(|&i| if frames[i] < tt { mus[i].pad_with_zeros(2, 0, tt - frames[i]) } else { Ok(mus[i].clone()) });
             let mu_s = Tensor::cat(&rows.collect::<Result<Vec<_>>>()?, 0)?.contiguous()?;
             let spk_s = if idx.len() == b {

@@ -154,6 +154,13 @@ impl Code2Wav {
         Ok(())
     }
 
+    /// Pooled solves padded up to the lengths of these payloads (codes, last), as the warm-up runs
+    /// them: a step's chunks then ride the graphs it captured whatever their lengths.
+    pub fn set_solve_payloads(&mut self, payloads: &[(usize, bool)]) {
+        let frames = payloads.iter().map(|&(n, last)| self.flow.payload_frames(n, last)).filter(|&f| f > 0).collect();
+        self.flow.set_solve_frames(frames);
+    }
+
     /// The slot pool, if there is one.
     pub fn pool(&self) -> Option<&std::sync::Arc<slots::FlowPool>> {
         self.pool.as_ref()

@@ -117,12 +117,12 @@ impl FlowPool {
             (Vec::with_capacity(n), Vec::with_capacity(n * t), Vec::with_capacity(n * self.cap), Vec::with_capacity(n));
         for c in 0..2 {
             for i in 0..pad {
-                match slots.get(i) {
-                    Some(s) => {
+                match slots.get(i).zip(frames.get(i)) {
+                    Some((s, &f)) => {
                         rows.push(self.row(s.index(), c));
-                        pos.extend(s.new_positions(frames[i], t));
-                        mask.extend(s.mask_after(frames[i]));
-                        ends.push(frames[i] as u32);
+                        pos.extend(s.new_positions(f, t));
+                        mask.extend(s.mask_after(f));
+                        ends.push(f as u32);
                     }
                     None => {
                         rows.push(self.row(self.slots, c));
