@@ -1,13 +1,16 @@
 //! The server's edges: connection caps (WebSockets and TCP), deadlines for a request head and for
 //! the first event, path segments longer than any file name (against a real server on port 0),
-//! the bounded outbound queue and the shape of `internal` errors.
+//! the bounded outbound queue, a reader that stops reading, and the shape of `internal` errors.
 
 // (shared with tests/server.rs, which uses all of it)
 #[allow(dead_code)]
 mod wire;
 
+use std::time::{Duration, Instant};
+
 use serde_json::json;
-use wire::{reqwest_like_get, server, Client, In};
+use tokio_tungstenite::tungstenite::Message;
+use wire::{reqwest_like_get, server, short, Client, In};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_beyond_the_cap_are_refused_and_a_freed_permit_is_reused() {
@@ -319,5 +322,35 @@ async fn a_response_beyond_the_places_is_refused_at_once_and_the_admitted_one_pl
     assert_eq!(b.event("response.done").await["status"], "completed");
     let mut d = Client::connect(&s).await;
     d.create(json!({})).await;
+    s.shutdown().await.unwrap();
+}
+
+/// A client that stops reading mid-reply has its socket closed within a bounded time whatever it
+/// does, and the socket counts as open (a place of `server.max_connections`) until then (issue 38:
+/// a kicked reader's socket stayed open with megabytes queued, and stopped counting).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_that_stops_reading_is_closed_and_counted_until_then() {
+    use futures_util::SinkExt;
+    let s = server(|c| c.server.outbound_queue = 8).await;
+    let open = || s.shared.metrics.connections_open.get();
+    // a small receive window, and nothing read after the upgrade
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    let tcp = sock.connect(s.addr).await.unwrap();
+    let (mut ws, _) = tokio_tungstenite::client_async(format!("ws://{}/v1/realtime", s.addr), tcp).await.unwrap();
+    let create = json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16", "sample_rate": 16000},
+        "output_audio": {"codec": "pcm16"}});
+    ws.send(Message::Text(create.to_string().into())).await.unwrap();
+    // ~80 s of PCM16: far more than the socket's buffers and the queue hold
+    ws.send(Message::Text(json!({"type": "input.text", "text": "talk", "generation": short(2000)}).to_string().into())).await.unwrap();
+    assert_eq!(open(), 1, "the socket counts while it is open");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while open() > 0 {
+        assert!(Instant::now() < deadline, "the socket of a client that stopped reading was never closed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let m = reqwest_like_get(&s, "/metrics").await;
+    assert!(m.contains("antiphon_connections_open 0"), "{m}");
+    drop(ws);
     s.shutdown().await.unwrap();
 }

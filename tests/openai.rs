@@ -207,7 +207,7 @@ async fn what_a_client_keeps_on_the_server_is_bounded() {
     })
     .await;
     let mut c = connect(&s).await;
-    let text_item = |id: String, text: String| json!({"type": "conversation.item.create", "item": {"id": id, "type": "message", "role": "system", "content": [{"type": "input_text", "text": text}]}});
+    let text_item = |id: String, text: String| json!({"type": "conversation.item.create", "item": {"id": id, "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}});
     // more items than the list keeps: the oldest give way
     for i in 0..1030 {
         c.send(text_item(format!("i{i}"), "x".into())).await;
@@ -248,6 +248,117 @@ async fn what_a_client_keeps_on_the_server_is_bounded() {
     c.send(json!({"type": "input_audio_buffer.append", "audio": second, "event_id": "third"})).await;
     let e = error(&mut c).await;
     assert_eq!((e["code"].as_str(), e["event_id"].as_str()), (Some("input_audio_buffer_full"), Some("third")));
+    s.shutdown().await.unwrap();
+}
+
+/// A response's `input` may name an item many times in a small frame: what the references join
+/// is counted before anything is copied and refused beyond what one turn holds (issue 38: 50
+/// references to a 20 KB item took the server from 110 to 1271 MiB), and the session goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn references_are_counted_before_they_are_joined() {
+    let s = server(|c| {
+        quick(c);
+        c.server.max_input_audio_s = 2;
+    })
+    .await;
+    let mut c = connect(&s).await;
+    let user = |id: &str, content: Value| json!({"type": "conversation.item.create", "item": {"id": id, "type": "message", "role": "user", "content": [content]}});
+    c.send(user("t", json!({"type": "input_text", "text": "z".repeat(20_000)}))).await;
+    let second = base64::engine::general_purpose::STANDARD.encode(vec![0u8; 48_000]);
+    c.send(user("a", json!({"type": "input_audio", "audio": second}))).await;
+    c.send(user("s", json!({"type": "input_text", "text": "hello"}))).await;
+    for _ in 0..6 {
+        assert!(event(&mut c).await["type"].as_str().unwrap().starts_with("conversation.item."));
+    }
+    let refs = |id: &str, n: usize| json!({"type": "response.create", "event_id": format!("{id}{n}"), "response": {"input": vec![json!({"type": "item_reference", "id": id}); n]}});
+    // 50 × 20 KB of text: over the 256 KiB a turn's text frame holds
+    c.send(refs("t", 50)).await;
+    let e = error(&mut c).await;
+    assert_eq!(
+        (e["code"].as_str(), e["param"].as_str(), e["event_id"].as_str()),
+        (Some("invalid_value"), Some("response.input"), Some("t50")),
+        "{e}"
+    );
+    // 2000 × 1 s of audio: over the 2 s a turn holds, refused at the third
+    c.send(refs("a", 2000)).await;
+    let e = error(&mut c).await;
+    assert_eq!((e["code"].as_str(), e["event_id"].as_str()), (Some("input_audio_buffer_full"), Some("a2000")), "{e}");
+    // within the bounds the same references make a response
+    c.send(refs("s", 2)).await;
+    let done = until(&mut c, "response.done").await.into_iter().last().unwrap();
+    assert_eq!(done["response"]["status"], "completed", "{done}");
+    s.shutdown().await.unwrap();
+}
+
+/// What would make a later response fail is refused when it arrives, and a refused update changes
+/// nothing (issue 38: a 9000-character system item was accepted, failed the next response, and
+/// the one after went on without it; instructions and a system item each within the limit failed
+/// together).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instructions_are_checked_with_the_system_items_they_join() {
+    let s = server(|c| {
+        quick(c);
+        c.server.max_instructions_tokens = 2048;
+    })
+    .await;
+    let mut c = connect(&s).await;
+    let system = |id: &str, n: usize| {
+        json!({"type": "conversation.item.create", "event_id": id, "item": {"id": id, "type": "message", "role": "system",
+        "content": [{"type": "input_text", "text": "s".repeat(n)}]}})
+    };
+    c.send(system("huge", 9000)).await;
+    let e = error(&mut c).await;
+    assert_eq!((e["param"].as_str(), e["event_id"].as_str()), (Some("item.content"), Some("huge")), "{e}");
+    // within the limits alone, over them together (the synthetic tokenizer: a token a byte)
+    c.send(system("small", 600)).await;
+    assert_eq!(event(&mut c).await["type"], "conversation.item.added");
+    assert_eq!(event(&mut c).await["type"], "conversation.item.done");
+    c.send(json!({"type": "session.update", "event_id": "long", "session": {"type": "realtime", "instructions": "i".repeat(1600)}})).await;
+    let e = error(&mut c).await;
+    assert_eq!((e["param"].as_str(), e["event_id"].as_str()), (Some("session.instructions"), Some("long")), "{e}");
+    c.send(json!({"type": "response.create", "event_id": "r", "response": {"instructions": "i".repeat(1600)}})).await;
+    let e = error(&mut c).await;
+    assert_eq!((e["param"].as_str(), e["event_id"].as_str()), (Some("response.instructions"), Some("r")), "{e}");
+    // what was refused changed nothing: a response now runs with the 600-character item
+    c.send(
+        json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}}),
+    )
+    .await;
+    event(&mut c).await;
+    event(&mut c).await;
+    c.send(json!({"type": "response.create"})).await;
+    let done = until(&mut c, "response.done").await.into_iter().last().unwrap();
+    assert_eq!(done["response"]["status"], "completed", "{done}");
+    s.shutdown().await.unwrap();
+}
+
+/// Frames the transport refuses are said as v1 says them: a text frame just over the limit, far
+/// over it, and one of invalid UTF-8 get the dialect's `error` and then 1009 / 1007, never a
+/// silent close (issue 38).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_over_the_limit_or_not_utf8_get_an_error_and_a_close_code() {
+    let s = server(quick).await;
+    let limit = s.shared.config.server.max_text_frame;
+    let frames = [
+        (Message::Text("x".repeat(limit + 1).into()), "message_too_large", 1009),
+        (Message::Text("x".repeat(10 << 20).into()), "message_too_large", 1009),
+        (Message::Binary(vec![b'x'; limit + 1].into()), "message_too_large", 1009),
+    ];
+    for (n, (frame, code, close)) in frames.into_iter().enumerate() {
+        let mut c = connect(&s).await;
+        c.send_raw(frame).await;
+        let ms = c.until(|m| matches!(m, In::Closed(_))).await;
+        assert!(ms.iter().any(|m| matches!(m, In::Event(v) if v["type"] == "error" && v["error"]["code"] == code)), "frame {n}: {ms:?}");
+        assert!(matches!(ms.last(), Some(In::Closed(Some(c))) if *c == close), "frame {n}: {ms:?}");
+    }
+    // invalid UTF-8 in a text frame (a raw frame: the library's text messages are valid UTF-8)
+    let mut c = connect(&s).await;
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+    use tokio_tungstenite::tungstenite::protocol::frame::Frame;
+    c.send_raw(Message::Frame(Frame::message(vec![b'{', 0xff, 0xfe, b'}'], OpCode::Data(Data::Text), true))).await;
+    let ms = c.until(|m| matches!(m, In::Closed(_))).await;
+    assert!(ms.iter().any(|m| matches!(m, In::Event(v) if v["type"] == "error" && v["error"]["code"] == "invalid_json")), "{ms:?}");
+    assert!(matches!(ms.last(), Some(In::Closed(Some(1007)))), "{ms:?}");
     s.shutdown().await.unwrap();
 }
 

@@ -40,6 +40,9 @@ pub struct ServerMetrics {
     pub journal_bytes: IntGauge,
     pub sessions_created: IntCounter,
     pub connections: IntCounter,
+    /// WebSockets open now: from the upgrade until the socket is closed (a kicked slow reader's
+    /// too, until its close is done or given up), as they count against `server.max_connections`.
+    pub connections_open: IntGauge,
     pub errors: IntCounterVec,
     pub responses: IntCounterVec,
     pub ttfa: Histogram,
@@ -60,6 +63,8 @@ impl ServerMetrics {
         let journal_bytes = IntGauge::new("antiphon_journal_bytes", "Bytes held by all replay journals").expect("metric");
         let sessions_created = IntCounter::new("antiphon_sessions_created_total", "Sessions created").expect("metric");
         let connections = IntCounter::new("antiphon_connections_total", "WebSocket connections accepted").expect("metric");
+        let connections_open =
+            IntGauge::new("antiphon_connections_open", "WebSockets open now (each holds a place of server.max_connections)").expect("metric");
         let errors = IntCounterVec::new(Opts::new("antiphon_errors_total", "Protocol errors sent, by code"), &["code"]).expect("metric");
         let responses = IntCounterVec::new(Opts::new("antiphon_responses_total", "Responses by final status"), &["status"]).expect("metric");
         let ttfa = Histogram::with_opts(
@@ -82,6 +87,7 @@ impl ServerMetrics {
             Box::new(journal_bytes.clone()),
             Box::new(sessions_created.clone()),
             Box::new(connections.clone()),
+            Box::new(connections_open.clone()),
             Box::new(errors.clone()),
             Box::new(responses.clone()),
             Box::new(ttfa.clone()),
@@ -98,6 +104,7 @@ impl ServerMetrics {
             journal_bytes,
             sessions_created,
             connections,
+            connections_open,
             errors,
             responses,
             ttfa,
@@ -382,10 +389,7 @@ async fn realtime(State(shared): State<Arc<Shared>>, headers: HeaderMap, q: Quer
     // the transport's limit is the configured one: a bigger frame is refused before it is buffered
     let limit = shared.config.server.max_text_frame.max(shared.config.server.max_binary_frame);
     let routed = q.0.session_id;
-    ws.max_message_size(limit).max_frame_size(limit).on_upgrade(move |socket| async move {
-        let _permit = permit;
-        ws::handle_socket(socket, shared, routed).await
-    })
+    ws.max_message_size(limit).max_frame_size(limit).on_upgrade(move |socket| ws::handle_socket(socket, shared, routed, permit))
 }
 
 /// Paths with a segment longer than any file name can be are answered 404 before they reach a

@@ -11,8 +11,16 @@ use super::session::{Conn, Outbound, SessionMsg};
 use super::Shared;
 use antiphon_protocol::{parse_client, AudioFrame, ClientEvent, ErrorCode, ServerEvent, WireError};
 
-pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Option<String>) {
+/// How long a closing socket's last writes (its close frame, the close handshake) may wait for a
+/// client that does not read: then the socket is dropped whatever the client does.
+pub(crate) const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// `permit`: the connection's place under `server.max_connections`, held until the socket is
+/// closed (by the writer, which closes it).
+pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Option<String>, permit: tokio::sync::OwnedSemaphorePermit) {
     shared.metrics.connections.inc();
+    shared.metrics.connections_open.inc();
+    let still_open = shared.metrics.connections_open.clone();
     let (mut sink, mut stream) = socket.split();
     let limits = &shared.config.server;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Outbound>(limits.outbound_queue);
@@ -31,7 +39,7 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
                 Outbound::Text(t) => Message::Text(t.into()),
                 Outbound::Binary(b) => Message::Binary(b.into()),
                 Outbound::Close(code, reason) => {
-                    let _ = sink.send(Message::Close(Some(CloseFrame { code, reason: reason.into() }))).await;
+                    let _ = tokio::time::timeout(CLOSE_GRACE, sink.send(Message::Close(Some(CloseFrame { code, reason: reason.into() })))).await;
                     break;
                 }
             };
@@ -44,7 +52,11 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
                 break;
             }
         }
-        let _ = sink.close().await;
+        // (a client that stopped reading would hold the close handshake, and the socket, forever)
+        let _ = tokio::time::timeout(CLOSE_GRACE, sink.close()).await;
+        drop(sink);
+        drop(permit);
+        still_open.dec();
     });
     let conn = Conn::new(tx.clone(), kick);
     let mut session: Option<tokio::sync::mpsc::Sender<SessionMsg>> = None;
@@ -218,7 +230,7 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
 /// What a transport error means for the client: the error code to send (if any) and the close
 /// frame: an oversized frame is `message_too_large` with 1009, invalid UTF-8 in a text frame 1007,
 /// any other protocol violation 1002; a connection that is simply gone gets nothing.
-fn transport_error(e: &axum::Error, limit: usize) -> (Option<ErrorCode>, Option<(u16, String)>) {
+pub(crate) fn transport_error(e: &axum::Error, limit: usize) -> (Option<ErrorCode>, Option<(u16, String)>) {
     let text = e.to_string();
     let lower = text.to_ascii_lowercase();
     if lower.contains("space limit") || lower.contains("too long") || lower.contains("too big") {

@@ -3,7 +3,9 @@
 //! audio the session was sent (`audio_start_ms` / `audio_end_ms` count from there).
 
 use antiphon_audio::vad::{TurnDetector, VadConfig, VadEvent};
-use antiphon_protocol::openai::TurnDetection;
+use antiphon_protocol::openai::{OaiError, TurnDetection};
+
+use super::translate::Pending;
 
 pub const RATE: u64 = 24_000;
 const PER_MS: u64 = RATE / 1000;
@@ -154,4 +156,46 @@ fn take(samples: &mut Vec<i16>, base: &mut u64, start: u64, end: u64) -> Vec<i16
     samples.drain(..e);
     *base += e as u64;
     audio
+}
+
+/// What a response's input joins so far (text bytes, audio samples), against what one turn may hold.
+pub(super) struct Joined {
+    text: usize,
+    audio: usize,
+    max_text: usize,
+    max_audio: usize,
+}
+
+impl Joined {
+    pub(super) fn new(max_text: usize, max_audio: usize) -> Self {
+        Self { text: 0, audio: 0, max_text, max_audio }
+    }
+
+    /// Counts one more input item before it is copied; refuses it when the input would outgrow a
+    /// turn.
+    pub(super) fn count(&mut self, p: Option<&Pending>) -> Result<(), OaiError> {
+        match p {
+            Some(Pending::Text(t)) => {
+                self.text += t.len() + 1;
+                if self.text > self.max_text {
+                    return Err(OaiError::param(
+                        "invalid_value",
+                        "response.input",
+                        format!("the input's text, its references joined, is over the {} bytes a turn may hold", self.max_text),
+                    ));
+                }
+            }
+            Some(Pending::Audio(a)) => {
+                self.audio += a.len();
+                if self.audio > self.max_audio {
+                    return Err(OaiError::new(
+                        "input_audio_buffer_full",
+                        format!("the input's audio, its references joined, is over the {} s a turn may hold", self.max_audio / 24_000),
+                    ));
+                }
+            }
+            None => {}
+        }
+        Ok(())
+    }
 }

@@ -77,14 +77,15 @@ pub async fn realtime(State(shared): State<Arc<Shared>>, headers: HeaderMap, q: 
     let model: String = q.0.model.unwrap_or_else(|| "antiphon".into()).chars().take(64).collect();
     let limit = shared.config.server.max_text_frame;
     let ws = if offered.iter().any(|p| p == "realtime") { ws.protocols(["realtime"]) } else { ws };
-    ws.max_message_size(limit).max_frame_size(limit).on_upgrade(move |socket| async move {
-        let _permit = permit;
-        handle_socket(socket, shared, model).await
-    })
+    ws.max_message_size(limit).max_frame_size(limit).on_upgrade(move |socket| handle_socket(socket, shared, model, permit))
 }
 
-async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, model: String) {
+/// `permit`: the connection's place under `server.max_connections`, held until the writer has
+/// closed the socket.
+async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, model: String, permit: tokio::sync::OwnedSemaphorePermit) {
     shared.metrics.connections.inc();
+    shared.metrics.connections_open.inc();
+    let still_open = shared.metrics.connections_open.clone();
     let (mut sink, mut stream) = socket.split();
     let limits = &shared.config.server;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Message>(limits.outbound_queue);
@@ -102,12 +103,18 @@ async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, model: String) {
             let sent = tokio::select! {
                 r = sink.send(m) => r.is_ok(),
                 Ok(_) = writer_overrun.wait_for(|k| *k) => false,
+                // (a close frame waits for a client that does not read only so long)
+                _ = tokio::time::sleep(crate::ws::CLOSE_GRACE), if close => false,
             };
             if !sent || close {
                 break;
             }
         }
-        let _ = sink.close().await;
+        // (a client that stopped reading would hold the close handshake, and the socket, forever)
+        let _ = tokio::time::timeout(crate::ws::CLOSE_GRACE, sink.close()).await;
+        drop(sink);
+        drop(permit);
+        still_open.dec();
     });
     let close = |out: &Out, code: u16, why: &str| out.send(Message::Close(Some(CloseFrame { code, reason: why.to_string().into() })));
 
@@ -156,7 +163,29 @@ async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, model: String) {
         };
         match next {
             Next::Client(f) => {
-                let Some(Ok(frame)) = f else { break };
+                let frame = match f {
+                    Some(Ok(frame)) => frame,
+                    // an oversized frame, invalid UTF-8, a protocol violation: said as v1 says it
+                    // (an error event, then 1009 / 1007 / 1002), never a silent close
+                    Some(Err(e)) => {
+                        let (code, close_with) = crate::ws::transport_error(&e, limits.max_text_frame);
+                        if let Some(code) = code {
+                            shared.metrics.errors.with_label_values(&[code.as_str()]).inc();
+                            let (code, why) = match code {
+                                antiphon_protocol::ErrorCode::MessageTooLarge => {
+                                    ("message_too_large", format!("a frame is over the {} bytes this server takes", limits.max_text_frame))
+                                }
+                                _ => ("invalid_json", "a text frame is not valid UTF-8".to_string()),
+                            };
+                            t.error(None, OaiError::new(code, why));
+                        }
+                        if let Some((code, why)) = close_with {
+                            close(&out, code, &why);
+                        }
+                        break;
+                    }
+                    None => break,
+                };
                 match frame {
                     Message::Text(text) => match parse_client(text.as_str()) {
                         Ok(inc) => t.on_client(inc.event_id, inc.event).await,

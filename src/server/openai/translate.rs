@@ -11,7 +11,7 @@ use antiphon_protocol::openai::{AudioFormat, Item, MaxTokens, Modality, OaiClien
 use antiphon_protocol::{ClientEvent, Codec, Generation, InputAudio, SessionUpdate, Voice, KIND_AUDIO};
 use tokio::sync::mpsc::Sender;
 
-use super::input::{InputBuffer, InputEvent};
+use super::input::{InputBuffer, InputEvent, Joined};
 use super::respond::Active;
 use super::Out;
 use crate::session::{random_token, SessionMsg};
@@ -234,7 +234,9 @@ impl Translator {
     fn update(&mut self, p: SessionPatch) -> Result<(), OaiError> {
         // checked before any part of the update applies
         if let Some(i) = &p.instructions {
-            self.shared.check_instructions(Some(i)).map_err(|e| OaiError::param("invalid_value", "session.instructions", e.message))?;
+            self.shared
+                .check_instructions(Some(&self.joined_instructions(i, &[])))
+                .map_err(|e| OaiError::param("invalid_value", "session.instructions", e.message))?;
         }
         if let Some(t) = p.turn_detection {
             self.input
@@ -406,6 +408,14 @@ impl Translator {
         if let Some(Pending::Audio(a)) = &pending {
             self.check_pending_audio(a.len())?;
         }
+        if view.role == Some("system") {
+            // a system item joins every response's instructions: checked now, not at the next response
+            let text: Vec<&str> = view.content.iter().flatten().map(|p| p.text.as_deref().unwrap_or("")).collect();
+            let joined = self.joined_instructions(&self.session.instructions, &text);
+            self.shared.check_instructions(Some(&joined)).map_err(|e| {
+                OaiError::param("invalid_value", "item.content", format!("with the session's instructions and system items: {}", e.message))
+            })?;
+        }
         let previous = self.last_id();
         self.out.event(&S::ItemAdded { previous_item_id: previous.clone(), item: view.clone() });
         self.out.event(&S::ItemDone { previous_item_id: previous, item: view.clone() });
@@ -439,30 +449,32 @@ impl Translator {
     pub(super) async fn start_response(&mut self, p: ResponseParams, event_id: Option<String>) -> Result<(), OaiError> {
         let inputs: Vec<Pending> = match &p.input {
             Some(items) => {
+                // counted before anything is copied: references repeat an item without growing the
+                // frame, so what they join is bounded by what one turn may hold
+                let mut joined = Joined::new(self.shared.config.server.max_text_frame, self.max_audio_samples());
                 let mut v = Vec::new();
                 for it in items {
-                    match it {
+                    let add = match it {
                         Item::Reference { id } => {
                             let i = self.find(id).ok_or_else(|| OaiError::param("invalid_value", "response.input", format!("no item {id}")))?;
-                            v.extend(self.items[i].pending.clone());
+                            joined.count(self.items[i].pending.as_ref())?;
+                            self.items[i].pending.clone()
                         }
-                        it => v.extend(self.item_of(it.clone())?.1),
-                    }
+                        it => {
+                            let p = self.item_of(it.clone())?.1;
+                            joined.count(p.as_ref())?;
+                            p
+                        }
+                    };
+                    v.extend(add);
                 }
                 v
             }
             None => self.items.iter().filter_map(|i| i.pending.clone()).collect(),
         };
-        if let Some(i) = &p.instructions {
-            self.shared.check_instructions(Some(i)).map_err(|e| OaiError::param("invalid_value", "response.instructions", e.message))?;
-        }
-        let mut instructions = p.instructions.clone().unwrap_or_else(|| self.session.instructions.clone());
-        for it in self.items.iter().filter(|i| i.view.role == Some("system")) {
-            for part in it.view.content.iter().flatten() {
-                instructions.push('\n');
-                instructions.push_str(part.text.as_deref().unwrap_or(""));
-            }
-        }
+        let instructions = self.joined_instructions(p.instructions.as_deref().unwrap_or(&self.session.instructions), &[]);
+        // (checked whole before anything is sent: a refused update is never taken as applied)
+        self.shared.check_instructions(Some(&instructions)).map_err(|e| OaiError::param("invalid_value", "response.instructions", e.message))?;
         if self.v1_instructions.as_deref() != Some(instructions.as_str()) {
             self.to_v1_event(ClientEvent::SessionUpdate(Box::new(SessionUpdate { instructions: Some(instructions.clone()), ..update() }))).await;
             self.v1_instructions = Some(instructions);
@@ -491,7 +503,7 @@ impl Translator {
         };
         let audio: Vec<i16> = inputs.iter().flat_map(|i| if let Pending::Audio(a) = i { a.clone() } else { Vec::new() }).collect();
         let text: Vec<String> = inputs.iter().filter_map(|i| if let Pending::Text(t) = i { Some(t.clone()) } else { None }).collect();
-        let max_audio = self.shared.config.server.max_input_audio_s as usize * super::input::RATE as usize;
+        let max_audio = self.max_audio_samples();
         if audio.len() > max_audio {
             return Err(err("input_audio_buffer_full", format!("the new user audio is over the {} s a turn may hold", max_audio / 24_000)));
         }
@@ -512,6 +524,22 @@ impl Translator {
             self.to_v1_event(ClientEvent::InputCommit { generation: Some(generation) }).await;
         }
         Ok(())
+    }
+
+    /// The instructions a response runs under: `base`, then every system item's text, then `more`.
+    fn joined_instructions(&self, base: &str, more: &[&str]) -> String {
+        let mut joined = base.to_string();
+        let system = self.items.iter().filter(|i| i.view.role == Some("system")).flat_map(|i| i.view.content.iter().flatten());
+        for text in system.map(|p| p.text.as_deref().unwrap_or("")).chain(more.iter().copied()) {
+            joined.push('\n');
+            joined.push_str(text);
+        }
+        joined
+    }
+
+    /// The user audio one turn may hold, in samples.
+    fn max_audio_samples(&self) -> usize {
+        self.shared.config.server.max_input_audio_s as usize * super::input::RATE as usize
     }
 
     pub(super) async fn cancel(&mut self, reason: &'static str) {
