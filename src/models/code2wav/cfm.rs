@@ -230,7 +230,7 @@ impl Cfm {
             };
             let (sink_cnn, sink_att) = (cnn_out.get(step - 1)?, att_out.as_ref().map(|a| a.get(step - 1)).transpose()?);
             let ends = match cache {
-                Cache::Pool { batch, .. } => Some(&batch.ends),
+                Cache::Pool { batch, .. } => batch.ends.as_ref(),
                 _ => None,
             };
             let sink = Sink { cnn: &sink_cnn, att: sink_att.as_ref(), ends };
@@ -303,14 +303,17 @@ impl Cfm {
     ) -> Result<(Tensor, Tensor)> {
         let conds = self.conditions(n_timesteps, mu.device())?;
         let solve = |x: &[Tensor]| -> Result<Vec<Tensor>> {
-            let batch = PoolBatch { rows: x[5].clone(), pos: x[6].clone(), mask: x[7].clone(), ends: x[8].clone() };
+            let batch = PoolBatch { rows: x[5].clone(), pos: x[6].clone(), mask: x[7].clone(), ends: x.get(8).cloned() };
             let (out, cnn, _) = self.euler(x[0].clone(), &x[1], &x[2], &x[3], &conds, Cache::Pool { pool, cnn: &x[4], batch: &batch })?;
             Ok(vec![out, cnn])
         };
-        let inputs = [x0, mu, spks, cond, cnn, &batch.rows, &batch.pos, &batch.mask, &batch.ends];
+        // (the ends only when the rows' chunks may differ in length: a graph without them is the
+        // one uniform chunks always ran)
+        let mut inputs = vec![x0, mu, spks, cond, cnn, &batch.rows, &batch.pos, &batch.mask];
+        inputs.extend(batch.ends.as_ref());
         let out = match self.policy {
             Some(p) if mu.dim(0)? <= p.pool_batch => self.pool_graphs.run(n_timesteps, &inputs, &solve)?,
-            _ => solve(&inputs.map(|t| t.clone()))?,
+            _ => solve(&inputs.iter().map(|t| (*t).clone()).collect::<Vec<_>>())?,
         };
         let [x, cnn]: [Tensor; 2] = out.try_into().map_err(|_| candle_core::Error::Msg("the pooled chunk solve gives two outputs".into()))?;
         Ok((x, cnn))

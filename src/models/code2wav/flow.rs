@@ -380,7 +380,12 @@ impl Flow {
         if slots.iter().any(|s| !std::sync::Arc::ptr_eq(s.pool(), &pool)) {
             candle_core::bail!("streams of one flow batch hold slots of different pools");
         }
-        let batch = pool.batch(&slots, frames, t, pad, self.dtype(), self.device())?;
+        let mut batch = pool.batch(&slots, frames, t, pad, self.dtype(), self.device())?;
+        // rows of one length, and no held lengths to pad to: the solve (and its graph) as uniform
+        // chunks always ran it, without the rows' ends
+        if self.solve_frames.is_empty() && frames.iter().all(|&f| f == t) {
+            batch.ends = None;
+        }
         let lens: Vec<usize> = slots.iter().map(|s| s.len()).collect();
         let x0 = self.decoder.noise_rows(&lens, t, pad, self.dtype())?;
         let padded = |x: &Tensor| -> Result<Tensor> {

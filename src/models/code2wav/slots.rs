@@ -137,20 +137,21 @@ impl FlowPool {
             rows: Tensor::new(rows.as_slice(), dev)?,
             pos: Tensor::from_vec(pos, (n, t), dev)?,
             mask: Tensor::from_vec(mask, (n, 1, 1, self.cap), dev)?.to_dtype(dtype)?,
-            ends: Tensor::new(ends.as_slice(), dev)?,
+            ends: Some(Tensor::new(ends.as_slice(), dev)?),
         })
     }
 }
 
 /// A chunk's view of the pool: `rows: [N]` u32, `pos: [N, T]` u32 (where each new frame goes),
 /// `mask: [N, 1, 1, cap]` (0 where a key is valid after the new ones are stored, -inf elsewhere),
-/// `ends: [N]` u32 (how many of the `T` frames are the row's chunk, the rest padding).
+/// `ends: [N]` u32 (how many of the `T` frames are the row's chunk, the rest padding; `None` when
+/// every row's chunk is all `T`: the conv caches are then the last frames).
 #[derive(Debug, Clone)]
 pub struct PoolBatch {
     pub rows: Tensor,
     pub pos: Tensor,
     pub mask: Tensor,
-    pub ends: Tensor,
+    pub ends: Option<Tensor>,
 }
 
 /// A slot taken; back in the pool when the last holder lets go.
