@@ -346,8 +346,20 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .layer(SetHeader::if_not_present(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff")))
         .layer(SetHeader::if_not_present(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY")))
         .layer(SetHeader::if_not_present(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer")))
-        .layer(tower_http::trace::TraceLayer::new_for_http())
+        .layer(tower_http::trace::TraceLayer::new_for_http().on_failure(log_failure))
         .with_state(shared)
+}
+
+/// A server error answered over HTTP, logged at ERROR, but for 503: `/readyz` says so while the
+/// server warms up or refuses calls, and a full server refuses upgrades with it. Those are states
+/// (the metrics and `/readyz`'s body report them), not faults, and a probe polls every few seconds.
+fn log_failure(class: tower_http::classify::ServerErrorsFailureClass, latency: std::time::Duration, _span: &tracing::Span) {
+    use tower_http::classify::ServerErrorsFailureClass::StatusCode as Status;
+    let ms = latency.as_secs_f64() * 1e3;
+    match class {
+        Status(code) if code == StatusCode::SERVICE_UNAVAILABLE => tracing::debug!(ms, "503 service unavailable"),
+        class => tracing::error!(ms, "response failed: {class}"),
+    }
 }
 
 #[derive(serde::Deserialize)]
