@@ -11,13 +11,16 @@ mod stream;
 pub mod vad;
 pub use stream::StreamResampler;
 
+/// Channels a WAV file may have (every one is mixed down; the file's size bounds the work).
+const MAX_WAV_CHANNELS: usize = 64;
+
 /// Decodes a WAV file (PCM 8/16/24/32-bit or float) to mono f32 in [-1, 1] and its sample rate.
 pub fn decode_wav(bytes: &[u8]) -> Result<(Vec<f32>, u32)> {
     let mut r = hound::WavReader::new(Cursor::new(bytes)).context("not a WAV file")?;
     let spec = r.spec();
     let ch = spec.channels as usize;
-    if ch == 0 || ch > 8 {
-        bail!("WAV with {ch} channels");
+    if ch == 0 || ch > MAX_WAV_CHANNELS {
+        bail!("WAV with {ch} channels (1 to {MAX_WAV_CHANNELS} are mixed down to one)");
     }
     let interleaved: Vec<f32> = match spec.sample_format {
         hound::SampleFormat::Float => r.samples::<f32>().collect::<Result<_, _>>().context("reading float samples")?,
@@ -134,5 +137,32 @@ mod tests {
         assert!(y.iter().zip(&x).all(|(a, b)| (a - b).abs() < 1e-4));
         assert_eq!(mix_to_mono(&[1.0, 0.0, 0.5, 0.5], 2), vec![0.5, 0.5]);
         assert!(decode_wav(b"not a wav").is_err());
+    }
+
+    /// A WAV of 9 channels (or any count up to 64) is mixed down as a stereo one is (issue 38: a
+    /// valid 9-channel file was refused).
+    #[test]
+    fn many_channels_are_mixed_down() {
+        let write = |channels: u16| {
+            let spec = hound::WavSpec { channels, sample_rate: 16_000, bits_per_sample: 16, sample_format: hound::SampleFormat::Int };
+            let mut out = Cursor::new(Vec::new());
+            let mut w = hound::WavWriter::new(&mut out, spec).unwrap();
+            for frame in 0..100 {
+                for c in 0..channels {
+                    // channel c of frame i: (c + 1) × i, so the mix is the mean of 1..=channels times i
+                    w.write_sample(((c as i32 + 1) * frame) as i16).unwrap();
+                }
+            }
+            w.finalize().unwrap();
+            out.into_inner()
+        };
+        let (y, sr) = decode_wav(&write(9)).unwrap();
+        assert_eq!((y.len(), sr), (100, 16_000));
+        let scale = 1.0 / 32768.0;
+        for (i, v) in y.iter().enumerate() {
+            assert!((v - 5.0 * i as f32 * scale).abs() < 1e-6, "frame {i}: {v}");
+        }
+        let e = decode_wav(&write(65)).unwrap_err().to_string();
+        assert!(e.contains("65 channels"), "{e}");
     }
 }

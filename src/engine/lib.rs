@@ -138,7 +138,7 @@ pub enum Stage2Msg {
     /// Prepare a voice now (when no chunk is due) and keep its features while it is registered.
     Prepare {
         voice: RefInput,
-        reply: SyncSender<Result<voices::PreparedVoice, String>>,
+        reply: SyncSender<Result<voices::PreparedVoice, voices::PrepareRefused>>,
     },
     /// Keep features prepared earlier (saved by a previous run) for the voice they name.
     Install(voices::PreparedVoice),
@@ -443,7 +443,7 @@ impl Engine {
     /// Prepares a reference voice in Stage 2 (in a step when no chunk is due) and keeps its
     /// features there until [`Engine::forget_voice`]; the features (host copies, to be saved) come
     /// on the returned channel.
-    pub fn prepare_voice(&self, voice: RefInput) -> Result<Receiver<Result<voices::PreparedVoice, String>>> {
+    pub fn prepare_voice(&self, voice: RefInput) -> Result<Receiver<Result<voices::PreparedVoice, voices::PrepareRefused>>> {
         if voice.samples.is_empty() || voice.sample_rate == 0 || voice.samples.iter().any(|s| !s.is_finite()) {
             bail!("the reference voice must be non-empty, finite audio with a sample rate");
         }

@@ -156,7 +156,7 @@ pub struct Stage2 {
     /// Registered voices' features, by reference key.
     prepared: PreparedStore,
     /// Registrations waiting for a step with no chunk due.
-    prepare_jobs: VecDeque<(RefInput, SyncSender<Result<PreparedVoice, String>>)>,
+    prepare_jobs: VecDeque<(RefInput, SyncSender<Result<PreparedVoice, super::voices::PrepareRefused>>)>,
     /// Told of every late chunk (the online stream limit).
     admission: Option<super::Admission>,
     /// When the earliest chunk left for a later step is due (the loop wakes a horizon before).
@@ -443,7 +443,7 @@ impl StageLoop for Stage2 {
             Stage2Msg::Cancel(id) => self.abort(&id),
             Stage2Msg::Prepare { voice, reply } => {
                 if self.prepare_jobs.len() >= PREPARE_QUEUE {
-                    let _ = reply.try_send(Err(format!("{PREPARE_QUEUE} voices are waiting to be prepared already")));
+                    let _ = reply.try_send(Err(super::voices::PrepareRefused::Busy { waiting: PREPARE_QUEUE }));
                 } else {
                     self.prepare_jobs.push_back((voice, reply));
                 }

@@ -10,6 +10,24 @@ use candle_core::{DType, Device, Tensor};
 
 use antiphon_models::code2wav::prompt::PromptFeatures;
 
+/// Why Stage 2 did not prepare a voice: busy is not bad audio.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PrepareRefused {
+    /// This many registrations wait to be prepared already (try again later).
+    Busy { waiting: usize },
+    /// The audio cannot make a voice (the model's reason).
+    Unusable(String),
+}
+
+impl std::fmt::Display for PrepareRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PrepareRefused::Busy { waiting } => write!(f, "{waiting} voices are waiting to be prepared already"),
+            PrepareRefused::Unusable(why) => f.write_str(why),
+        }
+    }
+}
+
 /// A voice's prepared features on the host, with the key of the reference they were made from
 /// (the hash of its normalized samples, `Reference::materialize`).
 #[derive(Debug, Clone, PartialEq)]

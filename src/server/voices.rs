@@ -48,17 +48,41 @@ pub struct VoiceError {
     pub status: StatusCode,
     pub code: &'static str,
     pub message: String,
+    /// Seconds to wait before trying again (`Retry-After`), for a busy server.
+    pub retry_after_s: Option<u64>,
 }
 
 impl VoiceError {
     fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, code, message: message.into() }
+        Self { status, code, message: message.into(), retry_after_s: None }
+    }
+
+    /// What Stage 2's refusal means for the caller: busy is 503 with `Retry-After`, audio that
+    /// cannot make a voice is 400 `bad_audio`.
+    pub fn from_refusal(r: antiphon_engine::voices::PrepareRefused) -> Self {
+        use antiphon_engine::voices::PrepareRefused;
+        match r {
+            PrepareRefused::Busy { .. } => Self {
+                retry_after_s: Some(BUSY_RETRY_AFTER_S),
+                ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "busy", format!("{r}: try again in {BUSY_RETRY_AFTER_S} s"))
+            },
+            PrepareRefused::Unusable(why) => {
+                Self::new(StatusCode::BAD_REQUEST, "bad_audio", format!("the audio cannot be prepared as a voice: {why}"))
+            }
+        }
     }
 }
 
+/// When a busy server asks a registration to come back (a preparation takes tens of ms on a GPU).
+const BUSY_RETRY_AFTER_S: u64 = 1;
+
 impl IntoResponse for VoiceError {
     fn into_response(self) -> Response {
-        (self.status, Json(serde_json::json!({"error": {"code": self.code, "message": self.message}}))).into_response()
+        let body = Json(serde_json::json!({"error": {"code": self.code, "message": self.message}}));
+        match self.retry_after_s {
+            Some(s) => (self.status, [(axum::http::header::RETRY_AFTER, s.to_string())], body).into_response(),
+            None => (self.status, body).into_response(),
+        }
     }
 }
 
@@ -86,7 +110,7 @@ pub fn prepare_with(engine: &Engine, input: RefInput) -> Result<PreparedVoice, V
     let rx = engine.prepare_voice(input).map_err(|e| unavailable(format!("{e:#}")))?;
     match rx.recv_timeout(PREPARE_TIMEOUT) {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(VoiceError::new(StatusCode::BAD_REQUEST, "bad_audio", format!("the audio cannot be prepared as a voice: {e}"))),
+        Ok(Err(refused)) => Err(VoiceError::from_refusal(refused)),
         Err(_) => Err(unavailable(format!("the engine did not prepare the voice within {} s", PREPARE_TIMEOUT.as_secs()))),
     }
 }
@@ -476,6 +500,22 @@ mod tests {
 
     fn prepared(key: &str, speaker: f32) -> PreparedVoice {
         PreparedVoice { key: key.into(), codes: vec![1, 2, 3], speaker: vec![speaker; 4], mel: vec![0.0; 8], mel_bins: 2 }
+    }
+
+    /// Busy is not bad audio: a full preparation queue is 503 with `Retry-After`, audio the model
+    /// cannot use is 400 `bad_audio` (issue 38: a valid upload was refused as `bad_audio` while
+    /// 16 preparations waited).
+    #[test]
+    fn a_busy_registry_says_try_again_and_bad_audio_says_why() {
+        use antiphon_engine::voices::PrepareRefused;
+        let busy = VoiceError::from_refusal(PrepareRefused::Busy { waiting: 16 });
+        assert_eq!((busy.status, busy.code, busy.retry_after_s), (StatusCode::SERVICE_UNAVAILABLE, "busy", Some(1)), "{}", busy.message);
+        let r = busy.into_response();
+        assert_eq!(r.headers().get(axum::http::header::RETRY_AFTER).and_then(|v| v.to_str().ok()), Some("1"));
+        let bad = VoiceError::from_refusal(PrepareRefused::Unusable("too short".into()));
+        assert_eq!((bad.status, bad.code, bad.retry_after_s), (StatusCode::BAD_REQUEST, "bad_audio", None));
+        assert!(bad.message.contains("too short"), "{}", bad.message);
+        assert!(bad.into_response().headers().get(axum::http::header::RETRY_AFTER).is_none());
     }
 
     #[test]

@@ -36,7 +36,7 @@ impl Stage2 {
             PreparedVoice::from_features(&r.key, &f)
         })();
         self.metrics.step_seconds.with_label_values(&["prepare"]).observe(t0.elapsed().as_secs_f64());
-        let _ = reply.try_send(done.map_err(|e| format!("{e:#}")));
+        let _ = reply.try_send(done.map_err(|e| super::super::voices::PrepareRefused::Unusable(format!("{e:#}"))));
         true
     }
 }
