@@ -223,6 +223,24 @@ fn string(v: &Value, param: &str) -> Result<String, OaiError> {
     v.as_str().map(str::to_string).ok_or_else(|| bad(param, format!("`{param}` must be a string")))
 }
 
+/// An optional string field: absent or null is `None`, a string is taken, anything else is refused
+/// (naming `param`), never read as absent.
+fn opt_string(o: &Map<String, Value>, key: &str, param: &str) -> Result<Option<String>, OaiError> {
+    match o.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => string(v, param).map(Some),
+    }
+}
+
+/// `tool_choice`: "auto", "none", "required", or an object naming a tool.
+fn tool_choice(v: &Value, param: &str) -> Result<Value, OaiError> {
+    match v {
+        Value::String(s) if ["auto", "none", "required"].contains(&s.as_str()) => Ok(v.clone()),
+        Value::Object(_) => Ok(v.clone()),
+        _ => Err(bad(param, format!("`{param}` must be \"auto\", \"none\", \"required\" or an object naming a tool"))),
+    }
+}
+
 fn id_field(v: &Value, param: &str) -> Result<String, OaiError> {
     let s = string(v, param)?;
     if s.is_empty() || s.chars().count() > MAX_ID_CHARS {
@@ -315,7 +333,11 @@ fn turn_detection(v: &Value, param: &str) -> Result<Option<TurnDetection>, OaiEr
             *slot = x.as_bool().ok_or_else(|| bad(&format!("{param}.{k}"), format!("{k} must be a boolean")))?;
         }
     }
-    t.eagerness = num("eagerness").and_then(Value::as_str).map(|s| s.chars().take(16).collect());
+    t.eagerness = match opt_string(o, "eagerness", &format!("{param}.eagerness"))? {
+        Some(e) if ["low", "medium", "high", "auto"].contains(&e.as_str()) => Some(e),
+        Some(_) => return Err(bad(&format!("{param}.eagerness"), "eagerness must be low, medium, high or auto")),
+        None => None,
+    };
     Ok(Some(t))
 }
 
@@ -384,14 +406,14 @@ pub fn session_patch(v: &Value) -> Result<SessionPatch, OaiError> {
     if let Some(t) = get("tools") {
         p.tools = Some(tools(t, "session.tools")?);
     }
-    p.tool_choice = get("tool_choice").cloned();
+    p.tool_choice = get("tool_choice").map(|t| tool_choice(t, "session.tool_choice")).transpose()?;
     Ok(p)
 }
 
 fn part(v: &Value, param: &str) -> Result<Part, OaiError> {
     let o = object(v, param)?;
     let text = |k: &str| required(o, k, &format!("{param}.{k}")).and_then(|t| string(t, &format!("{param}.{k}")));
-    let transcript = o.get("transcript").and_then(Value::as_str).map(str::to_string);
+    let transcript = opt_string(o, "transcript", &format!("{param}.transcript"))?;
     match o.get("type").and_then(Value::as_str).unwrap_or("") {
         "input_text" => Ok(Part::InputText(text("text")?)),
         "input_audio" => {
@@ -411,7 +433,8 @@ pub fn item(v: &Value, param: &str) -> Result<Item, OaiError> {
         None => None,
     };
     let s = |k: &str| required(o, k, &format!("{param}.{k}")).and_then(|t| string(t, &format!("{param}.{k}")));
-    match o.get("type").and_then(Value::as_str).unwrap_or("message") {
+    let ty = opt_string(o, "type", &format!("{param}.type"))?;
+    match ty.as_deref().unwrap_or("message") {
         "message" => {
             let role = match o.get("role").and_then(Value::as_str) {
                 Some("user") => Role::User,
@@ -427,9 +450,10 @@ pub fn item(v: &Value, param: &str) -> Result<Item, OaiError> {
         }
         "function_call" => Ok(Item::FunctionCall {
             id,
-            call_id: o.get("call_id").and_then(Value::as_str).map(str::to_string),
+            call_id: opt_string(o, "call_id", &format!("{param}.call_id"))?,
             name: s("name")?,
-            arguments: o.get("arguments").and_then(Value::as_str).unwrap_or("{}").to_string(),
+            // (a JSON text, as the SDK's types say: an object is refused, not serialized for it)
+            arguments: opt_string(o, "arguments", &format!("{param}.arguments"))?.unwrap_or_else(|| "{}".to_string()),
         }),
         "function_call_output" => Ok(Item::FunctionCallOutput { id, call_id: s("call_id")?, output: s("output")? }),
         "item_reference" => Ok(Item::Reference {
@@ -456,7 +480,7 @@ fn response_params(v: Option<&Value>) -> Result<ResponseParams, OaiError> {
     if let Some(f) = get("output_audio_format") {
         r.output_format = Some(format(f, "response.output_audio_format")?);
     }
-    if let Some(out) = get("audio").and_then(|a| a.get("output")).filter(|v| !v.is_null()) {
+    if let Some(out) = get("audio").map(|a| object(a, "response.audio")).transpose()?.and_then(|a| a.get("output")).filter(|v| !v.is_null()) {
         let out = object(out, "response.audio.output")?;
         if let Some(f) = out.get("format").filter(|v| !v.is_null()) {
             r.output_format = Some(format(f, "response.audio.output.format")?);
@@ -513,7 +537,7 @@ pub fn parse_client(text: &str) -> Result<OaiIncoming, (Option<String>, OaiError
         "input_audio_buffer.commit" => OaiClientEvent::Commit,
         "input_audio_buffer.clear" => OaiClientEvent::Clear,
         "conversation.item.create" => OaiClientEvent::ItemCreate {
-            previous_item_id: o.get("previous_item_id").and_then(Value::as_str).map(str::to_string),
+            previous_item_id: opt_string(o, "previous_item_id", "previous_item_id").map_err(fail)?,
             item: item(required(o, "item", "item").map_err(fail)?, "item").map_err(fail)?,
         },
         "conversation.item.truncate" => {
@@ -529,7 +553,7 @@ pub fn parse_client(text: &str) -> Result<OaiIncoming, (Option<String>, OaiError
             }
         }
         "response.create" => OaiClientEvent::ResponseCreate(Box::new(response_params(o.get("response")).map_err(fail)?)),
-        "response.cancel" => OaiClientEvent::ResponseCancel { response_id: o.get("response_id").and_then(Value::as_str).map(str::to_string) },
+        "response.cancel" => OaiClientEvent::ResponseCancel { response_id: opt_string(o, "response_id", "response_id").map_err(fail)? },
         "output_audio_buffer.clear" => OaiClientEvent::OutputAudioClear,
         other => {
             let shown: String = other.chars().take(64).collect();

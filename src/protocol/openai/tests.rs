@@ -112,3 +112,47 @@ fn server_events_carry_event_id_and_the_ga_names() {
     assert_eq!(v["item"]["object"], "realtime.item");
     assert_eq!(v["item"]["content"][0], serde_json::json!({"type": "output_audio", "transcript": "hi"}));
 }
+
+/// A field of the wrong type is refused naming its param, never read as absent or defaulted (issue
+/// 38: each of these was accepted; `response.cancel` with `response_id: 5` cancelled the running
+/// response as if no id had been given).
+#[test]
+fn wrong_types_are_refused_naming_the_param() {
+    use serde_json::json;
+    let cases = [
+        (json!({"type": "session.update", "session": {"tool_choice": 5}}), "session.tool_choice"),
+        (json!({"type": "session.update", "session": {"tool_choice": "sometimes"}}), "session.tool_choice"),
+        (
+            json!({"type": "session.update", "session": {"turn_detection": {"type": "semantic_vad", "eagerness": 7}}}),
+            "session.turn_detection.eagerness",
+        ),
+        (json!({"type": "conversation.item.create", "item": {"type": 5, "role": "user", "content": []}}), "item.type"),
+        (json!({"type": "conversation.item.create", "item": {"type": "function_call", "name": "f", "arguments": {"a": 1}}}), "item.arguments"),
+        (json!({"type": "conversation.item.create", "item": {"type": "function_call", "name": "f", "call_id": 3}}), "item.call_id"),
+        (
+            json!({"type": "conversation.item.create", "previous_item_id": 5, "item": {"role": "user", "content": [{"type": "input_text", "text": "x"}]}}),
+            "previous_item_id",
+        ),
+        (
+            json!({"type": "conversation.item.create", "item": {"role": "assistant", "content": [{"type": "output_audio", "transcript": 5}]}}),
+            "item.content[0].transcript",
+        ),
+        (json!({"type": "response.create", "response": {"audio": "x"}}), "response.audio"),
+        (json!({"type": "response.cancel", "response_id": 5}), "response_id"),
+    ];
+    for (v, param) in cases {
+        let (_, e) = parse(v.clone()).expect_err(&format!("{v} was accepted"));
+        assert_eq!(e.param.as_deref(), Some(param), "{v}: {e:?}");
+        assert_eq!(e.code, "invalid_value", "{v}");
+    }
+    // the right types still pass, absent and null alike
+    for v in [
+        json!({"type": "session.update", "session": {"tool_choice": "auto"}}),
+        json!({"type": "session.update", "session": {"tool_choice": {"type": "function", "name": "f"}}}),
+        json!({"type": "response.cancel"}),
+        json!({"type": "response.cancel", "response_id": null}),
+        json!({"type": "conversation.item.create", "item": {"type": "function_call", "name": "f", "arguments": "{\"a\":1}"}}),
+    ] {
+        assert!(parse(v.clone()).is_ok(), "{v}");
+    }
+}
