@@ -309,6 +309,9 @@ struct PingBody {
     id: Option<Value>,
 }
 
+/// The largest integer every JSON client holds exactly (2^53 - 1): no count a client sends exceeds it.
+pub const MAX_SAFE_INTEGER: u64 = (1 << 53) - 1;
+
 /// Parses one text frame.
 pub fn parse_client(text: &str) -> Result<Incoming, WireError> {
     let v: Value = serde_json::from_str(text).map_err(|e| WireError::new(ErrorCode::BadJson, format!("not JSON: {e}")))?;
@@ -320,11 +323,12 @@ pub fn parse_client(text: &str) -> Result<Incoming, WireError> {
         Some(_) => return Err(WireError::new(ErrorCode::BadField, "field `type`: must be a string")),
         None => return Err(WireError::new(ErrorCode::BadField, "field `type`: missing")),
     };
+    // (an input's seq counts audio packets and events alike: the packet header's u32 bounds it)
     let seq = match obj.get("seq") {
         None | Some(Value::Null) => None,
-        Some(Value::Number(n)) if n.as_u64().is_some() && ty != "ack" => n.as_u64(),
+        Some(Value::Number(n)) if n.as_u64().is_some_and(|s| s <= u32::MAX as u64) && ty != "ack" => n.as_u64(),
         Some(Value::Number(_)) if ty == "ack" => None,
-        Some(_) => return Err(WireError::new(ErrorCode::BadField, "field `seq`: must be a non-negative integer")),
+        Some(_) => return Err(WireError::new(ErrorCode::BadField, format!("field `seq`: must be an integer from 0 to {}", u32::MAX))),
     };
     let event = match ty.as_str() {
         "session.create" => ClientEvent::SessionCreate(Box::new(typed(v)?)),
@@ -344,6 +348,9 @@ pub fn parse_client(text: &str) -> Result<Incoming, WireError> {
         "response.cancel" => ClientEvent::ResponseCancel { response_id: typed::<CancelBody>(v)?.response_id },
         "playback" => {
             let b: PlaybackBody = typed(v)?;
+            if b.played_ms > MAX_SAFE_INTEGER {
+                return Err(WireError::new(ErrorCode::BadField, format!("field `played_ms`: at most {MAX_SAFE_INTEGER}")));
+            }
             ClientEvent::Playback { response_id: b.response_id, played_ms: b.played_ms }
         }
         "ack" => ClientEvent::Ack { seq: typed::<AckBody>(v)?.seq },
@@ -492,6 +499,21 @@ impl AudioFrame {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Counts beyond what the wire can mean are refused, naming the field (issue 38).
+    #[test]
+    fn counts_beyond_the_wire_are_a_bad_field() {
+        let refused = |text: &str, field: &str| {
+            let e = parse_client(text).expect_err(text);
+            assert_eq!(e.code, ErrorCode::BadField, "{text}");
+            assert!(e.message.contains(field), "{text}: {}", e.message);
+        };
+        refused(r#"{"type": "input.clear", "seq": 9007199254740993}"#, "`seq`");
+        refused(r#"{"type": "input.clear", "seq": 4294967296}"#, "`seq`");
+        refused(r#"{"type": "playback", "response_id": 1, "played_ms": 9007199254740992}"#, "`played_ms`");
+        assert_eq!(parse_client(r#"{"type": "input.clear", "seq": 4294967295}"#).unwrap().seq, Some(4_294_967_295));
+        assert!(parse_client(r#"{"type": "playback", "response_id": 1, "played_ms": 9007199254740991}"#).is_ok());
+    }
 
     #[test]
     fn generation_beyond_the_limits_is_a_bad_field_naming_it() {
