@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use antiphon_assets::synth::{models_in_memory, Preset};
-use antiphon_engine::{Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, UserInput};
+use antiphon_engine::{Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, SpokenClip, Status, UserInput};
 use candle_core::{DType, Device};
 
 fn engine(cfg: EngineConfig) -> Engine {
@@ -273,8 +273,8 @@ fn streaming_prefill_gives_the_same_response() {
 fn spoken_input_and_history_are_accepted() {
     let e = engine(EngineConfig::default());
     let mut s = spec("voice", "", 6, 20, 1);
-    s.input = UserInput::Audio((0..16_000 * 2).map(|i| 0.2 * (i as f32 * 0.05).sin()).collect());
-    s.history = vec![antiphon_engine::Turn { user: "hi".into(), assistant: "hello there".into() }];
+    s.input = UserInput::Audio(SpokenClip::new((0..16_000 * 2).map(|i| 0.2 * (i as f32 * 0.05).sin()).collect()).unwrap());
+    s.history = vec![antiphon_engine::Turn::text("hi", "hello there")];
     s.instructions = Some("Be brief.".into());
     let o = collect(submit(&e, s));
     assert_eq!(o.status, Status::Completed);
@@ -305,7 +305,7 @@ fn a_bad_reference_is_refused_and_the_engine_keeps_serving() {
     assert!(e.submit(s, sink()).is_err());
     // audio shorter than one mel hop is accepted (it just gives no embeddings)
     let mut s = spec("tiny-audio", "", 4, 10, 1);
-    s.input = UserInput::Audio(vec![0.1; 50]);
+    s.input = UserInput::Audio(SpokenClip::new(vec![0.1; 50]).unwrap());
     assert_eq!(collect(submit(&e, s)).status, Status::Completed);
     assert_eq!(collect(submit(&e, spec("ok", "x", 4, 10, 1))).status, Status::Completed);
 }
@@ -347,7 +347,7 @@ fn duplicate_live_ids_are_refused() {
 fn a_history_longer_than_the_context_loses_its_oldest_turns() {
     let e = engine(EngineConfig::default());
     let mut s = spec("long-history", "and now?", 4, 10, 1);
-    s.history = (0..60).map(|i| antiphon_engine::Turn { user: format!("question {i} ").repeat(40), assistant: "answer ".repeat(60) }).collect();
+    s.history = (0..60).map(|i| antiphon_engine::Turn::text(format!("question {i} ").repeat(40), "answer ".repeat(60))).collect();
     assert_eq!(collect(submit(&e, s)).status, Status::Completed);
     // a prompt that alone is longer than the context is refused clearly
     let o = collect(submit(&e, spec("huge", &"la ".repeat(4000), 4, 10, 1)));
@@ -367,7 +367,7 @@ fn bf16_weights_run_end_to_end() {
     assert!(o.audio.iter().flatten().all(|s| s.is_finite()));
     // a spoken turn too (audio input through the Whisper encoder in bf16)
     let mut s = spec("bf2", "", 4, 10, 2);
-    s.input = UserInput::Audio((0..16_000).map(|i| 0.2 * (i as f32 * 0.05).sin()).collect());
+    s.input = UserInput::Audio(SpokenClip::new((0..16_000).map(|i| 0.2 * (i as f32 * 0.05).sin()).collect()).unwrap());
     assert_eq!(collect(submit(&e, s)).status, Status::Completed);
     // and a duplex session's streaming units
     let (tx, rx) = mpsc::channel();
@@ -419,7 +419,7 @@ fn a_conversations_next_turn_reuses_its_previous_turn() {
         let _ = collect(submit(e, spec("x", "something else entirely", 6, 20, 5)));
         let system_only = reused(e) - before;
         let mut next = spec("t2", "and about the mountains", 12, 30, 4);
-        next.history = vec![antiphon_engine::Turn { user: "tell me about the sea".into(), assistant: first.text.clone() }];
+        next.history = vec![antiphon_engine::Turn::text("tell me about the sea", first.text.clone())];
         let before = reused(e);
         let second = collect(submit(e, next));
         (first, second, system_only, reused(e) - before)
@@ -432,6 +432,48 @@ fn a_conversations_next_turn_reuses_its_previous_turn() {
         assert_eq!(x.status, Status::Completed);
         assert_eq!(x.text, y.text);
         assert_eq!(x.codes, y.codes);
+    }
+}
+
+/// A spoken conversation keeps each turn as its audio: every later prompt holds the earlier
+/// clips, so its KV is reused whole (from the previous turn's prompt up to where the reply is
+/// re-rendered, a few template positions), never rebuilt from a stand-in, and the replies are the
+/// same with the prefix store off (where every prompt is encoded and prefilled whole).
+#[test]
+fn a_spoken_conversation_keeps_every_turns_audio() {
+    let counter = |e: &Engine, source: &str| -> u64 {
+        let m = e.metrics().render();
+        let key = format!("antiphon_prompt_positions_total{{source=\"{source}\"}} ");
+        m.lines().find_map(|l| l.strip_prefix(key.as_str())).map(|v| v.parse().unwrap()).unwrap_or(0)
+    };
+    let clip = |k: usize| SpokenClip::new((0..16_000 + 4_000 * k).map(|i| 0.25 * (i as f32 * (0.02 + 0.013 * k as f32)).sin()).collect()).unwrap();
+    let run = |e: &Engine| -> Vec<(Outcome, u64, u64)> {
+        let mut history = Vec::new();
+        let mut turns = Vec::new();
+        for k in 0..4 {
+            let mut s = spec(&format!("spoken{k}"), "", 6, 20, 10 + k as u64);
+            s.input = UserInput::Audio(clip(k));
+            s.history = history.clone();
+            let (reused, prefilled) = (counter(e, "reused"), counter(e, "prefilled"));
+            let out = collect(submit(e, s));
+            assert_eq!(out.status, Status::Completed, "turn {k}");
+            history.push(antiphon_engine::Turn { user: UserInput::Audio(clip(k)), assistant: out.text.clone() });
+            turns.push((out, counter(e, "reused") - reused, counter(e, "prefilled") - prefilled));
+        }
+        turns
+    };
+    let off = run(&engine(EngineConfig { thinker_prefix_cache: 0, ..EngineConfig::default() }));
+    let on = run(&engine(EngineConfig::default()));
+    for k in 1..4 {
+        let (_, reused, _) = on[k];
+        let (_, before_reused, before_prefilled) = on[k - 1];
+        let before = before_reused + before_prefilled;
+        assert!(reused + 8 >= before, "turn {k} reused {reused} positions; turn {} had {before}", k - 1);
+        assert!(reused > before_reused, "turn {k} reused {reused}, turn {} {before_reused}", k - 1);
+    }
+    for (k, ((a, ..), (b, ..))) in off.iter().zip(&on).enumerate() {
+        assert_eq!(a.text, b.text, "turn {k}");
+        assert_eq!(a.codes, b.codes, "turn {k}");
     }
 }
 

@@ -132,6 +132,42 @@ fn parity_thinker_llm_prefill_with_spliced_audio() {
     assert!(err.contains("placeholders"), "{err}");
 }
 
+/// A prompt's embeddings from any position are the whole prompt's from there, asking only for the
+/// audio runs that reach past it; a clip's rows are known before it is encoded, windows included.
+#[test]
+fn prompt_embeddings_from_a_held_prefix_match_the_whole() {
+    let meta = load_meta(FIX);
+    let (thinker, _) = models();
+    let markers = AudioMarkers {
+        start: meta["audio_start"].as_u64().unwrap() as u32,
+        end: meta["audio_end"].as_u64().unwrap() as u32,
+        placeholder: meta["unk"].as_u64().unwrap() as u32,
+    };
+    let window = thinker.apm.config().max_source_positions * 2 * WhisperLogMel::HOP;
+    for n in [100, 16_000, window, window + 3_000] {
+        let clip: Vec<f32> = (0..n).map(|i| 0.2 * (i as f32 * 0.01).sin()).collect();
+        assert_eq!(thinker.encode_clip(&clip).unwrap().dim(0).unwrap(), thinker.clip_embeddings_for(n), "{n} samples");
+    }
+    let clips: Vec<Tensor> = [20_000, 12_000].iter().map(|&n| thinker.encode_clip(&vec![0.1f32; n]).unwrap()).collect();
+    let mut prompt = vec![5, 6, markers.start];
+    prompt.extend(std::iter::repeat_n(markers.placeholder, clips[0].dim(0).unwrap()));
+    prompt.extend([markers.end, 7, markers.start]);
+    prompt.extend(std::iter::repeat_n(markers.placeholder, clips[1].dim(0).unwrap()));
+    prompt.extend([markers.end, 8, 9]);
+    let whole = thinker.embed_with_audio(&prompt, &markers, &clips).unwrap();
+    for from in [0, 1, 3, 5, 3 + clips[0].dim(0).unwrap() + 2, prompt.len() - 1] {
+        let mut asked = Vec::new();
+        let mut audio = |k: usize| {
+            asked.push(k);
+            Ok(clips[k].clone())
+        };
+        let part = thinker.embed_with_audio_from(&prompt, &markers, from, &mut audio).unwrap();
+        assert_close(&format!("from {from}"), &part, &whole.narrow(0, from, prompt.len() - from).unwrap(), 0.0);
+        let past: Vec<usize> = (0..2).filter(|&k| if k == 0 { from < 3 + clips[0].dim(0).unwrap() } else { from < prompt.len() - 3 }).collect();
+        assert_eq!(asked, past, "from {from}");
+    }
+}
+
 #[test]
 fn parity_thinker_llm_chunked_prefill_then_decode() {
     thinker_chunked_prefill_then_decode(DecodeMode::Eager);

@@ -211,6 +211,8 @@ pub struct Engine {
     admission: Admission,
     cfg: Arc<EngineConfig>,
     limits: antiphon_protocol::GenerationLimits,
+    /// The Thinker's context, in positions.
+    thinker_context: usize,
     /// The Thinker's tokenizer, for what the server must count in tokens before admitting it.
     tokenizer: Arc<antiphon_models::tokenizer::TextTokenizer>,
     threads: Vec<JoinHandle<()>>,
@@ -311,7 +313,19 @@ impl Engine {
             spawn("stage1-talker", Box::new(move || run_stage(s1, rx1)))?,
             spawn("stage2-code2wav", Box::new(move || run_stage(s2, rx2)))?,
         ];
-        Ok(Self { to0: Some(tx0), to1: Some(tx1), to2: Some(tx2), registry, metrics, admission, cfg, limits, tokenizer, threads })
+        Ok(Self {
+            to0: Some(tx0),
+            to1: Some(tx1),
+            to2: Some(tx2),
+            registry,
+            metrics,
+            admission,
+            cfg,
+            limits,
+            thinker_context: ctx0,
+            tokenizer,
+            threads,
+        })
     }
 
     /// Admission by load: places, the queue, the headroom.
@@ -338,6 +352,11 @@ impl Engine {
         self.limits
     }
 
+    /// The Thinker's context, in positions (a prompt, the conversation in it, and a reply).
+    pub fn thinker_context(&self) -> usize {
+        self.thinker_context
+    }
+
     pub fn metrics(&self) -> &EngineMetrics {
         &self.metrics
     }
@@ -354,11 +373,6 @@ impl Engine {
         let v = &spec.voice;
         if v.samples.is_empty() || v.sample_rate == 0 || v.samples.iter().any(|s| !s.is_finite()) {
             return Err(SubmitError::Invalid("the reference voice must be non-empty, finite audio with a sample rate".into()));
-        }
-        if let UserInput::Audio(a) = &spec.input {
-            if a.iter().any(|s| !s.is_finite()) {
-                return Err(SubmitError::Invalid("input audio holds non-finite samples".into()));
-            }
         }
         if self.registry.is_live(&spec.id) {
             return Err(SubmitError::Invalid(format!("request {} is already live", spec.id)));

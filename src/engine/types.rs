@@ -57,19 +57,68 @@ impl RefInput {
     }
 }
 
+/// A clip the caller spoke: 16 kHz mono samples, shared (a conversation's history holds it for
+/// every later turn without a copy), with a key for its content made once, where it comes in. The
+/// Thinker's prefix store keys the clip's prompt positions by it, so a later turn's prompt that
+/// holds the same clip reuses the KV built from it.
+#[derive(Debug, Clone)]
+pub struct SpokenClip {
+    samples: Arc<[f32]>,
+    key: u64,
+}
+
+/// Audio with a NaN or an infinite sample: no clip.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NonFiniteAudio;
+
+impl std::fmt::Display for NonFiniteAudio {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("input audio holds non-finite samples")
+    }
+}
+
+impl std::error::Error for NonFiniteAudio {}
+
+impl SpokenClip {
+    /// Every sample finite, or no clip: what holds one need not look again.
+    pub fn new(samples: Vec<f32>) -> Result<Self, NonFiniteAudio> {
+        if samples.iter().any(|s| !s.is_finite()) {
+            return Err(NonFiniteAudio);
+        }
+        let key = content_key(&samples, 16_000);
+        Ok(Self { samples: samples.into(), key })
+    }
+
+    pub fn samples(&self) -> &[f32] {
+        &self.samples
+    }
+
+    /// The same samples, the same key.
+    pub fn content_key(&self) -> u64 {
+        self.key
+    }
+}
+
 /// What the user said.
 #[derive(Debug, Clone)]
 pub enum UserInput {
     Text(String),
-    /// 16 kHz mono samples.
-    Audio(Vec<f32>),
+    Audio(SpokenClip),
 }
 
-/// An earlier turn of the conversation (for the prompt).
+/// An earlier turn of the conversation (for the prompt): what the caller said, as it was said (a
+/// spoken turn is its audio, never a transcript or a stand-in), and what the assistant said.
 #[derive(Debug, Clone)]
 pub struct Turn {
-    pub user: String,
+    pub user: UserInput,
     pub assistant: String,
+}
+
+impl Turn {
+    /// A turn the caller typed.
+    pub fn text(user: impl Into<String>, assistant: impl Into<String>) -> Self {
+        Self { user: UserInput::Text(user.into()), assistant: assistant.into() }
+    }
 }
 
 /// Generation parameters (the protocol's `generation`). `None` = the engine's default.

@@ -102,6 +102,14 @@ impl Thinker {
         WhisperEncoder::positions_for(self.mel.frames_for(samples)) / self.pool_step
     }
 
+    /// Rows [`Thinker::encode_clip`] gives for a clip of `samples` samples (a clip longer than
+    /// the encoder's window is encoded a window at a time): known before it is encoded, so a
+    /// prompt's positions are laid out before any clip is.
+    pub fn clip_embeddings_for(&self, samples: usize) -> usize {
+        let window = self.apm.config().max_source_positions * 2 * WhisperLogMel::HOP;
+        (0..samples).step_by(window.max(1)).map(|at| self.audio_embeddings_for((samples - at).min(window))).sum()
+    }
+
     /// Whisper log-mel of 16 kHz samples as a `[n_mels, frames]` tensor on the model's device.
     pub fn log_mel(&self, samples: &[f32]) -> Result<Tensor> {
         let (m, frames) = self.mel.compute(samples);
@@ -232,31 +240,51 @@ impl Thinker {
     /// LLM input embeddings of `ids` with every placeholder run replaced, in order, by the rows of
     /// `audio` (one tensor per run, exactly as many rows as placeholders).
     pub fn embed_with_audio(&self, ids: &[u32], markers: &AudioMarkers, audio: &[Tensor]) -> Result<Tensor> {
-        let text = self.llm.embed(ids)?;
-        let spans = audio_spans(ids, markers)?;
-        if spans.len() != audio.len() {
-            candle_core::bail!("the prompt has {} audio spans but {} audio inputs were given", spans.len(), audio.len());
+        let spans = audio_spans(ids, markers)?.len();
+        if spans != audio.len() {
+            candle_core::bail!("the prompt has {spans} audio spans but {} audio inputs were given", audio.len());
         }
-        if spans.is_empty() {
-            return Ok(text);
+        self.embed_with_audio_from(ids, markers, 0, &mut |k| Ok(audio[k].clone()))
+    }
+
+    /// The embeddings of `ids[from..]` as [`Thinker::embed_with_audio`] gives them for the whole of
+    /// `ids`: `audio(k)` is asked only for the runs that reach past `from` (a run before it, whose
+    /// KV is held already, is never encoded), and a run that straddles `from` gives its rows from
+    /// there on.
+    pub fn embed_with_audio_from(
+        &self,
+        ids: &[u32],
+        markers: &AudioMarkers,
+        from: usize,
+        audio: &mut dyn FnMut(usize) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        if from >= ids.len() {
+            candle_core::bail!("embeddings from position {from} of a prompt of {}", ids.len());
         }
-        let mut parts = Vec::with_capacity(2 * spans.len() + 1);
-        let mut pos = 0;
-        for (k, (&(s, n), a)) in spans.iter().zip(audio).enumerate() {
+        let text = self.llm.embed(&ids[from..])?;
+        let mut parts = Vec::new();
+        let mut pos = from;
+        for (k, (s, n)) in audio_spans(ids, markers)?.into_iter().enumerate() {
+            if n == 0 || s + n <= from {
+                continue;
+            }
+            let a = audio(k)?;
             let rows = a.dim(0)?;
             if rows != n {
                 candle_core::bail!("audio span {k} has {n} placeholders but its audio gives {rows} embeddings");
             }
+            let skip = from.saturating_sub(s);
             if s > pos {
-                parts.push(text.narrow(0, pos, s - pos)?);
+                parts.push(text.narrow(0, pos - from, s - pos)?);
             }
-            if n > 0 {
-                parts.push(a.to_dtype(text.dtype())?);
-            }
+            parts.push(a.narrow(0, skip, n - skip)?.to_dtype(text.dtype())?);
             pos = s + n;
         }
+        if parts.is_empty() {
+            return Ok(text);
+        }
         if pos < ids.len() {
-            parts.push(text.narrow(0, pos, ids.len() - pos)?);
+            parts.push(text.narrow(0, pos - from, ids.len() - pos)?);
         }
         Tensor::cat(&parts, 0)
     }

@@ -10,9 +10,10 @@ use candle_core::{DType, Tensor};
 
 use super::{to_host, Ctx, ThinkerStream};
 use crate::caches::StageCaches;
-use crate::{Mode, RequestId, RequestSpec, Stage1Msg, UserInput};
+use crate::{Mode, RequestId, RequestSpec, SpokenClip, Stage1Msg, Turn, UserInput};
 use antiphon_models::decoder::{KvCache, PooledCache};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
+use antiphon_models::thinker::audio_spans;
 use antiphon_models::tokenizer::{handoff_range, Message, Part, Role, TextStream};
 use antiphon_models::top_k::LogitsRow;
 
@@ -22,11 +23,15 @@ const MIN_SHARED: usize = 8;
 pub struct TurnStream {
     id: RequestId,
     cache: PooledCache,
-    /// Prompt embeddings not yet prefilled (from `prefill_pos`).
+    /// The prompt's embeddings from `prefill_from` (the positions before were held already);
+    /// those from `prefill_pos` are not prefilled yet.
     prefill: Option<Tensor>,
+    prefill_from: usize,
     prefill_pos: usize,
     /// Prompt + generated ids.
     ids: Vec<u32>,
+    /// The prompt's ids as the prefix store knows them (spoken clips keyed by their content).
+    key: Vec<u32>,
     prompt_len: usize,
     next: Option<u32>,
     sampler: Sampler,
@@ -40,8 +45,6 @@ pub struct TurnStream {
     voice: u64,
     /// The system turn's length, when its KV should go into the prefix store once prefilled.
     store_system: Option<usize>,
-    /// Positions whose KV another prompt may reuse (up to the first user audio clip).
-    shareable: usize,
     /// Handed off to the Talker, or failed.
     done: bool,
     /// Handed off this step: the turn's KV goes to the prefix store once every stream of the
@@ -50,19 +53,13 @@ pub struct TurnStream {
     prefix_due: bool,
 }
 
-/// Where the first audio clip after `from` (the system turn) starts: the ids before it fix their
-/// embeddings; a clip's placeholders do not (`ids.len()` when there is none).
-fn first_user_audio(ids: &[u32], from: usize, m: &antiphon_models::thinker::AudioMarkers) -> usize {
-    ids.iter().enumerate().skip(from).find(|(_, &t)| t == m.start || t == m.placeholder).map(|(i, _)| i).unwrap_or(ids.len())
-}
-
 /// Stores a prompt prefix's KV in the prefix store. Only an optimisation: a failed copy is logged,
 /// and the stream goes on.
-fn store_prefix(ctx: &mut Ctx, voice: u64, ids: &[u32], cache: &KvCache) {
-    match cache.snapshot(ids.len()) {
+fn store_prefix(ctx: &mut Ctx, voice: u64, key: Vec<u32>, cache: &KvCache) {
+    match cache.snapshot(key.len()) {
         Ok(kv) => {
             let bytes = kv.bytes();
-            ctx.prefixes.insert(voice, ids.to_vec(), kv, bytes)
+            ctx.prefixes.insert(voice, key, kv, bytes)
         }
         Err(e) => tracing::warn!("prefix store copy failed: {e:#}"),
     }
@@ -73,8 +70,63 @@ fn prompt_len_fits(prompt: usize, max: usize, context: usize) -> Result<(), ()> 
     prompt.checked_add(max).and_then(|n| n.checked_add(8)).filter(|&n| n <= context).map(|_| ()).ok_or(())
 }
 
-/// Prompt ids and embeddings for a request.
-fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<(Vec<u32>, Tensor)> {
+/// An audio run of a prompt: the reference voice (its embeddings, kept per voice) or a clip the
+/// caller spoke (encoded only when its positions are not held already).
+enum PromptAudio {
+    Voice(Tensor),
+    Clip(SpokenClip),
+}
+
+/// A request's prompt laid out, before anything of it is encoded.
+struct Prompt {
+    ids: Vec<u32>,
+    /// The ids the prefix store knows the prompt by: `ids` with each spoken clip's placeholders
+    /// replaced by ids made from the clip's content ([`clip_key_id`]), so a stored prefix holds
+    /// a clip's KV only for that same clip (the voice's run is keyed by the entry's voice).
+    key: Vec<u32>,
+    /// The audio runs, in the order of their placeholder runs in `ids`.
+    audio: Vec<PromptAudio>,
+}
+
+/// The prefix-store id of position `at` of a clip with content key `clip`: above every vocabulary
+/// id (they are below 2^31), so it matches only the same position of the same clip.
+fn clip_key_id(clip: u64, at: usize) -> u32 {
+    let mut x = clip ^ (at as u64).wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    0x8000_0000 | ((x ^ (x >> 31)) >> 33) as u32
+}
+
+/// Token counts of each earlier turn (what the caller said, what the assistant said, and the
+/// template around them), each counted once.
+fn turn_sizes(ctx: &Ctx, history: &[Turn]) -> Vec<usize> {
+    let count = |t: &str| ctx.tok.encode(t).map(|v| v.len()).unwrap_or(0);
+    history
+        .iter()
+        .map(|t| {
+            let user = match &t.user {
+                UserInput::Text(text) => count(text),
+                UserInput::Audio(clip) => ctx.thinker.clip_embeddings_for(clip.samples().len()) + 2,
+            };
+            user + count(&t.assistant) + 10
+        })
+        .collect()
+}
+
+/// The user message of an input: its text, or its clip as an audio run.
+fn user_message(ctx: &Ctx, input: &UserInput, audio: &mut Vec<PromptAudio>) -> Message {
+    match input {
+        UserInput::Text(t) => Message::text(Role::User, t.clone()),
+        UserInput::Audio(clip) => {
+            audio.push(PromptAudio::Clip(clip.clone()));
+            Message { role: Role::User, parts: vec![Part::Audio(ctx.thinker.clip_embeddings_for(clip.samples().len()))] }
+        }
+    }
+}
+
+/// A request's prompt: the voice-cloning system turn, the conversation's turns as they were (a
+/// spoken turn as its audio), and the input.
+fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<Prompt> {
     let mut audio = Vec::new();
     let mut messages = Vec::new();
     let instructions = spec.instructions.clone().unwrap_or_else(|| crate::DEFAULT_INSTRUCTIONS.into());
@@ -88,38 +140,48 @@ fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<(Vec<u32>, Tensor)>
                 Part::Text(format!("\n{instructions}")),
             ],
         });
-        audio.push(emb);
+        audio.push(PromptAudio::Voice(emb));
     } else {
         messages.push(Message::text(Role::System, instructions));
     }
     // the oldest turns give way when the conversation outgrows the context
     let budget = ctx.context().saturating_sub(spec.generation.max_text_tokens.unwrap_or(ctx.cfg.default_max_text_tokens) + 64);
+    let sizes = turn_sizes(ctx, &spec.history);
+    let mut kept: usize = sizes.iter().sum();
     let mut first = 0;
-    while first < spec.history.len() {
-        let tokens: usize = spec.history[first..]
-            .iter()
-            .map(|t| ctx.tok.encode(&t.user).map(|v| v.len()).unwrap_or(0) + ctx.tok.encode(&t.assistant).map(|v| v.len()).unwrap_or(0) + 10)
-            .sum();
-        if tokens <= budget / 2 {
-            break;
-        }
+    while first < sizes.len() && kept > budget / 2 {
+        kept -= sizes[first];
         first += 1;
     }
     for t in &spec.history[first..] {
-        messages.push(Message::text(Role::User, t.user.clone()));
+        messages.push(user_message(ctx, &t.user, &mut audio));
         messages.push(Message::text(Role::Assistant, t.assistant.clone()));
     }
-    match &spec.input {
-        UserInput::Text(t) => messages.push(Message::text(Role::User, t.clone())),
-        UserInput::Audio(samples) => {
-            let emb = ctx.thinker.encode_clip(samples)?;
-            messages.push(Message { role: Role::User, parts: vec![Part::Audio(emb.dim(0)?)] });
-            audio.push(emb);
+    messages.push(user_message(ctx, &spec.input, &mut audio));
+    let ids = ctx.tok.spoken_reply_prompt(&messages)?;
+    let mut key = ids.clone();
+    let spans = audio_spans(&ids, &ctx.tok.special().audio_markers())?;
+    if spans.len() != audio.len() {
+        anyhow::bail!("the prompt has {} audio runs for {} audio inputs", spans.len(), audio.len());
+    }
+    for ((s, n), a) in spans.into_iter().zip(&audio) {
+        if let PromptAudio::Clip(clip) = a {
+            for (at, k) in key[s..s + n].iter_mut().enumerate() {
+                *k = clip_key_id(clip.content_key(), at);
+            }
         }
     }
-    let ids = ctx.tok.spoken_reply_prompt(&messages)?;
-    let embeds = ctx.thinker.embed_with_audio(&ids, &ctx.tok.special().audio_markers(), &audio)?;
-    Ok((ids, embeds))
+    Ok(Prompt { ids, key, audio })
+}
+
+/// The prompt's embeddings from `from` on: only the clips that reach past it are encoded.
+fn embed_prompt(ctx: &Ctx, prompt: &Prompt, from: usize) -> Result<Tensor> {
+    let markers = ctx.tok.special().audio_markers();
+    let mut audio = |k: usize| match &prompt.audio[k] {
+        PromptAudio::Voice(emb) => Ok(emb.clone()),
+        PromptAudio::Clip(clip) => ctx.thinker.encode_clip(clip.samples()),
+    };
+    Ok(ctx.thinker.embed_with_audio_from(&prompt.ids, &markers, from, &mut audio)?)
 }
 
 impl TurnStream {
@@ -134,15 +196,14 @@ impl TurnStream {
             return None;
         }
         let t0 = Instant::now();
-        let built = build_prompt(ctx, &spec).context("building the prompt");
-        ctx.metrics.step_seconds.with_label_values(&["thinker_prompt"]).observe(t0.elapsed().as_secs_f64());
-        let (ids, embeds) = match built {
+        let prompt = match build_prompt(ctx, &spec).context("building the prompt") {
             Ok(v) => v,
             Err(e) => {
                 ctx.fail(&spec.id, format!("{e:#}"));
                 return None;
             }
         };
+        let ids = &prompt.ids;
         let context = ctx.context();
         if ids.len() >= context {
             let why = format!("the prompt (`instructions`, the conversation and `text`) has {} tokens; the context holds {context}", ids.len());
@@ -167,7 +228,7 @@ impl TurnStream {
         }
         let seed = g.seed.unwrap_or(0);
         let mut sampler = Sampler::new(params, seed);
-        sampler.observe(&ids);
+        sampler.observe(ids);
         let _ = ctx.to_talker.send(Stage1Msg::Begin {
             id: spec.id.clone(),
             mode: spec.mode,
@@ -181,11 +242,10 @@ impl TurnStream {
         });
         let prompt_len = ids.len();
         // the KV of the longest prompt prefix seen before (the system turn with the voice, or
-        // this conversation up to its last turn, or another voice's system turn up to the voice),
-        // up to the first user audio clip
+        // this conversation up to its last turn, its spoken turns included, or another voice's
+        // system turn up to the voice)
         let voice = if ctx.cfg.thinker_hears_reference { spec.voice.content_key() } else { 0 };
         let system = ids.iter().position(|&t| t == s.im_end).map(|end| end + 1).filter(|&len| len < prompt_len);
-        let shareable = first_user_audio(&ids, system.unwrap_or(0), &s.audio_markers());
         // a finished stream's cache (its buffers and captured decode step) when one fits
         let mut cache = match caches.take(ctx.thinker.llm.decoder(), prompt_len + max + 8) {
             Ok(c) => c,
@@ -200,7 +260,7 @@ impl TurnStream {
             // (another voice's entry serves the head before this voice's rows: a new voice's
             // system turn starts from the template and text every system turn begins with)
             let voice_free = ids.iter().position(|&t| t == s.audio_markers().placeholder).unwrap_or(ids.len());
-            match ctx.prefixes.lookup(voice, &ids, shareable.min(prompt_len - 1), voice_free, MIN_SHARED) {
+            match ctx.prefixes.lookup(voice, &prompt.key, prompt_len - 1, voice_free, MIN_SHARED) {
                 Some((hit, len)) => match cache.load_prefix(hit, len) {
                     Ok(()) => {
                         prefill_pos = len;
@@ -214,16 +274,27 @@ impl TurnStream {
                 None => ctx.metrics.prefix_cache.with_label_values(&["miss"]).inc(),
             }
         }
+        let embeds = embed_prompt(ctx, &prompt, prefill_pos).context("embedding the prompt");
+        ctx.metrics.step_seconds.with_label_values(&["thinker_prompt"]).observe(t0.elapsed().as_secs_f64());
+        let embeds = match embeds {
+            Ok(e) => e,
+            Err(e) => {
+                ctx.fail(&spec.id, format!("{e:#}"));
+                return None;
+            }
+        };
         ctx.metrics.prompt_positions.with_label_values(&["reused"]).inc_by(prefill_pos as u64);
         ctx.metrics.prompt_positions.with_label_values(&["prefilled"]).inc_by((prompt_len - prefill_pos) as u64);
-        let store_system = system
-            .filter(|&len| ctx.cfg.thinker_prefix_cache > 0 && len > prefill_pos && len <= shareable && !ctx.prefixes.covers(voice, &ids[..len]));
+        let store_system =
+            system.filter(|&len| ctx.cfg.thinker_prefix_cache > 0 && len > prefill_pos && !ctx.prefixes.covers(voice, &prompt.key[..len]));
         Some(TurnStream {
             id: spec.id,
             cache,
             prefill: Some(embeds),
+            prefill_from: prefill_pos,
             prefill_pos,
-            ids,
+            ids: prompt.ids,
+            key: prompt.key,
             prompt_len,
             next: None,
             sampler,
@@ -233,7 +304,6 @@ impl TurnStream {
             streamed: 0,
             voice,
             store_system,
-            shareable,
             done: false,
             prefix_due: false,
         })
@@ -274,9 +344,10 @@ impl ThinkerStream for TurnStream {
             if *budget == 0 {
                 return Ok(None);
             }
-            let n = (total - self.prefill_pos).min(*budget);
+            let at = self.prefill_pos - self.prefill_from;
+            let n = (total - at).min(*budget);
             *budget -= n;
-            return Ok(Some(p.narrow(0, self.prefill_pos, n)?));
+            return Ok(Some(p.narrow(0, at, n)?));
         }
         match self.next {
             Some(t) => Ok(Some(ctx.thinker.llm.embed(&[t])?)),
@@ -292,13 +363,13 @@ impl ThinkerStream for TurnStream {
         let rows = hidden.dim(0)?;
         if let Some(p) = &self.prefill {
             self.prefill_pos += rows;
-            if self.prefill_pos < p.dim(0)? {
+            if self.prefill_pos < self.prefill_from + p.dim(0)? {
                 return Ok(None);
             }
             self.prefill = None;
             if let Some(len) = self.store_system.take() {
-                if !ctx.prefixes.covers(self.voice, &self.ids[..len]) {
-                    store_prefix(ctx, self.voice, &self.ids[..len], &self.cache);
+                if !ctx.prefixes.covers(self.voice, &self.key[..len]) {
+                    store_prefix(ctx, self.voice, self.key[..len].to_vec(), &self.cache);
                 }
             }
         } else {
@@ -339,9 +410,11 @@ impl ThinkerStream for TurnStream {
         if !std::mem::take(&mut self.prefix_due) {
             return;
         }
-        let len = self.cache.len().min(self.shareable).min(self.ids.len());
+        let len = self.cache.len().min(self.ids.len());
         if ctx.cfg.thinker_prefix_cache > 0 && len >= MIN_SHARED {
-            store_prefix(ctx, self.voice, &self.ids[..len], &self.cache);
+            // the prompt as the store knows it, then the reply as written
+            let key = self.key.iter().chain(&self.ids[self.prompt_len..]).take(len).copied().collect();
+            store_prefix(ctx, self.voice, key, &self.cache);
         }
     }
 

@@ -80,7 +80,7 @@ impl Session {
                     out,
                     engine_id: turn.clone(),
                     trigger: "duplex",
-                    user: "[spoken]".into(),
+                    user: None,
                     text: String::new(),
                     packets: 0,
                     chunks: 0,

@@ -13,10 +13,14 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
+mod conn;
 mod duplex;
+mod history;
 mod manager;
 mod response;
 
+pub use conn::{Conn, ConnId, Outbound};
+use history::History;
 pub(crate) use manager::random_token;
 pub use manager::{Handle, SessionManager};
 
@@ -24,7 +28,7 @@ use super::audio_edge::{InputAudio, OutputAudio};
 use super::journal::{Journal, WireMsg};
 use super::Shared;
 use antiphon_engine::{
-    DuplexEvent, DuplexPolicy as EnginePolicy, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, Turn, UserInput,
+    DuplexEvent, DuplexPolicy as EnginePolicy, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, SpokenClip, Status, UserInput,
 };
 use antiphon_protocol::{
     AudioFrame, ClientEvent, DuplexPolicy, ErrorCode, Generation, Limits, Mode as WireMode, OutputAudio as OutputFormat, ServerEvent, SessionCreate,
@@ -32,8 +36,6 @@ use antiphon_protocol::{
 };
 use duplex::DuplexState;
 use response::{resolve_voice, Resp};
-
-pub type ConnId = u64;
 
 static NEXT_INCIDENT: AtomicU64 = AtomicU64::new(1);
 
@@ -48,50 +50,6 @@ pub fn internal_error(what: &str, detail: &str, fatal: bool) -> WireError {
         WireError::fatal(ErrorCode::Internal, msg)
     } else {
         WireError::new(ErrorCode::Internal, msg)
-    }
-}
-
-/// What a session (or the connection itself) writes to a socket.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Outbound {
-    Text(String),
-    Binary(Vec<u8>),
-    Close(u16, String),
-}
-
-/// The writing end of a connection: a bounded queue to its writer. A message that finds the queue
-/// full is not queued and the connection is marked overrun (`kick`): its socket is then closed,
-/// and what it missed stays in the session's journal for a resume.
-#[derive(Clone)]
-pub struct Conn {
-    pub id: ConnId,
-    tx: tokio::sync::mpsc::Sender<Outbound>,
-    kick: Arc<tokio::sync::watch::Sender<bool>>,
-}
-
-static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
-
-impl Conn {
-    pub fn new(tx: tokio::sync::mpsc::Sender<Outbound>, kick: Arc<tokio::sync::watch::Sender<bool>>) -> Self {
-        Self { id: NEXT_CONN.fetch_add(1, Ordering::Relaxed), tx, kick }
-    }
-
-    pub fn send(&self, m: Outbound) {
-        if let Err(tokio::sync::mpsc::error::TrySendError::Full(_)) = self.tx.try_send(m) {
-            if !*self.kick.borrow() {
-                tracing::warn!(conn = self.id, "outbound queue full: closing the slow reader's socket");
-            }
-            self.kick.send_replace(true);
-        }
-    }
-
-    /// Whether a message found the queue full.
-    pub fn overrun(&self) -> bool {
-        *self.kick.borrow()
-    }
-
-    pub fn send_event(&self, e: &ServerEvent) {
-        self.send(Outbound::Text(e.to_json()));
     }
 }
 
@@ -139,13 +97,6 @@ pub enum SessionMsg {
     Tick,
 }
 
-struct HistoryTurn {
-    response_id: u32,
-    user: String,
-    assistant: String,
-    audio_ms: u64,
-}
-
 /// A session's state (owned by its task).
 pub struct Session {
     shared: Arc<Shared>,
@@ -160,7 +111,7 @@ pub struct Session {
     voice: RefInput,
     instructions: Option<String>,
     generation: Generation,
-    history: Vec<HistoryTurn>,
+    history: History,
     next_seq: u64,
     journal: Journal,
     applied_input: u64,
@@ -181,6 +132,7 @@ pub struct Session {
 
 impl Session {
     fn new(shared: Arc<Shared>, c: &SessionCreate) -> Result<Self, WireError> {
+        let history = History::new(shared.engine.thinker_context());
         let cfg = &shared.config.server;
         let input = InputAudio::new(c.input_audio.codec, c.input_audio.sample_rate)
             .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `input_audio.sample_rate`: {e}")))?
@@ -220,7 +172,7 @@ impl Session {
             voice,
             instructions: c.instructions.clone(),
             generation: c.generation.clone().unwrap_or_default(),
-            history: Vec::new(),
+            history,
             next_seq: 1,
             applied_input: 0,
             input_since_ack: false,
@@ -429,27 +381,21 @@ impl Session {
                 self.feed_units();
             }
             ClientEvent::InputText { text, generation } => {
-                self.start_response("text", UserInput::Text(text.clone()), text, generation);
+                self.start_response("text", UserInput::Text(text), generation);
             }
             ClientEvent::InputCommit { generation } => {
                 if self.input.buffered_ms() == 0 {
                     return self.send_error(WireError::new(ErrorCode::BadField, "input.commit: no input audio since the last turn"));
                 }
-                match self.input.take_16k() {
-                    Ok(a) => self.start_response("commit", UserInput::Audio(a), "[spoken]".into(), generation),
+                match self.input.take_16k().and_then(|a| Ok(SpokenClip::new(a)?)) {
+                    Ok(clip) => self.start_response("commit", UserInput::Audio(clip), generation),
                     Err(e) => self.send_error(WireError::new(ErrorCode::BadAudio, format!("input audio: {e}"))),
                 }
             }
             ClientEvent::InputClear => self.input.clear(),
             ClientEvent::ResponseCancel { response_id } => self.cancel_response(response_id),
             ClientEvent::Playback { response_id, played_ms } => {
-                if let Some(t) = self.history.iter_mut().find(|t| t.response_id == response_id) {
-                    if t.audio_ms > 0 && played_ms < t.audio_ms {
-                        let chars: Vec<char> = t.assistant.chars().collect();
-                        let keep = (chars.len() as u64 * played_ms / t.audio_ms) as usize;
-                        t.assistant = chars[..keep].iter().collect();
-                    }
-                }
+                self.history.played(response_id, played_ms);
             }
             ClientEvent::Ack { seq } if seq >= self.next_seq => {
                 // acking ahead would empty the journal of messages not yet sent (and lose them)

@@ -12,7 +12,8 @@ pub(super) struct Resp {
     pub(super) out: OutputAudio,
     pub(super) engine_id: RequestId,
     pub(super) trigger: &'static str,
-    pub(super) user: String,
+    /// What the caller said (a duplex turn's caller is the session's stream, not an input).
+    pub(super) user: Option<UserInput>,
     pub(super) text: String,
     pub(super) packets: u64,
     pub(super) chunks: u64,
@@ -22,7 +23,7 @@ pub(super) struct Resp {
 }
 
 impl Session {
-    pub(super) fn start_response(&mut self, trigger: &'static str, input: UserInput, user: String, gen: Option<Generation>) {
+    pub(super) fn start_response(&mut self, trigger: &'static str, input: UserInput, gen: Option<Generation>) {
         if self.closing {
             self.send_error(WireError::new(ErrorCode::Capacity, "the server is shutting down; no new responses"));
             return;
@@ -43,9 +44,9 @@ impl Session {
         let spec = RequestSpec {
             id: engine_id.clone(),
             mode: Mode::Turn,
-            input,
+            input: input.clone(),
             instructions: self.instructions.clone(),
-            history: self.history.iter().map(|t| Turn { user: t.user.clone(), assistant: t.assistant.clone() }).collect(),
+            history: self.history.turns(),
             voice: self.voice.clone(),
             generation: params(&g),
         };
@@ -59,7 +60,7 @@ impl Session {
             out,
             engine_id,
             trigger,
-            user,
+            user: Some(input),
             text: String::new(),
             packets: 0,
             chunks: 0,
@@ -160,9 +161,9 @@ impl Session {
         self.shared.metrics.responses.with_label_values(&[label]).inc();
         tracing::info!(response = r.id, status = label, audio_ms, "response done");
         let _ = r.trigger;
-        if label != "failed" {
-            // a failed turn did not happen as far as the conversation goes
-            self.history.push(HistoryTurn { response_id: r.id, user: r.user, assistant: r.text, audio_ms });
+        // a failed turn did not happen as far as the conversation goes
+        if let Some(user) = r.user.filter(|_| label != "failed") {
+            self.history.push(r.id, user, r.text, audio_ms);
         }
         if self.closing && self.live_responses() == 0 {
             self.end(false, Some((1001, "server shutting down")));
