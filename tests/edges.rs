@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tokio_tungstenite::tungstenite::Message;
-use wire::{reqwest_like_get, server, short, Client, In};
+use wire::{is_done, reqwest_like_get, server, short, Client, In};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_beyond_the_cap_are_refused_and_a_freed_permit_is_reused() {
@@ -352,5 +352,38 @@ async fn a_reader_that_stops_reading_is_closed_and_counted_until_then() {
     let m = reqwest_like_get(&s, "/metrics").await;
     assert!(m.contains("antiphon_connections_open 0"), "{m}");
     drop(ws);
+    s.shutdown().await.unwrap();
+}
+
+/// A resume whose replay is far longer than the connection's queue replays at the pace the socket
+/// takes it: every message the client lacked arrives, in order, and the session is live after it
+/// (issue 38: the whole replay was pushed at once, found the queue full, and closed the socket it
+/// was resuming on, every time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_longer_than_the_queue_resumes_at_the_sockets_pace() {
+    let s = server(|c| c.server.outbound_queue = 16).await;
+    let mut c = Client::connect(&s).await;
+    let created = c.create(json!({})).await;
+    let (id, token) = (created["session_id"].as_str().unwrap().to_string(), created["resume_token"].as_str().unwrap().to_string());
+    c.send(json!({"type": "input.text", "text": "a long answer", "generation": short(150)})).await;
+    drop(c); // parked: the reply goes to the journal alone
+    let completed = || s.shared.metrics.responses.with_label_values(&["completed"]).get();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while completed() < 1 {
+        assert!(Instant::now() < deadline, "the reply never completed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut r = Client::connect(&s).await;
+    let last = created["seq"].as_u64().unwrap_or(0);
+    r.send(json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": last})).await;
+    let got = r.until(is_done).await;
+    assert!(matches!(got.first(), Some(In::Event(v)) if v["type"] == "session.resumed"), "{:?}", got.first());
+    let seqs: Vec<u64> = got.iter().filter_map(In::seq).collect();
+    assert_eq!(seqs, (last + 1..last + 1 + seqs.len() as u64).collect::<Vec<_>>(), "every message after the last seen, in order");
+    let frames = got.iter().filter(|m| matches!(m, In::Audio(_))).count();
+    assert!(frames > 4 * 16, "{frames} audio frames: the replay must be longer than the queue");
+    // live after the replay: the session answers on this socket
+    r.send(json!({"type": "ping", "id": "after"})).await;
+    assert_eq!(r.event("pong").await["id"], "after");
     s.shutdown().await.unwrap();
 }

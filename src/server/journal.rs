@@ -63,9 +63,9 @@ impl Journal {
         }
     }
 
-    /// Messages after `seq`, in order.
-    pub fn after(&self, seq: u64) -> impl Iterator<Item = &WireMsg> {
-        self.entries.iter().filter(move |(s, _, _)| *s > seq).map(|(_, m, _)| m)
+    /// Messages after `seq`, in order, each with its seq.
+    pub fn after(&self, seq: u64) -> impl Iterator<Item = (u64, &WireMsg)> {
+        self.entries.iter().filter(move |(s, _, _)| *s > seq).map(|(s, m, _)| (*s, m))
     }
 
     pub fn bytes(&self) -> usize {
@@ -95,7 +95,7 @@ mod tests {
         j.ack(3);
         assert_eq!(j.len(), 2);
         assert_eq!(j.after(0).count(), 2);
-        assert_eq!(j.after(4).collect::<Vec<_>>(), vec![&WireMsg::Text("x".repeat(10))]);
+        assert_eq!(j.after(4).collect::<Vec<_>>(), vec![(5, &WireMsg::Text("x".repeat(10)))]);
         assert_eq!(j.push(6, WireMsg::Binary(vec![0; 90]), 0), Err(Overflow));
         assert_eq!(j.push(6, WireMsg::Binary(vec![0; 10]), 900), Err(Overflow), "audio bound");
         j.push(6, WireMsg::Binary(vec![0; 10]), 700).unwrap();

@@ -3,6 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use antiphon_protocol::ServerEvent;
 
@@ -27,6 +28,11 @@ pub struct Conn {
 }
 
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+
+/// How long a resume's replay waits for room in a connection's queue before it takes the client
+/// for one that stopped reading.
+pub const REPLAY_STALL: Duration = Duration::from_secs(10);
+
 impl Conn {
     pub fn new(tx: tokio::sync::mpsc::Sender<Outbound>, kick: Arc<tokio::sync::watch::Sender<bool>>) -> Self {
         Self { id: NEXT_CONN.fetch_add(1, Ordering::Relaxed), tx, kick }
@@ -48,5 +54,35 @@ impl Conn {
 
     pub fn send_event(&self, e: &ServerEvent) {
         self.send(Outbound::Text(e.to_json()));
+    }
+
+    /// Free places in the queue.
+    pub fn capacity(&self) -> usize {
+        self.tx.capacity()
+    }
+
+    /// The queue's bound.
+    pub fn max_capacity(&self) -> usize {
+        self.tx.max_capacity()
+    }
+
+    /// Calls `wake` (with this connection's id) once `places` places of the queue are free at once;
+    /// a client that takes nothing from it for [`REPLAY_STALL`] is a reader that stopped reading,
+    /// and its socket is closed as a full queue's is (the session parks, resumable).
+    pub fn when_room(&self, places: usize, wake: impl FnOnce(ConnId) + Send + 'static) {
+        let (tx, id, n, kick) = (self.tx.clone(), self.id, places.clamp(1, self.tx.max_capacity()), self.kick.clone());
+        tokio::spawn(async move {
+            match tokio::time::timeout(REPLAY_STALL, tx.reserve_many(n)).await {
+                Ok(Ok(permits)) => {
+                    drop(permits);
+                    wake(id);
+                }
+                Ok(Err(_)) => {}
+                Err(_) => {
+                    tracing::warn!(conn = id, "a resume's replay made no progress: closing the slow reader's socket");
+                    kick.send_replace(true);
+                }
+            }
+        });
     }
 }

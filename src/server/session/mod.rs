@@ -17,9 +17,10 @@ mod conn;
 mod duplex;
 mod history;
 mod manager;
+mod replay;
 mod response;
 
-pub use conn::{Conn, ConnId, Outbound};
+pub use conn::{Conn, ConnId, Outbound, REPLAY_STALL};
 use history::History;
 pub(crate) use manager::random_token;
 pub use manager::{Handle, SessionManager};
@@ -78,6 +79,10 @@ pub enum SessionMsg {
         conn: Conn,
         last_seq: u64,
     },
+    /// The queue of a connection whose resume is replaying has room again.
+    Pump {
+        conn: ConnId,
+    },
     /// The connection went away without `session.close`.
     Detach {
         conn: ConnId,
@@ -118,6 +123,11 @@ pub struct Session {
     input_since_ack: bool,
     last_ack: Instant,
     conn: Option<Conn>,
+    /// While a resume replays the journal: the seq of the last message handed to the connection
+    /// (`replay.rs`); `None`: the connection is live.
+    replayed: Option<u64>,
+    /// The connection a waiter will wake the replay for, when one waits.
+    pump_waiting: Option<ConnId>,
     parked_at: Option<Instant>,
     created: Instant,
     last_activity: Instant,
@@ -178,6 +188,8 @@ impl Session {
             input_since_ack: false,
             last_ack: now,
             conn: None,
+            replayed: None,
+            pump_waiting: None,
             parked_at: None,
             created: now,
             last_activity: now,
@@ -253,7 +265,8 @@ impl Session {
         if let Some(m) = &self.manager {
             m.set_journal_bytes(&self.id, self.journal.bytes());
         }
-        if let Some(c) = &self.conn {
+        // (while a resume replays, the journal's order is the replay's: it sends this too)
+        if let Some(c) = self.conn.as_ref().filter(|_| self.replayed.is_none()) {
             c.send(match msg {
                 WireMsg::Text(t) => Outbound::Text(t),
                 WireMsg::Binary(b) => Outbound::Binary(b),
@@ -459,35 +472,12 @@ impl Session {
                     c.send(Outbound::Close(close.0, close.1));
                 }
             }
-            SessionMsg::Attach { conn, last_seq } => {
-                if let Some(old) = self.conn.take() {
-                    if old.id != conn.id {
-                        old.send_event(&ServerEvent::SessionClosing { seq: 0, reason: "replaced", retry_after_ms: None });
-                        old.send(Outbound::Close(1000, "replaced".into()));
-                    }
-                }
-                self.journal.ack(last_seq);
-                if let Some(m) = &self.manager {
-                    m.set_journal_bytes(&self.id, self.journal.bytes());
-                }
-                conn.send_event(&ServerEvent::SessionResumed { session_id: self.id.clone(), input_seq: self.applied_input });
-                for m in self.journal.after(last_seq) {
-                    conn.send(match m {
-                        WireMsg::Text(t) => Outbound::Text(t.clone()),
-                        WireMsg::Binary(b) => Outbound::Binary(b.clone()),
-                    });
-                }
-                self.conn = Some(conn);
-                self.parked_at = None;
-                if let Some(m) = &self.manager {
-                    m.set_parked(&self.id, false);
-                }
-                self.shared.metrics.resumes.inc();
-                tracing::info!(last_seq, "session resumed");
-            }
+            SessionMsg::Attach { conn, last_seq } => self.attach(conn, last_seq),
+            SessionMsg::Pump { conn } => self.on_pump(conn),
             SessionMsg::Detach { conn } => {
                 if self.conn.as_ref().is_some_and(|c| c.id == conn) {
                     self.conn = None;
+                    self.replayed = None;
                     self.parked_at = Some(Instant::now());
                     if let Some(m) = &self.manager {
                         m.set_parked(&self.id, true);
