@@ -385,3 +385,38 @@ async fn a_client_streaming_silence_is_active_and_an_idle_one_is_closed() {
     assert!(matches!(c.recv().await, In::Closed(_)));
     s.shutdown().await.unwrap();
 }
+
+/// Busy is said with when to try again, in the dialect as in v1: a response the server has no
+/// place for fails with `status_details.error.code` `capacity` and its `retry_after_ms`, and a call
+/// refused at connect gets an `error` with both before its close 1013.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capacity_says_when_to_try_again() {
+    let s = server(|c| {
+        c.engine.max_streams = Some(1);
+        c.engine.max_queued = 0;
+        c.engine.call_headroom = 1;
+    })
+    .await;
+    let mut b = connect(&s).await;
+    let mut a = Client::connect(&s).await;
+    a.create(json!({})).await;
+    a.send(json!({"type": "input.text", "text": "talk a while", "generation": {"min_audio_tokens": 2000, "max_audio_tokens": 2000}})).await;
+    a.until(|m| matches!(m, In::Audio(_))).await;
+    b.send(json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+        "content": [{"type": "input_text", "text": "me too"}]}}))
+        .await;
+    b.send(json!({"type": "response.create"})).await;
+    let done = until(&mut b, "response.done").await.pop().unwrap();
+    let details = &done["response"]["status_details"];
+    assert_eq!(done["response"]["status"], "failed", "{done}");
+    assert_eq!(details["error"]["code"], "capacity", "{done}");
+    assert!(details["error"]["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0), "{done}");
+    // a new call while no place is free
+    let mut c = Client::connect_to(&format!("ws://{}/openai/v1/realtime?model=gpt-realtime", s.addr)).await.unwrap();
+    let e = error(&mut c).await;
+    assert_eq!(e["code"], "capacity", "{e}");
+    assert!(e["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0), "{e}");
+    assert!(matches!(c.recv().await, In::Closed(Some(1013))));
+    a.send(json!({"type": "response.cancel"})).await;
+    s.shutdown().await.unwrap();
+}

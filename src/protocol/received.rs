@@ -24,6 +24,8 @@ pub enum Received {
         code: String,
         message: String,
         fatal: bool,
+        #[serde(default)]
+        retry_after_ms: Option<u64>,
     },
     /// Anything else (acks, pongs, duplex events): no action needed.
     #[serde(other)]

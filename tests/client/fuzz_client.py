@@ -27,6 +27,7 @@ import asyncio
 import itertools
 import json
 import random
+import re
 import struct
 import sys
 import time
@@ -333,6 +334,10 @@ class Conn:
                 self.violate(f"error without bool `fatal` / string `message`: {short(text)}")
             if ev.get("code") == "capacity" and not isinstance(ev.get("retry_after_ms"), (int, float)):
                 self.violate(f"`capacity` error without retry_after_ms: {short(text)}")
+            # an error about a response names it ("response 3 ..."): its failure has a reason
+            m = re.match(r"response (\d+)\b", ev.get("message") or "")
+            if m and int(m.group(1)) in self.open:
+                self.open[int(m.group(1))]["error"] = True
         elif ty == "response.created":
             rid = ev.get("response_id")
             if rid in self.open or rid in self.finished:
@@ -357,6 +362,8 @@ class Conn:
                     self.violate(f"completed response {rid}: no packet carries the last-packet flag")
                 if not isinstance(ev.get("audio_ms"), (int, float)):
                     self.violate(f"response.done without audio_ms: {short(text)}")
+                if ev.get("status") == "failed" and not r.get("error") and not r.get("partial"):
+                    self.violate(f"response {rid} failed with no error event saying why")
         elif ty == "session.closing":
             if ev.get("reason") not in CLOSING_REASONS:
                 self.violate(f"session.closing reason: {short(text)}")

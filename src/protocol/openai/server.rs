@@ -145,13 +145,41 @@ pub struct UsageView {
     pub audio_tokens: u64,
 }
 
+/// Why a response failed (`status_details.error`): the v1 code behind it (`capacity` when the
+/// server had no place for it, with the wait it suggests), and the reason in words.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Failure {
+    pub code: &'static str,
+    pub message: String,
+    pub retry_after_ms: Option<u64>,
+}
+
+/// An `error` event's error: the client's fault (`invalid_request_error`, naming the `param` and
+/// the client's `event_id`) or the server's (`server_error`; with `capacity`, how long to wait).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ErrorView {
+    pub code: &'static str,
+    pub message: String,
+    pub param: Option<String>,
+    pub client_event_id: Option<String>,
+    pub server_side: bool,
+    pub retry_after_ms: Option<u64>,
+}
+
+impl ErrorView {
+    /// The server's error, with no param and no wait.
+    pub fn server(code: &'static str, message: String) -> Self {
+        Self { code, message, param: None, client_event_id: None, server_side: true, retry_after_ms: None }
+    }
+}
+
 /// A response object.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResponseView {
     pub id: String,
     pub status: &'static str,
-    /// `(type, reason)` of `status_details`, e.g. `("cancelled", "turn_detected")`.
-    pub status_details: Option<(&'static str, Option<&'static str>, Option<String>)>,
+    /// `(type, reason, error)` of `status_details`, e.g. `("cancelled", "turn_detected", None)`.
+    pub status_details: Option<(&'static str, Option<&'static str>, Option<Failure>)>,
     pub output: Vec<ItemView>,
     pub modalities: Modality,
     pub output_format: AudioFormat,
@@ -167,7 +195,10 @@ impl ResponseView {
         let details = self.status_details.as_ref().map(|(ty, reason, error)| {
             let mut d = serde_json::json!({"type": ty, "reason": reason});
             if let Some(e) = error {
-                d["error"] = serde_json::json!({"type": "server_error", "code": "response_failed", "message": e});
+                d["error"] = serde_json::json!({"type": "server_error", "code": e.code, "message": e.message});
+                if let Some(ms) = e.retry_after_ms {
+                    d["error"]["retry_after_ms"] = ms.into();
+                }
             }
             d
         });
@@ -206,7 +237,7 @@ pub struct ContentAt {
 /// A server event of the dialect.
 #[derive(Debug, Clone, PartialEq)]
 pub enum OaiServerEvent {
-    Error { code: &'static str, message: String, param: Option<String>, client_event_id: Option<String>, server_side: bool },
+    Error(ErrorView),
     SessionCreated(SessionView),
     SessionUpdated(SessionView),
     Committed { previous_item_id: Option<String>, item_id: String },
@@ -247,13 +278,19 @@ impl OaiServerEvent {
             v
         };
         let mut v = match self {
-            E::Error { code, message, param, client_event_id, server_side } => serde_json::json!({
-                "type": "error",
-                "error": {
-                    "type": if *server_side { "server_error" } else { "invalid_request_error" },
-                    "code": code, "message": message, "param": param, "event_id": client_event_id,
-                },
-            }),
+            E::Error(e) => {
+                let mut v = serde_json::json!({
+                    "type": "error",
+                    "error": {
+                        "type": if e.server_side { "server_error" } else { "invalid_request_error" },
+                        "code": e.code, "message": e.message, "param": e.param, "event_id": e.client_event_id,
+                    },
+                });
+                if let Some(ms) = e.retry_after_ms {
+                    v["error"]["retry_after_ms"] = ms.into();
+                }
+                v
+            }
             E::SessionCreated(s) => serde_json::json!({"type": "session.created", "session": s.to_json()}),
             E::SessionUpdated(s) => serde_json::json!({"type": "session.updated", "session": s.to_json()}),
             E::Committed { previous_item_id, item_id } => {

@@ -15,7 +15,7 @@ use futures_util::{SinkExt, StreamExt};
 
 use crate::session::{random_token, Conn, Outbound, SessionMsg};
 use crate::Shared;
-use antiphon_protocol::openai::server::OaiServerEvent;
+use antiphon_protocol::openai::server::{ErrorView, OaiServerEvent};
 use antiphon_protocol::openai::{parse_client, OaiError};
 use antiphon_protocol::ClientEvent;
 
@@ -127,7 +127,8 @@ async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, model: String, pe
         Err(e) => {
             shared.metrics.errors.with_label_values(&[e.code.as_str()]).inc();
             let code = if e.code == antiphon_protocol::ErrorCode::Capacity { "capacity" } else { "server_error" };
-            out.event(&OaiServerEvent::Error { code, message: e.message, param: None, client_event_id: None, server_side: true });
+            let retry_after_ms = e.retry_after_ms;
+            out.event(&OaiServerEvent::Error(ErrorView { retry_after_ms, ..ErrorView::server(code, e.message) }));
             close(&out, 1013, "try again later");
             drop(out);
             let _ = writer.await;

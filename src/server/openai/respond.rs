@@ -5,7 +5,7 @@
 //! so the v1 journal stays empty: this dialect has no resume.
 
 use antiphon_audio::g711::{alaw_encode, ulaw_encode, Downsample24kTo8k};
-use antiphon_protocol::openai::server::{ContentAt, ItemView, OaiServerEvent as S, PartView, ResponseView, UsageView};
+use antiphon_protocol::openai::server::{ContentAt, ErrorView, Failure, ItemView, OaiServerEvent as S, PartView, ResponseView, UsageView};
 use antiphon_protocol::openai::{AudioFormat, MaxTokens, Modality, ResponseParams};
 use antiphon_protocol::{parse_server, AudioFrame, ClientEvent, Received};
 use base64::Engine as _;
@@ -35,7 +35,7 @@ pub(super) struct Active {
     narrow: Downsample24kTo8k,
     pub cancelling: bool,
     pub cancel_reason: Option<&'static str>,
-    failure: Option<String>,
+    failure: Option<Failure>,
     pub truncate_ms: Option<u64>,
     started: bool,
 }
@@ -86,7 +86,15 @@ impl Active {
     fn view(&self, status: &'static str, output: Vec<ItemView>, usage: Option<UsageView>) -> ResponseView {
         let status_details = match status {
             "cancelled" => Some(("cancelled", Some(self.cancel_reason.unwrap_or("client_cancelled")), None)),
-            "failed" => Some(("failed", None, Some(self.failure.clone().unwrap_or_else(|| "the response failed".into())))),
+            "failed" => Some((
+                "failed",
+                None,
+                Some(self.failure.clone().unwrap_or_else(|| Failure {
+                    code: "response_failed",
+                    message: "the response failed".into(),
+                    retry_after_ms: None,
+                })),
+            )),
             _ => None,
         };
         ResponseView {
@@ -150,21 +158,18 @@ impl Translator {
                 done = true;
             }
             Received::SessionClosing { reason, .. } => {
-                self.out.event(&S::Error {
-                    code: "session_closing",
-                    message: format!("the server is closing this session ({reason})"),
-                    param: None,
-                    client_event_id: None,
-                    server_side: true,
-                });
+                self.out.event(&S::Error(ErrorView::server("session_closing", format!("the server is closing this session ({reason})"))));
             }
-            Received::Error { code, message, fatal, .. } => {
+            Received::Error { code, message, fatal, retry_after_ms, .. } => {
+                let code: &'static str = antiphon_protocol::ErrorCode::ALL.iter().map(|c| c.as_str()).find(|c| *c == code).unwrap_or("server_error");
                 let unstarted = self.active.as_ref().is_some_and(|a| a.v1.is_none());
                 let ours = self.active.as_ref().and_then(|a| a.v1).is_some_and(|v| message.starts_with(&format!("response {v}")));
                 if (unstarted && !fatal) || ours {
                     // the response failed: its response.done says why (pipecat hangs up on any `error`)
                     if let Some(a) = self.active.as_mut() {
-                        a.failure = Some(message);
+                        // (capacity says so, with its wait; any other failure is the response's)
+                        let code = if code == "capacity" { code } else { "response_failed" };
+                        a.failure = Some(Failure { code, message, retry_after_ms });
                     }
                     if unstarted {
                         self.finish("failed", 0).await;
@@ -172,9 +177,7 @@ impl Translator {
                 } else {
                     self.shared.metrics.errors.with_label_values(&["openai_forwarded"]).inc();
                     let server_side = code == "internal" || fatal;
-                    let code: &'static str =
-                        antiphon_protocol::ErrorCode::ALL.iter().map(|c| c.as_str()).find(|c| *c == code).unwrap_or("server_error");
-                    self.out.event(&S::Error { code, message, param: None, client_event_id: None, server_side });
+                    self.out.event(&S::Error(ErrorView { server_side, retry_after_ms, ..ErrorView::server(code, message) }));
                 }
             }
             Received::Other => {}

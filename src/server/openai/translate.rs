@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use antiphon_protocol::openai::server::{ItemView, OaiServerEvent as S, PartView, SessionView};
+use antiphon_protocol::openai::server::{ErrorView, ItemView, OaiServerEvent as S, PartView, SessionView};
 use antiphon_protocol::openai::{AudioFormat, Item, MaxTokens, Modality, OaiClientEvent, OaiError, Part, ResponseParams, Role, SessionPatch};
 use antiphon_protocol::{ClientEvent, Codec, Generation, InputAudio, SessionUpdate, Voice, KIND_AUDIO};
 use tokio::sync::mpsc::Sender;
@@ -155,7 +155,8 @@ impl Translator {
 
     pub(super) fn error(&self, client_event: Option<String>, e: OaiError) {
         self.shared.metrics.errors.with_label_values(&[e.code]).inc();
-        self.out.event(&S::Error { code: e.code, message: e.message, param: e.param, client_event_id: client_event, server_side: false });
+        let (code, message, param) = (e.code, e.message, e.param);
+        self.out.event(&S::Error(ErrorView { code, message, param, client_event_id: client_event, server_side: false, retry_after_ms: None }));
     }
 
     pub async fn on_client(&mut self, event_id: Option<String>, event: OaiClientEvent) {
