@@ -139,6 +139,19 @@ async fn bad_input_gets_errors_with_the_event_id_and_the_session_goes_on() {
     assert_eq!(event(&mut c).await["type"], "session.updated");
     c.send(json!({"type": "input_audio_buffer.commit"})).await;
     assert_eq!(error(&mut c).await["code"], "input_audio_buffer_commit_empty");
+    // one sample is too little to be a turn: refused when committed (issue 38: accepted, and the
+    // response failed), and kept: with 100 ms more the commit takes both
+    let pcm = |samples: usize| base64::engine::general_purpose::STANDARD.encode(vec![0u8; 2 * samples]);
+    c.send(json!({"type": "input_audio_buffer.append", "audio": pcm(1)})).await;
+    c.send(json!({"type": "input_audio_buffer.commit", "event_id": "tiny"})).await;
+    let e = error(&mut c).await;
+    assert_eq!((e["code"].as_str(), e["event_id"].as_str()), (Some("input_audio_buffer_commit_empty"), Some("tiny")), "{e}");
+    assert!(e["message"].as_str().unwrap().contains("100 ms"), "{e}");
+    c.send(json!({"type": "input_audio_buffer.append", "audio": pcm(2400)})).await;
+    c.send(json!({"type": "input_audio_buffer.commit"})).await;
+    assert_eq!(event(&mut c).await["type"], "input_audio_buffer.committed");
+    assert_eq!(event(&mut c).await["type"], "conversation.item.added");
+    assert_eq!(event(&mut c).await["type"], "conversation.item.done");
     c.send(json!({"type": "response.cancel"})).await;
     assert_eq!(error(&mut c).await["code"], "response_cancel_not_active");
     c.send(json!({"type": "conversation.item.retrieve", "item_id": "nope", "event_id": "rci_nope"})).await;

@@ -12,6 +12,9 @@ const PER_MS: u64 = RATE / 1000;
 /// Audio kept before a turn, beyond the prefix padding: the detector reports a start ~90 ms
 /// after it happened.
 const KEEP_MS: u64 = 1000;
+/// The least audio a commit takes (OpenAI's own minimum): less is refused and left in the buffer,
+/// where it would have made a turn the model cannot hear.
+pub const MIN_COMMIT_MS: u64 = 100;
 
 /// What turn detection saw in appended audio.
 #[derive(Debug, Clone, PartialEq)]
@@ -121,19 +124,22 @@ impl InputBuffer {
     }
 
     /// `input_audio_buffer.commit`: the audio of the turn so far (with turn detection: of the
-    /// turn in progress, if any); `None` when there is none.
-    pub fn commit(&mut self) -> Option<Vec<i16>> {
-        let start = match self.detection.as_mut() {
+    /// turn in progress, if any). Less than [`MIN_COMMIT_MS`] is refused and changes nothing:
+    /// `Err` holds the ms there are.
+    pub fn commit(&mut self) -> Result<Vec<i16>, u64> {
+        let start = match &self.detection {
             None => self.base,
-            Some(d) => {
-                let start = d.speech.take()?;
-                d.skip_stop = true;
-                start
-            }
+            Some(d) => d.speech.ok_or(0u64)?,
         };
         let end = self.total;
-        let audio = take(&mut self.samples, &mut self.base, start, end);
-        (!audio.is_empty()).then_some(audio)
+        if end - start < MIN_COMMIT_MS * PER_MS {
+            return Err((end - start) / PER_MS);
+        }
+        if let Some(d) = self.detection.as_mut() {
+            d.speech = None;
+            d.skip_stop = true;
+        }
+        Ok(take(&mut self.samples, &mut self.base, start, end))
     }
 
     /// `input_audio_buffer.clear`: the buffered audio and any turn in progress are dropped.

@@ -181,7 +181,13 @@ impl Translator {
                 Ok(())
             }
             OaiClientEvent::Commit => {
-                let audio = self.input.commit().ok_or_else(|| err("input_audio_buffer_commit_empty", "the input audio buffer is empty"))?;
+                let audio = self.input.commit().map_err(|ms| {
+                    let least = super::input::MIN_COMMIT_MS;
+                    err(
+                        "input_audio_buffer_commit_empty",
+                        format!("buffer too small: a commit takes at least {least} ms of audio; the buffer holds {ms} ms"),
+                    )
+                })?;
                 let id = self.turn_item.take().unwrap_or_else(|| new_id("item"));
                 self.commit_audio(id, audio);
                 Ok(())
