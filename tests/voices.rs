@@ -130,8 +130,13 @@ async fn bad_uploads_and_unknown_ids_get_clear_errors() {
     })
     .await;
     let code = |body: &str| json_of(body)["error"]["code"].as_str().unwrap_or_default().to_string();
-    let cases: [(&str, Vec<u8>, u16, &str, &str); 5] = [
+    let mut silent = wav(0.8, 16_000);
+    silent[44..].fill(0);
+    let cases: [(&str, Vec<u8>, u16, &str, &str); 7] = [
         ("/v1/voices?name=x", b"hello, not audio".to_vec(), 400, "bad_audio", "WAV"),
+        // (issue 42: a 0.05 s silent WAV was taken as a voice)
+        ("/v1/voices?name=x", wav(0.05, 16_000), 400, "bad_audio", "at least 0.5 s"),
+        ("/v1/voices?name=x", silent, 400, "bad_audio", "silent"),
         ("/v1/voices?name=x", b"RIFF\x10\0\0\0WAVEjunk".to_vec(), 400, "bad_audio", "cannot be read"),
         ("/v1/voices?name=x", wav(1.5, 8000), 400, "too_long", "server.max_voice_s"),
         ("/v1/voices?name=x", wav(3.0, 16_000), 413, "too_large", "server.max_voice_bytes"),

@@ -58,6 +58,26 @@ pub fn f32_to_i16(s: f32) -> i16 {
     (s.clamp(-1.0, 1.0) * 32767.0).round() as i16
 }
 
+/// The least audio a reference voice is made of, in seconds.
+pub const MIN_VOICE_S: f64 = 0.5;
+/// The quietest a reference voice may be (its RMS, in dBFS): below it there is no voice to clone.
+pub const MIN_VOICE_DBFS: f64 = -60.0;
+
+/// Why `samples` at `rate` Hz cannot be a reference voice (too short, or silent), or `None`.
+pub fn voice_fault(samples: &[f32], rate: u32) -> Option<String> {
+    let seconds = samples.len() as f64 / f64::from(rate.max(1));
+    if seconds < MIN_VOICE_S {
+        return Some(format!("{seconds:.2} s of audio: a voice needs at least {MIN_VOICE_S} s of speech"));
+    }
+    let power = samples.iter().map(|&s| f64::from(s) * f64::from(s)).sum::<f64>() / samples.len() as f64;
+    let dbfs = 10.0 * power.log10();
+    // (NaN, from a non-finite sample, is no voice either)
+    if dbfs.is_nan() || dbfs < MIN_VOICE_DBFS {
+        return Some(format!("the audio is silent or nearly ({dbfs:.0} dBFS): a voice needs speech louder than {MIN_VOICE_DBFS} dBFS"));
+    }
+    None
+}
+
 pub fn i16_to_f32(s: i16) -> f32 {
     s as f32 / 32768.0
 }
@@ -105,6 +125,18 @@ mod tests {
 
     fn sine(f: f32, sr: u32, secs: f32) -> Vec<f32> {
         (0..(sr as f32 * secs) as usize).map(|i| (2.0 * std::f32::consts::PI * f * i as f32 / sr as f32).sin() * 0.5).collect()
+    }
+
+    #[test]
+    fn a_voice_is_half_a_second_of_sound_at_least() {
+        assert!(voice_fault(&sine(200.0, 16_000, 1.0), 16_000).is_none());
+        let short = voice_fault(&sine(200.0, 16_000, 0.05), 16_000).unwrap();
+        assert!(short.contains("0.05 s"), "{short}");
+        let silent = voice_fault(&vec![0.0; 32_000], 16_000).unwrap();
+        assert!(silent.contains("silent"), "{silent}");
+        let hiss: Vec<f32> = (0..32_000).map(|i| if i % 2 == 0 { 1e-4 } else { -1e-4 }).collect();
+        assert!(voice_fault(&hiss, 16_000).is_some(), "-80 dBFS is no voice");
+        assert!(voice_fault(&[f32::NAN; 16_000], 16_000).is_some());
     }
 
     #[test]

@@ -133,6 +133,9 @@ impl Voices {
         for v in &cfg.voices {
             let bytes = std::fs::read(&v.wav).with_context(|| format!("voice {}: reading {}", v.id, v.wav.display()))?;
             let (samples, rate) = antiphon_audio::decode_wav(&bytes).with_context(|| format!("voice {}", v.id))?;
+            if let Some(why) = antiphon_audio::voice_fault(&samples, rate) {
+                anyhow::bail!("voice {} ({}): {why}", v.id, v.wav.display());
+            }
             let seconds = samples.len() as f64 / f64::from(rate.max(1));
             let info = VoiceInfo { id: v.id.clone(), name: v.id.clone(), kind: "configured".into(), seconds, sample_rate: rate, created: 0 };
             entries.insert(v.id.clone(), Entry { info, input: RefInput::new(samples, rate), key: None });
@@ -298,6 +301,9 @@ impl Voices {
         }
         if samples.is_empty() || samples.iter().any(|s| !s.is_finite()) {
             return Err(bad("bad_audio", "no samples, or samples that are not finite numbers".into()));
+        }
+        if let Some(why) = antiphon_audio::voice_fault(&samples, rate) {
+            return Err(bad("bad_audio", why));
         }
         let seconds = samples.len() as f64 / f64::from(rate);
         if seconds > self.max_seconds {

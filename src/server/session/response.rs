@@ -257,11 +257,14 @@ pub(super) fn resolve_voice(shared: &Shared, v: Option<&Voice>) -> Result<RefInp
                 }
                 (bytes.chunks_exact(2).map(|b| antiphon_audio::i16_to_f32(i16::from_le_bytes([b[0], b[1]]))).collect(), *sample_rate)
             };
-            if samples.len() < (rate as usize / 2) || !(8_000..=96_000).contains(&rate) {
-                return Err(WireError::new(ErrorCode::BadField, "field `voice.ref_audio_b64`: needs at least 0.5 s of audio at 8-96 kHz"));
+            if !(8_000..=96_000).contains(&rate) {
+                return Err(WireError::new(ErrorCode::BadField, "field `voice.ref_audio_b64`: audio at 8-96 kHz"));
             }
             if samples.iter().any(|s| !s.is_finite()) {
                 return Err(WireError::new(ErrorCode::BadField, "field `voice.ref_audio_b64`: non-finite samples"));
+            }
+            if let Some(why) = antiphon_audio::voice_fault(&samples, rate) {
+                return Err(WireError::new(ErrorCode::BadField, format!("field `voice.ref_audio_b64`: {why}")));
             }
             Ok(RefInput::new(samples, rate))
         }
