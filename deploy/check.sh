@@ -143,7 +143,7 @@ if [ -n "${ANTIPHON_BIN:-}" ]; then
   cp assets/voices/default.wav "$STAND/models/MiniCPM-o-4_5/assets/HT_ref_audio.wav"
   for n in base gpu; do
     sed "s#\"/usr/share/antiphon/#\"$STAND/share/#g; s#\"/models/#\"$STAND/models/#g" "$WORK/rendered/$n.antiphon.toml" > "$WORK/$n.toml"
-    "$ANTIPHON_BIN" check-config "$WORK/$n.toml"
+    "$ANTIPHON_BIN" check-config --file-only "$WORK/$n.toml"
   done
 fi
 

@@ -29,8 +29,16 @@ enum Command {
         #[arg(long, env = "ANTIPHON_REPLICA_ID")]
         replica_id: Option<String>,
     },
-    /// Validate a configuration file without starting anything.
-    CheckConfig { file: PathBuf },
+    /// Validate a configuration file without starting anything: the file, and what `serve` would
+    /// meet on this machine (the device on this build, web_dir, voice files, a checkpoint's files
+    /// and tensor headers), without loading a weight.
+    CheckConfig {
+        file: PathBuf,
+        /// The file alone, not what it names on this machine (a configuration rendered for
+        /// another machine, such as a Kubernetes pod's).
+        #[arg(long)]
+        file_only: bool,
+    },
     /// Write a synthetic checkpoint directory (seeded random weights in the real layout).
     SynthCheckpoint {
         /// Output directory.
@@ -216,8 +224,15 @@ fn main() -> Result<()> {
             cfg.validate()?;
             serve(cfg)
         }
-        Command::CheckConfig { file } => {
+        Command::CheckConfig { file, file_only } => {
             let cfg = Config::load(&file)?;
+            let problems = if file_only { Vec::new() } else { cfg.preflight() };
+            if !problems.is_empty() {
+                for p in &problems {
+                    eprintln!("error: {p}");
+                }
+                anyhow::bail!("{}: {} problem(s) that `serve` would meet", file.display(), problems.len());
+            }
             println!(
                 "{}: OK ({:?} model, {} on {}, listen {}, {} voice(s))",
                 file.display(),

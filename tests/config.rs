@@ -104,11 +104,80 @@ fn every_shipped_config_passes_check_config() {
         n += 1;
         let out = Command::new(bin).arg("check-config").arg(&p).current_dir(root()).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
+        let cuda = std::fs::read_to_string(&p).unwrap().contains("device = \"cuda");
         if p.ends_with("minicpmo45.toml") {
             assert!(!out.status.success() && err.contains("model.path"), "{}: {err}", p.display());
+        } else if cuda && !cfg!(feature = "cuda") {
+            // (a CUDA device on a build without CUDA is the one thing it finds)
+            assert!(
+                !out.status.success() && err.contains("no CUDA") && err.lines().filter(|l| l.starts_with("error: ")).count() == 1,
+                "{}: {err}",
+                p.display()
+            );
         } else {
             assert!(out.status.success(), "{}: {err}", p.display());
         }
     }
     assert!(n >= 4, "found {n} configs");
+}
+
+/// `check-config` finds what `serve` would refuse or miss, without loading a weight, each named
+/// with its file and what was expected (issue 42: it said OK to a missing tokenizer, a truncated
+/// shard, a CUDA device on a CPU build and a missing web_dir).
+#[test]
+fn check_config_finds_what_serve_would_meet() {
+    let bin = env!("CARGO_BIN_EXE_antiphon");
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = tmp.path().join("ck");
+    let opts = antiphon_assets::synth::SynthOptions { shard_bytes: 1 << 20, ..Default::default() };
+    antiphon_assets::synth::write_checkpoint(&ck, &opts).unwrap();
+    let config = |extra: &str| {
+        let text = format!(
+            "[server]\nweb_dir = {web:?}\n\n[model]\nsource = \"checkpoint\"\npath = {ck:?}\n{extra}\n\n[[voices]]\nid = \"default\"\nwav = {wav:?}\n",
+            web = root().join("web"),
+            ck = ck,
+            wav = root().join("assets/voices/default.wav"),
+        );
+        let p = tmp.path().join("c.toml");
+        std::fs::write(&p, text).unwrap();
+        let out = Command::new(bin).arg("check-config").arg(&p).output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (ok, err) = config("");
+    assert!(ok, "a whole checkpoint passes: {err}");
+    // a wrong shape: one layer's q_proj rewritten with a row too few
+    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ck.join("model.safetensors.index.json")).unwrap()).unwrap();
+    let name = "llm.model.layers.0.self_attn.q_proj.weight";
+    let shard = ck.join(index["weight_map"][name].as_str().unwrap());
+    let saved = std::fs::read(&shard).unwrap();
+    let mut tensors = candle_core::safetensors::load(&shard, &candle_core::Device::Cpu).unwrap();
+    let q = tensors[name].clone();
+    tensors.insert(name.to_string(), q.narrow(0, 0, q.dim(0).unwrap() - 1).unwrap());
+    candle_core::safetensors::save(&tensors, &shard).unwrap();
+    let (ok, err) = config("");
+    assert!(!ok && err.contains(name) && err.contains("config.json implies"), "{err}");
+    // a truncated shard
+    std::fs::write(&shard, &saved[..saved.len() - 100]).unwrap();
+    let (ok, err) = config("");
+    assert!(!ok && err.contains(&*shard.file_name().unwrap().to_string_lossy()) && err.contains("truncated"), "{err}");
+    std::fs::write(&shard, &saved).unwrap();
+    // no tokenizer
+    std::fs::rename(ck.join("tokenizer.json"), ck.join("t.json")).unwrap();
+    let (ok, err) = config("");
+    assert!(!ok && err.contains("tokenizer.json"), "{err}");
+    std::fs::rename(ck.join("t.json"), ck.join("tokenizer.json")).unwrap();
+    // a CUDA device on a build without CUDA
+    if !cfg!(feature = "cuda") {
+        let (ok, err) = config("device = \"cuda:0\"");
+        assert!(!ok && err.contains("no CUDA") && err.contains("--features cuda"), "{err}");
+    }
+    // a web_dir without the demo
+    let text = std::fs::read_to_string(tmp.path().join("c.toml")).unwrap();
+    std::fs::write(tmp.path().join("c.toml"), text.replace(&format!("{:?}", root().join("web")), &format!("{:?}", tmp.path()))).unwrap();
+    let out = Command::new(bin).arg("check-config").arg(tmp.path().join("c.toml")).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("server.web_dir") && err.contains("index.html"), "{err}");
+    // and all of it found, the checkpoint is whole again
+    let (ok, err) = config("");
+    assert!(ok, "{err}");
 }

@@ -3,6 +3,7 @@
 //! files; synthetic checkpoints in the real layout and synthetic models made in memory.
 //! Everything that reads or writes a model file lives here, so `antiphon-models` stays pure.
 
+pub mod check;
 pub mod checkpoint;
 pub mod onnx;
 pub mod synth;

@@ -18,9 +18,13 @@ use crate::yaml;
 /// Loads `assets/token2wav/` (the directory itself). The vocoder is chosen by the files
 /// present: `config.yaml` + `hift.pt` (+ `hift_original.pt`) is the minicpmo-utils 1.0.7
 /// layout whose causal `hift.pt` streams; otherwise `hift.pt` is the original generator.
+/// The token2wav files `dir` lacks (those [`load_dir`] needs).
+pub fn missing_assets(dir: &Path) -> Vec<&'static str> {
+    [FLOW_YAML, FLOW_PT, HIFT_PT, CAMPPLUS_ONNX, TOKENIZER_ONNX].into_iter().filter(|f| !dir.join(f).is_file()).collect()
+}
+
 pub fn load_dir(dir: &Path, dtype: DType, device: &Device, seeds: BufferSeeds) -> Result<Code2Wav> {
-    let need = [FLOW_YAML, FLOW_PT, HIFT_PT, CAMPPLUS_ONNX, TOKENIZER_ONNX];
-    let missing: Vec<&str> = need.iter().copied().filter(|f| !dir.join(f).is_file()).collect();
+    let missing = missing_assets(dir);
     if !missing.is_empty() {
         bail!("{}: missing token2wav asset(s) {}", dir.display(), missing.join(", "));
     }

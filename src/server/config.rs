@@ -294,6 +294,48 @@ impl Config {
     }
 }
 
+impl Config {
+    /// What `serve` would refuse or miss that [`Config::parse`] does not see, found without loading
+    /// a weight (`antiphon check-config`): the device on this build, the demo's `web_dir`, each
+    /// voice file as audio, and a checkpoint's files ([`antiphon_assets::check::check_checkpoint`]).
+    /// Each problem names the file or key and what was expected; empty: none found.
+    pub fn preflight(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if let DeviceSpec::Cuda(_) = self.model.device {
+            if !candle_core::utils::cuda_is_available() {
+                problems.push(format!(
+                    "model.device = \"{}\": this build has no CUDA (build it with `cargo build --release --features cuda`)",
+                    self.model.device
+                ));
+            } else if let Err(e) = antiphon_models::gpu::open(self.model.device) {
+                problems.push(format!("model.device = \"{}\": {e:#}", self.model.device));
+            }
+        }
+        let web = &self.server.web_dir;
+        if !web.join("index.html").is_file() {
+            problems.push(format!(
+                "server.web_dir = {}: no index.html there, so the demo at / would answer 404 (a relative web_dir is read from the configuration file's directory)",
+                web.display()
+            ));
+        }
+        for v in &self.voices {
+            let audio = std::fs::read(&v.wav).map_err(anyhow::Error::from).and_then(|b| antiphon_audio::decode_wav(&b));
+            match audio {
+                Err(e) => problems.push(format!("voice {:?}: {}: {e:#}", v.id, v.wav.display())),
+                Ok((samples, rate)) => {
+                    if let Some(why) = antiphon_audio::voice_fault(&samples, rate) {
+                        problems.push(format!("voice {:?}: {}: {why}", v.id, v.wav.display()));
+                    }
+                }
+            }
+        }
+        if let (ModelSource::Checkpoint, Some(dir)) = (self.model.source, &self.model.path) {
+            problems.extend(antiphon_assets::check::check_checkpoint(dir));
+        }
+        problems
+    }
+}
+
 /// A replica id: empty, or 1–63 letters, digits and `-` (a DNS label, as a pod name is).
 pub fn check_replica_id(id: &str) -> std::result::Result<(), &'static str> {
     if id.len() > 63 || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') || id.starts_with('-') {

@@ -197,6 +197,9 @@ impl Server {
 /// Builds everything and starts serving on `cfg.server.listen` (port 0 picks a free port).
 pub async fn start(cfg: Config, models: Models) -> Result<Server> {
     let cfg = Arc::new(cfg);
+    if !cfg.server.web_dir.join("index.html").is_file() {
+        tracing::warn!(web_dir = %cfg.server.web_dir.display(), "no index.html in server.web_dir: the demo at / answers 404");
+    }
     let voices = voices::Voices::load(&cfg)?;
     let engine = Arc::new(Engine::start(models, cfg.engine.clone())?);
     // saved features into Stage 2 before any request; the rest prepared before ready
