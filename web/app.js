@@ -209,6 +209,7 @@ function makeEncoder(rate) {
     output: (chunk) => {
       const bytes = new Uint8Array(chunk.byteLength);
       chunk.copyTo(bytes);
+      if (!client) return;
       client.sendAudio(bytes);
       stats.sentPackets++;
     },
@@ -299,14 +300,64 @@ function onMicFrame(frame) {
 
 // ---- session -----------------------------------------------------------------------------
 
+/** Controls enabled exactly when they work: the session's settings while idle, talking while
+ *  connected (typing and push-to-talk in turn mode only: duplex listens all the time). */
+function lockControls(connected) {
+  for (const id of ['mode', 'voice', 'ref', 'connect']) $(id).disabled = connected;
+  for (const id of ['hangup', 'drop']) $(id).disabled = !connected;
+  const duplex = $('mode').value === 'duplex';
+  for (const id of ['text', 'send', 'ptt']) $(id).disabled = !connected || duplex;
+}
+
+/** Something went wrong that the user must see: on the page, in the log and the state line. */
+function showError(what, e) {
+  const msg = `${what}: ${e && e.message ? e.message : e}`;
+  log('error: ' + msg);
+  setState('error', msg);
+}
+
+/** Connects, or shows why not and leaves the page ready to try again. */
 async function start(info) {
   if (client) return;
-  $('connect').disabled = true;
-  audioCtx = new AudioContext({ sampleRate: 48000, latencyHint: 'interactive' });
+  lockControls(true);
+  try {
+    await open(info);
+  } catch (e) {
+    await stop();
+    showError('could not connect', e);
+  }
+}
+
+/** Hang up: ends the session and frees the microphone and audio, ready to connect again. */
+async function stop() {
+  if (client) client.close();
+  client = null;
+  clearInterval(statsTimer);
+  if (micStream) micStream.getTracks().forEach((t) => t.stop());
+  micStream = null;
+  micNode = null;
+  if (encoder && encoder.state !== 'closed') encoder.close();
+  if (decoder && decoder.state !== 'closed') decoder.close();
+  encoder = decoder = null;
+  if (audioCtx) await audioCtx.close().catch(() => {});
+  audioCtx = null;
+  player = null;
+  current = null;
+  talking = false;
+  $('ptt').classList.remove('on');
+  lockControls(false);
+}
+
+let statsTimer = null;
+
+async function open(info) {
+  const ctx = (audioCtx = new AudioContext({ sampleRate: 48000, latencyHint: 'interactive' }));
   await audioCtx.audioWorklet.addModule('worklets.js');
   player = new AudioWorkletNode(audioCtx, 'player', { outputChannelCount: [1] });
   player.connect(audioCtx.destination);
   player.port.onmessage = (e) => {
+    // (a hung-up call's last messages: its context is gone)
+    if (audioCtx !== ctx) return;
     const m = e.data;
     stats.playedSamples = m.played;
     stats.depthMs = Math.round((m.depth / audioCtx.sampleRate) * 1000);
@@ -320,7 +371,7 @@ async function start(info) {
     micStream = await navigator.mediaDevices.getUserMedia({ audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true } });
     micNode = new AudioWorkletNode(audioCtx, 'capture');
     audioCtx.createMediaStreamSource(micStream).connect(micNode);
-    micNode.port.onmessage = (e) => onMicFrame(e.data);
+    micNode.port.onmessage = (e) => audioCtx === ctx && onMicFrame(e.data);
   } catch (e) {
     log('no microphone: ' + e.message + ' (text input still works)');
   }
@@ -339,28 +390,36 @@ async function start(info) {
     voice: await voiceChoice(),
   };
   if (info.synthetic_weights) {
-    // synthetic weights decide nothing: force lengths, and speak every other unit in duplex
+    // synthetic weights decide nothing: force lengths, and speak every other unit in duplex. A
+    // duplex unit speaks its own length (one unit of codes); what a turn says after its last unit
+    // (its drain, to the end code that synthetic weights never pick) is kept short, or the audio
+    // would outgrow the units and the buffer drift behind.
     const text = Number(params.get('text_tokens') || 16);
     const audio = Number(params.get('audio_tokens') || 75);
     create.generation = { min_text_tokens: text, max_text_tokens: text, min_audio_tokens: audio, max_audio_tokens: audio };
-    if (mode === 'duplex') create.duplex = { policy: 'speak_every', k: Number(params.get('speak_every') || 2) };
+    if (mode === 'duplex') {
+      create.duplex = { policy: 'speak_every', k: Number(params.get('speak_every') || 2) };
+      Object.assign(create.generation, { min_audio_tokens: 0, max_audio_tokens: Number(params.get('drain_tokens') || 10) });
+    }
   }
   client = new Client(wsUrl(), create);
+  // (a session hung up may still deliver a last message: it is not this page's any more)
+  const mine = client;
   client.addEventListener('state', (e) => {
+    if (client !== mine) return;
     setState(e.detail.state, e.detail.detail);
     stats.reconnects = client.reconnects;
     $('reconnects').textContent = client.reconnects;
   });
-  client.addEventListener('event', (e) => onEvent(e.detail));
-  client.addEventListener('audio', (e) => onAudio(e.detail));
-  setInterval(() => {
+  client.addEventListener('event', (e) => client === mine && onEvent(e.detail));
+  client.addEventListener('audio', (e) => client === mine && onAudio(e.detail));
+  statsTimer = setInterval(() => {
+    if (!client) return;
     stats.duplicates = client.duplicates;
     stats.unapplied = client.outbox.length;
     $('dups').textContent = client.duplicates;
   }, 250);
   client.connect();
-  $('hangup').disabled = false;
-  $('drop').disabled = false;
 }
 
 /** `?token=…` (or `&token=…`) when the page was opened with one, else nothing. */
@@ -398,7 +457,13 @@ function wavBlob(pcm, rate) {
 async function voiceChoice() {
   const file = $('ref').files[0];
   if (!file) return { id: $('voice').value || 'default' };
-  const decoded = await audioCtx.decodeAudioData(await file.arrayBuffer());
+  let decoded;
+  try {
+    decoded = await audioCtx.decodeAudioData(await file.arrayBuffer());
+  } catch (e) {
+    $('ref').value = '';
+    throw new Error(`${file.name} cannot be decoded as audio (${e.message || e}); pick another file or a voice`);
+  }
   const mono = new Float32Array(decoded.length);
   for (let c = 0; c < decoded.numberOfChannels; c++) {
     const ch = decoded.getChannelData(c);
@@ -443,12 +508,13 @@ function sendText() {
 async function main() {
   const info = await buildInfo();
   setState('idle');
+  lockControls(false);
+  $('mode').onchange = () => lockControls(false);
   $('connect').onclick = () => start(info);
-  $('hangup').onclick = () => {
-    client && client.close();
-    micStream && micStream.getTracks().forEach((t) => t.stop());
-    $('hangup').disabled = true;
-    $('drop').disabled = true;
+  $('hangup').onclick = async () => {
+    await stop();
+    setState('idle', 'hung up');
+    log('hung up');
   };
   $('drop').onclick = () => client && client.drop();
   $('send').onclick = sendText;
@@ -469,8 +535,19 @@ async function main() {
   ptt.onpointerdown = down;
   ptt.onpointerup = up;
   ptt.onpointerleave = up;
-  document.addEventListener('keydown', (e) => e.code === 'Space' && e.target === document.body && (e.preventDefault(), down()));
-  document.addEventListener('keyup', (e) => e.code === 'Space' && e.target === document.body && up());
+  // Space talks wherever the focus is, unless a field takes typing (a focused button must not be
+  // pressed by it: Drop network pressed again on every Space)
+  const typing = (t) => (t instanceof HTMLInputElement && !['checkbox', 'file', 'button'].includes(t.type)) || t instanceof HTMLTextAreaElement || t instanceof HTMLSelectElement;
+  document.addEventListener('keydown', (e) => {
+    if (e.code !== 'Space' || typing(e.target)) return;
+    e.preventDefault();
+    if (!e.repeat && !ptt.disabled) down();
+  });
+  document.addEventListener('keyup', (e) => {
+    if (e.code !== 'Space' || typing(e.target)) return;
+    e.preventDefault();
+    up();
+  });
   if (params.get('autoconnect') === '1') start(info);
 }
 

@@ -277,9 +277,68 @@ await test('duplex: audio streams both ways, listen/speak decisions and a spoken
   assert(/unit \d+: (listen|speak)/.test(await page.textContent('#duplex')), 'listen/speak decisions on the page');
   assert(s.playedSamples > 0, 'the answer played');
   assertGapless(s.seqs);
+  // the session's settings are fixed while it runs, and duplex takes no typed turns
+  for (const id of ['mode', 'voice', 'ref', 'text', 'send', 'ptt', 'connect']) assert(await page.isDisabled(`#${id}`), `#${id} is disabled in a duplex call`);
+  // the reply's audio keeps pace with the units (issue 42: forced lengths drifted ~1 s a second)
+  await page.waitForTimeout(6000);
+  const later = await stats(page);
+  assert(later.depthMs < 3000, `the playback buffer stays short (${later.depthMs} ms after ${(later.sentPackets / 50).toFixed(0)} s)`);
+  console.log(`      buffer ${later.depthMs} ms after ${(later.sentPackets / 50).toFixed(0)} s of duplex`);
+  await page.click('#hangup');
+  for (const id of ['mode', 'voice', 'ref', 'connect']) assert(!(await page.isDisabled(`#${id}`)), `#${id} is enabled again after Hang up`);
+  await page.close();
+});
+
+await test('Hang up, then Connect again: a new session answers', async () => {
+  const page = await openPage('text_tokens=8&audio_tokens=30');
+  await connect(page);
+  const first = await page.evaluate(() => window.antiphon.client().session.id);
+  await page.click('#hangup');
+  await page.waitForFunction(() => window.antiphon.stats.state === 'idle', null, { timeout: 10000 });
+  await connect(page);
+  const second = await page.evaluate(() => window.antiphon.client().session.id);
+  assert(second !== first, `a new session (${first} then ${second})`);
+  await page.fill('#text', 'Hello again.');
+  await page.press('#text', 'Enter');
+  await page.waitForFunction(() => Object.values(window.antiphon.stats.responses).some((r) => r.status === 'completed'), null, { timeout: 60000 });
+  // (each test ends its session: the server holds a few, parked ones included)
   await page.click('#hangup');
   await page.close();
 });
+
+await test('a file that is not audio: the page says why and connects with another voice', async () => {
+  const page = await openPage('text_tokens=8&audio_tokens=30');
+  await page.setInputFiles('#ref', { name: 'notes.wav', mimeType: 'audio/wav', buffer: Buffer.from('these are notes, not audio') });
+  await page.click('#connect');
+  await page.waitForFunction(() => window.antiphon.stats.state === 'error', null, { timeout: 15000 });
+  const state = await page.textContent('#state');
+  assert(/notes\.wav cannot be decoded as audio/.test(state), `the reason is on the page: "${state}"`);
+  await page.screenshot({ path: path.join(artifacts, '7-bad-voice-file.png'), fullPage: true });
+  assert(!(await page.isDisabled('#connect')), 'Connect works again');
+  await connect(page);
+  await page.click('#hangup');
+  await page.close();
+});
+
+await test('Space talks wherever the focus is and never presses a focused button', async () => {
+  const page = await openPage('text_tokens=8&audio_tokens=30');
+  await connect(page);
+  // Drop network keeps the focus after its click; the page resumes
+  await page.click('#drop');
+  await page.waitForFunction(() => window.antiphon.stats.state !== 'connected', null, { timeout: 10000 });
+  await page.waitForFunction(() => window.antiphon.stats.state === 'connected', null, { timeout: 30000 });
+  const drops = proxy.connections;
+  await page.keyboard.down('Space');
+  await page.waitForTimeout(1500);
+  await page.keyboard.up('Space');
+  await page.waitForFunction(() => Object.values(window.antiphon.stats.responses).some((r) => r.status === 'completed'), null, { timeout: 60000 });
+  const s = await stats(page);
+  assert(s.events.some((e) => /turn committed/.test(e)), 'Space made a spoken turn');
+  assert(proxy.connections === drops && s.state === 'connected', `Space did not press Drop network again (${proxy.connections - drops} new connections)`);
+  await page.click('#hangup');
+  await page.close();
+});
+
 
 await test('hands-free: the level VAD starts the turn on speech and commits it after the pause', async () => {
   // a microphone that speaks for 1.5 s, then is quiet for 2.5 s (Chromium loops the file)
