@@ -27,6 +27,8 @@ const stats = {
   unapplied: 0, // input the server has not confirmed yet
   duplicates: 0,
   events: [],
+  activity: [], // the page's listening / thinking / speaking states, in the order shown
+  outPeak: 0, // the loudest the assistant's meter showed
 };
 // (the client itself, for the end-to-end tests)
 window.antiphon = { stats, client: () => client };
@@ -43,6 +45,8 @@ let inputEnd = null; // when the user's last turn was complete (TTFA starts here
 let current = null; // the response being received: {id, start, first, ms}
 let talking = false; // push-to-talk held, or the VAD hears speech (hands-free)
 let vadQuiet = 0;
+let lastLoud = 0; // when the VAD last heard speech (hands-free: the turn ended there)
+let turnFrames = 0; // 20 ms frames of the caller's turn in progress
 const preroll = []; // the last 200 ms before speech starts (hands-free)
 
 function log(msg) {
@@ -50,6 +54,54 @@ function log(msg) {
   stats.events.push(line);
   const el = $('log');
   el.textContent = (line + '\n' + el.textContent).slice(0, 6000);
+}
+
+// ---- the conversation as the page shows it ----------------------------------------------
+
+/** A line of the conversation: the caller's (`you`) or the assistant's. */
+function say(who, text) {
+  const li = document.createElement('li');
+  li.className = who;
+  li.innerHTML = `<b>${who === 'you' ? 'you' : 'assistant'}</b><span></span>`;
+  li.lastChild.textContent = text;
+  const list = $('conversation');
+  list.append(li);
+  list.scrollTop = list.scrollHeight;
+  return li;
+}
+
+/** Who is doing what: the caller talking, the assistant thinking (asked, no audio yet) or speaking. */
+function updateActivity() {
+  let a = 'idle';
+  if (client && client.session) {
+    const r = current && stats.responses[current.id];
+    if (talking) a = 'listening';
+    else if (r && r.status === null && !r.cancelled) a = current.first === null ? 'thinking' : 'speaking';
+    else if (stats.depthMs > 0) a = 'speaking';
+    else a = $('mode').value === 'duplex' || $('handsfree').checked ? 'listening' : 'ready';
+  }
+  if (stats.activity[stats.activity.length - 1] !== a) {
+    stats.activity.push(a);
+    if (stats.activity.length > 200) stats.activity.shift();
+    $('activity').textContent = a;
+    $('activity').className = 'activity ' + a;
+  }
+}
+
+/** The TTFA of each turn so far, as a small line plot. */
+function plotTtfa() {
+  const v = stats.ttfa.slice(-20);
+  const svg = $('ttfaplot');
+  const w = Number(svg.getAttribute('width'));
+  const h = Number(svg.getAttribute('height'));
+  const max = Math.max(...v, 1);
+  const pts = v.map((t, i) => `${v.length > 1 ? ((i * (w - 4)) / (v.length - 1) + 2).toFixed(1) : w / 2},${(h - 2 - (t / max) * (h - 4)).toFixed(1)}`);
+  svg.innerHTML = `<polyline fill="none" stroke="#36c" stroke-width="1.5" points="${pts.join(' ')}"/>` + pts.map((p) => `<circle r="1.8" fill="#36c" cx="${p.split(',')[0]}" cy="${p.split(',')[1]}"/>`).join('');
+}
+
+/** The hands-free threshold marked on the caller's meter (the meter shows 8 × the RMS). */
+function markThreshold() {
+  $('threshold-mark').style.left = `${Math.min(1, Number($('threshold').value) * 8) * 100}%`;
 }
 
 function setState(s, detail) {
@@ -144,6 +196,7 @@ function onAudio(f) {
     stats.ttfa.push(ttfa);
     $('ttfa').textContent = `${ttfa} ms`;
     $('ttfas').textContent = stats.ttfa.slice(-8).join(' · ');
+    plotTtfa();
   }
   if (decoder) {
     decoder.decode(new EncodedAudioChunk({ type: 'key', timestamp: stats.audioPackets * 20000, data: f.payload }));
@@ -171,20 +224,21 @@ function onEvent(m) {
       log(`resumed; the server had applied input up to ${m.input_seq} of ${client.inputSeq}; resending the rest`);
       break;
     case 'response.created':
-      current = { id: m.response_id, start: inputEnd ?? performance.now(), first: null, playedAtStart: stats.playedSamples };
+      current = { id: m.response_id, start: inputEnd ?? performance.now(), first: null, playedAtStart: stats.playedSamples, line: say('assistant', '') };
       stats.responses[m.response_id] ||= { packets: 0, donePackets: null, status: null, cancelled: false };
       inputEnd = null;
-      $('reply').textContent = '';
       log(`response ${m.response_id} (${m.trigger})`);
       break;
     case 'response.text.delta':
-      $('reply').textContent += m.text;
+      if (current && current.id === m.response_id) current.line.lastChild.textContent += m.text;
       break;
     case 'response.done': {
       const r = (stats.responses[m.response_id] ||= { packets: 0, donePackets: null, status: null, cancelled: false });
       r.donePackets = m.packets;
       r.audioMs = m.audio_ms;
       r.status = m.status;
+      const line = [...$('conversation').querySelectorAll('li.assistant')].pop();
+      if (m.status !== 'completed' && line) line.firstChild.textContent = `assistant (${m.status})`;
       log(`response ${m.response_id} ${m.status}: ${m.packets} packets, ${m.audio_ms} ms of audio`);
       break;
     }
@@ -221,6 +275,7 @@ function makeEncoder(rate) {
 
 let micTime = 0;
 function send(frame) {
+  turnFrames++;
   if (encoder) {
     encoder.encode(new AudioData({ format: 'f32-planar', sampleRate: audioCtx.sampleRate, numberOfFrames: frame.length, numberOfChannels: 1, timestamp: micTime, data: frame }));
     micTime += (frame.length / audioCtx.sampleRate) * 1e6;
@@ -252,11 +307,18 @@ function bargeIn() {
   current = null;
 }
 
-async function commit() {
+/** Ends the caller's turn: `endedAt` is when the speech ended (hands-free: before the quiet that
+ *  ended it, so the TTFA shown counts that quiet as the caller's wait). */
+async function commit(endedAt = performance.now()) {
+  const seconds = ((turnFrames * 20) / 1000).toFixed(1);
+  turnFrames = 0;
   if (encoder) await encoder.flush();
+  if (!client) return;
   client.send({ type: 'input.commit' });
-  inputEnd = performance.now();
+  inputEnd = endedAt;
+  say('you', `you said ${seconds} s of audio`);
   log(`turn committed (${stats.sentPackets} packets sent so far)`);
+  updateActivity();
 }
 
 function onMicFrame(frame) {
@@ -273,25 +335,28 @@ function onMicFrame(frame) {
   }
   if ($('handsfree').checked) {
     const loud = rms > Number($('threshold').value);
+    if (loud) lastLoud = performance.now();
     if (!talking) {
       preroll.push(frame);
       if (preroll.length > 10) preroll.shift();
       if (loud) {
         talking = true;
         vadQuiet = 0;
+        turnFrames = 0;
         if (assistantSpeaking()) bargeIn();
         for (const f of preroll.splice(0)) send(f);
         $('ptt').classList.add('on');
+        updateActivity();
       }
       return;
     }
     send(frame);
     vadQuiet = loud ? 0 : vadQuiet + 1;
     if (vadQuiet >= 40) {
-      // 800 ms of quiet ends the turn
+      // 800 ms of quiet ends the turn: the caller stopped speaking when it began
       talking = false;
       $('ptt').classList.remove('on');
-      commit();
+      commit(lastLoud || performance.now());
     }
     return;
   }
@@ -366,6 +431,9 @@ async function open(info) {
     $('depth').textContent = `${stats.depthMs} ms`;
     $('stalls').textContent = `${stats.stalls} (${stats.stallMs} ms)`;
     $('played').textContent = `${(m.played / audioCtx.sampleRate).toFixed(1)} s`;
+    $('outlevel').value = Math.min(1, (m.level || 0) * 8);
+    stats.outPeak = Math.max(stats.outPeak, $('outlevel').value);
+    updateActivity();
   };
   try {
     micStream = await navigator.mediaDevices.getUserMedia({ audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true } });
@@ -503,6 +571,7 @@ function sendText() {
   client.send({ type: 'input.text', text });
   inputEnd = performance.now();
   $('text').value = '';
+  say('you', text);
 }
 
 async function main() {
@@ -521,10 +590,21 @@ async function main() {
   $('text').onkeydown = (e) => e.key === 'Enter' && sendText();
   const ptt = $('ptt');
   const down = () => {
-    if (!client || $('handsfree').checked) return;
+    if (!client) return;
+    if ($('handsfree').checked) {
+      // hands-free: the button ends the turn in progress now, without waiting for the quiet
+      if (talking) {
+        talking = false;
+        ptt.classList.remove('on');
+        commit();
+      }
+      return;
+    }
     if (assistantSpeaking()) bargeIn();
     talking = true;
+    turnFrames = 0;
     ptt.classList.add('on');
+    updateActivity();
   };
   const up = () => {
     if (!talking || $('handsfree').checked) return;
@@ -532,6 +612,8 @@ async function main() {
     ptt.classList.remove('on');
     if ($('mode').value === 'turn') commit();
   };
+  $('threshold').oninput = markThreshold;
+  markThreshold();
   ptt.onpointerdown = down;
   ptt.onpointerup = up;
   ptt.onpointerleave = up;

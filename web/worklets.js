@@ -2,8 +2,8 @@
 //
 // `capture`: posts the microphone as 20 ms Float32 frames (mono) to the page.
 // `player`: a jitter buffer the page pushes decoded samples into; it plays them in order and
-// reports how many it played, how deep the buffer is, and stalls (the buffer ran dry while a
-// response was still arriving).
+// reports how many it played, how deep the buffer is, stalls (the buffer ran dry while a
+// response was still arriving) and the output's level (RMS since the last report).
 
 class Capture extends AudioWorkletProcessor {
   constructor() {
@@ -42,6 +42,8 @@ class Player extends AudioWorkletProcessor {
     this.stalls = 0;
     this.stallSamples = 0;
     this.ticks = 0;
+    this.energy = 0; // sum of squares since the last report
+    this.counted = 0;
     this.port.onmessage = (e) => {
       const m = e.data;
       if (m.type === 'push') {
@@ -86,13 +88,18 @@ class Player extends AudioWorkletProcessor {
     } else {
       this.dry = false;
     }
+    for (const s of out) this.energy += s * s;
+    this.counted += out.length;
     for (let c = 1; c < outputs[0].length; c++) outputs[0][c].set(out);
     if (++this.ticks % 8 === 0) this.report();
     return true;
   }
 
   report() {
-    this.port.postMessage({ played: this.played, depth: this.depth, stalls: this.stalls, stallMs: (this.stallSamples / sampleRate) * 1000 });
+    const level = this.counted ? Math.sqrt(this.energy / this.counted) : 0;
+    this.energy = 0;
+    this.counted = 0;
+    this.port.postMessage({ played: this.played, depth: this.depth, stalls: this.stalls, stallMs: (this.stallSamples / sampleRate) * 1000, level });
   }
 }
 

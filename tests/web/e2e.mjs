@@ -106,6 +106,13 @@ async function openPage(query) {
   return page;
 }
 
+/** Ends the page's session (Hang up, where it is connected) and closes the page: the server holds
+ *  only a few sessions, parked ones included. */
+async function end(page) {
+  if (!(await page.isDisabled('#hangup'))) await page.click('#hangup');
+  await page.close();
+}
+
 async function connect(page, mode = 'turn') {
   await page.selectOption('#mode', mode);
   await page.click('#connect');
@@ -149,8 +156,21 @@ await test('speaks through the fake microphone, hears the answer, shows its TTFA
   assert(Math.abs(playedMs - r.packets * 20) <= 60, `played ${playedMs.toFixed(0)} ms for ${r.packets} packets of 20 ms`);
   assert(/^\d+ ms$/.test(await page.textContent('#ttfa')), 'the TTFA is on the page');
   assertGapless(s.seqs);
-  console.log(`      codecs in/out ${s.codecIn}/${s.codecOut}, TTFA ${s.ttfa[0]} ms, played ${playedMs.toFixed(0)} ms, stalls ${s.stalls}`);
-  await page.close();
+  // the conversation with both sides, who is doing what, the levels and the TTFA per turn
+  const lines = await page.$$eval('#conversation li', (ls) => ls.map((l) => `${l.className}: ${l.lastChild.textContent}`));
+  assert(lines.length === 2 && /^you: you said 1\.\d s of audio/.test(lines[0]) && /^assistant: .+/.test(lines[1]), `the conversation: ${JSON.stringify(lines)}`);
+  for (const a of ['listening', 'thinking', 'speaking']) assert(s.activity.includes(a), `the page showed "${a}" (${s.activity.join(' → ')})`);
+  assert(s.outPeak > 0, "the assistant's level meter moved");
+  assert((await page.$$('#ttfaplot circle')).length === 1, 'the TTFA plot holds the turn');
+  await page.fill('#text', 'And once more.');
+  await page.press('#text', 'Enter');
+  await page.waitForFunction(() => window.antiphon.stats.ttfa.length === 2, null, { timeout: 60000 });
+  const typed = await page.$$eval('#conversation li.you', (ls) => ls.map((l) => l.lastChild.textContent));
+  assert(typed[1] === 'And once more.', `the typed turn is in the conversation: ${JSON.stringify(typed)}`);
+  assert((await page.$$('#ttfaplot circle')).length === 2, 'the TTFA plot holds both turns');
+  await page.screenshot({ path: path.join(artifacts, '1-conversation.png'), fullPage: true });
+  console.log(`      codecs in/out ${s.codecIn}/${s.codecOut}, TTFA ${s.ttfa[0]} ms, played ${playedMs.toFixed(0)} ms, stalls ${s.stalls}; activity ${s.activity.join(' → ')}`);
+  await end(page);
 });
 
 await test('a network drop mid-response: the page resumes with nothing lost and nothing played twice', async () => {
@@ -178,7 +198,7 @@ await test('a network drop mid-response: the page resumes with nothing lost and 
   const playedMs = (s.playedSamples / 48000) * 1000;
   assert(Math.abs(playedMs - r.packets * 20) <= 60, `played ${playedMs.toFixed(0)} ms for ${r.packets} packets: nothing skipped or repeated`);
   console.log(`      cut ${cut} sockets after ${s.audioSeqs.length ? 15 : 0}+ packets; ${s.reconnects} reconnect(s), ${s.duplicates} replays dropped, ${r.packets} packets, played ${playedMs.toFixed(0)} ms`);
-  await page.close();
+  await end(page);
 });
 
 await test('a resume the server refuses: the page starts a new session on the same socket and goes on', async () => {
@@ -197,7 +217,7 @@ await test('a resume the server refuses: the page starts a new session on the sa
   await page.press('#text', 'Enter');
   await page.waitForFunction(() => Object.values(window.antiphon.stats.responses).some((r) => r.status === 'completed'), null, { timeout: 60000 });
   console.log(`      session ${first} could not be resumed; the page went on in a new one`);
-  await page.close();
+  await end(page);
 });
 
 await test('input spoken during a drop is kept and resent after the resume', async () => {
@@ -220,7 +240,7 @@ await test('input spoken during a drop is kept and resent after the resume', asy
   assert(r.status === 'completed' && r.packets === r.donePackets, `the spoken turn was answered in full (${r.status}, ${r.packets}/${r.donePackets})`);
   assertGapless(s.seqs);
   console.log(`      resume: server had applied ${applied} of ${sent} inputs; ${s.sentPackets} packets sent in all, all applied`);
-  await page.close();
+  await end(page);
 });
 
 await test('PCM16 both ways (no WebCodecs) and an uploaded reference voice, registered', async () => {
@@ -241,7 +261,7 @@ await test('PCM16 both ways (no WebCodecs) and an uploaded reference voice, regi
   assert(r.status === 'completed' && r.packets === r.donePackets, `answered in the uploaded voice (${r.status})`);
   const playedMs = (s.playedSamples / 48000) * 1000;
   assert(Math.abs(playedMs - r.audioMs) <= 60, `played ${playedMs.toFixed(0)} ms of ${r.audioMs} ms`);
-  await page.close();
+  await end(page);
 });
 
 await test('barge-in: talking over the answer cancels it and reports what was heard', async () => {
@@ -262,7 +282,7 @@ await test('barge-in: talking over the answer cancels it and reports what was he
   assert(r.donePackets < 250 * 2, `it stopped early: ${r.donePackets} packets of a 10 s answer`);
   assert(s.events.some((e) => /barge-in: response \d+ cancelled after \d+ ms heard/.test(e)), 'the page told the server what was heard');
   assert(s.depthMs < 100, `the queued answer was dropped (${s.depthMs} ms left)`);
-  await page.close();
+  await end(page);
 });
 
 await test('duplex: audio streams both ways, listen/speak decisions and a spoken turn', async () => {
@@ -286,7 +306,7 @@ await test('duplex: audio streams both ways, listen/speak decisions and a spoken
   console.log(`      buffer ${later.depthMs} ms after ${(later.sentPackets / 50).toFixed(0)} s of duplex`);
   await page.click('#hangup');
   for (const id of ['mode', 'voice', 'ref', 'connect']) assert(!(await page.isDisabled(`#${id}`)), `#${id} is enabled again after Hang up`);
-  await page.close();
+  await end(page);
 });
 
 await test('Hang up, then Connect again: a new session answers', async () => {
@@ -302,8 +322,7 @@ await test('Hang up, then Connect again: a new session answers', async () => {
   await page.press('#text', 'Enter');
   await page.waitForFunction(() => Object.values(window.antiphon.stats.responses).some((r) => r.status === 'completed'), null, { timeout: 60000 });
   // (each test ends its session: the server holds a few, parked ones included)
-  await page.click('#hangup');
-  await page.close();
+  await end(page);
 });
 
 await test('a file that is not audio: the page says why and connects with another voice', async () => {
@@ -316,8 +335,7 @@ await test('a file that is not audio: the page says why and connects with anothe
   await page.screenshot({ path: path.join(artifacts, '7-bad-voice-file.png'), fullPage: true });
   assert(!(await page.isDisabled('#connect')), 'Connect works again');
   await connect(page);
-  await page.click('#hangup');
-  await page.close();
+  await end(page);
 });
 
 await test('Space talks wherever the focus is and never presses a focused button', async () => {
@@ -335,8 +353,7 @@ await test('Space talks wherever the focus is and never presses a focused button
   const s = await stats(page);
   assert(s.events.some((e) => /turn committed/.test(e)), 'Space made a spoken turn');
   assert(proxy.connections === drops && s.state === 'connected', `Space did not press Drop network again (${proxy.connections - drops} new connections)`);
-  await page.click('#hangup');
-  await page.close();
+  await end(page);
 });
 
 
@@ -366,6 +383,8 @@ await test('hands-free: the level VAD starts the turn on speech and commits it a
     await page.goto(`${base}/?text_tokens=8&audio_tokens=50`);
     await page.waitForFunction(() => window.antiphon && document.getElementById('voice').options.length > 0, null, { timeout: 15000 });
     await page.check('#handsfree');
+    const mark = await page.$eval('#threshold-mark', (m) => m.style.left);
+    assert(mark === '16%', `the threshold (0.02, the meter's 16 %) is marked on the meter: ${mark}`);
     await connect(page);
     await page.waitForFunction(() => window.antiphon.stats.events.some((e) => /turn committed/.test(e)), null, { timeout: 30000 });
     await page.waitForFunction(() => Object.values(window.antiphon.stats.responses).some((r) => r.status === 'completed'), null, { timeout: 60000 });
