@@ -52,12 +52,12 @@ fn check_config_command() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("model.path"));
 }
 
-/// The README's configuration table states every default: setting a key to the value the README
-/// gives must leave the parsed configuration exactly as leaving the key out does.
+/// The configuration reference (docs/configuration.md) states every default: setting a key to the
+/// value it gives must leave the parsed configuration exactly as leaving the key out does.
 #[test]
-fn the_readme_states_the_real_defaults() {
-    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
-    let table = readme.split("## Configuration reference").nth(1).expect("a configuration section").split("\n## ").next().unwrap();
+fn the_configuration_reference_states_the_real_defaults() {
+    let readme = std::fs::read_to_string(root().join("docs/configuration.md")).unwrap();
+    let table = readme.split("# Configuration reference").nth(1).expect("a configuration section").split("\n## ").next().unwrap();
     let base = "[model]\nsource = \"synthetic\"\n\n[[voices]]\nid = \"v\"\nwav = \"../assets/voices/default.wav\"\n";
     let parse = |text: &str| format!("{:?}", Config::parse(text, &root().join("configs")).unwrap_or_else(|e| panic!("{e:#}\n{text}")));
     let plain = parse(base);
@@ -83,11 +83,11 @@ fn the_readme_states_the_real_defaults() {
             } else {
                 format!("{base}\n[{sec}]\n{key} = {value}\n")
             };
-            assert_eq!(parse(&text), plain, "README says {sec}.{key} defaults to {v}, but the code's default differs");
+            assert_eq!(parse(&text), plain, "docs/configuration.md says {sec}.{key} defaults to {v}, but the code's default differs");
             checked += 1;
         }
     }
-    assert!(checked >= 40, "only {checked} defaults found in the README's table");
+    assert!(checked >= 40, "only {checked} defaults found in docs/configuration.md's table");
 }
 
 /// Every shipped configuration passes `check-config`, or fails only for the checkpoint directory
