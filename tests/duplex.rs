@@ -150,7 +150,7 @@ fn speak_every_cadence_and_the_per_unit_token_budget() {
     }
     e.close_duplex("s");
     let end = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
-    assert!(matches!(end.last(), Some(DuplexEvent::Closed { reason }) if reason == "closed"));
+    assert!(matches!(end.last(), Some(DuplexEvent::Closed { reason: antiphon_engine::DuplexEnd::Closed })));
 }
 
 #[test]
@@ -203,7 +203,7 @@ fn a_full_context_closes_the_session_with_its_reason() {
         e.duplex_unit("c", unit(n)).unwrap();
     }
     let ev = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
-    assert!(matches!(ev.last(), Some(DuplexEvent::Closed { reason }) if reason == "context_full"), "{}", summary(&ev));
+    assert!(matches!(ev.last(), Some(DuplexEvent::Closed { reason: antiphon_engine::DuplexEnd::ContextFull })), "{}", summary(&ev));
     let d = decisions(&ev);
     assert!(!d.is_empty() && d.len() < 30);
     // the next unit would not have fit: its markers, audio and a whole spoken unit

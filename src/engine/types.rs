@@ -265,10 +265,31 @@ pub enum DuplexEvent {
         turn: RequestId,
         event: EngineEvent,
     },
-    /// The session's engine stream ended (`context_full`, `closed`, or a failure).
+    /// The session's engine stream ended; its last event.
     Closed {
-        reason: String,
+        reason: DuplexEnd,
     },
+}
+
+/// Why a duplex session's engine stream ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DuplexEnd {
+    /// The session closed it (`close_duplex`).
+    Closed,
+    /// The conversation filled the positions the session may use.
+    ContextFull,
+    /// It failed; what failed.
+    Failed(String),
+}
+
+impl std::fmt::Display for DuplexEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DuplexEnd::Closed => f.write_str("closed"),
+            DuplexEnd::ContextFull => f.write_str("context_full"),
+            DuplexEnd::Failed(why) => write!(f, "failed: {why}"),
+        }
+    }
 }
 
 /// Where a duplex session's events go.

@@ -27,7 +27,7 @@ use candle_core::{DType, Tensor};
 
 use super::{to_host, Ctx, ThinkerStream};
 use crate::caches::StageCaches;
-use crate::{DuplexEvent, DuplexPolicy, DuplexSink, DuplexSpec, EngineEvent, Mode, RequestId, Stage1Msg, Status};
+use crate::{DuplexEnd, DuplexEvent, DuplexPolicy, DuplexSink, DuplexSpec, EngineEvent, Mode, RequestId, Stage1Msg, Status};
 use antiphon_models::decoder::{KvCache, PooledCache};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::tokenizer::TextStream;
@@ -114,7 +114,7 @@ impl DuplexStream {
         let (ids, embeds) = match built.context("building the duplex system prompt") {
             Ok(v) => v,
             Err(e) => {
-                sink(DuplexEvent::Closed { reason: format!("failed: {e:#}") });
+                sink(DuplexEvent::Closed { reason: DuplexEnd::Failed(format!("{e:#}")) });
                 return None;
             }
         };
@@ -128,7 +128,7 @@ impl DuplexStream {
         let cache = match caches.take(ctx.thinker.llm.decoder(), ids.len() + 1) {
             Ok(c) => c,
             Err(e) => {
-                sink(DuplexEvent::Closed { reason: format!("failed: thinker cache: {e:#}") });
+                sink(DuplexEvent::Closed { reason: DuplexEnd::Failed(format!("thinker cache: {e:#}")) });
                 return None;
             }
         };
@@ -156,7 +156,7 @@ impl DuplexStream {
     }
 
     /// Ends the stream: its open turn is cancelled and `Closed { reason }` is its last event.
-    pub fn end(&mut self, ctx: &mut Ctx, reason: &str) {
+    pub fn end(&mut self, ctx: &mut Ctx, reason: DuplexEnd) {
         if self.gone {
             return;
         }
@@ -166,7 +166,7 @@ impl DuplexStream {
                 ctx.metrics.requests.with_label_values(&["cancelled"]).inc();
             }
         }
-        (self.sink)(DuplexEvent::Closed { reason: reason.to_string() });
+        (self.sink)(DuplexEvent::Closed { reason });
     }
 
     /// The unit was decided: listen, or speak (opening a turn when none is open).
@@ -297,7 +297,7 @@ pub fn intake(ctx: &mut Ctx, streams: &mut [DuplexStream]) {
         let need = d.cache.len() + 2 + x.len() / 1600 + MAX_UNIT_TEXT_TOKENS + 2;
         if need > limit {
             tracing::info!(session = %d.spec.session, "duplex context full");
-            d.end(ctx, "context_full");
+            d.end(ctx, DuplexEnd::ContextFull);
             continue;
         }
         // a session that outgrows its slot goes on in a cache of its own (decoded beside the batch)
@@ -305,7 +305,7 @@ pub fn intake(ctx: &mut Ctx, streams: &mut [DuplexStream]) {
             match d.cache.copy_prefix(d.cache.len(), need) {
                 Ok(own) => d.cache = PooledCache::alone(own),
                 Err(e) => {
-                    d.end(ctx, &format!("failed: thinker cache: {e:#}"));
+                    d.end(ctx, DuplexEnd::Failed(format!("thinker cache: {e:#}")));
                     continue;
                 }
             }
@@ -329,9 +329,9 @@ pub fn intake(ctx: &mut Ctx, streams: &mut [DuplexStream]) {
     let encoded = match encoded {
         Ok(e) => e,
         Err(e) => {
-            let why = format!("failed: audio encoder: {e:#}");
+            let why = format!("audio encoder: {e:#}");
             for (j, ..) in picked {
-                streams[j].end(ctx, &why);
+                streams[j].end(ctx, DuplexEnd::Failed(why.clone()));
             }
             return;
         }
@@ -351,7 +351,7 @@ pub fn intake(ctx: &mut Ctx, streams: &mut [DuplexStream]) {
                 d.prefill_pos = 0;
                 d.phase = Phase::Unit { unit, arrived };
             }
-            Err(e) => d.end(ctx, &format!("failed: {e}")),
+            Err(e) => d.end(ctx, DuplexEnd::Failed(e.to_string())),
         }
     }
 }
@@ -441,7 +441,7 @@ impl ThinkerStream for DuplexStream {
     }
 
     fn fail(&mut self, ctx: &mut Ctx, why: &str) {
-        self.end(ctx, &format!("failed: {why}"));
+        self.end(ctx, DuplexEnd::Failed(why.to_string()));
     }
 
     fn ended(&self, _ctx: &Ctx) -> bool {

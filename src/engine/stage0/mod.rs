@@ -346,7 +346,7 @@ impl StageLoop for Stage0 {
     fn fail_all(&mut self, why: &str) {
         let ctx = &mut self.ctx;
         for mut d in std::mem::take(&mut self.duplex) {
-            d.end(ctx, &format!("failed: {why}"));
+            d.end(ctx, crate::DuplexEnd::Failed(why.to_string()));
         }
         for mut t in std::mem::take(&mut self.turns) {
             t.fail(ctx, why);
@@ -377,7 +377,7 @@ impl StageLoop for Stage0 {
             Stage0Msg::DuplexClose(session) => {
                 if let Some(j) = self.duplex.iter().position(|d| d.session() == session) {
                     let mut d = self.duplex.remove(j);
-                    d.end(&mut self.ctx, "closed");
+                    d.end(&mut self.ctx, crate::DuplexEnd::Closed);
                 }
             }
             Stage0Msg::Wake => {}

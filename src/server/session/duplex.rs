@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::{Resp, Session, SessionMsg};
-use antiphon_engine::{DuplexEvent, DuplexPolicy, DuplexSpec, RequestId};
+use antiphon_engine::{DuplexEnd, DuplexEvent, DuplexPolicy, DuplexSpec, RequestId};
 use antiphon_protocol::{ErrorCode, ServerEvent, WireError};
 
 /// A duplex session's own state: the unit cutter and the engine turns it maps to responses.
@@ -102,15 +102,16 @@ impl Session {
                 }
             }
             DuplexEvent::Closed { reason } => {
-                if reason == "closed" || self.ended {
+                if reason == DuplexEnd::Closed || self.ended {
                     return;
                 }
                 tracing::info!(%reason, "duplex stream ended");
-                let why: &'static str = if reason == "context_full" {
-                    "context_full"
-                } else {
-                    self.send_error(super::internal_error("the duplex stream ended", &reason, false));
-                    "failed"
+                let why: &'static str = match &reason {
+                    DuplexEnd::ContextFull => "context_full",
+                    DuplexEnd::Closed | DuplexEnd::Failed(_) => {
+                        self.send_error(super::internal_error("the duplex stream ended", &reason.to_string(), false));
+                        "failed"
+                    }
                 };
                 self.send_event(ServerEvent::SessionClosing { seq: 0, reason: why, retry_after_ms: None });
                 self.end(false, Some((1000, why)));
