@@ -7,7 +7,9 @@ use serde_json::Value;
 
 pub mod openai;
 mod received;
+mod server_event;
 pub use received::{parse_server, Received};
+pub use server_event::{ClosingReason, DoneStatus, ServerEvent, Trigger};
 
 pub const PROTOCOL_VERSION: u32 = 1;
 pub const FRAME_HEADER: usize = 12;
@@ -371,92 +373,6 @@ pub struct Limits {
     pub journal_max_audio_ms: u64,
 }
 
-/// Server events. `seq` is filled in by the session when the event is sent.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-#[serde(tag = "type")]
-pub enum ServerEvent {
-    #[serde(rename = "session.created")]
-    SessionCreated {
-        seq: u64,
-        session_id: String,
-        resume_token: String,
-        protocol: u32,
-        mode: Mode,
-        output_audio: OutputAudio,
-        resume_grace_s: u64,
-        limits: Limits,
-        synthetic_weights: bool,
-    },
-    #[serde(rename = "session.resumed")]
-    SessionResumed { session_id: String, input_seq: u64 },
-    #[serde(rename = "response.created")]
-    ResponseCreated { seq: u64, response_id: u32, trigger: &'static str },
-    #[serde(rename = "response.text.delta")]
-    ResponseTextDelta { seq: u64, response_id: u32, text: String },
-    #[serde(rename = "response.done")]
-    ResponseDone { seq: u64, response_id: u32, status: &'static str, audio_ms: u64, packets: u64, chunks: u64 },
-    #[serde(rename = "duplex.listen")]
-    DuplexListen { seq: u64, unit: u64 },
-    #[serde(rename = "duplex.speak")]
-    DuplexSpeak { seq: u64, unit: u64 },
-    #[serde(rename = "ack")]
-    Ack { input_seq: u64 },
-    #[serde(rename = "pong")]
-    Pong {
-        #[serde(skip_serializing_if = "Option::is_none")]
-        id: Option<Value>,
-    },
-    #[serde(rename = "session.closing")]
-    SessionClosing {
-        seq: u64,
-        reason: &'static str,
-        #[serde(skip_serializing_if = "Option::is_none")]
-        retry_after_ms: Option<u64>,
-    },
-    #[serde(rename = "error")]
-    Error {
-        #[serde(skip_serializing_if = "Option::is_none")]
-        seq: Option<u64>,
-        code: &'static str,
-        message: String,
-        fatal: bool,
-        #[serde(skip_serializing_if = "Option::is_none")]
-        retry_after_ms: Option<u64>,
-    },
-}
-
-impl ServerEvent {
-    pub fn to_json(&self) -> String {
-        serde_json::to_string(self).expect("server events serialize")
-    }
-
-    /// Connection-level events carry no seq and are never journaled.
-    pub fn is_connection_level(&self) -> bool {
-        matches!(self, ServerEvent::SessionResumed { .. } | ServerEvent::Ack { .. } | ServerEvent::Pong { .. })
-            || matches!(self, ServerEvent::Error { seq: None, .. })
-    }
-
-    /// Sets the session sequence number of an event that carries one.
-    pub fn with_seq(mut self, n: u64) -> Self {
-        match &mut self {
-            ServerEvent::SessionCreated { seq, .. }
-            | ServerEvent::ResponseCreated { seq, .. }
-            | ServerEvent::ResponseTextDelta { seq, .. }
-            | ServerEvent::ResponseDone { seq, .. }
-            | ServerEvent::DuplexListen { seq, .. }
-            | ServerEvent::DuplexSpeak { seq, .. }
-            | ServerEvent::SessionClosing { seq, .. } => *seq = n,
-            ServerEvent::Error { seq, .. } => *seq = Some(n),
-            _ => {}
-        }
-        self
-    }
-
-    pub fn error(e: &WireError) -> Self {
-        ServerEvent::Error { seq: None, code: e.code.as_str(), message: e.message.clone(), fatal: e.fatal, retry_after_ms: e.retry_after_ms }
-    }
-}
-
 // ------------------------------------------------------------------------------------ binary
 
 /// A binary frame: audio payload plus header fields.
@@ -590,8 +506,17 @@ mod tests {
 
     #[test]
     fn server_events_carry_seq_except_connection_level() {
-        let e = ServerEvent::ResponseCreated { seq: 0, response_id: 1, trigger: "text" }.with_seq(5);
+        let e = ServerEvent::ResponseCreated { seq: 0, response_id: 1, trigger: Trigger::Text }.with_seq(5);
         assert!(e.to_json().contains("\"seq\":5") && e.to_json().contains("\"type\":\"response.created\""));
+        assert!(e.to_json().contains("\"trigger\":\"text\""));
+        // the words on the wire, and what a client makes of them (a reason it does not know too)
+        let done = ServerEvent::ResponseDone { seq: 0, response_id: 1, status: DoneStatus::Cancelled, audio_ms: 0, packets: 0, chunks: 0 };
+        assert!(done.to_json().contains("\"status\":\"cancelled\""));
+        let closing = ServerEvent::SessionClosing { seq: 0, reason: ClosingReason::MaxDuration, retry_after_ms: None };
+        assert!(closing.to_json().contains("\"reason\":\"max_duration\""));
+        assert!(matches!(parse_server(&closing.to_json()), Some(Received::SessionClosing { reason: ClosingReason::MaxDuration, .. })));
+        let newer = r#"{"type":"session.closing","seq":4,"reason":"moved_to_mars"}"#;
+        assert!(matches!(parse_server(newer), Some(Received::SessionClosing { reason: ClosingReason::Other, .. })));
         assert!(ServerEvent::Ack { input_seq: 3 }.is_connection_level());
         assert!(!ServerEvent::error(&WireError::new(ErrorCode::BadAudio, "x")).with_seq(2).is_connection_level());
         assert!(ServerEvent::error(&WireError::new(ErrorCode::BadJson, "x")).is_connection_level());

@@ -14,9 +14,9 @@ pub enum Received {
     #[serde(rename = "response.text.delta")]
     TextDelta { seq: u64, response_id: u32, text: String },
     #[serde(rename = "response.done")]
-    ResponseDone { seq: u64, response_id: u32, status: String, audio_ms: u64 },
+    ResponseDone { seq: u64, response_id: u32, status: crate::DoneStatus, audio_ms: u64 },
     #[serde(rename = "session.closing")]
-    SessionClosing { seq: u64, reason: String },
+    SessionClosing { seq: u64, reason: crate::ClosingReason },
     #[serde(rename = "error")]
     Error {
         #[serde(default)]

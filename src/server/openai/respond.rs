@@ -153,7 +153,7 @@ impl Translator {
             }
             Received::ResponseDone { response_id, status, audio_ms, .. } => {
                 if self.active.as_ref().is_some_and(|a| a.v1 == Some(response_id)) {
-                    self.finish(&status, audio_ms).await;
+                    self.finish(status.as_str(), audio_ms).await;
                 }
                 done = true;
             }

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::{Resp, Session, SessionMsg};
 use antiphon_engine::{DuplexEnd, DuplexEvent, DuplexPolicy, DuplexSpec, RequestId};
-use antiphon_protocol::{ErrorCode, ServerEvent, WireError};
+use antiphon_protocol::{ClosingReason, ErrorCode, ServerEvent, Trigger, WireError};
 
 /// A duplex session's own state: the unit cutter and the engine turns it maps to responses.
 pub(super) struct DuplexState {
@@ -74,12 +74,12 @@ impl Session {
                 };
                 self.responses += 1;
                 let rid = self.responses;
-                self.send_event(ServerEvent::ResponseCreated { seq: 0, response_id: rid, trigger: "duplex" });
+                self.send_event(ServerEvent::ResponseCreated { seq: 0, response_id: rid, trigger: Trigger::Duplex });
                 let resp = Resp {
                     id: rid,
                     out,
                     engine_id: turn.clone(),
-                    trigger: "duplex",
+                    trigger: Trigger::Duplex,
                     user: None,
                     text: String::new(),
                     packets: 0,
@@ -106,15 +106,15 @@ impl Session {
                     return;
                 }
                 tracing::info!(%reason, "duplex stream ended");
-                let why: &'static str = match &reason {
-                    DuplexEnd::ContextFull => "context_full",
+                let why = match &reason {
+                    DuplexEnd::ContextFull => ClosingReason::ContextFull,
                     DuplexEnd::Closed | DuplexEnd::Failed(_) => {
                         self.send_error(super::internal_error("the duplex stream ended", &reason.to_string(), false));
-                        "failed"
+                        ClosingReason::Failed
                     }
                 };
                 self.send_event(ServerEvent::SessionClosing { seq: 0, reason: why, retry_after_ms: None });
-                self.end(false, Some((1000, why)));
+                self.end(false, Some((1000, why.as_str())));
             }
         }
     }

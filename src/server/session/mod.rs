@@ -32,8 +32,8 @@ use antiphon_engine::{
     DuplexEvent, DuplexPolicy as EnginePolicy, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, SpokenClip, Status, UserInput,
 };
 use antiphon_protocol::{
-    AudioFrame, ClientEvent, DuplexPolicy, ErrorCode, Generation, Limits, Mode as WireMode, OutputAudio as OutputFormat, ServerEvent, SessionCreate,
-    SessionUpdate, Voice, WireError, KIND_AUDIO, PROTOCOL_VERSION,
+    AudioFrame, ClientEvent, ClosingReason, DoneStatus, DuplexPolicy, ErrorCode, Generation, Limits, Mode as WireMode, OutputAudio as OutputFormat,
+    ServerEvent, SessionCreate, SessionUpdate, Trigger, Voice, WireError, KIND_AUDIO, PROTOCOL_VERSION,
 };
 use duplex::DuplexState;
 use response::{resolve_voice, Resp};
@@ -394,14 +394,14 @@ impl Session {
                 self.feed_units();
             }
             ClientEvent::InputText { text, generation } => {
-                self.start_response("text", UserInput::Text(text), generation);
+                self.start_response(Trigger::Text, UserInput::Text(text), generation);
             }
             ClientEvent::InputCommit { generation } => {
                 if self.input.buffered_ms() == 0 {
                     return self.send_error(WireError::new(ErrorCode::BadField, "input.commit: no input audio since the last turn"));
                 }
                 match self.input.take_16k().and_then(|a| Ok(SpokenClip::new(a)?)) {
-                    Ok(clip) => self.start_response("commit", UserInput::Audio(clip), generation),
+                    Ok(clip) => self.start_response(Trigger::Commit, UserInput::Audio(clip), generation),
                     Err(e) => self.send_error(WireError::new(ErrorCode::BadAudio, format!("input audio: {e}"))),
                 }
             }
@@ -490,7 +490,7 @@ impl Session {
             SessionMsg::Shutdown { retry_after_ms } => {
                 if !self.closing {
                     self.closing = true;
-                    self.send_event(ServerEvent::SessionClosing { seq: 0, reason: "shutdown", retry_after_ms: Some(retry_after_ms) });
+                    self.send_event(ServerEvent::SessionClosing { seq: 0, reason: ClosingReason::Shutdown, retry_after_ms: Some(retry_after_ms) });
                     if self.live_responses() == 0 {
                         self.end(false, Some((1001, "server shutting down")));
                     }
@@ -527,9 +527,9 @@ impl Session {
             cfg.idle_timeout_s > 0 && self.live_responses() == 0 && now.duration_since(self.last_activity) >= Duration::from_secs(cfg.idle_timeout_s);
         let old = cfg.max_duration_s > 0 && now.duration_since(self.created) >= Duration::from_secs(cfg.max_duration_s);
         if idle || old {
-            let reason = if idle { "idle" } else { "max_duration" };
+            let reason = if idle { ClosingReason::Idle } else { ClosingReason::MaxDuration };
             self.send_event(ServerEvent::SessionClosing { seq: 0, reason, retry_after_ms: None });
-            self.end(false, Some((1000, reason)));
+            self.end(false, Some((1000, reason.as_str())));
         }
     }
 }

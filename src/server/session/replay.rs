@@ -19,7 +19,7 @@ impl Session {
     pub(super) fn attach(&mut self, conn: Conn, last_seq: u64) {
         if let Some(old) = self.conn.take() {
             if old.id != conn.id {
-                old.send_event(&ServerEvent::SessionClosing { seq: 0, reason: "replaced", retry_after_ms: None });
+                old.send_event(&ServerEvent::SessionClosing { seq: 0, reason: ClosingReason::Replaced, retry_after_ms: None });
                 old.send(Outbound::Close(1000, "replaced".into()));
             }
         }

@@ -11,7 +11,7 @@ pub(super) struct Resp {
     pub(super) id: u32,
     pub(super) out: OutputAudio,
     pub(super) engine_id: RequestId,
-    pub(super) trigger: &'static str,
+    pub(super) trigger: Trigger,
     /// What the caller said (a duplex turn's caller is the session's stream, not an input).
     pub(super) user: Option<UserInput>,
     pub(super) text: String,
@@ -23,7 +23,7 @@ pub(super) struct Resp {
 }
 
 impl Session {
-    pub(super) fn start_response(&mut self, trigger: &'static str, input: UserInput, gen: Option<Generation>) {
+    pub(super) fn start_response(&mut self, trigger: Trigger, input: UserInput, gen: Option<Generation>) {
         if self.closing {
             self.send_error(WireError::new(ErrorCode::Capacity, "the server is shutting down; no new responses"));
             return;
@@ -68,7 +68,7 @@ impl Session {
             started: Instant::now(),
             first_packet: false,
         });
-        tracing::info!(response = rid, trigger, "response started");
+        tracing::info!(response = rid, trigger = trigger.as_str(), "response started");
         match self.shared.engine.submit(spec, sink) {
             Ok(()) => {}
             Err(antiphon_engine::SubmitError::Busy(b)) => self.finish_response(rid, Status::Busy(b)),
@@ -140,11 +140,12 @@ impl Session {
         if let Some(d) = &mut self.duplex {
             d.turns.remove(&r.engine_id);
         }
-        let label = match &status {
-            Status::Completed => "completed",
-            Status::Cancelled => "cancelled",
-            Status::Failed(_) | Status::Refused(_) | Status::Busy(_) => "failed",
+        let done = match &status {
+            Status::Completed => DoneStatus::Completed,
+            Status::Cancelled => DoneStatus::Cancelled,
+            Status::Failed(_) | Status::Refused(_) | Status::Busy(_) => DoneStatus::Failed,
         };
+        let label = done.as_str();
         match &status {
             Status::Failed(why) => self.send_error(super::internal_error(&format!("response {} failed", r.id), why, false)),
             // what the request asked for does not fit: the client's to change (not fatal)
@@ -157,12 +158,12 @@ impl Session {
             _ => {}
         }
         let audio_ms = r.audio_samples * 1000 / crate::audio_edge::OUTPUT_RATE as u64;
-        self.send_event(ServerEvent::ResponseDone { seq: 0, response_id: r.id, status: label, audio_ms, packets: r.packets, chunks: r.chunks });
+        self.send_event(ServerEvent::ResponseDone { seq: 0, response_id: r.id, status: done, audio_ms, packets: r.packets, chunks: r.chunks });
         self.shared.metrics.responses.with_label_values(&[label]).inc();
         tracing::info!(response = r.id, status = label, audio_ms, "response done");
         let _ = r.trigger;
         // a failed turn did not happen as far as the conversation goes
-        if let Some(user) = r.user.filter(|_| label != "failed") {
+        if let Some(user) = r.user.filter(|_| done != DoneStatus::Failed) {
             self.history.push(r.id, user, r.text, audio_ms);
         }
         if self.closing && self.live_responses() == 0 {

@@ -1,0 +1,177 @@
+//! What the server says: its events, and the closed sets of words some of them carry (what
+//! started a response, how it ended, why a session closes) as types, so that no layer matches
+//! on strings.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::{Limits, Mode, OutputAudio, WireError};
+
+/// What started a response (`response.created`'s `trigger`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Trigger {
+    /// `input.text`.
+    Text,
+    /// `input.commit` of spoken input.
+    Commit,
+    /// The model decided to speak in a duplex session.
+    Duplex,
+}
+
+impl Trigger {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Trigger::Text => "text",
+            Trigger::Commit => "commit",
+            Trigger::Duplex => "duplex",
+        }
+    }
+}
+
+/// How a response ended (`response.done`'s `status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DoneStatus {
+    Completed,
+    Cancelled,
+    /// An `error` naming the response says why.
+    Failed,
+}
+
+impl DoneStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DoneStatus::Completed => "completed",
+            DoneStatus::Cancelled => "cancelled",
+            DoneStatus::Failed => "failed",
+        }
+    }
+}
+
+/// Why the server closes a session (`session.closing`'s `reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClosingReason {
+    /// A newer connection resumed the session (sent to the older one, connection-level).
+    Replaced,
+    /// The server is shutting down (with `retry_after_ms`).
+    Shutdown,
+    /// No input and no output for `server.idle_timeout_s`.
+    Idle,
+    /// The session outlived `server.max_duration_s`.
+    MaxDuration,
+    /// A duplex session's conversation filled the context it may use.
+    ContextFull,
+    /// The session's engine stream failed (an `error` says why).
+    Failed,
+    /// A reason this client does not know (a newer server's).
+    #[serde(other)]
+    Other,
+}
+
+impl ClosingReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClosingReason::Replaced => "replaced",
+            ClosingReason::Shutdown => "shutdown",
+            ClosingReason::Idle => "idle",
+            ClosingReason::MaxDuration => "max_duration",
+            ClosingReason::ContextFull => "context_full",
+            ClosingReason::Failed => "failed",
+            ClosingReason::Other => "other",
+        }
+    }
+}
+
+impl std::fmt::Display for ClosingReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Server events. `seq` is filled in by the session when the event is sent.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(tag = "type")]
+pub enum ServerEvent {
+    #[serde(rename = "session.created")]
+    SessionCreated {
+        seq: u64,
+        session_id: String,
+        resume_token: String,
+        protocol: u32,
+        mode: Mode,
+        output_audio: OutputAudio,
+        resume_grace_s: u64,
+        limits: Limits,
+        synthetic_weights: bool,
+    },
+    #[serde(rename = "session.resumed")]
+    SessionResumed { session_id: String, input_seq: u64 },
+    #[serde(rename = "response.created")]
+    ResponseCreated { seq: u64, response_id: u32, trigger: Trigger },
+    #[serde(rename = "response.text.delta")]
+    ResponseTextDelta { seq: u64, response_id: u32, text: String },
+    #[serde(rename = "response.done")]
+    ResponseDone { seq: u64, response_id: u32, status: DoneStatus, audio_ms: u64, packets: u64, chunks: u64 },
+    #[serde(rename = "duplex.listen")]
+    DuplexListen { seq: u64, unit: u64 },
+    #[serde(rename = "duplex.speak")]
+    DuplexSpeak { seq: u64, unit: u64 },
+    #[serde(rename = "ack")]
+    Ack { input_seq: u64 },
+    #[serde(rename = "pong")]
+    Pong {
+        #[serde(skip_serializing_if = "Option::is_none")]
+        id: Option<Value>,
+    },
+    #[serde(rename = "session.closing")]
+    SessionClosing {
+        seq: u64,
+        reason: ClosingReason,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        retry_after_ms: Option<u64>,
+    },
+    #[serde(rename = "error")]
+    Error {
+        #[serde(skip_serializing_if = "Option::is_none")]
+        seq: Option<u64>,
+        code: &'static str,
+        message: String,
+        fatal: bool,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        retry_after_ms: Option<u64>,
+    },
+}
+
+impl ServerEvent {
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("server events serialize")
+    }
+
+    /// Connection-level events carry no seq and are never journaled.
+    pub fn is_connection_level(&self) -> bool {
+        matches!(self, ServerEvent::SessionResumed { .. } | ServerEvent::Ack { .. } | ServerEvent::Pong { .. })
+            || matches!(self, ServerEvent::Error { seq: None, .. })
+    }
+
+    /// Sets the session sequence number of an event that carries one.
+    pub fn with_seq(mut self, n: u64) -> Self {
+        match &mut self {
+            ServerEvent::SessionCreated { seq, .. }
+            | ServerEvent::ResponseCreated { seq, .. }
+            | ServerEvent::ResponseTextDelta { seq, .. }
+            | ServerEvent::ResponseDone { seq, .. }
+            | ServerEvent::DuplexListen { seq, .. }
+            | ServerEvent::DuplexSpeak { seq, .. }
+            | ServerEvent::SessionClosing { seq, .. } => *seq = n,
+            ServerEvent::Error { seq, .. } => *seq = Some(n),
+            _ => {}
+        }
+        self
+    }
+
+    pub fn error(e: &WireError) -> Self {
+        ServerEvent::Error { seq: None, code: e.code.as_str(), message: e.message.clone(), fatal: e.fatal, retry_after_ms: e.retry_after_ms }
+    }
+}
