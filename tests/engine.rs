@@ -82,6 +82,7 @@ fn collect(rx: mpsc::Receiver<EngineEvent>) -> Outcome {
     let mut out = None;
     for ev in &events {
         match ev {
+            EngineEvent::HistoryTrimmed { .. } => {}
             EngineEvent::TextDelta(t) => text.push_str(t),
             EngineEvent::Audio { samples, .. } => audio.push(samples.clone()),
             EngineEvent::Done { status, codes, timings, text: t, .. } => {
@@ -348,7 +349,11 @@ fn a_history_longer_than_the_context_loses_its_oldest_turns() {
     let e = engine(EngineConfig::default());
     let mut s = spec("long-history", "and now?", 4, 10, 1);
     s.history = (0..60).map(|i| antiphon_engine::Turn::text(format!("question {i} ").repeat(40), "answer ".repeat(60))).collect();
-    assert_eq!(collect(submit(&e, s)).status, Status::Completed);
+    let o = collect(submit(&e, s));
+    assert_eq!(o.status, Status::Completed);
+    // and says how many, before anything else of the reply
+    let trimmed = o.events.iter().position(|ev| matches!(ev, EngineEvent::HistoryTrimmed { turns } if (1..60).contains(turns)));
+    assert_eq!(trimmed, Some(0), "the first event says how many turns were left out: {:?}", o.events.first());
     // a prompt that alone is longer than the context is refused clearly
     let o = collect(submit(&e, spec("huge", &"la ".repeat(4000), 4, 10, 1)));
     assert!(matches!(&o.status, Status::Refused(m) if m.contains("context") && m.contains("`text`")), "{:?}", o.status);

@@ -198,6 +198,11 @@ impl Timings {
 /// What a request produces, in order; `Done` is always last and comes exactly once.
 #[derive(Debug, Clone)]
 pub enum EngineEvent {
+    /// The conversation outgrew the context: its `turns` oldest turns are not in this reply's
+    /// prompt (sent before anything else of the reply). The caller's history should let them go.
+    HistoryTrimmed {
+        turns: usize,
+    },
     TextDelta(String),
     /// 24 kHz mono samples; `chunk` counts Code2Wav chunks from 0.
     Audio {
@@ -372,6 +377,7 @@ impl Registry {
                         p.timings.first_audio.get_or_insert(now);
                     }
                 }
+                EngineEvent::HistoryTrimmed { .. } => {}
                 EngineEvent::Done { .. } => return false,
             }
             // emitted under the lock: a concurrent finish cannot overtake it

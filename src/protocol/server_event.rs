@@ -112,6 +112,10 @@ pub enum ServerEvent {
     ResponseCreated { seq: u64, response_id: u32, trigger: Trigger },
     #[serde(rename = "response.text.delta")]
     ResponseTextDelta { seq: u64, response_id: u32, text: String },
+    /// The conversation outgrew the model's context: its `turns` oldest turns were left out of
+    /// this response's prompt, and the session has let them go.
+    #[serde(rename = "conversation.trimmed")]
+    ConversationTrimmed { seq: u64, response_id: u32, turns: usize },
     #[serde(rename = "response.done")]
     ResponseDone { seq: u64, response_id: u32, status: DoneStatus, audio_ms: u64, packets: u64, chunks: u64 },
     #[serde(rename = "duplex.listen")]
@@ -161,6 +165,7 @@ impl ServerEvent {
             ServerEvent::SessionCreated { seq, .. }
             | ServerEvent::ResponseCreated { seq, .. }
             | ServerEvent::ResponseTextDelta { seq, .. }
+            | ServerEvent::ConversationTrimmed { seq, .. }
             | ServerEvent::ResponseDone { seq, .. }
             | ServerEvent::DuplexListen { seq, .. }
             | ServerEvent::DuplexSpeak { seq, .. }

@@ -86,6 +86,8 @@ struct Prompt {
     key: Vec<u32>,
     /// The audio runs, in the order of their placeholder runs in `ids`.
     audio: Vec<PromptAudio>,
+    /// The conversation's oldest turns left out (it outgrew the context).
+    dropped: usize,
 }
 
 /// The prefix-store id of position `at` of a clip with content key `clip`: above every vocabulary
@@ -171,7 +173,7 @@ fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<Prompt> {
             }
         }
     }
-    Ok(Prompt { ids, key, audio })
+    Ok(Prompt { ids, key, audio, dropped: first })
 }
 
 /// The prompt's embeddings from `from` on: only the clips that reach past it are encoded.
@@ -203,6 +205,9 @@ impl TurnStream {
                 return None;
             }
         };
+        if prompt.dropped > 0 {
+            ctx.registry.emit(&spec.id, crate::EngineEvent::HistoryTrimmed { turns: prompt.dropped });
+        }
         let ids = &prompt.ids;
         let context = ctx.context();
         if ids.len() >= context {

@@ -52,6 +52,14 @@ impl History {
         self.turns.drain(..drop);
     }
 
+    /// The `n` oldest turns go (the engine left them out of a prompt: the context is full).
+    pub(super) fn drop_oldest(&mut self, n: usize) {
+        let n = n.min(self.turns.len());
+        for t in self.turns.drain(..n) {
+            self.spoken -= spoken_samples(&t.user);
+        }
+    }
+
     /// The caller heard `played_ms` of a reply: the reply is remembered as far as it was heard.
     pub(super) fn played(&mut self, response_id: u32, played_ms: u64) {
         if let Some(t) = self.turns.iter_mut().find(|t| t.response_id == response_id) {
@@ -102,5 +110,18 @@ mod tests {
         h.played(7, 300);
         h.played(8, 0);
         assert_eq!(h.turns()[0].assistant, "abc");
+    }
+
+    #[test]
+    fn turns_the_engine_left_out_go() {
+        let mut h = History::new(100);
+        h.push(1, spoken(2), "a".into(), 500);
+        h.push(2, UserInput::Text("b".into()), "b".into(), 500);
+        h.push(3, spoken(1), "c".into(), 500);
+        h.drop_oldest(2);
+        assert_eq!(h.turns().iter().map(|t| t.assistant.as_str()).collect::<Vec<_>>(), ["c"]);
+        assert_eq!(h.spoken, 16_000);
+        h.drop_oldest(5);
+        assert!(h.turns().is_empty() && h.spoken == 0);
     }
 }

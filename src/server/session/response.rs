@@ -176,6 +176,12 @@ impl Session {
             return;
         };
         match event {
+            EngineEvent::HistoryTrimmed { turns } => {
+                // (the history this response was given, less its oldest turns: later prompts
+                // start where this one did)
+                self.history.drop_oldest(turns);
+                self.send_event(ServerEvent::ConversationTrimmed { seq: 0, response_id, turns });
+            }
             EngineEvent::TextDelta(t) => {
                 r.text.push_str(&t);
                 self.send_event(ServerEvent::ResponseTextDelta { seq: 0, response_id, text: t });
