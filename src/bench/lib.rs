@@ -407,7 +407,11 @@ async fn run_level(sh: Arc<Shared>, level: usize) -> Result<(Vec<RequestRecord>,
                     client.close().await;
                     client = Client::open(&sh.cfg).await?;
                 }
-                let r = one_request(&sh, &mut client, level, w, i, warm, start).await;
+                let mut r = one_request(&sh, &mut client, level, w, i, warm, start).await;
+                if sh.cfg.workload != Workload::Clone {
+                    // (one session's turns in order: how first audio grows with a conversation)
+                    r.turn = Some(i);
+                }
                 let broken = !r.ok && r.error.as_deref().is_some_and(|e| e.contains("closed") || e.contains("ended"));
                 out.push(r);
                 if broken {

@@ -91,6 +91,23 @@ pub struct LevelSummary {
     /// Conversations: the median `retry_after_ms` of the refused calls, where the server said.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<f64>,
+    /// TTFA p50 of each ten turns of a session (turns 0-9, 10-19, …), where sessions went past
+    /// ten turns: how first audio grows with a conversation's length.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttfa_p50_by_ten_turns: Option<Vec<f64>>,
+}
+
+/// TTFA p50 per ten turns of a session (`None` unless some reply is turn 10 or later).
+fn ttfa_by_ten_turns(ok: &[&&RequestRecord]) -> Option<Vec<f64>> {
+    let last = ok.iter().filter_map(|r| r.turn).max()?;
+    if last < 10 {
+        return None;
+    }
+    let tens = (0..=last / 10).map(|t| {
+        let v: Vec<f64> = ok.iter().filter(|r| r.turn.is_some_and(|n| n / 10 == t)).filter_map(|r| r.ttfa_ms).collect();
+        Percentiles::of(&v).p50
+    });
+    Some(tens.collect())
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -155,6 +172,7 @@ pub fn level_summary(level: usize, recs: &[RequestRecord], wall_s: f64) -> Level
         wall_s,
         server: None,
         responses_without_stall_frac: (with_model > 0).then(|| without_stall as f64 / with_model as f64),
+        ttfa_p50_by_ten_turns: ttfa_by_ten_turns(&ok),
         ..Default::default()
     }
 }
@@ -230,6 +248,12 @@ pub fn table(s: &Summary) -> String {
                 l.audio_throughput,
                 l.requests_per_s
             ));
+        }
+    }
+    for l in &s.levels {
+        if let Some(tens) = &l.ttfa_p50_by_ten_turns {
+            let v: Vec<String> = tens.iter().map(|t| format!("{t:.0}")).collect();
+            out.push_str(&format!("{}: TTFA p50 by ten turns of a session: {} ms\n", level_label(l), v.join(" · ")));
         }
     }
     if let Some(g) = &s.goodput {
@@ -460,6 +484,24 @@ mod tests {
     /// description (those have spaces).
     fn x_ticks(texts: &[(String, String)]) -> Vec<String> {
         texts.iter().filter(|(a, t)| a.contains("text-anchor=\"middle\"") && !t.contains(' ') && !t.is_empty()).map(|(_, t)| t.clone()).collect()
+    }
+
+    /// A long conversation's first audio per ten turns, from its records (warm-up and failed
+    /// replies left out); none for short conversations.
+    #[test]
+    fn ttfa_by_ten_turns_of_a_session() {
+        let recs: Vec<RequestRecord> = (0..2)
+            .flat_map(|w| {
+                (0..25).map(move |i| {
+                    let mut r = RequestRecord::new(2, w, i, false, 0, 0.0);
+                    (r.ok, r.turn, r.ttfa_ms) = (true, Some(i), Some(100.0 + 10.0 * i as f64));
+                    r
+                })
+            })
+            .collect();
+        let l = level_summary(2, &recs, 10.0);
+        assert_eq!(l.ttfa_p50_by_ten_turns, Some(vec![140.0, 240.0, 320.0]));
+        assert_eq!(level_summary(2, &recs[..9], 10.0).ttfa_p50_by_ten_turns, None);
     }
 
     #[test]
