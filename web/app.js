@@ -122,12 +122,17 @@ async function buildInfo() {
     }
     const sel = $('voice');
     for (const v of b.voices || []) sel.add(new Option(v, v));
-    // and the voices registered on this server (docs/voices.md), when it lets us list them
-    try {
-      const r = await fetch('/v1/voices' + tokenQuery('?'));
-      if (r.ok) for (const v of (await r.json()).voices) if (v.kind === 'registered') sel.add(new Option(`${v.name} (${v.id})`, v.id));
-    } catch (e) {
-      log('voices: ' + e);
+    // and the voices this browser kept on the server (not every visitor's: a registered voice is
+    // somebody's recording), where the server still has them
+    const mine = keptVoices();
+    if (mine.length) {
+      try {
+        const r = await fetch('/v1/voices' + tokenQuery('?'));
+        const held = r.ok ? new Set((await r.json()).voices.map((v) => v.id)) : new Set();
+        for (const v of mine) if (held.has(v.id)) sel.add(new Option(`${v.name} (${v.id})`, v.id));
+      } catch (e) {
+        log('voices: ' + e);
+      }
     }
     $('build').textContent = `antiphon ${b.version} · ${b.model.source} ${b.model.preset} · ${b.model.device}`;
     return b;
@@ -368,7 +373,7 @@ function onMicFrame(frame) {
 /** Controls enabled exactly when they work: the session's settings while idle, talking while
  *  connected (typing and push-to-talk in turn mode only: duplex listens all the time). */
 function lockControls(connected) {
-  for (const id of ['mode', 'voice', 'ref', 'connect']) $(id).disabled = connected;
+  for (const id of ['mode', 'voice', 'ref', 'keep', 'connect']) $(id).disabled = connected;
   for (const id of ['hangup', 'drop']) $(id).disabled = !connected;
   const duplex = $('mode').value === 'duplex';
   for (const id of ['text', 'send', 'ptt']) $(id).disabled = !connected || duplex;
@@ -496,6 +501,15 @@ function tokenQuery(sep) {
   return token ? `${sep}token=${encodeURIComponent(token)}` : '';
 }
 
+/** The voices this browser registered: [{id, name}] (localStorage). */
+function keptVoices() {
+  try {
+    return JSON.parse(localStorage.getItem('antiphon.voices') || '[]');
+  } catch {
+    return [];
+  }
+}
+
 /** 16 kHz mono PCM16 samples as a WAV file. */
 function wavBlob(pcm, rate) {
   const h = new DataView(new ArrayBuffer(44));
@@ -516,11 +530,12 @@ function wavBlob(pcm, rate) {
 }
 
 /**
- * The voice: a configured or registered one, or an uploaded recording in any format the browser
- * decodes, cut to its first 6 s of 16 kHz mono PCM16 (what the model uses of it). An upload is
- * registered on the server (`POST /v1/voices`) and named by its id from then on; where the
- * registry refuses it, it goes inline with the session (it fits the protocol's 256 KiB text frame
- * once in base64).
+ * The voice: a configured one (or one this browser kept), or an uploaded recording in any format
+ * the browser decodes, cut to its first 6 s of 16 kHz mono PCM16 (what the model uses of it). An
+ * upload goes inline with this session only (it fits the protocol's 256 KiB text frame once in
+ * base64) unless "keep it on the server" is checked: then it is registered (`POST /v1/voices`)
+ * and named by its id from then on, in this browser only; where the registry refuses it, it goes
+ * inline.
  */
 async function voiceChoice() {
   const file = $('ref').files[0];
@@ -541,12 +556,14 @@ async function voiceChoice() {
   const pcm = new Int16Array(pcm16k.length);
   for (let i = 0; i < pcm.length; i++) pcm[i] = Math.max(-32768, Math.min(32767, Math.round(pcm16k[i] * 32767)));
   const secs = (pcm.length / 16000).toFixed(1);
+  if (!$('keep').checked) return inlineVoice(pcm, file.name, secs);
   try {
     const name = encodeURIComponent(file.name.slice(0, 64));
     const r = await fetch(`/v1/voices?name=${name}${tokenQuery('&')}`, { method: 'POST', headers: { 'Content-Type': 'audio/wav' }, body: wavBlob(pcm, 16000) });
     const v = await r.json();
     if (r.ok) {
-      log(`reference voice: ${file.name}, ${secs} s registered as ${v.id}`);
+      log(`reference voice: ${file.name}, ${secs} s registered as ${v.id} (kept on the server)`);
+      localStorage.setItem('antiphon.voices', JSON.stringify([...keptVoices(), { id: v.id, name: v.name }]));
       const sel = $('voice');
       sel.add(new Option(`${v.name} (${v.id})`, v.id));
       sel.value = v.id;
@@ -557,10 +574,15 @@ async function voiceChoice() {
   } catch (e) {
     log(`voice registry: ${e}; sending it with the session`);
   }
+  return inlineVoice(pcm, file.name, secs);
+}
+
+/** A recording that goes with this session only (16 kHz PCM16 inline; the server keeps nothing). */
+function inlineVoice(pcm, name, secs) {
   const bytes = new Uint8Array(pcm.buffer);
   let bin = '';
   for (let i = 0; i < bytes.length; i += 0x8000) bin += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
-  log(`reference voice: ${file.name}, ${secs} s sent as 16 kHz PCM16`);
+  log(`reference voice: ${name}, ${secs} s for this call only (not kept)`);
   return { ref_audio_b64: btoa(bin), sample_rate: 16000 };
 }
 

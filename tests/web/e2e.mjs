@@ -246,6 +246,7 @@ await test('input spoken during a drop is kept and resent after the resume', asy
 await test('PCM16 both ways (no WebCodecs) and an uploaded reference voice, registered', async () => {
   const page = await openPage('pcm=1&text_tokens=8&audio_tokens=50');
   await page.setInputFiles('#ref', wav);
+  await page.check('#keep');
   await connect(page);
   await page.fill('#text', 'Please read this sentence aloud: the festival starts after the parade.');
   await page.press('#text', 'Enter');
@@ -261,6 +262,28 @@ await test('PCM16 both ways (no WebCodecs) and an uploaded reference voice, regi
   assert(r.status === 'completed' && r.packets === r.donePackets, `answered in the uploaded voice (${r.status})`);
   const playedMs = (s.playedSamples / 48000) * 1000;
   assert(Math.abs(playedMs - r.audioMs) <= 60, `played ${playedMs.toFixed(0)} ms of ${r.audioMs} ms`);
+  // another visitor (another browser profile) is not shown it, though the server holds it
+  const kept = await page.$eval('#voice', (el) => el.value);
+  const other = await openPage('text_tokens=8&audio_tokens=30');
+  const listed = await other.evaluate(async () => (await (await fetch('/v1/voices')).json()).voices.map((v) => v.id));
+  const offered = await other.$$eval('#voice option', (os) => os.map((o) => o.value));
+  assert(listed.includes(kept) && !offered.includes(kept), `${kept} is on the server (${listed}) but not offered to another visitor (${offered})`);
+  await other.close();
+  await end(page);
+});
+
+await test('an uploaded voice goes with this call only unless it is kept', async () => {
+  const page = await openPage('text_tokens=8&audio_tokens=30');
+  const before = await page.evaluate(async () => (await (await fetch('/v1/voices')).json()).voices.length);
+  await page.setInputFiles('#ref', wav);
+  await connect(page);
+  await page.fill('#text', 'In my voice, please.');
+  await page.press('#text', 'Enter');
+  await page.waitForFunction(() => Object.values(window.antiphon.stats.responses).some((r) => r.status === 'completed'), null, { timeout: 60000 });
+  const s = await stats(page);
+  const after = await page.evaluate(async () => (await (await fetch('/v1/voices')).json()).voices.length);
+  assert(s.events.some((e) => /reference voice: default\.wav, 6\.0 s for this call only \(not kept\)/.test(e)), 'the page says the voice is not kept');
+  assert(after === before, `nothing was registered (${before} voices before, ${after} after)`);
   await end(page);
 });
 
