@@ -10,6 +10,18 @@ use std::time::Instant;
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RequestId(pub String);
 
+impl RequestId {
+    /// The `n`th turn-mode response of a session: `{session}/{n}`.
+    pub fn response(session: &str, n: u32) -> Self {
+        Self(format!("{session}/{n}"))
+    }
+
+    /// The `n`th turn a duplex session's model spoke: `{session}/t{n}` (apart from its responses).
+    pub fn duplex_turn(session: &str, n: u64) -> Self {
+        Self(format!("{session}/t{n}"))
+    }
+}
+
 impl std::fmt::Display for RequestId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0)

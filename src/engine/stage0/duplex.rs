@@ -207,7 +207,7 @@ impl DuplexStream {
         let new_turn = self.turn.is_none();
         if new_turn {
             self.turns += 1;
-            let id = RequestId(format!("{}/t{}", self.spec.session, self.turns));
+            let id = RequestId::duplex_turn(&self.spec.session, self.turns);
             let sink = self.sink.clone();
             let tid = id.clone();
             let turn_sink: crate::EventSink = Arc::new(move |event: EngineEvent| sink(DuplexEvent::Response { turn: tid.clone(), event }));

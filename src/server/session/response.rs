@@ -39,7 +39,7 @@ impl Session {
         let Some(out) = self.new_output() else { return };
         self.responses += 1;
         let rid = self.responses;
-        let engine_id = RequestId(format!("{}/{}", self.id, rid));
+        let engine_id = RequestId::response(&self.id, rid);
         let g = merge(&self.generation, gen.as_ref());
         let spec = RequestSpec {
             id: engine_id.clone(),
