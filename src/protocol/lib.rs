@@ -118,6 +118,16 @@ pub struct OutputAudio {
     pub frame_ms: Option<u32>,
 }
 
+impl OutputAudio {
+    /// The packet length when the client leaves `frame_ms` out.
+    pub const DEFAULT_FRAME_MS: u32 = 20;
+
+    /// The packet length asked for, or the default.
+    pub fn frame_ms(&self) -> u32 {
+        self.frame_ms.unwrap_or(Self::DEFAULT_FRAME_MS)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(untagged)]
 pub enum Voice {

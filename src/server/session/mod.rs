@@ -147,7 +147,7 @@ impl Session {
         let input = InputAudio::new(c.input_audio.codec, c.input_audio.sample_rate)
             .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `input_audio.sample_rate`: {e}")))?
             .with_limit_s(cfg.max_input_audio_s);
-        OutputAudio::new(c.output_audio.codec, c.output_audio.frame_ms.unwrap_or(20))
+        OutputAudio::new(c.output_audio.codec, c.output_audio.frame_ms())
             .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `output_audio.frame_ms`: {e}")))?;
         let duplex = match (c.mode, &c.duplex) {
             (WireMode::Turn, Some(_)) => return Err(WireError::new(ErrorCode::BadField, "field `duplex`: only for mode \"duplex\"")),
@@ -177,7 +177,7 @@ impl Session {
             me: None,
             mode: c.mode,
             input,
-            output_format: OutputFormat { codec: c.output_audio.codec, frame_ms: Some(c.output_audio.frame_ms.unwrap_or(20)) },
+            output_format: OutputFormat { codec: c.output_audio.codec, frame_ms: Some(c.output_audio.frame_ms()) },
             pending_output: None,
             voice,
             instructions: c.instructions.clone(),
@@ -305,7 +305,7 @@ impl Session {
         let seq = self.next_seq;
         self.next_seq += 1;
         let frame = AudioFrame { kind: KIND_AUDIO, last, seq: seq as u32, response_id, payload };
-        let ms = self.output_format.frame_ms.unwrap_or(20) as u64;
+        let ms = self.output_format.frame_ms() as u64;
         self.emit(seq, WireMsg::Binary(frame.encode()), ms);
     }
 
@@ -347,9 +347,9 @@ impl Session {
             }
         }
         if let Some(o) = u.output_audio {
-            OutputAudio::new(o.codec, o.frame_ms.unwrap_or(20))
+            OutputAudio::new(o.codec, o.frame_ms())
                 .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `output_audio.frame_ms`: {e}")))?;
-            self.pending_output = Some(OutputFormat { codec: o.codec, frame_ms: Some(o.frame_ms.unwrap_or(20)) });
+            self.pending_output = Some(OutputFormat { codec: o.codec, frame_ms: Some(o.frame_ms()) });
         }
         if self.duplex.is_some() && (u.voice.is_some() || u.instructions.is_some() || u.generation.is_some() || u.duplex.is_some()) {
             return Err(WireError::new(

@@ -82,7 +82,7 @@ impl Session {
             self.output_format = f;
         }
         let f = &self.output_format;
-        match OutputAudio::new(f.codec, f.frame_ms.unwrap_or(20)) {
+        match OutputAudio::new(f.codec, f.frame_ms()) {
             Ok(o) => Some(o),
             Err(e) => {
                 self.send_error(super::internal_error("output audio", &e.to_string(), false));
