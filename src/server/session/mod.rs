@@ -324,6 +324,9 @@ impl Session {
         if let Some(m) = &self.manager {
             m.remove(&self.id, expired);
         }
+        // (a resume still replaying: what is left of it goes before the close, as far as the
+        // queue takes it, so a last error is read before the close frame)
+        self.flush_replay();
         if let Some(c) = self.conn.take() {
             let (code, why) = close.unwrap_or((1000, "session closed"));
             c.send(Outbound::Close(code, why.to_string()));

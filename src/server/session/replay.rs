@@ -71,6 +71,18 @@ impl Session {
         }
     }
 
+    /// The session ends while its replay has not caught up: the rest goes to the queue at once
+    /// (a queue it overruns closes the socket, as any full queue does).
+    pub(super) fn flush_replay(&mut self) {
+        let (Some(c), Some(sent)) = (&self.conn, self.replayed.take()) else { return };
+        for (_, m) in self.journal.after(sent) {
+            c.send(match m {
+                WireMsg::Text(t) => Outbound::Text(t.clone()),
+                WireMsg::Binary(b) => Outbound::Binary(b.clone()),
+            });
+        }
+    }
+
     /// The queue of `conn` has room again.
     pub(super) fn on_pump(&mut self, conn: ConnId) {
         if self.pump_waiting == Some(conn) {
