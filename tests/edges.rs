@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tokio_tungstenite::tungstenite::Message;
-use wire::{is_done, reqwest_like_get, server, short, Client, In};
+use wire::{is_done, one_place, reqwest_like_get, server, short, Client, In};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_beyond_the_cap_are_refused_and_a_freed_permit_is_reused() {
@@ -283,12 +283,7 @@ async fn a_session_once_a_permit_is_back(url: &str, what: &str) {
 /// place is free; the admitted response plays on, and once it has ended, both are served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_beyond_the_places_is_refused_at_once_and_the_admitted_one_plays() {
-    let s = server(|c| {
-        c.engine.max_streams = Some(1);
-        c.engine.max_queued = 0;
-        c.engine.call_headroom = 1;
-    })
-    .await;
+    let s = server(one_place).await;
     let (mut a, mut b) = (Client::connect(&s).await, Client::connect(&s).await);
     a.create(json!({})).await;
     b.create(json!({})).await;

@@ -14,7 +14,7 @@ use tokio_tungstenite::tungstenite::Message;
 
 #[allow(dead_code)]
 mod wire;
-use wire::{server, Client, In};
+use wire::{one_place, server, Client, In};
 
 fn quick(c: &mut antiphon_server::config::Config) {
     c.engine.default_max_audio_tokens = 30;
@@ -404,12 +404,7 @@ async fn a_client_streaming_silence_is_active_and_an_idle_one_is_closed() {
 /// refused at connect gets an `error` with both before its close 1013.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn capacity_says_when_to_try_again() {
-    let s = server(|c| {
-        c.engine.max_streams = Some(1);
-        c.engine.max_queued = 0;
-        c.engine.call_headroom = 1;
-    })
-    .await;
+    let s = server(one_place).await;
     let mut b = connect(&s).await;
     let mut a = Client::connect(&s).await;
     a.create(json!({})).await;

@@ -22,6 +22,15 @@ fn models() -> (Thinker, Talker) {
     ck.load_models(DType::F32, &common::device()).expect("load through the real loader")
 }
 
+/// The fixture tokenizer's audio markers (the placeholder is its `<unk>`).
+fn markers(meta: &serde_json::Value) -> AudioMarkers {
+    AudioMarkers {
+        start: meta["audio_start"].as_u64().unwrap() as u32,
+        end: meta["audio_end"].as_u64().unwrap() as u32,
+        placeholder: meta["unk"].as_u64().unwrap() as u32,
+    }
+}
+
 fn samples(t: &Tensor) -> Vec<f32> {
     t.to_vec1::<f32>().unwrap()
 }
@@ -113,11 +122,7 @@ fn parity_thinker_llm_prefill_with_spliced_audio() {
     let io = load_io(FIX);
     let meta = load_meta(FIX);
     let (thinker, _) = models();
-    let markers = AudioMarkers {
-        start: meta["audio_start"].as_u64().unwrap() as u32,
-        end: meta["audio_end"].as_u64().unwrap() as u32,
-        placeholder: meta["unk"].as_u64().unwrap() as u32,
-    };
+    let markers = markers(&meta);
     let prompt = ids(&meta["llm_audio_ids"]);
     let audio = thinker.encode_clip(&samples(&io["clip"])).unwrap();
     let embeds = thinker.embed_with_audio(&prompt, &markers, &[audio]).unwrap();
@@ -138,11 +143,7 @@ fn parity_thinker_llm_prefill_with_spliced_audio() {
 fn prompt_embeddings_from_a_held_prefix_match_the_whole() {
     let meta = load_meta(FIX);
     let (thinker, _) = models();
-    let markers = AudioMarkers {
-        start: meta["audio_start"].as_u64().unwrap() as u32,
-        end: meta["audio_end"].as_u64().unwrap() as u32,
-        placeholder: meta["unk"].as_u64().unwrap() as u32,
-    };
+    let markers = markers(&meta);
     let window = thinker.apm.config().max_source_positions * 2 * WhisperLogMel::HOP;
     for n in [100, 16_000, window, window + 3_000] {
         let clip: Vec<f32> = (0..n).map(|i| 0.2 * (i as f32 * 0.01).sin()).collect();

@@ -14,6 +14,16 @@ use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
 pub type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
+/// An engine with one stream place, no queue for replies, and that place kept for admitted calls:
+/// a second reply while one plays is refused at once, and so is a new call. (tests/server.rs
+/// does not use it.)
+#[allow(dead_code)]
+pub fn one_place(c: &mut Config) {
+    c.engine.max_streams = Some(1);
+    c.engine.max_queued = 0;
+    c.engine.call_headroom = 1;
+}
+
 pub async fn server(edit: impl FnOnce(&mut Config)) -> Server {
     let mut cfg =
         Config::parse(antiphon_server::config::DEFAULT_TOML, std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs"))).unwrap();
