@@ -7,7 +7,8 @@
 #
 # A variant is `name` (the configuration as it is) or `name:key=value,key=value` ([engine] keys:
 # a key the file sets is replaced, another one is added under [engine]). Every other variable goes
-# to gpu-measure.sh as it is (CONFIG picks the base file). Results: $OUT/<name>/.
+# to gpu-measure.sh as it is (CONFIG picks the base file), but the parity tests (PARITY) run
+# before the first variant only. Results: $OUT/<name>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/antiphon-gpu}
@@ -30,4 +31,5 @@ for v in ${VARIANTS:-base}; do
   echo "=== variant $name: $(grep -E "^($(echo "${v#*:}" | sed 's/=[^,]*//g; s/,/|/g')) = " "$cfg" | tr '\n' ' ')"
   OUT=$OUT/$name CONFIG=$cfg scripts/gpu-measure.sh
   rm -f "$cfg"
+  export PARITY=0
 done

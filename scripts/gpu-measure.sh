@@ -39,8 +39,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 cat "$RES/gpu.txt"
 date -u +%FT%TZ > "$RES/date.txt"
 # correctness first: the parity fixtures on the GPU (f32 <= 1e-3 relative), if they were built
+# (and the pooled / mixed Code2Wav steps against streams alone, tests/flow_slots.rs, on CUDA)
 if [ "${PARITY:-1}" = 1 ] && ls .device/parity_*.xz > /dev/null 2>&1; then
-  for x in .device/parity_*.xz; do
+  for x in .device/parity_*.xz .device/flow_slots.xz; do
+    [ -f "$x" ] || continue
     t=$(basename "$x" .xz)
     xz -dc "$x" > "/tmp/$t" && chmod +x "/tmp/$t"
     ANTIPHON_TEST_DEVICE=cuda ANTIPHON_REPO=$PWD timeout "${PARITY_TIMEOUT:-150}" "/tmp/$t" --test-threads 1 > "$RES/parity-$t.txt" 2>&1
