@@ -8,92 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use antiphon_assets::synth::{models_in_memory, Preset};
-use antiphon_engine::{Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, SpokenClip, Status, UserInput};
+use antiphon_engine::{Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, SpokenClip, Status, UserInput};
 use candle_core::{DType, Device};
-
-fn engine(cfg: EngineConfig) -> Engine {
-    Engine::start(models_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap(), cfg).unwrap()
-}
-
-fn voice() -> RefInput {
-    RefInput::new((0..16_000 * 3).map(|i| 0.3 * (i as f32 * 0.07).sin() * (i as f32 * 0.0004).cos()).collect(), 16_000)
-}
-
-fn spec(id: &str, text: &str, text_tokens: usize, codes: usize, seed: u64) -> RequestSpec {
-    RequestSpec {
-        id: RequestId(id.into()),
-        mode: Mode::Turn,
-        input: UserInput::Text(text.into()),
-        instructions: None,
-        history: vec![],
-        voice: voice(),
-        generation: GenerationParams {
-            min_text_tokens: Some(text_tokens),
-            max_text_tokens: Some(text_tokens),
-            min_audio_tokens: Some(codes),
-            max_audio_tokens: Some(codes),
-            temperature: None,
-            seed: Some(seed),
-        },
-    }
-}
-
-struct Outcome {
-    text: String,
-    audio: Vec<Vec<f32>>,
-    status: Status,
-    codes: usize,
-    first_audio_ms: f64,
-    events: Vec<EngineEvent>,
-}
-
-fn submit(e: &Engine, s: RequestSpec) -> mpsc::Receiver<EngineEvent> {
-    let (tx, rx) = mpsc::channel();
-    let tx = std::sync::Mutex::new(tx);
-    e.submit(
-        s,
-        Arc::new(move |ev| {
-            let _ = tx.lock().unwrap().send(ev);
-        }),
-    )
-    .unwrap();
-    rx
-}
-
-fn collect(rx: mpsc::Receiver<EngineEvent>) -> Outcome {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut events = vec![];
-    loop {
-        let ev = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("the request finishes");
-        let done = matches!(ev, EngineEvent::Done { .. });
-        events.push(ev);
-        if done {
-            break;
-        }
-    }
-    // nothing after Done: the engine lets go of the request's sink, so the channel ends
-    match rx.recv_timeout(Duration::from_secs(60)) {
-        Err(mpsc::RecvTimeoutError::Disconnected) => {}
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!("the engine still holds the sink of a finished request"),
-        Ok(ev) => panic!("an event came after Done: {ev:?}"),
-    }
-    let mut text = String::new();
-    let mut audio = vec![];
-    let mut out = None;
-    for ev in &events {
-        match ev {
-            EngineEvent::HistoryTrimmed { .. } => {}
-            EngineEvent::TextDelta(t) => text.push_str(t),
-            EngineEvent::Audio { samples, .. } => audio.push(samples.clone()),
-            EngineEvent::Done { status, codes, timings, text: t, .. } => {
-                assert_eq!(t, &text, "Done carries the whole text");
-                out = Some((status.clone(), *codes, timings.first_audio_ms().unwrap_or(f64::NAN)));
-            }
-        }
-    }
-    let (status, codes, first_audio_ms) = out.unwrap();
-    Outcome { text, audio, status, codes, first_audio_ms, events }
-}
+use common::engine::{collect, engine, spec, submit, voice, Outcome};
 
 #[test]
 fn a_turn_request_gives_text_then_audio_of_the_forced_length() {
@@ -137,6 +54,39 @@ fn requests_batched_together_match_requests_alone() {
 #[test]
 fn requests_in_mixed_code2wav_steps_match_requests_alone() {
     batched_requests_match_requests_alone(EngineConfig { code2wav_mixed_steps: true, ..EngineConfig::default() });
+}
+
+/// Text chunks of 3 tokens (so every reply has several): replies batched together get what each
+/// gets alone, though every chunk starts its stream's Talker cache over with a window.
+#[test]
+fn requests_with_text_chunks_batched_together_match_requests_alone() {
+    batched_requests_match_requests_alone(EngineConfig { talker_text_chunk: 3, ..EngineConfig::default() });
+}
+
+/// With text chunks the Talker makes a reply's forced codes over its chunks, the text is the
+/// Thinker's as without chunks, and the audio is made from another condition; with free lengths
+/// the codes end where the Talker ends its chunks, within the reply's bounds.
+#[test]
+fn text_chunks_give_the_forced_codes_and_the_same_text() {
+    let whole = collect(submit(&engine(EngineConfig::default()), spec("a", "say it", 32, 100, 5)));
+    let e = engine(EngineConfig { talker_text_chunk: 10, ..EngineConfig::default() });
+    let chunked = collect(submit(&e, spec("a", "say it", 32, 100, 5)));
+    assert_eq!(chunked.status, Status::Completed);
+    assert_eq!(chunked.text, whole.text);
+    assert_eq!(chunked.codes, 100);
+    let total: usize = chunked.audio.iter().map(|a| a.len()).sum();
+    assert_eq!(total, (3 + 100) * 2 * 480 + 3840, "(codes + 3 look-ahead) × 40 ms, plus the vocoder delay");
+    assert!(chunked.audio.iter().flatten().all(|s| s.is_finite()));
+    assert_ne!(chunked.audio.concat(), whole.audio.concat(), "the Talker's condition is another");
+    let mut free = spec("b", "say it", 25, 0, 6);
+    free.generation.min_audio_tokens = Some(10);
+    free.generation.max_audio_tokens = Some(300);
+    let o = collect(submit(&e, free));
+    assert_eq!(o.status, Status::Completed);
+    assert!((10..=300).contains(&o.codes), "{} codes", o.codes);
+    let total: usize = o.audio.iter().map(|a| a.len()).sum();
+    assert_eq!(total, (3 + o.codes) * 2 * 480 + 3840);
+    assert_eq!(e.active(), 0);
 }
 
 fn batched_requests_match_requests_alone(cfg: EngineConfig) {

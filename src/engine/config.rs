@@ -46,6 +46,11 @@ pub struct EngineConfig {
     pub context_codes: usize,
     /// Feed the Talker's prefill row by row while the Thinker is still writing (same input).
     pub talker_streaming_prefill: bool,
+    /// Turn mode: hand the Talker the reply in text chunks of this many Thinker tokens, as the
+    /// model's own streaming mode does (10 there): the Talker starts on the first chunk and makes
+    /// each chunk's codes over a window of the previous chunk (docs/design/turn-streaming.md).
+    /// 0: the whole reply at once (the vLLM-Omni reference's hand-off).
+    pub talker_text_chunk: usize,
     /// Turn mode: a stream's Talker runs at most this many chunks of codes ahead of the audio
     /// Code2Wav has delivered (`None`: as fast as it can). On one GPU the stages' steps slow each
     /// other down; codes made long before Code2Wav can use them only slow down its chunk 0.
@@ -147,6 +152,10 @@ pub struct EngineConfig {
     pub call_headroom: usize,
 }
 
+/// The longest text chunk `talker_text_chunk` may ask for (a chunk's condition and the previous
+/// one's sit in the Talker's window together).
+pub const MAX_TEXT_CHUNK: usize = 256;
+
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
@@ -162,6 +171,7 @@ impl Default for EngineConfig {
             chunk_codes: 25,
             context_codes: 3,
             talker_streaming_prefill: false,
+            talker_text_chunk: 0,
             talker_lead_chunks: Some(1),
             talker_hold_first_chunk: false,
             thinker_prefix_cache: 16,
@@ -224,6 +234,9 @@ impl EngineConfig {
     pub fn validate(&self) -> Result<(), String> {
         if self.chunk_codes == 0 || self.thinker_max_batch == 0 || self.talker_max_batch == 0 || self.code2wav_max_batch == 0 {
             return Err("engine batch limits and chunk_codes must be at least 1".into());
+        }
+        if self.talker_text_chunk > MAX_TEXT_CHUNK {
+            return Err(format!("engine.talker_text_chunk {}: 0 (the whole reply) or up to {MAX_TEXT_CHUNK} tokens", self.talker_text_chunk));
         }
         if self.duplex_unit_ms == 0 || !self.duplex_unit_ms.is_multiple_of(100) || self.duplex_unit_ms > 10_000 {
             return Err(format!("engine.duplex_unit_ms {}: a multiple of 100 ms up to 10000", self.duplex_unit_ms));

@@ -94,6 +94,9 @@ pub enum Stage1Msg {
         voice: RefInput,
         min_codes: usize,
         max_codes: usize,
+        /// The reply's text length when the request forces it (`min_text_tokens` =
+        /// `max_text_tokens`): with text chunks, forced codes are spread over the chunks by it.
+        text_tokens: Option<usize>,
         seed: u64,
     },
     /// Thinker tokens after `<|tts_bos|>` and their last-layer hidden rows `[n, llm_dim]`.
@@ -105,6 +108,14 @@ pub enum Stage1Msg {
     /// The text is complete: prefill the text end / audio start and decode.
     End {
         id: RequestId,
+    },
+    /// Turn mode with `talker_text_chunk`: the next chunk of the reply's text (its tokens and their
+    /// hidden rows, `[n, llm_dim]`); `last` when the text ends with it.
+    TextChunk {
+        id: RequestId,
+        ids: Vec<u32>,
+        hidden: Tensor,
+        last: bool,
     },
     /// Duplex: one spoken unit's text (`hidden`: its rows, `None` when there is no text, as when a
     /// listening unit closes the turn). The Talker makes one unit of codes for it, or drains the

@@ -17,6 +17,9 @@ use antiphon_models::decoder::{KvCache, PooledCache, StreamStep};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::talker::{ConditionMode, Talker};
 
+mod chunks;
+use chunks::TextChunks;
+
 struct Req {
     mode: Mode,
     voice: RefInput,
@@ -34,6 +37,8 @@ struct Req {
     codes: usize,
     /// Duplex turns: segments by unit.
     duplex: Option<DuplexTalk>,
+    /// Turn mode with text chunks: a segment per chunk.
+    chunks: Option<TextChunks>,
 }
 
 /// A duplex turn's Talker side: one segment per spoken unit, each making a unit of codes; the
@@ -150,6 +155,7 @@ impl Stage1 {
 
     fn run(&mut self) -> Result<bool> {
         self.start_segments()?;
+        self.start_text_segments()?;
         let mut ids = Vec::new();
         let mut embeds = Vec::new();
         self.paced = false;
@@ -253,22 +259,36 @@ impl Stage1 {
                     Some(c) => c,
                     None => r.length.next(&mut r.sampler, &l, &[]),
                 };
-                if code == eos {
-                    let p = r.chunker.flush();
-                    let r = self.reqs.remove(&id).expect("listed");
+                // the reply ends on its end code; with text chunks, a segment ends on its end code
+                // or its last code (without a step more), and the reply when its last one does
+                let mut end_reply = code == eos;
+                if let Some(ch) = r.chunks.as_mut() {
+                    let segment_over = code == eos || r.length.generated() >= r.length.max;
+                    if code != eos {
+                        ch.made(code);
+                    }
+                    if segment_over {
+                        ch.end_segment();
+                        r.decoding = false;
+                    }
+                    end_reply = segment_over && ch.finished(r.codes + usize::from(code != eos));
+                }
+                if code != eos {
+                    r.codes += 1;
+                    r.last_code = Some(code);
+                    self.registry.add_codes(&id, 1);
+                    if let Some(p) = r.chunker.push(code) {
+                        let r = &self.reqs[&id];
+                        tracing::debug!(request = %id, seq = p.seq, codes = p.codes.len(), "talker chunk out");
+                        self.send(&id, r, p);
+                    }
+                }
+                if end_reply {
+                    let mut r = self.reqs.remove(&id).expect("listed");
                     self.order.retain(|x| *x != id);
-                    if let Some(p) = p {
+                    if let Some(p) = r.chunker.flush() {
                         self.send(&id, &r, p);
                     }
-                    continue;
-                }
-                r.codes += 1;
-                r.last_code = Some(code);
-                self.registry.add_codes(&id, 1);
-                if let Some(p) = r.chunker.push(code) {
-                    let r = &self.reqs[&id];
-                    tracing::debug!(request = %id, seq = p.seq, codes = p.codes.len(), "talker chunk out");
-                    self.send(&id, r, p);
                 }
             }
         }
@@ -297,10 +317,13 @@ impl StageLoop for Stage1 {
 
     fn on_message(&mut self, m: Stage1Msg) {
         match m {
-            Stage1Msg::Begin { id, mode, voice, min_codes, max_codes, seed } => {
+            Stage1Msg::Begin { id, mode, voice, min_codes, max_codes, text_tokens, seed } => {
                 // room for the longest text, its two closing embeddings and every code: the cache
-                // never grows (a growth would need a new decode graph)
+                // never grows (a growth would need a new decode graph); with text chunks, room for
+                // two chunks' conditions and every code (a window holds at most that)
+                let chunked = mode == Mode::Turn && self.cfg.talker_text_chunk > 0;
                 let need = self.cfg.default_max_text_tokens.saturating_add(2).saturating_add(max_codes);
+                let need = if chunked { need.max(2 * (self.cfg.talker_text_chunk + 2) + max_codes) } else { need };
                 let context = self.talker.decoder().config().max_positions;
                 if need > context {
                     let why = format!(
@@ -337,6 +360,7 @@ impl StageLoop for Stage1 {
                     chunker: Chunker::for_stream(&self.cfg, first, mode == Mode::Turn),
                     codes: 0,
                     duplex: (mode == Mode::Duplex).then(DuplexTalk::default),
+                    chunks: chunked.then(|| TextChunks::new(text_tokens, min_codes, max_codes)),
                 };
                 self.remove(&id);
                 self.order.push(id.clone());
@@ -395,6 +419,7 @@ impl StageLoop for Stage1 {
                     Err(e) => self.fail(&id, format!("talker condition: {e:#}")),
                 }
             }
+            Stage1Msg::TextChunk { id, ids, hidden, last } => self.on_text_chunk(&id, &ids, &hidden, last),
             Stage1Msg::Cancel(id) => self.remove(&id),
         }
     }

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
 
+pub mod engine;
 pub mod streams;
 
 /// The repository (`ANTIPHON_REPO` when the test binary runs elsewhere, as on the GPU machine).

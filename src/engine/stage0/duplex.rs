@@ -221,6 +221,7 @@ impl DuplexStream {
                 voice: self.spec.voice.clone(),
                 min_codes: g.min_audio_tokens.unwrap_or(0),
                 max_codes: g.max_audio_tokens.unwrap_or(ctx.cfg.duplex_drain_codes),
+                text_tokens: None,
                 seed: g.seed.unwrap_or(0).wrapping_add(self.turns),
             });
             self.turn = Some(OpenTurn { id, text: TextStream::new(), seg_ids: vec![], seg_rows: vec![], turn_end: false });

@@ -39,8 +39,11 @@ pub struct TurnStream {
     text: TextStream,
     /// Last-layer hidden rows of generated tokens (f32), for the Talker.
     rows: Vec<Tensor>,
-    /// Rows already sent to the Talker (streaming prefill).
+    /// Rows already sent to the Talker (streaming prefill, or text chunks).
     streamed: usize,
+    /// Text chunks of this many rows go to the Talker as they are written (0: the whole reply at
+    /// its end).
+    text_chunk: usize,
     /// The reference voice's content key (0 when the Thinker does not hear it).
     voice: u64,
     /// The system turn's length, when its KV should go into the prefix store once prefilled.
@@ -243,6 +246,7 @@ impl TurnStream {
                 Mode::Duplex => 0,
             }),
             max_codes: g.max_audio_tokens.unwrap_or(ctx.cfg.default_max_audio_tokens),
+            text_tokens: (min == max).then_some(max),
             seed: seed.wrapping_add(1),
         });
         let prompt_len = ids.len();
@@ -307,6 +311,7 @@ impl TurnStream {
             text: TextStream::new(),
             rows: Vec::new(),
             streamed: 0,
+            text_chunk: if spec.mode == Mode::Turn { ctx.cfg.talker_text_chunk } else { 0 },
             voice,
             store_system,
             done: false,
@@ -326,17 +331,50 @@ impl TurnStream {
         Ok(())
     }
 
-    /// The reply is written: its rows and the end go to the Talker, and the turn's KV to the prefix
-    /// store for the conversation's next prompt, which starts with it.
+    /// Sends rows `streamed..upto` as the next text chunk (`last` when the text ends with it).
+    fn send_chunk(&mut self, ctx: &Ctx, upto: usize, last: bool) -> Result<()> {
+        let upto = upto.max(self.streamed);
+        let ids = self.ids[self.prompt_len + self.streamed..self.prompt_len + upto].to_vec();
+        let hidden = match upto > self.streamed {
+            true => to_host(&Tensor::cat(&self.rows[self.streamed..upto], 0)?)?,
+            false => Tensor::zeros((0, ctx.thinker.llm.decoder().config().hidden_size), DType::F32, &candle_core::Device::Cpu)?,
+        };
+        if self.streamed == 0 {
+            ctx.registry.mark(&self.id, |t| t.handoff = Some(Instant::now()));
+        }
+        let _ = ctx.to_talker.send(Stage1Msg::TextChunk { id: self.id.clone(), ids, hidden, last });
+        self.streamed = upto;
+        Ok(())
+    }
+
+    /// With text chunks: a chunk's rows go to the Talker once the token after them is written and
+    /// does not end the text (as the model's streaming mode does: the last chunk is the one the
+    /// text ends in).
+    fn send_full_chunks(&mut self, ctx: &Ctx) -> Result<()> {
+        let s = *ctx.tok.special();
+        // (rows of generated tokens before a hand-off boundary; the newest token has none yet)
+        let upto = (handoff_range(&self.ids, self.prompt_len, &s).end - self.prompt_len).min(self.rows.len());
+        while self.text_chunk > 0 && upto >= self.streamed + self.text_chunk && self.ids.len() > self.prompt_len + upto {
+            self.send_chunk(ctx, self.streamed + self.text_chunk, false)?;
+        }
+        Ok(())
+    }
+
+    /// The reply is written: its rows and the end go to the Talker (or its last text chunk), and
+    /// the turn's KV to the prefix store for the conversation's next prompt, which starts with it.
     fn hand_off(&mut self, ctx: &mut Ctx) -> Result<()> {
         self.done = true;
         let s = *ctx.tok.special();
         let range = handoff_range(&self.ids, self.prompt_len, &s);
         // (rows exist for every generated token fed back, i.e. all before the end)
         let upto = (range.end - self.prompt_len).min(self.rows.len());
-        self.send_rows(ctx, upto)?;
-        ctx.registry.mark(&self.id, |t| t.handoff = Some(Instant::now()));
-        let _ = ctx.to_talker.send(Stage1Msg::End { id: self.id.clone() });
+        if self.text_chunk > 0 {
+            self.send_chunk(ctx, upto, true)?;
+        } else {
+            self.send_rows(ctx, upto)?;
+            ctx.registry.mark(&self.id, |t| t.handoff = Some(Instant::now()));
+            let _ = ctx.to_talker.send(Stage1Msg::End { id: self.id.clone() });
+        }
         self.prefix_due = true;
         Ok(())
     }
@@ -396,6 +434,9 @@ impl ThinkerStream for TurnStream {
         }
         self.ids.push(tok);
         self.next = Some(tok);
+        if self.text_chunk > 0 {
+            self.send_full_chunks(ctx)?;
+        }
         let delta = self.text.push(&ctx.tok, tok)?;
         if !delta.is_empty() {
             ctx.registry.emit(&self.id, crate::EngineEvent::TextDelta(delta));
@@ -405,7 +446,7 @@ impl ThinkerStream for TurnStream {
 
     /// Streaming prefill: the Talker gets every row written so far.
     fn after_step(&mut self, ctx: &mut Ctx) -> Result<()> {
-        if ctx.cfg.talker_streaming_prefill {
+        if ctx.cfg.talker_streaming_prefill && self.text_chunk == 0 {
             self.send_rows(ctx, self.rows.len())?;
         }
         Ok(())
