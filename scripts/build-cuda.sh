@@ -17,7 +17,7 @@ strip -o .device/antiphon "$CARGO_TARGET_DIR/release/antiphon"
 xz -T0 -6 -f .device/antiphon
 # the parity tests, to run against the fixtures on the GPU (ANTIPHON_TEST_DEVICE=cuda)
 if [ "${PARITY:-1}" = 1 ]; then
-  for t in parity_lm parity_c2w parity_prompt flow_slots; do
+  for t in parity_lm parity_c2w parity_prompt parity_stream flow_slots; do
     exe=$(cargo test --release --features cuda --test $t --no-run --message-format=json 2>/dev/null \
       | python3 -c 'import json,sys; t=sys.argv[1]; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["name"] == t and "test" in m["target"]["kind"]][-1])' "$t")
     strip -o .device/$t "$exe"

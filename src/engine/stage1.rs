@@ -19,6 +19,7 @@ use antiphon_models::talker::{ConditionMode, Talker};
 
 mod chunks;
 use chunks::TextChunks;
+pub use chunks::{chunk_condition, segment_window};
 
 struct Req {
     mode: Mode,

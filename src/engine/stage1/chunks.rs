@@ -12,7 +12,28 @@ use candle_core::Tensor;
 use super::Stage1;
 use crate::RequestId;
 use antiphon_models::sampling::LengthPolicy;
-use antiphon_models::talker::ConditionMode;
+use antiphon_models::talker::{ConditionMode, Talker};
+
+/// A text chunk's condition: its rows (`ids` and their Thinker hidden rows), then the text end
+/// when the text ends with it, then the audio start.
+pub fn chunk_condition(talker: &Talker, ids: &[u32], hidden: &Tensor, last: bool) -> candle_core::Result<Tensor> {
+    talker.condition(ids, hidden, if last { ConditionMode::Turn } else { ConditionMode::Duplex })
+}
+
+/// What a segment prefills, from position 0 of a cache started over: the previous chunk's
+/// condition and the codes it made, then this chunk's condition (`sliding_recompute` with one chunk
+/// of history, as the checkpoint's `tts_config` sets it).
+pub fn segment_window(talker: &Talker, previous: Option<(&Tensor, &[u32])>, condition: &Tensor) -> candle_core::Result<Tensor> {
+    let mut parts = Vec::with_capacity(3);
+    if let Some((c, codes)) = previous {
+        parts.push(c.clone());
+        if !codes.is_empty() {
+            parts.push(talker.embed_codes(codes)?);
+        }
+    }
+    parts.push(condition.clone());
+    Tensor::cat(&parts, 0)
+}
 
 /// The most codes one text chunk may make (the reference's bound per chunk).
 pub const MAX_CHUNK_CODES: usize = 500;
@@ -143,9 +164,7 @@ impl Stage1 {
         if !chunks.started && busy && r.chunker.first() < self.cfg.chunk_codes {
             r.chunker.widen_first();
         }
-        // (every chunk ends in the audio start; the last one has the text end before it)
-        let tail = if last { ConditionMode::Turn } else { ConditionMode::Duplex };
-        match self.talker.condition(ids, hidden, tail) {
+        match chunk_condition(&self.talker, ids, hidden, last) {
             Ok(condition) => chunks.push(TextChunk { condition, rows: ids.len(), last }),
             Err(e) => self.fail(id, format!("talker condition: {e:#}")),
         }
@@ -169,16 +188,10 @@ impl Stage1 {
                 }
                 continue;
             };
-            let mut window = Vec::with_capacity(3);
-            if let Some((condition, codes)) = start.previous {
-                window.push(condition);
-                if !codes.is_empty() {
-                    window.push(self.talker.embed_codes(&codes)?);
-                }
-            }
-            window.push(start.condition);
+            let previous = start.previous.as_ref().map(|(c, codes)| (c, codes.as_slice()));
+            let window = segment_window(&self.talker, previous, &start.condition)?;
             r.cache.truncate(0);
-            r.pending = window;
+            r.pending = vec![window];
             r.decoding = true;
             r.length = LengthPolicy::new(vec![self.talker.eos_code()], start.min_codes, start.max_codes);
         }
