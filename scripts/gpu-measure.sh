@@ -10,7 +10,8 @@
 #   OUT=/some/dir WORKLOADS="tts clone" LEVELS=1,2,4,8,16,32 REQUESTS=16 scripts/gpu-measure.sh
 #
 # LEVELS_<workload> and REQUESTS_<workload> (e.g. LEVELS_duplex=32,64) override them for one
-# workload.
+# workload; a workload written `name@levels:requests` (e.g. `tts@1,8:32 tts@64:64`) runs at its own
+# levels and requests, into $RES/name-levels.
 #
 # RATES=2,4,8 then runs the open-loop conversations workload (Poisson arrivals at each rate;
 # CONVERSATIONS per rate, default 120, of TURNS text turns, default 3, THINK_MS apart, default 1000)
@@ -79,16 +80,24 @@ if [ $ready = 1 ]; then
   curl -sf http://127.0.0.1:8080/api/build_info > "$RES/build_info.json"
   curl -sf http://127.0.0.1:8080/metrics > "$RES/metrics-0-warm.txt"
   mem "warm"
-  for w in $WORKLOADS; do
-    # (LEVELS_<workload> / REQUESTS_<workload>, e.g. LEVELS_duplex=32,64, override them for one)
+  for spec in $WORKLOADS; do
+    # (LEVELS_<workload> / REQUESTS_<workload>, e.g. LEVELS_duplex=32,64, override them for one;
+    # a workload written `tts@64:128` runs at those levels with that many requests, into tts-64)
+    w=${spec%%@*}
     lv="LEVELS_${w//-/_}"; lv=${!lv:-$LEVELS}
     rq="REQUESTS_${w//-/_}"; rq=${!rq:-$REQUESTS}
-    echo "== $w at C=$lv ($(( $(date +%s) - t0 )) s)"
+    name=$w
+    if [ "$spec" != "$w" ]; then
+      rest=${spec#*@}; lv=${rest%%:*}
+      if [ "$rest" != "$lv" ]; then rq=${rest#*:}; fi
+      name="$w-${lv//,/-}"
+    fi
+    echo "== $w at C=$lv, $rq requests ($(( $(date +%s) - t0 )) s)"
     timeout "$BENCH_TIMEOUT" /tmp/antiphon bench --url ws://127.0.0.1:8080/v1/realtime --workload "$w" \
       --concurrency "$lv" --requests "$rq" --warmup "$WARMUP" --no-progress --timeout-s 120 \
-      --label "H200, full-size synthetic bf16, $CONFIG" --out "$RES/$w" $EXTRA 2>&1 | tail -12
-    curl -sf http://127.0.0.1:8080/metrics > "$RES/metrics-$w.txt"
-    mem "after $w"
+      --label "H200, full-size synthetic bf16, $CONFIG" --out "$RES/$name" $EXTRA 2>&1 | tail -12
+    curl -sf http://127.0.0.1:8080/metrics > "$RES/metrics-$name.txt"
+    mem "after $name"
   done
   if [ -n "${RATES:-}" ]; then
     echo "== conversations at $RATES/s ($(( $(date +%s) - t0 )) s)"
