@@ -59,6 +59,11 @@ impl Chunker {
     }
 
     /// New codes in the first payload.
+    /// Payloads made so far.
+    pub fn sent(&self) -> usize {
+        self.seq
+    }
+
     pub fn first(&self) -> usize {
         self.first
     }

@@ -17,6 +17,7 @@ pub mod caches;
 pub mod chunker;
 pub mod config;
 pub mod contain;
+pub mod gate;
 pub mod metrics;
 pub mod prefix;
 pub mod profile;
@@ -314,10 +315,22 @@ impl Engine {
         let (tx1, rx1) = mpsc::sync_channel::<Stage1Msg>(cap);
         let (tx2, rx2) = mpsc::sync_channel::<Stage2Msg>(cap);
         let tokenizer = Arc::new(models.tokenizer.clone());
-        let s0 =
-            stage0::Stage0::new(models.thinker, models.tokenizer, cfg.clone(), registry.clone(), metrics.clone(), tx1.clone(), admission.clone())?;
-        let s1 = stage1::Stage1::new(models.talker, cfg.clone(), registry.clone(), metrics.clone(), tx2.clone())?;
-        let s2 = stage2::Stage2::new(models.code2wav, cfg.clone(), registry.clone(), metrics.clone()).with_admission(admission.clone());
+        // (on a GPU whose decode graphs run at a raised priority, see gate.rs)
+        let gate = gate::PrefillGate::new(cfg.stage_priorities && models.thinker.llm.decoder().device().is_cuda());
+        let s0 = stage0::Stage0::new(
+            models.thinker,
+            models.tokenizer,
+            cfg.clone(),
+            registry.clone(),
+            metrics.clone(),
+            tx1.clone(),
+            admission.clone(),
+            gate.clone(),
+        )?;
+        let s1 = stage1::Stage1::new(models.talker, cfg.clone(), registry.clone(), metrics.clone(), tx2.clone(), gate.clone())?;
+        let s2 = stage2::Stage2::new(models.code2wav, cfg.clone(), registry.clone(), metrics.clone())
+            .with_admission(admission.clone())
+            .with_gate(gate.clone());
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| std::thread::Builder::new().name(name.to_string()).spawn(f);
         let threads = vec![
             spawn("stage0-thinker", Box::new(move || run_stage(s0, rx0)))?,

@@ -12,10 +12,15 @@ use candle_core::{DType, Tensor};
 
 use super::caches::StageCaches;
 use super::chunker::{Chunker, Payload};
+use super::gate::PrefillGate;
 use super::{EngineConfig, EngineMetrics, Mode, RefInput, Registry, RequestId, Stage1Msg, Stage2Msg, StageLoop, Status};
 use antiphon_models::decoder::{KvCache, PooledCache, StreamStep};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::talker::{ConditionMode, Talker};
+
+/// A Talker step of at most this many streams, one of them making its first chunk's codes, holds
+/// the gate (gate.rs); a prefill for a first chunk holds it whatever the step's size.
+const GATED_STREAMS: usize = 4;
 
 mod chunks;
 use chunks::TextChunks;
@@ -68,6 +73,8 @@ pub struct Stage1 {
     paced: bool,
     /// Caches of finished streams, for the next ones (their decode graphs with them).
     caches: StageCaches,
+    /// Held while a prefill for a reply's first code is on the GPU: the Thinker waits for it.
+    gate: PrefillGate,
 }
 
 impl Stage1 {
@@ -77,10 +84,11 @@ impl Stage1 {
         registry: Registry,
         metrics: EngineMetrics,
         to_c2w: SyncSender<Stage2Msg>,
+        gate: PrefillGate,
     ) -> anyhow::Result<Self> {
         let caches =
             StageCaches::new(talker.decoder(), cfg.talker_max_batch, 256, cfg.idle_cache_mib << 20, cfg.talker_slots, cfg.talker_slot_context)?;
-        Ok(Self { talker, cfg, registry, metrics, to_c2w, reqs: HashMap::new(), order: Vec::new(), paced: false, caches })
+        Ok(Self { talker, cfg, registry, metrics, to_c2w, reqs: HashMap::new(), order: Vec::new(), paced: false, caches, gate })
     }
 
     /// Codes a turn-mode stream whose first chunk holds `first` codes may have made once Code2Wav
@@ -188,14 +196,21 @@ impl Stage1 {
         }
         let t0 = Instant::now();
         let n = ids.len();
+        // the Thinker waits while this step makes a first chunk's codes: a prefill for one, or a
+        // step of a few streams (under load the Thinker keeps its priority)
+        let gated = ids.iter().zip(&embeds).any(|(id, e)| {
+            let r = &self.reqs[id];
+            r.chunker.sent() == 0 && (e.dim(0).unwrap_or(1) > 1 || ids.len() <= GATED_STREAMS)
+        });
+        // (held until the step's codes are on the host, at its end)
+        let _held = gated.then(|| self.gate.hold());
         let hidden = {
             let mut caches: Vec<(RequestId, PooledCache)> = ids
                 .iter()
                 .map(|id| (id.clone(), std::mem::replace(&mut self.reqs.get_mut(id).expect("listed").cache, PooledCache::alone(KvCache::new(0)))))
                 .collect();
             let mut steps: Vec<StreamStep> = caches.iter_mut().zip(embeds).map(|((_, c), e)| StreamStep { cache: c, embeds: e }).collect();
-            // (a batch that fails runs again stream by stream: one stream's error fails it alone)
-            let out = crate::contain::forward_contained(&mut steps, |s| self.talker.forward(s));
+            let out = self.forward_step(&mut steps);
             drop(steps);
             for (id, c) in caches {
                 self.reqs.get_mut(&id).expect("listed").cache = c;
@@ -297,6 +312,28 @@ impl Stage1 {
         self.metrics.step_seconds.with_label_values(&["talker"]).observe(t0.elapsed().as_secs_f64());
         self.metrics.batch_size.with_label_values(&["talker"]).observe(n as f64);
         Ok(true)
+    }
+
+    /// The step's forward: the streams decoding one code each as one batch (the batched decode
+    /// step, a CUDA graph on a GPU), the streams prefilling several rows as another (op by op), so
+    /// that a prefill beside them does not take the decoding streams off their graph. A batch that
+    /// fails runs again stream by stream: one stream's error fails it alone.
+    fn forward_step(&self, steps: &mut [StreamStep]) -> Vec<crate::contain::Outcome> {
+        let (mut one, mut many, mut at) = (Vec::new(), Vec::new(), Vec::with_capacity(steps.len()));
+        for s in steps.iter_mut() {
+            let step = StreamStep { cache: &mut *s.cache, embeds: s.embeds.clone() };
+            if step.embeds.dim(0).unwrap_or(1) > 1 {
+                at.push((true, many.len()));
+                many.push(step);
+            } else {
+                at.push((false, one.len()));
+                one.push(step);
+            }
+        }
+        let forward = |s: &mut [StreamStep]| self.talker.forward(s);
+        let decoded = if one.is_empty() { Vec::new() } else { crate::contain::forward_contained(&mut one, forward) };
+        let prefilled = if many.is_empty() { Vec::new() } else { crate::contain::forward_contained(&mut many, forward) };
+        at.into_iter().map(|(m, i)| if m { prefilled[i].clone() } else { decoded[i].clone() }).collect()
     }
 
     /// Whether more than `small_first_chunk_streams` requests are in the engine (in any stage),

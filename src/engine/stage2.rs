@@ -161,7 +161,14 @@ pub struct Stage2 {
     admission: Option<super::Admission>,
     /// When the earliest chunk left for a later step is due (the loop wakes a horizon before).
     next_due: Option<Instant>,
+    /// Held through a step that serves only a few replies' first audio: the Thinker waits for it
+    /// (`gate.rs`; Code2Wav's kernels run at the default priority, behind the Thinker's graphs).
+    gate: super::gate::PrefillGate,
 }
+
+/// A step of at most this many chunks, every one a chunk 0, holds the gate (a bigger one would
+/// hold the Thinker up for long: it steps anyway after `gate::MAX_WAIT`, at every step).
+const GATED_FIRST_CHUNKS: usize = 4;
 
 /// Registrations waiting to be prepared at most (beyond, one is refused at once).
 const PREPARE_QUEUE: usize = 16;
@@ -188,7 +195,14 @@ impl Stage2 {
             prepare_jobs: VecDeque::new(),
             admission: None,
             next_due: None,
+            gate: super::gate::PrefillGate::new(false),
         }
+    }
+
+    /// The Thinker waits for a step that serves only first audio (gate.rs).
+    pub fn with_gate(mut self, gate: super::gate::PrefillGate) -> Self {
+        self.gate = gate;
+        self
     }
 
     /// Late chunks lower the engine's stream limit (admission.rs).
@@ -305,6 +319,8 @@ impl Stage2 {
         let t0 = Instant::now();
         // chunk 0s: resolve the references, set up the new voices together, open the streams
         let (zeros, others): (Vec<ChunkWork>, Vec<ChunkWork>) = ready.into_iter().partition(|c| c.seq == 0);
+        // (held until the step's audio is on the host, at its end)
+        let _held = (others.is_empty() && zeros.len() <= GATED_FIRST_CHUNKS).then(|| self.gate.hold());
         for c in &zeros {
             self.registry.mark(&c.id, |t| t.first_chunk = Some(Instant::now()));
         }

@@ -18,6 +18,7 @@ use anyhow::Result;
 use candle_core::Tensor;
 
 use super::caches::StageCaches;
+use super::gate::PrefillGate;
 use super::prefix::PrefixStore;
 use super::{Admission, EngineConfig, EngineMetrics, RefInput, Registry, RequestId, RequestSpec, Stage0Msg, Stage1Msg, StageLoop, Status};
 use antiphon_models::code2wav::prompt::PROMPT_SECONDS;
@@ -43,6 +44,8 @@ pub struct Ctx {
     ref_embeds: Recent<Tensor>,
     /// KV of recent system turns and finished turns, found by the longest shared run of ids.
     pub prefixes: PrefixStore<KvCache>,
+    /// Open unless a Talker prefill for a reply's first code is on the GPU (`gate.rs`).
+    pub gate: PrefillGate,
 }
 
 impl Ctx {
@@ -213,6 +216,7 @@ impl Stage0 {
         metrics: EngineMetrics,
         to_talker: SyncSender<Stage1Msg>,
         admission: Admission,
+        gate: PrefillGate,
     ) -> anyhow::Result<Self> {
         let forbidden = tok.special().forbidden();
         let prefixes = PrefixStore::new(cfg.thinker_prefix_cache, cfg.thinker_prefix_mib << 20);
@@ -224,7 +228,7 @@ impl Stage0 {
             cfg.thinker_slots,
             cfg.thinker_slot_context,
         )?;
-        let ctx = Ctx { thinker, tok, cfg, registry, metrics, to_talker, forbidden, ref_embeds: Recent::new(REF_EMBED_CACHE), prefixes };
+        let ctx = Ctx { thinker, tok, cfg, registry, metrics, to_talker, forbidden, ref_embeds: Recent::new(REF_EMBED_CACHE), prefixes, gate };
         Ok(Self { ctx, queue: VecDeque::new(), admission, turns: Vec::new(), duplex: Vec::new(), caches })
     }
 
@@ -253,6 +257,11 @@ impl Stage0 {
             return Ok(());
         }
         let n = picked.len();
+        // (a Talker prefill for a first code would wait behind this step's kernels: it goes first)
+        let waited = ctx.gate.wait_open(crate::gate::MAX_WAIT);
+        if waited > std::time::Duration::from_micros(200) {
+            tracing::debug!(ms = waited.as_secs_f64() * 1e3, "thinker step waited for a talker prefill");
+        }
         let t0 = Instant::now();
         let rows: usize = picked.iter().map(|(_, e)| e.dim(0).unwrap_or(0)).sum();
         // (a batch that fails runs again stream by stream: one stream's error fails it alone)

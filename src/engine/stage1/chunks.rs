@@ -38,6 +38,12 @@ pub fn segment_window(talker: &Talker, previous: Option<(&Tensor, &[u32])>, cond
 /// The most codes one text chunk may make (the reference's bound per chunk).
 pub const MAX_CHUNK_CODES: usize = 500;
 
+/// With forced lengths, a text chunk makes at least this many codes (a second of speech, ~2.5
+/// codes per text token, as real speech does) while the forced total lasts: a forced reply of
+/// long text and few codes would otherwise give its first chunk fewer codes than the first audio
+/// chunk needs, and hold first audio back for text no real reply would wait for.
+pub const FORCED_CODES_PER_CHUNK: usize = 25;
+
 /// One text chunk's condition: its rows, the text end (last chunk only), the audio start.
 pub struct TextChunk {
     pub condition: Tensor,
@@ -71,8 +77,10 @@ pub struct TextChunks {
     segment: Option<Segment>,
     /// A segment is being decoded.
     pub active: bool,
-    /// Text rows in the chunks started so far.
+    /// Text rows in the chunks started so far...
     rows: usize,
+    /// ...and the chunks.
+    chunks: usize,
     /// The reply's text length when the request forces it...
     text_tokens: Option<usize>,
     /// ...and the reply's bounds on codes (equal when forced).
@@ -84,7 +92,7 @@ pub struct TextChunks {
 
 impl TextChunks {
     pub fn new(text_tokens: Option<usize>, min_codes: usize, max_codes: usize) -> Self {
-        Self { queue: VecDeque::new(), segment: None, active: false, rows: 0, text_tokens, min_codes, max_codes, started: false }
+        Self { queue: VecDeque::new(), segment: None, active: false, rows: 0, chunks: 0, text_tokens, min_codes, max_codes, started: false }
     }
 
     pub fn push(&mut self, chunk: TextChunk) {
@@ -92,14 +100,14 @@ impl TextChunks {
         self.queue.push_back(chunk);
     }
 
-    /// The codes the reply should have made by the end of a chunk that brings its text to `rows`
-    /// rows: all of them after the last chunk; with forced lengths, a share of the forced codes in
-    /// proportion to the text so far.
-    fn target(&self, rows: usize, last: bool) -> Option<usize> {
+    /// The codes the reply should have made by the end of its `chunks`th chunk, which brings its
+    /// text to `rows` rows: all of them after the last chunk; with forced lengths, a share of the
+    /// forced codes in proportion to the text so far (at least [`FORCED_CODES_PER_CHUNK`] a chunk).
+    fn target(&self, rows: usize, chunks: usize, last: bool) -> Option<usize> {
         let forced = self.min_codes == self.max_codes;
         match (forced, self.text_tokens, last) {
             (true, _, true) => Some(self.max_codes),
-            (true, Some(t), false) if t > 0 => Some((self.max_codes * rows / t).min(self.max_codes)),
+            (true, Some(t), false) if t > 0 => Some((self.max_codes * rows / t).max(FORCED_CODES_PER_CHUNK * chunks).min(self.max_codes)),
             _ => None,
         }
     }
@@ -111,7 +119,8 @@ impl TextChunks {
         while !self.active {
             let chunk = self.queue.pop_front()?;
             self.rows += chunk.rows;
-            let (min, max) = match self.target(self.rows, chunk.last) {
+            self.chunks += 1;
+            let (min, max) = match self.target(self.rows, self.chunks, chunk.last) {
                 Some(t) => (t.saturating_sub(made), t.saturating_sub(made)),
                 None => {
                     let room = self.max_codes.saturating_sub(made);
@@ -243,6 +252,24 @@ mod tests {
             assert!(c.start(made).is_none(), "nothing waits");
         }
         assert_eq!(got, [31, 31, 31, 7]);
+        assert!(c.finished(made));
+    }
+
+    #[test]
+    fn forced_codes_of_long_text_give_each_chunk_a_second_of_speech_while_they_last() {
+        // 128 text tokens and 100 codes, forced: 25 codes a chunk until the 100 are made
+        let mut c = TextChunks::new(Some(128), 100, 100);
+        let mut made = 0;
+        let mut got = Vec::new();
+        for k in 0..13 {
+            let last = k == 12;
+            c.push(chunk(if last { 8 } else { 10 }, last));
+            if let Some(s) = c.start(made) {
+                got.push(s.max_codes);
+                run(&mut c, &mut made, s.max_codes);
+            }
+        }
+        assert_eq!(got, [25, 25, 25, 25], "the chunks after the forced total make nothing");
         assert!(c.finished(made));
     }
 
