@@ -12,8 +12,9 @@
 //! The gate: a stage holds it while such a step is on the GPU (from its launch until its results
 //! are on the host), and the Thinker launches no step while it is held, up to [`MAX_WAIT`] (so a
 //! busy stage never stops the Thinker for long). Held by a Talker step that makes some reply's
-//! first chunk of codes (a prefill, whatever the step's size; a decode step of a few streams), and
-//! by a Code2Wav step of a few chunk 0s and nothing else. Later chunks have audio buffered to wait
+//! first chunk of codes (a prefill, whatever the step's size; a decode step of a few streams), by a
+//! Talker step of a few streams with a prefill in it (a text chunk's window), and by a Code2Wav
+//! step of a few chunk 0s and nothing else. Later chunks have audio buffered to wait
 //! on, and under load the Thinker keeps its priority. Off on a CPU.
 
 use std::sync::atomic::{AtomicUsize, Ordering};

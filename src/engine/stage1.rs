@@ -18,8 +18,8 @@ use antiphon_models::decoder::{KvCache, PooledCache, StreamStep};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::talker::{ConditionMode, Talker};
 
-/// A Talker step of at most this many streams, one of them making its first chunk's codes, holds
-/// the gate (gate.rs); a prefill for a first chunk holds it whatever the step's size.
+/// A Talker step of at most this many streams holds the gate (gate.rs) when one of them makes its
+/// first chunk's codes or prefills; a prefill for a first chunk holds it whatever the step's size.
 const GATED_STREAMS: usize = 4;
 
 mod chunks;
@@ -196,11 +196,15 @@ impl Stage1 {
         }
         let t0 = Instant::now();
         let n = ids.len();
-        // the Thinker waits while this step makes a first chunk's codes: a prefill for one, or a
-        // step of a few streams (under load the Thinker keeps its priority)
+        // the Thinker waits while this step makes a first chunk's codes (a prefill for one, or a
+        // step of a few streams), or prefills a text chunk's window in a step of a few streams (a
+        // stream speaking on a lightly loaded engine would otherwise wait for the Thinker's last
+        // token: 16 of 16 replies of 128 tokens stalled at C1); under load the Thinker keeps its
+        // priority
+        let small = ids.len() <= GATED_STREAMS;
         let gated = ids.iter().zip(&embeds).any(|(id, e)| {
-            let r = &self.reqs[id];
-            r.chunker.sent() == 0 && (e.dim(0).unwrap_or(1) > 1 || ids.len() <= GATED_STREAMS)
+            let prefill = e.dim(0).unwrap_or(1) > 1;
+            (self.reqs[id].chunker.sent() == 0 && (prefill || small)) || (prefill && small)
         });
         // (held until the step's codes are on the host, at its end)
         let _held = gated.then(|| self.gate.hold());
