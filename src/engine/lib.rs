@@ -317,16 +317,9 @@ impl Engine {
         let tokenizer = Arc::new(models.tokenizer.clone());
         // (on a GPU whose decode graphs run at a raised priority, see gate.rs)
         let gate = gate::PrefillGate::new(cfg.stage_priorities && models.thinker.llm.decoder().device().is_cuda());
-        let s0 = stage0::Stage0::new(
-            models.thinker,
-            models.tokenizer,
-            cfg.clone(),
-            registry.clone(),
-            metrics.clone(),
-            tx1.clone(),
-            admission.clone(),
-            gate.clone(),
-        )?;
+        let s0 =
+            stage0::Stage0::new(models.thinker, models.tokenizer, cfg.clone(), registry.clone(), metrics.clone(), tx1.clone(), admission.clone())?
+                .with_gate(gate.clone());
         let s1 = stage1::Stage1::new(models.talker, cfg.clone(), registry.clone(), metrics.clone(), tx2.clone(), gate.clone())?;
         let s2 = stage2::Stage2::new(models.code2wav, cfg.clone(), registry.clone(), metrics.clone())
             .with_admission(admission.clone())

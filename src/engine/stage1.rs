@@ -207,7 +207,7 @@ impl Stage1 {
             (self.reqs[id].chunker.sent() == 0 && (prefill || small)) || (prefill && small)
         });
         // (held until the step's codes are on the host, at its end)
-        let _held = gated.then(|| self.gate.hold());
+        let held = gated.then(|| self.gate.hold());
         let hidden = {
             let mut caches: Vec<(RequestId, PooledCache)> = ids
                 .iter()
@@ -249,6 +249,12 @@ impl Stage1 {
                 }
                 let rows = h.dim(0)?;
                 sample.push((id.clone(), h.narrow(0, rows - 1, 1)?));
+            }
+        }
+        if held.is_some() && sample.is_empty() {
+            // (no codes read back: the gate opens once the prefill is done all the same)
+            if let Err(e) = self.talker.decoder().device().synchronize() {
+                tracing::warn!("talker: waiting for a prefill: {e}");
             }
         }
         if !sample.is_empty() {

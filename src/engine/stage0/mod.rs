@@ -216,7 +216,6 @@ impl Stage0 {
         metrics: EngineMetrics,
         to_talker: SyncSender<Stage1Msg>,
         admission: Admission,
-        gate: PrefillGate,
     ) -> anyhow::Result<Self> {
         let forbidden = tok.special().forbidden();
         let prefixes = PrefixStore::new(cfg.thinker_prefix_cache, cfg.thinker_prefix_mib << 20);
@@ -228,8 +227,25 @@ impl Stage0 {
             cfg.thinker_slots,
             cfg.thinker_slot_context,
         )?;
-        let ctx = Ctx { thinker, tok, cfg, registry, metrics, to_talker, forbidden, ref_embeds: Recent::new(REF_EMBED_CACHE), prefixes, gate };
+        let ctx = Ctx {
+            thinker,
+            tok,
+            cfg,
+            registry,
+            metrics,
+            to_talker,
+            forbidden,
+            ref_embeds: Recent::new(REF_EMBED_CACHE),
+            prefixes,
+            gate: PrefillGate::new(false),
+        };
         Ok(Self { ctx, queue: VecDeque::new(), admission, turns: Vec::new(), duplex: Vec::new(), caches })
+    }
+
+    /// The Thinker waits for the steps that hold `gate` (gate.rs).
+    pub fn with_gate(mut self, gate: PrefillGate) -> Self {
+        self.ctx.gate = gate;
+        self
     }
 
     /// One batched step over every stream with work (duplex units first: they are due in real
