@@ -120,6 +120,16 @@ impl Stage1 {
         let _ = self.to_c2w.send(Stage2Msg::Chunk { id: id.clone(), seq: p.seq, codes: p.codes, last: p.last, reference });
     }
 
+    /// The stream made its last code: it leaves the Talker, and its codes not yet chunked go to
+    /// Code2Wav as its last chunk.
+    fn end_stream(&mut self, id: &RequestId) {
+        let Some(mut r) = self.reqs.remove(id) else { return };
+        self.order.retain(|x| x != id);
+        if let Some(p) = r.chunker.flush() {
+            self.send(id, &r, p);
+        }
+    }
+
     /// Starts the next waiting segment of every idle duplex turn; a turn with nothing left to
     /// feed at its end is flushed at once.
     fn start_segments(&mut self) -> Result<()> {
@@ -153,11 +163,7 @@ impl Stage1 {
             }
         }
         for id in done {
-            let mut r = self.reqs.remove(&id).expect("listed");
-            self.order.retain(|x| *x != id);
-            if let Some(p) = r.chunker.flush() {
-                self.send(&id, &r, p);
-            }
+            self.end_stream(&id);
         }
         Ok(())
     }
@@ -310,11 +316,7 @@ impl Stage1 {
                     }
                 }
                 if end_reply {
-                    let mut r = self.reqs.remove(&id).expect("listed");
-                    self.order.retain(|x| *x != id);
-                    if let Some(p) = r.chunker.flush() {
-                        self.send(&id, &r, p);
-                    }
+                    self.end_stream(&id);
                 }
             }
         }

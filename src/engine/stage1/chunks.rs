@@ -205,11 +205,7 @@ impl Stage1 {
             r.length = LengthPolicy::new(vec![self.talker.eos_code()], start.min_codes, start.max_codes);
         }
         for id in over {
-            let mut r = self.reqs.remove(&id).expect("listed");
-            self.order.retain(|x| *x != id);
-            if let Some(p) = r.chunker.flush() {
-                self.send(&id, &r, p);
-            }
+            self.end_stream(&id);
         }
         Ok(())
     }
