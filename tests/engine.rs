@@ -63,6 +63,34 @@ fn requests_with_text_chunks_batched_together_match_requests_alone() {
     batched_requests_match_requests_alone(EngineConfig { talker_text_chunk: 3, ..EngineConfig::default() });
 }
 
+/// A later chunk's window fed a row a step through the decode step (the GPU config's way) gives the
+/// codes and audio its prefill gives, alone and batched with other replies.
+#[test]
+fn text_chunk_windows_fed_by_rows_give_what_their_prefill_gives() {
+    let chunked = EngineConfig { talker_text_chunk: 3, ..EngineConfig::default() };
+    let talker_steps = |e: &Engine| -> u64 {
+        let m = e.metrics().render();
+        let line = m.lines().find(|l| l.starts_with("antiphon_stage_step_seconds_count{stage=\"talker\"}")).expect("talker steps");
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let e = engine(chunked.clone());
+    let prefilled = collect(submit(&e, spec("a", "say it", 12, 80, 5)));
+    let prefill_steps = talker_steps(&e);
+    let by_rows = EngineConfig { talker_window_rows: true, ..chunked };
+    let e = engine(by_rows.clone());
+    let rows = collect(submit(&e, spec("a", "say it", 12, 80, 5)));
+    assert!(talker_steps(&e) > prefill_steps + 20, "windows fed by rows: {} steps, {prefill_steps} with prefills", talker_steps(&e));
+    assert_eq!(rows.status, Status::Completed);
+    assert_eq!(rows.codes, 80);
+    assert_eq!(rows.audio.len(), prefilled.audio.len());
+    for (x, y) in rows.audio.iter().zip(&prefilled.audio) {
+        assert_eq!(x.len(), y.len());
+        let err = common::max_abs_diff(x, y);
+        assert!(err < 1e-4, "audio differs by {err}");
+    }
+    batched_requests_match_requests_alone(by_rows);
+}
+
 /// With text chunks the Talker makes a reply's forced codes over its chunks, the text is the
 /// Thinker's as without chunks, and the audio is made from another condition; with free lengths
 /// the codes end where the Talker ends its chunks, within the reply's bounds.

@@ -173,14 +173,24 @@ impl Stage1 {
         self.start_text_segments()?;
         let mut ids = Vec::new();
         let mut embeds = Vec::new();
+        // per stream of the step: its pending rows left for later steps (a window fed by rows)
+        let mut rests: Vec<Option<Tensor>> = Vec::new();
         self.paced = false;
         for id in &self.order {
             if ids.len() >= self.cfg.talker_max_batch {
                 break;
             }
             let r = &self.reqs[id];
+            let mut rest = None;
             let e = if !r.pending.is_empty() {
-                Tensor::cat(&r.pending, 0)?
+                let all = Tensor::cat(&r.pending, 0)?;
+                let rows = all.dim(0)?;
+                if self.cfg.talker_window_rows && r.chunks.is_some() && r.chunker.sent() > 0 && rows > 1 {
+                    rest = Some(all.narrow(0, 1, rows - 1)?);
+                    all.narrow(0, 0, 1)?
+                } else {
+                    all
+                }
             } else if let (true, Some(c)) = (r.decoding, r.last_code) {
                 if let (Some(lead), None) = (self.cfg.talker_lead_chunks, &r.duplex) {
                     // (a request that just ended is dropped by the next step's sweep)
@@ -196,6 +206,7 @@ impl Stage1 {
             };
             ids.push(id.clone());
             embeds.push(e);
+            rests.push(rest);
         }
         if ids.is_empty() {
             return Ok(false);
@@ -245,10 +256,15 @@ impl Stage1 {
         }
         // which streams sample a code now
         let mut sample = Vec::new();
-        for (k, id) in ids.iter().enumerate() {
+        for ((k, id), rest) in ids.iter().enumerate().zip(rests) {
             let Some(h) = &hidden[k] else { continue };
             let r = self.reqs.get_mut(id).expect("listed");
             r.pending.clear();
+            if let Some(rest) = rest {
+                // a window fed by rows: its next row in the next step, no code before its last
+                r.pending.push(rest);
+                continue;
+            }
             if r.decoding || r.ended {
                 if !r.decoding {
                     r.decoding = true;
