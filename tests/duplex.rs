@@ -173,6 +173,45 @@ fn consecutive_speaking_units_are_one_turn_and_closing_cancels_it() {
     assert!(matches!(ev.last(), Some(DuplexEvent::Closed { .. })));
 }
 
+/// A speaking turn's later units fed to the Talker a row a step (`talker_segment_rows`, the way a
+/// GPU keeps them on its priority graph) give the audio their prefills give.
+#[test]
+fn later_units_fed_by_rows_give_what_their_prefills_give() {
+    let run = |cfg: EngineConfig| {
+        let e = engine(cfg);
+        let rx = open(&e, "r", DuplexPolicy::SpeakEvery(1), forced(3, 10));
+        for n in 0..5 {
+            e.duplex_unit("r", unit(n)).unwrap();
+        }
+        let audio = |ev: &[DuplexEvent]| -> Vec<Vec<f32>> {
+            ev.iter()
+                .filter_map(|e| match e {
+                    DuplexEvent::Response { event: EngineEvent::Audio { samples, .. }, .. } => Some(samples.clone()),
+                    _ => None,
+                })
+                .collect()
+        };
+        let ev = collect(&rx, |ev| audio(ev).len() >= 4);
+        e.close_duplex("r");
+        let end = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
+        let codes = dones(&end).iter().map(|d| d.2).sum::<usize>() as u64;
+        let m = e.metrics().render();
+        let steps: u64 =
+            m.lines().find_map(|l| l.strip_prefix("antiphon_stage_step_seconds_count{stage=\"talker\"} ")).expect("talker steps").parse().unwrap();
+        // (every step samples a code but a row's that is not its segment's last: 4 units made
+        // their conditions' rows by then)
+        (audio(&ev)[..4].to_vec(), steps.saturating_sub(codes))
+    };
+    let (prefilled, prefill_rows) = run(EngineConfig::default());
+    let (rows, row_steps) = run(EngineConfig { talker_segment_rows: true, ..Default::default() });
+    assert!(prefill_rows <= 3 && row_steps >= 10, "Talker steps without a code: {row_steps} by rows, {prefill_rows} with prefills");
+    for (k, (x, y)) in rows.iter().zip(&prefilled).enumerate() {
+        assert_eq!(x.len(), y.len(), "chunk {k}");
+        let err = x.iter().zip(y).map(|(a, b)| if a.is_finite() && b.is_finite() { (a - b).abs() } else { f32::INFINITY }).fold(0f32, f32::max);
+        assert!(err < 1e-4, "chunk {k}: audio differs by {err}");
+    }
+}
+
 #[test]
 fn the_model_decides_within_the_unit_budget() {
     let e = engine(EngineConfig::default());

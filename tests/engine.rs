@@ -76,7 +76,7 @@ fn text_chunk_windows_fed_by_rows_give_what_their_prefill_gives() {
     let e = engine(chunked.clone());
     let prefilled = collect(submit(&e, spec("a", "say it", 12, 80, 5)));
     let prefill_steps = talker_steps(&e);
-    let by_rows = EngineConfig { talker_window_rows: true, ..chunked };
+    let by_rows = EngineConfig { talker_segment_rows: true, ..chunked };
     let e = engine(by_rows.clone());
     let rows = collect(submit(&e, spec("a", "say it", 12, 80, 5)));
     assert!(talker_steps(&e) > prefill_steps + 20, "windows fed by rows: {} steps, {prefill_steps} with prefills", talker_steps(&e));

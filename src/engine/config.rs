@@ -51,13 +51,13 @@ pub struct EngineConfig {
     /// each chunk's codes over a window of the previous chunk (docs/design/turn-streaming.md).
     /// 0: the whole reply at once (the vLLM-Omni reference's hand-off).
     pub talker_text_chunk: usize,
-    /// With text chunks: a later chunk's window (its stream's first chunk already out) goes
-    /// through the batched decode step a row a step, rather than as a prefill beside it. On a GPU
-    /// with stage priorities the decode step is a graph at the Talker's raised priority, while a
-    /// prefill runs op by op at the lowest one: under load it waited behind the Thinker's graphs,
-    /// and the whole Talker step with it (every stream stalled). A window of ~50 rows costs as
-    /// many steps, which the audio of the chunk before covers.
-    pub talker_window_rows: bool,
+    /// A stream's later segments (a text chunk's window, a duplex unit's condition), once its first
+    /// chunk is out, go through the batched decode step a row a step rather than as a prefill
+    /// beside it. On a GPU with stage priorities the decode step is a graph at the Talker's raised
+    /// priority, while a prefill runs op by op at the lowest one: under load it waited behind the
+    /// Thinker's graphs, and the whole Talker step with it (every stream stalled). A segment of
+    /// ~50 rows (a window) or ~15 (a unit) costs as many steps, which the audio before covers.
+    pub talker_segment_rows: bool,
     /// Turn mode: a stream's Talker runs at most this many chunks of codes ahead of the audio
     /// Code2Wav has delivered (`None`: as fast as it can). On one GPU the stages' steps slow each
     /// other down; codes made long before Code2Wav can use them only slow down its chunk 0.
@@ -179,7 +179,7 @@ impl Default for EngineConfig {
             context_codes: 3,
             talker_streaming_prefill: false,
             talker_text_chunk: 0,
-            talker_window_rows: false,
+            talker_segment_rows: false,
             talker_lead_chunks: Some(1),
             talker_hold_first_chunk: false,
             thinker_prefix_cache: 16,

@@ -173,7 +173,7 @@ impl Stage1 {
         self.start_text_segments()?;
         let mut ids = Vec::new();
         let mut embeds = Vec::new();
-        // per stream of the step: its pending rows left for later steps (a window fed by rows)
+        // per stream of the step: its pending rows left for later steps (a segment fed by rows)
         let mut rests: Vec<Option<Tensor>> = Vec::new();
         self.paced = false;
         for id in &self.order {
@@ -185,7 +185,7 @@ impl Stage1 {
             let e = if !r.pending.is_empty() {
                 let all = Tensor::cat(&r.pending, 0)?;
                 let rows = all.dim(0)?;
-                if self.cfg.talker_window_rows && r.chunks.is_some() && r.chunker.sent() > 0 && rows > 1 {
+                if self.cfg.talker_segment_rows && (r.chunks.is_some() || r.duplex.is_some()) && r.chunker.sent() > 0 && rows > 1 {
                     rest = Some(all.narrow(0, 1, rows - 1)?);
                     all.narrow(0, 0, 1)?
                 } else {
@@ -261,7 +261,7 @@ impl Stage1 {
             let r = self.reqs.get_mut(id).expect("listed");
             r.pending.clear();
             if let Some(rest) = rest {
-                // a window fed by rows: its next row in the next step, no code before its last
+                // a segment fed by rows: its next row in the next step, no code before its last
                 r.pending.push(rest);
                 continue;
             }
