@@ -488,9 +488,13 @@ async fn dialect_floods_of_items_and_references_cannot_grow_the_server_without_b
     for k in 0..4 {
         let mut c = oai_connect(&s).await;
         let item = |id: String, content: Value| json!({"type": "conversation.item.create", "item": {"id": id, "type": "message", "role": "user", "content": [content]}});
+        // (assistant items: a user's text waiting for a response is held to what one turn takes)
         for i in 0..40 {
-            c.send(item(format!("t{i}"), json!({"type": "input_text", "text": "w".repeat(250_000)}))).await;
+            let said = json!({"type": "conversation.item.create", "item": {"id": format!("s{i}"), "type": "message", "role": "assistant",
+                "content": [{"type": "output_text", "text": "w".repeat(250_000)}]}});
+            c.send(said).await;
         }
+        c.send(item("t39".into(), json!({"type": "input_text", "text": "w".repeat(4_000)}))).await;
         for i in 0..8 {
             c.send(item(format!("a{i}"), json!({"type": "input_audio", "audio": second}))).await;
         }

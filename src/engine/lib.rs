@@ -48,6 +48,10 @@ pub use antiphon_models::Models;
 /// The system prompt of a turn whose session gave no `instructions`.
 pub const DEFAULT_INSTRUCTIONS: &str = "You are a helpful assistant with the above voice style.";
 
+/// Positions of a prompt's system turn beside its instructions and its voice (the chat template's
+/// markers and the voice's own sentence), at most.
+pub const SYSTEM_TURN_TOKENS: usize = 64;
+
 /// Messages to Stage 0.
 pub enum Stage0Msg {
     Admit(RequestSpec),
@@ -225,6 +229,8 @@ pub struct Engine {
     limits: antiphon_protocol::GenerationLimits,
     /// The Thinker's context, in positions.
     thinker_context: usize,
+    /// Positions a voice takes in the system turn (0 when the Thinker does not hear it).
+    voice_rows: usize,
     /// The Thinker's tokenizer, for what the server must count in tokens before admitting it.
     tokenizer: Arc<antiphon_models::tokenizer::TextTokenizer>,
     threads: Vec<JoinHandle<()>>,
@@ -290,6 +296,11 @@ impl Engine {
         // what a request may ask for: a reply (with room for a prompt) that fits the Thinker's
         // context and the Talker's, and codes that fit the Talker's beside the longest default text
         let (ctx0, ctx1) = (models.thinker.llm.decoder().config().max_positions, models.talker.decoder().config().max_positions);
+        let voice_rows = if cfg.thinker_hears_reference {
+            models.thinker.clip_embeddings_for((16_000.0 * antiphon_models::code2wav::prompt::PROMPT_SECONDS) as usize)
+        } else {
+            0
+        };
         let limits = antiphon_protocol::GenerationLimits {
             max_text_tokens: ctx0.saturating_sub(256).min(ctx1.saturating_sub(3)),
             max_audio_tokens: ctx1.saturating_sub(cfg.default_max_text_tokens + 2),
@@ -340,6 +351,7 @@ impl Engine {
             cfg,
             limits,
             thinker_context: ctx0,
+            voice_rows,
             tokenizer,
             threads,
         })
@@ -372,6 +384,13 @@ impl Engine {
     /// The Thinker's context, in positions (a prompt, the conversation in it, and a reply).
     pub fn thinker_context(&self) -> usize {
         self.thinker_context
+    }
+
+    /// The most tokens a turn's text input may hold beside `instructions_tokens` of instructions:
+    /// what the Thinker's context leaves after them, the voice's system turn and a reply of the
+    /// default length. Such an input always fits: the conversation's oldest turns give way to it.
+    pub fn max_input_tokens(&self, instructions_tokens: usize) -> usize {
+        self.thinker_context.saturating_sub(instructions_tokens + self.voice_rows + SYSTEM_TURN_TOKENS + self.cfg.default_max_text_tokens + 64)
     }
 
     pub fn metrics(&self) -> &EngineMetrics {

@@ -150,6 +150,22 @@ impl Shared {
         Ok(())
     }
 
+    /// A user's text input within what one turn holds: the Thinker's context less the longest
+    /// instructions this server takes, the voice and a reply of the default length (so an input
+    /// accepted now never fails a later response for its length). Counted in tokens only when its
+    /// bytes could be over (a token is at least a byte).
+    pub fn check_user_text(&self, text: &str) -> Result<(), String> {
+        let max = self.engine.max_input_tokens(self.config.server.max_instructions_tokens);
+        if text.len() <= max {
+            return Ok(());
+        }
+        let n = self.engine.count_tokens(text).map_err(|e| format!("{e:#}"))?;
+        if n > max {
+            return Err(format!("{n} tokens of text, more than one turn holds beside the instructions and a reply (at most {max})"));
+        }
+        Ok(())
+    }
+
     pub fn is_shutting_down(&self) -> bool {
         self.shutting_down.load(Ordering::SeqCst)
     }

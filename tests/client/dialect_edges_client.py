@@ -210,9 +210,11 @@ def done_summary(done):
 # --------------------------------------------------------------------------- check 1
 
 async def check1(url, pid):
-    big = ("lorem ipsum dolor sit amet " * 800)[:20000]
-    for n in (50, 500, 7000):
-        name = f"1. memory amplification: response.create with {n} item_references to one 20 KB item"
+    # (4 KB: a user item of 20 KB is more text than one turn of the tiny model holds, refused when
+    # it arrives since issue 38; check 1b covers it)
+    big = ("lorem ipsum dolor sit amet " * 800)[:4000]
+    for n in (70, 500, 7000):
+        name = f"1. memory amplification: response.create with {n} item_references to one 4 KB item"
         c = await Conn(url).open()
         try:
             await no_turn_detection(c)
@@ -221,7 +223,7 @@ async def check1(url, pid):
                 "content": [{"type": "input_text", "text": big}]}})
             ev = await c.wait(lambda e: e["type"] in ("conversation.item.done", "conversation.item.added", "error"), 20, st)
             if not ev or ev["type"] == "error":
-                report(name, False, [f"could not create the 20 KB item (id 'b'): {short(ev)}"])
+                report(name, False, [f"could not create the 4 KB item (id 'b'): {short(ev)}"])
                 continue
             await asyncio.sleep(0.5)
             payload = {"type": "response.create", "event_id": "amp",
@@ -261,6 +263,29 @@ async def check1(url, pid):
             report(name, ok, evidence)
         finally:
             await c.close()
+
+
+async def check1b(url):
+    """A user item longer than one turn holds: refused when it arrives (naming the item), or accepted
+    and answered; accepted and then failing the response is the finding."""
+    name = "1b. a 20 KB user text item: refused on arrival, or accepted and answered"
+    c = await Conn(url).open()
+    try:
+        await no_turn_detection(c)
+        text = ("lorem ipsum dolor sit amet " * 800)[:20000]
+        eid, st = await c.send({"type": "conversation.item.create", "item": {
+            "id": "long", "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}})
+        ev = await c.wait(lambda e: e["type"] in ("conversation.item.done", "error"), 20, st)
+        if ev is not None and ev["type"] == "error":
+            e = err_of(ev)
+            report(name, bool(e.get("message")) and e.get("param") == "item.content", [f"refused on arrival: {short(ev)}"])
+            return
+        eid, st = await c.send({"type": "response.create"})
+        done = await c.wait(lambda e: e["type"] == "response.done", 60, st)
+        status = done["response"].get("status") if done else None
+        report(name, status == "completed", [f"accepted; the response: {done_summary(done)}"])
+    finally:
+        await c.close()
 
 
 # --------------------------------------------------------------------------- check 2 (raw socket)
@@ -654,13 +679,13 @@ async def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", default="ws://127.0.0.1:8095/openai/v1/realtime?model=gpt-realtime")
     ap.add_argument("--pid", type=int)
-    ap.add_argument("--only", default="1,2,3,4,5")
+    ap.add_argument("--only", default="1,1b,2,3,4,5")
     a = ap.parse_args()
     port = urllib.parse.urlparse(a.url).port
     pid = a.pid or find_pid(port)
     print(f"server pid {pid}, url {a.url}\n")
     only = set(a.only.split(","))
-    for k, fn in (("1", lambda: check1(a.url, pid)), ("2", lambda: check2(a.url)), ("3", lambda: check3(a.url)),
+    for k, fn in (("1", lambda: check1(a.url, pid)), ("1b", lambda: check1b(a.url)), ("2", lambda: check2(a.url)), ("3", lambda: check3(a.url)),
                   ("4", lambda: check4(a.url)), ("5", lambda: check5(a.url))):
         if k in only:
             try:

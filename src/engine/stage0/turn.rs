@@ -105,17 +105,19 @@ fn clip_key_id(clip: u64, at: usize) -> u32 {
 /// Token counts of each earlier turn (what the caller said, what the assistant said, and the
 /// template around them), each counted once.
 fn turn_sizes(ctx: &Ctx, history: &[Turn]) -> Vec<usize> {
-    let count = |t: &str| ctx.tok.encode(t).map(|v| v.len()).unwrap_or(0);
-    history
-        .iter()
-        .map(|t| {
-            let user = match &t.user {
-                UserInput::Text(text) => count(text),
-                UserInput::Audio(clip) => ctx.thinker.clip_embeddings_for(clip.samples().len()) + 2,
-            };
-            user + count(&t.assistant) + 10
-        })
-        .collect()
+    history.iter().map(|t| input_size(ctx, &t.user) + count_tokens(ctx, &t.assistant) + 10).collect()
+}
+
+fn count_tokens(ctx: &Ctx, text: &str) -> usize {
+    ctx.tok.encode(text).map(|v| v.len()).unwrap_or(0)
+}
+
+/// Positions a user's input takes in a prompt, its message's markers aside.
+fn input_size(ctx: &Ctx, input: &UserInput) -> usize {
+    match input {
+        UserInput::Text(text) => count_tokens(ctx, text),
+        UserInput::Audio(clip) => ctx.thinker.clip_embeddings_for(clip.samples().len()) + 2,
+    }
 }
 
 /// The user message of an input: its text, or its clip as an audio run.
@@ -135,8 +137,10 @@ fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<Prompt> {
     let mut audio = Vec::new();
     let mut messages = Vec::new();
     let instructions = spec.instructions.clone().unwrap_or_else(|| crate::DEFAULT_INSTRUCTIONS.into());
+    let mut voice_rows = 0;
     if ctx.cfg.thinker_hears_reference {
         let emb = ctx.reference_embeddings(&spec.voice)?;
+        voice_rows = emb.dim(0)?;
         messages.push(Message {
             role: Role::System,
             parts: vec![
@@ -147,14 +151,18 @@ fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<Prompt> {
         });
         audio.push(PromptAudio::Voice(emb));
     } else {
-        messages.push(Message::text(Role::System, instructions));
+        messages.push(Message::text(Role::System, instructions.clone()));
     }
-    // the oldest turns give way when the conversation outgrows the context
+    // the oldest turns give way when the conversation outgrows the context: the history keeps at
+    // most half of what the reply leaves, and never more than the system turn and the input leave
+    // (so an input within `Engine::max_input_tokens` always fits)
     let budget = ctx.context().saturating_sub(spec.generation.max_text_tokens.unwrap_or(ctx.cfg.default_max_text_tokens) + 64);
+    let fixed = count_tokens(ctx, &instructions) + voice_rows + crate::SYSTEM_TURN_TOKENS + input_size(ctx, &spec.input);
+    let room = budget.saturating_sub(fixed).min(budget / 2);
     let sizes = turn_sizes(ctx, &spec.history);
     let mut kept: usize = sizes.iter().sum();
     let mut first = 0;
-    while first < sizes.len() && kept > budget / 2 {
+    while first < sizes.len() && kept > room {
         kept -= sizes[first];
         first += 1;
     }

@@ -3,7 +3,7 @@
 //! audio the session was sent (`audio_start_ms` / `audio_end_ms` count from there).
 
 use antiphon_audio::vad::{TurnDetector, VadConfig, VadEvent};
-use antiphon_protocol::openai::{OaiError, TurnDetection};
+use antiphon_protocol::openai::{AudioFormat, OaiError, TurnDetection};
 
 use super::translate::Pending;
 
@@ -204,4 +204,29 @@ impl Joined {
         }
         Ok(())
     }
+}
+
+/// 24 kHz samples of audio in `format` (G.711 is 8 kHz: interpolated up).
+pub(super) fn decode_input(format: AudioFormat, bytes: &[u8], param: &str) -> Result<Vec<i16>, OaiError> {
+    match format {
+        AudioFormat::Pcm24k => {
+            if !bytes.len().is_multiple_of(2) {
+                return Err(OaiError::param("invalid_value", param, "PCM16 audio of an odd number of bytes"));
+            }
+            Ok(bytes.chunks_exact(2).map(|b| i16::from_le_bytes([b[0], b[1]])).collect())
+        }
+        AudioFormat::Pcmu | AudioFormat::Pcma => {
+            let narrow: Vec<i16> = bytes
+                .iter()
+                .map(|&b| if format == AudioFormat::Pcmu { antiphon_audio::g711::ulaw_decode(b) } else { antiphon_audio::g711::alaw_decode(b) })
+                .collect();
+            Ok(antiphon_audio::g711::upsample_8k_to_24k(&narrow))
+        }
+    }
+}
+
+/// A user's text (one item, or what a response's input joins) within what one turn holds, in the
+/// Thinker's tokens (`Shared::check_user_text`): refused now rather than failing the response.
+pub(super) fn check_text(shared: &crate::Shared, text: &str, param: &str) -> Result<(), OaiError> {
+    shared.check_user_text(text).map_err(|m| OaiError::param("invalid_value", param, m))
 }

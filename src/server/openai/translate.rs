@@ -11,7 +11,7 @@ use antiphon_protocol::openai::{AudioFormat, Item, MaxTokens, Modality, OaiClien
 use antiphon_protocol::{ClientEvent, Codec, Generation, InputAudio, SessionUpdate, Voice, KIND_AUDIO};
 use tokio::sync::mpsc::Sender;
 
-use super::input::{InputBuffer, InputEvent, Joined};
+use super::input::{check_text, decode_input, InputBuffer, InputEvent, Joined};
 use super::respond::Active;
 use super::Out;
 use crate::session::{random_token, SessionMsg};
@@ -84,25 +84,6 @@ pub(super) fn new_id(prefix: &str) -> String {
 
 fn err(code: &'static str, message: impl Into<String>) -> OaiError {
     OaiError::new(code, message)
-}
-
-/// 24 kHz samples of audio in `format` (G.711 is 8 kHz: interpolated up).
-pub(super) fn decode_input(format: AudioFormat, bytes: &[u8], param: &str) -> Result<Vec<i16>, OaiError> {
-    match format {
-        AudioFormat::Pcm24k => {
-            if !bytes.len().is_multiple_of(2) {
-                return Err(OaiError::param("invalid_value", param, "PCM16 audio of an odd number of bytes"));
-            }
-            Ok(bytes.chunks_exact(2).map(|b| i16::from_le_bytes([b[0], b[1]])).collect())
-        }
-        AudioFormat::Pcmu | AudioFormat::Pcma => {
-            let narrow: Vec<i16> = bytes
-                .iter()
-                .map(|&b| if format == AudioFormat::Pcmu { antiphon_audio::g711::ulaw_decode(b) } else { antiphon_audio::g711::alaw_decode(b) })
-                .collect();
-            Ok(antiphon_audio::g711::upsample_8k_to_24k(&narrow))
-        }
-    }
 }
 
 impl Translator {
@@ -412,8 +393,14 @@ impl Translator {
             }
         }
         let (view, pending) = self.item_of(item)?;
-        if let Some(Pending::Audio(a)) = &pending {
-            self.check_pending_audio(a.len())?;
+        match &pending {
+            Some(Pending::Audio(a)) => self.check_pending_audio(a.len())?,
+            // the user text waiting for a response, with this, is answered as one input
+            Some(Pending::Text(t)) => {
+                let waiting = self.items.iter().filter_map(|i| if let Some(Pending::Text(w)) = &i.pending { Some(w.as_str()) } else { None });
+                check_text(&self.shared, &waiting.chain([t.as_str()]).collect::<Vec<_>>().join("\n"), "item.content")?;
+            }
+            None => {}
         }
         if view.role == Some("system") {
             // a system item joins every response's instructions: checked now, not at the next response
@@ -514,6 +501,7 @@ impl Translator {
         if audio.len() > max_audio {
             return Err(err("input_audio_buffer_full", format!("the new user audio is over the {} s a turn may hold", max_audio / 24_000)));
         }
+        check_text(&self.shared, &text.join("\n"), "response.input")?;
         // checked: the new user items are answered now
         if p.input.is_none() {
             for i in &mut self.items {
