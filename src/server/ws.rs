@@ -15,18 +15,44 @@ use antiphon_protocol::{parse_client, AudioFrame, ClientEvent, ErrorCode, Server
 /// client that does not read: then the socket is dropped whatever the client does.
 pub(crate) const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// An open socket's place under `server.max_connections` and in the `connections_open` gauge,
+/// shared by its writer and its reader: given back when the last of them has let go of its half of
+/// the socket (the socket closes when both halves are dropped).
+struct OpenSocket {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    gauge: prometheus::IntGauge,
+}
+
+impl OpenSocket {
+    fn new(permit: tokio::sync::OwnedSemaphorePermit, gauge: prometheus::IntGauge) -> Self {
+        gauge.inc();
+        Self { _permit: permit, gauge }
+    }
+}
+
+impl Drop for OpenSocket {
+    fn drop(&mut self) {
+        self.gauge.dec();
+    }
+}
+
 /// `permit`: the connection's place under `server.max_connections`, held until the socket is
-/// closed (by the writer, which closes it).
+/// closed.
 pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Option<String>, permit: tokio::sync::OwnedSemaphorePermit) {
     shared.metrics.connections.inc();
-    shared.metrics.connections_open.inc();
-    let still_open = shared.metrics.connections_open.clone();
+    // (declared before the socket's halves: the reader's share goes after its half)
+    let open = Arc::new(OpenSocket::new(permit, shared.metrics.connections_open.clone()));
+    let writer_open = open.clone();
     let (mut sink, mut stream) = socket.split();
     let limits = &shared.config.server;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Outbound>(limits.outbound_queue);
     let (kick, kicked) = tokio::sync::watch::channel(false);
     let kick = Arc::new(kick);
     let mut writer_kicked = kicked.clone();
+    // the writer is done (a close frame sent, a kick, a failed send): the reader stops too, or a
+    // client that neither reads nor writes would hold the socket forever (issue 38: a session
+    // closed for its journal's overflow left the socket open, uncounted)
+    let (writer_done, mut written) = tokio::sync::watch::channel(false);
     let writer = tokio::spawn(async move {
         loop {
             let m = tokio::select! {
@@ -55,8 +81,8 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
         // (a client that stopped reading would hold the close handshake, and the socket, forever)
         let _ = tokio::time::timeout(CLOSE_GRACE, sink.close()).await;
         drop(sink);
-        drop(permit);
-        still_open.dec();
+        drop(writer_open);
+        writer_done.send_replace(true);
     });
     let conn = Conn::new(tx.clone(), kick);
     let mut session: Option<tokio::sync::mpsc::Sender<SessionMsg>> = None;
@@ -103,6 +129,7 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
                 shared.metrics.errors.with_label_values(&["slow_reader"]).inc();
                 break;
             }
+            Ok(_) = written.wait_for(|d| *d) => break,
         };
         let Some(frame) = next else { break };
         let frame = match frame {
