@@ -102,6 +102,18 @@ impl LoadLimit {
         }
     }
 
+    /// A listener's buffer is about to run dry while `running` streams run: the limit goes to them
+    /// (at least one; no new stream starts), and rises again only a quiet while after the last
+    /// such sign, as after a late chunk.
+    pub fn tight(&mut self, running: usize, now: Instant) {
+        self.last_late = Some(now);
+        let to = running.max(1);
+        if to < self.limit {
+            self.limit = to;
+            self.last_change = Some(now);
+        }
+    }
+
     /// Time passes: one place more per [`INCREASE_EVERY`] without a late chunk, up to the max.
     pub fn tick(&mut self, now: Instant) {
         if self.limit >= self.max {
@@ -301,6 +313,18 @@ impl Admission {
         self.publish(&s);
     }
 
+    /// A chunk waits in Code2Wav while its listener's buffer is about to run dry
+    /// (`engine.admission_slack_ms`): no new stream starts for now.
+    pub fn tight(&self) {
+        let mut s = self.state.lock().expect("admission");
+        if !s.limits.adaptive {
+            return;
+        }
+        let running = s.running.len();
+        s.load.tight(running, Instant::now());
+        self.publish(&s);
+    }
+
     /// Whether responses wait for a place (Stage 0 then looks again soon: the limit also rises
     /// with time).
     pub fn has_queued(&self) -> bool {
@@ -392,5 +416,35 @@ mod tests {
         assert_eq!(l.get(), 64, "never above the max");
         l.late(1, t);
         assert_eq!(l.get(), 1, "at least one place");
+    }
+
+    /// A buffer about to run dry holds the limit at the streams running (none starts, none is
+    /// cut), as often as it comes, and the limit rises only after a quiet while since the last.
+    #[test]
+    fn a_tight_buffer_holds_the_limit_at_the_streams_running() {
+        let t0 = Instant::now();
+        let ms = |m: u64| t0 + Duration::from_millis(m);
+        let mut l = LoadLimit::new(64);
+        l.tight(40, t0);
+        assert_eq!(l.get(), 40);
+        l.tight(38, ms(100));
+        assert_eq!(l.get(), 38, "no decrease interval: it follows the streams running");
+        l.tight(50, ms(200));
+        assert_eq!(l.get(), 38, "never raised by it");
+        l.tick(ms(600));
+        assert_eq!(l.get(), 38, "the last sign was 400 ms ago");
+        l.tick(ms(700));
+        assert_eq!(l.get(), 39);
+        l.tight(0, ms(800));
+        assert_eq!(l.get(), 1, "at least one place");
+        // and in the engine's admission: a full limit refuses the next start
+        let a = admission(4, 4, 0);
+        for i in 0..2 {
+            a.enqueue(&id(&format!("r{i}"))).unwrap();
+            assert!(a.try_start(&id(&format!("r{i}"))));
+        }
+        a.tight();
+        a.enqueue(&id("r2")).unwrap();
+        assert!(!a.try_start(&id("r2")), "held at the two running");
     }
 }

@@ -154,6 +154,10 @@ pub struct EngineConfig {
     /// A chunk that reaches its listener late lowers the stream limit below the streams running
     /// then; a while without one raises it again, up to `max_streams` (off: the limit stays there).
     pub adaptive_stream_limit: bool,
+    /// With the adaptive limit: a chunk waiting in Code2Wav whose listener's buffer runs dry
+    /// within this many ms holds new streams back (the limit goes to the streams running) before
+    /// any chunk is late; 0: off (only late chunks lower the limit).
+    pub admission_slack_ms: u64,
     /// Places kept free for the next turns of calls already admitted: a new call (session) is
     /// refused while fewer are free or any response waits.
     pub call_headroom: usize,
@@ -216,12 +220,18 @@ impl Default for EngineConfig {
             max_streams: None,
             max_queued: 32,
             adaptive_stream_limit: true,
+            admission_slack_ms: 0,
             call_headroom: 0,
         }
     }
 }
 
 impl EngineConfig {
+    /// `admission_slack_ms` as a margin, `None` when off.
+    pub fn admission_slack(&self) -> Option<std::time::Duration> {
+        (self.admission_slack_ms > 0).then(|| std::time::Duration::from_millis(self.admission_slack_ms))
+    }
+
     /// The most new codes one Code2Wav chunk carries (what a flow slot must leave room for).
     pub fn max_chunk_codes(&self) -> usize {
         self.chunk_codes.max(self.first_chunk_codes).max(self.duplex_codes_per_unit())

@@ -76,6 +76,11 @@ impl Live {
     fn deadline(&self) -> Option<Instant> {
         self.played.map(|(first, audio)| first + audio)
     }
+
+    /// When a real-time listener's buffer runs dry (the deadline, after the gaps heard so far).
+    fn dry_at(&self) -> Option<Instant> {
+        self.deadline().map(|d| d + self.heard_gaps)
+    }
 }
 
 /// When a chunk is due to start: a stream that plays, one step (`lead`, the recent step time)
@@ -285,6 +290,13 @@ impl Stage2 {
         // what is due within the horizon: a chunk 0 never waits behind a long step of streams that
         // have seconds of audio buffered, and those run when their deadlines need them
         let now = Instant::now();
+        // a chunk waiting here whose listener runs dry within the margin: Code2Wav is behind, and
+        // no new stream starts until it has caught up (admission.rs)
+        if let (Some(a), Some(margin)) = (&self.admission, self.cfg.admission_slack()) {
+            if next.iter().filter_map(|c| self.live.get(&c.id).and_then(Live::dry_at)).any(|d| d < now + margin) {
+                a.tight();
+            }
+        }
         let dues: Vec<Instant> = next.iter().map(due_of).collect();
         let cut = due_within(&dues, now, horizon(self.step_estimate), self.cfg.code2wav_max_batch)
             // (a small step may run ahead: audio sent early covers a client's network jitter)
@@ -399,7 +411,7 @@ impl Stage2 {
             };
             let first = c.seq == 0;
             let audio = Duration::from_secs_f64(samples.len() as f64 / self.model.sample_rate() as f64);
-            if let Some(dry) = live.deadline().map(|d| d + live.heard_gaps) {
+            if let Some(dry) = live.dry_at() {
                 let gap = Instant::now().saturating_duration_since(dry);
                 if gap > Duration::ZERO {
                     self.metrics.playback_late.inc();
