@@ -1,7 +1,7 @@
 //! CPU hot paths outside Code2Wav (that one is `benches/code2wav.rs`): the Opus edge (20 ms
 //! encode / decode at 48 kHz), resampling, Whisper's log-mel, the Kaldi fbank of a reference voice,
-//! the flow's mel of a reference, and one decode step of the Thinker and of the Talker at the tiny
-//! preset after a 64-position prefix.
+//! the flow's mel of a reference, one decode step of the Thinker and of the Talker at the tiny
+//! preset after a 64-position prefix, and the prompt of a long conversation's next turn.
 //!
 //! `cargo bench --bench hot_paths`
 
@@ -107,5 +107,27 @@ fn sampling(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, audio, decode_steps, sampling);
+/// The prompt of a 120-turn conversation's next turn (every turn's messages, as a turn's prompt is
+/// built): by a tokenizer that has seen none of them, and by one whose encode memo holds the
+/// earlier turns (the conversation's previous prompt).
+fn long_conversation_prompt(c: &mut Criterion) {
+    use antiphon_assets::synth::tokenizer_json;
+    use antiphon_models::tokenizer::{Message, Role, TextTokenizer};
+    let json = tokenizer_json(&Preset::Tiny.special_ids()).to_string();
+    let fresh = || TextTokenizer::from_bytes(json.as_bytes()).unwrap();
+    let mut messages = vec![Message::text(Role::System, "You are a helpful assistant with the above voice style.")];
+    for i in 0..120 {
+        messages.push(Message::text(Role::User, format!("question {i}: ").repeat(16)));
+        messages.push(Message::text(Role::Assistant, format!("answer {i} ").repeat(30)));
+    }
+    messages.push(Message::text(Role::User, "and now?"));
+    let mut g = c.benchmark_group("prompt");
+    g.bench_function("conversation_120_turns_cold", |b| b.iter_batched(fresh, |t| t.spoken_reply_prompt(&messages).unwrap(), BatchSize::SmallInput));
+    let warm = fresh();
+    warm.spoken_reply_prompt(&messages[..messages.len() - 1]).unwrap();
+    g.bench_function("conversation_120_turns_memo", |b| b.iter(|| warm.spoken_reply_prompt(&messages).unwrap()));
+    g.finish();
+}
+
+criterion_group!(benches, audio, decode_steps, sampling, long_conversation_prompt);
 criterion_main!(benches);

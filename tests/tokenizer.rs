@@ -106,3 +106,31 @@ fn text_stream_emits_whole_characters() {
     assert_eq!(out.concat(), "héllo ✓");
     assert!(out.iter().any(|d| d.is_empty()), "partial multi-byte characters wait");
 }
+
+/// A text seen before comes from the memo with the same ids, a text longer than 16 KiB is never
+/// kept, clones share the memo, and the memo stays within its 8 MiB however many texts pass.
+#[test]
+fn the_encode_memo_gives_the_same_ids_and_stays_bounded() {
+    let t = tiny();
+    let fresh = tiny();
+    let text = "user\nwhat did I say two turns ago?";
+    let first = t.encode(text).unwrap();
+    assert_eq!(t.memo_size().0, 1);
+    assert_eq!(t.encode(text).unwrap(), first, "from the memo");
+    assert_eq!(fresh.encode(text).unwrap(), first, "as a tokenizer that never saw it");
+    let clone = t.clone();
+    clone.encode("another turn").unwrap();
+    assert_eq!(t.memo_size().0, 2, "clones share one memo");
+    t.encode(&"x".repeat(17 << 10)).unwrap();
+    assert_eq!(t.memo_size().0, 2, "a long text is not kept");
+    // (~75 KB a text with its ids: the bound is passed after ~110)
+    for i in 0..160 {
+        let text = format!("turn {i:03} ").repeat(1600);
+        let ids = t.encode(&text).unwrap();
+        if i % 40 == 0 {
+            assert_eq!(ids, fresh.encode(&text).unwrap());
+        }
+        assert!(t.memo_size().1 <= 8 << 20, "{:?} after {i} texts", t.memo_size());
+    }
+    assert!(t.memo_size().0 < 160, "it started over: {:?}", t.memo_size());
+}

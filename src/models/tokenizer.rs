@@ -6,6 +6,9 @@
 //! Prompts are assembled piece by piece: special tokens go in by id, text is encoded with special
 //! token parsing off, so a user who types `<|im_end|>` gets those characters, not the token.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
 use anyhow::{anyhow, Result};
 
 /// Ids of the special tokens the pipeline uses.
@@ -227,6 +230,39 @@ enum Piece {
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     special: SpecialTokens,
+    /// Shared by every clone (the engine's and its Thinker's).
+    memo: Arc<Mutex<EncodeMemo>>,
+}
+
+/// Texts longer than this are tokenized every time (a one-off input, not a conversation's turn).
+const MEMO_TEXT_MAX: usize = 16 << 10;
+/// What the memo holds at most, texts and ids together; beyond it, it starts over.
+const MEMO_BYTES: usize = 8 << 20;
+
+/// Encodings of texts seen before. A conversation's prompt is built again every turn from the same
+/// messages, and each message would be tokenized again: a cost that grows with the square of the
+/// call's length, on the Thinker's thread.
+#[derive(Default)]
+struct EncodeMemo {
+    ids: HashMap<String, Arc<[u32]>>,
+    bytes: usize,
+}
+
+impl EncodeMemo {
+    fn get(&self, text: &str) -> Option<Vec<u32>> {
+        self.ids.get(text).map(|v| v.to_vec())
+    }
+
+    fn put(&mut self, text: &str, ids: &[u32]) {
+        let size = text.len() + 4 * ids.len();
+        if self.bytes + size > MEMO_BYTES {
+            self.ids.clear();
+            self.bytes = 0;
+        }
+        if self.ids.insert(text.to_string(), ids.into()).is_none() {
+            self.bytes += size;
+        }
+    }
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -240,16 +276,33 @@ impl TextTokenizer {
         let mut inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| anyhow!("tokenizer.json: {e}"))?;
         let special = SpecialTokens::lookup(|t| inner.token_to_id(t))?;
         inner.set_encode_special_tokens(true);
-        Ok(Self { inner, special })
+        Ok(Self { inner, special, memo: Arc::default() })
     }
 
     pub fn special(&self) -> &SpecialTokens {
         &self.special
     }
 
-    /// Plain text to ids; special-token text is not recognized.
+    /// Plain text to ids; special-token text is not recognized. Texts of up to 16 KiB are kept
+    /// with their ids (8 MiB at most, then the memo starts over) and not tokenized again.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        Ok(self.inner.encode(text, false).map_err(|e| anyhow!("tokenize: {e}"))?.get_ids().to_vec())
+        let memo = text.len() <= MEMO_TEXT_MAX;
+        if memo {
+            if let Some(ids) = self.memo.lock().expect("memo").get(text) {
+                return Ok(ids);
+            }
+        }
+        let ids = self.inner.encode(text, false).map_err(|e| anyhow!("tokenize: {e}"))?.get_ids().to_vec();
+        if memo {
+            self.memo.lock().expect("memo").put(text, &ids);
+        }
+        Ok(ids)
+    }
+
+    /// Texts the encode memo holds now, and their bytes with their ids.
+    pub fn memo_size(&self) -> (usize, usize) {
+        let m = self.memo.lock().expect("memo");
+        (m.ids.len(), m.bytes)
     }
 
     /// Ids to text, special tokens left out.
