@@ -345,6 +345,7 @@ async fn a_reader_that_stops_reading_is_closed_and_counted_until_then() {
     ws.send(Message::Text(json!({"type": "input.text", "text": "talk", "generation": short(3500)}).to_string().into())).await.unwrap();
     assert_eq!(open(), 1, "the socket counts while it is open");
     let held = || server_side_held(s.addr.port(), client_port);
+    assert!(std::path::Path::new("/proc/net/tcp").exists(), "this test reads the server's side of the connection from Linux's /proc/net/tcp");
     assert!(held(), "the server holds its side of the connection");
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {

@@ -154,9 +154,11 @@ pub struct EngineConfig {
     /// A chunk that reaches its listener late lowers the stream limit below the streams running
     /// then; a while without one raises it again, up to `max_streams` (off: the limit stays there).
     pub adaptive_stream_limit: bool,
-    /// With the adaptive limit: a chunk waiting in Code2Wav whose listener's buffer runs dry
-    /// within this many ms holds new streams back (the limit goes to the streams running) before
-    /// any chunk is late; 0: off (only late chunks lower the limit).
+    /// With the adaptive limit: a chunk that reached Code2Wav with more than this many ms of its
+    /// listener's audio to spare and has less left while it waits there holds new streams back
+    /// (the limit goes to the streams running) before any chunk is late; 0: off (only late chunks
+    /// lower the limit). Below the step horizon (300 ms at least) when `code2wav_early_batch`
+    /// holds chunks back until they are due.
     pub admission_slack_ms: u64,
     /// Places kept free for the next turns of calls already admitted: a new call (session) is
     /// refused while fewer are free or any response waits.

@@ -218,9 +218,11 @@ impl Stage1 {
         // stream speaking on a lightly loaded engine would otherwise wait for the Thinker's last
         // token: 16 of 16 replies of 128 tokens stalled at C1); under load the Thinker keeps its
         // priority
+        // (a segment fed by rows counts as its prefill: in a step of a few streams each of its
+        // rows would otherwise wait behind the Thinker's graph at the same priority)
         let small = ids.len() <= GATED_STREAMS;
-        let gated = ids.iter().zip(&embeds).any(|(id, e)| {
-            let prefill = e.dim(0).unwrap_or(1) > 1;
+        let gated = ids.iter().zip(&embeds).zip(&rests).any(|((id, e), rest)| {
+            let prefill = e.dim(0).unwrap_or(1) > 1 || rest.is_some();
             (self.reqs[id].chunker.sent() == 0 && (prefill || small)) || (prefill && small)
         });
         // (held until the step's codes are on the host, at its end)

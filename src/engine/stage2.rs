@@ -290,10 +290,12 @@ impl Stage2 {
         // what is due within the horizon: a chunk 0 never waits behind a long step of streams that
         // have seconds of audio buffered, and those run when their deadlines need them
         let now = Instant::now();
-        // a chunk waiting here whose listener runs dry within the margin: Code2Wav is behind, and
-        // no new stream starts until it has caught up (admission.rs)
+        // a chunk that came with more than the margin to spare and lost it waiting here: Code2Wav
+        // is behind, and no new stream starts until it has caught up (admission.rs). (A chunk
+        // that came with less was late from the Talker, or is a duplex unit's, made in real time.)
         if let (Some(a), Some(margin)) = (&self.admission, self.cfg.admission_slack()) {
-            if next.iter().filter_map(|c| self.live.get(&c.id).and_then(Live::dry_at)).any(|d| d < now + margin) {
+            let behind = next.iter().any(|c| self.live.get(&c.id).and_then(Live::dry_at).is_some_and(|d| d >= c.queued + margin && d < now + margin));
+            if behind {
                 a.tight();
             }
         }

@@ -238,6 +238,8 @@ pub struct TextTokenizer {
 const MEMO_TEXT_MAX: usize = 16 << 10;
 /// What the memo holds at most, texts and ids together; beyond it, it starts over.
 const MEMO_BYTES: usize = 8 << 20;
+/// What an entry costs beside its text and ids (the key's and the slice's headers, the table slot).
+const MEMO_ENTRY_BYTES: usize = 96;
 
 /// Encodings of texts seen before. A conversation's prompt is built again every turn from the same
 /// messages, and each message would be tokenized again: a cost that grows with the square of the
@@ -254,14 +256,17 @@ impl EncodeMemo {
     }
 
     fn put(&mut self, text: &str, ids: &[u32]) {
-        let size = text.len() + 4 * ids.len();
+        if self.ids.contains_key(text) {
+            return;
+        }
+        // (the text, its ids, and the entry's own keep: the key, the shared slice, its slot)
+        let size = text.len() + 4 * ids.len() + MEMO_ENTRY_BYTES;
         if self.bytes + size > MEMO_BYTES {
-            self.ids.clear();
+            self.ids = HashMap::new();
             self.bytes = 0;
         }
-        if self.ids.insert(text.to_string(), ids.into()).is_none() {
-            self.bytes += size;
-        }
+        self.ids.insert(text.to_string(), ids.into());
+        self.bytes += size;
     }
 }
 

@@ -152,11 +152,12 @@ impl Shared {
 
     /// A user's text input within what one turn holds: the Thinker's context less the longest
     /// instructions this server takes, the voice and a reply of the default length (so an input
-    /// accepted now never fails a later response for its length). Counted in tokens only when its
-    /// bytes could be over (a token is at least a byte).
+    /// accepted now never fails a later response of the default length for its own length).
+    /// Counted in tokens only when it could be over: byte-level BPE makes at most a token a byte
+    /// of the normalized text, and NFC makes at most three bytes of one.
     pub fn check_user_text(&self, text: &str) -> Result<(), String> {
         let max = self.engine.max_input_tokens(self.config.server.max_instructions_tokens);
-        if text.len() <= max {
+        if text.len().saturating_mul(3) <= max {
             return Ok(());
         }
         let n = self.engine.count_tokens(text).map_err(|e| format!("{e:#}"))?;

@@ -116,6 +116,7 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
     };
     let first_deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(limits.first_event_timeout_s);
     let mut kicked = kicked;
+    let mut writer_gone = false;
     loop {
         let next = tokio::select! {
             f = stream.next() => f,
@@ -129,7 +130,10 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
                 shared.metrics.errors.with_label_values(&["slow_reader"]).inc();
                 break;
             }
-            Ok(_) = written.wait_for(|d| *d) => break,
+            Ok(_) = written.wait_for(|d| *d) => {
+                writer_gone = true;
+                break;
+            }
         };
         let Some(frame) = next else { break };
         let frame = match frame {
@@ -247,6 +251,18 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
     // the writer ends when the session lets go of this connection (or right away if it has none)
     drop(conn);
     drop(tx);
+    if writer_gone {
+        // what the client still sends is read up to its close frame, for a while at most: a socket
+        // closed with unread bytes resets, and a reset can swallow the close frame
+        let _ = tokio::time::timeout(CLOSE_GRACE, async {
+            while let Some(Ok(f)) = stream.next().await {
+                if matches!(f, Message::Close(_)) {
+                    break;
+                }
+            }
+        })
+        .await;
+    }
     if linger {
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), writer).await;
         tokio::time::sleep(std::time::Duration::from_secs(1)).await;
