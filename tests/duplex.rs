@@ -195,9 +195,7 @@ fn later_units_fed_by_rows_give_what_their_prefills_give() {
         e.close_duplex("r");
         let end = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
         let codes = dones(&end).iter().map(|d| d.2).sum::<usize>() as u64;
-        let m = e.metrics().render();
-        let steps: u64 =
-            m.lines().find_map(|l| l.strip_prefix("antiphon_stage_step_seconds_count{stage=\"talker\"} ")).expect("talker steps").parse().unwrap();
+        let steps = e.metrics().step_count("talker");
         // (every step samples a code but a row's that is not its segment's last: 4 units made
         // their conditions' rows by then)
         (audio(&ev)[..4].to_vec(), steps.saturating_sub(codes))

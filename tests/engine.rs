@@ -68,11 +68,7 @@ fn requests_with_text_chunks_batched_together_match_requests_alone() {
 #[test]
 fn text_chunk_windows_fed_by_rows_give_what_their_prefill_gives() {
     let chunked = EngineConfig { talker_text_chunk: 3, ..EngineConfig::default() };
-    let talker_steps = |e: &Engine| -> u64 {
-        let m = e.metrics().render();
-        let line = m.lines().find(|l| l.starts_with("antiphon_stage_step_seconds_count{stage=\"talker\"}")).expect("talker steps");
-        line.rsplit(' ').next().unwrap().parse().unwrap()
-    };
+    let talker_steps = |e: &Engine| e.metrics().step_count("talker");
     let e = engine(chunked.clone());
     let prefilled = collect(submit(&e, spec("a", "say it", 12, 80, 5)));
     let prefill_steps = talker_steps(&e);

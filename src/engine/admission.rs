@@ -304,24 +304,23 @@ impl Admission {
 
     /// A chunk reached its listener after their buffer had run dry.
     pub fn late_chunk(&self) {
-        let mut s = self.state.lock().expect("admission");
-        if !s.limits.adaptive {
-            return;
-        }
-        let running = s.running.len();
-        s.load.late(running, Instant::now());
-        self.publish(&s);
+        self.adapt(LoadLimit::late);
     }
 
     /// A chunk waits in Code2Wav while its listener's buffer is about to run dry
     /// (`engine.admission_slack_ms`): no new stream starts for now.
     pub fn tight(&self) {
+        self.adapt(LoadLimit::tight);
+    }
+
+    /// A sign of load, given the streams running now, when the limit is adaptive.
+    fn adapt(&self, sign: fn(&mut LoadLimit, usize, Instant)) {
         let mut s = self.state.lock().expect("admission");
         if !s.limits.adaptive {
             return;
         }
         let running = s.running.len();
-        s.load.tight(running, Instant::now());
+        sign(&mut s.load, running, Instant::now());
         self.publish(&s);
     }
 

@@ -159,6 +159,11 @@ impl EngineMetrics {
         }
     }
 
+    /// Steps a stage has run (`thinker`, `talker`, `code2wav`, ...).
+    pub fn step_count(&self, stage: &str) -> u64 {
+        self.step_seconds.with_label_values(&[stage]).get_sample_count()
+    }
+
     pub fn prefetch_count(&self, event: &str) -> u64 {
         self.prefetch.with_label_values(&[event]).get()
     }

@@ -183,7 +183,8 @@ impl Stage1 {
             let r = &self.reqs[id];
             let mut rest = None;
             let e = if !r.pending.is_empty() {
-                let all = Tensor::cat(&r.pending, 0)?;
+                // (one tensor, as a segment fed by rows leaves it: no copy)
+                let all = if let [one] = r.pending.as_slice() { one.clone() } else { Tensor::cat(&r.pending, 0)? };
                 let rows = all.dim(0)?;
                 if self.cfg.talker_segment_rows && (r.chunks.is_some() || r.duplex.is_some()) && r.chunker.sent() > 0 && rows > 1 {
                     rest = Some(all.narrow(0, 1, rows - 1)?);
