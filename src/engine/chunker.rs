@@ -58,12 +58,12 @@ impl Chunker {
         usize::from(self.hold)
     }
 
-    /// New codes in the first payload.
     /// Payloads made so far.
     pub fn sent(&self) -> usize {
         self.seq
     }
 
+    /// New codes in the first payload.
     pub fn first(&self) -> usize {
         self.first
     }
