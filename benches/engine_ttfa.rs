@@ -34,7 +34,10 @@ fn one(e: &Engine, id: String, n: usize) -> (f64, f64) {
             max_audio_tokens: Some(100),
             temperature: None,
             seed: Some(n as u64),
+            prefix: None,
         },
+        tools: Default::default(),
+        text_only: false,
     };
     let (tx, rx) = mpsc::channel();
     let tx = std::sync::Mutex::new(tx);

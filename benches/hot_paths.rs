@@ -113,7 +113,7 @@ fn sampling(c: &mut Criterion) {
 fn long_conversation_prompt(c: &mut Criterion) {
     use antiphon_assets::synth::tokenizer_json;
     use antiphon_models::tokenizer::{Message, Role, TextTokenizer};
-    let json = tokenizer_json(&Preset::Tiny.special_ids()).to_string();
+    let json = tokenizer_json(&Preset::Tiny.special_ids(), &Preset::Tiny.tool_ids()).to_string();
     let fresh = || TextTokenizer::from_bytes(json.as_bytes()).unwrap();
     let mut messages = vec![Message::text(Role::System, "You are a helpful assistant with the above voice style.")];
     for i in 0..120 {

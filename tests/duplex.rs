@@ -35,6 +35,7 @@ fn forced(text: usize, drain: usize) -> GenerationParams {
         max_audio_tokens: Some(drain),
         temperature: None,
         seed: Some(3),
+        prefix: None,
     }
 }
 
@@ -276,6 +277,8 @@ fn no_prefetch_while_a_duplex_session_is_live() {
             history: vec![],
             voice: voice(f),
             generation: forced(24, 30),
+            tools: Default::default(),
+            text_only: false,
         };
         e.submit(
             spec,

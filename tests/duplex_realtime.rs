@@ -27,6 +27,7 @@ fn open(e: &Engine, session: &str) -> mpsc::Receiver<DuplexEvent> {
         max_audio_tokens: Some(5),
         temperature: None,
         seed: Some(3),
+        prefix: None,
     };
     let spec = DuplexSpec { session: session.into(), policy: DuplexPolicy::SpeakEvery(2), instructions: None, voice: voice(180.0), generation };
     e.open_duplex(

@@ -444,7 +444,7 @@ fn a_spoken_conversation_keeps_every_turns_audio() {
             let (reused, prefilled) = (counter(e, "reused"), counter(e, "prefilled"));
             let out = collect(submit(e, s));
             assert_eq!(out.status, Status::Completed, "turn {k}");
-            history.push(antiphon_engine::Turn { user: UserInput::Audio(clip(k)), assistant: out.text.clone() });
+            history.push(antiphon_engine::Turn { user: UserInput::Audio(clip(k)), assistant: out.text.clone(), calls: vec![] });
             turns.push((out, counter(e, "reused") - reused, counter(e, "prefilled") - prefilled));
         }
         turns

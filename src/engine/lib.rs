@@ -376,6 +376,11 @@ impl Engine {
         Ok(self.tokenizer.encode(text)?.len())
     }
 
+    /// Whether the model's tokenizer has the tool template's tags (replies can call tools).
+    pub fn serves_tools(&self) -> bool {
+        self.tokenizer.tool_tokens().is_some()
+    }
+
     /// The most a request's generation may ask for (the models' contexts).
     pub fn generation_limits(&self) -> antiphon_protocol::GenerationLimits {
         self.limits

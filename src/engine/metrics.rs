@@ -30,6 +30,8 @@ pub struct EngineMetrics {
     pub admission: IntGaugeVec,
     /// What admission refused: a `response` (its queue was full), a `call` or a `duplex` session.
     pub admission_refused: IntCounterVec,
+    /// Tool calls replies made: `valid`, `invalid` (not a declared tool's JSON) or `unterminated`.
+    pub tool_calls: IntCounterVec,
 }
 
 impl Default for EngineMetrics {
@@ -107,8 +109,14 @@ impl EngineMetrics {
             &["what"],
         )
         .expect("valid metric");
+        let tool_calls = IntCounterVec::new(
+            Opts::new("antiphon_tool_calls_total", "Tool calls replies wrote: valid, invalid (not a declared tool's JSON), unterminated"),
+            &["outcome"],
+        )
+        .expect("valid metric");
         for c in [
-            Box::new(step_seconds.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(tool_calls.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(step_seconds.clone()),
             Box::new(admission.clone()),
             Box::new(admission_refused.clone()),
             Box::new(voice_preparations.clone()),
@@ -134,6 +142,7 @@ impl EngineMetrics {
             (&prefix_cache, &["hit", "miss"][..]),
             (&prompt_positions, &["reused", "prefilled"]),
             (&admission_refused, &["response", "call", "duplex"]),
+            (&tool_calls, &["valid", "invalid", "unterminated"]),
         ] {
             for l in labels {
                 v.with_label_values(&[l]);
@@ -156,6 +165,7 @@ impl EngineMetrics {
             voice_preparations,
             admission,
             admission_refused,
+            tool_calls,
         }
     }
 

@@ -6,6 +6,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+pub use antiphon_models::tools::{FunctionTool, ToolCall, ToolChoice, ToolSet};
+
 /// A request id chosen by the caller (the session layer), unique among live requests.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RequestId(pub String);
@@ -116,6 +118,8 @@ impl SpokenClip {
 pub enum UserInput {
     Text(String),
     Audio(SpokenClip),
+    /// The outputs of the tools the previous reply called, in the order of its calls.
+    ToolResults(Vec<String>),
 }
 
 /// An earlier turn of the conversation (for the prompt): what the caller said, as it was said (a
@@ -124,12 +128,14 @@ pub enum UserInput {
 pub struct Turn {
     pub user: UserInput,
     pub assistant: String,
+    /// The tools the reply called, after what it said.
+    pub calls: Vec<ToolCall>,
 }
 
 impl Turn {
     /// A turn the caller typed.
     pub fn text(user: impl Into<String>, assistant: impl Into<String>) -> Self {
-        Self { user: UserInput::Text(user.into()), assistant: assistant.into() }
+        Self { user: UserInput::Text(user.into()), assistant: assistant.into(), calls: Vec::new() }
     }
 }
 
@@ -142,6 +148,23 @@ pub struct GenerationParams {
     pub min_audio_tokens: Option<usize>,
     pub temperature: Option<f32>,
     pub seed: Option<u64>,
+    /// The reply begins with this text (the model continues from it, as if it had written it).
+    pub prefix: Option<String>,
+}
+
+/// The tools a reply may call.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Tools {
+    /// Declared tools (`None`: the prompt has no tools block and no reply calls).
+    pub set: Option<Arc<ToolSet>>,
+    pub choice: ToolChoice,
+}
+
+impl Tools {
+    /// Whether the reply may write a call.
+    pub fn may_call(&self) -> bool {
+        self.set.is_some() && self.choice != ToolChoice::None
+    }
 }
 
 /// One request (one response).
@@ -155,6 +178,9 @@ pub struct RequestSpec {
     /// The voice: conditions the Thinker's system prompt and is the Code2Wav reference.
     pub voice: RefInput,
     pub generation: GenerationParams,
+    pub tools: Tools,
+    /// Text only: the reply is written, not spoken (no Talker, no Code2Wav).
+    pub text_only: bool,
 }
 
 /// How a response ended.
@@ -216,6 +242,14 @@ pub enum EngineEvent {
         turns: usize,
     },
     TextDelta(String),
+    /// The reply called a tool (sent when the call closes; what was said before it is in the
+    /// text deltas, and the reply ends after it).
+    ToolCall(ToolCall),
+    /// The reply began a call that is not one: `text` is what it wrote after `<tool_call>`.
+    ToolCallInvalid {
+        text: String,
+        reason: String,
+    },
     /// 24 kHz mono samples; `chunk` counts Code2Wav chunks from 0.
     Audio {
         samples: Vec<f32>,
@@ -389,7 +423,7 @@ impl Registry {
                         p.timings.first_audio.get_or_insert(now);
                     }
                 }
-                EngineEvent::HistoryTrimmed { .. } => {}
+                EngineEvent::HistoryTrimmed { .. } | EngineEvent::ToolCall(_) | EngineEvent::ToolCallInvalid { .. } => {}
                 EngineEvent::Done { .. } => return false,
             }
             // emitted under the lock: a concurrent finish cannot overtake it

@@ -21,6 +21,7 @@ pub mod sampling;
 pub mod talker;
 pub mod thinker;
 pub mod tokenizer;
+pub mod tools;
 pub mod top_k;
 pub mod whisper;
 

@@ -265,6 +265,20 @@ impl LengthPolicy {
         self.generated
     }
 
+    /// Whether the reply has its most tokens.
+    pub fn full(&self) -> bool {
+        self.generated >= self.max
+    }
+
+    /// A token the caller chose (a reply's given beginning): counted as a sampled one, and seen by
+    /// the sampler's penalties.
+    pub fn force(&mut self, sampler: &mut Sampler, id: u32) {
+        sampler.observe(&[id]);
+        if !self.end.contains(&id) {
+            self.generated += 1;
+        }
+    }
+
     /// Next token: forced end at `max`, otherwise sampled with ends forbidden before `min`.
     /// `extra_forbid` is always forbidden. Ending tokens are not counted.
     pub fn next(&mut self, sampler: &mut Sampler, logits: &[f32], extra_forbid: &[u32]) -> u32 {

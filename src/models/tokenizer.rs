@@ -11,6 +11,8 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, Result};
 
+use crate::tools::ToolTokens;
+
 /// Ids of the special tokens the pipeline uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SpecialTokens {
@@ -142,8 +144,10 @@ impl SpecialTokens {
         let speech = with(&[self.listen, self.speak, self.tts_eos, self.endoftext]);
         let mut speech_forced = speech.clone();
         speech_forced.extend([self.turn_eos, self.chunk_tts_eos, self.im_end]);
+        let reply = with(&[self.listen, self.speak, self.chunk_eos, self.chunk_tts_eos, self.turn_eos]);
         Forbidden {
-            reply: with(&[self.listen, self.speak, self.chunk_eos, self.chunk_tts_eos, self.turn_eos]),
+            reply_calling: reply.clone(),
+            reply,
             duplex_decision: with(&[self.tts_eos, self.im_end, self.endoftext, self.chunk_eos, self.chunk_tts_eos, self.turn_eos]),
             duplex_speech: speech,
             duplex_speech_forced: speech_forced,
@@ -162,6 +166,8 @@ impl SpecialTokens {
 pub struct Forbidden {
     /// A turn-mode spoken reply (it ends with `<|tts_eos|>` or `<|im_end|>`).
     pub reply: Vec<u32>,
+    /// ... that may call a tool (`<tool_call>`, `</tool_call>` allowed).
+    pub reply_calling: Vec<u32>,
     /// A duplex unit's first token: the listen / speak decision (or the first word).
     pub duplex_decision: Vec<u32>,
     /// The text of a spoken duplex unit, which ends with a chunk or turn end.
@@ -230,6 +236,8 @@ enum Piece {
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     special: SpecialTokens,
+    /// The tool template's tags, when the tokenizer has them.
+    tools: Option<ToolTokens>,
     /// Shared by every clone (the engine's and its Thinker's).
     memo: Arc<Mutex<EncodeMemo>>,
 }
@@ -280,12 +288,31 @@ impl TextTokenizer {
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let mut inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| anyhow!("tokenizer.json: {e}"))?;
         let special = SpecialTokens::lookup(|t| inner.token_to_id(t))?;
+        let tools = ToolTokens::lookup(|t| inner.token_to_id(t));
         inner.set_encode_special_tokens(true);
-        Ok(Self { inner, special, memo: Arc::default() })
+        Ok(Self { inner, special, tools, memo: Arc::default() })
     }
 
     pub fn special(&self) -> &SpecialTokens {
         &self.special
+    }
+
+    /// The tool template's tags (`None`: this tokenizer serves no tools).
+    pub fn tool_tokens(&self) -> Option<&ToolTokens> {
+        self.tools.as_ref()
+    }
+
+    /// The tokens the Thinker may not write, per context: [`SpecialTokens::forbidden`], and the
+    /// tool tags everywhere except a call's two in a reply that may call.
+    pub fn forbidden(&self) -> Forbidden {
+        let mut f = self.special.forbidden();
+        if let Some(t) = &self.tools {
+            for list in [&mut f.reply, &mut f.duplex_decision, &mut f.duplex_speech, &mut f.duplex_speech_forced] {
+                list.extend(t.all());
+            }
+            f.reply_calling.extend([t.response, t.response_end]);
+        }
+        f
     }
 
     /// Plain text to ids; special-token text is not recognized. Texts of up to 16 KiB are kept

@@ -8,8 +8,13 @@ use serde_json::Value;
 pub mod openai;
 mod received;
 mod server_event;
+mod tools;
 pub use received::{parse_server, Received};
 pub use server_event::{ClosingReason, DoneStatus, ServerEvent, Trigger};
+pub use tools::{
+    validate_results, validate_tool_choice, validate_tools, ToolChoice, ToolDecl, ToolResult, MAX_TOOLS, MAX_TOOLS_BYTES, MAX_TOOL_NAME,
+    MAX_TOOL_OUTPUT_CHARS, MAX_TOOL_RESULTS,
+};
 
 pub const PROTOCOL_VERSION: u32 = 1;
 pub const FRAME_HEADER: usize = 12;
@@ -143,7 +148,17 @@ pub struct Generation {
     pub min_audio_tokens: Option<usize>,
     pub temperature: Option<f32>,
     pub seed: Option<u64>,
+    /// The reply begins with this text; the model continues from it (at most
+    /// [`MAX_PREFIX_CHARS`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<String>,
+    /// Which of the session's tools the reply may call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_choice: Option<ToolChoice>,
 }
+
+/// The longest `generation.prefix`, in characters.
+pub const MAX_PREFIX_CHARS: usize = 2048;
 
 /// The most a `generation` may ask for: what the models' contexts hold (the server fills it in).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,6 +212,9 @@ impl Generation {
         if let Some(t) = self.temperature.filter(|t| !(t.is_finite() && (0.0..=MAX_TEMPERATURE).contains(t))) {
             return bad(format!("field `generation.temperature`: {t} is not in 0..={MAX_TEMPERATURE}"));
         }
+        if let Some(n) = self.prefix.as_ref().map(|p| p.chars().count()).filter(|&n| n > MAX_PREFIX_CHARS) {
+            return bad(format!("field `generation.prefix`: {n} characters, more than this server takes (at most {MAX_PREFIX_CHARS})"));
+        }
         Ok(())
     }
 }
@@ -228,6 +246,9 @@ pub struct SessionCreate {
     pub generation: Option<Generation>,
     #[serde(default)]
     pub duplex: Option<DuplexPolicy>,
+    /// Functions the model may call (turn mode).
+    #[serde(default)]
+    pub tools: Option<Vec<ToolDecl>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -244,6 +265,9 @@ pub struct SessionUpdate {
     pub generation: Option<Generation>,
     #[serde(default)]
     pub duplex: Option<DuplexPolicy>,
+    /// Replaces the declared tools (`[]`: none).
+    #[serde(default)]
+    pub tools: Option<Vec<ToolDecl>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -260,13 +284,32 @@ pub enum ClientEvent {
     SessionCreate(Box<SessionCreate>),
     SessionResume(SessionResume),
     SessionUpdate(Box<SessionUpdate>),
-    InputText { text: String, generation: Option<Generation> },
-    InputCommit { generation: Option<Generation> },
+    InputText {
+        text: String,
+        generation: Option<Generation>,
+    },
+    InputCommit {
+        generation: Option<Generation>,
+    },
+    /// Outputs of the tools the last response called: a response answers from them.
+    InputToolResult {
+        results: Vec<ToolResult>,
+        generation: Option<Generation>,
+    },
     InputClear,
-    ResponseCancel { response_id: Option<u32> },
-    Playback { response_id: u32, played_ms: u64 },
-    Ack { seq: u64 },
-    Ping { id: Option<Value> },
+    ResponseCancel {
+        response_id: Option<u32>,
+    },
+    Playback {
+        response_id: u32,
+        played_ms: u64,
+    },
+    Ack {
+        seq: u64,
+    },
+    Ping {
+        id: Option<Value>,
+    },
     SessionClose,
 }
 
@@ -298,6 +341,12 @@ struct TextBody {
 }
 #[derive(Deserialize)]
 struct CommitBody {
+    #[serde(default)]
+    generation: Option<Generation>,
+}
+#[derive(Deserialize)]
+struct ToolResultBody {
+    results: Vec<ToolResult>,
     #[serde(default)]
     generation: Option<Generation>,
 }
@@ -356,6 +405,11 @@ pub fn parse_client(text: &str) -> Result<Incoming, WireError> {
             ClientEvent::InputText { text: b.text, generation: b.generation }
         }
         "input.commit" => ClientEvent::InputCommit { generation: typed::<CommitBody>(v)?.generation },
+        "input.tool_result" => {
+            let b: ToolResultBody = typed(v)?;
+            validate_results(&b.results)?;
+            ClientEvent::InputToolResult { results: b.results, generation: b.generation }
+        }
         "input.clear" => ClientEvent::InputClear,
         "response.cancel" => ClientEvent::ResponseCancel { response_id: typed::<CancelBody>(v)?.response_id },
         "playback" => {

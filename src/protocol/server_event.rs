@@ -17,6 +17,8 @@ pub enum Trigger {
     Commit,
     /// The model decided to speak in a duplex session.
     Duplex,
+    /// `input.tool_result`: the model answers from the tools' outputs.
+    ToolResult,
 }
 
 impl Trigger {
@@ -25,6 +27,7 @@ impl Trigger {
             Trigger::Text => "text",
             Trigger::Commit => "commit",
             Trigger::Duplex => "duplex",
+            Trigger::ToolResult => "tool_result",
         }
     }
 }
@@ -114,6 +117,12 @@ pub enum ServerEvent {
     ResponseTextDelta { seq: u64, response_id: u32, text: String },
     /// The conversation outgrew the model's context: its `turns` oldest turns were left out of
     /// this response's prompt, and the session has let them go.
+    /// The response called a tool (sent when the call is written; the response ends after it).
+    #[serde(rename = "response.tool_call")]
+    ResponseToolCall { seq: u64, response_id: u32, call_id: String, name: String, arguments: String },
+    /// The response began a call that is not one: what it wrote after `<tool_call>`, and why.
+    #[serde(rename = "response.tool_call.invalid")]
+    ResponseToolCallInvalid { seq: u64, response_id: u32, text: String, reason: String },
     #[serde(rename = "conversation.trimmed")]
     ConversationTrimmed { seq: u64, response_id: u32, turns: usize },
     #[serde(rename = "response.done")]
@@ -165,6 +174,8 @@ impl ServerEvent {
             ServerEvent::SessionCreated { seq, .. }
             | ServerEvent::ResponseCreated { seq, .. }
             | ServerEvent::ResponseTextDelta { seq, .. }
+            | ServerEvent::ResponseToolCall { seq, .. }
+            | ServerEvent::ResponseToolCallInvalid { seq, .. }
             | ServerEvent::ConversationTrimmed { seq, .. }
             | ServerEvent::ResponseDone { seq, .. }
             | ServerEvent::DuplexListen { seq, .. }

@@ -326,7 +326,10 @@ async fn warm_up(shared: &Arc<Shared>) -> Result<f64> {
             max_audio_tokens: Some(30),
             temperature: None,
             seed: Some(0),
+            prefix: None,
         },
+        tools: Default::default(),
+        text_only: false,
     };
     shared.engine.submit(spec, Arc::new(move |e| drop(tx.send(e))))?;
     while let Some(e) = rx.recv().await {

@@ -32,7 +32,10 @@ pub fn spec(id: &str, text: &str, text_tokens: usize, codes: usize, seed: u64) -
             max_audio_tokens: Some(codes),
             temperature: None,
             seed: Some(seed),
+            prefix: None,
         },
+        tools: Default::default(),
+        text_only: false,
     }
 }
 
@@ -80,7 +83,7 @@ pub fn collect(rx: mpsc::Receiver<EngineEvent>) -> Outcome {
     let mut out = None;
     for ev in &events {
         match ev {
-            EngineEvent::HistoryTrimmed { .. } => {}
+            EngineEvent::HistoryTrimmed { .. } | EngineEvent::ToolCall(_) | EngineEvent::ToolCallInvalid { .. } => {}
             EngineEvent::TextDelta(t) => text.push_str(t),
             EngineEvent::Audio { samples, .. } => audio.push(samples.clone()),
             EngineEvent::Done { status, codes, timings, text: t, .. } => {

@@ -189,7 +189,8 @@ pub fn models_on(preset: Preset, seed: u64, dtype: DType, devs: &antiphon_models
     let cfg = preset.config();
     let vb = SyntheticBackend::var_builder(&cfg, seed, dtype, &devs.thinker);
     let (thinker, talker) = crate::checkpoint::load_models_on(&vb, &cfg, &devs.talker)?;
-    let tokenizer = antiphon_models::tokenizer::TextTokenizer::from_bytes(tokenizer_json(&preset.special_ids()).to_string().as_bytes())?;
+    let tokenizer =
+        antiphon_models::tokenizer::TextTokenizer::from_bytes(tokenizer_json(&preset.special_ids(), &preset.tool_ids()).to_string().as_bytes())?;
     let code2wav = code2wav_in_memory(preset, seed, dtype, &devs.code2wav)?;
     Ok(antiphon_models::Models { thinker, talker, code2wav, tokenizer })
 }

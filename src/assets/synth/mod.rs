@@ -23,6 +23,7 @@ use rand_distr::{Distribution, StandardNormal};
 
 use antiphon_models::config::{MiniCpmoConfig, TtsConfig, WhisperConfig};
 use antiphon_models::tokenizer::SpecialTokens;
+use antiphon_models::tools::ToolTokens;
 
 /// Named dimension sets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
@@ -37,6 +38,9 @@ pub enum Preset {
 /// The real ids of the special tokens, in [`SpecialTokens::NAMES`] order.
 pub const REAL_SPECIAL_IDS: [u32; 18] =
     [151643, 151644, 151645, 151667, 151668, 151697, 151699, 128244, 151683, 151684, 151703, 151704, 151705, 151706, 151717, 151718, 151721, 151722];
+
+/// The real ids of the tool template's tags, in [`ToolTokens::NAMES`] order.
+pub const REAL_TOOL_IDS: [u32; 4] = [151657, 151658, 151665, 151666];
 
 /// Byte-level BPE has 256 base tokens; the tiny preset puts the special tokens right after them.
 const BYTE_TOKENS: u32 = 256;
@@ -158,6 +162,15 @@ impl Preset {
         match self {
             Preset::Tiny => std::array::from_fn(|i| BYTE_TOKENS + i as u32),
             Preset::Full => REAL_SPECIAL_IDS,
+        }
+    }
+
+    /// Ids of the tool template's tags in this preset's tokenizer, in [`ToolTokens::NAMES`] order
+    /// (the tiny preset puts them after the special tokens).
+    pub fn tool_ids(self) -> [u32; 4] {
+        match self {
+            Preset::Tiny => std::array::from_fn(|i| BYTE_TOKENS + SpecialTokens::NAMES.len() as u32 + i as u32),
+            Preset::Full => REAL_TOOL_IDS,
         }
     }
 }
@@ -412,8 +425,9 @@ fn byte_chars() -> Vec<char> {
 }
 
 /// A Qwen-style byte-level BPE `tokenizer.json` (no merges: every byte is a token) with the
-/// pipeline's special tokens at `special_ids`.
-pub fn tokenizer_json(special_ids: &[u32; 18]) -> serde_json::Value {
+/// pipeline's special tokens at `special_ids` and the tool template's tags (added, not special, as
+/// in Qwen3's tokenizer) at `tool_ids`.
+pub fn tokenizer_json(special_ids: &[u32; 18], tool_ids: &[u32; 4]) -> serde_json::Value {
     let mut vocab = serde_json::Map::new();
     for (b, c) in byte_chars().into_iter().enumerate() {
         vocab.insert(c.to_string(), (b as u32).into());
@@ -424,6 +438,11 @@ pub fn tokenizer_json(special_ids: &[u32; 18]) -> serde_json::Value {
         vocab.insert(name.to_string(), id.into());
         added.push(serde_json::json!({"id": id, "content": name, "single_word": false, "lstrip": false,
             "rstrip": false, "normalized": false, "special": true}));
+    }
+    for (name, &id) in ToolTokens::NAMES.iter().zip(tool_ids) {
+        vocab.insert(name.to_string(), id.into());
+        added.push(serde_json::json!({"id": id, "content": name, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": false}));
     }
     let pattern = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     let bl = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
@@ -495,7 +514,7 @@ pub fn write_checkpoint(dir: &Path, opts: &SynthOptions) -> Result<()> {
     let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
     std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)?)?;
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config_json(&cfg, opts.dtype))?)?;
-    std::fs::write(dir.join("tokenizer.json"), serde_json::to_string(&tokenizer_json(&opts.preset.special_ids()))?)?;
+    std::fs::write(dir.join("tokenizer.json"), serde_json::to_string(&tokenizer_json(&opts.preset.special_ids(), &opts.preset.tool_ids()))?)?;
     let ids = opts.preset.special_ids();
     let gen = serde_json::json!({"bos_token_id": ids[0], "eos_token_id": [ids[2], ids[0]], "pad_token_id": ids[0],
         "do_sample": true, "temperature": 0.6, "top_k": 20, "top_p": 0.95});

@@ -7,6 +7,7 @@
 //! alone; only a failure of the batched forward itself ends every stream in it.
 
 pub mod duplex;
+mod prompt;
 mod turn;
 
 use std::collections::VecDeque;
@@ -217,7 +218,7 @@ impl Stage0 {
         to_talker: SyncSender<Stage1Msg>,
         admission: Admission,
     ) -> anyhow::Result<Self> {
-        let forbidden = tok.special().forbidden();
+        let forbidden = tok.forbidden();
         let prefixes = PrefixStore::new(cfg.thinker_prefix_cache, cfg.thinker_prefix_mib << 20);
         let caches = StageCaches::new(
             thinker.llm.decoder(),

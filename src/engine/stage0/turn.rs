@@ -1,20 +1,23 @@
-//! A turn-mode request as a Thinker stream: its prompt is built at admission (voice-cloning system
-//! turn, history, text or audio input), prefilled in chunks from the longest prefix the prefix store
-//! already holds, then the reply is decoded token by token with text deltas, and handed to the
-//! Talker at `<|tts_eos|>` (or, with streaming prefill, row by row as it is written).
+//! A turn-mode request as a Thinker stream: its prompt is built at admission (`prompt.rs`),
+//! prefilled in chunks from the longest prefix the prefix store already holds, then the reply is
+//! decoded token by token with text deltas, and handed to the Talker at `<|tts_eos|>` (or, with
+//! streaming prefill, row by row as it is written). A tool call is cut from the speech, reported,
+//! and ends the reply; a reply with nothing to speak ends here, without the Talker.
 
+use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
 
+use super::prompt::{build_prompt, embed_prompt, reply_opening};
 use super::{to_host, Ctx, ThinkerStream};
 use crate::caches::StageCaches;
-use crate::{Mode, RequestId, RequestSpec, SpokenClip, Stage1Msg, Turn, UserInput};
+use crate::{EngineEvent, Mode, RequestId, RequestSpec, Stage1Msg, Status, ToolCall, ToolSet};
 use antiphon_models::decoder::{KvCache, PooledCache};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
-use antiphon_models::thinker::audio_spans;
-use antiphon_models::tokenizer::{handoff_range, Message, Part, Role, TextStream};
+use antiphon_models::tokenizer::{handoff_range, TextStream};
 use antiphon_models::top_k::LogitsRow;
 
 /// The fewest shared positions worth a copy from the prefix store.
@@ -50,6 +53,15 @@ pub struct TurnStream {
     store_system: Option<usize>,
     /// Handed off to the Talker, or failed.
     done: bool,
+    /// Tokens the reply begins with, taken before sampling (`generation.prefix`, then the opening
+    /// of a call `tool_choice` requires).
+    forced: VecDeque<u32>,
+    /// The tools the reply may call (`None`: it calls none; their tags are forbidden).
+    calling: Option<Arc<ToolSet>>,
+    /// Where the reply's `<tool_call>` is in `ids`: the speech ends before it.
+    call_at: Option<usize>,
+    /// Text only: nothing goes to the Talker, and the Thinker ends the request.
+    text_only: bool,
     /// Handed off this step: the turn's KV goes to the prefix store once every stream of the
     /// step has handed off (a copy of ~4 ms at full size, which held back the later Ends of a
     /// wave: 29 hand-offs took a 135 ms step at C32 on the H200).
@@ -71,130 +83,6 @@ fn store_prefix(ctx: &mut Ctx, voice: u64, key: Vec<u32>, cache: &KvCache) {
 /// Whether a prompt of `prompt` positions and a reply of up to `max` tokens fit `context`.
 fn prompt_len_fits(prompt: usize, max: usize, context: usize) -> Result<(), ()> {
     prompt.checked_add(max).and_then(|n| n.checked_add(8)).filter(|&n| n <= context).map(|_| ()).ok_or(())
-}
-
-/// An audio run of a prompt: the reference voice (its embeddings, kept per voice) or a clip the
-/// caller spoke (encoded only when its positions are not held already).
-enum PromptAudio {
-    Voice(Tensor),
-    Clip(SpokenClip),
-}
-
-/// A request's prompt laid out, before anything of it is encoded.
-struct Prompt {
-    ids: Vec<u32>,
-    /// The ids the prefix store knows the prompt by: `ids` with each spoken clip's placeholders
-    /// replaced by ids made from the clip's content ([`clip_key_id`]), so a stored prefix holds
-    /// a clip's KV only for that same clip (the voice's run is keyed by the entry's voice).
-    key: Vec<u32>,
-    /// The audio runs, in the order of their placeholder runs in `ids`.
-    audio: Vec<PromptAudio>,
-    /// The conversation's oldest turns left out (it outgrew the context).
-    dropped: usize,
-}
-
-/// The prefix-store id of position `at` of a clip with content key `clip`: above every vocabulary
-/// id (they are below 2^31), so it matches only the same position of the same clip.
-fn clip_key_id(clip: u64, at: usize) -> u32 {
-    let mut x = clip ^ (at as u64).wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    0x8000_0000 | ((x ^ (x >> 31)) >> 33) as u32
-}
-
-/// Token counts of each earlier turn (what the caller said, what the assistant said, and the
-/// template around them), each counted once.
-fn turn_sizes(ctx: &Ctx, history: &[Turn]) -> Vec<usize> {
-    history.iter().map(|t| input_size(ctx, &t.user) + count_tokens(ctx, &t.assistant) + 10).collect()
-}
-
-fn count_tokens(ctx: &Ctx, text: &str) -> usize {
-    ctx.tok.encode(text).map(|v| v.len()).unwrap_or(0)
-}
-
-/// Positions a user's input takes in a prompt, its message's markers aside.
-fn input_size(ctx: &Ctx, input: &UserInput) -> usize {
-    match input {
-        UserInput::Text(text) => count_tokens(ctx, text),
-        UserInput::Audio(clip) => ctx.thinker.clip_embeddings_for(clip.samples().len()) + 2,
-    }
-}
-
-/// The user message of an input: its text, or its clip as an audio run.
-fn user_message(ctx: &Ctx, input: &UserInput, audio: &mut Vec<PromptAudio>) -> Message {
-    match input {
-        UserInput::Text(t) => Message::text(Role::User, t.clone()),
-        UserInput::Audio(clip) => {
-            audio.push(PromptAudio::Clip(clip.clone()));
-            Message { role: Role::User, parts: vec![Part::Audio(ctx.thinker.clip_embeddings_for(clip.samples().len()))] }
-        }
-    }
-}
-
-/// A request's prompt: the voice-cloning system turn, the conversation's turns as they were (a
-/// spoken turn as its audio), and the input.
-fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<Prompt> {
-    let mut audio = Vec::new();
-    let mut messages = Vec::new();
-    let instructions = spec.instructions.clone().unwrap_or_else(|| crate::DEFAULT_INSTRUCTIONS.into());
-    let mut voice_rows = 0;
-    if ctx.cfg.thinker_hears_reference {
-        let emb = ctx.reference_embeddings(&spec.voice)?;
-        voice_rows = emb.dim(0)?;
-        messages.push(Message {
-            role: Role::System,
-            parts: vec![
-                Part::Text("Use the voice in the audio prompt to synthesize new content.\n".into()),
-                Part::Audio(emb.dim(0)?),
-                Part::Text(format!("\n{instructions}")),
-            ],
-        });
-        audio.push(PromptAudio::Voice(emb));
-    } else {
-        messages.push(Message::text(Role::System, instructions.clone()));
-    }
-    // the oldest turns give way when the conversation outgrows the context: the history keeps at
-    // most half of what the reply leaves, and never more than the system turn and the input leave
-    // (so an input within `Engine::max_input_tokens` always fits)
-    let budget = ctx.context().saturating_sub(spec.generation.max_text_tokens.unwrap_or(ctx.cfg.default_max_text_tokens) + 64);
-    let fixed = count_tokens(ctx, &instructions) + voice_rows + crate::SYSTEM_TURN_TOKENS + input_size(ctx, &spec.input);
-    let room = budget.saturating_sub(fixed).min(budget / 2);
-    let sizes = turn_sizes(ctx, &spec.history);
-    let mut kept: usize = sizes.iter().sum();
-    let mut first = 0;
-    while first < sizes.len() && kept > room {
-        kept -= sizes[first];
-        first += 1;
-    }
-    for t in &spec.history[first..] {
-        messages.push(user_message(ctx, &t.user, &mut audio));
-        messages.push(Message::text(Role::Assistant, t.assistant.clone()));
-    }
-    messages.push(user_message(ctx, &spec.input, &mut audio));
-    let ids = ctx.tok.spoken_reply_prompt(&messages)?;
-    let mut key = ids.clone();
-    let spans = audio_spans(&ids, &ctx.tok.special().audio_markers())?;
-    if spans.len() != audio.len() {
-        anyhow::bail!("the prompt has {} audio runs for {} audio inputs", spans.len(), audio.len());
-    }
-    for ((s, n), a) in spans.into_iter().zip(&audio) {
-        if let PromptAudio::Clip(clip) = a {
-            for (at, k) in key[s..s + n].iter_mut().enumerate() {
-                *k = clip_key_id(clip.content_key(), at);
-            }
-        }
-    }
-    Ok(Prompt { ids, key, audio, dropped: first })
-}
-
-/// The prompt's embeddings from `from` on: only the clips that reach past it are encoded.
-fn embed_prompt(ctx: &Ctx, prompt: &Prompt, from: usize) -> Result<Tensor> {
-    let markers = ctx.tok.special().audio_markers();
-    let mut audio = |k: usize| match &prompt.audio[k] {
-        PromptAudio::Voice(emb) => Ok(emb.clone()),
-        PromptAudio::Clip(clip) => ctx.thinker.encode_clip(clip.samples()),
-    };
-    Ok(ctx.thinker.embed_with_audio_from(&prompt.ids, &markers, from, &mut audio)?)
 }
 
 impl TurnStream {
@@ -245,18 +133,27 @@ impl TurnStream {
         let seed = g.seed.unwrap_or(0);
         let mut sampler = Sampler::new(params, seed);
         sampler.observe(ids);
-        let _ = ctx.to_talker.send(Stage1Msg::Begin {
-            id: spec.id.clone(),
-            mode: spec.mode,
-            voice: spec.voice.clone(),
-            min_codes: g.min_audio_tokens.unwrap_or(match spec.mode {
-                Mode::Turn => ctx.cfg.default_min_audio_tokens,
-                Mode::Duplex => 0,
-            }),
-            max_codes: g.max_audio_tokens.unwrap_or(ctx.cfg.default_max_audio_tokens),
-            text_tokens: (min == max).then_some(max),
-            seed: seed.wrapping_add(1),
-        });
+        let forced = match reply_opening(ctx, &spec) {
+            Ok(f) => f,
+            Err(e) => {
+                ctx.refuse(&spec.id, format!("{e:#}"));
+                return None;
+            }
+        };
+        if !spec.text_only {
+            let _ = ctx.to_talker.send(Stage1Msg::Begin {
+                id: spec.id.clone(),
+                mode: spec.mode,
+                voice: spec.voice.clone(),
+                min_codes: g.min_audio_tokens.unwrap_or(match spec.mode {
+                    Mode::Turn => ctx.cfg.default_min_audio_tokens,
+                    Mode::Duplex => 0,
+                }),
+                max_codes: g.max_audio_tokens.unwrap_or(ctx.cfg.default_max_audio_tokens),
+                text_tokens: (min == max).then_some(max),
+                seed: seed.wrapping_add(1),
+            });
+        }
         let prompt_len = ids.len();
         // the KV of the longest prompt prefix seen before (the system turn with the voice, or
         // this conversation up to its last turn, its spoken turns included, or another voice's
@@ -322,6 +219,10 @@ impl TurnStream {
             text_chunk: if spec.mode == Mode::Turn { ctx.cfg.talker_text_chunk } else { 0 },
             voice,
             store_system,
+            forced,
+            calling: spec.tools.may_call().then(|| spec.tools.set.clone()).flatten().filter(|_| ctx.tok.tool_tokens().is_some()),
+            call_at: None,
+            text_only: spec.text_only,
             done: false,
             prefix_due: false,
         })
@@ -361,21 +262,34 @@ impl TurnStream {
     fn send_full_chunks(&mut self, ctx: &Ctx) -> Result<()> {
         let s = *ctx.tok.special();
         // (rows of generated tokens before a hand-off boundary; the newest token has none yet)
-        let upto = (handoff_range(&self.ids, self.prompt_len, &s).end - self.prompt_len).min(self.rows.len());
+        let upto = (handoff_range(&self.ids, self.prompt_len, &s).end - self.prompt_len).min(self.speech_rows());
         while self.text_chunk > 0 && upto >= self.streamed + self.text_chunk && self.ids.len() > self.prompt_len + upto {
             self.send_chunk(ctx, self.streamed + self.text_chunk, false)?;
         }
         Ok(())
     }
 
+    /// Rows of the reply's speech written so far: those before its call, if it makes one.
+    fn speech_rows(&self) -> usize {
+        self.call_at.map_or(self.rows.len(), |at| at - self.prompt_len).min(self.rows.len())
+    }
+
     /// The reply is written: its rows and the end go to the Talker (or its last text chunk), and
     /// the turn's KV to the prefix store for the conversation's next prompt, which starts with it.
+    /// A reply with nothing to speak (text only, or a call with nothing said before it) ends here.
     fn hand_off(&mut self, ctx: &mut Ctx) -> Result<()> {
         self.done = true;
+        self.prefix_due = true;
         let s = *ctx.tok.special();
         let range = handoff_range(&self.ids, self.prompt_len, &s);
         // (rows exist for every generated token fed back, i.e. all before the end)
-        let upto = (range.end - self.prompt_len).min(self.rows.len());
+        let upto = (range.end - self.prompt_len).min(self.speech_rows());
+        let silent_call = self.call_at.is_some() && ctx.tok.decode(&self.ids[self.prompt_len..self.prompt_len + upto])?.trim().is_empty();
+        if self.text_only || silent_call {
+            let _ = ctx.to_talker.send(Stage1Msg::Cancel(self.id.clone()));
+            ctx.registry.finish_counted(&self.id, Status::Completed, &ctx.metrics.requests);
+            return Ok(());
+        }
         if self.text_chunk > 0 {
             self.send_chunk(ctx, upto, true)?;
         } else {
@@ -383,7 +297,27 @@ impl TurnStream {
             ctx.registry.mark(&self.id, |t| t.handoff = Some(Instant::now()));
             let _ = ctx.to_talker.send(Stage1Msg::End { id: self.id.clone() });
         }
-        self.prefix_due = true;
+        Ok(())
+    }
+
+    /// The reply's call closed (or could not): the call, or why it is none, goes to the client.
+    fn report_call(&self, ctx: &Ctx, closed: bool) -> Result<()> {
+        let (Some(at), Some(tools)) = (self.call_at, &self.calling) else { return Ok(()) };
+        let text = ctx.tok.decode(&self.ids[at + 1..])?;
+        let event = match closed {
+            true => match ToolCall::parse(&text, tools) {
+                Ok(call) => EngineEvent::ToolCall(call),
+                Err(e) => EngineEvent::ToolCallInvalid { text, reason: format!("{e:#}") },
+            },
+            false => EngineEvent::ToolCallInvalid { text, reason: "the reply ended inside its call (no `</tool_call>`)".into() },
+        };
+        let outcome = match &event {
+            EngineEvent::ToolCall(_) => "valid",
+            _ if closed => "invalid",
+            _ => "unterminated",
+        };
+        ctx.metrics.tool_calls.with_label_values(&[outcome]).inc();
+        ctx.registry.emit(&self.id, event);
         Ok(())
     }
 }
@@ -435,13 +369,38 @@ impl ThinkerStream for TurnStream {
             self.done = true;
             return Ok(());
         }
-        let tok = self.length.next_row(&mut self.sampler, logits, &ctx.forbidden.reply)?;
-        let s = ctx.tok.special();
+        let tok = match self.forced.pop_front() {
+            Some(t) if !self.length.full() => {
+                self.length.force(&mut self.sampler, t);
+                t
+            }
+            _ => {
+                let forbid = if self.calling.is_some() { &ctx.forbidden.reply_calling } else { &ctx.forbidden.reply };
+                self.length.next_row(&mut self.sampler, logits, forbid)?
+            }
+        };
+        let s = *ctx.tok.special();
         if tok == s.tts_eos || tok == s.im_end {
+            self.report_call(ctx, false)?;
             return self.hand_off(ctx);
+        }
+        let tags = ctx.tok.tool_tokens().copied().filter(|_| self.calling.is_some());
+        if let Some(tags) = tags {
+            if self.call_at.is_none() && tok == tags.call {
+                // the speech ends here; the call is written, not said
+                self.call_at = Some(self.ids.len());
+            } else if self.call_at.is_some() && tok == tags.call_end {
+                // one call a reply: its result comes back as the next turn
+                self.report_call(ctx, true)?;
+                self.ids.push(tok);
+                return self.hand_off(ctx);
+            }
         }
         self.ids.push(tok);
         self.next = Some(tok);
+        if self.call_at.is_some() {
+            return Ok(());
+        }
         if self.text_chunk > 0 {
             self.send_full_chunks(ctx)?;
         }
@@ -454,8 +413,8 @@ impl ThinkerStream for TurnStream {
 
     /// Streaming prefill: the Talker gets every row written so far.
     fn after_step(&mut self, ctx: &mut Ctx) -> Result<()> {
-        if ctx.cfg.talker_streaming_prefill && self.text_chunk == 0 {
-            self.send_rows(ctx, self.rows.len())?;
+        if ctx.cfg.talker_streaming_prefill && self.text_chunk == 0 && !self.text_only {
+            self.send_rows(ctx, self.speech_rows())?;
         }
         Ok(())
     }

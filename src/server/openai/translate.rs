@@ -548,7 +548,7 @@ impl Translator {
 
 /// An empty v1 session.update (the input is fixed: PCM16 at 24 kHz).
 fn update() -> SessionUpdate {
-    SessionUpdate { input_audio: None, output_audio: None, voice: None, instructions: None, generation: None, duplex: None }
+    SessionUpdate { input_audio: None, output_audio: None, voice: None, instructions: None, generation: None, duplex: None, tools: None }
 }
 
 /// The v1 session this dialect runs on: turns, PCM16 at 24 kHz both ways.
@@ -561,6 +561,7 @@ pub(super) fn v1_create(instructions: &str) -> antiphon_protocol::SessionCreate 
         instructions: Some(instructions.to_string()),
         generation: None,
         duplex: None,
+        tools: None,
     }
 }
 

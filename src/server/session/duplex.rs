@@ -82,6 +82,7 @@ impl Session {
                     trigger: Trigger::Duplex,
                     user: None,
                     text: String::new(),
+                    calls: Vec::new(),
                     packets: 0,
                     chunks: 0,
                     audio_samples: 0,

@@ -2,7 +2,10 @@
 //! as its text, a spoken turn as its audio, never a transcript or a stand-in), the assistant's
 //! replies cut to what the caller heard (`playback`), bounded by what a prompt could ever hold.
 
-use antiphon_engine::{Turn, UserInput};
+use antiphon_engine::{ToolCall, Turn, UserInput};
+
+/// A call a reply made, with the id the session gave it (`response.tool_call`'s `call_id`).
+pub(super) type IdentifiedCall = (String, ToolCall);
 
 /// One 16 kHz sample per sample; the Thinker hears 10 embeddings a second of audio, one per 1600.
 const SAMPLES_PER_POSITION: usize = 1600;
@@ -11,6 +14,8 @@ struct HistoryTurn {
     response_id: u32,
     user: UserInput,
     assistant: String,
+    /// The tools the reply called (they stay when `playback` cuts what was said).
+    calls: Vec<IdentifiedCall>,
     /// The reply's length as audio (what `playback.played_ms` is a part of).
     audio_ms: u64,
 }
@@ -29,7 +34,7 @@ pub(super) struct History {
 fn spoken_samples(u: &UserInput) -> usize {
     match u {
         UserInput::Audio(clip) => clip.samples().len(),
-        UserInput::Text(_) => 0,
+        UserInput::Text(_) | UserInput::ToolResults(_) => 0,
     }
 }
 
@@ -41,9 +46,9 @@ impl History {
 
     /// A turn that happened (a failed one did not, as far as the conversation goes); the oldest
     /// turns go while the spoken audio held is beyond the bound.
-    pub(super) fn push(&mut self, response_id: u32, user: UserInput, assistant: String, audio_ms: u64) {
+    pub(super) fn push(&mut self, response_id: u32, user: UserInput, assistant: String, calls: Vec<IdentifiedCall>, audio_ms: u64) {
         self.spoken += spoken_samples(&user);
-        self.turns.push(HistoryTurn { response_id, user, assistant, audio_ms });
+        self.turns.push(HistoryTurn { response_id, user, assistant, calls, audio_ms });
         let mut drop = 0;
         while self.spoken > self.max_spoken && drop < self.turns.len() {
             self.spoken -= spoken_samples(&self.turns[drop].user);
@@ -71,9 +76,17 @@ impl History {
         }
     }
 
+    /// The calls of the latest turn, which a tool result may answer (none once a later turn came).
+    pub(super) fn open_calls(&self) -> &[IdentifiedCall] {
+        self.turns.last().map_or(&[], |t| &t.calls)
+    }
+
     /// The turns for a request's prompt (a spoken turn's clip is shared, not copied).
     pub(super) fn turns(&self) -> Vec<Turn> {
-        self.turns.iter().map(|t| Turn { user: t.user.clone(), assistant: t.assistant.clone() }).collect()
+        self.turns
+            .iter()
+            .map(|t| Turn { user: t.user.clone(), assistant: t.assistant.clone(), calls: t.calls.iter().map(|(_, c)| c.clone()).collect() })
+            .collect()
     }
 }
 
@@ -90,14 +103,14 @@ mod tests {
     fn spoken_turns_are_kept_as_audio_until_the_bound() {
         // a context of 100 positions: 10 s of speech
         let mut h = History::new(100);
-        h.push(1, UserInput::Text("hello".into()), "hi".into(), 500);
-        h.push(2, spoken(4), "a".into(), 500);
-        h.push(3, spoken(4), "b".into(), 500);
+        h.push(1, UserInput::Text("hello".into()), "hi".into(), vec![], 500);
+        h.push(2, spoken(4), "a".into(), vec![], 500);
+        h.push(3, spoken(4), "b".into(), vec![], 500);
         let t = h.turns();
         assert_eq!(t.len(), 3);
         assert!(matches!(&t[1].user, UserInput::Audio(c) if c.samples().len() == 64_000));
         // 12 s: the oldest turns go until what is left is within 10 s
-        h.push(4, spoken(4), "c".into(), 500);
+        h.push(4, spoken(4), "c".into(), vec![], 500);
         let t = h.turns();
         assert_eq!(t.iter().map(|t| t.assistant.as_str()).collect::<Vec<_>>(), ["b", "c"]);
         assert_eq!(h.spoken, 128_000);
@@ -106,7 +119,7 @@ mod tests {
     #[test]
     fn a_reply_is_remembered_as_far_as_it_was_heard() {
         let mut h = History::new(100);
-        h.push(7, UserInput::Text("q".into()), "abcdefghij".into(), 1000);
+        h.push(7, UserInput::Text("q".into()), "abcdefghij".into(), vec![], 1000);
         h.played(7, 300);
         h.played(8, 0);
         assert_eq!(h.turns()[0].assistant, "abc");
@@ -115,9 +128,9 @@ mod tests {
     #[test]
     fn turns_the_engine_left_out_go() {
         let mut h = History::new(100);
-        h.push(1, spoken(2), "a".into(), 500);
-        h.push(2, UserInput::Text("b".into()), "b".into(), 500);
-        h.push(3, spoken(1), "c".into(), 500);
+        h.push(1, spoken(2), "a".into(), vec![], 500);
+        h.push(2, UserInput::Text("b".into()), "b".into(), vec![], 500);
+        h.push(3, spoken(1), "c".into(), vec![], 500);
         h.drop_oldest(2);
         assert_eq!(h.turns().iter().map(|t| t.assistant.as_str()).collect::<Vec<_>>(), ["c"]);
         assert_eq!(h.spoken, 16_000);

@@ -19,6 +19,7 @@ mod history;
 mod manager;
 mod replay;
 mod response;
+mod tools;
 
 pub use conn::{Conn, ConnId, Outbound, REPLAY_STALL};
 use history::History;
@@ -37,6 +38,7 @@ use antiphon_protocol::{
 };
 use duplex::DuplexState;
 use response::{resolve_voice, Resp};
+use tools::SessionTools;
 
 static NEXT_INCIDENT: AtomicU64 = AtomicU64::new(1);
 
@@ -116,6 +118,7 @@ pub struct Session {
     voice: RefInput,
     instructions: Option<String>,
     generation: Generation,
+    tools: SessionTools,
     history: History,
     next_seq: u64,
     journal: Journal,
@@ -163,8 +166,15 @@ impl Session {
             }
         };
         let voice = resolve_voice(&shared, c.voice.as_ref())?;
+        let mut tools = SessionTools::default();
+        match (&c.tools, c.mode) {
+            (Some(_), WireMode::Duplex) => return Err(WireError::new(ErrorCode::BadField, "field `tools`: only for mode \"turn\"")),
+            (Some(t), _) => tools.declare(t.clone(), shared.engine.serves_tools())?,
+            (None, _) => {}
+        }
         if let Some(g) = &c.generation {
             g.validate(&shared.engine.generation_limits())?;
+            tools.check_choice(g)?;
         }
         shared.check_instructions(c.instructions.as_deref())?;
         let now = Instant::now();
@@ -182,6 +192,7 @@ impl Session {
             voice,
             instructions: c.instructions.clone(),
             generation: c.generation.clone().unwrap_or_default(),
+            tools,
             history,
             next_seq: 1,
             applied_input: 0,
@@ -341,6 +352,19 @@ impl Session {
             g.validate(&self.shared.engine.generation_limits())?;
         }
         self.shared.check_instructions(u.instructions.as_deref())?;
+        if self.duplex.is_some() && u.tools.is_some() {
+            return Err(WireError::new(ErrorCode::BadField, "field `tools`: only for mode \"turn\""));
+        }
+        let mut tools = SessionTools::default();
+        match &u.tools {
+            Some(t) => tools.declare(t.clone(), self.shared.engine.serves_tools())?,
+            None => std::mem::swap(&mut tools, &mut self.tools),
+        }
+        let checked = tools.check_choice(u.generation.as_ref().unwrap_or(&self.generation));
+        if u.tools.is_none() {
+            std::mem::swap(&mut tools, &mut self.tools);
+        }
+        checked?;
         if let Some(i) = &u.input_audio {
             self.input = InputAudio::new(i.codec, i.sample_rate)
                 .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `input_audio.sample_rate`: {e}")))?
@@ -371,6 +395,9 @@ impl Session {
         }
         if let Some(g) = u.generation {
             self.generation = g;
+        }
+        if u.tools.is_some() {
+            self.tools = tools;
         }
         Ok(())
     }
@@ -408,6 +435,7 @@ impl Session {
                     Err(e) => self.send_error(WireError::new(ErrorCode::BadAudio, format!("input audio: {e}"))),
                 }
             }
+            ClientEvent::InputToolResult { results, generation } => self.on_tool_result(results, generation),
             ClientEvent::InputClear => self.input.clear(),
             ClientEvent::ResponseCancel { response_id } => self.cancel_response(response_id),
             ClientEvent::Playback { response_id, played_ms } => {

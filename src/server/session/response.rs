@@ -15,6 +15,8 @@ pub(super) struct Resp {
     /// What the caller said (a duplex turn's caller is the session's stream, not an input).
     pub(super) user: Option<UserInput>,
     pub(super) text: String,
+    /// The tools it called, with their ids.
+    pub(super) calls: Vec<super::history::IdentifiedCall>,
     pub(super) packets: u64,
     pub(super) chunks: u64,
     pub(super) audio_samples: u64,
@@ -28,11 +30,20 @@ impl Session {
             self.send_error(WireError::new(ErrorCode::Capacity, "the server is shutting down; no new responses"));
             return;
         }
+        if trigger != Trigger::ToolResult {
+            // results waiting for the calling response are not what this turn answers
+            self.tools.forget_waiting();
+        }
         if self.current.is_some() {
             // a new turn while answering: the old answer is cut short
             self.cancel_response(None);
         }
-        if let Some(Err(e)) = gen.as_ref().map(|g| merge(&self.generation, Some(g)).validate(&self.shared.engine.generation_limits())) {
+        let checked = gen.as_ref().map(|g| merge(&self.generation, Some(g)).validate(&self.shared.engine.generation_limits()));
+        if let Some(Err(e)) = checked {
+            self.send_error(e);
+            return;
+        }
+        if let Err(e) = self.tools.check_choice(&merge(&self.generation, gen.as_ref())) {
             self.send_error(e);
             return;
         }
@@ -49,6 +60,8 @@ impl Session {
             history: self.history.turns(),
             voice: self.voice.clone(),
             generation: params(&g),
+            tools: self.tools.for_reply(&g),
+            text_only: false,
         };
         self.send_event(ServerEvent::ResponseCreated { seq: 0, response_id: rid, trigger });
         let me = self.me.clone().expect("started");
@@ -62,6 +75,7 @@ impl Session {
             trigger,
             user: Some(input),
             text: String::new(),
+            calls: Vec::new(),
             packets: 0,
             chunks: 0,
             audio_samples: 0,
@@ -164,8 +178,9 @@ impl Session {
         let _ = r.trigger;
         // a failed turn did not happen as far as the conversation goes
         if let Some(user) = r.user.filter(|_| done != DoneStatus::Failed) {
-            self.history.push(r.id, user, r.text, audio_ms);
+            self.history.push(r.id, user, r.text, r.calls, audio_ms);
         }
+        self.answer_waiting_results(r.id, done == DoneStatus::Failed);
         if self.closing && self.live_responses() == 0 {
             self.end(false, Some((1001, "server shutting down")));
         }
@@ -216,6 +231,10 @@ impl Session {
                     self.send_audio(response_id, p, last && i + 1 == n);
                 }
             }
+            EngineEvent::ToolCall(call) => self.on_tool_call(response_id, call),
+            EngineEvent::ToolCallInvalid { text, reason } => {
+                self.send_event(ServerEvent::ResponseToolCallInvalid { seq: 0, response_id, text, reason });
+            }
             EngineEvent::Done { status, .. } => self.finish_response(response_id, status),
         }
     }
@@ -230,6 +249,7 @@ pub(super) fn params(g: &Generation) -> GenerationParams {
         min_audio_tokens: g.min_audio_tokens,
         temperature: g.temperature,
         seed: g.seed,
+        prefix: g.prefix.clone(),
     }
 }
 
@@ -242,6 +262,8 @@ pub(super) fn merge(base: &Generation, over: Option<&Generation>) -> Generation 
         min_audio_tokens: o.min_audio_tokens.or(base.min_audio_tokens),
         temperature: o.temperature.or(base.temperature),
         seed: o.seed.or(base.seed),
+        prefix: o.prefix.clone().or_else(|| base.prefix.clone()),
+        tool_choice: o.tool_choice.clone().or_else(|| base.tool_choice.clone()),
     }
 }
 
