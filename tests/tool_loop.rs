@@ -1,8 +1,8 @@
-//! Tool calls over protocol v1 against a raw WebSocket client, on the tiny engine: a session
-//! declares tools, a response speaks and calls (begun by `generation.prefix`, since synthetic
-//! weights write noise), the client gives the tool's output back while the speech still plays,
-//! and the answer starts when the calling response is done; bad tool input is refused naming the
-//! field, and the session goes on.
+//! Tool calls over protocol v1 and the OpenAI dialect against raw WebSocket clients, on the tiny
+//! engine: a session declares tools, a response speaks and calls (begun by the client, since
+//! synthetic weights write noise), the client gives the tool's output back while the speech
+//! still plays, and the answer starts when the calling response is done; bad tool input is
+//! refused naming the field, and the session goes on.
 
 use serde_json::{json, Value};
 
@@ -114,5 +114,126 @@ async fn bad_tool_input_is_refused_naming_the_field() {
         .await;
     let e = d.event("error").await;
     assert!(e["message"].as_str().unwrap().contains("`tools`"), "{e}");
+    s.shutdown().await.unwrap();
+}
+
+async fn oai_connect(s: &antiphon_server::Server) -> Client {
+    let mut c = Client::connect_to(&format!("ws://{}/openai/v1/realtime?model=gpt-realtime", s.addr)).await.unwrap();
+    assert_eq!(c.recv().await.ty(), "session.created");
+    c
+}
+
+async fn oai_until(c: &mut Client, ty: &str) -> Vec<Value> {
+    let mut out = vec![];
+    loop {
+        match c.recv().await {
+            In::Event(v) => {
+                let done = v["type"] == ty;
+                out.push(v);
+                if done {
+                    return out;
+                }
+            }
+            other => panic!("expected an event, got {other:?} after {out:?}"),
+        }
+    }
+}
+
+fn types(evs: &[Value]) -> Vec<&str> {
+    evs.iter().map(|v| v["type"].as_str().unwrap()).filter(|t| !t.ends_with("audio.delta") && !t.ends_with("transcript.delta")).collect()
+}
+
+/// The OpenAI Realtime dialect: tools in `session.update`, a call made by a reply the client
+/// began (an `incomplete` assistant message created last, antiphon's extension), the call as the
+/// SDK's types define it (a `function_call` item and its argument events), its output answered
+/// by the next response, speech and a call in one response, and a text-only response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_loop_in_the_openai_dialect() {
+    let s = server(|c| c.engine.default_max_audio_tokens = 30).await;
+    let mut c = oai_connect(&s).await;
+    let weather = json!({"type": "function", "name": "get_weather", "description": "The weather in a city now",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}});
+    c.send(json!({"type": "session.update", "session": {"type": "realtime", "tools": [weather], "tool_choice": "auto",
+        "audio": {"input": {"turn_detection": null}}}}))
+        .await;
+    let u = oai_until(&mut c, "session.updated").await.pop().unwrap();
+    assert_eq!((u["session"]["tools"][0]["name"].as_str(), u["session"]["tool_choice"].as_str()), (Some("get_weather"), Some("auto")));
+    let user = |text: &str| json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}});
+    let begun = |text: &str| json!({"type": "conversation.item.create", "item": {"type": "message", "role": "assistant", "status": "incomplete", "content": [{"type": "output_text", "text": text}]}});
+    c.send(user("What is the weather in Paris?")).await;
+    oai_until(&mut c, "conversation.item.done").await;
+    c.send(begun(CALL)).await;
+    let added = oai_until(&mut c, "conversation.item.done").await;
+    assert_eq!(added[0]["item"]["status"], "incomplete");
+    c.send(json!({"type": "response.create"})).await;
+    let evs = oai_until(&mut c, "response.done").await;
+    assert_eq!(
+        types(&evs),
+        [
+            "response.created",
+            "response.output_item.added",
+            "conversation.item.added",
+            "response.function_call_arguments.delta",
+            "response.function_call_arguments.done",
+            "conversation.item.done",
+            "response.output_item.done",
+            "response.done"
+        ],
+        "a call alone: no message item, no audio"
+    );
+    let args = &evs[4];
+    assert_eq!((args["name"].as_str(), args["arguments"].as_str()), (Some("get_weather"), Some("{\"city\": \"Paris\"}")));
+    let call_id = args["call_id"].as_str().unwrap().to_string();
+    assert!(call_id.len() <= 32);
+    let done = &evs.last().unwrap()["response"];
+    assert_eq!(done["status"], "completed");
+    assert_eq!(done["output"].as_array().unwrap().len(), 1);
+    let item = &done["output"][0];
+    assert_eq!(
+        (item["type"].as_str(), item["call_id"].as_str(), item["status"].as_str()),
+        (Some("function_call"), Some(call_id.as_str()), Some("completed"))
+    );
+    assert_eq!(evs[1]["item"]["arguments"], "", "the call opens with no arguments");
+    // the output goes back, and the next response answers with speech
+    c.send(json!({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": call_id, "output": "{\"temperature_c\": 18}"}}))
+        .await;
+    oai_until(&mut c, "conversation.item.done").await;
+    c.send(json!({"type": "response.create", "response": {"max_output_tokens": 6}})).await;
+    let evs = oai_until(&mut c, "response.done").await;
+    let done = &evs.last().unwrap()["response"];
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(done["output"][0]["type"], "message");
+    assert!(evs.iter().any(|v| v["type"] == "response.output_audio.delta"));
+    assert!(!evs.iter().any(|v| v["type"] == "error"), "{evs:?}");
+    // speech, then a call, in one response: the message first, the call after it
+    c.send(user("And in Oslo?")).await;
+    oai_until(&mut c, "conversation.item.done").await;
+    c.send(begun(&format!("Let me check.\n{}", CALL.replace("Paris", "Oslo")))).await;
+    oai_until(&mut c, "conversation.item.done").await;
+    // (a call's text counts in the reply's tokens: the embedded default's 64 would cut this one)
+    c.send(json!({"type": "response.create", "response": {"max_output_tokens": 200}})).await;
+    let evs = oai_until(&mut c, "response.done").await;
+    let done = &evs.last().unwrap()["response"];
+    let kinds: Vec<&str> = done["output"].as_array().unwrap().iter().map(|i| i["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["message", "function_call"]);
+    assert_eq!(done["output"][0]["content"][0]["transcript"], "Let me check.\n");
+    assert_eq!(done["output"][1]["arguments"], "{\"city\": \"Oslo\"}");
+    assert!(evs.iter().any(|v| v["type"] == "response.output_audio.delta"));
+    let call_at = evs.iter().position(|v| v["type"] == "response.function_call_arguments.done").unwrap();
+    assert_eq!(evs[call_at]["output_index"], 1);
+    // a text-only response is written, not spoken
+    c.send(user("Say it in writing.")).await;
+    oai_until(&mut c, "conversation.item.done").await;
+    c.send(json!({"type": "response.create", "response": {"output_modalities": ["text"], "tool_choice": "none", "max_output_tokens": 6}})).await;
+    let evs = oai_until(&mut c, "response.done").await;
+    let done = &evs.last().unwrap()["response"];
+    assert_eq!(done["status"], "completed");
+    assert_eq!(done["output"][0]["content"][0]["type"], "output_text");
+    assert!(!evs.iter().any(|v| v["type"] == "response.output_audio.delta"));
+    assert_eq!(done["usage"]["output_token_details"]["audio_tokens"], 0, "no audio was made");
+    // tool_choice naming an undeclared function is refused, naming the param
+    c.send(json!({"type": "response.create", "response": {"tool_choice": {"type": "function", "name": "get_time"}}})).await;
+    let e = oai_until(&mut c, "error").await.pop().unwrap();
+    assert_eq!(e["error"]["param"], "response.tool_choice", "{e}");
     s.shutdown().await.unwrap();
 }

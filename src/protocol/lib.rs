@@ -155,6 +155,9 @@ pub struct Generation {
     /// Which of the session's tools the reply may call.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_choice: Option<ToolChoice>,
+    /// The reply is written, not spoken: text only, no audio.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text_only: Option<bool>,
 }
 
 /// The longest `generation.prefix`, in characters.

@@ -13,6 +13,10 @@ pub enum Received {
     ResponseCreated { seq: u64, response_id: u32 },
     #[serde(rename = "response.text.delta")]
     TextDelta { seq: u64, response_id: u32, text: String },
+    #[serde(rename = "response.tool_call")]
+    ToolCall { seq: u64, response_id: u32, call_id: String, name: String, arguments: String },
+    #[serde(rename = "response.tool_call.invalid")]
+    ToolCallInvalid { seq: u64, response_id: u32, reason: String },
     #[serde(rename = "response.done")]
     ResponseDone { seq: u64, response_id: u32, status: crate::DoneStatus, audio_ms: u64 },
     #[serde(rename = "session.closing")]
@@ -39,6 +43,8 @@ impl Received {
             Received::SessionCreated { seq, .. }
             | Received::ResponseCreated { seq, .. }
             | Received::TextDelta { seq, .. }
+            | Received::ToolCall { seq, .. }
+            | Received::ToolCallInvalid { seq, .. }
             | Received::ResponseDone { seq, .. }
             | Received::SessionClosing { seq, .. } => Some(*seq),
             Received::Error { seq, .. } => seq.filter(|s| *s > 0),

@@ -128,6 +128,9 @@ pub enum Item {
         id: Option<String>,
         role: Role,
         content: Vec<Part>,
+        /// `status: "incomplete"`: an assistant message the next response continues (an antiphon
+        /// extension: the reply's given beginning).
+        incomplete: bool,
     },
     FunctionCall {
         id: Option<String>,
@@ -170,6 +173,8 @@ pub struct ResponseParams {
     pub out_of_band: bool,
     /// `input`: the items this response answers instead of the conversation's new ones.
     pub input: Option<Vec<Item>>,
+    /// Which tools this response may call (overrides the session's).
+    pub tool_choice: Option<Value>,
 }
 
 /// A client event of the dialect.
@@ -446,7 +451,8 @@ pub fn item(v: &Value, param: &str) -> Result<Item, OaiError> {
                 .as_array()
                 .ok_or_else(|| bad(&format!("{param}.content"), "content must be an array"))?;
             let content = parts.iter().enumerate().map(|(i, p)| part(p, &format!("{param}.content[{i}]"))).collect::<Result<Vec<_>, _>>()?;
-            Ok(Item::Message { id, role, content })
+            let incomplete = o.get("status").and_then(Value::as_str) == Some("incomplete");
+            Ok(Item::Message { id, role, content, incomplete })
         }
         "function_call" => Ok(Item::FunctionCall {
             id,
@@ -495,6 +501,7 @@ fn response_params(v: Option<&Value>) -> Result<ResponseParams, OaiError> {
     if let Some(t) = get("temperature") {
         r.temperature = Some(temperature(t, "response.temperature")?);
     }
+    r.tool_choice = get("tool_choice").map(|t| tool_choice(t, "response.tool_choice")).transpose()?;
     if let Some(m) = get("metadata") {
         let m = object(m, "response.metadata")?;
         if m.len() > 16 || m.iter().any(|(k, v)| k.chars().count() > 64 || v.as_str().is_none_or(|s| s.chars().count() > 512)) {

@@ -42,7 +42,8 @@ pub struct SessionView {
     pub voice: String,
     pub max_output_tokens: MaxTokens,
     pub tools: Vec<Value>,
-    pub tool_choice: String,
+    /// As the client set it (a string, or an object naming a function).
+    pub tool_choice: Value,
 }
 
 impl SessionView {
@@ -121,6 +122,22 @@ pub struct ItemView {
 }
 
 impl ItemView {
+    /// A `function_call` item (`arguments`: the call's JSON text).
+    pub fn function_call(id: &str, status: &'static str, call_id: &str, name: &str, arguments: &str) -> Self {
+        Self {
+            id: id.to_string(),
+            object: "realtime.item",
+            kind: "function_call",
+            status,
+            role: None,
+            content: None,
+            call_id: Some(call_id.to_string()),
+            name: Some(name.to_string()),
+            arguments: Some(arguments.to_string()),
+            output: None,
+        }
+    }
+
     pub fn message(id: &str, role: &'static str, status: &'static str, content: Vec<PartView>) -> Self {
         Self {
             id: id.to_string(),
@@ -261,6 +278,8 @@ pub enum OaiServerEvent {
     TranscriptDone { at: ContentAt, transcript: String },
     TextDelta { at: ContentAt, delta: String },
     TextDone { at: ContentAt, text: String },
+    FunctionCallArgumentsDelta { response_id: String, item_id: String, output_index: u32, call_id: String, delta: String },
+    FunctionCallArgumentsDone { response_id: String, item_id: String, output_index: u32, call_id: String, name: String, arguments: String },
 }
 
 impl OaiServerEvent {
@@ -332,6 +351,14 @@ impl OaiServerEvent {
             }
             E::TextDelta { at: a, delta } => with(at("response.output_text.delta", a), "delta", Value::from(delta.as_str())),
             E::TextDone { at: a, text } => with(at("response.output_text.done", a), "text", Value::from(text.as_str())),
+            E::FunctionCallArgumentsDelta { response_id, item_id, output_index, call_id, delta } => serde_json::json!({
+                "type": "response.function_call_arguments.delta", "response_id": response_id, "item_id": item_id,
+                "output_index": output_index, "call_id": call_id, "delta": delta,
+            }),
+            E::FunctionCallArgumentsDone { response_id, item_id, output_index, call_id, name, arguments } => serde_json::json!({
+                "type": "response.function_call_arguments.done", "response_id": response_id, "item_id": item_id,
+                "output_index": output_index, "call_id": call_id, "name": name, "arguments": arguments,
+            }),
         };
         v["event_id"] = Value::from(event_id);
         v.to_string()

@@ -59,7 +59,7 @@ fn audio_and_items_decode() {
         "content": [{"type": "input_text", "text": "hi"}]}}))
     .unwrap();
     let OaiClientEvent::ItemCreate { item, .. } = e.event else { panic!() };
-    assert_eq!(item, Item::Message { id: Some("abc".into()), role: Role::User, content: vec![Part::InputText("hi".into())] });
+    assert_eq!(item, Item::Message { id: Some("abc".into()), role: Role::User, content: vec![Part::InputText("hi".into())], incomplete: false });
     let e = parse(serde_json::json!({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "c1", "output": "42"}}))
         .unwrap();
     assert!(matches!(e.event, OaiClientEvent::ItemCreate { item: Item::FunctionCallOutput { .. }, .. }));

@@ -181,7 +181,7 @@ impl Joined {
     /// turn.
     pub(super) fn count(&mut self, p: Option<&Pending>) -> Result<(), OaiError> {
         match p {
-            Some(Pending::Text(t)) => {
+            Some(Pending::Text(t) | Pending::Prefix(t) | Pending::ToolResult { output: t, .. }) => {
                 self.text += t.len() + 1;
                 if self.text > self.max_text {
                     return Err(OaiError::param(

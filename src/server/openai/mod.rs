@@ -21,6 +21,7 @@ use antiphon_protocol::ClientEvent;
 
 mod input;
 mod respond;
+mod start;
 mod translate;
 
 pub use translate::Translator;

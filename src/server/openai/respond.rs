@@ -1,7 +1,9 @@
 //! The v1 session's events turned into the dialect's: a v1 response becomes a response with one
 //! assistant message item and one content part (audio with its transcript, or text), its PCM16
 //! frames audio deltas (joined up to 100 ms, converted to the session's output format), its
-//! `response.done` the closing sequence of `*.done` events with usage. Every v1 message is acked,
+//! `response.done` the closing sequence of `*.done` events with usage. A response that may call
+//! opens its message item at its first text or audio (a call alone has none), and its calls
+//! become `function_call` items after the message, when the v1 response is done. Every v1 message is acked,
 //! so the v1 journal stays empty: this dialect has no resume.
 
 use antiphon_audio::g711::{alaw_encode, ulaw_encode, Downsample24kTo8k};
@@ -38,10 +40,15 @@ pub(super) struct Active {
     failure: Option<Failure>,
     pub truncate_ms: Option<u64>,
     started: bool,
+    /// The message item is opened at the first text or audio (the response may call a tool).
+    lazy_message: bool,
+    message_open: bool,
+    /// The calls v1 reported: `(call_id, name, arguments)`.
+    calls: Vec<(String, String, String)>,
 }
 
 impl Active {
-    pub(super) fn new(t: &Translator, p: &ResponseParams, voice: String, _event_id: Option<String>) -> Self {
+    pub(super) fn new(t: &Translator, p: &ResponseParams, voice: String, may_call: bool) -> Self {
         Self {
             id: new_id("resp"),
             item_id: new_id("item"),
@@ -60,6 +67,9 @@ impl Active {
             failure: None,
             truncate_ms: None,
             started: false,
+            lazy_message: may_call,
+            message_open: false,
+            calls: Vec::new(),
         }
     }
 
@@ -141,7 +151,19 @@ impl Translator {
                     self.begin();
                 }
             }
+            Received::ToolCall { response_id, call_id, name, arguments, .. } => {
+                if let Some(a) = self.active.as_mut().filter(|a| a.v1 == Some(response_id)) {
+                    a.calls.push((call_id, name, arguments));
+                }
+            }
+            Received::ToolCallInvalid { reason, .. } => {
+                // (the dialect has no event for it: the response ends with what was said)
+                tracing::info!("the model wrote a tool call that is not one: {reason}");
+            }
             Received::TextDelta { response_id, text, .. } => {
+                if self.active.as_ref().is_some_and(|a| a.v1 == Some(response_id)) {
+                    self.open_message();
+                }
                 if let Some(a) = self.active.as_mut().filter(|a| a.v1 == Some(response_id)) {
                     a.transcript.push_str(&text);
                     let e = match a.modality {
@@ -200,6 +222,9 @@ impl Translator {
 
     /// The gathered output audio as one delta, in the response's format.
     pub fn flush_audio(&mut self) {
+        if self.active.as_ref().is_some_and(|a| !a.pending_audio.is_empty()) {
+            self.open_message();
+        }
         let Some(a) = self.active.as_mut().filter(|a| !a.pending_audio.is_empty()) else { return };
         let pcm = std::mem::take(&mut a.pending_audio);
         let bytes: Vec<u8> = match a.format {
@@ -217,12 +242,22 @@ impl Translator {
         self.out.event(&S::AudioDelta { at: a.at(), delta_b64 });
     }
 
-    /// The response's opening events, once v1 has created it.
+    /// The response's opening events, once v1 has created it (its message item's too, unless it
+    /// may call).
     fn begin(&mut self) {
         let Some(a) = self.active.as_mut() else { return };
         a.started = true;
-        let item = a.item("in_progress");
         self.out.event(&S::ResponseCreated(a.view("in_progress", Vec::new(), None)));
+        if !a.lazy_message {
+            self.open_message();
+        }
+    }
+
+    /// The message item's opening events (once).
+    fn open_message(&mut self) {
+        let Some(a) = self.active.as_mut().filter(|a| a.started && !a.message_open) else { return };
+        a.message_open = true;
+        let item = a.item("in_progress");
         self.out.event(&S::OutputItemAdded { response_id: a.id.clone(), output_index: 0, item: item.clone() });
         if !a.out_of_band {
             let previous_item_id = self.items.last().map(|i| i.view.id.clone());
@@ -231,10 +266,14 @@ impl Translator {
         self.out.event(&S::ContentPartAdded { at: a.at(), part: a.part() });
     }
 
-    /// The response's closing events (v1 status `completed`, `cancelled` or `failed`).
+    /// The response's closing events (v1 status `completed`, `cancelled` or `failed`): its message
+    /// item's (a response with neither speech nor a call still has one), then each call's item.
     async fn finish(&mut self, v1_status: &str, audio_ms: u64) {
         if self.active.as_ref().is_some_and(|a| !a.started) {
             self.begin();
+        }
+        if self.active.as_ref().is_some_and(|a| a.calls.is_empty()) {
+            self.open_message();
         }
         let Some(a) = self.active.take() else { return };
         let (status, item_status) = match v1_status {
@@ -242,34 +281,70 @@ impl Translator {
             "cancelled" => ("cancelled", "incomplete"),
             _ => ("failed", "incomplete"),
         };
-        let at = a.at();
-        match a.modality {
-            Modality::Audio => {
-                self.out.event(&S::AudioDone { at: at.clone() });
-                self.out.event(&S::TranscriptDone { at: at.clone(), transcript: a.transcript.clone() });
+        let kept = !a.out_of_band && status != "failed";
+        let mut output = Vec::new();
+        if a.message_open {
+            let at = a.at();
+            match a.modality {
+                Modality::Audio => {
+                    self.out.event(&S::AudioDone { at: at.clone() });
+                    self.out.event(&S::TranscriptDone { at: at.clone(), transcript: a.transcript.clone() });
+                }
+                Modality::Text => self.out.event(&S::TextDone { at: at.clone(), text: a.transcript.clone() }),
             }
-            Modality::Text => self.out.event(&S::TextDone { at: at.clone(), text: a.transcript.clone() }),
+            self.out.event(&S::ContentPartDone { at, part: a.part() });
+            let item = a.item(item_status);
+            if !a.out_of_band {
+                let previous_item_id = self.items.last().map(|i| i.view.id.clone());
+                self.out.event(&S::ItemDone { previous_item_id, item: item.clone() });
+            }
+            self.out.event(&S::OutputItemDone { response_id: a.id.clone(), output_index: 0, item: item.clone() });
+            output.push(item.clone());
+            if kept {
+                let mut view = item;
+                if let (Some(ms), Some(rid)) = (a.truncate_ms, a.v1) {
+                    cut_transcript(&mut view, ms, audio_ms);
+                    self.to_v1_event(ClientEvent::Playback { response_id: rid, played_ms: ms.min(audio_ms) }).await;
+                }
+                self.push_item(ConvItem { view, pending: None, v1_response: a.v1, audio_ms });
+            }
         }
-        self.out.event(&S::ContentPartDone { at, part: a.part() });
-        let item = a.item(item_status);
-        if !a.out_of_band {
-            let previous_item_id = self.items.last().map(|i| i.view.id.clone());
-            self.out.event(&S::ItemDone { previous_item_id, item: item.clone() });
+        self.v1_calls = a.calls.iter().map(|(call_id, ..)| call_id.clone()).collect();
+        for (call_id, name, arguments) in &a.calls {
+            let output_index = output.len() as u32;
+            let item_id = new_id("item");
+            let (response_id, at) = (a.id.clone(), |item_id: &str| (a.id.clone(), item_id.to_string(), output_index, call_id.clone()));
+            let opening = ItemView::function_call(&item_id, "in_progress", call_id, name, "");
+            self.out.event(&S::OutputItemAdded { response_id: response_id.clone(), output_index, item: opening.clone() });
+            if !a.out_of_band {
+                self.out.event(&S::ItemAdded { previous_item_id: self.items.last().map(|i| i.view.id.clone()), item: opening });
+            }
+            let (r, i, o, c) = at(&item_id);
+            self.out.event(&S::FunctionCallArgumentsDelta { response_id: r, item_id: i, output_index: o, call_id: c, delta: arguments.clone() });
+            let (r, i, o, c) = at(&item_id);
+            self.out.event(&S::FunctionCallArgumentsDone {
+                response_id: r,
+                item_id: i,
+                output_index: o,
+                call_id: c,
+                name: name.clone(),
+                arguments: arguments.clone(),
+            });
+            let item = ItemView::function_call(&item_id, "completed", call_id, name, arguments);
+            if !a.out_of_band {
+                self.out.event(&S::ItemDone { previous_item_id: self.items.last().map(|i| i.view.id.clone()), item: item.clone() });
+            }
+            self.out.event(&S::OutputItemDone { response_id, output_index, item: item.clone() });
+            output.push(item.clone());
+            if kept {
+                self.push_item(ConvItem { view: item, pending: None, v1_response: None, audio_ms: 0 });
+            }
         }
-        self.out.event(&S::OutputItemDone { response_id: a.id.clone(), output_index: 0, item: item.clone() });
         let usage = UsageView {
             text_tokens: self.shared.engine.count_tokens(&a.transcript).map(|n| n as u64).unwrap_or(0),
             audio_tokens: audio_ms * 25 / 1000,
         };
-        self.out.event(&S::ResponseDone(a.view(status, vec![item.clone()], Some(usage))));
-        if !a.out_of_band && status != "failed" {
-            let mut view = item;
-            if let (Some(ms), Some(rid)) = (a.truncate_ms, a.v1) {
-                cut_transcript(&mut view, ms, audio_ms);
-                self.to_v1_event(ClientEvent::Playback { response_id: rid, played_ms: ms.min(audio_ms) }).await;
-            }
-            self.push_item(ConvItem { view, pending: None, v1_response: a.v1, audio_ms });
-        }
+        self.out.event(&S::ResponseDone(a.view(status, output, Some(usage))));
         if let Some((p, event_id)) = self.queued.take() {
             if let Err(e) = self.start_response(p, event_id.clone()).await {
                 self.error(event_id, e);

@@ -8,10 +8,10 @@ use std::sync::Arc;
 
 use antiphon_protocol::openai::server::{ErrorView, ItemView, OaiServerEvent as S, PartView, SessionView};
 use antiphon_protocol::openai::{AudioFormat, Item, MaxTokens, Modality, OaiClientEvent, OaiError, Part, ResponseParams, Role, SessionPatch};
-use antiphon_protocol::{ClientEvent, Codec, Generation, InputAudio, SessionUpdate, Voice, KIND_AUDIO};
+use antiphon_protocol::{ClientEvent, Codec, InputAudio, SessionUpdate};
 use tokio::sync::mpsc::Sender;
 
-use super::input::{check_text, decode_input, InputBuffer, InputEvent, Joined};
+use super::input::{check_text, decode_input, InputBuffer, InputEvent};
 use super::respond::Active;
 use super::Out;
 use crate::session::{random_token, SessionMsg};
@@ -21,8 +21,6 @@ use crate::Shared;
 /// way); an answered item keeps its text only.
 pub const MAX_ITEMS: usize = 1024;
 pub const MAX_ITEM_TEXT: usize = 1 << 20;
-/// v1 audio messages are sent in pieces of at most this many bytes.
-const AUDIO_PIECE: usize = 32 * 1024;
 
 /// A conversation item and what the translator needs of it.
 pub(super) struct ConvItem {
@@ -40,7 +38,7 @@ impl ConvItem {
         let parts: usize =
             v.content.iter().flatten().map(|p| p.text.as_ref().map_or(0, String::len) + p.transcript.as_ref().map_or(0, String::len)).sum();
         let pending = match &self.pending {
-            Some(Pending::Text(t)) => t.len(),
+            Some(Pending::Text(t) | Pending::Prefix(t)) => t.len(),
             _ => 0,
         };
         parts + pending + [&v.arguments, &v.output, &v.name, &v.call_id].iter().map(|s| s.as_ref().map_or(0, String::len)).sum::<usize>()
@@ -51,6 +49,13 @@ impl ConvItem {
 pub(super) enum Pending {
     Text(String),
     Audio(Vec<i16>),
+    /// An assistant message created `incomplete`: the next response begins with its text.
+    Prefix(String),
+    /// A tool's output for a call.
+    ToolResult {
+        call_id: String,
+        output: String,
+    },
 }
 
 pub struct Translator {
@@ -60,8 +65,11 @@ pub struct Translator {
     pub(super) session: SessionView,
     pub(super) temperature: Option<f32>,
     /// What the v1 session holds now (synchronised lazily, before a response).
-    v1_instructions: Option<String>,
-    v1_voice: String,
+    pub(super) v1_instructions: Option<String>,
+    pub(super) v1_voice: String,
+    pub(super) v1_tools: Vec<antiphon_protocol::ToolDecl>,
+    /// The call ids of the latest v1 response's calls (a result for them goes to v1 as one).
+    pub(super) v1_calls: Vec<String>,
     pub(super) items: Vec<ConvItem>,
     pub(super) input: InputBuffer,
     /// The item id a turn in progress will get (sent with `speech_started`).
@@ -114,6 +122,8 @@ impl Translator {
             temperature: None,
             v1_instructions: Some(antiphon_engine::DEFAULT_INSTRUCTIONS.to_string()),
             v1_voice: default_voice,
+            v1_tools: Vec::new(),
+            v1_calls: Vec::new(),
             items: Vec::new(),
             input,
             turn_item: None,
@@ -226,6 +236,11 @@ impl Translator {
                 .check_instructions(Some(&self.joined_instructions(i, &[])))
                 .map_err(|e| OaiError::param("invalid_value", "session.instructions", e.message))?;
         }
+        let tools = super::start::v1_tools(p.tools.as_deref().unwrap_or(&self.session.tools), "session.tools")?;
+        if !tools.is_empty() && !self.shared.engine.serves_tools() {
+            return Err(OaiError::param("invalid_value", "session.tools", "this model's tokenizer has no tool tokens"));
+        }
+        super::start::v1_tool_choice(p.tool_choice.as_ref().unwrap_or(&self.session.tool_choice), &tools, "session.tool_choice")?;
         if let Some(t) = p.turn_detection {
             self.input
                 .set_turn_detection(t.clone())
@@ -256,7 +271,7 @@ impl Translator {
             s.tools = t;
         }
         if let Some(c) = p.tool_choice {
-            s.tool_choice = c.as_str().unwrap_or("auto").chars().take(16).collect();
+            s.tool_choice = c;
         }
         if p.temperature.is_some() {
             self.temperature = p.temperature;
@@ -342,10 +357,10 @@ impl Translator {
     }
 
     /// The item as the conversation holds it, and its input if it is a user's.
-    fn item_of(&self, item: Item) -> Result<(ItemView, Option<Pending>), OaiError> {
+    pub(super) fn item_of(&self, item: Item) -> Result<(ItemView, Option<Pending>), OaiError> {
         let id = item.id().map(str::to_string).unwrap_or_else(|| new_id("item"));
         Ok(match item {
-            Item::Message { role, content, .. } => {
+            Item::Message { role, content, incomplete, .. } => {
                 let mut parts = Vec::new();
                 let (mut text, mut audio) = (String::new(), Vec::new());
                 for p in content {
@@ -358,16 +373,31 @@ impl Translator {
                             audio.extend(decode_input(self.session.input_format, &bytes, "item.content.audio")?);
                             parts.push(PartView::of("input_audio", None, transcript));
                         }
-                        Part::Text(t) => parts.push(PartView::of("output_text", Some(t), None)),
+                        Part::Text(t) => {
+                            text.push_str(&t);
+                            parts.push(PartView::of("output_text", Some(t), None));
+                        }
                         Part::Audio { transcript } => parts.push(PartView::of("output_audio", None, transcript)),
                     }
                 }
                 let pending = match role {
                     Role::User if !audio.is_empty() => Some(Pending::Audio(audio)),
                     Role::User => Some(Pending::Text(text)),
+                    Role::Assistant if incomplete => {
+                        let n = text.chars().count();
+                        if n > antiphon_protocol::MAX_PREFIX_CHARS {
+                            let why = format!(
+                                "an incomplete assistant message begins the next response: {n} characters, at most {}",
+                                antiphon_protocol::MAX_PREFIX_CHARS
+                            );
+                            return Err(OaiError::param("invalid_value", "item.content", why));
+                        }
+                        Some(Pending::Prefix(text))
+                    }
                     _ => None,
                 };
-                (ItemView::message(&id, role.as_str(), "completed", parts), pending)
+                let status = if pending.as_ref().is_some_and(|p| matches!(p, Pending::Prefix(_))) { "incomplete" } else { "completed" };
+                (ItemView::message(&id, role.as_str(), status, parts), pending)
             }
             Item::FunctionCall { call_id, name, arguments, .. } => {
                 let mut v = ItemView::message(&id, "assistant", "completed", Vec::new());
@@ -376,9 +406,8 @@ impl Translator {
             }
             Item::FunctionCallOutput { call_id, output, .. } => {
                 let mut v = ItemView::message(&id, "user", "completed", Vec::new());
-                let text = format!("[the function call {call_id} returned] {output}");
-                (v.kind, v.role, v.content, v.call_id, v.output) = ("function_call_output", None, None, Some(call_id), Some(output));
-                (v, Some(Pending::Text(text)))
+                (v.kind, v.role, v.content, v.call_id, v.output) = ("function_call_output", None, None, Some(call_id.clone()), Some(output.clone()));
+                (v, Some(Pending::ToolResult { call_id, output }))
             }
             Item::Reference { id } => {
                 return Err(OaiError::param("invalid_value", "item.type", format!("item_reference {id}: only in response.input")))
@@ -400,7 +429,14 @@ impl Translator {
                 let waiting = self.items.iter().filter_map(|i| if let Some(Pending::Text(w)) = &i.pending { Some(w.as_str()) } else { None });
                 check_text(&self.shared, &waiting.chain([t.as_str()]).collect::<Vec<_>>().join("\n"), "item.content")?;
             }
-            None => {}
+            Some(Pending::ToolResult { output, .. }) => {
+                let n = output.chars().count();
+                if n > antiphon_protocol::MAX_TOOL_OUTPUT_CHARS {
+                    let why = format!("a function's output of {n} characters; at most {}", antiphon_protocol::MAX_TOOL_OUTPUT_CHARS);
+                    return Err(OaiError::param("invalid_value", "item.output", why));
+                }
+            }
+            Some(Pending::Prefix(_)) | None => {}
         }
         if view.role == Some("system") {
             // a system item joins every response's instructions: checked now, not at the next response
@@ -438,91 +474,8 @@ impl Translator {
         Ok(())
     }
 
-    /// Starts a response: the new user items (or `response.input`) go to v1 as its input, after
-    /// the v1 session's instructions and voice are brought to what this response uses.
-    pub(super) async fn start_response(&mut self, p: ResponseParams, event_id: Option<String>) -> Result<(), OaiError> {
-        let inputs: Vec<Pending> = match &p.input {
-            Some(items) => {
-                // counted before anything is copied: references repeat an item without growing the
-                // frame, so what they join is bounded by what one turn may hold
-                let mut joined = Joined::new(self.shared.config.server.max_text_frame, self.max_audio_samples());
-                let mut v = Vec::new();
-                for it in items {
-                    let add = match it {
-                        Item::Reference { id } => {
-                            let i = self.find(id).ok_or_else(|| OaiError::param("invalid_value", "response.input", format!("no item {id}")))?;
-                            joined.count(self.items[i].pending.as_ref())?;
-                            self.items[i].pending.clone()
-                        }
-                        it => {
-                            let p = self.item_of(it.clone())?.1;
-                            joined.count(p.as_ref())?;
-                            p
-                        }
-                    };
-                    v.extend(add);
-                }
-                v
-            }
-            None => self.items.iter().filter_map(|i| i.pending.clone()).collect(),
-        };
-        let instructions = self.joined_instructions(p.instructions.as_deref().unwrap_or(&self.session.instructions), &[]);
-        // (checked whole before anything is sent: a refused update is never taken as applied)
-        self.shared.check_instructions(Some(&instructions)).map_err(|e| OaiError::param("invalid_value", "response.instructions", e.message))?;
-        if self.v1_instructions.as_deref() != Some(instructions.as_str()) {
-            self.to_v1_event(ClientEvent::SessionUpdate(Box::new(SessionUpdate { instructions: Some(instructions.clone()), ..update() }))).await;
-            self.v1_instructions = Some(instructions);
-        }
-        let voice_name = p.voice.clone().unwrap_or_else(|| self.session.voice.clone());
-        // a voice this server has (configured or registered) by its id; OpenAI's names ("alloy",
-        // "marin", ...) are spoken in the default voice
-        let v1_voice = if self.shared.voices.get(&voice_name).is_some() { voice_name.clone() } else { self.shared.config.voices[0].id.clone() };
-        if v1_voice != self.v1_voice {
-            self.to_v1_event(ClientEvent::SessionUpdate(Box::new(SessionUpdate {
-                voice: Some(Voice::Configured { id: v1_voice.clone() }),
-                ..update()
-            })))
-            .await;
-            self.v1_voice = v1_voice;
-        }
-        let limits = self.shared.engine.generation_limits();
-        let max = p.max_output_tokens.unwrap_or(self.session.max_output_tokens);
-        let generation = Generation {
-            max_text_tokens: match max {
-                MaxTokens::N(n) => Some((n as usize).min(limits.max_text_tokens)),
-                MaxTokens::Inf => None,
-            },
-            temperature: p.temperature.or(self.temperature),
-            ..Generation::default()
-        };
-        let audio: Vec<i16> = inputs.iter().flat_map(|i| if let Pending::Audio(a) = i { a.clone() } else { Vec::new() }).collect();
-        let text: Vec<String> = inputs.iter().filter_map(|i| if let Pending::Text(t) = i { Some(t.clone()) } else { None }).collect();
-        let max_audio = self.max_audio_samples();
-        if audio.len() > max_audio {
-            return Err(err("input_audio_buffer_full", format!("the new user audio is over the {} s a turn may hold", max_audio / 24_000)));
-        }
-        check_text(&self.shared, &text.join("\n"), "response.input")?;
-        // checked: the new user items are answered now
-        if p.input.is_none() {
-            for i in &mut self.items {
-                i.pending = None;
-            }
-        }
-        self.active = Some(Active::new(self, &p, voice_name, event_id));
-        if audio.is_empty() {
-            self.to_v1_event(ClientEvent::InputText { text: text.join("\n"), generation: Some(generation) }).await;
-        } else {
-            let bytes: Vec<u8> = audio.iter().flat_map(|s| s.to_le_bytes()).collect();
-            for piece in bytes.chunks(AUDIO_PIECE) {
-                self.to_v1(SessionMsg::Audio { seq: None, kind: KIND_AUDIO, payload: piece.to_vec() }).await;
-            }
-            self.to_v1_event(ClientEvent::InputCommit { generation: Some(generation) }).await;
-        }
-        Ok(())
-    }
-
     /// The instructions a response runs under: `base`, then every system item's text, then `more`.
-    fn joined_instructions(&self, base: &str, more: &[&str]) -> String {
+    pub(super) fn joined_instructions(&self, base: &str, more: &[&str]) -> String {
         let mut joined = base.to_string();
         let system = self.items.iter().filter(|i| i.view.role == Some("system")).flat_map(|i| i.view.content.iter().flatten());
         for text in system.map(|p| p.text.as_deref().unwrap_or("")).chain(more.iter().copied()) {
@@ -533,7 +486,7 @@ impl Translator {
     }
 
     /// The user audio one turn may hold, in samples.
-    fn max_audio_samples(&self) -> usize {
+    pub(super) fn max_audio_samples(&self) -> usize {
         self.shared.config.server.max_input_audio_s as usize * super::input::RATE as usize
     }
 
@@ -547,7 +500,7 @@ impl Translator {
 }
 
 /// An empty v1 session.update (the input is fixed: PCM16 at 24 kHz).
-fn update() -> SessionUpdate {
+pub(super) fn update() -> SessionUpdate {
     SessionUpdate { input_audio: None, output_audio: None, voice: None, instructions: None, generation: None, duplex: None, tools: None }
 }
 

@@ -61,7 +61,7 @@ impl Session {
             voice: self.voice.clone(),
             generation: params(&g),
             tools: self.tools.for_reply(&g),
-            text_only: false,
+            text_only: g.text_only.unwrap_or(false),
         };
         self.send_event(ServerEvent::ResponseCreated { seq: 0, response_id: rid, trigger });
         let me = self.me.clone().expect("started");
@@ -264,6 +264,7 @@ pub(super) fn merge(base: &Generation, over: Option<&Generation>) -> Generation 
         seed: o.seed.or(base.seed),
         prefix: o.prefix.clone().or_else(|| base.prefix.clone()),
         tool_choice: o.tool_choice.clone().or_else(|| base.tool_choice.clone()),
+        text_only: o.text_only.or(base.text_only),
     }
 }
 
