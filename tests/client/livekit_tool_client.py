@@ -43,8 +43,8 @@ ARGS = {"city": "Paris"}
 
 
 def fail(msg):
-    print("FAIL:", msg)
-    sys.exit(1)
+    print("FAIL:", msg, flush=True)
+    os._exit(1)  # at once: a pipeline or session still running must not hold the exit
 
 
 @llm.function_tool
@@ -281,6 +281,7 @@ async def main(url):
     w2.allow_drop = True
     reconnected = asyncio.Event()
     s2.on("session_reconnected", lambda ev: reconnected.set())
+    print("dropping the socket (LiveKit logs the drop as an error, then dials again)", flush=True)
     await dialer.sockets[-1].close()
     await w2.until(lambda: reconnected.is_set() and len(dialer.sockets) > socks
                    and sum(1 for e in w2.server[mark:] if e.get("type") == "conversation.item.added") >= len(before),

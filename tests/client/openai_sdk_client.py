@@ -11,11 +11,15 @@ antiphon's OpenAI Realtime dialect, configured only by its base URL. It checks:
 4. cancelling: response.cancel on the first audio delta ends the response cancelled
    (client_cancelled); a second cancel is the benign error `response_cancel_not_active`, after
    which the session still answers;
-5. server VAD: speech, silence, speech (espeak-ng phrases from assets/vad/) streamed at once:
+5. a tool loop: a function declared in session.update; a reply the client began (an assistant
+   message created `incomplete`, antiphon's extension, since synthetic weights never call by
+   themselves) calls it: a function_call item with its argument events, response.done listing
+   it; the function_call_output answered by a spoken response; then the tools are taken away;
+6. server VAD: speech, silence, speech (espeak-ng phrases from assets/vad/) streamed at once:
    speech_started / speech_stopped at the true edges (within 100 ms), a response created by the
    server after each turn, the first cut short by the second turn (barge-in: cancelled,
    turn_detected), conversation.item.truncate answered by conversation.item.truncated;
-6. every event the server sent validates as the SDK's own typed `RealtimeServerEvent` (pydantic,
+7. every event the server sent validates as the SDK's own typed `RealtimeServerEvent` (pydantic,
    so a missing field, a wrong literal or an unknown type fails), and every event has an event_id.
 
     python3 tests/client/openai_sdk_client.py http://127.0.0.1:8080/openai/v1
@@ -207,7 +211,39 @@ async def main(base):
         check(resp.status == "completed", "the session no longer answers after a benign error")
         print("cancel: ok")
 
-        # 5. server VAD, barge-in and truncation
+        # 5. a tool loop
+        weather = {"type": "function", "name": "get_weather", "description": "The weather in a city now",
+                   "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+        await raw.session.update(session={"type": "realtime", "tools": [weather], "tool_choice": "auto"})
+        upd = await c.until("session.updated")
+        check([t.name for t in upd.session.tools] == ["get_weather"] and upd.session.tool_choice == "auto", f"tools not echoed: {upd.session}")
+        await raw.conversation.item.create(item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]})
+        await c.until("conversation.item.done")
+        call_text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        await raw.conversation.item.create(item={"type": "message", "role": "assistant", "status": "incomplete",
+                                                 "content": [{"type": "output_text", "text": call_text}]})
+        await c.until("conversation.item.done")
+        await raw.response.create(response={"max_output_tokens": 200})
+        evs = []
+        resp = await response_events(c, evs)
+        check(resp.status == "completed", f"the calling response ended {resp.status}: {resp.status_details}")
+        check([o.type for o in resp.output] == ["function_call"], f"the calling response's output: {resp.output}")
+        call = resp.output[0]
+        check(call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"} and call.call_id, f"the call: {call}")
+        done_args = [e for e in evs if e.type == "response.function_call_arguments.done"]
+        check(len(done_args) == 1 and done_args[0].call_id == call.call_id and done_args[0].arguments == call.arguments, f"arguments.done: {done_args}")
+        check(audio_bytes(evs) == 0, "a response that only calls has no audio")
+        await raw.conversation.item.create(item={"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"temperature_c": 18})})
+        await c.until("conversation.item.done")
+        await raw.response.create()
+        evs = []
+        resp = await response_events(c, evs)
+        check(resp.status == "completed" and audio_bytes(evs) > 0 and resp.output[0].type == "message", f"the answer: {resp.status} {resp.output}")
+        await raw.session.update(session={"type": "realtime", "tools": [], "tool_choice": "auto"})
+        await c.until("session.updated")
+        print(f"tool loop: get_weather called ({call.call_id}), its output answered with {audio_bytes(evs) // 48} ms of audio")
+
+        # 6. server VAD, barge-in and truncation
         await raw.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
             "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500}}}})
         await c.until("session.updated")
