@@ -38,6 +38,7 @@ fn one(e: &Engine, id: String, n: usize) -> (f64, f64) {
         },
         tools: Default::default(),
         text_only: false,
+        task: Default::default(),
     };
     let (tx, rx) = mpsc::channel();
     let tx = std::sync::Mutex::new(tx);

@@ -279,6 +279,7 @@ fn no_prefetch_while_a_duplex_session_is_live() {
             generation: forced(24, 30),
             tools: Default::default(),
             text_only: false,
+            task: Default::default(),
         };
         e.submit(
             spec,

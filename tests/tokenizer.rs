@@ -69,6 +69,8 @@ fn spoken_reply_prompt_follows_the_chat_template() {
     want.extend(enc("\n\n"));
     want.push(s.tts_bos);
     assert_eq!(ids, want);
+    // a written reply (the ASR task's template): the same without <|tts_bos|>
+    assert_eq!(t.written_reply_prompt(&msgs).unwrap(), want[..want.len() - 1]);
     assert_eq!(t.decode(&ids).unwrap(), "system\nUse the voice in the audio prompt to synthesize new content.\n\nYou are a helpful assistant with the above voice style.\nuser\nHi\nassistant\n\n\n\n\n");
 }
 

@@ -177,3 +177,32 @@ fn a_text_only_reply_is_written_not_spoken() {
     assert_eq!(e.metrics().step_count("talker"), talker_steps, "the Talker stepped for the spoken reply only");
     assert_eq!(e.active(), 0);
 }
+
+/// What the caller said, written down by the Thinker from the same audio (a transcript request):
+/// text deltas of the forced length, nothing spoken, the Talker never stepped; a typed input has
+/// nothing to transcribe.
+#[test]
+fn a_spoken_input_is_transcribed_by_the_thinker_without_speech() {
+    let e = engine(EngineConfig::default());
+    let said: Vec<f32> = (0..16_000 * 2).map(|i| 0.2 * (i as f32 * 0.05).sin() * (i as f32 * 0.001).cos()).collect();
+    let clip = antiphon_engine::SpokenClip::new(said).unwrap();
+    let mut s = spec("heard", "", 8, 30, 4);
+    s.input = UserInput::Audio(clip.clone());
+    s.task = antiphon_engine::Task::Transcribe;
+    let t = collect(submit(&e, s.clone()));
+    assert_eq!(t.status, Status::Completed);
+    assert!(!t.text.is_empty());
+    assert!(t.audio.is_empty() && t.codes == 0);
+    assert_eq!(e.metrics().step_count("talker"), 0, "nothing went to the Talker");
+    // the same request gives the same transcript (seeded), and a reply to the same input is spoken
+    s.id = antiphon_engine::RequestId("heard-again".into());
+    assert_eq!(collect(submit(&e, s)).text, t.text);
+    let mut reply = spec("reply", "", 8, 30, 4);
+    reply.input = UserInput::Audio(clip);
+    let r = collect(submit(&e, reply));
+    assert_eq!((r.status, r.codes), (Status::Completed, 30));
+    let mut typed = spec("typed", "hello", 8, 30, 4);
+    typed.task = antiphon_engine::Task::Transcribe;
+    let o = collect(submit(&e, typed));
+    assert!(matches!(&o.status, Status::Failed(why) if why.contains("spoken")), "{:?}", o.status);
+}

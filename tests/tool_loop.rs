@@ -237,3 +237,89 @@ async fn a_tool_loop_in_the_openai_dialect() {
     assert_eq!(e["error"]["param"], "response.tool_choice", "{e}");
     s.shutdown().await.unwrap();
 }
+
+/// PCM16 frames of `seconds` of a tone at 16 kHz, as v1 audio input.
+async fn speak(c: &mut Client, seconds: usize, first_seq: u32) -> u32 {
+    use tokio_tungstenite::tungstenite::Message;
+    let samples: Vec<i16> = (0..16_000 * seconds).map(|i| (6000.0 * ((i as f32) * 0.05).sin() * ((i as f32) * 0.002).cos()) as i16).collect();
+    let mut seq = first_seq;
+    for chunk in samples.chunks(3200) {
+        let payload: Vec<u8> = chunk.iter().flat_map(|s| s.to_le_bytes()).collect();
+        let frame = antiphon_protocol::AudioFrame { kind: 1, last: false, seq, response_id: 0, payload };
+        c.send_raw(Message::Binary(frame.encode().into())).await;
+        seq += 1;
+    }
+    seq
+}
+
+/// With `input_transcription`, a spoken turn's transcript (the Thinker's own, from the same
+/// audio) follows the reply's first audio as `input.transcript.delta`s and `.done`; a typed turn
+/// has none, and a session without the option gets none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spoken_turns_are_transcribed_after_the_replys_first_audio() {
+    let s = server(|_| {}).await;
+    let mut c = Client::connect(&s).await;
+    c.create(json!({"input_transcription": true})).await;
+    let seq = speak(&mut c, 1, 1).await;
+    let g = json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": 20, "max_audio_tokens": 20, "seed": 1});
+    c.send(json!({"type": "input.commit", "seq": seq, "generation": g})).await;
+    let ms = c.until(|m| m.ty() == "input.transcript.done").await;
+    let first_audio = ms.iter().position(|m| matches!(m, In::Audio(f) if f.response_id == 1)).expect("the reply's audio");
+    let first_delta = ms.iter().position(|m| m.ty() == "input.transcript.delta").expect("transcript deltas");
+    assert!(first_audio < first_delta, "the transcript waits for the reply's first audio");
+    let ev = events(&ms);
+    let deltas: String = ev.iter().filter(|e| e["type"] == "input.transcript.delta").map(|e| e["delta"].as_str().unwrap().to_string()).collect();
+    let done = ev.last().unwrap();
+    assert_eq!(done["response_id"], 1);
+    assert_eq!(done["transcript"].as_str().unwrap(), deltas);
+    assert!(!deltas.is_empty());
+    // a typed turn: nothing to transcribe
+    c.send(json!({"type": "input.text", "seq": seq + 1, "text": "hello", "generation": g})).await;
+    let ms = c.until(|m| matches!(m, In::Event(v) if v["type"] == "response.done" && v["response_id"] == 2)).await;
+    assert!(!ms.iter().any(|m| m.ty().starts_with("input.transcript")));
+    // turned off: a spoken turn gets no transcript
+    c.send(json!({"type": "session.update", "input_transcription": false})).await;
+    let seq = speak(&mut c, 1, seq + 2).await;
+    c.send(json!({"type": "input.commit", "seq": seq, "generation": g})).await;
+    let ms = c.until(|m| matches!(m, In::Event(v) if v["type"] == "response.done" && v["response_id"] == 3)).await;
+    assert!(!ms.iter().any(|m| m.ty().starts_with("input.transcript")));
+    s.shutdown().await.unwrap();
+}
+
+/// The dialect: `audio.input.transcription` set, a committed audio turn gets
+/// `conversation.item.input_audio_transcription.delta`s and `.completed` for its item (with the
+/// audio's duration as usage), and the item's audio part carries the transcript.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dialect_transcribes_a_committed_turn() {
+    let s = server(|c| c.engine.default_max_audio_tokens = 30).await;
+    let mut c = oai_connect(&s).await;
+    c.send(json!({"type": "session.update", "session": {"type": "realtime",
+        "audio": {"input": {"turn_detection": null, "transcription": {"model": "gpt-4o-transcribe"}}}}}))
+        .await;
+    let u = oai_until(&mut c, "session.updated").await.pop().unwrap();
+    assert_eq!(u["session"]["audio"]["input"]["transcription"]["model"], "gpt-4o-transcribe");
+    use base64::Engine as _;
+    let pcm: Vec<u8> = (0..24_000).flat_map(|i| ((6000.0 * ((i as f32) * 0.04).sin()) as i16).to_le_bytes()).collect();
+    c.send(json!({"type": "input_audio_buffer.append", "audio": base64::engine::general_purpose::STANDARD.encode(&pcm)})).await;
+    c.send(json!({"type": "input_audio_buffer.commit"})).await;
+    let item = oai_until(&mut c, "input_audio_buffer.committed").await.pop().unwrap()["item_id"].as_str().unwrap().to_string();
+    c.send(json!({"type": "response.create"})).await;
+    let evs = oai_until(&mut c, "conversation.item.input_audio_transcription.completed").await;
+    let done = evs.last().unwrap();
+    assert_eq!((done["item_id"].as_str(), done["content_index"].as_u64()), (Some(item.as_str()), Some(0)));
+    let deltas: String = evs
+        .iter()
+        .filter(|v| v["type"] == "conversation.item.input_audio_transcription.delta")
+        .map(|v| v["delta"].as_str().unwrap().to_string())
+        .collect();
+    assert!(!deltas.is_empty());
+    assert_eq!(done["transcript"].as_str().unwrap(), deltas);
+    assert_eq!(done["usage"], json!({"type": "duration", "seconds": 1.0}));
+    if !evs.iter().any(|v| v["type"] == "response.done") {
+        oai_until(&mut c, "response.done").await;
+    }
+    c.send(json!({"type": "conversation.item.retrieve", "item_id": item})).await;
+    let r = oai_until(&mut c, "conversation.item.retrieved").await.pop().unwrap();
+    assert_eq!(r["item"]["content"][0]["transcript"].as_str().unwrap(), deltas);
+    s.shutdown().await.unwrap();
+}

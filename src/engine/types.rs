@@ -22,6 +22,11 @@ impl RequestId {
     pub fn duplex_turn(session: &str, n: u64) -> Self {
         Self(format!("{session}/t{n}"))
     }
+
+    /// The transcript of what the caller said for a session's `n`th response: `{session}/{n}/heard`.
+    pub fn transcript(session: &str, n: u32) -> Self {
+        Self(format!("{session}/{n}/heard"))
+    }
 }
 
 impl std::fmt::Display for RequestId {
@@ -181,6 +186,18 @@ pub struct RequestSpec {
     pub tools: Tools,
     /// Text only: the reply is written, not spoken (no Talker, no Code2Wav).
     pub text_only: bool,
+    pub task: Task,
+}
+
+/// What a request asks of the model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Task {
+    /// A reply to the input, after the conversation.
+    #[default]
+    Reply,
+    /// What the caller said in the input (spoken), written down by the Thinker: its text deltas
+    /// are the transcript; nothing is spoken, no conversation is in the prompt.
+    Transcribe,
 }
 
 /// How a response ended.

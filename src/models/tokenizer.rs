@@ -390,6 +390,17 @@ impl TextTokenizer {
     /// `<|audio_start|><unk>…<|audio_end|>`), then
     /// `<|im_start|>assistant\n<think>\n\n</think>\n\n<|tts_bos|>`.
     pub fn spoken_reply_prompt(&self, messages: &[Message]) -> Result<Vec<u32>> {
+        self.reply_prompt(messages, true)
+    }
+
+    /// The chat template with the generation prompt of a written reply (the authors' text mode,
+    /// as their ASR task prompts it): as [`TextTokenizer::spoken_reply_prompt`] without
+    /// `<|tts_bos|>`.
+    pub fn written_reply_prompt(&self, messages: &[Message]) -> Result<Vec<u32>> {
+        self.reply_prompt(messages, false)
+    }
+
+    fn reply_prompt(&self, messages: &[Message], spoken: bool) -> Result<Vec<u32>> {
         let s = &self.special;
         let mut pieces = Vec::new();
         for m in messages {
@@ -401,7 +412,9 @@ impl TextTokenizer {
         pieces.push(Piece::Text("\n\n".into()));
         pieces.push(Piece::Special(s.think_end));
         pieces.push(Piece::Text("\n\n".into()));
-        pieces.push(Piece::Special(s.tts_bos));
+        if spoken {
+            pieces.push(Piece::Special(s.tts_bos));
+        }
         self.render(pieces)
     }
 

@@ -17,6 +17,12 @@ pub enum Received {
     ToolCall { seq: u64, response_id: u32, call_id: String, name: String, arguments: String },
     #[serde(rename = "response.tool_call.invalid")]
     ToolCallInvalid { seq: u64, response_id: u32, reason: String },
+    #[serde(rename = "input.transcript.delta")]
+    TranscriptDelta { seq: u64, response_id: u32, delta: String },
+    #[serde(rename = "input.transcript.done")]
+    TranscriptDone { seq: u64, response_id: u32, transcript: String },
+    #[serde(rename = "input.transcript.failed")]
+    TranscriptFailed { seq: u64, response_id: u32, reason: String },
     #[serde(rename = "response.done")]
     ResponseDone { seq: u64, response_id: u32, status: crate::DoneStatus, audio_ms: u64 },
     #[serde(rename = "session.closing")]
@@ -45,6 +51,9 @@ impl Received {
             | Received::TextDelta { seq, .. }
             | Received::ToolCall { seq, .. }
             | Received::ToolCallInvalid { seq, .. }
+            | Received::TranscriptDelta { seq, .. }
+            | Received::TranscriptDone { seq, .. }
+            | Received::TranscriptFailed { seq, .. }
             | Received::ResponseDone { seq, .. }
             | Received::SessionClosing { seq, .. } => Some(*seq),
             Received::Error { seq, .. } => seq.filter(|s| *s > 0),

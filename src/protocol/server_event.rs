@@ -123,6 +123,14 @@ pub enum ServerEvent {
     /// The response began a call that is not one: what it wrote after `<tool_call>`, and why.
     #[serde(rename = "response.tool_call.invalid")]
     ResponseToolCallInvalid { seq: u64, response_id: u32, text: String, reason: String },
+    /// What the caller said in the input `response_id` answers, as the model heard it (with
+    /// `input_transcription`).
+    #[serde(rename = "input.transcript.delta")]
+    InputTranscriptDelta { seq: u64, response_id: u32, delta: String },
+    #[serde(rename = "input.transcript.done")]
+    InputTranscriptDone { seq: u64, response_id: u32, transcript: String },
+    #[serde(rename = "input.transcript.failed")]
+    InputTranscriptFailed { seq: u64, response_id: u32, reason: String },
     #[serde(rename = "conversation.trimmed")]
     ConversationTrimmed { seq: u64, response_id: u32, turns: usize },
     #[serde(rename = "response.done")]
@@ -176,6 +184,9 @@ impl ServerEvent {
             | ServerEvent::ResponseTextDelta { seq, .. }
             | ServerEvent::ResponseToolCall { seq, .. }
             | ServerEvent::ResponseToolCallInvalid { seq, .. }
+            | ServerEvent::InputTranscriptDelta { seq, .. }
+            | ServerEvent::InputTranscriptDone { seq, .. }
+            | ServerEvent::InputTranscriptFailed { seq, .. }
             | ServerEvent::ConversationTrimmed { seq, .. }
             | ServerEvent::ResponseDone { seq, .. }
             | ServerEvent::DuplexListen { seq, .. }

@@ -330,6 +330,7 @@ async fn warm_up(shared: &Arc<Shared>) -> Result<f64> {
         },
         tools: Default::default(),
         text_only: false,
+        task: Default::default(),
     };
     shared.engine.submit(spec, Arc::new(move |e| drop(tx.send(e))))?;
     while let Some(e) = rx.recv().await {

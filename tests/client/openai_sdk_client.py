@@ -7,7 +7,9 @@ antiphon's OpenAI Realtime dialect, configured only by its base URL. It checks:
 2. a text turn: conversation.item.create (the item id echoed), response.create with metadata
    (echoed), audio deltas that decode to PCM16, transcript deltas that add up to the transcript,
    response.done completed with usage;
-3. an audio turn: input_audio_buffer.append + commit (committed, the user item), response.create;
+3. an audio turn: input_audio_buffer.append + commit (committed, the user item), response.create,
+   with input transcription on: the item's transcript (the Thinker's own) as
+   conversation.item.input_audio_transcription.delta / .completed;
 4. cancelling: response.cancel on the first audio delta ends the response cancelled
    (client_cancelled); a second cancel is the benign error `response_cancel_not_active`, after
    which the session still answers;
@@ -180,7 +182,11 @@ async def main(base):
         check(order == want, f"the response's events: {order}")
         print(f"text turn: {n // 48} ms of audio, transcript {deltas[:40]!r}")
 
-        # 3. an audio turn
+        # 3. an audio turn, transcribed
+        await raw.session.update(session={"type": "realtime", "audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}})
+        upd = await c.until("session.updated")
+        check(upd.session.audio.input.transcription is not None and upd.session.audio.input.transcription.model == "gpt-4o-transcribe",
+              f"transcription not echoed: {upd.session.audio.input.transcription}")
         tone = [int(8000 * ((i // 60) % 2 * 2 - 1)) for i in range(24000)]
         for i in range(0, len(tone), 4800):
             await raw.input_audio_buffer.append(audio=pcm16_b64(tone[i:i + 4800]))
@@ -189,10 +195,23 @@ async def main(base):
         item = await c.until("conversation.item.added")
         check(item.item.id == committed.item_id and item.item.role == "user", f"committed {committed.item_id}, item {item.item}")
         await raw.response.create()
-        evs = []
-        resp = await response_events(c, evs)
+        evs, resp, heard = [], None, None
+        while resp is None or heard is None:
+            ev = await c.next()
+            evs.append(ev)
+            if ev.type == "error":
+                fail(f"error in the audio turn: {ev.error}")
+            elif ev.type == "response.done":
+                resp = ev.response
+            elif ev.type == "conversation.item.input_audio_transcription.completed":
+                check(ev.item_id == committed.item_id, f"a transcript for {ev.item_id}, not the committed {committed.item_id}")
+                heard = ev.transcript
         check(resp.status == "completed" and audio_bytes(evs) > 0, f"audio turn: {resp.status}")
-        print(f"audio turn: {audio_bytes(evs) // 48} ms of audio")
+        deltas = "".join(e.delta or "" for e in evs if e.type == "conversation.item.input_audio_transcription.delta")
+        check(heard and deltas == heard, f"transcript {heard!r} vs its deltas {deltas!r}")
+        await raw.session.update(session={"type": "realtime", "audio": {"input": {"transcription": None}}})
+        await c.until("session.updated")
+        print(f"audio turn: {audio_bytes(evs) // 48} ms of audio, transcribed as {heard[:30]!r}")
 
         # 4. cancel
         await raw.conversation.item.create(item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a long story"}]})

@@ -163,7 +163,10 @@ async def scenario(url, preamble):
     global WATCH
     w = WATCH = Watch()
     spoken = bool(preamble)
-    llm = ToolService(api_key=os.environ.get("ANTIPHON_KEY", "sk-antiphon-test"), base_url=url,
+    # (a call's text counts in the reply's tokens: the embedded default's 64 would cut the one
+    # after "Let me check.", so the session allows 200)
+    settings = OpenAIRealtimeLLMService.Settings(session_properties=rt_events.SessionProperties(max_output_tokens=200))
+    llm = ToolService(api_key=os.environ.get("ANTIPHON_KEY", "sk-antiphon-test"), base_url=url, settings=settings,
                       prefill=tc.prefill_text("get_weather", ARGS, preamble))
 
     @llm.event_handler("on_error")

@@ -36,6 +36,7 @@ pub fn spec(id: &str, text: &str, text_tokens: usize, codes: usize, seed: u64) -
         },
         tools: Default::default(),
         text_only: false,
+        task: Default::default(),
     }
 }
 

@@ -9,7 +9,7 @@ use anyhow::Result;
 use candle_core::Tensor;
 
 use super::Ctx;
-use crate::{RequestSpec, SpokenClip, ToolChoice, Turn, UserInput};
+use crate::{RequestSpec, SpokenClip, Task, ToolChoice, Turn, UserInput};
 use antiphon_models::thinker::audio_spans;
 use antiphon_models::tokenizer::{Message, Part, Role};
 use antiphon_models::tools::{assistant_content, call_opening, responses_content};
@@ -74,9 +74,23 @@ fn user_message(ctx: &Ctx, input: &UserInput, audio: &mut Vec<PromptAudio>) -> M
     }
 }
 
-/// A request's prompt: the voice-cloning system turn, the conversation's turns as they were (a
-/// spoken turn as its audio), and the input.
+/// What the authors' ASR task asks the model before the audio (MiniCPM-o's cookbook).
+const TRANSCRIBE_PROMPT: &str = "Please listen to the audio snippet carefully and transcribe the content.\n";
+
+/// A request's prompt: for a reply, the voice-cloning system turn, the conversation's turns as
+/// they were (a spoken turn as its audio), and the input; for a transcript, the input alone
+/// after the ASR task's words, in the written-reply template.
 pub(super) fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<Prompt> {
+    if spec.task == Task::Transcribe {
+        let mut audio = Vec::new();
+        let mut user = user_message(ctx, &spec.input, &mut audio);
+        if audio.is_empty() {
+            anyhow::bail!("a transcript is of spoken input");
+        }
+        user.parts.insert(0, Part::Text(TRANSCRIBE_PROMPT.into()));
+        let ids = ctx.tok.written_reply_prompt(&[user])?;
+        return keyed(ctx, ids, audio, 0);
+    }
     let mut audio = Vec::new();
     let mut messages = Vec::new();
     let mut instructions = spec.instructions.clone().unwrap_or_else(|| crate::DEFAULT_INSTRUCTIONS.into());
@@ -118,6 +132,11 @@ pub(super) fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<Prompt> 
     }
     messages.push(user_message(ctx, &spec.input, &mut audio));
     let ids = ctx.tok.spoken_reply_prompt(&messages)?;
+    keyed(ctx, ids, audio, first)
+}
+
+/// A prompt's ids with the key the prefix store knows it by.
+fn keyed(ctx: &Ctx, ids: Vec<u32>, audio: Vec<PromptAudio>, dropped: usize) -> Result<Prompt> {
     let mut key = ids.clone();
     let spans = audio_spans(&ids, &ctx.tok.special().audio_markers())?;
     if spans.len() != audio.len() {
@@ -130,7 +149,7 @@ pub(super) fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<Prompt> 
             }
         }
     }
-    Ok(Prompt { ids, key, audio, dropped: first })
+    Ok(Prompt { ids, key, audio, dropped })
 }
 
 /// The tokens a reply begins with: the client's `generation.prefix`, then, when `tool_choice`

@@ -14,7 +14,7 @@ use candle_core::{DType, Tensor};
 use super::prompt::{build_prompt, embed_prompt, reply_opening};
 use super::{to_host, Ctx, ThinkerStream};
 use crate::caches::StageCaches;
-use crate::{EngineEvent, Mode, RequestId, RequestSpec, Stage1Msg, Status, ToolCall, ToolSet};
+use crate::{EngineEvent, Mode, RequestId, RequestSpec, Stage1Msg, Status, Task, ToolCall, ToolSet};
 use antiphon_models::decoder::{KvCache, PooledCache};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::tokenizer::{handoff_range, TextStream};
@@ -62,6 +62,9 @@ pub struct TurnStream {
     call_at: Option<usize>,
     /// Text only: nothing goes to the Talker, and the Thinker ends the request.
     text_only: bool,
+    /// The turn's KV goes to the prefix store when it is handed off (a reply's does: the next
+    /// prompt starts with it).
+    kept: bool,
     /// Handed off this step: the turn's KV goes to the prefix store once every stream of the
     /// step has handed off (a copy of ~4 ms at full size, which held back the later Ends of a
     /// wave: 29 hand-offs took a 135 ms step at C32 on the H200).
@@ -133,14 +136,19 @@ impl TurnStream {
         let seed = g.seed.unwrap_or(0);
         let mut sampler = Sampler::new(params, seed);
         sampler.observe(ids);
+        // (a transcript is written, from the input alone: nothing begins it, nothing is spoken,
+        // and its KV serves no later prompt)
+        let transcript = spec.task == Task::Transcribe;
+        let text_only = spec.text_only || transcript;
         let forced = match reply_opening(ctx, &spec) {
+            Ok(_) if transcript => VecDeque::new(),
             Ok(f) => f,
             Err(e) => {
                 ctx.refuse(&spec.id, format!("{e:#}"));
                 return None;
             }
         };
-        if !spec.text_only {
+        if !text_only {
             let _ = ctx.to_talker.send(Stage1Msg::Begin {
                 id: spec.id.clone(),
                 mode: spec.mode,
@@ -199,8 +207,8 @@ impl TurnStream {
         };
         ctx.metrics.prompt_positions.with_label_values(&["reused"]).inc_by(prefill_pos as u64);
         ctx.metrics.prompt_positions.with_label_values(&["prefilled"]).inc_by((prompt_len - prefill_pos) as u64);
-        let store_system =
-            system.filter(|&len| ctx.cfg.thinker_prefix_cache > 0 && len > prefill_pos && !ctx.prefixes.covers(voice, &prompt.key[..len]));
+        let store_system = system
+            .filter(|&len| !transcript && ctx.cfg.thinker_prefix_cache > 0 && len > prefill_pos && !ctx.prefixes.covers(voice, &prompt.key[..len]));
         Some(TurnStream {
             id: spec.id,
             cache,
@@ -220,9 +228,10 @@ impl TurnStream {
             voice,
             store_system,
             forced,
-            calling: spec.tools.may_call().then(|| spec.tools.set.clone()).flatten().filter(|_| ctx.tok.tool_tokens().is_some()),
+            calling: spec.tools.may_call().then(|| spec.tools.set.clone()).flatten().filter(|_| ctx.tok.tool_tokens().is_some() && !transcript),
             call_at: None,
-            text_only: spec.text_only,
+            text_only,
+            kept: !transcript,
             done: false,
             prefix_due: false,
         })
@@ -420,7 +429,7 @@ impl ThinkerStream for TurnStream {
     }
 
     fn after_hand_offs(&mut self, ctx: &mut Ctx) {
-        if !std::mem::take(&mut self.prefix_due) {
+        if !std::mem::take(&mut self.prefix_due) || !self.kept {
             return;
         }
         let len = self.cache.len().min(self.ids.len());

@@ -89,6 +89,9 @@ pub struct SessionPatch {
     pub temperature: Option<f32>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    /// `audio.input.transcription` (beta: `input_audio_transcription`): `Some(None)` turns
+    /// transcripts off.
+    pub transcription: Option<Option<Value>>,
 }
 
 /// One content part of an item.
@@ -346,6 +349,16 @@ fn turn_detection(v: &Value, param: &str) -> Result<Option<TurnDetection>, OaiEr
     Ok(Some(t))
 }
 
+/// `transcription`: null (off) or an object (`model`, `language`, `prompt`, … echoed; the Thinker
+/// transcribes whatever model is named).
+fn transcription(v: &Value, param: &str) -> Result<Option<Value>, OaiError> {
+    match v {
+        Value::Null => Ok(None),
+        Value::Object(o) if serde_json::to_string(o).map_or(0, |s| s.len()) <= 4096 => Ok(Some(v.clone())),
+        _ => Err(bad(param, format!("`{param}` must be null or an object of at most 4 KiB"))),
+    }
+}
+
 fn tools(v: &Value, param: &str) -> Result<Vec<Value>, OaiError> {
     let a = v.as_array().ok_or_else(|| bad(param, format!("`{param}` must be an array")))?;
     if a.len() > MAX_TOOLS {
@@ -381,6 +394,9 @@ pub fn session_patch(v: &Value) -> Result<SessionPatch, OaiError> {
     if let Some(v) = get("voice") {
         p.voice = Some(voice(v, "session.voice")?);
     }
+    if let Some(t) = o.get("input_audio_transcription") {
+        p.transcription = Some(transcription(t, "session.input_audio_transcription")?);
+    }
     if let Some(a) = get("audio") {
         let a = object(a, "session.audio")?;
         if let Some(i) = a.get("input").filter(|v| !v.is_null()) {
@@ -390,6 +406,9 @@ pub fn session_patch(v: &Value) -> Result<SessionPatch, OaiError> {
             }
             if i.contains_key("turn_detection") {
                 p.turn_detection = Some(turn_detection(&i["turn_detection"], "session.audio.input.turn_detection")?);
+            }
+            if let Some(t) = i.get("transcription") {
+                p.transcription = Some(transcription(t, "session.audio.input.transcription")?);
             }
         }
         if let Some(out) = a.get("output").filter(|v| !v.is_null()) {

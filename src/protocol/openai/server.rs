@@ -44,6 +44,8 @@ pub struct SessionView {
     pub tools: Vec<Value>,
     /// As the client set it (a string, or an object naming a function).
     pub tool_choice: Value,
+    /// `audio.input.transcription` as the client set it (`None`: off).
+    pub transcription: Option<Value>,
 }
 
 impl SessionView {
@@ -71,7 +73,7 @@ impl SessionView {
             "output_modalities": modalities_json(self.output_modalities),
             "instructions": self.instructions,
             "audio": {
-                "input": {"format": format_json(self.input_format), "transcription": null, "noise_reduction": null, "turn_detection": td},
+                "input": {"format": format_json(self.input_format), "transcription": self.transcription, "noise_reduction": null, "turn_detection": td},
                 "output": {"format": format_json(self.output_format), "voice": self.voice, "speed": 1.0},
             },
             "tools": self.tools,
@@ -278,6 +280,9 @@ pub enum OaiServerEvent {
     TranscriptDone { at: ContentAt, transcript: String },
     TextDelta { at: ContentAt, delta: String },
     TextDone { at: ContentAt, text: String },
+    InputTranscriptionDelta { item_id: String, delta: String },
+    InputTranscriptionCompleted { item_id: String, transcript: String, seconds: f64 },
+    InputTranscriptionFailed { item_id: String, message: String },
     FunctionCallArgumentsDelta { response_id: String, item_id: String, output_index: u32, call_id: String, delta: String },
     FunctionCallArgumentsDone { response_id: String, item_id: String, output_index: u32, call_id: String, name: String, arguments: String },
 }
@@ -351,6 +356,17 @@ impl OaiServerEvent {
             }
             E::TextDelta { at: a, delta } => with(at("response.output_text.delta", a), "delta", Value::from(delta.as_str())),
             E::TextDone { at: a, text } => with(at("response.output_text.done", a), "text", Value::from(text.as_str())),
+            E::InputTranscriptionDelta { item_id, delta } => serde_json::json!({
+                "type": "conversation.item.input_audio_transcription.delta", "item_id": item_id, "content_index": 0, "delta": delta,
+            }),
+            E::InputTranscriptionCompleted { item_id, transcript, seconds } => serde_json::json!({
+                "type": "conversation.item.input_audio_transcription.completed", "item_id": item_id, "content_index": 0,
+                "transcript": transcript, "usage": {"type": "duration", "seconds": seconds},
+            }),
+            E::InputTranscriptionFailed { item_id, message } => serde_json::json!({
+                "type": "conversation.item.input_audio_transcription.failed", "item_id": item_id, "content_index": 0,
+                "error": {"type": "server_error", "code": "transcription_failed", "message": message},
+            }),
             E::FunctionCallArgumentsDelta { response_id, item_id, output_index, call_id, delta } => serde_json::json!({
                 "type": "response.function_call_arguments.delta", "response_id": response_id, "item_id": item_id,
                 "output_index": output_index, "call_id": call_id, "delta": delta,

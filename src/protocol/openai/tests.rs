@@ -98,6 +98,7 @@ fn server_events_carry_event_id_and_the_ga_names() {
         max_output_tokens: MaxTokens::Inf,
         tools: vec![],
         tool_choice: "auto".into(),
+        transcription: None,
     };
     let v: serde_json::Value = serde_json::from_str(&OaiServerEvent::SessionCreated(s).to_json("event_1")).unwrap();
     assert_eq!(v["type"], "session.created");

@@ -45,6 +45,8 @@ pub(super) struct Active {
     message_open: bool,
     /// The calls v1 reported: `(call_id, name, arguments)`.
     calls: Vec<(String, String, String)>,
+    /// The spoken item it answers, and its seconds of audio (for the transcript's events).
+    pub heard: Option<(String, f64)>,
 }
 
 impl Active {
@@ -70,6 +72,7 @@ impl Active {
             lazy_message: may_call,
             message_open: false,
             calls: Vec::new(),
+            heard: None,
         }
     }
 
@@ -148,7 +151,36 @@ impl Translator {
             Received::ResponseCreated { response_id, .. } => {
                 if let Some(a) = self.active.as_mut().filter(|a| a.v1.is_none()) {
                     a.v1 = Some(response_id);
+                    if let Some((item, seconds)) = a.heard.take() {
+                        if self.heard.len() >= 16 {
+                            self.heard.pop_front();
+                        }
+                        self.heard.push_back((response_id, item, seconds));
+                    }
                     self.begin();
+                }
+            }
+            Received::TranscriptDelta { response_id, delta, .. } => {
+                if let Some((_, item_id, _)) = self.heard.iter().find(|h| h.0 == response_id) {
+                    self.out.event(&S::InputTranscriptionDelta { item_id: item_id.clone(), delta });
+                }
+            }
+            Received::TranscriptDone { response_id, transcript, .. } => {
+                if let Some(k) = self.heard.iter().position(|h| h.0 == response_id) {
+                    let (_, item_id, seconds) = self.heard.remove(k).expect("found");
+                    // the transcript fills the item's audio part, as the service does
+                    if let Some(i) = self.items.iter_mut().find(|i| i.view.id == item_id) {
+                        for part in i.view.content.iter_mut().flatten().filter(|p| p.kind == "input_audio") {
+                            part.transcript = Some(transcript.clone());
+                        }
+                    }
+                    self.out.event(&S::InputTranscriptionCompleted { item_id, transcript, seconds });
+                }
+            }
+            Received::TranscriptFailed { response_id, reason, .. } => {
+                if let Some(k) = self.heard.iter().position(|h| h.0 == response_id) {
+                    let (_, item_id, _) = self.heard.remove(k).expect("found");
+                    self.out.event(&S::InputTranscriptionFailed { item_id, message: reason });
                 }
             }
             Received::ToolCall { response_id, call_id, name, arguments, .. } => {

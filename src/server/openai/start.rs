@@ -101,6 +101,11 @@ impl Translator {
             .await;
             self.v1_voice = v1_voice;
         }
+        let transcription = self.session.transcription.is_some();
+        if transcription != self.v1_transcription {
+            self.to_v1_event(ClientEvent::SessionUpdate(Box::new(SessionUpdate { input_transcription: Some(transcription), ..update() }))).await;
+            self.v1_transcription = transcription;
+        }
         let tools = v1_tools(&self.session.tools, "session.tools")?;
         if tools != self.v1_tools {
             self.to_v1_event(ClientEvent::SessionUpdate(Box::new(SessionUpdate { tools: Some(tools.clone()), ..update() }))).await;
@@ -154,6 +159,14 @@ impl Translator {
             return Err(err("input_audio_buffer_full", format!("the new user audio is over the {} s a turn may hold", max_audio / 24_000)));
         }
         check_text(&self.shared, &text.join("\n"), "response.input")?;
+        // the spoken item this response answers, whose transcript v1 sends
+        let heard = match &p.input {
+            None => self.items.iter().rev().find_map(|i| match &i.pending {
+                Some(Pending::Audio(a)) => Some((i.view.id.clone(), a.len() as f64 / super::input::RATE as f64)),
+                _ => None,
+            }),
+            Some(_) => None,
+        };
         // checked: the new user items are answered now
         if p.input.is_none() {
             for i in &mut self.items {
@@ -162,6 +175,9 @@ impl Translator {
         }
         let _ = event_id;
         self.active = Some(Active::new(self, &p, voice_name, may_call));
+        if let Some(a) = self.active.as_mut() {
+            a.heard = heard;
+        }
         if answers_calls {
             self.to_v1_event(ClientEvent::InputToolResult { results, generation: Some(generation) }).await;
         } else if audio.is_empty() {

@@ -70,6 +70,10 @@ pub struct Translator {
     pub(super) v1_tools: Vec<antiphon_protocol::ToolDecl>,
     /// The call ids of the latest v1 response's calls (a result for them goes to v1 as one).
     pub(super) v1_calls: Vec<String>,
+    pub(super) v1_transcription: bool,
+    /// The user audio items whose transcripts v1 will send, by the v1 response that answered
+    /// them: `(v1 response, item id, seconds of audio)`, the latest few.
+    pub(super) heard: std::collections::VecDeque<(u32, String, f64)>,
     pub(super) items: Vec<ConvItem>,
     pub(super) input: InputBuffer,
     /// The item id a turn in progress will get (sent with `speech_started`).
@@ -113,6 +117,7 @@ impl Translator {
             max_output_tokens: MaxTokens::Inf,
             tools: Vec::new(),
             tool_choice: "auto".into(),
+            transcription: None,
         };
         Self {
             shared,
@@ -124,6 +129,8 @@ impl Translator {
             v1_voice: default_voice,
             v1_tools: Vec::new(),
             v1_calls: Vec::new(),
+            v1_transcription: false,
+            heard: Default::default(),
             items: Vec::new(),
             input,
             turn_item: None,
@@ -215,7 +222,7 @@ impl Translator {
             OaiClientEvent::ResponseCancel { response_id } => {
                 let live = self.active.as_ref().is_some_and(|a| !a.cancelling && response_id.as_ref().is_none_or(|r| *r == a.id));
                 if !live {
-                    return Err(err("response_cancel_not_active", "there is no response in progress to cancel"));
+                    return Err(err("response_cancel_not_active", "Cancellation failed: no active response found"));
                 }
                 self.cancel("client_cancelled").await;
                 Ok(())
@@ -272,6 +279,9 @@ impl Translator {
         }
         if let Some(c) = p.tool_choice {
             s.tool_choice = c;
+        }
+        if let Some(t) = p.transcription {
+            s.transcription = t;
         }
         if p.temperature.is_some() {
             self.temperature = p.temperature;
@@ -501,7 +511,16 @@ impl Translator {
 
 /// An empty v1 session.update (the input is fixed: PCM16 at 24 kHz).
 pub(super) fn update() -> SessionUpdate {
-    SessionUpdate { input_audio: None, output_audio: None, voice: None, instructions: None, generation: None, duplex: None, tools: None }
+    SessionUpdate {
+        input_audio: None,
+        output_audio: None,
+        voice: None,
+        instructions: None,
+        generation: None,
+        duplex: None,
+        tools: None,
+        input_transcription: None,
+    }
 }
 
 /// The v1 session this dialect runs on: turns, PCM16 at 24 kHz both ways.
@@ -515,6 +534,7 @@ pub(super) fn v1_create(instructions: &str) -> antiphon_protocol::SessionCreate 
         generation: None,
         duplex: None,
         tools: None,
+        input_transcription: None,
     }
 }
 

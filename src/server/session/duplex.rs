@@ -83,6 +83,7 @@ impl Session {
                     user: None,
                     text: String::new(),
                     calls: Vec::new(),
+                    transcript_asked: false,
                     packets: 0,
                     chunks: 0,
                     audio_samples: 0,

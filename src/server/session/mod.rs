@@ -20,6 +20,7 @@ mod manager;
 mod replay;
 mod response;
 mod tools;
+mod transcript;
 
 pub use conn::{Conn, ConnId, Outbound, REPLAY_STALL};
 use history::History;
@@ -93,6 +94,11 @@ pub enum SessionMsg {
         response_id: u32,
         event: EngineEvent,
     },
+    /// The transcript request of the turn `response_id` answers.
+    Transcript {
+        response_id: u32,
+        event: EngineEvent,
+    },
     /// The engine's duplex stream of this session.
     Duplex(DuplexEvent),
     Shutdown {
@@ -119,6 +125,10 @@ pub struct Session {
     instructions: Option<String>,
     generation: Generation,
     tools: SessionTools,
+    /// Spoken turns are transcribed (`input_transcription`).
+    transcription: bool,
+    /// Transcript requests still running (cancelled when the session ends).
+    transcripts: Vec<RequestId>,
     history: History,
     next_seq: u64,
     journal: Journal,
@@ -193,6 +203,8 @@ impl Session {
             instructions: c.instructions.clone(),
             generation: c.generation.clone().unwrap_or_default(),
             tools,
+            transcription: c.input_transcription.unwrap_or(false) && c.mode == WireMode::Turn,
+            transcripts: Vec::new(),
             history,
             next_seq: 1,
             applied_input: 0,
@@ -329,6 +341,9 @@ impl Session {
         for r in self.current.take().into_iter().chain(std::mem::take(&mut self.older)) {
             self.shared.engine.cancel(&r.engine_id);
         }
+        for t in std::mem::take(&mut self.transcripts) {
+            self.shared.engine.cancel(&t);
+        }
         if self.duplex.is_some() {
             self.shared.engine.close_duplex(&self.id);
         }
@@ -398,6 +413,9 @@ impl Session {
         }
         if u.tools.is_some() {
             self.tools = tools;
+        }
+        if let Some(t) = u.input_transcription {
+            self.transcription = t;
         }
         Ok(())
     }
@@ -517,6 +535,7 @@ impl Session {
                 }
             }
             SessionMsg::Engine { response_id, event } => self.on_engine(response_id, event),
+            SessionMsg::Transcript { response_id, event } => self.on_transcript(response_id, event),
             SessionMsg::Duplex(e) => self.on_duplex(e),
             SessionMsg::Shutdown { retry_after_ms } => {
                 if !self.closing {

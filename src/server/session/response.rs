@@ -17,11 +17,26 @@ pub(super) struct Resp {
     pub(super) text: String,
     /// The tools it called, with their ids.
     pub(super) calls: Vec<super::history::IdentifiedCall>,
+    /// The transcript of its (spoken) input was asked for.
+    pub(super) transcript_asked: bool,
     pub(super) packets: u64,
     pub(super) chunks: u64,
     pub(super) audio_samples: u64,
     pub(super) started: Instant,
     pub(super) first_packet: bool,
+}
+
+impl Resp {
+    /// The spoken input whose transcript is due now (once; `on`: the session transcribes).
+    fn transcript_due(&mut self, on: bool) -> Option<SpokenClip> {
+        match &self.user {
+            Some(UserInput::Audio(clip)) if on && !self.transcript_asked => {
+                self.transcript_asked = true;
+                Some(clip.clone())
+            }
+            _ => None,
+        }
+    }
 }
 
 impl Session {
@@ -62,6 +77,7 @@ impl Session {
             generation: params(&g),
             tools: self.tools.for_reply(&g),
             text_only: g.text_only.unwrap_or(false),
+            task: Default::default(),
         };
         self.send_event(ServerEvent::ResponseCreated { seq: 0, response_id: rid, trigger });
         let me = self.me.clone().expect("started");
@@ -76,6 +92,7 @@ impl Session {
             user: Some(input),
             text: String::new(),
             calls: Vec::new(),
+            transcript_asked: false,
             packets: 0,
             chunks: 0,
             audio_samples: 0,
@@ -150,7 +167,7 @@ impl Session {
     }
 
     pub(super) fn finish_response(&mut self, rid: u32, status: Status) {
-        let Some(r) = self.take_resp(rid) else { return };
+        let Some(mut r) = self.take_resp(rid) else { return };
         if let Some(d) = &mut self.duplex {
             d.turns.remove(&r.engine_id);
         }
@@ -172,6 +189,10 @@ impl Session {
             _ => {}
         }
         let audio_ms = r.audio_samples * 1000 / crate::audio_edge::OUTPUT_RATE as u64;
+        // (a reply that made no audio: its turn's transcript is asked for now)
+        if let Some(clip) = r.transcript_due(self.transcription).filter(|_| done != DoneStatus::Failed) {
+            self.transcribe(r.id, clip);
+        }
         self.send_event(ServerEvent::ResponseDone { seq: 0, response_id: r.id, status: done, audio_ms, packets: r.packets, chunks: r.chunks });
         self.shared.metrics.responses.with_label_values(&[label]).inc();
         tracing::info!(response = r.id, status = label, audio_ms, "response done");
@@ -222,13 +243,19 @@ impl Session {
                 };
                 let n = packets.len();
                 r.packets += n as u64;
-                if !r.first_packet && n > 0 {
+                let first = !r.first_packet && n > 0;
+                if first {
                     r.first_packet = true;
                     let t = r.started.elapsed().as_secs_f64();
                     self.shared.metrics.ttfa.observe(t);
                 }
                 for (i, p) in packets.into_iter().enumerate() {
                     self.send_audio(response_id, p, last && i + 1 == n);
+                }
+                // (the reply's first audio is out: the turn's transcript may take the GPU now)
+                let on = self.transcription;
+                if let Some(clip) = self.resp_mut(response_id).filter(|_| first).and_then(|r| r.transcript_due(on)) {
+                    self.transcribe(response_id, clip);
                 }
             }
             EngineEvent::ToolCall(call) => self.on_tool_call(response_id, call),

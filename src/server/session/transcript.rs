@@ -1,0 +1,71 @@
+//! Transcripts of what the caller said. With `input_transcription`, a spoken turn's audio is
+//! written down by the Thinker itself (an engine request of `Task::Transcribe` over the same
+//! clip), asked for once the reply's first audio is out, or when the reply ends without any, so
+//! it never delays the reply's first audio; its deltas and its end go out as `input.transcript.*`
+//! naming the response that answered the turn.
+
+use antiphon_engine::{GenerationParams, SpokenClip, Task};
+
+use super::*;
+
+/// The longest transcript, in the Thinker's tokens (a turn holds at most a minute of speech).
+const TRANSCRIPT_MAX_TOKENS: usize = 256;
+
+impl Session {
+    /// Asks for the transcript of `clip`, the turn response `rid` answers.
+    pub(super) fn transcribe(&mut self, rid: u32, clip: SpokenClip) {
+        let id = RequestId::transcript(&self.id, rid);
+        let limit = self.shared.engine.generation_limits().max_text_tokens;
+        let spec = RequestSpec {
+            id: id.clone(),
+            mode: Mode::Turn,
+            input: UserInput::Audio(clip),
+            instructions: None,
+            history: Vec::new(),
+            voice: self.voice.clone(),
+            // (greedy: a transcript is the likeliest reading, not a sample)
+            generation: GenerationParams {
+                max_text_tokens: Some(TRANSCRIPT_MAX_TOKENS.min(limit)),
+                temperature: Some(0.0),
+                seed: Some(0),
+                ..Default::default()
+            },
+            tools: Default::default(),
+            text_only: true,
+            task: Task::Transcribe,
+        };
+        let me = self.me.clone().expect("started");
+        let sink = Arc::new(move |event: EngineEvent| {
+            let _ = me.send(SessionMsg::Transcript { response_id: rid, event });
+        });
+        match self.shared.engine.submit(spec, sink) {
+            Ok(()) => self.transcripts.push(id),
+            Err(e) => {
+                let reason = match e {
+                    antiphon_engine::SubmitError::Busy(_) => "the server is at capacity".to_string(),
+                    e => e.to_string(),
+                };
+                self.send_event(ServerEvent::InputTranscriptFailed { seq: 0, response_id: rid, reason });
+            }
+        }
+    }
+
+    /// The transcript request's events, as the client's.
+    pub(super) fn on_transcript(&mut self, response_id: u32, event: EngineEvent) {
+        match event {
+            EngineEvent::TextDelta(delta) => self.send_event(ServerEvent::InputTranscriptDelta { seq: 0, response_id, delta }),
+            EngineEvent::Done { status, text, .. } => {
+                let id = RequestId::transcript(&self.id, response_id);
+                self.transcripts.retain(|t| *t != id);
+                let e = match status {
+                    Status::Completed => ServerEvent::InputTranscriptDone { seq: 0, response_id, transcript: text },
+                    Status::Cancelled => ServerEvent::InputTranscriptFailed { seq: 0, response_id, reason: "cancelled".into() },
+                    Status::Failed(why) | Status::Refused(why) => ServerEvent::InputTranscriptFailed { seq: 0, response_id, reason: why },
+                    Status::Busy(_) => ServerEvent::InputTranscriptFailed { seq: 0, response_id, reason: "the server is at capacity".into() },
+                };
+                self.send_event(e);
+            }
+            _ => {}
+        }
+    }
+}
