@@ -206,3 +206,28 @@ fn a_spoken_input_is_transcribed_by_the_thinker_without_speech() {
     let o = collect(submit(&e, typed));
     assert!(matches!(&o.status, Status::Failed(why) if why.contains("spoken")), "{:?}", o.status);
 }
+
+/// A reply's usage: its prompt's positions (those of audio among them, and those reused from the
+/// prefix store) and the text tokens it wrote.
+#[test]
+fn usage_counts_the_prompt_what_was_reused_and_what_was_written() {
+    let e = engine(EngineConfig::default());
+    let usage = |o: &Outcome| match o.events.last() {
+        Some(EngineEvent::Done { usage, .. }) => *usage,
+        other => panic!("{other:?}"),
+    };
+    let first = collect(submit(&e, spec("u1", "Hello there.", 6, 30, 1)));
+    let u1 = usage(&first);
+    assert_eq!(u1.output_text, 6);
+    assert!(u1.input > 20 && u1.cached <= u1.input, "{u1:?}");
+    let mut next = spec("u2", "And then?", 6, 30, 2);
+    next.history = vec![Turn::text("Hello there.", first.text.clone())];
+    let u2 = usage(&collect(submit(&e, next)));
+    assert!(u2.input > u1.input, "the conversation is in the prompt: {u2:?} after {u1:?}");
+    assert!(u2.cached > u1.cached, "the first turn's KV is reused: {u2:?} after {u1:?}");
+    // a spoken input's positions are audio: 2 s more than the typed one holds
+    let mut spoken = spec("u3", "", 6, 30, 3);
+    spoken.input = UserInput::Audio(antiphon_engine::SpokenClip::new(vec![0.1; 32_000]).unwrap());
+    let u3 = usage(&collect(submit(&e, spoken)));
+    assert!(u3.input_audio >= u1.input_audio + 20, "{u3:?} vs {u1:?}");
+}

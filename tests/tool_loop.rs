@@ -60,6 +60,10 @@ async fn a_tool_loop_over_the_wire() {
     assert!(!ev.iter().any(|e| e["type"] == "error"), "{ev:?}");
     let done2 = ev.last().unwrap();
     assert_eq!(done2["status"], "completed");
+    let u = &done2["usage"];
+    assert_eq!(u["output_text_tokens"], 4);
+    assert_eq!(u["output_audio_tokens"], done2["audio_ms"].as_u64().unwrap() * 25 / 1000);
+    assert!(u["input_tokens"].as_u64().unwrap() > u["cached_tokens"].as_u64().unwrap() && u["cached_tokens"].as_u64().unwrap() > 0, "{u}");
     assert!(audio_packets(&rest, 2) > 0);
 
     // a response that only calls: no audio at all
@@ -203,6 +207,8 @@ async fn a_tool_loop_in_the_openai_dialect() {
     let done = &evs.last().unwrap()["response"];
     assert_eq!(done["status"], "completed", "{done}");
     assert_eq!(done["output"][0]["type"], "message");
+    let u = &done["usage"];
+    assert!(u["input_tokens"].as_u64().unwrap() > 0 && u["input_token_details"]["cached_tokens"].as_u64().unwrap() > 0, "{u}");
     assert!(evs.iter().any(|v| v["type"] == "response.output_audio.delta"));
     assert!(!evs.iter().any(|v| v["type"] == "error"), "{evs:?}");
     // speech, then a call, in one response: the message first, the call after it

@@ -250,6 +250,18 @@ impl Timings {
     }
 }
 
+/// What a request took and made, in tokens (a response's `usage`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// The prompt's positions: all of them, those that are audio, and those whose KV came from
+    /// the prefix store instead of a prefill.
+    pub input: usize,
+    pub input_audio: usize,
+    pub cached: usize,
+    /// Text tokens the reply wrote (a call's too, and a given beginning's).
+    pub output_text: usize,
+}
+
 /// What a request produces, in order; `Done` is always last and comes exactly once.
 #[derive(Debug, Clone)]
 pub enum EngineEvent {
@@ -280,6 +292,7 @@ pub enum EngineEvent {
         audio_samples: usize,
         chunks: usize,
         timings: Timings,
+        usage: Usage,
     },
 }
 
@@ -370,6 +383,7 @@ struct Progress {
     audio_samples: usize,
     chunks: usize,
     timings: Timings,
+    usage: Usage,
     done: bool,
 }
 
@@ -456,6 +470,13 @@ impl Registry {
         }
     }
 
+    /// Records what the request took and made.
+    pub fn usage(&self, id: &RequestId, f: impl FnOnce(&mut Usage)) {
+        if let Some(e) = self.get(id) {
+            f(&mut e.progress.lock().expect("progress").usage);
+        }
+    }
+
     pub fn add_codes(&self, id: &RequestId, n: usize) {
         if let Some(e) = self.get(id) {
             let mut p = e.progress.lock().expect("progress");
@@ -517,6 +538,7 @@ impl Registry {
                 audio_samples: p.audio_samples,
                 chunks: p.chunks,
                 timings: p.timings.clone(),
+                usage: p.usage,
             };
             (e.sink)(ev);
             p.timings.clone()

@@ -12,7 +12,7 @@ mod server_event;
 mod tools;
 pub use generation::{validate_instructions, Generation, GenerationLimits, MAX_INSTRUCTIONS_CHARS, MAX_PREFIX_CHARS, MAX_TEMPERATURE};
 pub use received::{parse_server, Received};
-pub use server_event::{ClosingReason, DoneStatus, ServerEvent, Trigger};
+pub use server_event::{ClosingReason, DoneStatus, ServerEvent, Trigger, Usage};
 pub use tools::{
     validate_results, validate_tool_choice, validate_tools, ToolChoice, ToolDecl, ToolResult, MAX_TOOLS, MAX_TOOLS_BYTES, MAX_TOOL_NAME,
     MAX_TOOL_OUTPUT_CHARS, MAX_TOOL_RESULTS,
@@ -502,7 +502,15 @@ mod tests {
         assert!(e.to_json().contains("\"seq\":5") && e.to_json().contains("\"type\":\"response.created\""));
         assert!(e.to_json().contains("\"trigger\":\"text\""));
         // the words on the wire, and what a client makes of them (a reason it does not know too)
-        let done = ServerEvent::ResponseDone { seq: 0, response_id: 1, status: DoneStatus::Cancelled, audio_ms: 0, packets: 0, chunks: 0 };
+        let done = ServerEvent::ResponseDone {
+            seq: 0,
+            response_id: 1,
+            status: DoneStatus::Cancelled,
+            audio_ms: 0,
+            packets: 0,
+            chunks: 0,
+            usage: Usage::default(),
+        };
         assert!(done.to_json().contains("\"status\":\"cancelled\""));
         let closing = ServerEvent::SessionClosing { seq: 0, reason: ClosingReason::MaxDuration, retry_after_ms: None };
         assert!(closing.to_json().contains("\"reason\":\"max_duration\""));

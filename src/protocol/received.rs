@@ -24,7 +24,14 @@ pub enum Received {
     #[serde(rename = "input.transcript.failed")]
     TranscriptFailed { seq: u64, response_id: u32, reason: String },
     #[serde(rename = "response.done")]
-    ResponseDone { seq: u64, response_id: u32, status: crate::DoneStatus, audio_ms: u64 },
+    ResponseDone {
+        seq: u64,
+        response_id: u32,
+        status: crate::DoneStatus,
+        audio_ms: u64,
+        #[serde(default)]
+        usage: crate::Usage,
+    },
     #[serde(rename = "session.closing")]
     SessionClosing { seq: u64, reason: crate::ClosingReason },
     #[serde(rename = "error")]

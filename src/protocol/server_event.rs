@@ -93,6 +93,19 @@ impl std::fmt::Display for ClosingReason {
     }
 }
 
+/// What a response took and made, in the model's tokens (`response.done`'s `usage`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// The prompt's positions (instructions, voice, conversation, input), those that are audio
+    /// (10 a second), and those whose KV was reused from earlier turns instead of computed.
+    pub input_tokens: u64,
+    pub input_audio_tokens: u64,
+    pub cached_tokens: u64,
+    /// The reply's text tokens and its speech tokens (25 a second).
+    pub output_text_tokens: u64,
+    pub output_audio_tokens: u64,
+}
+
 /// Server events. `seq` is filled in by the session when the event is sent.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 #[serde(tag = "type")]
@@ -134,7 +147,7 @@ pub enum ServerEvent {
     #[serde(rename = "conversation.trimmed")]
     ConversationTrimmed { seq: u64, response_id: u32, turns: usize },
     #[serde(rename = "response.done")]
-    ResponseDone { seq: u64, response_id: u32, status: DoneStatus, audio_ms: u64, packets: u64, chunks: u64 },
+    ResponseDone { seq: u64, response_id: u32, status: DoneStatus, audio_ms: u64, packets: u64, chunks: u64, usage: Usage },
     #[serde(rename = "duplex.listen")]
     DuplexListen { seq: u64, unit: u64 },
     #[serde(rename = "duplex.speak")]

@@ -205,6 +205,8 @@ impl TurnStream {
                 return None;
             }
         };
+        let audio_positions = prompt.ids.iter().filter(|&&t| t == s.unk).count();
+        ctx.registry.usage(&spec.id, |u| (u.input, u.input_audio, u.cached) = (prompt_len, audio_positions, prefill_pos));
         ctx.metrics.prompt_positions.with_label_values(&["reused"]).inc_by(prefill_pos as u64);
         ctx.metrics.prompt_positions.with_label_values(&["prefilled"]).inc_by((prompt_len - prefill_pos) as u64);
         let store_system = system
@@ -289,6 +291,8 @@ impl TurnStream {
     fn hand_off(&mut self, ctx: &mut Ctx) -> Result<()> {
         self.done = true;
         self.prefix_due = true;
+        let written = self.length.generated();
+        ctx.registry.usage(&self.id, |u| u.output_text = written);
         let s = *ctx.tok.special();
         let range = handoff_range(&self.ids, self.prompt_len, &s);
         // (rows exist for every generated token fed back, i.e. all before the end)

@@ -160,8 +160,13 @@ impl ItemView {
 /// speech tokens (the Talker's codes at 25 per second of audio).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct UsageView {
+    /// Output: the reply's text and speech tokens.
     pub text_tokens: u64,
     pub audio_tokens: u64,
+    /// Input: the prompt's text and audio positions, and those reused from earlier turns.
+    pub input_text_tokens: u64,
+    pub input_audio_tokens: u64,
+    pub cached_tokens: u64,
 }
 
 /// Why a response failed (`status_details.error`): the v1 code behind it (`capacity` when the
@@ -222,9 +227,12 @@ impl ResponseView {
             d
         });
         let usage = self.usage.map(|u| {
+            let (input, output) = (u.input_text_tokens + u.input_audio_tokens, u.text_tokens + u.audio_tokens);
             serde_json::json!({
-                "total_tokens": u.text_tokens + u.audio_tokens,
-                "output_tokens": u.text_tokens + u.audio_tokens,
+                "total_tokens": input + output,
+                "input_tokens": input,
+                "output_tokens": output,
+                "input_token_details": {"text_tokens": u.input_text_tokens, "audio_tokens": u.input_audio_tokens, "cached_tokens": u.cached_tokens},
                 "output_token_details": {"text_tokens": u.text_tokens, "audio_tokens": u.audio_tokens},
             })
         });

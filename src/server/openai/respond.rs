@@ -205,9 +205,9 @@ impl Translator {
                     self.out.event(&e);
                 }
             }
-            Received::ResponseDone { response_id, status, audio_ms, .. } => {
+            Received::ResponseDone { response_id, status, audio_ms, usage, .. } => {
                 if self.active.as_ref().is_some_and(|a| a.v1 == Some(response_id)) {
-                    self.finish(status.as_str(), audio_ms).await;
+                    self.finish(status.as_str(), audio_ms, usage).await;
                 }
                 done = true;
             }
@@ -226,7 +226,7 @@ impl Translator {
                         a.failure = Some(Failure { code, message, retry_after_ms });
                     }
                     if unstarted {
-                        self.finish("failed", 0).await;
+                        self.finish("failed", 0, Default::default()).await;
                     }
                 } else {
                     self.shared.metrics.errors.with_label_values(&["openai_forwarded"]).inc();
@@ -300,7 +300,7 @@ impl Translator {
 
     /// The response's closing events (v1 status `completed`, `cancelled` or `failed`): its message
     /// item's (a response with neither speech nor a call still has one), then each call's item.
-    async fn finish(&mut self, v1_status: &str, audio_ms: u64) {
+    async fn finish(&mut self, v1_status: &str, audio_ms: u64, v1_usage: antiphon_protocol::Usage) {
         if self.active.as_ref().is_some_and(|a| !a.started) {
             self.begin();
         }
@@ -372,9 +372,17 @@ impl Translator {
                 self.push_item(ConvItem { view: item, pending: None, v1_response: None, audio_ms: 0 });
             }
         }
+        // (a response cancelled here ends before the engine reports its usage: its text is counted)
+        let written = match v1_usage.output_text_tokens {
+            0 => self.shared.engine.count_tokens(&a.transcript).map(|n| n as u64).unwrap_or(0),
+            n => n,
+        };
         let usage = UsageView {
-            text_tokens: self.shared.engine.count_tokens(&a.transcript).map(|n| n as u64).unwrap_or(0),
+            text_tokens: written,
             audio_tokens: audio_ms * 25 / 1000,
+            input_text_tokens: v1_usage.input_tokens.saturating_sub(v1_usage.input_audio_tokens),
+            input_audio_tokens: v1_usage.input_audio_tokens,
+            cached_tokens: v1_usage.cached_tokens,
         };
         self.out.event(&S::ResponseDone(a.view(status, output, Some(usage))));
         if let Some((p, event_id)) = self.queued.take() {

@@ -84,6 +84,7 @@ impl Session {
                     text: String::new(),
                     calls: Vec::new(),
                     transcript_asked: false,
+                    usage: Default::default(),
                     packets: 0,
                     chunks: 0,
                     audio_samples: 0,

@@ -19,6 +19,8 @@ pub(super) struct Resp {
     pub(super) calls: Vec<super::history::IdentifiedCall>,
     /// The transcript of its (spoken) input was asked for.
     pub(super) transcript_asked: bool,
+    /// What the engine reported it took and made (known when the engine ends it).
+    pub(super) usage: antiphon_engine::Usage,
     pub(super) packets: u64,
     pub(super) chunks: u64,
     pub(super) audio_samples: u64,
@@ -93,6 +95,7 @@ impl Session {
             text: String::new(),
             calls: Vec::new(),
             transcript_asked: false,
+            usage: Default::default(),
             packets: 0,
             chunks: 0,
             audio_samples: 0,
@@ -193,7 +196,15 @@ impl Session {
         if let Some(clip) = r.transcript_due(self.transcription).filter(|_| done != DoneStatus::Failed) {
             self.transcribe(r.id, clip);
         }
-        self.send_event(ServerEvent::ResponseDone { seq: 0, response_id: r.id, status: done, audio_ms, packets: r.packets, chunks: r.chunks });
+        let u = r.usage;
+        let usage = antiphon_protocol::Usage {
+            input_tokens: u.input as u64,
+            input_audio_tokens: u.input_audio as u64,
+            cached_tokens: u.cached as u64,
+            output_text_tokens: u.output_text as u64,
+            output_audio_tokens: audio_ms * 25 / 1000,
+        };
+        self.send_event(ServerEvent::ResponseDone { seq: 0, response_id: r.id, status: done, audio_ms, packets: r.packets, chunks: r.chunks, usage });
         self.shared.metrics.responses.with_label_values(&[label]).inc();
         tracing::info!(response = r.id, status = label, audio_ms, "response done");
         let _ = r.trigger;
@@ -262,7 +273,10 @@ impl Session {
             EngineEvent::ToolCallInvalid { text, reason } => {
                 self.send_event(ServerEvent::ResponseToolCallInvalid { seq: 0, response_id, text, reason });
             }
-            EngineEvent::Done { status, .. } => self.finish_response(response_id, status),
+            EngineEvent::Done { status, usage, .. } => {
+                r.usage = usage;
+                self.finish_response(response_id, status)
+            }
         }
     }
 }
