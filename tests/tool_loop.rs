@@ -329,3 +329,27 @@ async fn the_dialect_transcribes_a_committed_turn() {
     assert_eq!(r["item"]["content"][0]["transcript"].as_str().unwrap(), deltas);
     s.shutdown().await.unwrap();
 }
+
+/// `generation.remember: false` (the dialect's `conversation: "none"`): the turn leaves no trace,
+/// so the next prompt is what it would be without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_not_remembered_leaves_no_trace() {
+    let s = server(|_| {}).await;
+    let g = |remember: bool| json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": 20, "max_audio_tokens": 20, "seed": 1, "remember": remember});
+    let input_tokens = |ms: &[In]| events(ms).last().unwrap()["usage"]["input_tokens"].as_u64().unwrap();
+    let mut a = Client::connect(&s).await;
+    a.create(json!({})).await;
+    a.send(json!({"type": "input.text", "text": "An aside that is not kept.", "generation": g(false)})).await;
+    a.until(is_done).await;
+    a.send(json!({"type": "input.text", "text": "What did I say?", "generation": g(true)})).await;
+    let after_aside = input_tokens(&a.until(is_done).await);
+    let mut b = Client::connect(&s).await;
+    b.create(json!({})).await;
+    b.send(json!({"type": "input.text", "text": "What did I say?", "generation": g(true)})).await;
+    let alone = input_tokens(&b.until(is_done).await);
+    assert_eq!(after_aside, alone, "the aside is not in the prompt");
+    // and a remembered turn is
+    b.send(json!({"type": "input.text", "text": "What did I say?", "generation": g(true)})).await;
+    assert!(input_tokens(&b.until(is_done).await) > alone);
+    s.shutdown().await.unwrap();
+}

@@ -24,6 +24,10 @@ pub struct Generation {
     /// The reply is written, not spoken: text only, no audio.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub text_only: Option<bool>,
+    /// `false`: the turn (its input and its reply) is not kept in the conversation; later
+    /// prompts do not hear it (an out-of-band response).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remember: Option<bool>,
 }
 
 /// The longest `generation.prefix`, in characters.

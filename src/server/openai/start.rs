@@ -133,6 +133,7 @@ impl Translator {
             },
             tool_choice: Some(tool_choice),
             text_only: (modality == Modality::Text).then_some(true),
+            remember: p.out_of_band.then_some(false),
             ..Generation::default()
         };
         let audio: Vec<i16> = inputs.iter().flat_map(|i| if let Pending::Audio(a) = i { a.clone() } else { Vec::new() }).collect();

@@ -85,6 +85,7 @@ impl Session {
                     calls: Vec::new(),
                     transcript_asked: false,
                     usage: Default::default(),
+                    remember: true,
                     packets: 0,
                     chunks: 0,
                     audio_samples: 0,

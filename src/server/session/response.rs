@@ -21,6 +21,8 @@ pub(super) struct Resp {
     pub(super) transcript_asked: bool,
     /// What the engine reported it took and made (known when the engine ends it).
     pub(super) usage: antiphon_engine::Usage,
+    /// The turn stays in the conversation (`generation.remember`, true unless set false).
+    pub(super) remember: bool,
     pub(super) packets: u64,
     pub(super) chunks: u64,
     pub(super) audio_samples: u64,
@@ -96,6 +98,7 @@ impl Session {
             calls: Vec::new(),
             transcript_asked: false,
             usage: Default::default(),
+            remember: g.remember.unwrap_or(true),
             packets: 0,
             chunks: 0,
             audio_samples: 0,
@@ -209,7 +212,7 @@ impl Session {
         tracing::info!(response = r.id, status = label, audio_ms, "response done");
         let _ = r.trigger;
         // a failed turn did not happen as far as the conversation goes
-        if let Some(user) = r.user.filter(|_| done != DoneStatus::Failed) {
+        if let Some(user) = r.user.filter(|_| done != DoneStatus::Failed && r.remember) {
             self.history.push(r.id, user, r.text, r.calls, audio_ms);
         }
         self.answer_waiting_results(r.id, done == DoneStatus::Failed);
@@ -306,6 +309,7 @@ pub(super) fn merge(base: &Generation, over: Option<&Generation>) -> Generation 
         prefix: o.prefix.clone().or_else(|| base.prefix.clone()),
         tool_choice: o.tool_choice.clone().or_else(|| base.tool_choice.clone()),
         text_only: o.text_only.or(base.text_only),
+        remember: o.remember.or(base.remember),
     }
 }
 
