@@ -353,3 +353,75 @@ async fn a_turn_not_remembered_leaves_no_trace() {
     assert!(input_tokens(&b.until(is_done).await) > alone);
     s.shutdown().await.unwrap();
 }
+
+/// The client owns its conversation: items it created (a conversation replayed on a new socket:
+/// user and assistant messages, a call and its output) are in what the model remembers, as
+/// earlier turns, and the user item after them is the input; the same input on a socket
+/// without them has a shorter prompt. Over v1, `conversation.append` does it directly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_conversation_is_what_the_model_remembers() {
+    let s = server(|c| c.engine.default_max_audio_tokens = 30).await;
+    let create = |item: Value| json!({"type": "conversation.item.create", "item": item});
+    let user = |t: &str| create(json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]}));
+    let said = |t: &str| create(json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": t}]}));
+    let ask = |c: Client| async move {
+        let mut c = c;
+        c.send(user("And tomorrow?")).await;
+        oai_until(&mut c, "conversation.item.done").await;
+        c.send(json!({"type": "response.create", "response": {"max_output_tokens": 4}})).await;
+        let evs = oai_until(&mut c, "response.done").await;
+        assert!(!evs.iter().any(|v| v["type"] == "error"), "{evs:?}");
+        let done = evs.last().unwrap()["response"].clone();
+        assert_eq!(done["status"], "completed", "{done}");
+        (c, done["usage"]["input_tokens"].as_u64().unwrap())
+    };
+    let (_, alone) = ask(oai_connect(&s).await).await;
+    let replayed = |answer: &'static str| {
+        let s = &s;
+        async move {
+            let mut c = oai_connect(s).await;
+            c.send(json!({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": null}}}})).await;
+            oai_until(&mut c, "session.updated").await;
+            let replay = [
+                user("What is the weather in Paris?"),
+                said("Let me check."),
+                create(json!({"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"})),
+                create(json!({"type": "function_call_output", "call_id": "call_1", "output": "{\"temperature_c\": 18}"})),
+                said(answer),
+            ];
+            for item in replay {
+                c.send(item).await;
+                oai_until(&mut c, "conversation.item.done").await;
+            }
+            ask(c).await.1
+        }
+    };
+    let (short, long) = ("It is 18 degrees.", "It is 18 degrees in Paris, and sunny, with a light breeze.");
+    let (a, b) = (replayed(short).await, replayed(long).await);
+    assert!(a > alone + 60, "{a} input tokens after the replay, {alone} without it");
+    // what the assistant said is in the prompt, word for word (the tiny tokenizer: a token a byte)
+    assert_eq!(b - a, (long.len() - short.len()) as u64, "the replayed answer is what the model remembers");
+
+    // over v1: the same turns appended, then the same question
+    let g = json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": 20, "max_audio_tokens": 20, "seed": 1});
+    let input_tokens = |ms: &[In]| events(ms).last().unwrap()["usage"]["input_tokens"].as_u64().unwrap();
+    let mut v = Client::connect(&s).await;
+    v.create(json!({})).await;
+    v.send(json!({"type": "conversation.append", "turns": [
+        {"user": "What is the weather in Paris?", "assistant": "Let me check.",
+         "calls": [{"call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}]},
+        {"tool_outputs": ["{\"temperature_c\": 18}"], "assistant": "It is eighteen degrees in Paris."}]}))
+        .await;
+    v.send(json!({"type": "input.text", "text": "And tomorrow?", "generation": g})).await;
+    let appended = input_tokens(&v.until(is_done).await);
+    let mut w = Client::connect(&s).await;
+    w.create(json!({})).await;
+    w.send(json!({"type": "input.text", "text": "And tomorrow?", "generation": g})).await;
+    let fresh = input_tokens(&w.until(is_done).await);
+    assert!(appended > fresh + 60, "{appended} vs {fresh}");
+    // a call whose arguments are not an object is refused, naming it, and nothing is appended
+    v.send(json!({"type": "conversation.append", "turns": [{"user": "x", "calls": [{"call_id": "c", "name": "f", "arguments": "[1]"}]}]})).await;
+    let e = v.event("error").await;
+    assert!(e["message"].as_str().unwrap().contains("`turns[0].calls[0].arguments`"), "{e}");
+    s.shutdown().await.unwrap();
+}

@@ -153,6 +153,16 @@ impl ToolCall {
         format!("<tool_call>\n{{\"name\": {}, \"arguments\": {}}}\n</tool_call>", Value::String(self.name.clone()), self.arguments)
     }
 
+    /// A call a client says was made (a conversation it replays): `arguments` must be a JSON
+    /// object's text; it is kept as the template writes it.
+    pub fn given(name: &str, arguments: &str) -> Result<Self> {
+        let v: Value = serde_json::from_str(arguments).map_err(|e| anyhow!("`arguments` is not JSON ({e})"))?;
+        if !v.is_object() {
+            return Err(anyhow!("`arguments` is not a JSON object"));
+        }
+        Ok(Self { name: name.to_string(), arguments: python_json(&v) })
+    }
+
     /// Reads the text between `<tool_call>` and `</tool_call>`: a JSON object with a declared
     /// `name` and `arguments` that are an object or a string holding one (models write both; none
     /// is `{}`). The error says what is wrong, for the client.

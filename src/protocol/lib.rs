@@ -5,11 +5,13 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+mod conversation;
 mod generation;
 pub mod openai;
 mod received;
 mod server_event;
 mod tools;
+pub use conversation::{validate_turns, PastCall, PastTurn, MAX_APPEND_TURNS};
 pub use generation::{validate_instructions, Generation, GenerationLimits, MAX_INSTRUCTIONS_CHARS, MAX_PREFIX_CHARS, MAX_TEMPERATURE};
 pub use received::{parse_server, Received};
 pub use server_event::{ClosingReason, DoneStatus, ServerEvent, Trigger, Usage};
@@ -225,6 +227,10 @@ pub enum ClientEvent {
         generation: Option<Generation>,
     },
     InputClear,
+    /// Earlier turns the conversation is to hold (after those it holds).
+    ConversationAppend {
+        turns: Vec<PastTurn>,
+    },
     ResponseCancel {
         response_id: Option<u32>,
     },
@@ -277,6 +283,10 @@ struct ToolResultBody {
     results: Vec<ToolResult>,
     #[serde(default)]
     generation: Option<Generation>,
+}
+#[derive(Deserialize)]
+struct AppendBody {
+    turns: Vec<PastTurn>,
 }
 #[derive(Deserialize)]
 struct CancelBody {
@@ -339,6 +349,11 @@ pub fn parse_client(text: &str) -> Result<Incoming, WireError> {
             ClientEvent::InputToolResult { results: b.results, generation: b.generation }
         }
         "input.clear" => ClientEvent::InputClear,
+        "conversation.append" => {
+            let b: AppendBody = typed(v)?;
+            validate_turns(&b.turns)?;
+            ClientEvent::ConversationAppend { turns: b.turns }
+        }
         "response.cancel" => ClientEvent::ResponseCancel { response_id: typed::<CancelBody>(v)?.response_id },
         "playback" => {
             let b: PlaybackBody = typed(v)?;

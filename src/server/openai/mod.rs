@@ -19,6 +19,7 @@ use antiphon_protocol::openai::server::{ErrorView, OaiServerEvent};
 use antiphon_protocol::openai::{parse_client, OaiError};
 use antiphon_protocol::ClientEvent;
 
+mod history;
 mod input;
 mod respond;
 mod start;

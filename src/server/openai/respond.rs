@@ -338,7 +338,7 @@ impl Translator {
                     cut_transcript(&mut view, ms, audio_ms);
                     self.to_v1_event(ClientEvent::Playback { response_id: rid, played_ms: ms.min(audio_ms) }).await;
                 }
-                self.push_item(ConvItem { view, pending: None, v1_response: a.v1, audio_ms });
+                self.push_item(ConvItem { view, pending: None, v1_response: a.v1, audio_ms, in_v1: true });
             }
         }
         self.v1_calls = a.calls.iter().map(|(call_id, ..)| call_id.clone()).collect();
@@ -369,7 +369,7 @@ impl Translator {
             self.out.event(&S::OutputItemDone { response_id, output_index, item: item.clone() });
             output.push(item.clone());
             if kept {
-                self.push_item(ConvItem { view: item, pending: None, v1_response: None, audio_ms: 0 });
+                self.push_item(ConvItem { view: item, pending: None, v1_response: None, audio_ms: 0, in_v1: true });
             }
         }
         // (a response cancelled here ends before the engine reports its usage: its text is counted)

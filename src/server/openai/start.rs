@@ -57,6 +57,9 @@ impl Translator {
     /// outputs of the latest response's calls as a tool result), after the v1 session's
     /// instructions, voice and tools are brought to what this response uses.
     pub(super) async fn start_response(&mut self, p: ResponseParams, event_id: Option<String>) -> Result<(), OaiError> {
+        if p.input.is_none() {
+            self.append_client_turns().await;
+        }
         let inputs: Vec<Pending> = match &p.input {
             Some(items) => {
                 // counted before anything is copied: references repeat an item without growing the
@@ -171,7 +174,9 @@ impl Translator {
         // checked: the new user items are answered now
         if p.input.is_none() {
             for i in &mut self.items {
-                i.pending = None;
+                if i.pending.take().is_some() {
+                    i.in_v1 = true;
+                }
             }
         }
         let _ = event_id;

@@ -30,6 +30,9 @@ pub(super) struct ConvItem {
     /// An assistant item: the v1 response behind it and its audio length.
     pub v1_response: Option<u32>,
     pub audio_ms: u64,
+    /// What the model remembers has it: a response's output, an input a response answered, or a
+    /// turn given to v1 (`conversation.append`).
+    pub in_v1: bool,
 }
 
 impl ConvItem {
@@ -363,7 +366,7 @@ impl Translator {
         let view = ItemView::message(&id, "user", "completed", vec![PartView::of("input_audio", None, None)]);
         self.out.event(&S::ItemAdded { previous_item_id: previous.clone(), item: view.clone() });
         self.out.event(&S::ItemDone { previous_item_id: previous, item: view.clone() });
-        self.push_item(ConvItem { view, pending: Some(Pending::Audio(audio)), v1_response: None, audio_ms: 0 });
+        self.push_item(ConvItem { view, pending: Some(Pending::Audio(audio)), v1_response: None, audio_ms: 0, in_v1: false });
     }
 
     /// The item as the conversation holds it, and its input if it is a user's.
@@ -459,7 +462,7 @@ impl Translator {
         let previous = self.last_id();
         self.out.event(&S::ItemAdded { previous_item_id: previous.clone(), item: view.clone() });
         self.out.event(&S::ItemDone { previous_item_id: previous, item: view.clone() });
-        self.push_item(ConvItem { view, pending, v1_response: None, audio_ms: 0 });
+        self.push_item(ConvItem { view, pending, v1_response: None, audio_ms: 0, in_v1: false });
         Ok(())
     }
 

@@ -7,6 +7,10 @@ use antiphon_engine::{ToolCall, Turn, UserInput};
 /// A call a reply made, with the id the session gave it (`response.tool_call`'s `call_id`).
 pub(super) type IdentifiedCall = (String, ToolCall);
 
+/// The most turns kept (a client that appends turns without asking for replies gives way here;
+/// the engine lets the oldest go long before, by the context).
+const MAX_TURNS: usize = 4096;
+
 /// One 16 kHz sample per sample; the Thinker hears 10 embeddings a second of audio, one per 1600.
 const SAMPLES_PER_POSITION: usize = 1600;
 
@@ -49,7 +53,10 @@ impl History {
     pub(super) fn push(&mut self, response_id: u32, user: UserInput, assistant: String, calls: Vec<IdentifiedCall>, audio_ms: u64) {
         self.spoken += spoken_samples(&user);
         self.turns.push(HistoryTurn { response_id, user, assistant, calls, audio_ms });
-        let mut drop = 0;
+        let mut drop = self.turns.len().saturating_sub(MAX_TURNS);
+        for t in &self.turns[..drop] {
+            self.spoken -= spoken_samples(&t.user);
+        }
         while self.spoken > self.max_spoken && drop < self.turns.len() {
             self.spoken -= spoken_samples(&self.turns[drop].user);
             drop += 1;

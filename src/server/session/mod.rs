@@ -455,6 +455,7 @@ impl Session {
             }
             ClientEvent::InputToolResult { results, generation } => self.on_tool_result(results, generation),
             ClientEvent::InputClear => self.input.clear(),
+            ClientEvent::ConversationAppend { turns } => self.on_append(turns),
             ClientEvent::ResponseCancel { response_id } => self.cancel_response(response_id),
             ClientEvent::Playback { response_id, played_ms } => {
                 self.history.played(response_id, played_ms);

@@ -94,6 +94,30 @@ impl Session {
         self.start_response(Trigger::ToolResult, UserInput::ToolResults(outputs), generation);
     }
 
+    /// `conversation.append`: earlier turns, as text, after those the conversation holds (a
+    /// client that owns its conversation replays it, or adds what it created). A call's
+    /// arguments must be a JSON object; a response still running keeps its place after them.
+    pub(super) fn on_append(&mut self, turns: Vec<antiphon_protocol::PastTurn>) {
+        if self.duplex.is_some() {
+            return self.send_error(WireError::new(ErrorCode::BadField, "conversation.append: a duplex session's conversation is its stream"));
+        }
+        let mut checked = Vec::with_capacity(turns.len());
+        for (k, t) in turns.into_iter().enumerate() {
+            let mut calls = Vec::with_capacity(t.calls.len());
+            for (j, c) in t.calls.iter().enumerate() {
+                match ToolCall::given(&c.name, &c.arguments) {
+                    Ok(call) => calls.push((c.call_id.clone(), call)),
+                    Err(e) => return self.send_error(WireError::new(ErrorCode::BadField, format!("field `turns[{k}].calls[{j}].arguments`: {e:#}"))),
+                }
+            }
+            let user = if t.tool_outputs.is_empty() { UserInput::Text(t.user) } else { UserInput::ToolResults(t.tool_outputs) };
+            checked.push((user, t.assistant, calls));
+        }
+        for (user, assistant, calls) in checked {
+            self.history.push(0, user, assistant, calls, 0);
+        }
+    }
+
     /// The engine reports a call: it gets its id and goes to the client at once (the tool can run
     /// while the speech before it still plays).
     pub(super) fn on_tool_call(&mut self, response_id: u32, call: ToolCall) {
