@@ -425,3 +425,51 @@ async fn a_replayed_conversation_is_what_the_model_remembers() {
     assert!(e["message"].as_str().unwrap().contains("`turns[0].calls[0].arguments`"), "{e}");
     s.shutdown().await.unwrap();
 }
+
+/// Deleting an item the model remembers takes it out of what the model remembers (the dialect
+/// gives the conversation again, without it; v1's `conversation.clear` forgets all of it).
+/// Out-of-band responses measure the prompt without changing it.
+async fn measure(c: &mut Client) -> u64 {
+    c.send(json!({"type": "response.create", "response": {"conversation": "none", "max_output_tokens": 2, "output_modalities": ["text"]}})).await;
+    let done = oai_until(c, "response.done").await.pop().unwrap();
+    done["response"]["usage"]["input_tokens"].as_u64().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_item_is_forgotten() {
+    let s = server(|c| c.engine.default_max_audio_tokens = 30).await;
+    let create = |item: Value| json!({"type": "conversation.item.create", "item": item});
+    let user = |t: &str| create(json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]}));
+    let said = |id: &str, t: &str| create(json!({"id": id, "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": t}]}));
+    let session = |answer: &'static str| {
+        let s = &s;
+        async move {
+            let mut c = oai_connect(s).await;
+            for item in [user("What is the weather in Paris?"), said("a1", answer), user("And in Oslo?"), said("a2", "Cold.")] {
+                c.send(item).await;
+                oai_until(&mut c, "conversation.item.done").await;
+            }
+            let before = measure(&mut c).await;
+            c.send(json!({"type": "conversation.item.delete", "item_id": "a1"})).await;
+            oai_until(&mut c, "conversation.item.deleted").await;
+            (before, measure(&mut c).await)
+        }
+    };
+    let (short, long) = ("Mild.", "Mild, with sun in the morning and rain after noon.");
+    let (s1, s2) = session(short).await;
+    let (l1, l2) = session(long).await;
+    assert_eq!(l1 - s1, (long.len() - short.len()) as u64, "both answers are remembered at first");
+    assert_eq!(l2, s2, "the deleted answer is not in the prompt");
+    assert!(l2 < l1);
+    // v1: conversation.clear forgets every turn
+    let g = json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": 20, "max_audio_tokens": 20, "seed": 1});
+    let input_tokens = |ms: &[In]| events(ms).last().unwrap()["usage"]["input_tokens"].as_u64().unwrap();
+    let mut v = Client::connect(&s).await;
+    v.create(json!({})).await;
+    v.send(json!({"type": "input.text", "text": "Remember this.", "generation": g})).await;
+    let first = input_tokens(&v.until(is_done).await);
+    v.send(json!({"type": "conversation.clear"})).await;
+    v.send(json!({"type": "input.text", "text": "Remember this.", "generation": g})).await;
+    assert_eq!(input_tokens(&v.until(is_done).await), first, "after the clear the prompt is a first turn's");
+    s.shutdown().await.unwrap();
+}

@@ -231,6 +231,8 @@ pub enum ClientEvent {
     ConversationAppend {
         turns: Vec<PastTurn>,
     },
+    /// The conversation is forgotten: later prompts start without it.
+    ConversationClear,
     ResponseCancel {
         response_id: Option<u32>,
     },
@@ -349,6 +351,7 @@ pub fn parse_client(text: &str) -> Result<Incoming, WireError> {
             ClientEvent::InputToolResult { results: b.results, generation: b.generation }
         }
         "input.clear" => ClientEvent::InputClear,
+        "conversation.clear" => ClientEvent::ConversationClear,
         "conversation.append" => {
             let b: AppendBody = typed(v)?;
             validate_turns(&b.turns)?;

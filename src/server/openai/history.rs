@@ -69,6 +69,14 @@ impl Translator {
     /// said or did, as earlier turns (one user side and one assistant side each), and marks them
     /// remembered; the user items after them stay the response's input.
     pub(super) async fn append_client_turns(&mut self) {
+        if std::mem::take(&mut self.forgotten) {
+            // an item the model remembered was deleted: it is told the whole item list again
+            // (as text: a spoken turn is heard as its transcript from here on)
+            self.to_v1_event(ClientEvent::ConversationClear).await;
+            for i in &mut self.items {
+                i.in_v1 = false;
+            }
+        }
         let new: Vec<usize> = (0..self.items.len()).filter(|&i| !self.items[i].in_v1 && self.items[i].view.role != Some("system")).collect();
         let Some(cut) = new.iter().enumerate().rposition(|(k, &i)| assistant_side(&self.items[i], k + 1 == new.len())) else { return };
         let mut turns = Vec::new();

@@ -74,6 +74,8 @@ pub struct Translator {
     /// The call ids of the latest v1 response's calls (a result for them goes to v1 as one).
     pub(super) v1_calls: Vec<String>,
     pub(super) v1_transcription: bool,
+    /// An item the model remembers was deleted: v1's conversation is given again, whole.
+    pub(super) forgotten: bool,
     /// The user audio items whose transcripts v1 will send, by the v1 response that answered
     /// them: `(v1 response, item id, seconds of audio)`, the latest few.
     pub(super) heard: std::collections::VecDeque<(u32, String, f64)>,
@@ -133,6 +135,7 @@ impl Translator {
             v1_tools: Vec::new(),
             v1_calls: Vec::new(),
             v1_transcription: false,
+            forgotten: false,
             heard: Default::default(),
             items: Vec::new(),
             input,
@@ -203,7 +206,9 @@ impl Translator {
             OaiClientEvent::ItemTruncate { item_id, content_index, audio_end_ms } => self.truncate(&item_id, content_index, audio_end_ms).await,
             OaiClientEvent::ItemDelete { item_id } => {
                 let i = self.find(&item_id).ok_or_else(|| OaiError::param("item_delete_invalid_item_id", "item_id", format!("no item {item_id}")))?;
-                self.items.remove(i);
+                // (the model remembers it: before the next response it is told the conversation
+                // again, without it)
+                self.forgotten |= self.items.remove(i).in_v1;
                 self.out.event(&S::ItemDeleted { item_id });
                 Ok(())
             }

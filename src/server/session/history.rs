@@ -64,6 +64,12 @@ impl History {
         self.turns.drain(..drop);
     }
 
+    /// Every turn goes (the client's `conversation.clear`).
+    pub(super) fn clear(&mut self) {
+        self.turns.clear();
+        self.spoken = 0;
+    }
+
     /// The `n` oldest turns go (the engine left them out of a prompt: the context is full).
     pub(super) fn drop_oldest(&mut self, n: usize) {
         let n = n.min(self.turns.len());

@@ -456,6 +456,10 @@ impl Session {
             ClientEvent::InputToolResult { results, generation } => self.on_tool_result(results, generation),
             ClientEvent::InputClear => self.input.clear(),
             ClientEvent::ConversationAppend { turns } => self.on_append(turns),
+            ClientEvent::ConversationClear if self.duplex.is_some() => {
+                self.send_error(WireError::new(ErrorCode::BadField, "conversation.clear: a duplex session's conversation is its stream"))
+            }
+            ClientEvent::ConversationClear => self.history.clear(),
             ClientEvent::ResponseCancel { response_id } => self.cancel_response(response_id),
             ClientEvent::Playback { response_id, played_ms } => {
                 self.history.played(response_id, played_ms);
