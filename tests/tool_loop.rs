@@ -430,9 +430,15 @@ async fn a_replayed_conversation_is_what_the_model_remembers() {
 /// gives the conversation again, without it; v1's `conversation.clear` forgets all of it).
 /// Out-of-band responses measure the prompt without changing it.
 async fn measure(c: &mut Client) -> u64 {
+    measure_both(c).await.0
+}
+
+/// The prompt's input tokens and those reused from the prefix store.
+async fn measure_both(c: &mut Client) -> (u64, u64) {
     c.send(json!({"type": "response.create", "response": {"conversation": "none", "max_output_tokens": 2, "output_modalities": ["text"]}})).await;
     let done = oai_until(c, "response.done").await.pop().unwrap();
-    done["response"]["usage"]["input_tokens"].as_u64().unwrap()
+    let u = &done["response"]["usage"];
+    (u["input_tokens"].as_u64().unwrap(), u["input_token_details"]["cached_tokens"].as_u64().unwrap())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -471,5 +477,40 @@ async fn a_deleted_item_is_forgotten() {
     v.send(json!({"type": "conversation.clear"})).await;
     v.send(json!({"type": "input.text", "text": "Remember this.", "generation": g})).await;
     assert_eq!(input_tokens(&v.until(is_done).await), first, "after the clear the prompt is a first turn's");
+    s.shutdown().await.unwrap();
+}
+
+/// `previous_item_id` places an item: `"root"` first, an item's id after it, unknown ones are
+/// refused; an item placed before what the model remembers is remembered in its place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn previous_item_id_places_an_item() {
+    let s = server(|c| c.engine.default_max_audio_tokens = 30).await;
+    let mut c = oai_connect(&s).await;
+    let item = |id: &str, role: &str, kind: &str, t: &str| json!({"id": id, "type": "message", "role": role, "content": [{"type": kind, "text": t}]});
+    for it in [item("q", "user", "input_text", "What is the weather in Paris?"), item("a1", "assistant", "output_text", "Mild.")] {
+        c.send(json!({"type": "conversation.item.create", "item": it})).await;
+        oai_until(&mut c, "conversation.item.done").await;
+    }
+    measure(&mut c).await;
+    // (measured twice: the second prompt is the first's, held by the prefix store)
+    let (before, held) = measure_both(&mut c).await;
+    let greeting = "Hello, I can tell you the weather anywhere.";
+    c.send(json!({"type": "conversation.item.create", "previous_item_id": "root", "item": item("a0", "assistant", "output_text", greeting)})).await;
+    let added = oai_until(&mut c, "conversation.item.added").await.pop().unwrap();
+    assert!(added["previous_item_id"].is_null(), "{added}");
+    oai_until(&mut c, "conversation.item.done").await;
+    let (after, reused) = measure_both(&mut c).await;
+    // first in the conversation: the prompt differs from the greeting on (no longer the held one)
+    assert!(reused + 40 < held, "{reused} positions reused after the insert, {held} before");
+    // (the greeting and a turn's template around it: an empty user message, the assistant's)
+    let grew = after - before;
+    assert!(grew >= greeting.len() as u64 && grew <= greeting.len() as u64 + 32, "the greeting is remembered: {before} -> {after}");
+    c.send(json!({"type": "conversation.item.create", "previous_item_id": "q", "item": item("n", "user", "input_text", "Note.")})).await;
+    let added = oai_until(&mut c, "conversation.item.added").await.pop().unwrap();
+    assert_eq!(added["previous_item_id"], "q");
+    oai_until(&mut c, "conversation.item.done").await;
+    c.send(json!({"type": "conversation.item.create", "previous_item_id": "nope", "item": item("m", "user", "input_text", "x")})).await;
+    let e = oai_until(&mut c, "error").await.pop().unwrap();
+    assert_eq!(e["error"]["param"], "previous_item_id", "{e}");
     s.shutdown().await.unwrap();
 }

@@ -202,7 +202,7 @@ impl Translator {
                 self.out.event(&S::Cleared);
                 Ok(())
             }
-            OaiClientEvent::ItemCreate { item, .. } => self.create_item(item),
+            OaiClientEvent::ItemCreate { item, previous_item_id } => self.create_item(item, previous_item_id.as_deref()),
             OaiClientEvent::ItemTruncate { item_id, content_index, audio_end_ms } => self.truncate(&item_id, content_index, audio_end_ms).await,
             OaiClientEvent::ItemDelete { item_id } => {
                 let i = self.find(&item_id).ok_or_else(|| OaiError::param("item_delete_invalid_item_id", "item_id", format!("no item {item_id}")))?;
@@ -339,6 +339,11 @@ impl Translator {
 
     pub(super) fn push_item(&mut self, item: ConvItem) {
         self.items.push(item);
+        self.bound_items();
+    }
+
+    /// The oldest items give way beyond the bounds.
+    fn bound_items(&mut self) {
         let mut text: usize = self.items.iter().map(ConvItem::text_bytes).sum();
         while self.items.len() > 1 && (self.items.len() > MAX_ITEMS || text > MAX_ITEM_TEXT) {
             text -= self.items.remove(0).text_bytes();
@@ -433,12 +438,23 @@ impl Translator {
         })
     }
 
-    fn create_item(&mut self, item: Item) -> Result<(), OaiError> {
+    /// A client's item, after `previous` (`"root"`: first; none: last). One placed before items
+    /// the model remembers has the conversation given again, in the new order, before the next
+    /// response.
+    fn create_item(&mut self, item: Item, previous: Option<&str>) -> Result<(), OaiError> {
         if let Some(id) = item.id() {
             if self.find(id).is_some() {
                 return Err(OaiError::param("invalid_value", "item.id", format!("the conversation already has an item {id}")));
             }
         }
+        let at = match previous {
+            None => self.items.len(),
+            Some("root") => 0,
+            Some(p) => {
+                let i = self.find(p).ok_or_else(|| OaiError::param("invalid_value", "previous_item_id", format!("no item {p}")))?;
+                i + 1
+            }
+        };
         let (view, pending) = self.item_of(item)?;
         match &pending {
             Some(Pending::Audio(a)) => self.check_pending_audio(a.len())?,
@@ -464,10 +480,12 @@ impl Translator {
                 OaiError::param("invalid_value", "item.content", format!("with the session's instructions and system items: {}", e.message))
             })?;
         }
-        let previous = self.last_id();
+        let previous = at.checked_sub(1).map(|i| self.items[i].view.id.clone());
         self.out.event(&S::ItemAdded { previous_item_id: previous.clone(), item: view.clone() });
         self.out.event(&S::ItemDone { previous_item_id: previous, item: view.clone() });
-        self.push_item(ConvItem { view, pending, v1_response: None, audio_ms: 0, in_v1: false });
+        self.forgotten |= self.items[at..].iter().any(|i| i.in_v1);
+        self.items.insert(at, ConvItem { view, pending, v1_response: None, audio_ms: 0, in_v1: false });
+        self.bound_items();
         Ok(())
     }
 
