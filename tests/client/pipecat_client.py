@@ -8,7 +8,9 @@ frame collector:
    LLMFullResponseEndFrame;
 2. a spoken turn with the server's turn detection (pipecat's default: it sends no
    turn_detection and never commits): an espeak-ng phrase and a second of silence streamed as
-   20 ms input audio frames; the server detects the turn and answers by itself, with audio.
+   20 ms input audio frames; the server detects the turn and answers by itself, with audio; with
+   input transcription set in the session, the caller's words come back as pipecat's
+   TranscriptionFrame (what its user context aggregator waits for).
 
 No ErrorFrame may appear (pipecat ends its receive loop on any error but the two benign codes).
 
@@ -21,8 +23,10 @@ import struct
 import sys
 import wave
 
+import pipecat.services.openai.realtime.events as rt_events
 from pipecat.frames.frames import (
     ErrorFrame,
+    TranscriptionFrame,
     InputAudioRawFrame,
     LLMContextFrame,
     LLMFullResponseEndFrame,
@@ -81,6 +85,22 @@ class Collector(FrameProcessor):
             fail(f"no response end {n} within {timeout} s; frames so far: {self.kinds}")
 
 
+class Heard(FrameProcessor):
+    """Before the service: the transcripts it pushes upstream."""
+
+    def __init__(self):
+        super().__init__()
+        self.transcripts = []
+        self.changed = asyncio.Event()
+
+    async def process_frame(self, frame, direction):
+        await super().process_frame(frame, direction)
+        if isinstance(frame, TranscriptionFrame):
+            self.transcripts.append(frame.text)
+            self.changed.set()
+        await self.push_frame(frame, direction)
+
+
 def phrase_24k(name):
     w = wave.open(os.path.join(ROOT, "assets", "vad", name))
     rate, n = w.getframerate(), w.getnframes()
@@ -96,9 +116,13 @@ def phrase_24k(name):
 
 
 async def main(url):
-    llm = OpenAIRealtimeLLMService(api_key=os.environ.get("ANTIPHON_KEY", "sk-antiphon-test"), base_url=url)
+    transcribed = rt_events.SessionProperties(audio=rt_events.AudioConfiguration(
+        input=rt_events.AudioInput(transcription=rt_events.InputAudioTranscription(model="gpt-4o-transcribe"))))
+    llm = OpenAIRealtimeLLMService(api_key=os.environ.get("ANTIPHON_KEY", "sk-antiphon-test"), base_url=url,
+                                   settings=OpenAIRealtimeLLMService.Settings(session_properties=transcribed))
     collector = Collector()
-    worker = PipelineWorker(Pipeline([llm, collector]), idle_timeout_secs=None, enable_rtvi=False)
+    heard = Heard()
+    worker = PipelineWorker(Pipeline([heard, llm, collector]), idle_timeout_secs=None, enable_rtvi=False)
     runner = WorkerRunner(handle_sigint=False)
     await runner.add_workers(worker)
     run = asyncio.create_task(runner.run())
@@ -123,7 +147,14 @@ async def main(url):
     await collector.wait_ends(2)
     if collector.audio_bytes <= before:
         fail("the spoken turn got no audio")
-    print(f"spoken turn (server VAD): {(collector.audio_bytes - before) // 48} ms of audio; frames {collector.kinds[len(first):]}")
+    try:
+        await asyncio.wait_for(heard.changed.wait(), 60)
+    except asyncio.TimeoutError:
+        fail("no TranscriptionFrame for the spoken turn within 60 s")
+    if len(heard.transcripts) != 1 or not heard.transcripts[0]:
+        fail(f"transcripts {heard.transcripts}")
+    print(f"spoken turn (server VAD): {(collector.audio_bytes - before) // 48} ms of audio; frames {collector.kinds[len(first):]}; "
+          f"transcribed ({len(heard.transcripts[0])} characters)")
 
     await worker.cancel()
     await run
