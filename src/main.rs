@@ -130,6 +130,9 @@ struct BenchArgs {
     /// The spoken input of the voice workload (default assets/voices/default.wav).
     #[arg(long)]
     input_wav: Option<PathBuf>,
+    /// Sessions ask for transcripts of their spoken turns (what they cost the replies).
+    #[arg(long)]
+    transcribe: bool,
     /// Output folder.
     #[arg(long, default_value = "bench-out")]
     out: PathBuf,
@@ -187,6 +190,7 @@ impl BenchArgs {
             audio_tokens: self.audio_tokens,
             prebuffers_ms: self.prebuffer_ms,
             input_wav: self.input_wav,
+            transcribe: self.transcribe,
             out: self.out,
             server_label: String::new(),
             config_label: self.label,

@@ -94,7 +94,7 @@ impl Client {
     pub(crate) async fn create(&mut self, cfg: &BenchConfig) -> Result<Value> {
         self.send(json!({"type": "session.create", "mode": "turn",
             "input_audio": {"codec": "opus", "sample_rate": 48000},
-            "output_audio": {"codec": "opus", "frame_ms": 20}}))
+            "output_audio": {"codec": "opus", "frame_ms": 20}, "input_transcription": cfg.transcribe}))
             .await?;
         loop {
             match self.recv(cfg.timeout).await? {

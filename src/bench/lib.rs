@@ -88,6 +88,9 @@ pub struct BenchConfig {
     pub prebuffers_ms: Vec<u64>,
     /// The spoken input of the `voice` workload (any WAV).
     pub input_wav: Option<PathBuf>,
+    /// Sessions ask for transcripts of their spoken turns (`input_transcription`): what that
+    /// costs the replies is the measurement.
+    pub transcribe: bool,
     pub out: PathBuf,
     pub server_label: String,
     pub config_label: String,
