@@ -20,6 +20,10 @@ drives it (agents/voice/agent_activity.py): `update_chat_ctx` for user items and
    by conversation.item.deleted; a reply then answers from the function's output;
 5. a reconnect: the socket dropped under the session; LiveKit dials again and replays the session,
    the tools and the history on the new socket (its own reconnect path); a reply follows.
+6. a spoken turn with input transcription (`input_audio_transcription`): an espeak-ng phrase and a
+   second of silence pushed as audio; the server's turn detection answers it, and the transcript
+   (the Thinker's own) comes back as LiveKit's `input_audio_transcription_completed`: the deltas
+   as they come, then the whole, for the item the server transcribed.
 
 Every server event is checked raw too (tool_call_checks.py: the call's event order and ids, the
 previous_item_id chain LiveKit's mirror of the conversation relies on); an `error` (event or
@@ -31,11 +35,15 @@ import argparse
 import asyncio
 import json
 import os
+import struct
 import sys
+import wave
 
 import aiohttp
+from livekit import rtc
 from livekit.agents import llm
 from livekit.plugins.openai.realtime import RealtimeModel
+from openai.types.realtime import AudioTranscription
 
 import tool_call_checks as tc
 
@@ -305,8 +313,56 @@ async def main(url):
         w.check()
         await bounded(s.aclose(), "aclose")
     await model.aclose()
+
+    # 6. a spoken turn, with input transcription: the server's turn detection answers it, and the
+    # caller's words come back as LiveKit's input_audio_transcription_completed (its user turn)
+    heard_model = RealtimeModel(api_key=key, base_url=url, http_session=dialer,
+                                input_audio_transcription=AudioTranscription(model="gpt-4o-transcribe"))
+    s6 = heard_model.session()
+    w6 = Watch(s6)
+    heard = []
+
+    def on_heard(ev):
+        heard.append(ev)
+        w6.changed.set()
+    s6.on("input_audio_transcription_completed", on_heard)
+    x = [0] * 12000 + phrase_24k("phrase1.wav") + [0] * 24000
+    for i in range(0, len(x), 480):
+        piece = x[i:i + 480]
+        s6.push_audio(rtc.AudioFrame(data=struct.pack(f"<{len(piece)}h", *piece), sample_rate=24000, num_channels=1,
+                                     samples_per_channel=len(piece)))
+    # (LiveKit reports the deltas as they come, is_final false, then the whole transcript)
+    await w6.until(lambda: any(h.is_final for h in heard) and any(e.get("type") == "response.done" for e in w6.server),
+                   "the spoken turn's transcript and its reply")
+    item = next((e["item_id"] for e in w6.server if e.get("type") == "conversation.item.input_audio_transcription.completed"), None)
+    final = [h for h in heard if h.is_final]
+    partial = [h for h in heard if not h.is_final]
+    if len(final) != 1 or not final[0].transcript or final[0].item_id != item or (partial and partial[-1].transcript != final[0].transcript):
+        fail(f"spoken turn: transcripts {heard} (the server's was for {item})")
+    done = next(e for e in w6.server if e.get("type") == "response.done")
+    if done["response"]["status"] != "completed":
+        fail(f"spoken turn: the reply ended {done['response']['status']}")
+    print(f"PASS spoken turn: answered, and transcribed for item {item} ({len(final[0].transcript)} characters, {len(partial)} partial)")
+    w6.check()
+    await bounded(s6.aclose(), "aclose")
+    await heard_model.aclose()
     await dialer.http.close()
     print("livekit tool client: all checks passed")
+
+
+def phrase_24k(name):
+    """An espeak-ng phrase from assets/vad at 24 kHz (linear interpolation)."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    w = wave.open(os.path.join(root, "assets", "vad", name))
+    rate, n = w.getframerate(), w.getnframes()
+    x = struct.unpack(f"<{n}h", w.readframes(n))
+    out = []
+    for i in range(n * 24000 // rate):
+        t = i * rate / 24000
+        j = int(t)
+        a, b = x[min(j, n - 1)], x[min(j + 1, n - 1)]
+        out.append(int(a + (b - a) * (t - j)))
+    return out
 
 
 if __name__ == "__main__":
