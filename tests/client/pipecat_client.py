@@ -12,7 +12,9 @@ frame collector:
    input transcription set in the session, the caller's words come back as pipecat's
    TranscriptionFrame (what its user context aggregator waits for).
 
-No ErrorFrame may appear (pipecat ends its receive loop on any error but the two benign codes).
+No error may appear (pipecat ends its receive loop on any error but the two benign codes). pipecat
+pushes its ErrorFrames upstream, so a collector after the service never sees them: the service's
+`on_error` handler is where they are caught.
 
     python3 tests/client/pipecat_client.py ws://127.0.0.1:8080/openai/v1/realtime
 """
@@ -121,6 +123,11 @@ async def main(url):
     llm = OpenAIRealtimeLLMService(api_key=os.environ.get("ANTIPHON_KEY", "sk-antiphon-test"), base_url=url,
                                    settings=OpenAIRealtimeLLMService.Settings(session_properties=transcribed))
     collector = Collector()
+
+    @llm.event_handler("on_error")
+    async def on_error(processor, error):
+        fail(f"pipecat reported an error: {error.error}")
+
     heard = Heard()
     worker = PipelineWorker(Pipeline([heard, llm, collector]), idle_timeout_secs=None, enable_rtvi=False)
     runner = WorkerRunner(handle_sigint=False)
