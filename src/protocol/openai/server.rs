@@ -261,6 +261,15 @@ pub struct ContentAt {
     pub content_index: u32,
 }
 
+/// Which call of a response an argument event is about (the four fields both carry).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallAt {
+    pub response_id: String,
+    pub item_id: String,
+    pub output_index: u32,
+    pub call_id: String,
+}
+
 /// A server event of the dialect.
 #[derive(Debug, Clone, PartialEq)]
 pub enum OaiServerEvent {
@@ -291,8 +300,8 @@ pub enum OaiServerEvent {
     InputTranscriptionDelta { item_id: String, delta: String },
     InputTranscriptionCompleted { item_id: String, transcript: String, seconds: f64 },
     InputTranscriptionFailed { item_id: String, message: String },
-    FunctionCallArgumentsDelta { response_id: String, item_id: String, output_index: u32, call_id: String, delta: String },
-    FunctionCallArgumentsDone { response_id: String, item_id: String, output_index: u32, call_id: String, name: String, arguments: String },
+    FunctionCallArgumentsDelta { at: CallAt, delta: String },
+    FunctionCallArgumentsDone { at: CallAt, name: String, arguments: String },
 }
 
 impl OaiServerEvent {
@@ -375,13 +384,13 @@ impl OaiServerEvent {
                 "type": "conversation.item.input_audio_transcription.failed", "item_id": item_id, "content_index": 0,
                 "error": {"type": "server_error", "code": "transcription_failed", "message": message},
             }),
-            E::FunctionCallArgumentsDelta { response_id, item_id, output_index, call_id, delta } => serde_json::json!({
-                "type": "response.function_call_arguments.delta", "response_id": response_id, "item_id": item_id,
-                "output_index": output_index, "call_id": call_id, "delta": delta,
+            E::FunctionCallArgumentsDelta { at: a, delta } => serde_json::json!({
+                "type": "response.function_call_arguments.delta", "response_id": a.response_id, "item_id": a.item_id,
+                "output_index": a.output_index, "call_id": a.call_id, "delta": delta,
             }),
-            E::FunctionCallArgumentsDone { response_id, item_id, output_index, call_id, name, arguments } => serde_json::json!({
-                "type": "response.function_call_arguments.done", "response_id": response_id, "item_id": item_id,
-                "output_index": output_index, "call_id": call_id, "name": name, "arguments": arguments,
+            E::FunctionCallArgumentsDone { at: a, name, arguments } => serde_json::json!({
+                "type": "response.function_call_arguments.done", "response_id": a.response_id, "item_id": a.item_id,
+                "output_index": a.output_index, "call_id": a.call_id, "name": name, "arguments": arguments,
             }),
         };
         v["event_id"] = Value::from(event_id);

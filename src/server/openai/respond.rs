@@ -7,7 +7,7 @@
 //! so the v1 journal stays empty: this dialect has no resume.
 
 use antiphon_audio::g711::{alaw_encode, ulaw_encode, Downsample24kTo8k};
-use antiphon_protocol::openai::server::{ContentAt, ErrorView, Failure, ItemView, OaiServerEvent as S, PartView, ResponseView, UsageView};
+use antiphon_protocol::openai::server::{CallAt, ContentAt, ErrorView, Failure, ItemView, OaiServerEvent as S, PartView, ResponseView, UsageView};
 use antiphon_protocol::openai::{AudioFormat, MaxTokens, Modality, ResponseParams};
 use antiphon_protocol::{parse_server, AudioFrame, ClientEvent, Received};
 use base64::Engine as _;
@@ -345,28 +345,19 @@ impl Translator {
         for (call_id, name, arguments) in &a.calls {
             let output_index = output.len() as u32;
             let item_id = new_id("item");
-            let (response_id, at) = (a.id.clone(), |item_id: &str| (a.id.clone(), item_id.to_string(), output_index, call_id.clone()));
+            let at = CallAt { response_id: a.id.clone(), item_id: item_id.clone(), output_index, call_id: call_id.clone() };
             let opening = ItemView::function_call(&item_id, "in_progress", call_id, name, "");
-            self.out.event(&S::OutputItemAdded { response_id: response_id.clone(), output_index, item: opening.clone() });
+            self.out.event(&S::OutputItemAdded { response_id: a.id.clone(), output_index, item: opening.clone() });
             if !a.out_of_band {
                 self.out.event(&S::ItemAdded { previous_item_id: self.items.last().map(|i| i.view.id.clone()), item: opening });
             }
-            let (r, i, o, c) = at(&item_id);
-            self.out.event(&S::FunctionCallArgumentsDelta { response_id: r, item_id: i, output_index: o, call_id: c, delta: arguments.clone() });
-            let (r, i, o, c) = at(&item_id);
-            self.out.event(&S::FunctionCallArgumentsDone {
-                response_id: r,
-                item_id: i,
-                output_index: o,
-                call_id: c,
-                name: name.clone(),
-                arguments: arguments.clone(),
-            });
+            self.out.event(&S::FunctionCallArgumentsDelta { at: at.clone(), delta: arguments.clone() });
+            self.out.event(&S::FunctionCallArgumentsDone { at, name: name.clone(), arguments: arguments.clone() });
             let item = ItemView::function_call(&item_id, "completed", call_id, name, arguments);
             if !a.out_of_band {
                 self.out.event(&S::ItemDone { previous_item_id: self.items.last().map(|i| i.view.id.clone()), item: item.clone() });
             }
-            self.out.event(&S::OutputItemDone { response_id, output_index, item: item.clone() });
+            self.out.event(&S::OutputItemDone { response_id: a.id.clone(), output_index, item: item.clone() });
             output.push(item.clone());
             if kept {
                 self.push_item(ConvItem { view: item, pending: None, v1_response: None, audio_ms: 0, in_v1: true });
@@ -386,7 +377,7 @@ impl Translator {
         };
         self.out.event(&S::ResponseDone(a.view(status, output, Some(usage))));
         if let Some((p, event_id)) = self.queued.take() {
-            if let Err(e) = self.start_response(p, event_id.clone()).await {
+            if let Err(e) = self.start_response(p).await {
                 self.error(event_id, e);
             }
         }

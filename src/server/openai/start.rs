@@ -56,7 +56,7 @@ impl Translator {
     /// Starts a response: the new user items (or `response.input`) go to v1 as its input (the
     /// outputs of the latest response's calls as a tool result), after the v1 session's
     /// instructions, voice and tools are brought to what this response uses.
-    pub(super) async fn start_response(&mut self, p: ResponseParams, event_id: Option<String>) -> Result<(), OaiError> {
+    pub(super) async fn start_response(&mut self, p: ResponseParams) -> Result<(), OaiError> {
         if p.input.is_none() {
             self.append_client_turns().await;
         }
@@ -179,7 +179,6 @@ impl Translator {
                 }
             }
         }
-        let _ = event_id;
         self.active = Some(Active::new(self, &p, voice_name, may_call));
         if let Some(a) = self.active.as_mut() {
             a.heard = heard;

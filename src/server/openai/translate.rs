@@ -168,12 +168,12 @@ impl Translator {
             self.keepalive = std::time::Instant::now();
             self.to_v1_event(ClientEvent::Ping { id: None }).await;
         }
-        if let Err(e) = self.client(event_id.clone(), event).await {
+        if let Err(e) = self.client(event).await {
             self.error(event_id, e);
         }
     }
 
-    async fn client(&mut self, event_id: Option<String>, event: OaiClientEvent) -> Result<(), OaiError> {
+    async fn client(&mut self, event: OaiClientEvent) -> Result<(), OaiError> {
         match event {
             OaiClientEvent::SessionUpdate(p) => self.update(*p),
             OaiClientEvent::Append(bytes) => {
@@ -225,7 +225,7 @@ impl Translator {
                         "a response is in progress: cancel it or wait for its response.done",
                     ));
                 }
-                self.start_response(*p, event_id).await
+                self.start_response(*p).await
             }
             OaiClientEvent::ResponseCancel { response_id } => {
                 let live = self.active.as_ref().is_some_and(|a| !a.cancelling && response_id.as_ref().is_none_or(|r| *r == a.id));
@@ -321,7 +321,7 @@ impl Translator {
                 if td.create_response {
                     if self.active.is_some() {
                         self.queued = Some((ResponseParams::default(), None));
-                    } else if let Err(e) = self.start_response(ResponseParams::default(), None).await {
+                    } else if let Err(e) = self.start_response(ResponseParams::default()).await {
                         self.error(None, e);
                     }
                 }
