@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{ErrorCode, WireError, MAX_TOOL_NAME, MAX_TOOL_OUTPUT_CHARS, MAX_TOOL_RESULTS};
+use crate::{valid_tool_name, ErrorCode, WireError, MAX_TOOL_NAME, MAX_TOOL_OUTPUT_CHARS, MAX_TOOL_RESULTS};
 
 /// Turns one `conversation.append` may give.
 pub const MAX_APPEND_TURNS: usize = 256;
@@ -46,8 +46,7 @@ pub fn validate_turns(turns: &[PastTurn]) -> Result<(), WireError> {
             return bad(format!("field `turns[{k}].tool_outputs`: at most {MAX_TOOL_RESULTS} of at most {MAX_TOOL_OUTPUT_CHARS} characters"));
         }
         for (j, c) in t.calls.iter().enumerate() {
-            let ok = (1..=MAX_TOOL_NAME).contains(&c.name.len()) && c.name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-            if !ok || c.call_id.is_empty() || c.call_id.len() > 64 {
+            if !valid_tool_name(&c.name) || c.call_id.is_empty() || c.call_id.len() > 64 {
                 return bad(format!("field `turns[{k}].calls[{j}]`: a name of 1-{MAX_TOOL_NAME} of A-Z a-z 0-9 _ - and a call_id of 1-64 bytes"));
             }
         }

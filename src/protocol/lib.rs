@@ -16,8 +16,8 @@ pub use generation::{validate_instructions, Generation, GenerationLimits, MAX_IN
 pub use received::{parse_server, Received};
 pub use server_event::{ClosingReason, DoneStatus, ServerEvent, Trigger, Usage};
 pub use tools::{
-    validate_results, validate_tool_choice, validate_tools, ToolChoice, ToolDecl, ToolResult, MAX_TOOLS, MAX_TOOLS_BYTES, MAX_TOOL_NAME,
-    MAX_TOOL_OUTPUT_CHARS, MAX_TOOL_RESULTS,
+    valid_tool_name, validate_results, validate_tool_choice, validate_tools, ToolChoice, ToolDecl, ToolResult, MAX_TOOLS, MAX_TOOLS_BYTES,
+    MAX_TOOL_NAME, MAX_TOOL_OUTPUT_CHARS, MAX_TOOL_RESULTS,
 };
 
 pub const PROTOCOL_VERSION: u32 = 1;

@@ -77,6 +77,11 @@ pub struct ToolResult {
     pub output: String,
 }
 
+/// A function's name as OpenAI allows it: 1 to [`MAX_TOOL_NAME`] of `A-Z a-z 0-9 _ -`.
+pub fn valid_tool_name(name: &str) -> bool {
+    (1..=MAX_TOOL_NAME).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
 fn bad(m: String) -> WireError {
     WireError::new(ErrorCode::BadField, m)
 }
@@ -88,8 +93,7 @@ pub fn validate_tools(tools: &[ToolDecl]) -> Result<(), WireError> {
         return Err(bad(format!("field `tools`: {} tools, more than this server takes (at most {MAX_TOOLS})", tools.len())));
     }
     for (k, t) in tools.iter().enumerate() {
-        let ok = (1..=MAX_TOOL_NAME).contains(&t.name.len()) && t.name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-        if !ok {
+        if !valid_tool_name(&t.name) {
             return Err(bad(format!("field `tools[{k}].name`: {:?} is not 1-{MAX_TOOL_NAME} of A-Z a-z 0-9 _ -", t.name)));
         }
         if tools[..k].iter().any(|o| o.name == t.name) {

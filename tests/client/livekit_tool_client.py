@@ -37,7 +37,6 @@ import json
 import os
 import struct
 import sys
-import wave
 
 import aiohttp
 from livekit import rtc
@@ -118,15 +117,7 @@ class Watch:
             fail(self.errors[0])
 
     async def until(self, cond, what, timeout=180):
-        async def wait():
-            while not cond():
-                if self.errors:
-                    return
-                self.changed.clear()
-                await self.changed.wait()
-        try:
-            await asyncio.wait_for(wait(), timeout)
-        except asyncio.TimeoutError:
+        if not await tc.wait_until(cond, self.changed, lambda: bool(self.errors), timeout):
             fail(f"no {what} within {timeout} s; server events {[e.get('type') for e in self.server][-30:]}")
         self.check()
 
@@ -326,7 +317,7 @@ async def main(url):
         heard.append(ev)
         w6.changed.set()
     s6.on("input_audio_transcription_completed", on_heard)
-    x = [0] * 12000 + phrase_24k("phrase1.wav") + [0] * 24000
+    x = [0] * 12000 + tc.phrase_24k("phrase1.wav") + [0] * 24000
     for i in range(0, len(x), 480):
         piece = x[i:i + 480]
         s6.push_audio(rtc.AudioFrame(data=struct.pack(f"<{len(piece)}h", *piece), sample_rate=24000, num_channels=1,
@@ -349,20 +340,6 @@ async def main(url):
     await dialer.http.close()
     print("livekit tool client: all checks passed")
 
-
-def phrase_24k(name):
-    """An espeak-ng phrase from assets/vad at 24 kHz (linear interpolation)."""
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-    w = wave.open(os.path.join(root, "assets", "vad", name))
-    rate, n = w.getframerate(), w.getnframes()
-    x = struct.unpack(f"<{n}h", w.readframes(n))
-    out = []
-    for i in range(n * 24000 // rate):
-        t = i * rate / 24000
-        j = int(t)
-        a, b = x[min(j, n - 1)], x[min(j + 1, n - 1)]
-        out.append(int(a + (b - a) * (t - j)))
-    return out
 
 
 if __name__ == "__main__":

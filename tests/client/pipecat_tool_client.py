@@ -77,15 +77,7 @@ class Watch:
         return sum(1 for e in self.server if e.get("type") == "response.done")
 
     async def until(self, cond, what, timeout=180):
-        async def wait():
-            while not cond():
-                if self.problems:
-                    return
-                self.changed.clear()
-                await self.changed.wait()
-        try:
-            await asyncio.wait_for(wait(), timeout)
-        except asyncio.TimeoutError:
+        if not await tc.wait_until(cond, self.changed, lambda: bool(self.problems), timeout):
             fail(f"no {what} within {timeout} s; server events {[e.get('type') for e in self.server]}")
         if self.problems:
             fail(self.problems[0])

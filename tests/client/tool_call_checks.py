@@ -12,9 +12,16 @@ its output listing the items, the call last).
 
 antiphon's test-only way to make synthetic weights call: an assistant message item with
 "status": "incomplete" created last before response.create begins the response (prefill_item).
+
+Also the two clients' shared plumbing: a bounded wait on an event (never a sleep) and an espeak-ng
+phrase from assets/vad at 24 kHz.
 """
+import asyncio
 import base64
 import json
+import os
+import struct
+import wave
 
 
 class CheckError(Exception):
@@ -218,3 +225,32 @@ def check_item_chain(events):
             expect(e.get("item_id") in ids, f"conversation.item.deleted of {e.get('item_id')}, not in the conversation")
             ids.remove(e["item_id"])
     return ids
+
+
+async def wait_until(cond, changed, stopped, timeout):
+    """Waits until `cond()` holds or `stopped()` does, waking on the asyncio.Event `changed`;
+    False when `timeout` seconds pass first."""
+    async def wait():
+        while not cond() and not stopped():
+            changed.clear()
+            await changed.wait()
+    try:
+        await asyncio.wait_for(wait(), timeout)
+        return True
+    except asyncio.TimeoutError:
+        return False
+
+
+def phrase_24k(name):
+    """An espeak-ng phrase from assets/vad at 24 kHz (linear interpolation)."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    w = wave.open(os.path.join(root, "assets", "vad", name))
+    rate, n = w.getframerate(), w.getnframes()
+    x = struct.unpack(f"<{n}h", w.readframes(n))
+    out = []
+    for i in range(n * 24000 // rate):
+        t = i * rate / 24000
+        j = int(t)
+        a, b = x[min(j, n - 1)], x[min(j + 1, n - 1)]
+        out.append(int(a + (b - a) * (t - j)))
+    return out

@@ -4,7 +4,7 @@
 //! the v1 conversation (`conversation.append`, text only) before a response starts; the user
 //! items after the last of them are the response's input, as before.
 
-use antiphon_protocol::{ClientEvent, PastCall, PastTurn, MAX_APPEND_TURNS, MAX_TOOL_NAME, MAX_TOOL_OUTPUT_CHARS, MAX_TOOL_RESULTS};
+use antiphon_protocol::{valid_tool_name, ClientEvent, PastCall, PastTurn, MAX_APPEND_TURNS, MAX_TOOL_OUTPUT_CHARS, MAX_TOOL_RESULTS};
 
 use super::translate::{new_id, ConvItem, Pending, Translator};
 
@@ -26,10 +26,7 @@ fn words(item: &ConvItem) -> String {
 /// refuse the whole turn; arguments that are not an object are taken as none).
 fn past_call(item: &ConvItem) -> Option<PastCall> {
     let v = &item.view;
-    let name = v
-        .name
-        .clone()
-        .filter(|n| (1..=MAX_TOOL_NAME).contains(&n.len()) && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-'))?;
+    let name = v.name.clone().filter(|n| valid_tool_name(n))?;
     let arguments =
         v.arguments.clone().filter(|a| serde_json::from_str::<serde_json::Value>(a).is_ok_and(|j| j.is_object())).unwrap_or_else(|| "{}".into());
     let call_id = v.call_id.clone().filter(|c| !c.is_empty() && c.len() <= 64).unwrap_or_else(|| new_id("call"));
