@@ -18,6 +18,7 @@ pub mod mel;
 pub mod onnx;
 pub mod qwen3;
 pub mod sampling;
+pub mod smart_turn;
 pub mod talker;
 pub mod thinker;
 pub mod tokenizer;

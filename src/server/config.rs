@@ -82,6 +82,13 @@ pub struct ServerSection {
     pub max_voice_bytes: usize,
     /// The longest voice upload, in seconds of audio.
     pub max_voice_s: f64,
+    /// The turn model behind the dialect's `semantic_vad`: Smart Turn v3's ONNX file (pipecat-ai's
+    /// wheel ships it as `pipecat/audio/turn/smart_turn/data/smart-turn-v3.2-cpu.onnx`). Empty:
+    /// none, and `semantic_vad` is served by the silence detector (`server_vad`'s).
+    pub smart_turn_model: PathBuf,
+    /// Turn-model evaluations at once (each ~0.1-0.2 s of one CPU core's time); a pause that
+    /// finds them all busy waits for one.
+    pub smart_turn_workers: usize,
 }
 
 impl Default for ServerSection {
@@ -112,6 +119,8 @@ impl Default for ServerSection {
             max_voices: 100,
             max_voice_bytes: 8 * 1024 * 1024,
             max_voice_s: 30.0,
+            smart_turn_model: PathBuf::new(),
+            smart_turn_workers: 2,
         }
     }
 }
@@ -211,6 +220,9 @@ impl Config {
         if !c.server.voice_dir.as_os_str().is_empty() {
             c.server.voice_dir = rel(&c.server.voice_dir);
         }
+        if !c.server.smart_turn_model.as_os_str().is_empty() {
+            c.server.smart_turn_model = rel(&c.server.smart_turn_model);
+        }
         for v in c.voices.iter_mut() {
             v.wav = rel(&v.wav);
         }
@@ -250,6 +262,9 @@ impl Config {
         }
         if s.max_instructions_tokens == 0 {
             bail!("server.max_instructions_tokens must be at least 1");
+        }
+        if self.server.smart_turn_workers == 0 {
+            bail!("server.smart_turn_workers must be at least 1");
         }
         if s.header_timeout_s == 0 || s.max_tcp_connections < s.max_connections {
             bail!("server.header_timeout_s must be at least 1, and server.max_tcp_connections at least server.max_connections");

@@ -9,6 +9,7 @@ pub mod config;
 pub mod journal;
 pub mod openai;
 pub mod session;
+pub mod turn_model;
 pub mod voice_features;
 pub mod voices;
 pub mod ws;
@@ -130,6 +131,8 @@ pub struct Shared {
     pub started: Instant,
     /// One permit per open WebSocket (`server.max_connections`).
     pub connection_permits: Arc<tokio::sync::Semaphore>,
+    /// The turn model behind `semantic_vad` (`server.smart_turn_model`), if one is configured.
+    pub turn_model: Option<turn_model::TurnModel>,
 }
 
 impl Shared {
@@ -221,17 +224,26 @@ pub async fn start(cfg: Config, models: Models) -> Result<Server> {
     let engine = Arc::new(Engine::start(models, cfg.engine.clone())?);
     // saved features into Stage 2 before any request; the rest prepared before ready
     let unprepared = voices.install_saved(&engine);
+    let metrics = ServerMetrics::new();
+    let turn_model = if cfg.server.smart_turn_model.as_os_str().is_empty() {
+        None
+    } else {
+        let m = turn_model::TurnModel::load(&cfg.server.smart_turn_model, cfg.server.smart_turn_workers, &metrics.registry)?;
+        tracing::info!(model = %cfg.server.smart_turn_model.display(), "semantic_vad: the turn model is loaded");
+        Some(m)
+    };
     let shared = Arc::new(Shared {
         config: cfg.clone(),
         engine,
         sessions: Arc::new(SessionManager::default()),
         voices,
-        metrics: ServerMetrics::new(),
+        metrics,
         synthetic: cfg.model.source == ModelSource::Synthetic,
         ready: AtomicBool::new(false),
         shutting_down: AtomicBool::new(false),
         started: Instant::now(),
         connection_permits: Arc::new(tokio::sync::Semaphore::new(cfg.server.max_connections)),
+        turn_model,
     });
     shared.metrics.replica.with_label_values(&[cfg.server.replica_id.as_str()]).set(1);
     let listener = TcpListener::bind(&cfg.server.listen).await.with_context(|| format!("binding {}", cfg.server.listen))?;

@@ -14,8 +14,6 @@ pub mod dit;
 pub mod dit_ops;
 pub mod flow;
 pub mod hift;
-mod onnx_fold;
-mod onnx_ops;
 pub mod prompt;
 pub mod s3tokenizer;
 pub mod slots;

@@ -41,8 +41,8 @@ pub enum Modality {
     Text,
 }
 
-/// `turn_detection`: server VAD (`semantic_vad` is served by the same detector; its eagerness
-/// is kept for the echo).
+/// `turn_detection`: server VAD, or `semantic_vad` (the server's turn model decides at each pause,
+/// its eagerness sets the longest wait; without a turn model, the silence detector serves it).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TurnDetection {
     pub semantic: bool,

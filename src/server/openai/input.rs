@@ -1,6 +1,13 @@
 //! The dialect's input audio buffer: 24 kHz PCM16 since the last commit, and with turn detection
 //! on, WebRTC's VAD ([`antiphon_audio::vad`]) over everything appended. Times are in ms of all
 //! audio the session was sent (`audio_start_ms` / `audio_end_ms` count from there).
+//!
+//! `semantic_vad` (where the server has a turn model): a pause of [`SEMANTIC_PAUSE_MS`] is only a
+//! candidate end. The buffer reports it ([`InputEvent::Paused`]) with the turn's audio so far;
+//! the caller asks the model whether the turn is complete and answers
+//! ([`InputBuffer::pause_decided`]). A complete turn ends at the pause; otherwise the turn goes
+//! on, through more speech, until a pause the model calls complete or until the eagerness's
+//! longest wait of silence ([`max_wait_ms`]).
 
 use antiphon_audio::vad::{TurnDetector, VadConfig, VadEvent};
 use antiphon_protocol::openai::{AudioFormat, OaiError, TurnDetection};
@@ -15,6 +22,19 @@ const KEEP_MS: u64 = 1000;
 /// The least audio a commit takes (OpenAI's own minimum): less is refused and left in the buffer,
 /// where it would have made a turn the model cannot hear.
 pub const MIN_COMMIT_MS: u64 = 100;
+/// With `semantic_vad`, the silence after which the turn model is asked (Smart Turn's own
+/// integration asks after 200 ms).
+pub const SEMANTIC_PAUSE_MS: u32 = 200;
+
+/// With `semantic_vad`, the longest silence before a turn ends whatever the model said: OpenAI
+/// documents 8 s, 4 s and 2 s for low, medium and high eagerness (auto is medium).
+pub fn max_wait_ms(eagerness: Option<&str>) -> u64 {
+    match eagerness {
+        Some("low") => 8000,
+        Some("high") => 2000,
+        _ => 4000,
+    }
+}
 
 /// What turn detection saw in appended audio.
 #[derive(Debug, Clone, PartialEq)]
@@ -27,6 +47,21 @@ pub enum InputEvent {
         audio_end_ms: u64,
         audio: Vec<i16>,
     },
+    /// `semantic_vad`: speech paused. Is the turn complete? Its audio so far (prefix padding and
+    /// the pause included); the answer goes to [`InputBuffer::pause_decided`].
+    Paused {
+        /// The stream sample the speech paused at (names the pause to the answer).
+        at: u64,
+        audio: Vec<i16>,
+    },
+}
+
+/// A pause the turn model was asked about, or said was not the turn's end.
+#[derive(Debug, Clone, Copy)]
+struct Pause {
+    /// The stream sample the speech ended at, and the same in the detector's ms.
+    end: u64,
+    at_ms: u64,
 }
 
 struct Detection {
@@ -39,6 +74,10 @@ struct Detection {
     /// The detector's next stop belongs to a turn already ended (committed, cleared or cut at
     /// the size limit).
     skip_stop: bool,
+    /// `semantic_vad` served by the turn model (else the silence detector serves it).
+    semantic: bool,
+    /// The pause of the turn in progress that has not ended it (yet).
+    pause: Option<Pause>,
 }
 
 pub struct InputBuffer {
@@ -48,12 +87,15 @@ pub struct InputBuffer {
     total: u64,
     max: usize,
     detection: Option<Detection>,
+    /// Whether `semantic_vad` has a turn model (the server's `smart_turn_model`).
+    semantic_served: bool,
 }
 
 impl InputBuffer {
-    /// A buffer holding at most `max_s` seconds.
-    pub fn new(max_s: u64) -> Self {
-        Self { samples: Vec::new(), base: 0, total: 0, max: (max_s * RATE) as usize, detection: None }
+    /// A buffer holding at most `max_s` seconds; `semantic_served`: whether `semantic_vad` has
+    /// a turn model.
+    pub fn new(max_s: u64, semantic_served: bool) -> Self {
+        Self { samples: Vec::new(), base: 0, total: 0, max: (max_s * RATE) as usize, detection: None, semantic_served }
     }
 
     pub fn turn_detection(&self) -> Option<&TurnDetection> {
@@ -65,8 +107,11 @@ impl InputBuffer {
         self.detection = match t {
             None => None,
             Some(settings) => {
-                let config = VadConfig { threshold: settings.threshold, silence_duration_ms: settings.silence_duration_ms };
-                Some(Detection { detector: TurnDetector::new(RATE as u32, config)?, settings, origin: self.total, speech: None, skip_stop: false })
+                let semantic = settings.semantic && self.semantic_served;
+                let silence_duration_ms = if semantic { SEMANTIC_PAUSE_MS } else { settings.silence_duration_ms };
+                let config = VadConfig { threshold: settings.threshold, silence_duration_ms };
+                let detector = TurnDetector::new(RATE as u32, config)?;
+                Some(Detection { detector, settings, origin: self.total, speech: None, skip_stop: false, semantic, pause: None })
             }
         };
         // a manual buffer's audio is not a detected turn's prefix: it starts over
@@ -88,13 +133,23 @@ impl InputBuffer {
         let mut out = Vec::new();
         for e in d.detector.push(&f) {
             match e {
+                // (semantic: speech again after a pause that was not the end: the turn goes on)
+                VadEvent::SpeechStarted { .. } if d.pause.is_some() && d.speech.is_some() => d.pause = None,
                 VadEvent::SpeechStarted { at_ms } => {
+                    d.pause = None;
                     let at = d.origin + at_ms * PER_MS;
                     let start = at.saturating_sub(d.settings.prefix_padding_ms as u64 * PER_MS).max(self.base);
                     d.speech = Some(start);
                     out.push(InputEvent::Started { audio_start_ms: start / PER_MS });
                 }
                 VadEvent::SpeechStopped { .. } if d.skip_stop => d.skip_stop = false,
+                VadEvent::SpeechStopped { at_ms } if d.semantic => {
+                    let end = (d.origin + at_ms * PER_MS).min(self.total);
+                    d.pause = Some(Pause { end, at_ms });
+                    let start = d.speech.unwrap_or(self.base);
+                    let s = (start.saturating_sub(self.base) as usize).min(self.samples.len());
+                    out.push(InputEvent::Paused { at: end, audio: self.samples[s..].to_vec() });
+                }
                 VadEvent::SpeechStopped { at_ms } => {
                     let end = (d.origin + at_ms * PER_MS).min(self.total);
                     let start = d.speech.take().unwrap_or(self.base);
@@ -102,11 +157,18 @@ impl InputBuffer {
                 }
             }
         }
+        // (semantic: a pause the model did not call the end, as long as the eagerness waits)
+        if let Some(p) = d.pause.filter(|p| d.detector.audio_ms() >= p.at_ms + max_wait_ms(d.settings.eagerness.as_deref())) {
+            d.pause = None;
+            let start = d.speech.take().unwrap_or(self.base);
+            out.push(InputEvent::Stopped { audio_end_ms: p.end / PER_MS, audio: take(&mut self.samples, &mut self.base, start, p.end) });
+        }
         match d.speech {
             Some(start) if self.samples.len() > self.max => {
                 // the turn is as long as a turn may be: it ends here
                 d.speech = None;
-                d.skip_stop = true;
+                d.pause = None;
+                d.skip_stop = d.detector.in_speech();
                 let end = self.total;
                 out.push(InputEvent::Stopped { audio_end_ms: end / PER_MS, audio: take(&mut self.samples, &mut self.base, start, end) });
             }
@@ -123,6 +185,18 @@ impl InputBuffer {
         Ok(out)
     }
 
+    /// `semantic_vad`: the turn model's answer about the pause at stream sample `at`
+    /// ([`InputEvent::Paused`]). A complete turn ends there (its audio, as
+    /// [`InputEvent::Stopped`]); otherwise the turn goes on. An answer about a pause the turn has
+    /// gone past (speech came again, or it was committed or cleared) changes nothing.
+    pub fn pause_decided(&mut self, at: u64, complete: bool) -> Option<InputEvent> {
+        let d = self.detection.as_mut()?;
+        let p = d.pause.filter(|p| p.end == at && complete)?;
+        d.pause = None;
+        let start = d.speech.take().unwrap_or(self.base);
+        Some(InputEvent::Stopped { audio_end_ms: p.end / PER_MS, audio: take(&mut self.samples, &mut self.base, start, p.end) })
+    }
+
     /// `input_audio_buffer.commit`: the audio of the turn so far (with turn detection: of the
     /// turn in progress, if any). Less than [`MIN_COMMIT_MS`] is refused and changes nothing:
     /// `Err` holds the ms there are.
@@ -137,7 +211,8 @@ impl InputBuffer {
         }
         if let Some(d) = self.detection.as_mut() {
             d.speech = None;
-            d.skip_stop = true;
+            d.pause = None;
+            d.skip_stop = d.detector.in_speech();
         }
         Ok(take(&mut self.samples, &mut self.base, start, end))
     }
@@ -147,8 +222,9 @@ impl InputBuffer {
         self.samples.clear();
         self.base = self.total;
         if let Some(d) = self.detection.as_mut() {
+            d.pause = None;
             if d.speech.take().is_some() {
-                d.skip_stop = true;
+                d.skip_stop = d.detector.in_speech();
             }
         }
     }
@@ -230,3 +306,7 @@ pub(super) fn decode_input(format: AudioFormat, bytes: &[u8], param: &str) -> Re
 pub(super) fn check_text(shared: &crate::Shared, text: &str, param: &str) -> Result<(), OaiError> {
     shared.check_user_text(text).map_err(|m| OaiError::param("invalid_value", param, m))
 }
+
+#[cfg(test)]
+#[path = "input_tests.rs"]
+mod tests;

@@ -106,7 +106,7 @@ fn err(code: &'static str, message: impl Into<String>) -> OaiError {
 impl Translator {
     pub fn new(shared: Arc<Shared>, v1: Sender<SessionMsg>, out: Out, session_id: String, model: String) -> Self {
         let default_voice = shared.config.voices[0].id.clone();
-        let mut input = InputBuffer::new(shared.config.server.max_input_audio_s);
+        let mut input = InputBuffer::new(shared.config.server.max_input_audio_s, shared.turn_model.is_some());
         let td = antiphon_protocol::openai::TurnDetection::default();
         // (the detector is libfvad with fixed settings: it cannot fail to start)
         let vad_ok = input.set_turn_detection(Some(td.clone())).is_ok();
@@ -311,20 +311,31 @@ impl Translator {
                     self.cancel("turn_detected").await;
                 }
             }
-            InputEvent::Stopped { audio_end_ms, audio } => {
-                let item_id = self.turn_item.take().unwrap_or_else(|| new_id("item"));
-                self.out.event(&S::SpeechStopped { audio_end_ms, item_id: item_id.clone() });
-                if audio.is_empty() {
-                    return;
+            InputEvent::Paused { at, audio } => {
+                // (semantic_vad: the buffer asks only where the server has a turn model)
+                let Some(model) = self.shared.turn_model.as_ref() else { return };
+                let verdict = model.verdict(audio).await;
+                if let Some(InputEvent::Stopped { audio_end_ms, audio }) = self.input.pause_decided(at, verdict.ends_turn()) {
+                    self.turn_stopped(td, audio_end_ms, audio).await;
                 }
-                self.commit_audio(item_id, audio);
-                if td.create_response {
-                    if self.active.is_some() {
-                        self.queued = Some((ResponseParams::default(), None));
-                    } else if let Err(e) = self.start_response(ResponseParams::default()).await {
-                        self.error(None, e);
-                    }
-                }
+            }
+            InputEvent::Stopped { audio_end_ms, audio } => self.turn_stopped(td, audio_end_ms, audio).await,
+        }
+    }
+
+    /// A turn's end: `speech_stopped`, its user item, and (as turn detection says) a response.
+    async fn turn_stopped(&mut self, td: antiphon_protocol::openai::TurnDetection, audio_end_ms: u64, audio: Vec<i16>) {
+        let item_id = self.turn_item.take().unwrap_or_else(|| new_id("item"));
+        self.out.event(&S::SpeechStopped { audio_end_ms, item_id: item_id.clone() });
+        if audio.is_empty() {
+            return;
+        }
+        self.commit_audio(item_id, audio);
+        if td.create_response {
+            if self.active.is_some() {
+                self.queued = Some((ResponseParams::default(), None));
+            } else if let Err(e) = self.start_response(ResponseParams::default()).await {
+                self.error(None, e);
             }
         }
     }

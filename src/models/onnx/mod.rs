@@ -1,7 +1,13 @@
-//! The parts of the ONNX format the token2wav assets use
-//! (`speech_tokenizer_v2_25hz.onnx`, `campplus.onnx`): the model, its graph, nodes with their
+//! The parts of the ONNX format the exported graphs here use
+//! (`speech_tokenizer_v2_25hz.onnx`, `campplus.onnx`, Smart Turn): the model, its graph, nodes with their
 //! attributes, and initializers. The message types mirror `onnx.proto` (field numbers as there);
 //! fields this project never reads are skipped when decoding.
+
+pub mod graph;
+
+mod eval;
+mod fold;
+mod ops;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -141,6 +147,7 @@ pub struct Dimension {
 pub mod dtype {
     pub const FLOAT: i32 = 1;
     pub const UINT8: i32 = 2;
+    pub const INT8: i32 = 3;
     pub const INT32: i32 = 6;
     pub const INT64: i32 = 7;
     pub const BOOL: i32 = 9;
@@ -210,10 +217,11 @@ pub fn to_tensor(t: &TensorProto) -> Result<Tensor> {
             check_len(t, v.len(), n)?;
             Tensor::from_vec(v, dims, dev)?
         }
-        dtype::INT32 | dtype::BOOL | dtype::UINT8 => {
+        dtype::INT32 | dtype::BOOL | dtype::UINT8 | dtype::INT8 => {
             let v: Vec<i64> = if !raw.is_empty() {
                 match t.data_type {
                     dtype::INT32 => raw.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64).collect(),
+                    dtype::INT8 => raw.iter().map(|&b| b as i8 as i64).collect(),
                     _ => raw.iter().map(|&b| b as i64).collect(),
                 }
             } else {
