@@ -232,6 +232,50 @@ fn a_small_first_chunk_only_for_a_lone_stream_and_holding_changes_no_audio() {
     assert_eq!(a.audio.concat(), a2.audio.concat());
 }
 
+/// With `small_first_chunk_slack`, a stream that finds the engine busy still gets a smaller
+/// first chunk when the stream already speaking has audio to spare (`pace.rs`; on this CPU the
+/// halfway one, since a Code2Wav step here is slow beside a code's 40 ms), and all of its audio;
+/// without it, a full one.
+#[test]
+fn a_busy_engine_gives_a_smaller_first_chunk_where_the_speaking_stream_can_wait() {
+    let first_of_second = |slack: bool| {
+        // (chunks of 50 codes: their 2 s of audio leave room for a slow machine's Code2Wav steps,
+        // ~0.2 s each here, in the halfway chunk's own rule: 50 Talker steps and two of its steps
+        // within 28 codes' 1.12 s)
+        let cfg = EngineConfig {
+            first_chunk_codes: 5,
+            chunk_codes: 50,
+            small_first_chunk_streams: 1,
+            small_first_chunk_slack: slack,
+            ..EngineConfig::default()
+        };
+        let e = engine(cfg);
+        // a long reply speaking (generated faster than it plays, so its listener has seconds
+        // buffered), then a second request once it has delivered four chunks
+        let rx = submit(&e, spec("speaking", "hi", 6, 300, 2));
+        let mut early = Vec::new();
+        while early.iter().filter(|ev| matches!(ev, EngineEvent::Audio { .. })).count() < 4 {
+            early.push(rx.recv_timeout(Duration::from_secs(120)).expect("the long reply speaks"));
+        }
+        let second = collect(submit(&e, spec("second", "hello", 6, 60, 3)));
+        let long = loop {
+            if let EngineEvent::Done { status, .. } = rx.recv_timeout(Duration::from_secs(120)).expect("the long reply ends") {
+                break status;
+            }
+        };
+        assert_eq!((long, second.status.clone()), (Status::Completed, Status::Completed));
+        // (a chunk's audio is 40 ms, 960 samples, a new code)
+        (second.audio[0].len() / 960, second.audio.concat())
+    };
+    let (full, full_audio) = first_of_second(false);
+    assert_eq!(full, 50, "busy, no slack: a full first chunk");
+    let (slack, slack_audio) = first_of_second(true);
+    eprintln!("a busy engine's first chunk with slack: {slack} codes");
+    assert!([5, 28].contains(&slack), "with slack: the small or the halfway first chunk, got {slack}");
+    assert_eq!(full_audio.len(), slack_audio.len(), "every code is heard either way");
+    assert!(slack_audio.iter().all(|v| v.is_finite()));
+}
+
 #[test]
 fn streaming_prefill_gives_the_same_response() {
     let a = collect(submit(&engine(EngineConfig::default()), spec("a", "same input", 16, 30, 11)));

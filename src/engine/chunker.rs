@@ -70,10 +70,17 @@ impl Chunker {
 
     /// A full first payload after all, while no code has come yet (false once one has).
     pub fn widen_first(&mut self) -> bool {
-        if self.seq > 0 || !self.pending.is_empty() {
+        self.widen_first_to(self.size)
+    }
+
+    /// A first payload of `n` new codes after all (at most a full one, never fewer than it has),
+    /// while no code has come yet (false once one has, or when nothing changes).
+    pub fn widen_first_to(&mut self, n: usize) -> bool {
+        let n = n.min(self.size);
+        if self.seq > 0 || !self.pending.is_empty() || n <= self.first {
             return false;
         }
-        self.first = self.size;
+        self.first = n;
         true
     }
 
@@ -140,6 +147,11 @@ pub fn warm_sequences(cfg: &crate::EngineConfig) -> Vec<Vec<(usize, bool)>> {
     let small = Chunker::new(cfg.first_chunk_codes, size, 0, 0).first();
     if small < size {
         seqs.push(run(small, true, small + 3 * size));
+        if cfg.small_first_chunk_slack {
+            // (a busy engine's first chunk halfway to a full one, `pace.rs`)
+            let mid = crate::pace::halfway(small, size);
+            seqs.push(run(mid, true, mid + 3 * size));
+        }
     }
     seqs.push(run(size, true, 4 * size));
     seqs.push(run(size, false, 2 * unit));
@@ -161,6 +173,10 @@ mod tests {
         assert!(c.push(0).is_none());
         assert!(!c.widen_first(), "a code has come");
         assert_eq!(c.push(1).map(|p| p.codes), Some(vec![9, 0, 1]));
+        let mut c = super::Chunker::new(2, 8, 1, 9);
+        assert!(c.widen_first_to(5));
+        assert!(!c.widen_first_to(3), "never narrower");
+        assert!(c.widen_first_to(20) && c.first() == 8, "at most a full payload");
     }
 
     use super::*;

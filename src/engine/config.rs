@@ -40,6 +40,10 @@ pub struct EngineConfig {
     /// chunk is a full one, whose second of audio covers the next chunk's wait.
     /// Absent: every stream (unlimited); 0: never.
     pub small_first_chunk_streams: usize,
+    /// Busier than that, a small first chunk all the same where the streams already speaking can
+    /// wait for its extra Code2Wav step and its own audio covers its next chunk's wait
+    /// (`pace.rs`: `first_chunk_codes`, halfway, or a full chunk); off: a full one.
+    pub small_first_chunk_slack: bool,
     pub chunk_codes: usize,
     /// Codes of left context in every chunk after the first.
     #[serde(skip)]
@@ -181,6 +185,7 @@ impl Default for EngineConfig {
             code2wav_first_chunks_apart: false,
             first_chunk_codes: 25,
             small_first_chunk_streams: usize::MAX,
+            small_first_chunk_slack: false,
             chunk_codes: 25,
             context_codes: 3,
             talker_streaming_prefill: false,

@@ -19,6 +19,7 @@ pub mod config;
 pub mod contain;
 pub mod gate;
 pub mod metrics;
+pub mod pace;
 pub mod prefix;
 pub mod profile;
 pub mod refcache;
@@ -331,10 +332,13 @@ impl Engine {
         let s0 =
             stage0::Stage0::new(models.thinker, models.tokenizer, cfg.clone(), registry.clone(), metrics.clone(), tx1.clone(), admission.clone())?
                 .with_gate(gate.clone());
-        let s1 = stage1::Stage1::new(models.talker, cfg.clone(), registry.clone(), metrics.clone(), tx2.clone(), gate.clone())?;
+        let pace = pace::StagePace::default();
+        let s1 =
+            stage1::Stage1::new(models.talker, cfg.clone(), registry.clone(), metrics.clone(), tx2.clone(), gate.clone())?.with_pace(pace.clone());
         let s2 = stage2::Stage2::new(models.code2wav, cfg.clone(), registry.clone(), metrics.clone())
             .with_admission(admission.clone())
-            .with_gate(gate.clone());
+            .with_gate(gate.clone())
+            .with_pace(pace);
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| std::thread::Builder::new().name(name.to_string()).spawn(f);
         let threads = vec![
             spawn("stage0-thinker", Box::new(move || run_stage(s0, rx0)))?,

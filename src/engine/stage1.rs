@@ -45,6 +45,10 @@ struct Req {
     duplex: Option<DuplexTalk>,
     /// Turn mode with text chunks: a segment per chunk.
     chunks: Option<TextChunks>,
+    /// The small first chunk was given on an idle engine: with `talker_hold_first_chunk`, no
+    /// codes beyond it until it is delivered (a small first chunk given on a busy engine keeps
+    /// its lead: its next chunk is what it waits for).
+    hold_first: bool,
 }
 
 /// A duplex turn's Talker side: one segment per spoken unit, each making a unit of codes; the
@@ -75,6 +79,8 @@ pub struct Stage1 {
     caches: StageCaches,
     /// Held while a prefill for a reply's first code is on the GPU: the Thinker waits for it.
     gate: PrefillGate,
+    /// The stages' paces, for a first chunk on a busy engine (`small_first_chunk_slack`).
+    pace: crate::pace::StagePace,
 }
 
 impl Stage1 {
@@ -88,7 +94,24 @@ impl Stage1 {
     ) -> anyhow::Result<Self> {
         let caches =
             StageCaches::new(talker.decoder(), cfg.talker_max_batch, 256, cfg.idle_cache_mib << 20, cfg.talker_slots, cfg.talker_slot_context)?;
-        Ok(Self { talker, cfg, registry, metrics, to_c2w, reqs: HashMap::new(), order: Vec::new(), paced: false, caches, gate })
+        let pace = crate::pace::StagePace::default();
+        Ok(Self { talker, cfg, registry, metrics, to_c2w, reqs: HashMap::new(), order: Vec::new(), paced: false, caches, gate, pace })
+    }
+
+    /// The paces it shares with Stage 2 (it writes the Talker's).
+    pub fn with_pace(mut self, pace: crate::pace::StagePace) -> Self {
+        self.pace = pace;
+        self
+    }
+
+    /// New codes in the first chunk of a turn stream that finds the engine busy: a full chunk,
+    /// or with `small_first_chunk_slack` the smallest the paces allow ([`crate::pace`]).
+    fn busy_first_chunk(&self) -> usize {
+        if self.cfg.small_first_chunk_slack {
+            self.pace.first_chunk(self.cfg.first_chunk_codes, self.cfg.chunk_codes)
+        } else {
+            self.cfg.chunk_codes
+        }
     }
 
     /// Codes a turn-mode stream whose first chunk holds `first` codes may have made once Code2Wav
@@ -96,9 +119,9 @@ impl Stage1 {
     /// a small first chunk is delivered when `talker_hold_first_chunk` is on (that chunk 0 then
     /// has the GPU to itself as far as this stream is concerned; a full first chunk's second of
     /// audio would have to cover the next chunk's whole wait, so it keeps its lead).
-    fn pacing_limit(&self, first: usize, delivered: usize, lead: usize) -> usize {
+    fn pacing_limit(&self, first: usize, hold_first: bool, delivered: usize, lead: usize) -> usize {
         let size = self.cfg.chunk_codes.max(1);
-        let lead = if delivered == 0 && first < size && self.cfg.talker_hold_first_chunk { 0 } else { lead };
+        let lead = if delivered == 0 && first < size && hold_first && self.cfg.talker_hold_first_chunk { 0 } else { lead };
         first + (delivered + lead) * size
     }
 
@@ -196,7 +219,7 @@ impl Stage1 {
                 if let (Some(lead), None) = (self.cfg.talker_lead_chunks, &r.duplex) {
                     // (a request that just ended is dropped by the next step's sweep)
                     let Some(delivered) = self.registry.chunks_if_live(id) else { continue };
-                    if r.codes >= self.pacing_limit(r.chunker.first(), delivered, lead) + r.chunker.held_codes() {
+                    if r.codes >= self.pacing_limit(r.chunker.first(), r.hold_first, delivered, lead) + r.chunker.held_codes() {
                         self.paced = true;
                         continue;
                     }
@@ -340,6 +363,7 @@ impl Stage1 {
             }
         }
         tracing::debug!(streams = n, paced = self.paced, ms = t0.elapsed().as_secs_f64() * 1e3, "talker step");
+        self.pace.record_talker_step(t0.elapsed());
         self.metrics.step_seconds.with_label_values(&["talker"]).observe(t0.elapsed().as_secs_f64());
         self.metrics.batch_size.with_label_values(&["talker"]).observe(n as f64);
         Ok(true)
@@ -408,7 +432,12 @@ impl StageLoop for Stage1 {
                 // first ones. A duplex turn's first chunk is always a full one: its codes come a
                 // unit at a time, and a small chunk's audio would end long before the next unit's
                 // codes fill the next chunk.
-                let first = if self.busy(1) || mode == Mode::Duplex { self.cfg.chunk_codes } else { self.cfg.first_chunk_codes };
+                let busy = self.busy(1);
+                let first = match (mode, busy) {
+                    (Mode::Duplex, _) => self.cfg.chunk_codes,
+                    (Mode::Turn, true) => self.busy_first_chunk(),
+                    (Mode::Turn, false) => self.cfg.first_chunk_codes,
+                };
                 let cache = match self.caches.take(self.talker.decoder(), need) {
                     Ok(c) => c,
                     Err(e) => {
@@ -430,6 +459,7 @@ impl StageLoop for Stage1 {
                     codes: 0,
                     duplex: (mode == Mode::Duplex).then(DuplexTalk::default),
                     chunks: chunked.then(|| TextChunks::new(text_tokens, min_codes, max_codes)),
+                    hold_first: !busy,
                 };
                 self.remove(&id);
                 self.order.push(id.clone());
@@ -448,11 +478,12 @@ impl StageLoop for Stage1 {
                 // (Begin comes when the Thinker takes a request: requests submitted while it
                 // thought count too, so the first of a wave keeps a full first chunk)
                 let busy = self.busy(0);
+                let busy_first = self.busy_first_chunk();
                 let Some(r) = self.reqs.get_mut(&id) else {
                     return;
                 };
-                if busy && r.mode == Mode::Turn && r.chunker.first() < self.cfg.chunk_codes {
-                    r.chunker.widen_first();
+                if busy && r.mode == Mode::Turn && r.chunker.first() < busy_first && r.chunker.widen_first_to(busy_first) {
+                    r.hold_first = false;
                 }
                 let mode = match r.mode {
                     Mode::Turn => ConditionMode::Turn,

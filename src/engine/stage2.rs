@@ -169,6 +169,9 @@ pub struct Stage2 {
     /// Held through a step that serves only a few replies' first audio: the Thinker waits for it
     /// (`gate.rs`; Code2Wav's kernels run at the default priority, behind the Thinker's graphs).
     gate: super::gate::PrefillGate,
+    /// Written after each step: its time and the least audio a speaking stream has buffered
+    /// (Stage 1 reads them for a new stream's first chunk, `pace.rs`).
+    pace: super::pace::StagePace,
 }
 
 /// A step of at most this many chunks, every one a chunk 0, holds the gate (a bigger one would
@@ -201,7 +204,14 @@ impl Stage2 {
             admission: None,
             next_due: None,
             gate: super::gate::PrefillGate::new(false),
+            pace: super::pace::StagePace::default(),
         }
+    }
+
+    /// The paces it shares with Stage 1 (it writes Code2Wav's).
+    pub fn with_pace(mut self, pace: super::pace::StagePace) -> Self {
+        self.pace = pace;
+        self
     }
 
     /// The Thinker waits for a step that serves only first audio (gate.rs).
@@ -370,6 +380,9 @@ impl Stage2 {
         }
         let took = t0.elapsed();
         self.step_estimate = if self.step_estimate.is_zero() { took } else { (self.step_estimate * 3 + took) / 4 };
+        let now = Instant::now();
+        let least_buffered = self.live.values().filter_map(Live::dry_at).map(|d| d.saturating_duration_since(now)).min();
+        self.pace.record_code2wav(self.step_estimate, least_buffered);
         self.metrics.step_seconds.with_label_values(&["code2wav"]).observe(took.as_secs_f64());
         self.metrics.batch_size.with_label_values(&["code2wav"]).observe(batch_total as f64);
         true
