@@ -547,3 +547,7 @@ impl StageLoop for Stage1 {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "stage1/tests.rs"]
+mod tests;

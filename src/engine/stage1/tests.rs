@@ -1,0 +1,43 @@
+//! Stage 1's first-chunk choice on a busy engine, with the paces set by the test
+//! (`small_first_chunk_slack`, `pace.rs`): deterministic where the engine's own paces are not.
+
+use std::time::Duration;
+
+use super::*;
+use crate::pace::StagePace;
+
+fn stage1(pace: &StagePace, slack: bool) -> Stage1 {
+    let models = antiphon_assets::synth::models_in_memory(antiphon_assets::synth::Preset::Tiny, 5, DType::F32, &candle_core::Device::Cpu).unwrap();
+    // (no stream is ever "few": every one finds the engine busy)
+    let cfg = EngineConfig { first_chunk_codes: 5, small_first_chunk_streams: 0, small_first_chunk_slack: slack, ..EngineConfig::default() };
+    let (tx, _rx) = std::sync::mpsc::sync_channel(16);
+    // (the receiver goes: nothing is sent before a code is made)
+    Stage1::new(models.talker, Arc::new(cfg), Registry::default(), EngineMetrics::new(), tx, PrefillGate::new(false)).unwrap().with_pace(pace.clone())
+}
+
+fn begin(s: &mut Stage1, id: &str) -> usize {
+    let voice = RefInput::new(vec![0.1; 16_000], 16_000);
+    let id = RequestId(id.into());
+    s.on_message(Stage1Msg::Begin { id: id.clone(), mode: Mode::Turn, voice, min_codes: 100, max_codes: 100, text_tokens: None, seed: 1 });
+    s.reqs[&id].chunker.first()
+}
+
+const MS: fn(u64) -> Duration = Duration::from_millis;
+
+#[test]
+fn a_busy_engine_sizes_a_first_chunk_by_the_paces() {
+    let pace = StagePace::default();
+    let mut s = stage1(&pace, true);
+    assert_eq!(begin(&mut s, "unmeasured"), 25, "no pace measured yet: a full chunk");
+    pace.record_talker_step(MS(2));
+    pace.record_code2wav(MS(40), Some(MS(2000)));
+    assert_eq!(begin(&mut s, "quick"), 5, "25 × 2 ms + 2 × 40 ms within 5 codes' 200 ms");
+    assert!(!s.reqs[&RequestId("quick".into())].hold_first, "a busy engine's small chunk keeps its Talker lead");
+    pace.record_code2wav(MS(100), Some(MS(2000)));
+    assert_eq!(begin(&mut s, "slower"), 15, "25 × 2 ms + 2 × 100 ms: the halfway chunk");
+    pace.record_code2wav(MS(100), Some(MS(150)));
+    assert_eq!(begin(&mut s, "short"), 25, "a speaking stream with less than two steps buffered");
+    let mut off = stage1(&pace, false);
+    pace.record_code2wav(MS(40), Some(MS(2000)));
+    assert_eq!(begin(&mut off, "off"), 25, "without slack a busy engine's first chunk is full");
+}
