@@ -181,3 +181,41 @@ fn check_config_finds_what_serve_would_meet() {
     let (ok, err) = config("");
     assert!(ok, "{err}");
 }
+
+/// `check-config` opens `server.smart_turn_model` as `serve` does: a missing file and a file that
+/// is not Smart Turn's are each named with the key.
+#[test]
+fn check_config_opens_the_turn_model() {
+    let bin = env!("CARGO_BIN_EXE_antiphon");
+    let tmp = tempfile::tempdir().unwrap();
+    let base = std::fs::read_to_string(root().join("configs/default.toml")).unwrap().replace("../", &format!("{}/", root().display()));
+    let check = |model: &std::path::Path| {
+        let text = base.replacen("[server]\n", &format!("[server]\nsmart_turn_model = {model:?}\n"), 1);
+        assert!(text.contains("smart_turn_model"), "the default configuration has a [server] table");
+        let p = tmp.path().join("c.toml");
+        std::fs::write(&p, text).unwrap();
+        let out = Command::new(bin).arg("check-config").arg(&p).output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (ok, err) = check(&tmp.path().join("missing.onnx"));
+    assert!(!ok && err.contains("server.smart_turn_model") && err.contains("missing.onnx"), "{err}");
+    // an ONNX file, but CAM++'s speaker model from a synthetic checkpoint, not a turn model
+    let ck = tmp.path().join("ck");
+    antiphon_assets::synth::write_checkpoint(&ck, &antiphon_assets::synth::SynthOptions::default()).unwrap();
+    let campplus = walk(&ck).into_iter().find(|p| p.file_name().is_some_and(|n| n == "campplus.onnx")).expect("the checkpoint has campplus.onnx");
+    let (ok, err) = check(&campplus);
+    assert!(!ok && err.contains("server.smart_turn_model") && err.contains("input_features"), "{err}");
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}

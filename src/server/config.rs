@@ -312,7 +312,8 @@ impl Config {
 impl Config {
     /// What `serve` would refuse or miss that [`Config::parse`] does not see, found without loading
     /// a weight (`antiphon check-config`): the device on this build, the demo's `web_dir`, each
-    /// voice file as audio, and a checkpoint's files ([`antiphon_assets::check::check_checkpoint`]).
+    /// voice file as audio, a checkpoint's files ([`antiphon_assets::check::check_checkpoint`]),
+    /// and the turn model (a small file: it is opened as `serve` opens it).
     /// Each problem names the file or key and what was expected; empty: none found.
     pub fn preflight(&self) -> Vec<String> {
         let mut problems = Vec::new();
@@ -346,6 +347,13 @@ impl Config {
         }
         if let (ModelSource::Checkpoint, Some(dir)) = (self.model.source, &self.model.path) {
             problems.extend(antiphon_assets::check::check_checkpoint(dir));
+        }
+        let turn_model = &self.server.smart_turn_model;
+        if !turn_model.as_os_str().is_empty() {
+            let loaded = antiphon_assets::onnx::read_model(turn_model).and_then(|m| antiphon_models::smart_turn::SmartTurn::from_model(&m));
+            if let Err(e) = loaded {
+                problems.push(format!("server.smart_turn_model = {}: {e:#}", turn_model.display()));
+            }
         }
         problems
     }
