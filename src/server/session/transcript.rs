@@ -11,11 +11,19 @@ use super::*;
 /// The longest transcript, in the Thinker's tokens (a turn holds at most a minute of speech).
 const TRANSCRIPT_MAX_TOKENS: usize = 256;
 
+/// A transcript's tokens at most for a clip of `samples` at 16 kHz: 16, and 8 a second of audio
+/// (fast speech is about four; more is a runaway, which would only take Thinker steps from the
+/// replies: at C8 on an H200, transcripts capped at 256 tokens alone doubled first audio,
+/// docs/performance.md), within [`TRANSCRIPT_MAX_TOKENS`].
+pub(super) fn transcript_tokens(samples: usize) -> usize {
+    (16 + samples.div_ceil(16_000) * 8).min(TRANSCRIPT_MAX_TOKENS)
+}
+
 impl Session {
     /// Asks for the transcript of `clip`, the turn response `rid` answers.
     pub(super) fn transcribe(&mut self, rid: u32, clip: SpokenClip) {
         let id = RequestId::transcript(&self.id, rid);
-        let limit = self.shared.engine.generation_limits().max_text_tokens;
+        let limit = self.shared.engine.generation_limits().max_text_tokens.min(transcript_tokens(clip.samples().len()));
         let spec = RequestSpec {
             id: id.clone(),
             mode: Mode::Turn,
@@ -24,12 +32,7 @@ impl Session {
             history: Vec::new(),
             voice: self.voice.clone(),
             // (greedy: a transcript is the likeliest reading, not a sample)
-            generation: GenerationParams {
-                max_text_tokens: Some(TRANSCRIPT_MAX_TOKENS.min(limit)),
-                temperature: Some(0.0),
-                seed: Some(0),
-                ..Default::default()
-            },
+            generation: GenerationParams { max_text_tokens: Some(limit), temperature: Some(0.0), seed: Some(0), ..Default::default() },
             tools: Default::default(),
             text_only: true,
             task: Task::Transcribe,
@@ -67,5 +70,16 @@ impl Session {
             }
             _ => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_transcript_is_bounded_by_its_audio() {
+        assert_eq!(super::transcript_tokens(0), 16);
+        assert_eq!(super::transcript_tokens(16_000 * 2), 32, "2 s: 16 + 2 × 8");
+        assert_eq!(super::transcript_tokens(16_000 * 2 + 1), 40, "a started second counts");
+        assert_eq!(super::transcript_tokens(16_000 * 60), super::TRANSCRIPT_MAX_TOKENS, "a minute: the cap");
     }
 }
