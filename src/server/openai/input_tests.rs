@@ -52,6 +52,11 @@ fn feed_answering(b: &mut InputBuffer, x: &[i16], complete: impl Fn(u64) -> bool
     out
 }
 
+/// The stream sample of the last pause asked about.
+fn last_pause(events: &[InputEvent]) -> u64 {
+    events.iter().rev().find_map(|e| if let InputEvent::Paused { at, .. } = e { Some(*at) } else { None }).expect("a pause")
+}
+
 fn without_pauses(events: &[InputEvent]) -> Vec<&'static str> {
     kinds(events).into_iter().filter(|k| *k != "paused").collect()
 }
@@ -109,7 +114,7 @@ fn speech_after_an_incomplete_pause_continues_the_same_turn() {
     events.extend(feed_answering(&mut b, &p1, at_end));
     events.extend(feed_answering(&mut b, &silence(800), at_end));
     assert!(kinds(&events).contains(&"paused"), "the 800 ms pause is asked about");
-    let first = events.iter().rev().find_map(|e| if let InputEvent::Paused { at, .. } = e { Some(*at) } else { None }).unwrap();
+    let first = last_pause(&events);
     events.extend(feed_answering(&mut b, &p2, at_end));
     assert_eq!(without_pauses(&events), ["started"], "no second speech_started");
     events.extend(feed_answering(&mut b, &silence(400), at_end));
@@ -127,7 +132,7 @@ fn a_commit_during_a_pause_takes_the_turn_and_drops_the_question() {
     let mut events = feed(&mut b, &silence(500));
     events.extend(feed(&mut b, &phrase("phrase2.wav")));
     events.extend(feed(&mut b, &silence(300)));
-    let at = events.iter().rev().find_map(|e| if let InputEvent::Paused { at, .. } = e { Some(*at) } else { None }).expect("a pause");
+    let at = last_pause(&events);
     assert!(b.commit().is_ok());
     assert!(b.pause_decided(at, true).is_none(), "the committed turn is not ended twice");
     assert!(feed(&mut b, &silence(3000)).is_empty(), "nor by the longest wait");
