@@ -26,6 +26,10 @@ pub const MIN_COMMIT_MS: u64 = 100;
 /// integration asks after 200 ms).
 pub const SEMANTIC_PAUSE_MS: u32 = 200;
 
+/// What a pause's question carries of its turn at most: the 8 s the turn model hears, and half a
+/// second for the resampler to settle before them.
+const PAUSE_AUDIO_SAMPLES: usize = (8_500 * PER_MS) as usize;
+
 /// With `semantic_vad`, the longest silence before a turn ends whatever the model said: OpenAI
 /// documents 8 s, 4 s and 2 s for low, medium and high eagerness (auto is medium).
 pub fn max_wait_ms(eagerness: Option<&str>) -> u64 {
@@ -48,7 +52,8 @@ pub enum InputEvent {
         audio: Vec<i16>,
     },
     /// `semantic_vad`: speech paused. Is the turn complete? Its audio so far (prefix padding and
-    /// the pause included); the answer goes to [`InputBuffer::pause_decided`].
+    /// the pause included, its last 8.5 s at most); the answer goes to
+    /// [`InputBuffer::pause_decided`].
     Paused {
         /// The stream sample the speech paused at (names the pause to the answer).
         at: u64,
@@ -148,6 +153,8 @@ impl InputBuffer {
                     d.pause = Some(Pause { end, at_ms });
                     let start = d.speech.unwrap_or(self.base);
                     let s = (start.saturating_sub(self.base) as usize).min(self.samples.len());
+                    // (the model hears the last 8 s: a long turn's earlier audio is not copied)
+                    let s = s.max(self.samples.len().saturating_sub(PAUSE_AUDIO_SAMPLES));
                     out.push(InputEvent::Paused { at: end, audio: self.samples[s..].to_vec() });
                 }
                 VadEvent::SpeechStopped { at_ms } => {
