@@ -31,6 +31,15 @@ fn a_turn_request_gives_text_then_audio_of_the_forced_length() {
     let m = e.metrics().render();
     assert!(m.contains("antiphon_stage_step_seconds_count{stage=\"thinker\"}"), "{m}");
     assert!(m.contains("antiphon_engine_requests_total{status=\"completed\"} 1"));
+    // every milestone of the reply, once, in the order the stages reach them
+    let at = |phase: &str| -> f64 {
+        let key = format!("antiphon_engine_phase_seconds_sum{{phase=\"{phase}\"}} ");
+        let line = m.lines().find(|l| l.starts_with(&key)).unwrap_or_else(|| panic!("no {phase} in {m}"));
+        line[key.len()..].parse().unwrap()
+    };
+    let order = ["first_token", "handoff", "first_code", "chunk0_codes", "first_chunk", "first_audio"];
+    let times: Vec<f64> = order.iter().map(|p| at(p)).collect();
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "{order:?}: {times:?}");
 }
 
 #[test]

@@ -271,7 +271,7 @@ pub fn table(s: &Summary) -> String {
                 format!("{stage} {ms:.1} ms × {:.0} (batch {:.1})", b.steps.get(stage).unwrap_or(&0.0), b.batch_mean.get(stage).unwrap_or(&0.0))
             })
             .collect();
-        let order = ["first_text", "handoff", "first_code", "first_chunk", "first_audio"];
+        let order = ["first_token", "first_text", "handoff", "first_code", "chunk0_codes", "first_chunk", "first_audio"];
         let phases: Vec<String> = order.iter().filter_map(|p| Some(format!("{p} {:.0}", b.phase_ms.get(*p)?))).collect();
         let name = if l.rate_per_s.is_some() { level_label(l) } else { format!("C{}", l.concurrency) };
         out.push_str(&format!("{name} server: {}\n      milestones (ms after admission): {}\n", steps.join(", "), phases.join(", ")));

@@ -15,8 +15,8 @@ pub struct ServerBreakdown {
     pub steps: BTreeMap<String, f64>,
     /// Mean streams per step, per stage.
     pub batch_mean: BTreeMap<String, f64>,
-    /// Mean time from admission to each milestone of a request (ms): first_text, handoff,
-    /// first_code, first_chunk, first_audio.
+    /// Mean time from admission to each milestone of a request (ms): first_token, first_text,
+    /// handoff, first_code, chunk0_codes, first_chunk, first_audio.
     pub phase_ms: BTreeMap<String, f64>,
 }
 

@@ -217,9 +217,14 @@ pub enum Status {
 #[derive(Debug, Clone, Default)]
 pub struct Timings {
     pub admitted: Option<Instant>,
+    /// The Thinker's first reply token: the prompt is in (its prefill, or the prefix store).
+    pub first_token: Option<Instant>,
     pub first_text: Option<Instant>,
     pub handoff: Option<Instant>,
     pub first_code: Option<Instant>,
+    /// Chunk 0's codes reach Code2Wav (from `first_code`: the Talker's share; to `first_chunk`:
+    /// the wait for a Code2Wav step).
+    pub chunk0_codes: Option<Instant>,
     pub first_chunk: Option<Instant>,
     pub first_audio: Option<Instant>,
     pub done: Option<Instant>,
@@ -238,9 +243,11 @@ impl Timings {
     /// Every milestone reached so far, in order, as ms since admission.
     pub fn phases_ms(&self) -> Vec<(&'static str, f64)> {
         [
+            ("first_token", self.first_token),
             ("first_text", self.first_text),
             ("handoff", self.handoff),
             ("first_code", self.first_code),
+            ("chunk0_codes", self.chunk0_codes),
             ("first_chunk", self.first_chunk),
             ("first_audio", self.first_audio),
         ]

@@ -382,6 +382,11 @@ impl ThinkerStream for TurnStream {
             self.done = true;
             return Ok(());
         }
+        if self.next.is_none() {
+            ctx.registry.mark(&self.id, |t| {
+                t.first_token.get_or_insert_with(std::time::Instant::now);
+            });
+        }
         let tok = match self.forced.pop_front() {
             Some(t) if !self.length.full() => {
                 self.length.force(&mut self.sampler, t);
