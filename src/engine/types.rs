@@ -298,7 +298,8 @@ pub enum EngineEvent {
         codes: usize,
         audio_samples: usize,
         chunks: usize,
-        timings: Timings,
+        /// (boxed: every other event stays small)
+        timings: Box<Timings>,
         usage: Usage,
     },
 }
@@ -544,7 +545,7 @@ impl Registry {
                 codes: p.codes,
                 audio_samples: p.audio_samples,
                 chunks: p.chunks,
-                timings: p.timings.clone(),
+                timings: Box::new(p.timings.clone()),
                 usage: p.usage,
             };
             (e.sink)(ev);
