@@ -17,6 +17,8 @@ fn shipped_configs_parse() {
     let s = Config::load(&root().join("configs/minicpmo45-synthetic.toml")).unwrap();
     assert_eq!(s.model.preset, antiphon_assets::synth::Preset::Full);
     assert_eq!(s.model.dtype, antiphon_models::gpu::Precision::Bf16);
+    // the GPU config sizes its streams from the card's memory, at most its 64 slots
+    assert!(s.engine.streams_from_memory && s.engine.thinker_slots == 64 && s.engine.memory_headroom_mib == 16384);
     // the real-checkpoint file names a directory this machine does not have
     let e = format!("{:#}", Config::load(&root().join("configs/minicpmo45.toml")).unwrap_err());
     assert!(e.contains("model.path") && e.contains("config.json"), "{e}");

@@ -304,3 +304,13 @@ fn the_warm_up_holds_every_shape_the_chunkers_make() {
         assert_eq!(c.graphs_held(), held, "a request (first {first}, turn {turn}, {n} codes) brought a shape the warm-up did not hold");
     }
 }
+
+/// What capacity from memory counts a stream's flow slot as (`Code2Wav::slot_bytes`) is what the
+/// pool allocates: its slots and its scratch slot.
+#[test]
+fn a_flow_pool_holds_what_its_slots_are_counted_as() {
+    let mut c = tiny();
+    c.set_slots(3, 512, 25).unwrap();
+    assert!(c.slot_bytes(512) > 0);
+    assert_eq!(c.pool().unwrap().bytes(), 4 * c.slot_bytes(512));
+}

@@ -495,6 +495,8 @@ fn slot_pool_batched_decode_matches_streams_alone() {
         thinker.llm.set_ragged_prefill(true);
         let llm = &thinker.llm;
         let pool = llm.decoder().slot_pool(3, 64).unwrap();
+        // (what capacity from memory counts a stream's slot as: three and the scratch slot)
+        assert_eq!(pool.bytes(), 4 * llm.decoder().slot_bytes(64));
         {
             let lease = pool.take().unwrap().expect("a free slot");
             assert_eq!(pool.free(), 2);

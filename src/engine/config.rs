@@ -167,6 +167,13 @@ pub struct EngineConfig {
     /// Places kept free for the next turns of calls already admitted: a new call (session) is
     /// refused while fewer are free or any response waits.
     pub call_headroom: usize,
+    /// On a GPU, the streams (every stage's slots, at most as configured) are as many as the
+    /// device's free memory holds at start-up beside `memory_headroom_mib` and the caches' own
+    /// budgets (capacity.rs); off: the slots as configured.
+    pub streams_from_memory: bool,
+    /// With `streams_from_memory`: MiB kept free beside the slots, the prefix store and the idle
+    /// caches, for activations, CUDA graphs and the voices' setups.
+    pub memory_headroom_mib: usize,
 }
 
 /// The longest text chunk `talker_text_chunk` may ask for (a chunk's condition and the previous
@@ -229,6 +236,8 @@ impl Default for EngineConfig {
             adaptive_stream_limit: true,
             admission_slack_ms: 0,
             call_headroom: 0,
+            streams_from_memory: false,
+            memory_headroom_mib: 16384,
         }
     }
 }

@@ -210,3 +210,11 @@ pub fn cuda_memory(spec: DeviceSpec) -> Option<(u64, u64)> {
 pub fn cuda_memory(_spec: DeviceSpec) -> Option<(u64, u64)> {
     None
 }
+
+/// The free memory of the GPU `dev` is on, in bytes; `None` for the CPU.
+pub fn free_memory(dev: &Device) -> Option<u64> {
+    match dev.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => cuda_memory(DeviceSpec::Cuda(gpu_id)).map(|(used, total)| total.saturating_sub(used)),
+        _ => None,
+    }
+}

@@ -152,6 +152,12 @@ impl Code2Wav {
         Ok(())
     }
 
+    /// What one slot of [`Code2Wav::set_slots`] with `frames` positions takes of the device's
+    /// memory.
+    pub fn slot_bytes(&self, frames: usize) -> usize {
+        slots::FlowPool::slot_bytes(self.flow.config(), frames, self.flow.decoder.noise.dtype())
+    }
+
     /// Pooled solves padded up to the lengths of these payloads (codes, last), as the warm-up runs
     /// them: a step's chunks then ride the graphs it captured whatever their lengths.
     pub fn set_solve_payloads(&mut self, payloads: &[(usize, bool)]) {

@@ -40,6 +40,13 @@ impl std::fmt::Debug for FlowPool {
 }
 
 impl FlowPool {
+    /// What one slot of `cap` positions takes of the device's memory (keys and values of every
+    /// Euler step and block, both CFG halves), as [`FlowPool::new`] allocates it.
+    pub fn slot_bytes(cfg: &FlowConfig, cap: usize, dtype: DType) -> usize {
+        let e = &cfg.estimator;
+        2 * cfg.n_timesteps * e.depth * 2 * e.num_heads * cap * e.head_dim * dtype.size_in_bytes()
+    }
+
     /// `slots` slots of `cap` positions each; a stream takes a slot only if its prompt plus a chunk
     /// of `max_chunk` frames fits the ring.
     pub fn new(cfg: &FlowConfig, slots: usize, cap: usize, max_chunk: usize, dtype: DType, dev: &Device) -> Result<Arc<Self>> {
@@ -64,6 +71,11 @@ impl FlowPool {
 
     pub fn slots(&self) -> usize {
         self.slots
+    }
+
+    /// The device memory the pool holds (its scratch slot too).
+    pub fn bytes(&self) -> usize {
+        (self.k.elem_count() + self.v.elem_count()) * self.k.dtype().size_in_bytes()
     }
 
     pub fn cap(&self) -> usize {

@@ -120,6 +120,12 @@ fn bucket(n: usize, max: usize) -> usize {
 }
 
 impl Decoder {
+    /// What one slot of `capacity` positions takes of the device's memory (keys and values of
+    /// every layer), as [`Decoder::slot_pool`] allocates it.
+    pub fn slot_bytes(&self, capacity: usize) -> usize {
+        2 * self.layers.len() * self.cfg.num_kv_heads * capacity * self.cfg.head_dim * self.dtype.size_in_bytes()
+    }
+
     /// A pool of `slots` caches with room for `capacity` positions each (plus a scratch slot).
     pub fn slot_pool(&self, slots: usize, capacity: usize) -> Result<SlotPool> {
         if slots == 0 || capacity == 0 || capacity > self.rope.max_positions() {
