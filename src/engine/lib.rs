@@ -246,8 +246,9 @@ fn size_streams_from_memory(models: &Models, cfg: &mut EngineConfig) -> Result<(
         tracing::info!("engine.streams_from_memory: not on a GPU; the slots as configured");
         return Ok(());
     };
-    if !(d0.same_device(d1) && d0.same_device(d2)) {
-        tracing::warn!("engine.streams_from_memory: the stages are on different devices; the slots as configured");
+    // (each stage may have a stream of its own on the one GPU: its own `Device`, the same card)
+    if !(d0.location() == d1.location() && d0.location() == d2.location()) {
+        tracing::warn!("engine.streams_from_memory: the stages are on different GPUs; the slots as configured");
         return Ok(());
     }
     let bytes = |slots: usize, b: usize| if slots > 0 { b as u64 } else { 0 };
