@@ -59,7 +59,7 @@ pub fn streams_that_fit(free: u64, reserve: u64, per_stream: u64, at_most: usize
 }
 
 /// Sizes every stage's slots (and the batches and the stream limit that follow them) to the
-/// streams that fit in `free` bytes. An error when not one fits: the engine cannot serve on this
+/// streams that fit in `free` bytes; `call_headroom` keeps its share of the places. An error when not one fits: the engine cannot serve on this
 /// device with this configuration, and says what it would need.
 pub fn size_streams(cfg: &mut EngineConfig, free: u64, per_stream: StreamBytes) -> Result<Sizing, String> {
     let asked = [cfg.thinker_slots, cfg.talker_slots, cfg.code2wav_slots].into_iter().filter(|&n| n > 0).min().unwrap_or(0);
@@ -89,6 +89,8 @@ pub fn size_streams(cfg: &mut EngineConfig, free: u64, per_stream: StreamBytes) 
     if let Some(m) = cfg.max_streams.as_mut() {
         *m = (*m).min(streams);
     }
+    // the places kept for admitted calls' next turns: the same share of fewer places
+    cfg.call_headroom = (cfg.call_headroom * streams).div_ceil(asked);
     Ok(Sizing { free, reserve, per_stream, asked, streams })
 }
 
@@ -111,6 +113,7 @@ mod tests {
             idle_cache_mib: 8192,
             memory_headroom_mib: 16384,
             streams_from_memory: true,
+            call_headroom: 4,
             ..EngineConfig::default()
         }
     }
@@ -142,6 +145,7 @@ mod tests {
             (expect, expect, expect, expect)
         );
         assert_eq!(small.stream_places(), expect, "admission follows the slots");
+        assert_eq!((big.call_headroom, small.call_headroom), (4, (4 * expect).div_ceil(64)), "the same share of the places");
     }
 
     #[test]
