@@ -22,6 +22,11 @@ pub struct Goodput {
     pub level: Option<f64>,
     /// "conversations/s" or "concurrent sessions".
     pub unit: String,
+    /// Duplex: the most live sessions at once whose audio all played without a stall (no
+    /// pre-buffer), with none refused and none failed, whatever their first audio: how many duplex
+    /// sessions the replica holds. None when no level does, and for other workloads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sessions_held: Option<f64>,
 }
 
 /// The level's place on the load axis: its arrival rate, else its concurrency.
@@ -51,10 +56,23 @@ pub fn meets(l: &LevelSummary) -> bool {
         && without_stall_frac(l).is_some_and(|f| f >= WITHOUT_STALL_MIN_FRAC)
 }
 
+/// Whether a duplex level's sessions were all held: every reply without a stall, none refused,
+/// none failed (a level with no completed reply is not).
+pub fn holds(l: &LevelSummary) -> bool {
+    let completed = l.requests.saturating_sub(l.failures);
+    let refused = l.calls_refused.unwrap_or(0) + l.replies_refused.unwrap_or(0) + l.failures_by_code.get("capacity").copied().unwrap_or(0);
+    completed > 0 && l.failures == 0 && refused == 0 && l.stall_events == 0
+}
+
+fn highest<'a>(levels: impl Iterator<Item = &'a LevelSummary>) -> Option<f64> {
+    levels.map(level_value).fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))))
+}
+
 /// The goodput of a run's levels.
 pub fn of(workload: Workload, levels: &[LevelSummary]) -> Goodput {
     let unit = if workload == Workload::Conversations { "conversations/s" } else { "concurrent sessions" };
-    let level = levels.iter().filter(|l| meets(l)).map(level_value).fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))));
+    let level = highest(levels.iter().filter(|l| meets(l)));
+    let sessions_held = if workload == Workload::Duplex { highest(levels.iter().filter(|l| holds(l))) } else { None };
     Goodput {
         criterion: format!(
             "TTFA p95 <= {TTFA_P95_MAX_MS:.0} ms, >= {:.0}% of completed responses without a stall (no pre-buffer), no call or reply refused, no request failed",
@@ -62,6 +80,7 @@ pub fn of(workload: Workload, levels: &[LevelSummary]) -> Goodput {
         ),
         level,
         unit: unit.into(),
+        sessions_held,
     }
 }
 
@@ -109,6 +128,22 @@ mod tests {
         // an old summary: the stall events bound the fraction (1 in 100 = 99 %)
         assert!(meets(&LevelSummary { responses_without_stall_frac: None, stall_events: 1, ..ok.clone() }));
         assert!(!meets(&LevelSummary { responses_without_stall_frac: None, stall_events: 2, ..ok }));
+    }
+
+    /// Duplex: the sessions held are the highest level with no stall at all, whatever its first
+    /// audio (C64 at 1.8 s p95 counts); one stall, one refusal or one failure and it does not.
+    #[test]
+    fn duplex_sessions_held_are_the_highest_level_without_a_stall() {
+        let levels = vec![level(16, 600.0, 0), level(32, 750.0, 0), level(64, 1800.0, 0), level(96, 9000.0, 1)];
+        let g = of(Workload::Duplex, &levels);
+        assert_eq!((g.level, g.sessions_held), (Some(32.0), Some(64.0)));
+        let refused = LevelSummary { calls_refused: Some(1), ..level(64, 1800.0, 0) };
+        assert_eq!(of(Workload::Duplex, &[level(16, 600.0, 0), refused]).sessions_held, Some(16.0));
+        assert_eq!(of(Workload::Duplex, &[level(8, 600.0, 1)]).sessions_held, None);
+        assert_eq!(of(Workload::Tts, &levels).sessions_held, None, "duplex only");
+        // (an old summary without the figure reads as none)
+        let old: Goodput = serde_json::from_str(r#"{"criterion":"c","level":null,"unit":"u"}"#).unwrap();
+        assert_eq!(old.sessions_held, None);
     }
 
     #[test]

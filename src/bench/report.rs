@@ -261,6 +261,9 @@ pub fn table(s: &Summary) -> String {
             Some(v) => out.push_str(&format!("goodput: {v} {} ({})\n", g.unit, g.criterion)),
             None => out.push_str(&format!("goodput: no level ({})\n", g.criterion)),
         }
+        if let Some(n) = g.sessions_held {
+            out.push_str(&format!("duplex sessions held: {n} (the most live at once with no stall, none refused or failed)\n"));
+        }
     }
     for l in &s.levels {
         let Some(b) = &l.server else { continue };
