@@ -45,23 +45,23 @@ pub fn without_stall_frac(l: &LevelSummary) -> Option<f64> {
     }
 }
 
-/// Whether one level meets the criterion (a level with no completed response does not).
-pub fn meets(l: &LevelSummary) -> bool {
+/// Whether a level served everything it was asked: some responses completed, none failed, and
+/// the server refused no call and no reply.
+fn served_all(l: &LevelSummary) -> bool {
     let completed = l.requests.saturating_sub(l.failures);
     let refused = l.calls_refused.unwrap_or(0) + l.replies_refused.unwrap_or(0) + l.failures_by_code.get("capacity").copied().unwrap_or(0);
-    completed > 0
-        && l.failures == 0
-        && refused == 0
-        && l.ttfa_ms.p95 <= TTFA_P95_MAX_MS
-        && without_stall_frac(l).is_some_and(|f| f >= WITHOUT_STALL_MIN_FRAC)
+    completed > 0 && l.failures == 0 && refused == 0
+}
+
+/// Whether one level meets the criterion (a level with no completed response does not).
+pub fn meets(l: &LevelSummary) -> bool {
+    served_all(l) && l.ttfa_ms.p95 <= TTFA_P95_MAX_MS && without_stall_frac(l).is_some_and(|f| f >= WITHOUT_STALL_MIN_FRAC)
 }
 
 /// Whether a duplex level's sessions were all held: every reply without a stall, none refused,
 /// none failed (a level with no completed reply is not).
 pub fn holds(l: &LevelSummary) -> bool {
-    let completed = l.requests.saturating_sub(l.failures);
-    let refused = l.calls_refused.unwrap_or(0) + l.replies_refused.unwrap_or(0) + l.failures_by_code.get("capacity").copied().unwrap_or(0);
-    completed > 0 && l.failures == 0 && refused == 0 && l.stall_events == 0
+    served_all(l) && l.stall_events == 0
 }
 
 fn highest<'a>(levels: impl Iterator<Item = &'a LevelSummary>) -> Option<f64> {

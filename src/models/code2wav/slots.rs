@@ -43,24 +43,29 @@ impl FlowPool {
     /// What one slot of `cap` positions takes of the device's memory (keys and values of every
     /// Euler step and block, both CFG halves), as [`FlowPool::new`] allocates it.
     pub fn slot_bytes(cfg: &FlowConfig, cap: usize, dtype: DType) -> usize {
+        2 * Self::plane_shape(cfg, 1, cap).iter().product::<usize>() * dtype.size_in_bytes()
+    }
+
+    /// The keys' (and the values') shape for `slots` slots of `cap` positions.
+    fn plane_shape(cfg: &FlowConfig, slots: usize, cap: usize) -> [usize; 6] {
         let e = &cfg.estimator;
-        2 * cfg.n_timesteps * e.depth * 2 * e.num_heads * cap * e.head_dim * dtype.size_in_bytes()
+        [cfg.n_timesteps, e.depth, 2 * slots, e.num_heads, cap, e.head_dim]
     }
 
     /// `slots` slots of `cap` positions each; a stream takes a slot only if its prompt plus a chunk
     /// of `max_chunk` frames fits the ring.
     pub fn new(cfg: &FlowConfig, slots: usize, cap: usize, max_chunk: usize, dtype: DType, dev: &Device) -> Result<Arc<Self>> {
-        let e = &cfg.estimator;
         if slots == 0 || cap <= cfg.history_frames + max_chunk {
             candle_core::bail!(
                 "flow pool: {slots} slots of {cap} positions cannot hold {} history frames and a chunk of {max_chunk}",
                 cfg.history_frames
             );
         }
-        let shape = (cfg.n_timesteps, e.depth, 2 * (slots + 1), e.num_heads, cap, e.head_dim);
+        // (and the scratch slot)
+        let shape = Self::plane_shape(cfg, slots + 1, cap);
         Ok(Arc::new(Self {
-            k: Tensor::zeros(shape, dtype, dev)?,
-            v: Tensor::zeros(shape, dtype, dev)?,
+            k: Tensor::zeros(&shape, dtype, dev)?,
+            v: Tensor::zeros(&shape, dtype, dev)?,
             slots,
             cap,
             history: cfg.history_frames,

@@ -123,7 +123,12 @@ impl Decoder {
     /// What one slot of `capacity` positions takes of the device's memory (keys and values of
     /// every layer), as [`Decoder::slot_pool`] allocates it.
     pub fn slot_bytes(&self, capacity: usize) -> usize {
-        2 * self.layers.len() * self.cfg.num_kv_heads * capacity * self.cfg.head_dim * self.dtype.size_in_bytes()
+        2 * self.layers.len() * self.slot_shape(1, capacity).iter().product::<usize>() * self.dtype.size_in_bytes()
+    }
+
+    /// A layer's keys' (and values') shape for `slots` slots of `capacity` positions.
+    fn slot_shape(&self, slots: usize, capacity: usize) -> [usize; 4] {
+        [slots, self.cfg.num_kv_heads, capacity, self.cfg.head_dim]
     }
 
     /// A pool of `slots` caches with room for `capacity` positions each (plus a scratch slot).
@@ -131,11 +136,12 @@ impl Decoder {
         if slots == 0 || capacity == 0 || capacity > self.rope.max_positions() {
             candle_core::bail!("slot pool: {slots} slots of {capacity} positions (the context holds {})", self.rope.max_positions());
         }
-        let (hkv, d) = (self.cfg.num_kv_heads, self.cfg.head_dim);
+        // (and the scratch slot)
+        let shape = self.slot_shape(slots + 1, capacity);
         let layers = (0..self.layers.len())
             .map(|_| {
-                let k = Tensor::zeros((slots + 1, hkv, capacity, d), self.dtype, &self.device)?;
-                let v = Tensor::zeros((slots + 1, hkv, capacity, d), self.dtype, &self.device)?;
+                let k = Tensor::zeros(&shape, self.dtype, &self.device)?;
+                let v = Tensor::zeros(&shape, self.dtype, &self.device)?;
                 Ok((k, v))
             })
             .collect::<Result<Vec<_>>>()?;
