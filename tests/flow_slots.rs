@@ -43,6 +43,7 @@ fn assert_near(what: &str, got: &[f32], want: &[f32], tol: f32) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
     let d = common::max_abs_diff(got, want);
     assert!(d < tol, "{what}: max diff {d}");
+    eprintln!("{what}: max diff {d} (< {tol})");
 }
 
 /// Three streams (two voices, one a chunk behind) through six chunks (the caches trim from the
@@ -313,4 +314,59 @@ fn a_flow_pool_holds_what_its_slots_are_counted_as() {
     c.set_slots(3, 512, 25).unwrap();
     assert!(c.slot_bytes(512) > 0);
     assert_eq!(c.pool().unwrap().bytes(), 4 * c.slot_bytes(512));
+}
+
+/// The DiT's attention over a slot pool (`dit_attention::pool_attention`: on CUDA in 16-bit the
+/// tensor-core kernel, elsewhere its op-by-op twin) against the same sum written out in f64 over
+/// the stored values: rows of another slot order, a query count and a capacity that are not whole
+/// tiles, and masks with holes, a masked prefix (the slot's ring) and one fully open.
+#[test]
+fn attention_over_the_pool_is_the_masked_softmax_of_each_rows_slot() {
+    use antiphon_models::code2wav::dit_attention::{pool_attention, pool_attention_ops};
+    let (n, h, t, d, slots, cap) = (3usize, 2usize, 37usize, 64usize, 5usize, 176usize);
+    let rows = [4u32, 0, 2];
+    // row 0 sees every position, row 1 the first 70 but every fifth, row 2 only 100.. (a prefix masked)
+    let open = |r: usize, j: usize| match r {
+        0 => true,
+        1 => j < 70 && !j.is_multiple_of(5),
+        _ => j >= 100,
+    };
+    let dev = device();
+    for (dt, tol) in [(DType::F32, 1e-4f32), (DType::F16, 1e-2), (DType::BF16, 6e-2)] {
+        let q = Tensor::randn(0f32, 0.125, (n, h, t, d), dev).unwrap().to_dtype(dt).unwrap();
+        let pk = Tensor::randn(0f32, 1.0, (slots, h, cap, d), dev).unwrap().to_dtype(dt).unwrap();
+        let pv = Tensor::randn(0f32, 1.0, (slots, h, cap, d), dev).unwrap().to_dtype(dt).unwrap();
+        let m: Vec<f32> = (0..n).flat_map(|r| (0..cap).map(move |j| if open(r, j) { 0.0 } else { f32::NEG_INFINITY })).collect();
+        let mask = Tensor::from_vec(m, (n, 1, 1, cap), dev).unwrap().to_dtype(dt).unwrap();
+        let rows_t = Tensor::new(&rows[..], dev).unwrap();
+        let vals = |x: &Tensor| flat(&x.to_dtype(DType::F32).unwrap());
+        let (qv, kv, vv) = (vals(&q), vals(&pk), vals(&pv));
+        let mut want = vec![0f32; n * t * h * d];
+        for r in 0..n {
+            let s = rows[r] as usize;
+            for hh in 0..h {
+                let plane = (s * h + hh) * cap * d;
+                for i in 0..t {
+                    let qi = &qv[((r * h + hh) * t + i) * d..][..d];
+                    let sc: Vec<f64> = (0..cap)
+                        .map(|j| if open(r, j) { (0..d).map(|e| qi[e] as f64 * kv[plane + j * d + e] as f64).sum() } else { f64::NEG_INFINITY })
+                        .collect();
+                    let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let w: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
+                    let z: f64 = w.iter().sum();
+                    for e in 0..d {
+                        let o: f64 = (0..cap).map(|j| w[j] * vv[plane + j * d + e] as f64).sum::<f64>() / z;
+                        want[(r * t + i) * h * d + hh * d + e] = o as f32;
+                    }
+                }
+            }
+        }
+        for (what, got) in
+            [("pool_attention", pool_attention(&q, &pk, &pv, &rows_t, &mask)), ("its twin", pool_attention_ops(&q, &pk, &pv, &rows_t, &mask))]
+        {
+            let got = got.unwrap();
+            assert_eq!(got.dims(), [n, t, h * d], "{what} {dt:?}: shape");
+            assert_near(&format!("{what} in {dt:?}"), &vals(&got), &want, tol);
+        }
+    }
 }

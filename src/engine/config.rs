@@ -33,6 +33,11 @@ pub struct EngineConfig {
     /// within its horizon; the chunks of streams with more audio buffered run in the step right
     /// after, so a new stream's first chunk does not ride a whole step of theirs.
     pub code2wav_first_chunks_apart: bool,
+    /// The flow's attention over its slot pool as one kernel of ours on CUDA in 16-bit
+    /// (`pool_attention`: the slots read in place) instead of a gather, two products, the masked
+    /// softmax and a transpose. Off until measured faster: two earlier forms of the kernel were
+    /// slower than the op-by-op path (docs/performance.md, 2026-12-05 night).
+    pub code2wav_pool_attention_kernel: bool,
     /// New codes in the first Code2Wav chunk (a smaller first chunk lowers first-audio time)...
     pub first_chunk_codes: usize,
     /// ...for a stream that finds at most this many requests in the engine (itself included, in
@@ -190,6 +195,7 @@ impl Default for EngineConfig {
             code2wav_early_batch: 8,
             code2wav_mixed_steps: false,
             code2wav_first_chunks_apart: false,
+            code2wav_pool_attention_kernel: false,
             first_chunk_codes: 25,
             small_first_chunk_streams: usize::MAX,
             small_first_chunk_slack: false,

@@ -78,6 +78,9 @@ pub struct Cfm {
     graphs: GraphSlot,
     /// The pooled chunk solves captured per shape.
     pool_graphs: GraphSlot,
+    /// Pooled solves attend with [`super::dit_attention::pool_attention`] (our kernel on CUDA in
+    /// 16-bit) instead of its op-by-op twin.
+    pool_attention_kernel: bool,
     memo: Arc<Mutex<SolverMemo>>,
 }
 
@@ -86,6 +89,7 @@ impl Clone for Cfm {
     fn clone(&self) -> Self {
         let mut c = Self::new(self.estimator.clone(), self.cfg_rate, self.noise.clone());
         c.set_graphs(self.policy);
+        c.pool_attention_kernel = self.pool_attention_kernel;
         c
     }
 }
@@ -105,6 +109,7 @@ impl Cfm {
             policy: None,
             graphs: GraphSlot::off(),
             pool_graphs: GraphSlot::off(),
+            pool_attention_kernel: false,
             memo: Arc::new(Mutex::new(SolverMemo::default())),
         }
     }
@@ -118,6 +123,12 @@ impl Cfm {
             Some(p) => (GraphSlot::on(p.max_graphs), GraphSlot::on(p.pool_graphs)),
             None => (GraphSlot::off(), GraphSlot::off()),
         };
+    }
+
+    /// Whether pooled solves attend with the pool-attention kernel where the device has it (set
+    /// before graphs are captured: a graph keeps the path it was captured with).
+    pub fn set_pool_attention_kernel(&mut self, on: bool) {
+        self.pool_attention_kernel = on;
     }
 
     /// The graph policy in force (`None`: op by op).
@@ -225,7 +236,9 @@ impl Cfm {
             };
             let att = match (cache, &step_kv) {
                 (Cache::Joined { mask, .. }, Some((k, v))) => Att::Joined { k, v, mask },
-                (Cache::Pool { batch, .. }, Some((k, v))) => Att::Pool { k, v, rows: &batch.rows, pos: &batch.pos, mask: &batch.mask },
+                (Cache::Pool { batch, .. }, Some((k, v))) => {
+                    Att::Pool { k, v, rows: &batch.rows, pos: &batch.pos, mask: &batch.mask, kernel: self.pool_attention_kernel }
+                }
                 _ => Att::Empty,
             };
             let (sink_cnn, sink_att) = (cnn_out.get(step - 1)?, att_out.as_ref().map(|a| a.get(step - 1)).transpose()?);

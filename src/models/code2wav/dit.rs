@@ -214,20 +214,22 @@ impl Block {
         let heads = dit_ops::qkv_heads(&mm(x, &a.w_qkv)?, &a.b_qkv, (&qw, &qb), (&kw, &kb), a.heads, a.hd, a.q_norm.eps())?;
         let (q, mut k, mut v) = (heads.get(0)?, heads.get(1)?, heads.get(2)?);
         // (contiguous pieces: one plain copy each, and the key matrix transposes for free)
-        let (mask, pooled) = match cache {
-            Att::Empty => (None, false),
+        let mask = match cache {
+            Att::Empty => None,
             Att::Joined { k: ck, v: cv, mask } => {
                 if ck.dim(2)? > 0 {
                     k = Tensor::cat(&[&k, ck], 2)?;
                     v = Tensor::cat(&[&v, cv], 2)?;
                 }
-                (mask, false)
+                mask
             }
-            Att::Pool { k: pk, v: pv, rows, pos, mask } => {
+            Att::Pool { k: pk, v: pv, rows, pos, mask, kernel } => {
+                // (the new keys into the rows' slots, then attention over the slots)
                 crate::fused::kv_rows_store(&pk.unsqueeze(0)?, &pv.unsqueeze(0)?, &k.unsqueeze(0)?, &v.unsqueeze(0)?, rows, pos)?;
-                k = crate::fused::rows_gather(pk, rows)?;
-                v = crate::fused::rows_gather(pv, rows)?;
-                (Some(mask), true)
+                return match kernel {
+                    true => super::dit_attention::pool_attention(&q, pk, pv, rows, mask),
+                    false => super::dit_attention::pool_attention_ops(&q, pk, pv, rows, mask),
+                };
             }
         };
         let att = q.matmul(&k.t()?)?;
@@ -235,10 +237,8 @@ impl Block {
             Some(m) => dit_ops::masked_softmax(&att, m)?,
             None => candle_nn::ops::softmax_last_dim(&att)?,
         };
-        if !pooled {
-            let Some(dst) = dst else { candle_core::bail!("DiT attention: no buffer for the new keys and values") };
-            dit_ops::kv_join_into(dst, &k, &v)?;
-        }
+        let Some(dst) = dst else { candle_core::bail!("DiT attention: no buffer for the new keys and values") };
+        dit_ops::kv_join_into(dst, &k, &v)?;
         att.matmul(&v)?.transpose(1, 2)?.reshape((n, t, a.heads * a.hd))
     }
 }
@@ -254,8 +254,9 @@ pub enum Att<'a> {
     Joined { k: &'a Tensor, v: &'a Tensor, mask: Option<&'a Tensor> },
     /// A slot pool's planes (`[rows, h, cap, hd]` each, see [`super::slots`]): the new keys are
     /// stored at `pos` (`[N, T]`) of rows `rows` (`[N]`), then each row attends over its row
-    /// under `mask` (`[N, 1, 1, cap]`).
-    Pool { k: &'a Tensor, v: &'a Tensor, rows: &'a Tensor, pos: &'a Tensor, mask: &'a Tensor },
+    /// under `mask` (`[N, 1, 1, cap]`); with `kernel`, through
+    /// [`super::dit_attention::pool_attention`] (else its op-by-op twin).
+    Pool { k: &'a Tensor, v: &'a Tensor, rows: &'a Tensor, pos: &'a Tensor, mask: &'a Tensor, kernel: bool },
 }
 
 impl<'a> Att<'a> {
@@ -264,7 +265,7 @@ impl<'a> Att<'a> {
         Ok(match *self {
             Att::Empty => BlockAtt::Empty,
             Att::Joined { k, v, mask } => BlockAtt::Joined { k: k.get(i)?, v: v.get(i)?, mask },
-            Att::Pool { k, v, rows, pos, mask } => BlockAtt::Pool { k: k.get(i)?, v: v.get(i)?, rows, pos, mask },
+            Att::Pool { k, v, rows, pos, mask, kernel } => BlockAtt::Pool { k: k.get(i)?, v: v.get(i)?, rows, pos, mask, kernel },
         })
     }
 }
@@ -273,7 +274,7 @@ impl<'a> Att<'a> {
 enum BlockAtt<'a> {
     Empty,
     Joined { k: Tensor, v: Tensor, mask: Option<&'a Tensor> },
-    Pool { k: Tensor, v: Tensor, rows: &'a Tensor, pos: &'a Tensor, mask: &'a Tensor },
+    Pool { k: Tensor, v: Tensor, rows: &'a Tensor, pos: &'a Tensor, mask: &'a Tensor, kernel: bool },
 }
 
 impl BlockAtt<'_> {
@@ -281,7 +282,7 @@ impl BlockAtt<'_> {
         match self {
             BlockAtt::Empty => Att::Empty,
             BlockAtt::Joined { k, v, mask } => Att::Joined { k, v, mask: *mask },
-            BlockAtt::Pool { k, v, rows, pos, mask } => Att::Pool { k, v, rows, pos, mask },
+            BlockAtt::Pool { k, v, rows, pos, mask, kernel } => Att::Pool { k, v, rows, pos, mask, kernel: *kernel },
         }
     }
 }

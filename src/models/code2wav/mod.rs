@@ -11,6 +11,7 @@ pub mod campplus;
 pub mod cfm;
 pub mod conformer;
 pub mod dit;
+pub mod dit_attention;
 pub mod dit_ops;
 pub mod flow;
 pub mod hift;
@@ -134,6 +135,13 @@ impl Code2Wav {
         if let Vocoder::Causal(h) = &mut self.vocoder {
             h.set_graphs(vocoder);
         }
+    }
+
+    /// Pooled solves attend with our pool-attention kernel where the device has it (CUDA, 16-bit;
+    /// [`dit_attention::pool_attention`]) instead of a gather, two products, the masked softmax and
+    /// a transpose. Set before [`Code2Wav::set_graphs`]' warm-up captures.
+    pub fn set_pool_attention_kernel(&mut self, on: bool) {
+        self.flow.decoder.set_pool_attention_kernel(on);
     }
 
     /// Puts the flow's attention caches of up to `slots` streams into a pool of slots of `frames`

@@ -21,6 +21,9 @@ __device__ __forceinline__ float snake_of(float v, float al) {
 // x rounded to T and back: where the op-by-op path stores an intermediate in T
 template <typename T> __device__ __forceinline__ float rnd(float x) { return to_f(from_f<T>(x)); }
 
+// whether a pointer may be read or written 16 bytes at a time
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

@@ -4,6 +4,8 @@
 
 #include "common.cuh"
 
+#include <mma.h>
+
 #define ROW_THREADS 256
 
 // mean and reciprocal std of row `x[0..h)` (every thread of the block gets both)
@@ -87,12 +89,29 @@ __device__ void gate_residual_ln(const T* __restrict__ x, const T* __restrict__ 
 }
 
 // out = gelu_tanh(a + bias) over [R, h]
+__device__ __forceinline__ float gelu_tanh_of(float v) {
+  const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+  return 0.5f * v * (1.f + tanhf(u));
+}
+
 template <typename T>
 __device__ void bias_gelu(const T* __restrict__ a, const T* __restrict__ bias, T* __restrict__ out, int h, size_t total) {
+  constexpr int V = 16 / sizeof(T);
+  if (h % V == 0 && aligned16(a) && aligned16(bias) && aligned16(out)) {
+    // 16 bytes a thread (one index computation for V elements)
+    const unsigned hv = h / V;
+    for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total / V; k += (size_t)gridDim.x * blockDim.x) {
+      alignas(16) T x[V], b[V];
+      *reinterpret_cast<uint4*>(x) = reinterpret_cast<const uint4*>(a)[k];
+      *reinterpret_cast<uint4*>(b) = reinterpret_cast<const uint4*>(bias)[(unsigned)(k % hv)];
+#pragma unroll
+      for (int i = 0; i < V; ++i) x[i] = from_f<T>(gelu_tanh_of(to_f(x[i]) + to_f(b[i])));
+      reinterpret_cast<uint4*>(out)[k] = *reinterpret_cast<const uint4*>(x);
+    }
+    return;
+  }
   for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x) {
-    const float v = to_f(a[k]) + to_f(bias[k % h]);
-    const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
-    out[k] = from_f<T>(0.5f * v * (1.f + tanhf(u)));
+    out[k] = from_f<T>(gelu_tanh_of(to_f(a[k]) + to_f(bias[k % h])));
   }
 }
 
@@ -101,6 +120,29 @@ __device__ void bias_gelu(const T* __restrict__ a, const T* __restrict__ bias, T
 // x [N, T, C], tail [N, 2, C], out [N, T, 3 C]
 template <typename T>
 __device__ void causal_im2col(const T* __restrict__ x, const T* __restrict__ tail, T* __restrict__ out, int t_len, int c, size_t total) {
+  constexpr int V = 16 / sizeof(T);
+  if (c % V == 0 && aligned16(x) && aligned16(out) && (tail == nullptr || aligned16(tail))) {
+    // 16 bytes a thread: a piece of V channels of one (n, t, k), its indices worked out once
+    const unsigned cv = c / V;
+    const uint4* xs = reinterpret_cast<const uint4*>(x);
+    const uint4* ts = reinterpret_cast<const uint4*>(tail);
+    uint4* os = reinterpret_cast<uint4*>(out);
+    for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total / V; k += (size_t)gridDim.x * blockDim.x) {
+      const unsigned piece = (unsigned)(k % cv);
+      size_t r = k / cv;
+      const int kk = (int)(r % 3);
+      r /= 3;
+      const int t = (int)(r % t_len);
+      const size_t n = r / t_len;
+      const int j = t + kk - 2;
+      if (j >= 0) {
+        os[k] = xs[(n * t_len + j) * cv + piece];
+      } else {
+        os[k] = ts ? ts[(n * 2 + 2 + j) * cv + piece] : make_uint4(0, 0, 0, 0);
+      }
+    }
+    return;
+  }
   for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x) {
     const int cc = k % c;
     size_t r = k / c;
@@ -314,3 +356,177 @@ __device__ void kv_join(const T* __restrict__ k, const T* __restrict__ v, T* __r
 DIT(f32, float)
 DIT(bf16, __nv_bfloat16)
 DIT(f16, __half)
+
+// Attention of a chunk's queries over a slot pool's keys and values, in place (flash-style):
+// q [N, heads, T, 64]; pk, pv [R, heads, cap, 64] (one block's planes, cap a multiple of 16); rows
+// [N] (row n's slot row in the pool); mask [N, cap] (0 or -inf, added to the scores); out [N, T,
+// heads 64] = softmax(q k^T + mask) v over row n's planes, the heads side by side. Replaces
+// gathering the rows' planes, two products, the masked softmax and the heads' transpose.
+// One block of 4 warps per (row, head, 16 queries); the warps split the keys (warp w takes key
+// tiles w, w + 4, … of 32 keys, each warp with a running max and sum), then the block joins the 4
+// partial sums. A warp reads a tile's keys and values 16 bytes a lane, all at once (the values
+// arrive while the scores are worked out), through its own shared memory to the tensor cores.
+// Scores and sums in f32, the probabilities rounded to T before their product with the values,
+// as the op-by-op path rounds them.
+#define PA_HD 64
+#define PA_KT 32
+#define PA_WARPS 4
+#define PA_PIECES (PA_KT * PA_HD * 2 / 16 / 32)  // 16-byte pieces of a tile per lane
+
+template <typename T>
+__device__ void pool_attention(const T* __restrict__ q, const T* __restrict__ pk, const T* __restrict__ pv, const T* __restrict__ mask,
+                               const unsigned int* __restrict__ rows, T* __restrict__ out, int heads, int t_len, int cap) {
+#if __CUDA_ARCH__ >= 800
+  using namespace nvcuda;
+  __shared__ __align__(128) T qs[16 * PA_HD];                 // the block's queries (rows past T zero)
+  __shared__ __align__(128) T kvs[PA_WARPS][PA_KT * PA_HD];    // a warp's tile: its keys, then its values
+  __shared__ __align__(128) float sp[PA_WARPS][16 * PA_KT];    // a warp's scores, then its probabilities (as T)
+  __shared__ __align__(128) float acc[PA_WARPS][16 * PA_HD];   // a warp's output rows over its keys, unnormalised
+  __shared__ float stats[PA_WARPS][16][2];                     // a warp's max and sum per row
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int qtiles = (t_len + 15) / 16;
+  const int nh = blockIdx.x / qtiles, t0 = (blockIdx.x % qtiles) * 16;
+  const int nn = nh / heads, head = nh % heads;
+  const size_t plane = ((size_t)rows[nn] * heads + head) * (size_t)cap * PA_HD;
+  const uint4* kp = reinterpret_cast<const uint4*>(pk + plane);
+  const uint4* vp = reinterpret_cast<const uint4*>(pv + plane);
+  const T* qh = q + ((size_t)nh * t_len + t0) * PA_HD;
+  const T* mrow = mask + (size_t)nn * cap;
+  T* kv = kvs[warp];
+  uint4* kv4 = reinterpret_cast<uint4*>(kv);
+  float* s = sp[warp];
+  float* o = acc[warp];
+  T* p = reinterpret_cast<T*>(s);
+  for (int i = threadIdx.x; i < 16 * PA_HD; i += blockDim.x) qs[i] = t0 + i / PA_HD < t_len ? qh[i] : from_f<T>(0.f);
+  for (int i = lane; i < 16 * PA_HD; i += 32) o[i] = 0.f;
+  __syncthreads();
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qa[PA_HD / 16];
+#pragma unroll
+  for (int k = 0; k < PA_HD / 16; ++k) wmma::load_matrix_sync(qa[k], qs + k * 16, PA_HD);
+  const int r = lane / 2, half = lane % 2;  // the query row this lane keeps, and its 16 columns
+  float m = -INFINITY, l = 0.f;
+  for (int j0 = warp * PA_KT; j0 < cap; j0 += PA_WARPS * PA_KT) {
+    const int nk = min(PA_KT, cap - j0);  // 16 or 32 keys
+    const int pieces = nk / 16;
+    // the tile's keys and values (and this lane's mask entries) requested at once
+    const size_t base = (size_t)j0 * PA_HD * sizeof(T) / 16;
+    const int valid = nk * PA_HD * (int)sizeof(T) / 16;
+    uint4 kr[PA_PIECES], vr[PA_PIECES];
+#pragma unroll
+    for (int i = 0; i < PA_PIECES; ++i) {
+      const int at = lane + 32 * i;
+      kr[i] = at < valid ? kp[base + at] : make_uint4(0, 0, 0, 0);
+      vr[i] = at < valid ? vp[base + at] : make_uint4(0, 0, 0, 0);
+    }
+    float mk[16];
+#pragma unroll
+    for (int c = 0; c < 16; ++c) {
+      const int col = half * 16 + c;
+      mk[c] = col < nk ? to_f(mrow[j0 + col]) : -INFINITY;
+    }
+#pragma unroll
+    for (int i = 0; i < PA_PIECES; ++i) kv4[lane + 32 * i] = kr[i];
+    __syncwarp();
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> sc;
+#pragma unroll
+    for (int nt = 0; nt < PA_KT / 16; ++nt) {
+      if (nt < pieces) {
+        wmma::fill_fragment(sc, 0.f);
+#pragma unroll
+        for (int k = 0; k < PA_HD / 16; ++k) {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kb;
+          wmma::load_matrix_sync(kb, kv + nt * 16 * PA_HD + k * 16, PA_HD);
+          wmma::mma_sync(sc, qa[k], kb, sc);
+        }
+        wmma::store_matrix_sync(s + nt * 16, sc, PA_KT, wmma::mem_row_major);
+      }
+    }
+    __syncwarp();
+    // row r's running max and sum over this tile (two lanes a row, 16 columns each)
+    float v[16];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < 16; ++c) {
+      const int col = half * 16 + c;
+      v[c] = col < nk ? s[r * PA_KT + col] + mk[c] : -INFINITY;
+      mx = fmaxf(mx, v[c]);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    const float mnew = fmaxf(m, mx);
+    const float keep = mnew == -INFINITY ? 1.f : __expf(m - mnew);
+    float sum = 0.f;
+    __syncwarp();  // every lane has read its scores and the keys: p and the values may overwrite them
+#pragma unroll
+    for (int c = 0; c < 16; ++c) {
+      const float e = mnew == -INFINITY ? 0.f : __expf(v[c] - mnew);
+      sum += e;
+      p[r * PA_KT + half * 16 + c] = from_f<T>(e);
+    }
+#pragma unroll
+    for (int i = 0; i < PA_PIECES; ++i) kv4[lane + 32 * i] = vr[i];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    l = l * keep + sum;
+    m = mnew;
+#pragma unroll
+    for (int c = 0; c < 32; ++c) o[r * PA_HD + half * 32 + c] *= keep;
+    __syncwarp();
+#pragma unroll
+    for (int nt = 0; nt < PA_HD / 16; ++nt) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> oc;
+      wmma::load_matrix_sync(oc, o + nt * 16, PA_HD, wmma::mem_row_major);
+#pragma unroll
+      for (int k = 0; k < PA_KT / 16; ++k) {
+        if (k < pieces) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pa;
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vb;
+          wmma::load_matrix_sync(pa, p + k * 16, PA_KT);
+          wmma::load_matrix_sync(vb, kv + k * 16 * PA_HD + nt * 16, PA_HD);
+          wmma::mma_sync(oc, pa, vb, oc);
+        }
+      }
+      wmma::store_matrix_sync(o + nt * 16, oc, PA_HD, wmma::mem_row_major);
+    }
+    __syncwarp();
+  }
+  if (half == 0) {
+    stats[warp][r][0] = m;
+    stats[warp][r][1] = l;
+  }
+  __syncthreads();
+  // the warps' partial sums joined: a thread per (row, 8 columns)
+  const int rr = threadIdx.x / 8, c0 = (threadIdx.x % 8) * 8;
+  if (rr < 16 && t0 + rr < t_len) {
+    float mall = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < PA_WARPS; ++w) mall = fmaxf(mall, stats[w][rr][0]);
+    float f[PA_WARPS], lall = 0.f;
+#pragma unroll
+    for (int w = 0; w < PA_WARPS; ++w) {
+      f[w] = stats[w][rr][0] == -INFINITY ? 0.f : __expf(stats[w][rr][0] - mall);
+      lall += stats[w][rr][1] * f[w];
+    }
+    const float inv = lall > 0.f ? 1.f / lall : 0.f;
+    alignas(16) T res[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      float a = 0.f;
+#pragma unroll
+      for (int w = 0; w < PA_WARPS; ++w) a += acc[w][rr * PA_HD + c0 + c] * f[w];
+      res[c] = from_f<T>(a * inv);
+    }
+    *reinterpret_cast<uint4*>(out + ((size_t)nn * t_len + t0 + rr) * heads * PA_HD + head * PA_HD + c0) = *reinterpret_cast<const uint4*>(res);
+  }
+#else
+  __trap();  // the tensor-core path needs sm_80 or later; dit_attention.rs calls it only there
+#endif
+}
+
+#define POOL_ATTENTION(SUFFIX, T)                                                                                             \
+  extern "C" __global__ void __launch_bounds__(128) pool_attention_##SUFFIX(const T* q, const T* pk, const T* pv, const T* mask, \
+                                                                          const unsigned int* rows, T* out, int heads,       \
+                                                                          int t_len, int cap) {                              \
+    pool_attention<T>(q, pk, pv, mask, rows, out, heads, t_len, cap);                                                        \
+  }
+
+POOL_ATTENTION(bf16, __nv_bfloat16)
+POOL_ATTENTION(f16, __half)

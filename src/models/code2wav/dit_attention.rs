@@ -1,0 +1,63 @@
+//! The DiT's attention over a slot pool ([`super::slots`]): a chunk's queries attend over the keys
+//! and values its rows hold in the pool, in place. On CUDA, for 16-bit weights and heads of 64,
+//! one kernel of ours (`pool_attention` in `kernels/dit.cu`: tensor cores, the keys split over
+//! warps with a running softmax each, joined at the end) where
+//! the op-by-op path gathered every row's planes out of the pool, multiplied, ran the masked
+//! softmax, multiplied again and transposed the heads (at B32 those took ~40 % of a DiT block's
+//! kernel time, run 49); elsewhere the op-by-op twin, which defines the result.
+
+use candle_core::{Result, Tensor};
+
+use super::dit_ops;
+
+/// `softmax(q kᵀ + mask) v` per row and head, over row `n`'s slot row `rows[n]` of the pool: `q:
+/// [N, h, T, d]`; `pk`, `pv`: one block's planes, `[R, h, cap, d]` (contiguous); `rows: [N]` u32;
+/// `mask: [N, 1, 1, cap]` (0 or -inf). Returns the heads side by side, `[N, T, h d]`.
+pub fn pool_attention(q: &Tensor, pk: &Tensor, pv: &Tensor, rows: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let (n, h, _, d) = q.dims4()?;
+    let (_, ph, cap, pd) = pk.dims4()?;
+    if pv.shape() != pk.shape() || ph != h || pd != d || rows.dims1()? != n || mask.dims() != [n, 1, 1, cap] {
+        candle_core::bail!("pool_attention: q {:?} over pool {:?} with rows {:?}, mask {:?}", q.shape(), pk.shape(), rows.shape(), mask.shape());
+    }
+    #[cfg(feature = "cuda")]
+    if kernel_takes(q, pk, pv, rows, cap) {
+        let t = q.dim(2)?;
+        // SAFETY: left uninitialised because the kernel writes every element: the block of
+        // (row, head, 16 queries) writes its head's 64 columns of those queries below T.
+        let out = unsafe { Tensor::empty((n, t, h * d), q.dtype(), q.device()) }?;
+        let mask = mask.to_dtype(q.dtype())?.contiguous()?;
+        let srcs = [&q.contiguous()?, pk, pv, &mask];
+        let ints = [h as i32, t as i32, cap as i32];
+        dit_ops::cuda::launch_into("pool_attention", &out, &srcs, Some(&rows.contiguous()?), &ints, &[], ((n * h * t.div_ceil(16)) as u32, 128))?;
+        return Ok(out);
+    }
+    pool_attention_ops(q, pk, pv, rows, mask)
+}
+
+/// Whether the kernel takes these operands: on CUDA, 16-bit, heads of 64 and a capacity of whole
+/// 16-key pieces (its tiles), the pool's planes contiguous at 32-byte offsets (the tensor cores
+/// read them where they are), u32 rows.
+#[cfg(feature = "cuda")]
+fn kernel_takes(q: &Tensor, pk: &Tensor, pv: &Tensor, rows: &Tensor, cap: usize) -> bool {
+    use candle_core::DType;
+    let aligned = |p: &Tensor| p.is_contiguous() && p.layout().start_offset().is_multiple_of(16);
+    q.device().is_cuda()
+        && matches!(q.dtype(), DType::BF16 | DType::F16)
+        && pk.dtype() == q.dtype()
+        && pv.dtype() == q.dtype()
+        && q.dim(3).is_ok_and(|d| d == 64)
+        && cap.is_multiple_of(16)
+        && aligned(pk)
+        && aligned(pv)
+        && rows.dtype() == DType::U32
+}
+
+/// The op-by-op twin of [`pool_attention`]: the rows' planes gathered, the scores as a product,
+/// the masked softmax, the product with the values, the heads' transpose.
+pub fn pool_attention_ops(q: &Tensor, pk: &Tensor, pv: &Tensor, rows: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let (n, h, t, d) = q.dims4()?;
+    let k = crate::fused::rows_gather(pk, rows)?;
+    let v = crate::fused::rows_gather(pv, rows)?;
+    let att = dit_ops::masked_softmax(&q.contiguous()?.matmul(&k.t()?)?, mask)?;
+    att.matmul(&v)?.transpose(1, 2)?.reshape((n, t, h * d))
+}
