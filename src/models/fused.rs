@@ -153,7 +153,7 @@ pub fn rows_gather(src: &Tensor, rows: &Tensor) -> Result<Tensor> {
     {
         let row_bytes = src.elem_count() / src.dim(0)?.max(1) * src.dtype().size_in_bytes();
         let start = src.layout().start_offset() * src.dtype().size_in_bytes();
-        if row_bytes > 0 && row_bytes % 16 == 0 && start % 16 == 0 && rows.dims1()? > 0 {
+        if row_bytes > 0 && row_bytes.is_multiple_of(16) && start.is_multiple_of(16) && rows.dims1()? > 0 {
             return src.apply_op1_no_bwd(&cuda::RowsGather { rows: rows.contiguous()?, row_bytes });
         }
     }
