@@ -208,7 +208,6 @@ impl Block {
     /// first) go into `dst` (`[N, h, T + L, 2 hd]`), a pool's slots are written in place.
     fn attn_forward(&self, x: &Tensor, cache: Att<'_>, dst: Option<&Tensor>) -> Result<Tensor> {
         let a = &self.attn;
-        let (n, t, _) = x.dims3()?;
         let norm = |l: &LayerNorm| (l.weight().clone(), l.bias().expect("layer_norm has a bias").clone());
         let ((qw, qb), (kw, kb)) = (norm(&a.q_norm), norm(&a.k_norm));
         let heads = dit_ops::qkv_heads(&mm(x, &a.w_qkv)?, &a.b_qkv, (&qw, &qb), (&kw, &kb), a.heads, a.hd, a.q_norm.eps())?;
@@ -226,20 +225,16 @@ impl Block {
             Att::Pool { k: pk, v: pv, rows, pos, mask, kernel } => {
                 // (the new keys into the rows' slots, then attention over the slots)
                 crate::fused::kv_rows_store(&pk.unsqueeze(0)?, &pv.unsqueeze(0)?, &k.unsqueeze(0)?, &v.unsqueeze(0)?, rows, pos)?;
-                return match kernel {
-                    true => super::dit_attention::pool_attention(&q, pk, pv, rows, mask),
-                    false => super::dit_attention::pool_attention_ops(&q, pk, pv, rows, mask),
+                return if kernel {
+                    super::dit_attention::pool_attention(&q, pk, pv, rows, mask)
+                } else {
+                    super::dit_attention::pool_attention_ops(&q, pk, pv, rows, mask)
                 };
             }
         };
-        let att = q.matmul(&k.t()?)?;
-        let att = match mask {
-            Some(m) => dit_ops::masked_softmax(&att, m)?,
-            None => candle_nn::ops::softmax_last_dim(&att)?,
-        };
         let Some(dst) = dst else { candle_core::bail!("DiT attention: no buffer for the new keys and values") };
         dit_ops::kv_join_into(dst, &k, &v)?;
-        att.matmul(&v)?.transpose(1, 2)?.reshape((n, t, a.heads * a.hd))
+        super::dit_attention::attend(&q, &k, &v, mask)
     }
 }
 

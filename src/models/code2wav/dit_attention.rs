@@ -4,7 +4,8 @@
 //! warps with a running softmax each, joined at the end) where
 //! the op-by-op path gathered every row's planes out of the pool, multiplied, ran the masked
 //! softmax, multiplied again and transposed the heads (at B32 those took ~40 % of a DiT block's
-//! kernel time, run 49); elsewhere the op-by-op twin, which defines the result.
+//! kernel time, run 49), where `engine.code2wav_pool_attention_kernel` asks for it; otherwise the
+//! op-by-op twin, which defines the result.
 
 use candle_core::{Result, Tensor};
 
@@ -52,12 +53,20 @@ fn kernel_takes(q: &Tensor, pk: &Tensor, pv: &Tensor, rows: &Tensor, cap: usize)
         && rows.dtype() == DType::U32
 }
 
-/// The op-by-op twin of [`pool_attention`]: the rows' planes gathered, the scores as a product,
-/// the masked softmax, the product with the values, the heads' transpose.
+/// The op-by-op twin of [`pool_attention`]: the rows' planes gathered, then [`attend`].
 pub fn pool_attention_ops(q: &Tensor, pk: &Tensor, pv: &Tensor, rows: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    attend(q, &crate::fused::rows_gather(pk, rows)?, &crate::fused::rows_gather(pv, rows)?, Some(mask))
+}
+
+/// Attention op by op over keys and values at hand (`q: [N, h, T, d]`, `k`, `v: [N, h, L, d]`,
+/// `mask: [N, 1, 1, L]` or none): the scores as a product, the (masked) softmax, the product with
+/// the values, the heads side by side (`[N, T, h d]`).
+pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
     let (n, h, t, d) = q.dims4()?;
-    let k = crate::fused::rows_gather(pk, rows)?;
-    let v = crate::fused::rows_gather(pv, rows)?;
-    let att = dit_ops::masked_softmax(&q.contiguous()?.matmul(&k.t()?)?, mask)?;
-    att.matmul(&v)?.transpose(1, 2)?.reshape((n, t, h * d))
+    let att = q.contiguous()?.matmul(&k.t()?)?;
+    let att = match mask {
+        Some(m) => dit_ops::masked_softmax(&att, m)?,
+        None => candle_nn::ops::softmax_last_dim(&att)?,
+    };
+    att.matmul(v)?.transpose(1, 2)?.reshape((n, t, h * d))
 }
