@@ -5,7 +5,8 @@
 # all stages), run the bench on each workload, snapshot /metrics after each (per-stage step times),
 # and pack everything into $OUT/results.tgz (+ the server log). Before the server: the parity
 # fixtures on the GPU (PARITY=1) and each stage's step timed alone (PROFILE=1, antiphon profile;
-# PROFILE_ONLY= picks rows by name, as `--only`).
+# PROFILE_ONLY= picks rows by name, as `--only`). BINARY= picks another packed binary than
+# .device/antiphon.xz (the A/B of two builds: scripts/gpu-ab.sh twice, OUT and BINARY apart).
 #
 #   OUT=/some/dir WORKLOADS="tts clone" LEVELS=1,2,4,8,16,32 REQUESTS=16 scripts/gpu-measure.sh
 #
@@ -35,7 +36,7 @@ RES=/tmp/antiphon-results
 rm -rf "$RES" && mkdir -p "$RES" "$OUT"
 SP=$(python3 -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))' 2>/dev/null || true)
 export LD_LIBRARY_PATH=${SP:+$SP/nvidia/cu13/lib:}/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
-xz -dc .device/antiphon.xz > /tmp/antiphon && chmod +x /tmp/antiphon
+xz -dc "${BINARY:-.device/antiphon.xz}" > /tmp/antiphon && chmod +x /tmp/antiphon
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv > "$RES/gpu.txt" 2>&1
 cat "$RES/gpu.txt"
 date -u +%FT%TZ > "$RES/date.txt"
