@@ -16,18 +16,9 @@ BASE=${CONFIG:-configs/minicpmo45-synthetic.toml}
 for v in ${VARIANTS:-base}; do
   name=${v%%:*}
   cfg=configs/_ab-$name.toml
-  cp "$BASE" "$cfg"
-  if [ "$v" != "$name" ]; then
-    IFS=',' read -ra sets <<< "${v#*:}"
-    for kv in "${sets[@]}"; do
-      k=${kv%%=*}
-      if grep -q "^$k = " "$cfg"; then
-        sed -i "s|^$k = .*|$k = ${kv#*=}|" "$cfg"
-      else
-        sed -i "s|^\[engine\]$|[engine]\n${k} = ${kv#*=}|" "$cfg"
-      fi
-    done
-  fi
+  sets=""
+  [ "$v" = "$name" ] || sets=${v#*:}
+  scripts/engine-variant.sh "$BASE" "$cfg" "$sets"
   echo "=== variant $name: $(grep -E "^($(echo "${v#*:}" | sed 's/=[^,]*//g; s/,/|/g')) = " "$cfg" | tr '\n' ' ')"
   OUT=$OUT/$name CONFIG=$cfg scripts/gpu-measure.sh
   rm -f "$cfg"

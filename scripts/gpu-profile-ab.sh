@@ -19,18 +19,7 @@ for r in ${RUNS:?name:binary.xz[:key=value,...] ...}; do
   IFS=':' read -r name bin sets <<< "$r"
   xz -dc "$bin" > "/tmp/antiphon-$name" && chmod +x "/tmp/antiphon-$name"
   cfg=configs/_profile-$name.toml
-  cp "$BASE" "$cfg"
-  if [ -n "${sets:-}" ]; then
-    IFS=',' read -ra kvs <<< "$sets"
-    for kv in "${kvs[@]}"; do
-      k=${kv%%=*}
-      if grep -q "^$k = " "$cfg"; then
-        sed -i "s|^$k = .*|$k = ${kv#*=}|" "$cfg"
-      else
-        sed -i "s|^\[engine\]$|[engine]\n${k} = ${kv#*=}|" "$cfg"
-      fi
-    done
-  fi
+  scripts/engine-variant.sh "$BASE" "$cfg" "${sets:-}"
   echo "=== $name: $bin ${sets:-}"
   timeout "${PROFILE_TIMEOUT:-200}" "/tmp/antiphon-$name" profile --config "$cfg" --iters "${PROFILE_ITERS:-8}" \
     --batch "${PROFILE_BATCH:-1,8,32}" ${PROFILE_ONLY:+--only "$PROFILE_ONLY"} --out "$OUT/profile-$name.json" \
