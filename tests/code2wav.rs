@@ -228,7 +228,7 @@ fn full_code2wav_preset_has_the_real_sizes() {
 /// its last column) are the convolution, at every padding and dilation the vocoder uses.
 #[test]
 fn conv_columns_times_the_weight_are_the_convolution() {
-    use antiphon_models::code2wav::dit_ops::conv_cols;
+    use antiphon_models::code2wav::conv_cols::conv_cols;
     let dev = Device::Cpu;
     let (b, c, o, t) = (2, 3, 4, 17);
     let x = Tensor::randn(0f32, 1., (b, c, t), &dev).unwrap();
@@ -237,7 +237,7 @@ fn conv_columns_times_the_weight_are_the_convolution() {
         let bias = Tensor::randn(0f32, 1., o, &dev).unwrap();
         let want =
             x.pad_with_zeros(2, pad_l, pad_r).unwrap().conv1d(&w, 0, 1, d, 1).unwrap().broadcast_add(&bias.reshape((1, o, 1)).unwrap()).unwrap();
-        let wc = antiphon_models::code2wav::dit_ops::cols_weight(&w, Some(&bias)).unwrap();
+        let wc = antiphon_models::code2wav::conv_cols::cols_weight(&w, Some(&bias)).unwrap();
         let got = wc.broadcast_left(b).unwrap().matmul(&conv_cols(&x, k, d, pad_l, pad_r).unwrap()).unwrap();
         assert_eq!(got.dims(), want.dims(), "k {k}, d {d}");
         let diff = common::max_abs_diff(&got.flatten_all().unwrap().to_vec1().unwrap(), &want.flatten_all().unwrap().to_vec1().unwrap());
@@ -249,7 +249,7 @@ fn conv_columns_times_the_weight_are_the_convolution() {
 /// downsampling and upsampling convolutions), against candle's conv1d on the upsampled, padded input.
 #[test]
 fn strided_and_upsampled_conv_columns_are_the_convolution() {
-    use antiphon_models::code2wav::dit_ops::{conv_cols_with, Cols};
+    use antiphon_models::code2wav::conv_cols::{conv_cols_with, Cols};
     let dev = Device::Cpu;
     let (b, c, o, t) = (2, 3, 4, 47);
     let x = Tensor::randn(0f32, 1., (b, c, t), &dev).unwrap();
@@ -266,7 +266,7 @@ fn strided_and_upsampled_conv_columns_are_the_convolution() {
             .unwrap()
             .broadcast_add(&bias.reshape((1, o, 1)).unwrap())
             .unwrap();
-        let wc = antiphon_models::code2wav::dit_ops::cols_weight(&w, Some(&bias)).unwrap();
+        let wc = antiphon_models::code2wav::conv_cols::cols_weight(&w, Some(&bias)).unwrap();
         let cols = conv_cols_with(&x, Cols { k, d, pad_l, pad_r, stride, up }).unwrap();
         let got = wc.broadcast_left(b).unwrap().matmul(&cols).unwrap();
         assert_eq!(got.dims(), want.dims(), "k {k}, stride {stride}, up {up}");

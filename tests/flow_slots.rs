@@ -370,3 +370,44 @@ fn attention_over_the_pool_is_the_masked_softmax_of_each_rows_slot() {
         }
     }
 }
+
+/// `masked_softmax` (the op-by-op attention's, a warp a row on CUDA for rows up to
+/// `MASKED_SOFTMAX_WARP_ROW`, a block a row beyond) is the softmax of the scores plus each row's
+/// mask, written out in f64: rows of the DiT's length at B32 (480), one not a multiple of 32, one
+/// past the warp's reach, masks with holes and a masked prefix, a row count that is not a whole
+/// block of rows.
+#[test]
+fn masked_softmax_is_the_softmax_of_the_scores_plus_the_mask() {
+    use antiphon_models::code2wav::dit_ops::{masked_softmax, MASKED_SOFTMAX_WARP_ROW};
+    let dev = device();
+    for l in [480usize, 37, MASKED_SOFTMAX_WARP_ROW, MASKED_SOFTMAX_WARP_ROW + 76] {
+        let (n, h, t) = (3usize, 2usize, 5usize);
+        let open = |r: usize, j: usize| match r {
+            0 => true,
+            1 => !j.is_multiple_of(3),
+            _ => j >= l / 2,
+        };
+        let m: Vec<f32> = (0..n).flat_map(|r| (0..l).map(move |j| if open(r, j) { 0.0 } else { f32::NEG_INFINITY })).collect();
+        for (dt, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 8e-3)] {
+            let att = (Tensor::randn(0f32, 3.0, (n, h, t, l), dev).unwrap()).to_dtype(dt).unwrap();
+            let mask = Tensor::from_vec(m.clone(), (n, 1, 1, l), dev).unwrap().to_dtype(dt).unwrap();
+            let a = flat(&att.to_dtype(DType::F32).unwrap());
+            let mut want = vec![0f32; n * h * t * l];
+            for (i, row) in a.chunks(l).enumerate() {
+                let r = i / (h * t);
+                let s: Vec<f64> = row.iter().enumerate().map(|(j, v)| if open(r, j) { *v as f64 } else { f64::NEG_INFINITY }).collect();
+                let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = s.iter().map(|v| (v - mx).exp()).sum();
+                for (j, v) in s.iter().enumerate() {
+                    want[i * l + j] = ((v - mx).exp() / z) as f32;
+                }
+            }
+            let got = masked_softmax(&att, &mask).unwrap();
+            assert_eq!(got.dims(), [n, h, t, l]);
+            assert_near(&format!("masked_softmax, rows of {l}, {dt:?}"), &flat(&got.to_dtype(DType::F32).unwrap()), &want, tol);
+        }
+    }
+    // a mask of another shape is refused
+    let att = Tensor::zeros((2, 1, 1, 8), DType::F32, dev).unwrap();
+    assert!(masked_softmax(&att, &Tensor::zeros((2, 1, 1, 7), DType::F32, dev).unwrap()).is_err());
+}

@@ -413,7 +413,7 @@ fn rows_gather_is_index_select() {
 /// at the dilations they use, with the input a view inside a larger buffer.
 #[test]
 fn snake_columns_are_the_convolution_of_snake() {
-    use antiphon_models::code2wav::dit_ops::{cols_weight, conv_cols_snake, Cols};
+    use antiphon_models::code2wav::conv_cols::{cols_weight, conv_cols_snake, Cols};
     let dev = common::device();
     let (b, c, o, t) = (2, 5, 3, 41);
     let big = Tensor::randn(0f32, 2.0, (b, c, t + 3), &dev).unwrap();
@@ -431,4 +431,46 @@ fn snake_columns_are_the_convolution_of_snake() {
     }
     // a wrong alpha is refused
     assert!(conv_cols_snake(&x, Cols { k: 3, d: 1, pad_l: 2, pad_r: 0, stride: 1, up: 1 }, Some(&alpha.narrow(0, 0, 2).unwrap())).is_err());
+}
+
+/// The f16 columns times the f16 weight into f32 sums (`conv_cols_half` and `half_columns_product`:
+/// the vocoder's convolutions with `engine.vocoder_half_columns`, a kernel and one cuBLAS product on
+/// CUDA) are the f32 convolution up to rounding its operands to f16, and exactly the product of the
+/// rounded operands up to the order of the sums: Snake in the columns, a dilation, a stride with
+/// an upsampling, output lengths that are not multiples of 8, a batch sharing the weight.
+#[test]
+fn half_columns_are_the_convolution_to_f16_rounding() {
+    use antiphon_models::code2wav::conv_cols::{cols_weight, conv_cols_half, conv_cols_snake, half_columns_product, Cols};
+    use candle_core::DType;
+    let dev = common::device();
+    let (b, c, o, t) = (3, 48, 40, 37);
+    let x = Tensor::randn(0f32, 2.0, (b, c, t), &dev).unwrap();
+    let alpha = (Tensor::rand(0f32, 1.0, c, &dev).unwrap() + 0.25).unwrap();
+    let round = |t: &Tensor| t.to_dtype(DType::F16).unwrap().to_dtype(DType::F32).unwrap();
+    let shapes = [
+        (Cols { k: 7, d: 3, pad_l: 18, pad_r: 0, stride: 1, up: 1 }, Some(&alpha)),
+        (Cols { k: 3, d: 1, pad_l: 1, pad_r: 1, stride: 1, up: 1 }, None),
+        (Cols { k: 5, d: 1, pad_l: 4, pad_r: 0, stride: 2, up: 3 }, None),
+    ];
+    for (p, a) in shapes {
+        let w = (Tensor::randn(0f32, 1., (o, c, p.k), &dev).unwrap() / ((c * p.k) as f64).sqrt()).unwrap();
+        let wc = cols_weight(&w, Some(&Tensor::randn(0f32, 1., o, &dev).unwrap())).unwrap();
+        let cols = conv_cols_snake(&x, p, a).unwrap();
+        let exact = wc.broadcast_left(b).unwrap().matmul(&cols).unwrap();
+        let rounded = round(&wc).broadcast_left(b).unwrap().contiguous().unwrap().matmul(&round(&cols)).unwrap();
+        let half_cols = conv_cols_half(&x, p, a).unwrap();
+        assert_eq!(half_cols.dtype(), DType::F16);
+        assert_eq!(half_cols.dims(), cols.dims(), "{p:?}: the columns' shape");
+        let got = half_columns_product(&wc.to_dtype(DType::F16).unwrap(), &half_cols).unwrap();
+        assert_eq!(got.dtype(), DType::F32);
+        let what = format!("half columns, {p:?}");
+        assert_close(&format!("{what} against the rounded operands"), &got, &rounded, 1e-5);
+        let e = common::rel_err(&got, &exact);
+        assert!(e <= 4e-3, "{what}: relative error {e:e} against f32");
+        eprintln!("{what}: relative error {e:.2e} against f32");
+    }
+    // the wrong dtypes are refused
+    assert!(conv_cols_half(&x.to_dtype(DType::BF16).unwrap(), shapes[1].0, None).is_err());
+    let wc = cols_weight(&Tensor::zeros((o, c, 3), DType::F32, &dev).unwrap(), None).unwrap();
+    assert!(half_columns_product(&wc, &conv_cols_half(&x, shapes[1].0, None).unwrap()).is_err());
 }

@@ -38,6 +38,11 @@ pub struct EngineConfig {
     /// softmax and a transpose. Off until measured faster: two earlier forms of the kernel were
     /// slower than the op-by-op path (docs/performance.md, 2026-12-05 night).
     pub code2wav_pool_attention_kernel: bool,
+    /// The f32 vocoder's convolutions on CUDA write their columns in f16 and multiply them by an
+    /// f16 weight into f32 sums (half the bytes of the columns, which were half of the vocoder's
+    /// GPU time in run 49; the inputs keep TF32's 10-bit mantissa, but f16's range). Off until
+    /// measured.
+    pub vocoder_half_columns: bool,
     /// New codes in the first Code2Wav chunk (a smaller first chunk lowers first-audio time)...
     pub first_chunk_codes: usize,
     /// ...for a stream that finds at most this many requests in the engine (itself included, in
@@ -196,6 +201,7 @@ impl Default for EngineConfig {
             code2wav_mixed_steps: false,
             code2wav_first_chunks_apart: false,
             code2wav_pool_attention_kernel: false,
+            vocoder_half_columns: false,
             first_chunk_codes: 25,
             small_first_chunk_streams: usize::MAX,
             small_first_chunk_slack: false,

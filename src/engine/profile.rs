@@ -353,7 +353,9 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
         }
     }
     // ---- Stage 2: Code2Wav
-    let c2w = &m.code2wav;
+    let mut half = m.code2wav.clone();
+    half.set_vocoder_half_columns(ecfg.vocoder_half_columns)?;
+    let c2w = &half;
     let r = Reference::materialize(reference.0, reference.1)?;
     rows.time("code2wav prepare (S3 codes, CAM++, prompt mel)", 1, iters.min(5), || {
         drop(c2w.prepare(&r)?);

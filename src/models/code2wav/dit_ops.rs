@@ -210,102 +210,9 @@ pub fn qkv_heads(
     Tensor::stack(&[q, k, v].iter().map(|p| p.transpose(1, 2)?.contiguous()).collect::<Result<Vec<_>>>()?, 0)
 }
 
-/// Rows of a convolution's columns: `C k`, the ones row, then zero rows up to a multiple of 4, so
-/// that the product's leading dimension is 16-byte aligned (cuBLAS takes its vectorized kernels;
-/// with `C k + 1` rows every product of the vocoder ran an `align1` kernel, 46 % of its B8 time).
-pub fn cols_rows(c: usize, k: usize) -> usize {
-    (c * k + 1).next_multiple_of(4)
-}
-
-/// The weight `[O, C, k]` and bias `[O]` (zero if none) as the columns' left factor: `[O,
-/// cols_rows(C, k)]`, the bias as column `C k`, zeros after.
-pub fn cols_weight(w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let (o, c, k) = w.dims3()?;
-    let bias = match bias {
-        Some(b) => b.reshape((o, 1))?,
-        None => Tensor::zeros((o, 1), w.dtype(), w.device())?,
-    };
-    let pad = cols_rows(c, k) - c * k - 1;
-    let mut parts = vec![w.reshape((o, c * k))?, bias];
-    if pad > 0 {
-        parts.push(Tensor::zeros((o, pad), w.dtype(), w.device())?);
-    }
-    Tensor::cat(&parts, 1)?.contiguous()
-}
-
-/// A stride-1 convolution's columns with a ones row for its bias: `x: [B, C, T]` padded with
-/// `pad_l` zeros before and `pad_r` after, kernel `k`, dilation `d` -> `[B, cols_rows(C, k), L]` (L
-/// = T + pad_l + pad_r - d (k - 1)), row `c k + j` = the padded input at `t + j d`, row `C k` ones,
-/// zeros after; [`cols_weight`] times it is the convolution.
-pub fn conv_cols(x: &Tensor, k: usize, d: usize, pad_l: usize, pad_r: usize) -> Result<Tensor> {
-    conv_cols_with(x, Cols { k, d, pad_l, pad_r, stride: 1, up: 1 })
-}
-
-/// The shape of a convolution for [`conv_cols_with`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Cols {
-    /// Kernel size and dilation.
-    pub k: usize,
-    pub d: usize,
-    /// Zeros before and after the (upsampled) input.
-    pub pad_l: usize,
-    pub pad_r: usize,
-    /// The convolution's stride.
-    pub stride: usize,
-    /// Nearest upsampling of the input first: every sample `up` times (1: none).
-    pub up: usize,
-}
-
-/// [`conv_cols`] for any stride and a nearest upsampling of the input first: row `c k + j`,
-/// column `t` is the upsampled, padded input at `t · stride + j d`; L = (T · up + pad_l + pad_r −
-/// d (k − 1) − 1) / stride + 1.
-pub fn conv_cols_with(x: &Tensor, p: Cols) -> Result<Tensor> {
-    conv_cols_snake(x, p, None)
-}
-
-/// [`conv_cols_with`] of `snake(x, alpha)` (`alpha: [C]`, see [`crate::fused::snake`]) when
-/// `alpha` is given: on a GPU in the same kernel, so the activation is never written out.
-pub fn conv_cols_snake(x: &Tensor, p: Cols, alpha: Option<&Tensor>) -> Result<Tensor> {
-    let (b, c, t) = x.dims3()?;
-    if let Some(a) = alpha {
-        if a.dims() != [c] {
-            candle_core::bail!("conv_cols: Snake's alpha {:?} for {c} channels", a.shape());
-        }
-    }
-    let Cols { k, d, pad_l, pad_r, stride, up } = p;
-    let t_up = t * up;
-    let span = d * k.saturating_sub(1);
-    if k == 0 || stride == 0 || up == 0 || t_up + pad_l + pad_r <= span {
-        candle_core::bail!("conv_cols: {t} frames (× {up}, + {pad_l} + {pad_r}) for a kernel of {k} at dilation {d}, stride {stride}");
-    }
-    let l = (t_up + pad_l + pad_r - span - 1) / stride + 1;
-    #[cfg(feature = "cuda")]
-    if on_cuda(x) {
-        let per = cols_rows(c, k);
-        let rows = b * per;
-        let ints = [c, t, k, d, pad_l, l, stride, up, per, rows].map(|v| v as i32);
-        let shape = candle_core::Shape::from((b, per, l));
-        let alpha = alpha.map(|a| a.to_dtype(x.dtype())?.contiguous()).transpose()?;
-        return cuda::launch_shaped("conv_cols", x, &[alpha.as_ref()], &ints, &[], &[], (rows.clamp(1, 65535) as u32, 256), Some(shape));
-    }
-    let x = match alpha {
-        Some(a) => crate::fused::snake_twin(x, &a.to_dtype(x.dtype())?)?,
-        None => x.clone(),
-    };
-    let x = if up > 1 { x.unsqueeze(3)?.broadcast_as((b, c, t, up))?.reshape((b, c, t_up))? } else { x.clone() };
-    let xp = x.pad_with_zeros(2, pad_l, pad_r)?;
-    // every (j, t): the padded input's position t · stride + j d, gathered at once
-    let idx: Vec<u32> = (0..k).flat_map(|j| (0..l).map(move |t| (t * stride + j * d) as u32)).collect();
-    let idx = Tensor::from_vec(idx, k * l, x.device())?;
-    // [B, C, k L] -> [B, C k, L], then the ones row and the zero rows
-    let cols = xp.contiguous()?.index_select(&idx, 2)?.reshape((b, c * k, l))?;
-    let mut parts = vec![cols, Tensor::ones((b, 1, l), x.dtype(), x.device())?];
-    let pad = cols_rows(c, k) - c * k - 1;
-    if pad > 0 {
-        parts.push(Tensor::zeros((b, pad, l), x.dtype(), x.device())?);
-    }
-    Tensor::cat(&parts, 1)
-}
+/// The longest row `masked_softmax` gives a warp on CUDA (`SM_WARP_VALUES` × 32 in kernels/dit.cu:
+/// the row in the warp's registers); longer rows take a block each.
+pub const MASKED_SOFTMAX_WARP_ROW: usize = 1024;
 
 /// `softmax(att + mask)` over the last axis: `att: [N, h, T, L]`, `mask: [N, 1, 1, L]`.
 pub fn masked_softmax(att: &Tensor, mask: &Tensor) -> Result<Tensor> {
@@ -317,7 +224,14 @@ pub fn masked_softmax(att: &Tensor, mask: &Tensor) -> Result<Tensor> {
     if on_cuda(att) {
         let mask = mask.to_dtype(att.dtype())?.contiguous()?;
         let rows = _h * _t;
-        return cuda::launch("masked_softmax", &att.contiguous()?, &[Some(&mask)], &[l as i32, rows as i32], &[], &[], ((n * rows) as u32, 256));
+        let att = att.contiguous()?;
+        if l <= MASKED_SOFTMAX_WARP_ROW {
+            // a warp a row, 8 rows a block of 256 threads
+            let all = n * rows;
+            let ints = [l as i32, rows as i32, all as i32];
+            return cuda::launch("masked_softmax_rows", &att, &[Some(&mask)], &ints, &[], &[], (all.div_ceil(8) as u32, 256));
+        }
+        return cuda::launch("masked_softmax", &att, &[Some(&mask)], &[l as i32, rows as i32], &[], &[], ((n * rows) as u32, 256));
     }
     candle_nn::ops::softmax_last_dim(&att.broadcast_add(mask)?)
 }
@@ -390,8 +304,8 @@ pub(crate) mod cuda {
 
     use crate::fused::cuda::{err, kernel, view};
 
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/dit.ptx"));
-    const MODULE: &str = "antiphon_dit";
+    pub(crate) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/dit.ptx"));
+    pub(crate) const MODULE: &str = "antiphon_dit";
 
     /// A grid-stride launch over `total` elements.
     pub(crate) fn grid(total: usize) -> (u32, u32) {

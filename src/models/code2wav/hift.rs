@@ -124,6 +124,16 @@ impl HiftGenerator {
         };
     }
 
+    /// The f32 generator's convolutions multiply f16 columns by f16 weights into f32 sums on CUDA
+    /// (`engine.vocoder_half_columns`); off, their columns stay f32. Set before the graphs'
+    /// warm-up captures.
+    pub fn set_half_columns(&mut self, on: bool) -> Result<()> {
+        self.conv_pre.set_half_columns(on)?;
+        self.conv_post.set_half_columns(on)?;
+        self.ups.iter_mut().chain(&mut self.source_downs).try_for_each(|c| c.set_half_columns(on))?;
+        self.resblocks.iter_mut().chain(&mut self.source_resblocks).try_for_each(|r| r.set_half_columns(on))
+    }
+
     /// Graphs (or fixed-buffer shapes) held now.
     pub fn graphs_held(&self) -> usize {
         self.graphs.held()

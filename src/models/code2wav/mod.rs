@@ -10,6 +10,7 @@
 pub mod campplus;
 pub mod cfm;
 pub mod conformer;
+pub mod conv_cols;
 pub mod dit;
 pub mod dit_attention;
 pub mod dit_ops;
@@ -142,6 +143,14 @@ impl Code2Wav {
     /// a transpose. Set before [`Code2Wav::set_graphs`]' warm-up captures.
     pub fn set_pool_attention_kernel(&mut self, on: bool) {
         self.flow.decoder.set_pool_attention_kernel(on);
+    }
+
+    /// The vocoder's convolutions in f16 columns and products with f32 sums where it runs in f32 on
+    /// CUDA ([`HiftGenerator::set_half_columns`]). Set before [`Code2Wav::set_graphs`]' warm-up.
+    pub fn set_vocoder_half_columns(&mut self, on: bool) -> Result<()> {
+        match &mut self.vocoder {
+            Vocoder::Causal(h) | Vocoder::Original(h) => h.set_half_columns(on),
+        }
     }
 
     /// Puts the flow's attention caches of up to `slots` streams into a pool of slots of `frames`

@@ -226,24 +226,62 @@ __device__ void masked_softmax(const T* __restrict__ att, const T* __restrict__ 
   for (int i = threadIdx.x; i < l; i += blockDim.x) out[row + i] = from_f<T>(expf(to_f(att[row + i]) + to_f(mask[mrow + i]) - mx) * inv);
 }
 
-// A convolution's columns (see conv_cols in dit_ops.rs): x [B, C, T] -> col [B, R, L] (R: C K + 1
+// The same, a warp a row (rows of up to SM_WARP_VALUES * 32 values, held in registers: one read of
+// the scores and the mask, one write, no block barriers); a block of 256 threads takes 8 rows.
+#define SM_WARP_VALUES 32
+template <typename T>
+__device__ void masked_softmax_rows(const T* __restrict__ att, const T* __restrict__ mask, T* __restrict__ out, int l, int rows_per_mask,
+                                    int n_rows) {
+  const int lane = threadIdx.x % 32;
+  const int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (r >= n_rows) return;
+  const size_t row = (size_t)r * l;
+  const size_t mrow = (size_t)(r / rows_per_mask) * l;
+  float v[SM_WARP_VALUES];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < SM_WARP_VALUES; ++j) {
+    const int i = lane + j * 32;
+    v[j] = i < l ? to_f(att[row + i]) + to_f(mask[mrow + i]) : -INFINITY;
+    mx = fmaxf(mx, v[j]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < SM_WARP_VALUES; ++j) {
+    v[j] = lane + j * 32 < l ? expf(v[j] - mx) : 0.f;
+    s += v[j];
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  const float inv = 1.f / s;
+#pragma unroll
+  for (int j = 0; j < SM_WARP_VALUES; ++j) {
+    const int i = lane + j * 32;
+    if (i < l) out[row + i] = from_f<T>(v[j] * inv);
+  }
+}
+
+// A convolution's columns (see conv_cols.rs): x [B, C, T] -> col [B, R, L] (R: C K + 1
 // rounded up to a multiple of 4, the rows after C K zero);
 // col[b, c K + j, t] = u(x)[b, c, t s + j d - pad_l] (zero outside), col[b, C K, t] = 1, where u
 // repeats every sample `up` times (nearest upsampling); with `alpha` (per channel, may be null) the
 // input goes through Snake first, x + sin²(αx) / (α + 1e-9) (zero stays zero, so the padding is the
-// same either way). One block per output row at a time: the row's indices are worked out once, the
+// same either way). The columns are of type U (the input's, or f16 for the vocoder's f16 products).
+// One block per output row at a time: the row's indices are worked out once, the
 // threads walk its positions (no 64-bit division per element).
-template <typename T>
-__device__ void conv_cols(const T* __restrict__ x, const T* __restrict__ alpha, T* __restrict__ col, int c, int t_in, int k, int d, int pad_l, int l_out,
+template <typename T, typename U>
+__device__ void conv_cols(const T* __restrict__ x, const T* __restrict__ alpha, U* __restrict__ col, int c, int t_in, int k, int d, int pad_l, int l_out,
                           int stride, int up, int rows_per, int rows_total) {
   const int rows = rows_per;
   const int t_up = t_in * up;
   for (int r = blockIdx.x; r < rows_total; r += gridDim.x) {
     const int row = r % rows;
     const int b = r / rows;
-    T* __restrict__ out = col + (size_t)r * l_out;
+    U* __restrict__ out = col + (size_t)r * l_out;
     if (row >= c * k) {
-      const T fill = from_f<T>(row == c * k ? 1.f : 0.f);
+      const U fill = from_f<U>(row == c * k ? 1.f : 0.f);
       for (int t = threadIdx.x; t < l_out; t += blockDim.x) out[t] = fill;
       continue;
     }
@@ -258,13 +296,13 @@ __device__ void conv_cols(const T* __restrict__ x, const T* __restrict__ alpha, 
         if (u >= 0 && u < t_up) {
           v = snake_of(to_f(src[up == 1 ? u : u / up]), al);
         }
-        out[t] = from_f<T>(v);
+        out[t] = from_f<U>(v);
       }
       continue;
     }
     for (int t = threadIdx.x; t < l_out; t += blockDim.x) {
       const int u = t * stride + off;
-      out[t] = (u >= 0 && u < t_up) ? src[up == 1 ? u : u / up] : from_f<T>(0.f);
+      out[t] = (u >= 0 && u < t_up) ? from_f<U>(to_f(src[up == 1 ? u : u / up])) : from_f<U>(0.f);
     }
   }
 }
@@ -337,10 +375,14 @@ __device__ void kv_join(const T* __restrict__ k, const T* __restrict__ v, T* __r
   }                                                                                                                        \
   extern "C" __global__ void conv_cols_##SUFFIX(const T* x, const T* alpha, T* col, int c, int t_in, int k, int d,       \
                                                 int pad_l, int l_out, int stride, int up, int rows_per, int rows_total) {  \
-    conv_cols<T>(x, alpha, col, c, t_in, k, d, pad_l, l_out, stride, up, rows_per, rows_total);                            \
+    conv_cols<T, T>(x, alpha, col, c, t_in, k, d, pad_l, l_out, stride, up, rows_per, rows_total);                            \
   }                                                                                                                        \
   extern "C" __global__ void masked_softmax_##SUFFIX(const T* att, const T* mask, T* out, int l, int rows_per_mask) {       \
     masked_softmax<T>(att, mask, out, l, rows_per_mask);                                                                   \
+  }                                                                                                                        \
+  extern "C" __global__ void masked_softmax_rows_##SUFFIX(const T* att, const T* mask, T* out, int l, int rows_per_mask,      \
+                                                        int n_rows) {                                                      \
+    masked_softmax_rows<T>(att, mask, out, l, rows_per_mask, n_rows);                                                      \
   }                                                                                                                        \
   extern "C" __global__ void conv_tails_##SUFFIX(const T* x, const T* y, T* dst, int t_len, int c, unsigned long long total) { \
     conv_tails<T>(x, y, dst, t_len, c, (size_t)total);                                                                     \
@@ -356,6 +398,13 @@ __device__ void kv_join(const T* __restrict__ k, const T* __restrict__ v, T* __r
 DIT(f32, float)
 DIT(bf16, __nv_bfloat16)
 DIT(f16, __half)
+
+// f32 input, f16 columns (conv_cols_half in conv_cols.rs): half the bytes written and read again by
+// the vocoder's products, which multiply f16 by f16 into f32 sums.
+extern "C" __global__ void conv_cols_half_f32(const float* x, const float* alpha, __half* col, int c, int t_in, int k, int d, int pad_l,
+                                              int l_out, int stride, int up, int rows_per, int rows_total) {
+  conv_cols<float, __half>(x, alpha, col, c, t_in, k, d, pad_l, l_out, stride, up, rows_per, rows_total);
+}
 
 // Attention of a chunk's queries over a slot pool's keys and values, in place (flash-style):
 // q [N, heads, T, 64]; pk, pv [R, heads, cap, 64] (one block's planes, cap a multiple of 16); rows

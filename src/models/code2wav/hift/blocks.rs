@@ -5,7 +5,7 @@
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 
-use super::super::dit_ops::Cols;
+use super::super::conv_cols::{self, Cols};
 use super::HiftConfig;
 use crate::talker::load_weight_norm;
 
@@ -39,6 +39,9 @@ pub(super) struct Conv {
     /// `[O, C k + 1]`: the weight as a matrix with the bias as its last column (not for transposed
     /// convolutions).
     cols: Option<Tensor>,
+    /// `cols` in f16, where the f32 vocoder multiplies f16 columns on CUDA
+    /// ([`Conv::set_half_columns`]).
+    cols_half: Option<Tensor>,
 }
 
 impl Conv {
@@ -52,9 +55,20 @@ impl Conv {
         let b = if bias { Some(vb.get(o, "bias")?) } else { None };
         let cols = match kind {
             ConvKind::Transpose { .. } => None,
-            _ => Some(super::super::dit_ops::cols_weight(&w, b.as_ref())?),
+            _ => Some(conv_cols::cols_weight(&w, b.as_ref())?),
         };
-        Ok(Self { w, b, kind, dilation, cols })
+        Ok(Self { w, b, kind, dilation, cols, cols_half: None })
+    }
+
+    /// With `on`, an f32 conv on CUDA writes its columns in f16 and multiplies them by the weight
+    /// in f16 into f32 sums ([`conv_cols::half_columns_product`]); elsewhere, or off, the columns
+    /// stay in the input's dtype.
+    pub(super) fn set_half_columns(&mut self, on: bool) -> Result<()> {
+        self.cols_half = match &self.cols {
+            Some(w) if on && w.dtype() == DType::F32 && w.device().is_cuda() => Some(w.to_dtype(DType::F16)?),
+            _ => None,
+        };
+        Ok(())
     }
 
     /// On a GPU, the conv with zero padding `(before, after)`, a stride and a nearest upsampling
@@ -73,7 +87,11 @@ impl Conv {
         if !x.device().is_cuda() || !matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) {
             return Ok(None);
         }
-        let cols = super::super::dit_ops::conv_cols_snake(x, p, alpha)?;
+        if let (Some(wh), DType::F32) = (&self.cols_half, x.dtype()) {
+            let cols = conv_cols::conv_cols_half(x, p, alpha)?;
+            return Ok(Some(conv_cols::half_columns_product(wh, &cols)?));
+        }
+        let cols = conv_cols::conv_cols_snake(x, p, alpha)?;
         Ok(Some(w.broadcast_left(x.dim(0)?)?.matmul(&cols)?))
     }
 
@@ -167,6 +185,10 @@ impl ResBlock {
             s.alpha2.push(vb.pp("activations2").pp(i).get(ch, "alpha")?);
         }
         Ok(s)
+    }
+
+    pub(super) fn set_half_columns(&mut self, on: bool) -> Result<()> {
+        self.convs1.iter_mut().chain(&mut self.convs2).try_for_each(|c| c.set_half_columns(on))
     }
 
     pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
