@@ -474,3 +474,70 @@ fn half_columns_are_the_convolution_to_f16_rounding() {
     let wc = cols_weight(&Tensor::zeros((o, c, 3), DType::F32, &dev).unwrap(), None).unwrap();
     assert!(half_columns_product(&wc, &conv_cols_half(&x, shapes[1].0, None).unwrap()).is_err());
 }
+
+/// The streaming vocoder with `engine.vocoder_half_columns` (f16 columns and products into f32
+/// sums, CUDA only; elsewhere the f32 path) against the reference's audio, chunk by chunk through
+/// graphs as the server runs it: the relative error and the log-spectral distance of the whole
+/// utterance are printed beside the bounds they must keep (the figures an opt-in precision change
+/// records, issue 41).
+#[test]
+fn parity_hift_half_columns_streamed_chunks() {
+    let io = load_io(FIX);
+    let meta = load_meta(FIX);
+    let n = meta["payloads"].as_array().unwrap().len();
+    let mut h = causal_hift();
+    h.set_half_columns(true).unwrap();
+    h.set_graphs(Some(32));
+    let (mut got, mut want) = (vec![], vec![]);
+    for pass in 0..2 {
+        let mut st = h.new_state().unwrap();
+        for i in 0..n {
+            let mel = io[&format!("chunk{i}_mel")].unsqueeze(0).unwrap();
+            let audio = h.stream(&mut st, &mel, i == n - 1).unwrap();
+            let reference = &io[&format!("chunk{i}_audio")];
+            assert_eq!(audio.dims(), reference.dims(), "pass {pass}, chunk {i} sample count");
+            assert_close(&format!("half columns, pass {pass}, chunk {i} audio"), &audio, reference, 2e-2);
+            if pass == 1 {
+                got.extend(audio.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap());
+                want.extend(reference.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap());
+            }
+        }
+    }
+    let lsd = log_spectral_distance_db(&got, &want);
+    eprintln!("half columns: log-spectral distance {lsd:.4} dB over {} samples", got.len());
+    assert!(lsd.is_finite() && lsd <= 0.5, "log-spectral distance {lsd} dB");
+}
+
+/// The log-spectral distance in dB: frames of 512 samples (Hann window, hop 256), per frame the
+/// root mean square over the bins of `10 log10` of the power ratio (a floor of 1e-10 on each power),
+/// averaged over the frames.
+fn log_spectral_distance_db(a: &[f32], b: &[f32]) -> f64 {
+    const N: usize = 512;
+    let turn = |i: usize| 2.0 * std::f64::consts::PI * i as f64 / N as f64;
+    let window: Vec<f64> = (0..N).map(|i| 0.5 - 0.5 * turn(i).cos()).collect();
+    let (cos, sin): (Vec<f64>, Vec<f64>) = (0..N).map(|i| (turn(i).cos(), turn(i).sin())).unzip();
+    let power = |x: &[f32]| -> Vec<f64> {
+        (0..=N / 2)
+            .map(|k| {
+                let (mut re, mut im) = (0.0, 0.0);
+                for (i, v) in x.iter().enumerate() {
+                    let s = *v as f64 * window[i];
+                    re += s * cos[k * i % N];
+                    im -= s * sin[k * i % N];
+                }
+                (re * re + im * im).max(1e-10)
+            })
+            .collect()
+    };
+    let frames: Vec<usize> = (0..a.len().min(b.len()).saturating_sub(N) / 256).map(|f| f * 256).collect();
+    assert!(!frames.is_empty(), "too few samples for a frame");
+    let total: f64 = frames
+        .iter()
+        .map(|&s| {
+            let (pa, pb) = (power(&a[s..s + N]), power(&b[s..s + N]));
+            let mean: f64 = pa.iter().zip(&pb).map(|(x, y)| (10.0 * (x / y).log10()).powi(2)).sum::<f64>() / pa.len() as f64;
+            mean.sqrt()
+        })
+        .sum();
+    total / frames.len() as f64
+}
