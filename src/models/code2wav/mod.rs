@@ -149,7 +149,7 @@ impl Code2Wav {
     /// CUDA ([`HiftGenerator::set_half_columns`]). Set before [`Code2Wav::set_graphs`]' warm-up.
     pub fn set_vocoder_half_columns(&mut self, on: bool) -> Result<()> {
         match &mut self.vocoder {
-            Vocoder::Causal(h) | Vocoder::Original(h) => h.set_half_columns(on),
+            Vocoder::Causal(h) | Vocoder::Original(h) => Ok(h.set_half_columns(on)?),
         }
     }
 
