@@ -38,10 +38,10 @@ pub struct EngineConfig {
     /// softmax and a transpose. Off until measured faster: two earlier forms of the kernel were
     /// slower than the op-by-op path (docs/performance.md, 2026-12-05 night).
     pub code2wav_pool_attention_kernel: bool,
-    /// The f32 vocoder's convolutions on CUDA write their columns in f16 and multiply them by an
-    /// f16 weight into f32 sums (half the bytes of the columns, which were half of the vocoder's
-    /// GPU time in run 49; the inputs keep TF32's 10-bit mantissa, but f16's range). Off until
-    /// measured.
+    /// The f32 vocoder's main-path convolutions write their columns in f16 and multiply them by
+    /// an f16 weight into f32 sums (half the bytes of the columns, which were half of the
+    /// vocoder's GPU time in run 49; the inputs keep TF32's 10-bit mantissa, but f16's range). The
+    /// source's path and the last conv stay f32. Off until measured.
     pub vocoder_half_columns: bool,
     /// New codes in the first Code2Wav chunk (a smaller first chunk lowers first-audio time)...
     pub first_chunk_codes: usize,

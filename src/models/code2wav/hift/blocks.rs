@@ -60,12 +60,13 @@ impl Conv {
         Ok(Self { w, b, kind, dilation, cols, cols_half: None })
     }
 
-    /// With `on`, an f32 conv on CUDA writes its columns in f16 and multiplies them by the weight
-    /// in f16 into f32 sums ([`conv_cols::half_columns_product`]); elsewhere, or off, the columns
-    /// stay in the input's dtype.
+    /// With `on`, an f32 conv writes its columns in f16 and multiplies them by the weight in f16
+    /// into f32 sums ([`conv_cols::half_columns_product`]: one kernel and one cuBLAS product on
+    /// CUDA; on the CPU the same rounding through the tensor ops, a check of its effect rather
+    /// than a speed-up); off, the columns stay in the input's dtype.
     pub(super) fn set_half_columns(&mut self, on: bool) -> Result<()> {
         self.cols_half = match &self.cols {
-            Some(w) if on && w.dtype() == DType::F32 && w.device().is_cuda() => Some(w.to_dtype(DType::F16)?),
+            Some(w) if on && w.dtype() == DType::F32 => Some(w.to_dtype(DType::F16)?),
             _ => None,
         };
         Ok(())
@@ -83,13 +84,13 @@ impl Conv {
     /// kernel).
     fn by_columns_snake(&self, x: &Tensor, p: Cols, alpha: Option<&Tensor>) -> Result<Option<Tensor>> {
         let Some(w) = &self.cols else { return Ok(None) };
-        // (our kernels exist for f32, bf16 and f16; the F0 predictor runs in f64)
-        if !x.device().is_cuda() || !matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) {
-            return Ok(None);
-        }
         if let (Some(wh), DType::F32) = (&self.cols_half, x.dtype()) {
             let cols = conv_cols::conv_cols_half(x, p, alpha)?;
             return Ok(Some(conv_cols::half_columns_product(wh, &cols)?));
+        }
+        // (our kernels exist for f32, bf16 and f16; the F0 predictor runs in f64)
+        if !x.device().is_cuda() || !matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+            return Ok(None);
         }
         let cols = conv_cols::conv_cols_snake(x, p, alpha)?;
         Ok(Some(w.broadcast_left(x.dim(0)?)?.matmul(&cols)?))
