@@ -7,6 +7,7 @@ mod common;
 
 use antiphon_assets::synth::{self, Preset};
 use antiphon_models::code2wav::dit::GraphPolicy;
+use antiphon_models::code2wav::dit_attention::PoolAttention;
 use antiphon_models::code2wav::prompt::Reference;
 use antiphon_models::code2wav::{Code2Wav, StreamState};
 use candle_core::{DType, Device, Tensor};
@@ -49,9 +50,10 @@ fn assert_near(what: &str, got: &[f32], want: &[f32], tol: f32) {
 /// Three streams (two voices, one a chunk behind) through six chunks (the caches trim from the
 /// fourth on), in batches, on a Code2Wav with a pool of `slots` slots, each chunk against the same
 /// stream alone with caches of its own.
-fn pooled_batches_match_own_caches(slots: usize, graphs: bool) {
+fn pooled_batches_match_own_caches(slots: usize, graphs: bool, mode: PoolAttention) {
     let own = tiny();
     let mut pooled = own.clone();
+    pooled.set_pool_attention(mode);
     pooled.set_slots(slots, 512, 25).unwrap();
     if graphs {
         // (no capture on the CPU: the graph path's fixed buffers and power-of-two padding, op by op)
@@ -99,13 +101,20 @@ fn pooled_batches_match_own_caches(slots: usize, graphs: bool) {
 #[test]
 fn pooled_streams_match_streams_with_caches_of_their_own() {
     // two slots for three streams: a batch mixes pooled streams and one with its own caches
-    pooled_batches_match_own_caches(2, false);
+    pooled_batches_match_own_caches(2, false, PoolAttention::Gathered);
 }
 
 #[test]
 fn pooled_streams_padded_to_a_graph_batch_match_too() {
     // three pooled streams run as a batch of four (one scratch row)
-    pooled_batches_match_own_caches(3, true);
+    pooled_batches_match_own_caches(3, true, PoolAttention::Gathered);
+}
+
+#[test]
+fn pooled_streams_attending_in_place_match_too() {
+    // the pool read in place by pointer-array products (CUDA; the gathered path elsewhere),
+    // through the graphs
+    pooled_batches_match_own_caches(3, true, PoolAttention::InPlace);
 }
 
 /// Four streams whose chunks differ in length and in being the last (a small first chunk, full
@@ -317,12 +326,13 @@ fn a_flow_pool_holds_what_its_slots_are_counted_as() {
 }
 
 /// The DiT's attention over a slot pool (`dit_attention::pool_attention`: on CUDA in 16-bit the
-/// tensor-core kernel, elsewhere its op-by-op twin) against the same sum written out in f64 over
+/// tensor-core kernel; `pool_attention_in_place`: on CUDA the pointer-array products over the pool
+/// in place; elsewhere both their op-by-op twin) against the same sum written out in f64 over
 /// the stored values: rows of another slot order, a query count and a capacity that are not whole
 /// tiles, and masks with holes, a masked prefix (the slot's ring) and one fully open.
 #[test]
 fn attention_over_the_pool_is_the_masked_softmax_of_each_rows_slot() {
-    use antiphon_models::code2wav::dit_attention::{pool_attention, pool_attention_ops};
+    use antiphon_models::code2wav::dit_attention::{pool_attention, pool_attention_in_place, pool_attention_ops};
     let (n, h, t, d, slots, cap) = (3usize, 2usize, 37usize, 64usize, 5usize, 176usize);
     let rows = [4u32, 0, 2];
     // row 0 sees every position, row 1 the first 70 but every fifth, row 2 only 100.. (a prefix masked)
@@ -361,9 +371,11 @@ fn attention_over_the_pool_is_the_masked_softmax_of_each_rows_slot() {
                 }
             }
         }
-        for (what, got) in
-            [("pool_attention", pool_attention(&q, &pk, &pv, &rows_t, &mask)), ("its twin", pool_attention_ops(&q, &pk, &pv, &rows_t, &mask))]
-        {
+        for (what, got) in [
+            ("pool_attention", pool_attention(&q, &pk, &pv, &rows_t, &mask)),
+            ("in place", pool_attention_in_place(&q, &pk, &pv, &rows_t, &mask)),
+            ("its twin", pool_attention_ops(&q, &pk, &pv, &rows_t, &mask)),
+        ] {
             let got = got.unwrap();
             assert_eq!(got.dims(), [n, t, h * d], "{what} {dt:?}: shape");
             assert_near(&format!("{what} in {dt:?}"), &vals(&got), &want, tol);

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer};
 
+use antiphon_models::code2wav::dit_attention::PoolAttention;
 use antiphon_models::sampling::SamplingParams;
 
 /// Engine knobs: the `[engine]` table of the configuration file is this struct, read by serde
@@ -33,11 +34,12 @@ pub struct EngineConfig {
     /// within its horizon; the chunks of streams with more audio buffered run in the step right
     /// after, so a new stream's first chunk does not ride a whole step of theirs.
     pub code2wav_first_chunks_apart: bool,
-    /// The flow's attention over its slot pool as one kernel of ours on CUDA in 16-bit
-    /// (`pool_attention`: the slots read in place) instead of a gather, two products, the masked
-    /// softmax and a transpose. Off until measured faster: two earlier forms of the kernel were
-    /// slower than the op-by-op path (docs/performance.md, 2026-12-05 night).
-    pub code2wav_pool_attention_kernel: bool,
+    /// How the flow's attention over its slot pool runs on CUDA: `gathered` (the rows' planes
+    /// gathered, two products, the masked softmax, the heads' transpose), `in_place` (two
+    /// pointer-array products that read the pool where it is and write the heads side by side) or
+    /// `kernel` (one flash-style kernel of ours, 16-bit; its three forms measured slower, runs
+    /// 50-51). Elsewhere always `gathered`.
+    pub code2wav_pool_attention: PoolAttention,
     /// The f32 vocoder's main-path convolutions write their columns in f16 and multiply them by
     /// an f16 weight into f32 sums (half the bytes of the columns, which were half of the
     /// vocoder's GPU time in run 49; the inputs keep TF32's 10-bit mantissa, but f16's range). The
@@ -200,7 +202,7 @@ impl Default for EngineConfig {
             code2wav_early_batch: 8,
             code2wav_mixed_steps: false,
             code2wav_first_chunks_apart: false,
-            code2wav_pool_attention_kernel: false,
+            code2wav_pool_attention: PoolAttention::Gathered,
             vocoder_half_columns: false,
             first_chunk_codes: 25,
             small_first_chunk_streams: usize::MAX,

@@ -330,7 +330,7 @@ impl Engine {
                 models.code2wav.set_solve_payloads(&chunker::warm_sequences(&cfg).concat());
             }
         }
-        models.code2wav.set_pool_attention_kernel(cfg.code2wav_pool_attention_kernel);
+        models.code2wav.set_pool_attention(cfg.code2wav_pool_attention);
         models.code2wav.set_vocoder_half_columns(cfg.vocoder_half_columns)?;
         models.code2wav.set_slots(cfg.code2wav_slots, cfg.code2wav_slot_frames, cfg.max_chunk_codes())?;
         // what a request may ask for: a reply (with room for a prompt) that fits the Thinker's

@@ -376,14 +376,14 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
     let slots = ecfg.code2wav_slots.max(batches.iter().copied().filter(|&b| b <= 32).max().unwrap_or(1));
     let mut g2w = c2w.clone();
     g2w.set_graphs(Some(GraphPolicy { pool_batch: 32, ..GraphPolicy::default() }), Some(32));
-    g2w.set_pool_attention_kernel(ecfg.code2wav_pool_attention_kernel);
+    g2w.set_pool_attention(ecfg.code2wav_pool_attention);
     g2w.set_slots(slots, ecfg.code2wav_slot_frames, ecfg.max_chunk_codes())?;
     rows.time("code2wav setup, graph (server config)", 1, iters.min(5), || {
         drop(g2w.setup(&f)?);
         Ok(())
     })?;
     let mut p2w = c2w.clone();
-    p2w.set_pool_attention_kernel(ecfg.code2wav_pool_attention_kernel);
+    p2w.set_pool_attention(ecfg.code2wav_pool_attention);
     p2w.set_slots(slots, ecfg.code2wav_slot_frames, ecfg.max_chunk_codes())?;
     let variants = [
         (

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{Result, Tensor};
 
 use super::dit::{Att, Dit, EstimatorCache, Sink, StepCondition};
+use super::dit_attention::PoolAttention;
 use super::slots::{FlowPool, PoolBatch};
 use crate::cuda_graph::GraphSlot;
 
@@ -78,9 +79,8 @@ pub struct Cfm {
     graphs: GraphSlot,
     /// The pooled chunk solves captured per shape.
     pool_graphs: GraphSlot,
-    /// Pooled solves attend with [`super::dit_attention::pool_attention`] (our kernel on CUDA in
-    /// 16-bit) instead of its op-by-op twin.
-    pool_attention_kernel: bool,
+    /// How pooled solves attend ([`super::dit_attention::attend_pool`]).
+    pool_attention: PoolAttention,
     memo: Arc<Mutex<SolverMemo>>,
 }
 
@@ -89,7 +89,7 @@ impl Clone for Cfm {
     fn clone(&self) -> Self {
         let mut c = Self::new(self.estimator.clone(), self.cfg_rate, self.noise.clone());
         c.set_graphs(self.policy);
-        c.pool_attention_kernel = self.pool_attention_kernel;
+        c.pool_attention = self.pool_attention;
         c
     }
 }
@@ -109,7 +109,7 @@ impl Cfm {
             policy: None,
             graphs: GraphSlot::off(),
             pool_graphs: GraphSlot::off(),
-            pool_attention_kernel: false,
+            pool_attention: PoolAttention::default(),
             memo: Arc::new(Mutex::new(SolverMemo::default())),
         }
     }
@@ -125,10 +125,10 @@ impl Cfm {
         };
     }
 
-    /// Whether pooled solves attend with the pool-attention kernel where the device has it (set
-    /// before graphs are captured: a graph keeps the path it was captured with).
-    pub fn set_pool_attention_kernel(&mut self, on: bool) {
-        self.pool_attention_kernel = on;
+    /// How pooled solves attend where the device has the path (set before graphs are captured: a
+    /// graph keeps the path it was captured with).
+    pub fn set_pool_attention(&mut self, mode: PoolAttention) {
+        self.pool_attention = mode;
     }
 
     /// The graph policy in force (`None`: op by op).
@@ -237,7 +237,7 @@ impl Cfm {
             let att = match (cache, &step_kv) {
                 (Cache::Joined { mask, .. }, Some((k, v))) => Att::Joined { k, v, mask },
                 (Cache::Pool { batch, .. }, Some((k, v))) => {
-                    Att::Pool { k, v, rows: &batch.rows, pos: &batch.pos, mask: &batch.mask, kernel: self.pool_attention_kernel }
+                    Att::Pool { k, v, rows: &batch.rows, pos: &batch.pos, mask: &batch.mask, mode: self.pool_attention }
                 }
                 _ => Att::Empty,
             };

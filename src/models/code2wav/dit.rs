@@ -24,6 +24,7 @@ use candle_core::{Module, Result, Tensor, D};
 use candle_nn::{Conv1d, Conv1dConfig, LayerNorm, Linear, VarBuilder};
 
 use super::conformer::{conv1d, linear};
+use super::dit_attention::PoolAttention;
 use super::dit_ops;
 
 /// Hyper-parameters (`flow.decoder.estimator` in `flow.yaml`).
@@ -222,14 +223,10 @@ impl Block {
                 }
                 mask
             }
-            Att::Pool { k: pk, v: pv, rows, pos, mask, kernel } => {
+            Att::Pool { k: pk, v: pv, rows, pos, mask, mode } => {
                 // (the new keys into the rows' slots, then attention over the slots)
                 crate::fused::kv_rows_store(&pk.unsqueeze(0)?, &pv.unsqueeze(0)?, &k.unsqueeze(0)?, &v.unsqueeze(0)?, rows, pos)?;
-                return if kernel {
-                    super::dit_attention::pool_attention(&q, pk, pv, rows, mask)
-                } else {
-                    super::dit_attention::pool_attention_ops(&q, pk, pv, rows, mask)
-                };
+                return super::dit_attention::attend_pool(mode, &q, pk, pv, rows, mask);
             }
         };
         let Some(dst) = dst else { candle_core::bail!("DiT attention: no buffer for the new keys and values") };
@@ -249,9 +246,9 @@ pub enum Att<'a> {
     Joined { k: &'a Tensor, v: &'a Tensor, mask: Option<&'a Tensor> },
     /// A slot pool's planes (`[rows, h, cap, hd]` each, see [`super::slots`]): the new keys are
     /// stored at `pos` (`[N, T]`) of rows `rows` (`[N]`), then each row attends over its row
-    /// under `mask` (`[N, 1, 1, cap]`); with `kernel`, through
-    /// [`super::dit_attention::pool_attention`] (else its op-by-op twin).
-    Pool { k: &'a Tensor, v: &'a Tensor, rows: &'a Tensor, pos: &'a Tensor, mask: &'a Tensor, kernel: bool },
+    /// under `mask` (`[N, 1, 1, cap]`), the way `mode` says
+    /// ([`super::dit_attention::attend_pool`]).
+    Pool { k: &'a Tensor, v: &'a Tensor, rows: &'a Tensor, pos: &'a Tensor, mask: &'a Tensor, mode: PoolAttention },
 }
 
 impl<'a> Att<'a> {
@@ -260,7 +257,7 @@ impl<'a> Att<'a> {
         Ok(match *self {
             Att::Empty => BlockAtt::Empty,
             Att::Joined { k, v, mask } => BlockAtt::Joined { k: k.get(i)?, v: v.get(i)?, mask },
-            Att::Pool { k, v, rows, pos, mask, kernel } => BlockAtt::Pool { k: k.get(i)?, v: v.get(i)?, rows, pos, mask, kernel },
+            Att::Pool { k, v, rows, pos, mask, mode } => BlockAtt::Pool { k: k.get(i)?, v: v.get(i)?, rows, pos, mask, mode },
         })
     }
 }
@@ -269,7 +266,7 @@ impl<'a> Att<'a> {
 enum BlockAtt<'a> {
     Empty,
     Joined { k: Tensor, v: Tensor, mask: Option<&'a Tensor> },
-    Pool { k: Tensor, v: Tensor, rows: &'a Tensor, pos: &'a Tensor, mask: &'a Tensor, kernel: bool },
+    Pool { k: Tensor, v: Tensor, rows: &'a Tensor, pos: &'a Tensor, mask: &'a Tensor, mode: PoolAttention },
 }
 
 impl BlockAtt<'_> {
@@ -277,7 +274,7 @@ impl BlockAtt<'_> {
         match self {
             BlockAtt::Empty => Att::Empty,
             BlockAtt::Joined { k, v, mask } => Att::Joined { k, v, mask: *mask },
-            BlockAtt::Pool { k, v, rows, pos, mask, kernel } => Att::Pool { k, v, rows, pos, mask, kernel: *kernel },
+            BlockAtt::Pool { k, v, rows, pos, mask, mode } => Att::Pool { k, v, rows, pos, mask, mode: *mode },
         }
     }
 }

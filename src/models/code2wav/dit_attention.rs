@@ -1,15 +1,38 @@
 //! The DiT's attention over a slot pool ([`super::slots`]): a chunk's queries attend over the keys
-//! and values its rows hold in the pool, in place. On CUDA, for 16-bit weights and heads of 64,
-//! one kernel of ours (`pool_attention` in `kernels/dit.cu`: tensor cores, the keys split over
-//! warps with a running softmax each, joined at the end) where
-//! the op-by-op path gathered every row's planes out of the pool, multiplied, ran the masked
-//! softmax, multiplied again and transposed the heads (at B32 those took ~40 % of a DiT block's
-//! kernel time, run 49), where `engine.code2wav_pool_attention_kernel` asks for it; otherwise the
-//! op-by-op twin, which defines the result.
+//! and values its rows hold in the pool. Three ways ([`PoolAttention`], `engine.code2wav_pool_attention`):
+//! - gathered (the definition, and the only way off CUDA): every row's planes gathered out of the
+//!   pool, the score product, the masked softmax, the value product, the heads' transpose (at B32
+//!   those took ~40 % of a DiT block's kernel time, run 49);
+//! - in place (CUDA): the same two products as pointer-array batched cuBLAS calls whose operands
+//!   are the pool's planes where they lie (no gather) and whose output is the heads side by side
+//!   (no transpose), with the masked softmax between;
+//! - kernel (CUDA, 16-bit, heads of 64): one flash-style kernel of ours (`pool_attention` in
+//!   `kernels/dit.cu`); slower than the gathered path in all three forms measured (runs 50-51).
 
 use candle_core::{Result, Tensor};
+use serde::Deserialize;
 
 use super::dit_ops;
+
+/// How a pooled solve's attention runs (see the module's description). Off CUDA, and where a
+/// path does not take the operands, the gathered path runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolAttention {
+    #[default]
+    Gathered,
+    InPlace,
+    Kernel,
+}
+
+/// [`pool_attention_ops`]'s result the way `mode` asks.
+pub fn attend_pool(mode: PoolAttention, q: &Tensor, pk: &Tensor, pv: &Tensor, rows: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    match mode {
+        PoolAttention::Gathered => pool_attention_ops(q, pk, pv, rows, mask),
+        PoolAttention::InPlace => pool_attention_in_place(q, pk, pv, rows, mask),
+        PoolAttention::Kernel => pool_attention(q, pk, pv, rows, mask),
+    }
+}
 
 /// `softmax(q kᵀ + mask) v` per row and head, over row `n`'s slot row `rows[n]` of the pool: `q:
 /// [N, h, T, d]`; `pk`, `pv`: one block's planes, `[R, h, cap, d]` (contiguous); `rows: [N]` u32;
@@ -51,6 +74,35 @@ fn kernel_takes(q: &Tensor, pk: &Tensor, pv: &Tensor, rows: &Tensor, cap: usize)
         && aligned(pk)
         && aligned(pv)
         && rows.dtype() == DType::U32
+}
+
+/// [`pool_attention_ops`] with the pool read in place: on CUDA two pointer-array batched products
+/// (one per row and head: the row's key plane times its queries, then the row's value plane times
+/// the probabilities, written straight into the heads-side-by-side output) around the masked
+/// softmax; elsewhere [`pool_attention_ops`] itself.
+pub fn pool_attention_in_place(q: &Tensor, pk: &Tensor, pv: &Tensor, rows: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let (n, h, _, d) = q.dims4()?;
+    let (_, ph, cap, pd) = pk.dims4()?;
+    if pv.shape() != pk.shape() || ph != h || pd != d || rows.dims1()? != n || mask.dims() != [n, 1, 1, cap] {
+        candle_core::bail!(
+            "pool_attention_in_place: q {:?} over pool {:?} with rows {:?}, mask {:?}",
+            q.shape(),
+            pk.shape(),
+            rows.shape(),
+            mask.shape()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda()
+        && pk.is_contiguous()
+        && pv.is_contiguous()
+        && pk.dtype() == q.dtype()
+        && pv.dtype() == q.dtype()
+        && rows.dtype() == candle_core::DType::U32
+    {
+        return super::dit_attention_in_place::attend(q, pk, pv, rows, mask);
+    }
+    pool_attention_ops(q, pk, pv, rows, mask)
 }
 
 /// The op-by-op twin of [`pool_attention`]: the rows' planes gathered, then [`attend`].

@@ -13,6 +13,8 @@ pub mod conformer;
 pub mod conv_cols;
 pub mod dit;
 pub mod dit_attention;
+#[cfg(feature = "cuda")]
+mod dit_attention_in_place;
 pub mod dit_ops;
 pub mod flow;
 pub mod hift;
@@ -138,11 +140,10 @@ impl Code2Wav {
         }
     }
 
-    /// Pooled solves attend with our pool-attention kernel where the device has it (CUDA, 16-bit;
-    /// [`dit_attention::pool_attention`]) instead of a gather, two products, the masked softmax and
-    /// a transpose. Set before [`Code2Wav::set_graphs`]' warm-up captures.
-    pub fn set_pool_attention_kernel(&mut self, on: bool) {
-        self.flow.decoder.set_pool_attention_kernel(on);
+    /// How pooled solves attend ([`dit_attention::PoolAttention`]; each path where the device has
+    /// it, else the gathered one). Set before [`Code2Wav::set_graphs`]' warm-up captures.
+    pub fn set_pool_attention(&mut self, mode: dit_attention::PoolAttention) {
+        self.flow.decoder.set_pool_attention(mode);
     }
 
     /// The vocoder's convolutions in f16 columns and products with f32 sums where it runs in f32 on

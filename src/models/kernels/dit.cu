@@ -399,6 +399,27 @@ DIT(f32, float)
 DIT(bf16, __nv_bfloat16)
 DIT(f16, __half)
 
+// The pointer arrays of the in-place pool attention (dit_attention_in_place.rs), one entry per
+// (row n, head h), i = n heads + h: the queries' plane, the pool's key and value planes of slot row
+// rows[n], the scores' and the probabilities' planes, and the output's first column of head h in
+// row n's [T, heads d] (its leading dimension heads d). Addresses in bytes (es: an element's size).
+extern "C" __global__ void attention_pointers(unsigned long long q, unsigned long long pk, unsigned long long pv, unsigned long long sc,
+                                              unsigned long long pr, unsigned long long o, const unsigned int* rows, unsigned long long* ptrs,
+                                              int n, int heads, int t, int cap, int d, int es) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  const int total = n * heads;
+  if (i >= total) return;
+  const int nn = i / heads, hh = i % heads;
+  const unsigned long long plane = ((unsigned long long)rows[nn] * heads + hh) * cap * d * es;
+  const unsigned long long scores = (unsigned long long)i * t * cap * es;
+  ptrs[i] = q + (unsigned long long)i * t * d * es;
+  ptrs[total + i] = pk + plane;
+  ptrs[2 * total + i] = pv + plane;
+  ptrs[3 * total + i] = sc + scores;
+  ptrs[4 * total + i] = pr + scores;
+  ptrs[5 * total + i] = o + ((unsigned long long)nn * t * heads + hh) * d * es;
+}
+
 // f32 input, f16 columns (conv_cols_half in conv_cols.rs): half the bytes written and read again by
 // the vocoder's products, which multiply f16 by f16 into f32 sums.
 extern "C" __global__ void conv_cols_half_f32(const float* x, const float* alpha, __half* col, int c, int t_in, int k, int d, int pad_l,
