@@ -130,8 +130,8 @@ fn cols_len(x: &Tensor, p: Cols, alpha: Option<&Tensor>) -> Result<usize> {
 /// every sum in f32. On CUDA one strided-batched cuBLAS product (f16 × f16 into f32, the weight
 /// shared by the batch); elsewhere the f32 product of the same f16 values.
 pub fn half_columns_product(w: &Tensor, cols: &Tensor) -> Result<Tensor> {
-    let (o, r) = w.dims2()?;
-    let (b, r2, _l) = cols.dims3()?;
+    let (_, r) = w.dims2()?;
+    let (b, r2, _) = cols.dims3()?;
     if r != r2 || w.dtype() != DType::F16 || cols.dtype() != DType::F16 {
         candle_core::bail!("half_columns_product: {:?} {:?} times {:?} {:?}", w.shape(), w.dtype(), cols.shape(), cols.dtype());
     }
@@ -140,7 +140,6 @@ pub fn half_columns_product(w: &Tensor, cols: &Tensor) -> Result<Tensor> {
         return w.contiguous()?.apply_op2_no_bwd(&cols.contiguous()?, &cuda::HalfProduct);
     }
     let w = w.to_dtype(DType::F32)?.broadcast_left(b)?.contiguous()?;
-    let _ = o;
     w.matmul(&cols.to_dtype(DType::F32)?)
 }
 
