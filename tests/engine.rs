@@ -65,6 +65,13 @@ fn requests_in_mixed_code2wav_steps_match_requests_alone() {
     batched_requests_match_requests_alone(EngineConfig { code2wav_mixed_steps: true, ..EngineConfig::default() });
 }
 
+/// One batch a Code2Wav step: the replies' chunks of other lengths and flags (their last chunks:
+/// 5, 10 and 15 new codes) wait for later steps, and each still gets its audio alone.
+#[test]
+fn requests_in_one_batch_code2wav_steps_match_requests_alone() {
+    batched_requests_match_requests_alone(EngineConfig { code2wav_one_batch_per_step: true, ..EngineConfig::default() });
+}
+
 /// Text chunks of 3 tokens (so every reply has several): replies batched together get what each
 /// gets alone, though every chunk starts its stream's Talker cache over with a window.
 #[test]

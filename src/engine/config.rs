@@ -34,6 +34,11 @@ pub struct EngineConfig {
     /// within its horizon; the chunks of streams with more audio buffered run in the step right
     /// after, so a new stream's first chunk does not ride a whole step of theirs.
     pub code2wav_first_chunks_apart: bool,
+    /// A Code2Wav step runs one batch, the one that holds its earliest-due chunk (without mixed
+    /// steps a step's chunks are one batch per chunk length and `last` flag); the other batches go
+    /// back to the queue and are planned again with what came meanwhile, so a new stream's first
+    /// chunk waits for at most one batch of the step running when it came, not all of them.
+    pub code2wav_one_batch_per_step: bool,
     /// How the flow's attention over its slot pool runs on CUDA: `gathered` (the rows' planes
     /// gathered, two products, the masked softmax, the heads' transpose), `in_place` (two
     /// pointer-array products that read the pool where it is and write the heads side by side) or
@@ -202,6 +207,7 @@ impl Default for EngineConfig {
             code2wav_early_batch: 8,
             code2wav_mixed_steps: false,
             code2wav_first_chunks_apart: false,
+            code2wav_one_batch_per_step: false,
             code2wav_pool_attention: PoolAttention::Gathered,
             vocoder_half_columns: false,
             first_chunk_codes: 25,
