@@ -73,7 +73,7 @@ impl EngineMetrics {
         let phase_seconds = HistogramVec::new(
             HistogramOpts::new(
                 "antiphon_engine_phase_seconds",
-                "Time from admission to each milestone of a request: first_token (prompt in), first_text, handoff (Thinker done), first_code, chunk0_codes (chunk 0 reaches Code2Wav), first_chunk (Code2Wav starts chunk 0), first_audio",
+                "Time from admission to each milestone of a request: first_token (prompt in), first_text, handoff (Thinker done), first_code, chunk0_codes (the Talker sends chunk 0's codes to Code2Wav), first_chunk (Code2Wav starts chunk 0), first_audio",
             )
             .buckets(vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]),
             &["phase"],

@@ -140,6 +140,12 @@ impl Stage1 {
 
     fn send(&self, id: &RequestId, r: &Req, p: Payload) {
         let reference = (p.seq == 0).then(|| r.voice.clone());
+        if p.seq == 0 {
+            // (marked as it leaves: Code2Wav reads its messages only between its steps)
+            self.registry.mark(id, |t| {
+                t.chunk0_codes.get_or_insert_with(Instant::now);
+            });
+        }
         let _ = self.to_c2w.send(Stage2Msg::Chunk { id: id.clone(), seq: p.seq, codes: p.codes, last: p.last, reference });
     }
 

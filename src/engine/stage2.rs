@@ -443,11 +443,6 @@ impl StageLoop for Stage2 {
                 self.waiting.push(Waiting { id, reference, phase: Phase::Queued });
             }
             Stage2Msg::Chunk { id, seq, codes, last, reference } => {
-                if seq == 0 {
-                    self.registry.mark(&id, |t| {
-                        t.chunk0_codes.get_or_insert_with(Instant::now);
-                    });
-                }
                 self.queue.push_back(ChunkWork { id, seq, codes, last, reference, queued: Instant::now() });
             }
             Stage2Msg::Cancel(id) => self.abort(&id),

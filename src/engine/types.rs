@@ -222,8 +222,8 @@ pub struct Timings {
     pub first_text: Option<Instant>,
     pub handoff: Option<Instant>,
     pub first_code: Option<Instant>,
-    /// Chunk 0's codes reach Code2Wav (from `first_code`: the Talker's share; to `first_chunk`:
-    /// the wait for a Code2Wav step).
+    /// The Talker sends chunk 0's codes to Code2Wav (from `first_code`: the Talker's share; to
+    /// `first_chunk`: the wait for a Code2Wav step, the one running when they came included).
     pub chunk0_codes: Option<Instant>,
     pub first_chunk: Option<Instant>,
     pub first_audio: Option<Instant>,
