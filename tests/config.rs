@@ -19,6 +19,9 @@ fn shipped_configs_parse() {
     assert_eq!(s.model.dtype, antiphon_models::gpu::Precision::Bf16);
     // the GPU config sizes its streams from the card's memory, at most its 64 slots
     assert!(s.engine.streams_from_memory && s.engine.thinker_slots == 64 && s.engine.memory_headroom_mib == 16384);
+    // ...and ships run 54's Code2Wav scheduling and kernels (keys the reference defaults to off)
+    assert!(s.engine.code2wav_first_chunks_apart && s.engine.code2wav_one_batch_per_step && s.engine.vocoder_half_columns);
+    assert_eq!(s.engine.code2wav_pool_attention, antiphon_models::code2wav::dit_attention::PoolAttention::InPlace);
     // the real-checkpoint file names a directory this machine does not have
     let e = format!("{:#}", Config::load(&root().join("configs/minicpmo45.toml")).unwrap_err());
     assert!(e.contains("model.path") && e.contains("config.json"), "{e}");
