@@ -11,6 +11,10 @@ if ! command -v cmake > /dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq cmake
 fi
 source scripts/cuda-env.sh
+# the revision /api/build_info reports, marked `-dirty` when the tree has uncommitted changes
+# (a measurement then names a build no commit holds)
+ANTIPHON_GIT=$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)
+export ANTIPHON_GIT
 cargo build --release --features cuda --bin antiphon
 mkdir -p .device
 strip -o .device/antiphon "$CARGO_TARGET_DIR/release/antiphon"
