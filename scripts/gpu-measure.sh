@@ -39,6 +39,8 @@ export LD_LIBRARY_PATH=${SP:+$SP/nvidia/cu13/lib:}/usr/local/nvidia/lib64:${LD_L
 xz -dc "${BINARY:-.device/antiphon.xz}" > /tmp/antiphon && chmod +x /tmp/antiphon
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv > "$RES/gpu.txt" 2>&1
 cat "$RES/gpu.txt"
+# the bench's label names the card the numbers came from
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 date -u +%FT%TZ > "$RES/date.txt"
 # correctness first: the parity fixtures on the GPU (f32 <= 1e-3 relative), if they were built
 # (and the pooled / mixed Code2Wav steps against streams alone, tests/flow_slots.rs, on CUDA)
@@ -96,7 +98,7 @@ if [ $ready = 1 ]; then
     echo "== $w at C=$lv, $rq requests ($(( $(date +%s) - t0 )) s)"
     timeout "$BENCH_TIMEOUT" /tmp/antiphon bench --url ws://127.0.0.1:8080/v1/realtime --workload "$w" \
       --concurrency "$lv" --requests "$rq" --warmup "$WARMUP" --no-progress --timeout-s 120 \
-      --label "H200, full-size synthetic bf16, $CONFIG" --out "$RES/$name" $EXTRA 2>&1 | tail -12
+      --label "${GPU_NAME:-unknown GPU}, full-size synthetic bf16, $CONFIG" --out "$RES/$name" $EXTRA 2>&1 | tail -12
     curl -sf http://127.0.0.1:8080/metrics > "$RES/metrics-$name.txt"
     mem "after $name"
   done
@@ -104,7 +106,7 @@ if [ $ready = 1 ]; then
     echo "== conversations at $RATES/s ($(( $(date +%s) - t0 )) s)"
     timeout "$BENCH_TIMEOUT" /tmp/antiphon bench --url ws://127.0.0.1:8080/v1/realtime --workload conversations \
       --rates "$RATES" --conversations "${CONVERSATIONS:-120}" --turns "${TURNS:-3}" --think-ms "${THINK_MS:-1000}" --no-progress --timeout-s 120 \
-      --label "H200, full-size synthetic bf16, $CONFIG" --out "$RES/conversations" $EXTRA 2>&1 | tail -12
+      --label "${GPU_NAME:-unknown GPU}, full-size synthetic bf16, $CONFIG" --out "$RES/conversations" $EXTRA 2>&1 | tail -12
     curl -sf http://127.0.0.1:8080/metrics > "$RES/metrics-conversations.txt"
     mem "after conversations"
   fi
