@@ -488,27 +488,23 @@ fn slot_pool_batched_decode_matches_streams_alone() {
             rows
         })
         .collect();
-    // (with the prompts in the step, a pool of 48 slots: its buckets hold the prefill steps'
-    // 27 and 35 rows, which then run as the rows of buckets 32 and 48)
-    for (mode, in_step) in [(DecodeMode::Static, false), (DecodeMode::Graph, false), (DecodeMode::Graph, true)] {
+    for mode in [DecodeMode::Static, DecodeMode::Graph] {
         let (mut thinker, _) = models();
         thinker.llm.set_decode_mode(mode);
         // (the default on CUDA; on the CPU it is off, and on here so that the CPU checks it too)
         thinker.llm.set_ragged_prefill(true);
-        thinker.llm.set_prefill_in_step(in_step);
         let llm = &thinker.llm;
-        let slots = if in_step { 48 } else { 3 };
-        let pool = llm.decoder().slot_pool(slots, 64).unwrap();
-        // (what capacity from memory counts a stream's slot as: the slots and the scratch slot)
-        assert_eq!(pool.bytes(), (slots + 1) * llm.decoder().slot_bytes(64));
+        let pool = llm.decoder().slot_pool(3, 64).unwrap();
+        // (what capacity from memory counts a stream's slot as: three and the scratch slot)
+        assert_eq!(pool.bytes(), 4 * llm.decoder().slot_bytes(64));
         {
             let lease = pool.take().unwrap().expect("a free slot");
-            assert_eq!(pool.free(), slots - 1);
+            assert_eq!(pool.free(), 2);
             drop(lease);
-            assert_eq!(pool.free(), slots, "a dropped cache hands its slot back");
+            assert_eq!(pool.free(), 3, "a dropped cache hands its slot back");
         }
         let mut c: Vec<KvCache> = (0..3).map(|_| pool.take().unwrap().expect("a free slot")).collect();
-        assert!(in_step || pool.take().unwrap().is_none(), "every slot is taken");
+        assert!(pool.take().unwrap().is_none(), "every slot is taken");
         let mut got: Vec<Vec<Tensor>> = vec![vec![]; 3];
         // streams 0 and 1 prefill in one step (one ragged batch of 7 + 20 rows); then stream 2
         // prefills in the same step as their first decode
@@ -554,12 +550,9 @@ fn slot_pool_batched_decode_matches_streams_alone() {
         }
         for (i, (g, want)) in got.iter().zip(&alone).enumerate() {
             for (k, row) in g.iter().enumerate() {
-                assert_close(&format!("{mode:?} (prompts in the step: {in_step}) stream {i} row {k}"), row, &want[k], 1e-5);
+                assert_close(&format!("{mode:?} stream {i} row {k}"), row, &want[k], 1e-5);
             }
         }
-        // the prefill steps ran as the rows of a bucket's step exactly when asked to
-        let buckets = pool.buckets();
-        assert_eq!(buckets.contains(&32) && buckets.contains(&48), in_step, "buckets with a step: {buckets:?}");
     }
 }
 

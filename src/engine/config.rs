@@ -17,11 +17,6 @@ pub struct EngineConfig {
     pub thinker_max_batch: usize,
     /// Prompt positions a Thinker step prefills at most (chunked prefill).
     pub thinker_prefill_tokens: usize,
-    /// With decode graphs: the Thinker's and the Talker's prompt rows (a prompt chunk, a text
-    /// chunk's condition) run as rows of the batched decode step's bucket when a step's rows fit
-    /// the largest one, so on CUDA in its captured graph, at its raised priority; a Thinker step
-    /// then prefills at most the rows its bucket has left. Off: op by op beside the graphs.
-    pub prefill_in_graphs: bool,
     pub talker_max_batch: usize,
     pub code2wav_max_batch: usize,
     /// A Code2Wav step takes every chunk due within its horizon (two recent steps, at least
@@ -207,7 +202,6 @@ impl Default for EngineConfig {
         Self {
             thinker_max_batch: 16,
             thinker_prefill_tokens: 1024,
-            prefill_in_graphs: false,
             talker_max_batch: 32,
             code2wav_max_batch: 8,
             code2wav_early_batch: 8,

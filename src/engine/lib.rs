@@ -294,7 +294,6 @@ impl Engine {
         }
         if cfg.decode_graphs && own_stream(&d0, [&d1, &d2]) {
             models.thinker.llm.set_decode_mode(DecodeMode::Graph);
-            models.thinker.llm.set_prefill_in_step(cfg.prefill_in_graphs);
             // the references it hears (cut to 6 s) as a graph, captured now rather than at the
             // second new voice
             let n = (16_000.0 * antiphon_models::code2wav::prompt::PROMPT_SECONDS) as usize;
@@ -312,7 +311,6 @@ impl Engine {
         }
         if cfg.decode_graphs && own_stream(&d1, [&d0, &d2]) {
             models.talker.set_decode_mode(DecodeMode::Graph);
-            models.talker.set_prefill_in_step(cfg.prefill_in_graphs);
         }
         if cfg.gpu_tf32 && [&d0, &d1, &d2].iter().any(|d| d.is_cuda()) {
             candle_core::cuda::set_gemm_reduced_precision_f32(true);

@@ -378,15 +378,8 @@ impl Stage1 {
     /// The step's forward: the streams decoding one code each as one batch (the batched decode
     /// step, a CUDA graph on a GPU), the streams prefilling several rows as another (op by op), so
     /// that a prefill beside them does not take the decoding streams off their graph. A batch that
-    /// fails runs again stream by stream: one stream's error fails it alone. With
-    /// `prefill_in_graphs`, every row in one batch where they fit the decode step's buckets.
+    /// fails runs again stream by stream: one stream's error fails it alone.
     fn forward_step(&self, steps: &mut [StreamStep]) -> Vec<crate::contain::Outcome> {
-        // (prompt rows in the decode graph: one step of every row, when they fit its largest bucket)
-        let rows: usize = steps.iter().map(|s| s.embeds.dim(0).unwrap_or(1)).sum();
-        let graph = self.talker.decoder().decode_mode() == antiphon_models::decoder::DecodeMode::Graph;
-        if self.cfg.prefill_in_graphs && graph && rows <= self.cfg.talker_slots {
-            return crate::contain::forward_contained(steps, |s| self.talker.forward(s));
-        }
         let (mut one, mut many, mut at) = (Vec::new(), Vec::new(), Vec::with_capacity(steps.len()));
         for s in steps.iter_mut() {
             let step = StreamStep { cache: &mut *s.cache, embeds: s.embeds.clone() };

@@ -60,11 +60,6 @@ impl Qwen3 {
         self.model.set_ragged_prefill(on);
     }
 
-    /// See [`Decoder::set_prefill_in_step`].
-    pub fn set_prefill_in_step(&mut self, on: bool) {
-        self.model.set_prefill_in_step(on);
-    }
-
     /// Token embeddings `[n, hidden]`; ids outside the vocabulary are an error.
     pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.vocab_size) {

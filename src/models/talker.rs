@@ -98,11 +98,6 @@ impl Talker {
         self.model.set_decode_mode(mode);
     }
 
-    /// See [`super::decoder::Decoder::set_prefill_in_step`].
-    pub fn set_prefill_in_step(&mut self, on: bool) {
-        self.model.set_prefill_in_step(on);
-    }
-
     fn device(&self) -> &candle_core::Device {
         self.emb_text.embeddings().device()
     }

@@ -23,7 +23,7 @@ use super::gate::PrefillGate;
 use super::prefix::PrefixStore;
 use super::{Admission, EngineConfig, EngineMetrics, RefInput, Registry, RequestId, RequestSpec, Stage0Msg, Stage1Msg, StageLoop, Status};
 use antiphon_models::code2wav::prompt::PROMPT_SECONDS;
-use antiphon_models::decoder::{DecodeMode, KvCache, StreamStep};
+use antiphon_models::decoder::{KvCache, StreamStep};
 use antiphon_models::thinker::Thinker;
 use antiphon_models::tokenizer::{Forbidden, TextTokenizer};
 use antiphon_models::top_k::{Logits, LogitsRow, TOP_K};
@@ -158,10 +158,6 @@ pub struct Stage0 {
 /// Reference voices whose embeddings Stage 0 keeps (each ~0.5 MB at full size: 60 rows of 4096).
 const REF_EMBED_CACHE: usize = 32;
 
-/// With `prefill_in_graphs`, prompt rows a Thinker step takes at least, even where the streams
-/// decoding leave fewer in the largest bucket (the step then runs op by op, as without the key).
-const MIN_PREFILL_ROWS: usize = 8;
-
 /// Thinker caches are made with room for a multiple of this many positions: a conversation
 /// grows by its turns, and a stream that outgrows the pooled caches needs a new one, whose decode
 /// step is captured anew (~10 ms). The static step's attention reads only the held positions, so
@@ -258,11 +254,7 @@ impl Stage0 {
     fn run(&mut self) -> Result<()> {
         let Stage0 { ctx, turns, duplex, .. } = self;
         let max_batch = ctx.cfg.thinker_max_batch;
-        // (prompt rows in the decode graph: a step's rows within its largest bucket, a row a stream)
-        let graph_rows = ctx.cfg.thinker_slots.saturating_sub(turns.len() + duplex.len()) + 1;
-        let in_graphs = ctx.cfg.prefill_in_graphs && ctx.thinker.llm.decoder().decode_mode() == DecodeMode::Graph;
-        let full = if in_graphs { ctx.cfg.thinker_prefill_tokens.min(graph_rows.max(MIN_PREFILL_ROWS)) } else { ctx.cfg.thinker_prefill_tokens };
-        let mut budget = full;
+        let mut budget = ctx.cfg.thinker_prefill_tokens;
         let mut picked: Vec<(&mut dyn ThinkerStream, Tensor)> = Vec::new();
         let streams = duplex.iter_mut().map(|d| d as &mut dyn ThinkerStream).chain(turns.iter_mut().map(|t| t as &mut dyn ThinkerStream));
         for s in streams {
@@ -352,7 +344,7 @@ impl Stage0 {
             s.after_hand_offs(ctx);
         }
         // steps that prefill (prompt rows, duplex units) apart from pure decode steps
-        let label = if budget < full { "thinker_prefill" } else { "thinker" };
+        let label = if budget < ctx.cfg.thinker_prefill_tokens { "thinker_prefill" } else { "thinker" };
         tracing::debug!(
             streams = n,
             rows,

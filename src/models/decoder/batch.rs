@@ -93,14 +93,6 @@ impl SlotPool {
         Ok(Some(KvCache { layers, len: 0, step: None, slot: Some(SlotLease { index, pool: self.inner.clone() }) }))
     }
 
-    /// The bucket sizes whose batched step exists (made by a step of that many rows, or the
-    /// warm-up), in ascending order.
-    pub fn buckets(&self) -> Vec<usize> {
-        let mut b: Vec<usize> = self.inner.steps.lock().expect("slot pool steps").keys().copied().collect();
-        b.sort_unstable();
-        b
-    }
-
     /// Bytes held by the pool's buffers.
     pub fn bytes(&self) -> usize {
         self.inner.layers.iter().map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()).sum()
@@ -232,20 +224,18 @@ impl Decoder {
 
     /// Every stream one position, batched over the pool's slots (see the module documentation).
     pub(super) fn decode_batch(&self, pool: &PoolInner, streams: &mut [super::StreamStep<'_>]) -> Result<Vec<Tensor>> {
-        self.step_rows(pool, streams)
-    }
-
-    /// Streams in slots of `pool` advancing by any number of positions, all their rows (at most
-    /// the pool's slots) as the rows of one bucket's step: its fixed buffers, and on CUDA its
-    /// graph. Row r is a position of its stream; the step writes every row's K/V before attention
-    /// reads them, so a prompt chunk attends causally within itself, as in [`Self::ragged_batch`].
-    pub(super) fn step_rows(&self, pool: &PoolInner, streams: &mut [super::StreamStep<'_>]) -> Result<Vec<Tensor>> {
-        let (mut slots, mut pos, spans) = rows_of(pool, streams)?;
-        let rows = slots.len();
-        if rows > pool.slots {
-            candle_core::bail!("a step of {rows} rows does not fit the pool's largest bucket ({})", pool.slots);
+        let n = streams.len();
+        let mut slots = Vec::with_capacity(n);
+        let mut pos = Vec::with_capacity(n);
+        for s in streams.iter() {
+            let len = s.cache.len();
+            if len + 1 > pool.cap {
+                candle_core::bail!("a stream's slot holds {} positions; position {} does not fit", pool.cap, len + 1);
+            }
+            slots.push(s.cache.slot.as_ref().expect("batchable").index as u32);
+            pos.push(len as u32);
         }
-        let b = bucket(rows, pool.slots);
+        let b = bucket(n, pool.slots);
         // the rows beyond the batch: the scratch slot at position 0
         slots.resize(b, pool.slots as u32);
         pos.resize(b, 0);
@@ -254,41 +244,18 @@ impl Decoder {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(self.batch_step(b)?),
         };
-        let x: Vec<&Tensor> = streams.iter().map(|s| &s.embeds).collect();
-        let x = if x.len() == 1 { x[0].contiguous()? } else { Tensor::cat(&x, 0)? };
+        let rows: Vec<&Tensor> = streams.iter().map(|s| &s.embeds).collect();
+        let x = if rows.len() == 1 { rows[0].contiguous()? } else { Tensor::cat(&rows, 0)? };
         st.x_in.slice_set(&x.to_dtype(self.dtype)?, 0, 0)?;
         st.slots.slice_set(&Tensor::new(slots.as_slice(), &self.device)?, 0, 0)?;
         st.pos.slice_set(&Tensor::new(pos.as_slice(), &self.device)?, 0, 0)?;
         self.run_batch_step(pool, st)?;
-        for (s, &(_, n)) in streams.iter_mut().zip(&spans) {
-            s.cache.advance(n);
+        for s in streams.iter_mut() {
+            s.cache.advance(1);
         }
-        let out = st.out.narrow(0, 0, rows)?.copy()?;
-        spans.iter().map(|&(start, n)| out.narrow(0, start, n)).collect()
+        let out = st.out.narrow(0, 0, n)?.copy()?;
+        (0..n).map(|i| out.narrow(0, i, 1)).collect()
     }
-}
-
-/// Each row's slot and position for streams in slots of `pool` advancing by their embeddings'
-/// rows, and each stream's span of rows. Fails on a stream with no row or one that outgrows its
-/// slot.
-fn rows_of(pool: &PoolInner, streams: &[super::StreamStep<'_>]) -> Result<(Vec<u32>, Vec<u32>, Vec<(usize, usize)>)> {
-    let mut slots = Vec::new();
-    let mut pos = Vec::new();
-    let mut spans = Vec::with_capacity(streams.len());
-    for s in streams {
-        let (len, n) = (s.cache.len(), s.embeds.dim(0)?);
-        if n == 0 {
-            candle_core::bail!("a stream step needs at least one new position");
-        }
-        if len + n > pool.cap {
-            candle_core::bail!("a stream's slot holds {} positions; {} do not fit", pool.cap, len + n);
-        }
-        let slot = s.cache.slot.as_ref().expect("in the pool").index as u32;
-        spans.push((slots.len(), n));
-        slots.extend(std::iter::repeat_n(slot, n));
-        pos.extend((len..len + n).map(|p| p as u32));
-    }
-    Ok((slots, pos, spans))
 }
 
 impl Decoder {
@@ -296,11 +263,8 @@ impl Decoder {
     /// with ragged prefill the prompt chunks too), the others op by op beside it.
     pub(super) fn forward_slots(&self, pool: &Arc<PoolInner>, streams: &mut [super::StreamStep<'_>]) -> Result<Vec<Tensor>> {
         use super::StreamStep;
-        // (a lone stream in a slot prefilling runs op by op: measured no faster batched, but as
-        // rows of a bucket's graph it runs at the graph's priority)
-        let rows_in_slots: usize = streams.iter().filter(|s| in_slots_of(s, pool)).map(|s| s.embeds.dim(0).unwrap_or(0)).sum();
-        let in_step = self.prefill_in_step && self.mode != DecodeMode::Eager && rows_in_slots <= pool.slots;
-        let ragged = in_step || (self.ragged && streams.iter().filter(|s| in_slots_of(s, pool)).count() > 1);
+        // (a lone stream in a slot prefilling runs op by op: measured no faster batched)
+        let ragged = self.ragged && streams.iter().filter(|s| in_slots_of(s, pool)).count() > 1;
         let joins = |s: &StreamStep<'_>| if ragged { in_slots_of(s, pool) } else { in_pool(s, pool) };
         if !streams.iter().any(&joins) {
             return self.forward_eager(streams);
@@ -318,11 +282,8 @@ impl Decoder {
                 rest.push(one);
             }
         }
-        let a = if in_step || batched.iter().all(|s| in_pool(s, pool)) {
-            self.step_rows(pool, &mut batched)?
-        } else {
-            self.ragged_batch(pool, &mut batched)?
-        };
+        let a =
+            if batched.iter().all(|s| in_pool(s, pool)) { self.decode_batch(pool, &mut batched)? } else { self.ragged_batch(pool, &mut batched)? };
         let b = self.forward_eager(&mut rest)?;
         Ok(order.into_iter().map(|(fast, i)| if fast { a[i].clone() } else { b[i].clone() }).collect())
     }
@@ -334,7 +295,22 @@ impl Decoder {
     /// op over the step's rows (no bucket, no graph): one set of launches for every stream of the
     /// step, where the op-by-op path attended stream by stream.
     pub(super) fn ragged_batch(&self, pool: &PoolInner, streams: &mut [super::StreamStep<'_>]) -> Result<Vec<Tensor>> {
-        let (slots, pos, spans) = rows_of(pool, streams)?;
+        let mut slots = Vec::new();
+        let mut pos = Vec::new();
+        let mut spans = Vec::with_capacity(streams.len());
+        for s in streams.iter() {
+            let (len, n) = (s.cache.len(), s.embeds.dim(0)?);
+            if n == 0 {
+                candle_core::bail!("a stream step needs at least one new position");
+            }
+            if len + n > pool.cap {
+                candle_core::bail!("a stream's slot holds {} positions; {} do not fit", pool.cap, len + n);
+            }
+            let slot = s.cache.slot.as_ref().expect("in the pool").index as u32;
+            spans.push((slots.len(), n));
+            slots.extend(std::iter::repeat_n(slot, n));
+            pos.extend((len..len + n).map(|p| p as u32));
+        }
         let rows: Vec<&Tensor> = streams.iter().map(|s| &s.embeds).collect();
         let x = if rows.len() == 1 { rows[0].contiguous()? } else { Tensor::cat(&rows, 0)? }.to_dtype(self.dtype)?;
         let max_pos = pos.iter().max().map(|&p| p as usize);

@@ -403,9 +403,6 @@ pub struct Decoder {
     /// Streams in slots that advance by several positions (prompt chunks) join the batched
     /// step's rows ([`Decoder::set_ragged_prefill`]).
     ragged: bool,
-    /// ...and those rows go through the step of a bucket when they fit the largest one
-    /// ([`Decoder::set_prefill_in_step`]).
-    prefill_in_step: bool,
 }
 
 impl Decoder {
@@ -423,8 +420,8 @@ impl Decoder {
         }
         let norm = Norm::load(vb.pp("norm"), cfg.hidden_size, cfg.rms_norm_eps)?;
         let rope = Rope::new(cfg.head_dim, cfg.rope_theta, cfg.max_positions, vb.dtype(), vb.device())?;
-        let (device, dtype, ragged) = (vb.device().clone(), vb.dtype(), vb.device().is_cuda());
-        Ok(Self { layers, norm, rope, cfg: *cfg, device, dtype, mode: DecodeMode::Eager, ragged, prefill_in_step: false })
+        let ragged = vb.device().is_cuda();
+        Ok(Self { layers, norm, rope, cfg: *cfg, device: vb.device().clone(), dtype: vb.dtype(), mode: DecodeMode::Eager, ragged })
     }
 
     /// How one-stream, one-position steps run (see [`DecodeMode`]).
@@ -438,13 +435,6 @@ impl Decoder {
     /// the batched attention goes row by row and is slower there than attention per stream.
     pub fn set_ragged_prefill(&mut self, on: bool) {
         self.ragged = on;
-    }
-
-    /// Whether a step's rows over slots of one pool (prompt chunks beside one-position steps, or
-    /// a lone prompt) run as rows of the batched step's bucket when they fit its largest one: on
-    /// CUDA the bucket's captured graph, at its stream's priority, instead of op by op.
-    pub fn set_prefill_in_step(&mut self, on: bool) {
-        self.prefill_in_step = on;
     }
 
     pub fn config(&self) -> &DecoderConfig {
