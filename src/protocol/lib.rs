@@ -29,8 +29,9 @@ pub const FLAG_LAST: u8 = 1;
 /// a duplex session's `max_text_tokens` is capped by it.
 pub const DUPLEX_UNIT_MAX_TEXT_TOKENS: usize = 20;
 
-/// Stable error codes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Stable error codes (`error`'s `code`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
     BadJson,
     UnknownEvent,
@@ -45,6 +46,9 @@ pub enum ErrorCode {
     MessageTooLarge,
     JournalOverflow,
     Internal,
+    /// A code this client does not know (a newer server's); never sent.
+    #[serde(other)]
+    Other,
 }
 
 impl ErrorCode {
@@ -79,6 +83,7 @@ impl ErrorCode {
             ErrorCode::MessageTooLarge => "message_too_large",
             ErrorCode::JournalOverflow => "journal_overflow",
             ErrorCode::Internal => "internal",
+            ErrorCode::Other => "other",
         }
     }
 }
@@ -538,5 +543,17 @@ mod tests {
         assert!(ServerEvent::Ack { input_seq: 3 }.is_connection_level());
         assert!(!ServerEvent::error(&WireError::new(ErrorCode::BadAudio, "x")).with_seq(2).is_connection_level());
         assert!(ServerEvent::error(&WireError::new(ErrorCode::BadJson, "x")).is_connection_level());
+    }
+
+    #[test]
+    fn error_codes_are_their_words_both_ways() {
+        for code in ErrorCode::ALL {
+            let json = ServerEvent::error(&WireError::new(code, "x").retry_after(7)).to_json();
+            assert!(json.contains(&format!("\"code\":\"{}\"", code.as_str())), "{json}");
+            assert!(matches!(parse_server(&json), Some(Received::Error { code: c, retry_after_ms: Some(7), .. }) if c == code), "{json}");
+        }
+        assert!(!ErrorCode::ALL.contains(&ErrorCode::Other), "the server never sends `other`");
+        let newer = r#"{"type":"error","code":"moon_unreachable","message":"x","fatal":false}"#;
+        assert!(matches!(parse_server(newer), Some(Received::Error { code: ErrorCode::Other, .. })));
     }
 }

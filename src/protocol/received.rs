@@ -38,7 +38,7 @@ pub enum Received {
     Error {
         #[serde(default)]
         seq: Option<u64>,
-        code: String,
+        code: crate::ErrorCode,
         message: String,
         fatal: bool,
         #[serde(default)]

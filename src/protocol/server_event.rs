@@ -170,7 +170,7 @@ pub enum ServerEvent {
     Error {
         #[serde(skip_serializing_if = "Option::is_none")]
         seq: Option<u64>,
-        code: &'static str,
+        code: crate::ErrorCode,
         message: String,
         fatal: bool,
         #[serde(skip_serializing_if = "Option::is_none")]
@@ -212,6 +212,6 @@ impl ServerEvent {
     }
 
     pub fn error(e: &WireError) -> Self {
-        ServerEvent::Error { seq: None, code: e.code.as_str(), message: e.message.clone(), fatal: e.fatal, retry_after_ms: e.retry_after_ms }
+        ServerEvent::Error { seq: None, code: e.code, message: e.message.clone(), fatal: e.fatal, retry_after_ms: e.retry_after_ms }
     }
 }

@@ -215,14 +215,15 @@ impl Translator {
                 self.out.event(&S::Error(ErrorView::server("session_closing", format!("the server is closing this session ({reason})"))));
             }
             Received::Error { code, message, fatal, retry_after_ms, .. } => {
-                let code: &'static str = antiphon_protocol::ErrorCode::ALL.iter().map(|c| c.as_str()).find(|c| *c == code).unwrap_or("server_error");
+                use antiphon_protocol::ErrorCode;
+                let name = if code == ErrorCode::Other { "server_error" } else { code.as_str() };
                 let unstarted = self.active.as_ref().is_some_and(|a| a.v1.is_none());
                 let ours = self.active.as_ref().and_then(|a| a.v1).is_some_and(|v| message.starts_with(&format!("response {v}")));
                 if (unstarted && !fatal) || ours {
                     // the response failed: its response.done says why (pipecat hangs up on any `error`)
                     if let Some(a) = self.active.as_mut() {
                         // (capacity says so, with its wait; any other failure is the response's)
-                        let code = if code == "capacity" { code } else { "response_failed" };
+                        let code = if code == ErrorCode::Capacity { "capacity" } else { "response_failed" };
                         a.failure = Some(Failure { code, message, retry_after_ms });
                     }
                     if unstarted {
@@ -230,8 +231,8 @@ impl Translator {
                     }
                 } else {
                     self.shared.metrics.errors.with_label_values(&["openai_forwarded"]).inc();
-                    let server_side = code == "internal" || fatal;
-                    self.out.event(&S::Error(ErrorView { server_side, retry_after_ms, ..ErrorView::server(code, message) }));
+                    let server_side = code == ErrorCode::Internal || fatal;
+                    self.out.event(&S::Error(ErrorView { server_side, retry_after_ms, ..ErrorView::server(name, message) }));
                 }
             }
             Received::Other => {}
