@@ -24,6 +24,10 @@ use std::time::{Duration, Instant};
 /// The longest the Thinker waits for the gate before it steps anyway.
 pub const MAX_WAIT: Duration = Duration::from_millis(30);
 
+/// A step of at most this many streams is a lightly loaded stage's: its first-audio work holds
+/// the gate (under load the Thinker keeps its priority).
+pub const GATED_STREAMS: usize = 4;
+
 #[derive(Clone)]
 pub struct PrefillGate {
     /// Talker steps holding the gate; `None`: the gate is off (the CPU, or no stream priorities).
@@ -31,6 +35,7 @@ pub struct PrefillGate {
 }
 
 /// The gate held until this is dropped.
+#[must_use = "the gate is open again once this drops"]
 pub struct Held(Option<Arc<AtomicUsize>>);
 
 impl Drop for Held {

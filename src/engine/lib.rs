@@ -123,6 +123,10 @@ pub enum Stage1Msg {
         ids: Vec<u32>,
         hidden: Tensor,
         last: bool,
+        /// A reply's first chunk from a lightly loaded Thinker: the gate, held from the send until
+        /// the Talker's next step has taken its own hold, so that the Thinker launches nothing
+        /// while the Talker builds the condition and prefills (`gate.rs`).
+        hold: Option<gate::Held>,
     },
     /// Duplex: one spoken unit's text (`hidden`: its rows, `None` when there is no text, as when a
     /// listening unit closes the turn). The Talker makes one unit of codes for it, or drains the

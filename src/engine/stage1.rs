@@ -20,7 +20,7 @@ use antiphon_models::talker::{ConditionMode, Talker};
 
 /// A Talker step of at most this many streams holds the gate (gate.rs) when one of them makes its
 /// first chunk's codes or prefills; a prefill for a first chunk holds it whatever the step's size.
-const GATED_STREAMS: usize = 4;
+use crate::gate::GATED_STREAMS;
 
 mod chunks;
 use chunks::TextChunks;
@@ -79,6 +79,8 @@ pub struct Stage1 {
     caches: StageCaches,
     /// Held while a prefill for a reply's first code is on the GPU: the Thinker waits for it.
     gate: PrefillGate,
+    /// The holds first text chunks came with, dropped once the next step has taken its own.
+    bridge: Vec<crate::gate::Held>,
     /// The stages' paces, for a first chunk on a busy engine (`small_first_chunk_slack`).
     pace: crate::pace::StagePace,
 }
@@ -95,7 +97,7 @@ impl Stage1 {
         let caches =
             StageCaches::new(talker.decoder(), cfg.talker_max_batch, 256, cfg.idle_cache_mib << 20, cfg.talker_slots, cfg.talker_slot_context)?;
         let pace = crate::pace::StagePace::default();
-        Ok(Self { talker, cfg, registry, metrics, to_c2w, reqs: HashMap::new(), order: Vec::new(), paced: false, caches, gate, pace })
+        Ok(Self { talker, cfg, registry, metrics, to_c2w, reqs: HashMap::new(), order: Vec::new(), paced: false, caches, gate, bridge: Vec::new(), pace })
     }
 
     /// The paces it shares with Stage 2 (it writes the Talker's).
@@ -198,6 +200,8 @@ impl Stage1 {
     }
 
     fn run(&mut self) -> Result<bool> {
+        // (the Thinker waits while the first chunks' conditions are made, up to this step's hold)
+        let bridge = std::mem::take(&mut self.bridge);
         self.start_segments()?;
         self.start_text_segments()?;
         let mut ids = Vec::new();
@@ -257,6 +261,7 @@ impl Stage1 {
         });
         // (held until the step's codes are on the host, at its end)
         let held = gated.then(|| self.gate.hold());
+        drop(bridge);
         let hidden = {
             let mut caches: Vec<(RequestId, PooledCache)> = ids
                 .iter()
@@ -525,7 +530,10 @@ impl StageLoop for Stage1 {
                     Err(e) => self.fail(&id, format!("talker condition: {e:#}")),
                 }
             }
-            Stage1Msg::TextChunk { id, ids, hidden, last } => self.on_text_chunk(&id, &ids, &hidden, last),
+            Stage1Msg::TextChunk { id, ids, hidden, last, hold } => {
+                self.on_text_chunk(&id, &ids, &hidden, last);
+                self.bridge.extend(hold);
+            }
             Stage1Msg::Cancel(id) => self.remove(&id),
         }
     }

@@ -47,6 +47,9 @@ pub struct Ctx {
     pub prefixes: PrefixStore<KvCache>,
     /// Open unless a Talker prefill for a reply's first code is on the GPU (`gate.rs`).
     pub gate: PrefillGate,
+    /// Streams in the step running now: at most [`crate::gate::GATED_STREAMS`], a reply's first
+    /// text chunk goes to the Talker with the gate held.
+    pub step_streams: usize,
 }
 
 impl Ctx {
@@ -239,6 +242,7 @@ impl Stage0 {
             ref_embeds: Recent::new(REF_EMBED_CACHE),
             prefixes,
             gate: PrefillGate::new(false),
+            step_streams: 0,
         };
         Ok(Self { ctx, queue: VecDeque::new(), admission, turns: Vec::new(), duplex: Vec::new(), caches })
     }
@@ -274,6 +278,7 @@ impl Stage0 {
             return Ok(());
         }
         let n = picked.len();
+        ctx.step_streams = n;
         // (a Talker prefill for a first code would wait behind this step's kernels: it goes first)
         let waited = ctx.gate.wait_open(crate::gate::MAX_WAIT);
         if waited > std::time::Duration::from_micros(200) {

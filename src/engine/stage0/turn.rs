@@ -259,10 +259,13 @@ impl TurnStream {
             true => to_host(&Tensor::cat(&self.rows[self.streamed..upto], 0)?)?,
             false => Tensor::zeros((0, ctx.thinker.llm.decoder().config().hidden_size), DType::F32, &candle_core::Device::Cpu)?,
         };
-        if self.streamed == 0 {
+        // (a lightly loaded Thinker launches nothing until the Talker has taken the first chunk)
+        let first = self.streamed == 0;
+        let hold = (first && ctx.step_streams <= crate::gate::GATED_STREAMS).then(|| ctx.gate.hold());
+        if first {
             ctx.registry.mark(&self.id, |t| t.handoff = Some(Instant::now()));
         }
-        let _ = ctx.to_talker.send(Stage1Msg::TextChunk { id: self.id.clone(), ids, hidden, last });
+        let _ = ctx.to_talker.send(Stage1Msg::TextChunk { id: self.id.clone(), ids, hidden, last, hold });
         self.streamed = upto;
         Ok(())
     }

@@ -41,3 +41,24 @@ fn a_busy_engine_sizes_a_first_chunk_by_the_paces() {
     pace.record_code2wav(MS(40), Some(MS(2000)));
     assert_eq!(begin(&mut off, "off"), 25, "without slack a busy engine's first chunk is full");
 }
+
+#[test]
+fn a_first_text_chunks_hold_lasts_until_the_talkers_next_step() {
+    let models = antiphon_assets::synth::models_in_memory(antiphon_assets::synth::Preset::Tiny, 5, DType::F32, &candle_core::Device::Cpu).unwrap();
+    let llm_dim = models.thinker.llm.decoder().config().hidden_size;
+    let cfg = EngineConfig { talker_text_chunk: 10, ..EngineConfig::default() };
+    let (tx, _rx) = std::sync::mpsc::sync_channel(64);
+    let gate = PrefillGate::new(true);
+    let mut s = Stage1::new(models.talker, Arc::new(cfg), Registry::default(), EngineMetrics::new(), tx, gate.clone()).unwrap();
+    let id = RequestId("held".into());
+    let voice = RefInput::new(vec![0.1; 16_000], 16_000);
+    assert!(s.registry.insert(id.clone(), Arc::new(|_| {})));
+    s.on_message(Stage1Msg::Begin { id: id.clone(), mode: Mode::Turn, voice, min_codes: 30, max_codes: 30, text_tokens: Some(20), seed: 1 });
+    let hidden = Tensor::zeros((10, llm_dim), DType::F32, &candle_core::Device::Cpu).unwrap();
+    let hold = Some(gate.hold());
+    s.on_message(Stage1Msg::TextChunk { id: id.clone(), ids: vec![5; 10], hidden, last: false, hold });
+    assert!(gate.is_held(), "the Thinker waits while the Talker makes the chunk's condition");
+    assert!(s.step(), "the chunk's prefill is a step");
+    assert!(!gate.is_held(), "after the Talker's step the Thinker goes on");
+    assert!(s.reqs[&id].codes > 0, "the step made the reply's first code");
+}
