@@ -97,7 +97,8 @@ impl Stage1 {
         let caches =
             StageCaches::new(talker.decoder(), cfg.talker_max_batch, 256, cfg.idle_cache_mib << 20, cfg.talker_slots, cfg.talker_slot_context)?;
         let pace = crate::pace::StagePace::default();
-        Ok(Self { talker, cfg, registry, metrics, to_c2w, reqs: HashMap::new(), order: Vec::new(), paced: false, caches, gate, bridge: Vec::new(), pace })
+        let (reqs, order, bridge) = (HashMap::new(), Vec::new(), Vec::new());
+        Ok(Self { talker, cfg, registry, metrics, to_c2w, reqs, order, paced: false, caches, gate, bridge, pace })
     }
 
     /// The paces it shares with Stage 2 (it writes the Talker's).
