@@ -24,8 +24,10 @@ use std::time::{Duration, Instant};
 /// The longest the Thinker waits for the gate before it steps anyway.
 pub const MAX_WAIT: Duration = Duration::from_millis(30);
 
-/// A step of at most this many streams is a lightly loaded stage's: its first-audio work holds
-/// the gate (under load the Thinker keeps its priority).
+/// A step of at most this many streams is a lightly loaded stage's: its first-audio work holds the
+/// gate (under load the Thinker keeps its priority). A Talker step this small holds it when one
+/// of its streams makes its first chunk's codes or prefills (a prefill for a first chunk holds it
+/// whatever the step's size); a Thinker step this small sends a reply's first text chunk with it.
 pub const GATED_STREAMS: usize = 4;
 
 #[derive(Clone)]

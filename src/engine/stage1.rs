@@ -18,8 +18,6 @@ use antiphon_models::decoder::{KvCache, PooledCache, StreamStep};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::talker::{ConditionMode, Talker};
 
-/// A Talker step of at most this many streams holds the gate (gate.rs) when one of them makes its
-/// first chunk's codes or prefills; a prefill for a first chunk holds it whatever the step's size.
 use crate::gate::GATED_STREAMS;
 
 mod chunks;

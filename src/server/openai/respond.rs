@@ -216,7 +216,6 @@ impl Translator {
             }
             Received::Error { code, message, fatal, retry_after_ms, .. } => {
                 use antiphon_protocol::ErrorCode;
-                let name = if code == ErrorCode::Other { "server_error" } else { code.as_str() };
                 let unstarted = self.active.as_ref().is_some_and(|a| a.v1.is_none());
                 let ours = self.active.as_ref().and_then(|a| a.v1).is_some_and(|v| message.starts_with(&format!("response {v}")));
                 if (unstarted && !fatal) || ours {
@@ -232,6 +231,7 @@ impl Translator {
                 } else {
                     self.shared.metrics.errors.with_label_values(&["openai_forwarded"]).inc();
                     let server_side = code == ErrorCode::Internal || fatal;
+                    let name = if code == ErrorCode::Other { "server_error" } else { code.as_str() };
                     self.out.event(&S::Error(ErrorView { server_side, retry_after_ms, ..ErrorView::server(name, message) }));
                 }
             }
