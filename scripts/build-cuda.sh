@@ -19,13 +19,13 @@ cargo build --release --features cuda --bin antiphon
 mkdir -p .device
 strip -o .device/antiphon "$CARGO_TARGET_DIR/release/antiphon"
 xz -T0 -6 -f .device/antiphon
-# the parity tests, to run against the fixtures on the GPU (ANTIPHON_TEST_DEVICE=cuda)
+# the integration tests (one binary), to run the parity modules against the fixtures on the GPU
+# (ANTIPHON_TEST_DEVICE=cuda; scripts/gpu-measure.sh)
 if [ "${PARITY:-1}" = 1 ]; then
-  for t in parity_lm parity_c2w parity_prompt parity_stream flow_slots; do
-    exe=$(cargo test --release --features cuda --test $t --no-run --message-format=json 2>/dev/null \
-      | python3 -c 'import json,sys; t=sys.argv[1]; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["name"] == t and "test" in m["target"]["kind"]][-1])' "$t")
-    strip -o .device/$t "$exe"
-    xz -T0 -6 -f .device/$t
-  done
+  rm -f .device/parity_*.xz .device/flow_slots.xz
+  exe=$(cargo test --release --features cuda --test integration --no-run --message-format=json 2>/dev/null \
+    | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["name"] == "integration" and "test" in m["target"]["kind"]][-1])')
+  strip -o .device/integration "$exe"
+  xz -T0 -6 -f .device/integration
 fi
 ls -l .device/

@@ -43,13 +43,20 @@ cat "$RES/gpu.txt"
 GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 date -u +%FT%TZ > "$RES/date.txt"
 # correctness first: the parity fixtures on the GPU (f32 <= 1e-3 relative), if they were built
-# (and the pooled / mixed Code2Wav steps against streams alone, tests/flow_slots.rs, on CUDA)
-if [ "${PARITY:-1}" = 1 ] && ls .device/parity_*.xz > /dev/null 2>&1; then
-  for x in .device/parity_*.xz .device/flow_slots.xz; do
-    [ -f "$x" ] || continue
-    t=$(basename "$x" .xz)
-    xz -dc "$x" > "/tmp/$t" && chmod +x "/tmp/$t"
-    ANTIPHON_TEST_DEVICE=cuda ANTIPHON_REPO=$PWD timeout "${PARITY_TIMEOUT:-150}" "/tmp/$t" --test-threads 1 > "$RES/parity-$t.txt" 2>&1
+# (and the pooled / mixed Code2Wav steps against streams alone, tests/integration/flow_slots.rs, on
+# CUDA): the modules of the one integration-test binary (or, from a build before it, one binary each)
+if [ "${PARITY:-1}" = 1 ] && ls .device/integration.xz .device/parity_*.xz > /dev/null 2>&1; then
+  [ -f .device/integration.xz ] && xz -dc .device/integration.xz > /tmp/integration && chmod +x /tmp/integration
+  for t in ${PARITY_MODULES:-parity_lm parity_c2w parity_prompt parity_stream flow_slots}; do
+    if [ -f .device/integration.xz ]; then
+      run=(/tmp/integration "$t::")
+    elif [ -f ".device/$t.xz" ]; then
+      xz -dc ".device/$t.xz" > "/tmp/$t" && chmod +x "/tmp/$t"
+      run=("/tmp/$t")
+    else
+      continue
+    fi
+    ANTIPHON_TEST_DEVICE=cuda ANTIPHON_REPO=$PWD timeout "${PARITY_TIMEOUT:-150}" "${run[@]}" --test-threads 1 > "$RES/parity-$t.txt" 2>&1
     echo "$t: $(grep -E '^test result' "$RES/parity-$t.txt" || echo "DID NOT RUN: $(tail -2 "$RES/parity-$t.txt")")"
     cat "$RES/parity-$t.txt" >> "$RES/parity.txt"
   done

@@ -194,7 +194,7 @@ mod tests {
 
     #[test]
     fn tensor_top_k_matches_the_host_twin() -> Result<()> {
-        // (on a GPU: tests/parity_lm.rs, `top_k_on_the_device_matches_the_host_twin`)
+        // (on a GPU: tests/integration/parity_lm.rs, `top_k_on_the_device_matches_the_host_twin`)
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
         let (n, v) = (3, 500);
         let data: Vec<f32> = (0..n * v).map(|_| (rng.random::<f32>() * 40.0).floor() / 4.0 - 5.0).collect();

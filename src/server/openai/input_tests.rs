@@ -1,7 +1,7 @@
 //! The input buffer's turn edges with `semantic_vad`: pauses asked about, answers applied, the
 //! eagerness's longest wait, speech again after a pause. The turn model is not run here: the
-//! tests answer for it (the real model's answers are `tests/parity_turn.rs`'s and
-//! `tests/semantic_turns.rs`'s).
+//! tests answer for it (the real model's answers are `tests/integration/parity_turn.rs`'s and
+//! `tests/integration/semantic_turns.rs`'s).
 
 use super::*;
 

@@ -7,7 +7,7 @@ use base64::Engine as _;
 use serde_json::{json, Value};
 
 #[allow(dead_code)]
-mod wire;
+use crate::wire;
 use wire::{server, Client, In};
 
 /// A clip of `assets/turns` (16 kHz) as 24 kHz PCM16 bytes.

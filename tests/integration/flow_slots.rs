@@ -3,7 +3,7 @@
 //! holds exactly the reference's cache; slots run out, come back, and give their cache back when
 //! a chunk does not fit.
 
-mod common;
+use crate::common;
 
 use antiphon_assets::synth::{self, Preset};
 use antiphon_models::code2wav::dit::GraphPolicy;

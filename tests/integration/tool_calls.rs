@@ -3,7 +3,7 @@
 //! (`generation.prefix`), which the model continues as if it had written it: a call, speech then a
 //! call, calls that are not one, `tool_choice`, a tool's output as the next turn.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -1,7 +1,7 @@
 //! Numerical parity of Code2Wav with minicpmo-utils 1.0.7 (flow, DiT, CFM, causal and original
 //! HiFT), through antiphon's real asset loaders. Fixtures: `tests/parity/make_c2w_fixtures.py`.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 

@@ -2,7 +2,7 @@
 //! (transformers' Qwen3ForCausalLM, WhisperEncoder, LlamaModel, and the Talker's modules in plain
 //! torch), through the real checkpoint loader. Fixtures: `tests/parity/make_lm_fixtures.py`.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 

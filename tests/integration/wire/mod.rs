@@ -15,7 +15,7 @@ use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 pub type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
 /// An engine with one stream place, no queue for replies, and that place kept for admitted calls:
-/// a second reply while one plays is refused at once, and so is a new call. (tests/server.rs
+/// a second reply while one plays is refused at once, and so is a new call. (tests/integration/server.rs
 /// does not use it.)
 #[allow(dead_code)]
 pub fn one_place(c: &mut Config) {

@@ -1,5 +1,5 @@
-//! 8 duplex sessions on the tiny engine in real time, alone in its test binary (its timing must
-//! not share the 2 CPU cores with other tests).
+//! 8 duplex sessions on the tiny engine in real time. The engine crate's one integration-test
+//! binary, so that no other test shares the 2 CPU cores with it (its timing must not).
 
 use std::sync::mpsc;
 use std::sync::Arc;

@@ -6,9 +6,9 @@
 
 use serde_json::{json, Value};
 
-// (shared with tests/server.rs, which uses all of it)
+// (shared with tests/integration/server.rs, which uses all of it)
 #[allow(dead_code)]
-mod wire;
+use crate::wire;
 use wire::{is_done, server, Client, In};
 
 const CALL: &str = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";

@@ -13,7 +13,7 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message;
 
 #[allow(dead_code)]
-mod wire;
+use crate::wire;
 use wire::{one_place, server, Client, In};
 
 fn quick(c: &mut antiphon_server::config::Config) {

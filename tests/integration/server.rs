@@ -12,7 +12,7 @@ use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message;
 
-mod wire;
+use crate::wire;
 use wire::{is_done, reqwest_like_get, server, short, Client, In};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

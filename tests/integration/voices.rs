@@ -6,9 +6,9 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-// (shared with tests/server.rs, which uses all of it)
+// (shared with tests/integration/server.rs, which uses all of it)
 #[allow(dead_code)]
-mod wire;
+use crate::wire;
 use wire::{is_done, server, short, Client, In};
 
 /// A mono PCM16 WAV file of `seconds` of a tone at `rate`.

@@ -7,9 +7,9 @@
 //! flood items and references (the dialect). Bounded in time for CI (seeded, a fixed number of
 //! cases).
 
-// (shared with tests/server.rs, which uses all of it)
+// (shared with tests/integration/server.rs, which uses all of it)
 #[allow(dead_code)]
-mod wire;
+use crate::wire;
 
 use antiphon_protocol::{parse_client, AudioFrame, Generation, GenerationLimits};
 use base64::Engine as _;

@@ -4,9 +4,9 @@
 
 use serde_json::json;
 
-// (shared with tests/server.rs, which uses all of it)
+// (shared with tests/integration/server.rs, which uses all of it)
 #[allow(dead_code)]
-mod wire;
+use crate::wire;
 use wire::{reqwest_like_get, server, short, Client};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,7 +2,7 @@
 //! the S3 tokenizer (its mel and exact codes, through the ONNX file), CAM++ (the ONNX graph against
 //! onnxruntime). Fixtures: `tests/parity/make_prompt_fixtures.py`.
 
-mod common;
+use crate::common;
 
 use antiphon_assets::token2wav::load_tokenizer;
 use antiphon_models::code2wav::campplus::CamPlusPlus;

@@ -2,9 +2,9 @@
 //! the first event, path segments longer than any file name (against a real server on port 0),
 //! the bounded outbound queue, a reader that stops reading, and the shape of `internal` errors.
 
-// (shared with tests/server.rs, which uses all of it)
+// (shared with tests/integration/server.rs, which uses all of it)
 #[allow(dead_code)]
-mod wire;
+use crate::wire;
 
 use std::time::{Duration, Instant};
 

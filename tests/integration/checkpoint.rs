@@ -1,6 +1,6 @@
 //! The checkpoint loader and the synthetic checkpoint generator.
 
-mod common;
+use crate::common;
 
 use std::collections::{HashMap, HashSet};
 

@@ -1,7 +1,8 @@
 //! Full duplex in the threaded engine on the tiny synthetic models: unit cadence and the per-unit
 //! token budget, speak_every, consecutive speaking units as one turn, the model's own decisions,
 //! the context limit, and no prefetch while a duplex session is live (8 sessions in real time:
-//! `tests/duplex_realtime.rs`, a binary of its own so that no other test shares its cores).
+//! `src/engine/tests/realtime.rs`, the engine crate's own test binary, so that no other test
+//! shares its cores).
 
 use std::sync::mpsc;
 use std::sync::Arc;

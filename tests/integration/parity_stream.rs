@@ -4,7 +4,7 @@
 //! the positions, and the logits of every step with the codes the reference sampled fed back.
 //! Fixtures: `tests/parity/make_stream_fixtures.py`, over the `parity_lm` checkpoint.
 
-mod common;
+use crate::common;
 
 use antiphon_assets::checkpoint::Checkpoint;
 use antiphon_engine::stage1::{chunk_condition, segment_window};

@@ -1,7 +1,7 @@
 //! The threaded engine on the tiny synthetic models: whole requests, forced lengths, chunking,
 //! cancellation, batching, streaming prefill, duplex requests and metrics.
 
-mod common;
+use crate::common;
 
 use std::sync::mpsc;
 use std::sync::Arc;

@@ -1,7 +1,7 @@
 //! Code2Wav end to end on synthetic assets: the generator writes the real formats, the loaders read
 //! them back, and a reference voice streams through prepare -> setup -> chunks -> audio.
 
-mod common;
+use crate::common;
 
 use common::streams::{codes, due, payloads, reference, samples};
 

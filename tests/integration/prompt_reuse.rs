@@ -2,7 +2,7 @@
 //! starts from the KV its previous turn left, spoken turns are kept as audio, a new voice reuses
 //! the head of another voice's system turn, and a cached prefix answers exactly as none.
 
-mod common;
+use crate::common;
 
 use antiphon_engine::{Engine, EngineConfig, RefInput, SpokenClip, Status, UserInput};
 use common::engine::{collect, engine, spec, submit, Outcome};

@@ -4,9 +4,9 @@
 //! highest seq held, resend the input after `input_seq`). Every server message must arrive exactly
 //! once and in order (the seqs are 1..=n), and every request gets exactly one `response.done`.
 
-// (shared with tests/server.rs, which uses all of it)
+// (shared with tests/integration/server.rs, which uses all of it)
 #[allow(dead_code)]
-mod wire;
+use crate::wire;
 
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};

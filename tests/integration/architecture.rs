@@ -129,3 +129,35 @@ fn no_source_file_is_over_600_lines() {
         .collect();
     assert!(long.is_empty(), "split these files: {long:?}");
 }
+
+/// The crates of the workspace: the root and every `src/*` with a manifest.
+fn crate_dirs() -> Vec<PathBuf> {
+    let mut dirs = vec![root()];
+    for e in std::fs::read_dir(root().join("src")).unwrap() {
+        let p = e.unwrap().path();
+        if p.join("Cargo.toml").is_file() {
+            dirs.push(p);
+        }
+    }
+    dirs
+}
+
+/// One link and one run per crate: a crate's integration tests are modules of one binary
+/// (`tests/<name>.rs`, or `tests/<name>/main.rs` with its modules beside it), never one binary a
+/// file, and no `[[test]]` target is declared by hand.
+#[test]
+fn each_crate_has_at_most_one_integration_test_binary() {
+    let dirs = crate_dirs();
+    assert!(dirs.len() >= 8, "found only {} crates", dirs.len());
+    for dir in dirs {
+        let manifest = std::fs::read_to_string(dir.join("Cargo.toml")).unwrap();
+        assert!(!manifest.contains("[[test]]"), "{}: a [[test]] target; keep integration tests in one binary", dir.display());
+        let Ok(entries) = std::fs::read_dir(dir.join("tests")) else { continue };
+        let binaries: Vec<String> = entries
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "rs") || p.join("main.rs").is_file())
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert!(binaries.len() <= 1, "{}: {} integration-test binaries {binaries:?}; make them modules of one", dir.display(), binaries.len());
+    }
+}
