@@ -284,7 +284,8 @@ pub enum EngineEvent {
     /// The reply began a call that is not one: `text` is what it wrote after `<tool_call>`.
     ToolCallInvalid {
         text: String,
-        reason: String,
+        reason: antiphon_protocol::ToolCallProblem,
+        message: String,
     },
     /// 24 kHz mono samples; `chunk` counts Code2Wav chunks from 0.
     Audio {

@@ -166,26 +166,51 @@ impl ToolCall {
     /// Reads the text between `<tool_call>` and `</tool_call>`: a JSON object with a declared
     /// `name` and `arguments` that are an object or a string holding one (models write both; none
     /// is `{}`). The error says what is wrong, for the client.
-    pub fn parse(span: &str, tools: &ToolSet) -> Result<Self> {
-        let v: Value = serde_json::from_str(span.trim()).map_err(|e| anyhow!("the call is not JSON ({e})"))?;
-        let Value::Object(call) = v else { return Err(anyhow!("the call is not a JSON object")) };
+    pub fn parse(span: &str, tools: &ToolSet) -> std::result::Result<Self, CallError> {
+        let v: Value = serde_json::from_str(span.trim()).map_err(|e| CallError::NotJson(e.to_string()))?;
+        let Value::Object(call) = v else { return Err(CallError::NotAnObject) };
         let name = match call.get("name") {
             Some(Value::String(n)) if tools.declares(n) => n.clone(),
-            Some(Value::String(n)) => return Err(anyhow!("the call names `{n}`, which is not a declared tool")),
-            _ => return Err(anyhow!("the call has no `name` string")),
+            Some(Value::String(n)) => return Err(CallError::Undeclared(n.clone())),
+            _ => return Err(CallError::NoName),
         };
         let arguments = match call.get("arguments") {
             None | Some(Value::Null) => Value::Object(Default::default()),
-            Some(Value::String(s)) => serde_json::from_str::<Value>(s)
-                .ok()
-                .filter(Value::is_object)
-                .ok_or_else(|| anyhow!("the call's `arguments` string is not a JSON object"))?,
+            Some(Value::String(s)) => serde_json::from_str::<Value>(s).ok().filter(Value::is_object).ok_or(CallError::ArgumentsStringNotAnObject)?,
             Some(a @ Value::Object(_)) => a.clone(),
-            Some(_) => return Err(anyhow!("the call's `arguments` is not an object")),
+            Some(_) => return Err(CallError::ArgumentsNotAnObject),
         };
         Ok(Self { name, arguments: python_json(&arguments) })
     }
 }
+
+/// What is wrong with a call the model wrote; its text is the message for the client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallError {
+    /// The JSON parser's complaint.
+    NotJson(String),
+    NotAnObject,
+    NoName,
+    /// The name the call gives.
+    Undeclared(String),
+    ArgumentsNotAnObject,
+    ArgumentsStringNotAnObject,
+}
+
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CallError::NotJson(e) => write!(f, "the call is not JSON ({e})"),
+            CallError::NotAnObject => f.write_str("the call is not a JSON object"),
+            CallError::NoName => f.write_str("the call has no `name` string"),
+            CallError::Undeclared(n) => write!(f, "the call names `{n}`, which is not a declared tool"),
+            CallError::ArgumentsNotAnObject => f.write_str("the call's `arguments` is not an object"),
+            CallError::ArgumentsStringNotAnObject => f.write_str("the call's `arguments` string is not a JSON object"),
+        }
+    }
+}
+
+impl std::error::Error for CallError {}
 
 /// An assistant turn's content: what it said, then its calls, each after a newline (none before
 /// the first when nothing was said).

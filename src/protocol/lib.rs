@@ -14,7 +14,7 @@ mod tools;
 pub use conversation::{validate_turns, PastCall, PastTurn, MAX_APPEND_TURNS};
 pub use generation::{validate_instructions, Generation, GenerationLimits, MAX_INSTRUCTIONS_CHARS, MAX_PREFIX_CHARS, MAX_TEMPERATURE};
 pub use received::{parse_server, Received};
-pub use server_event::{ClosingReason, DoneStatus, ServerEvent, Trigger, Usage};
+pub use server_event::{ClosingReason, DoneStatus, ServerEvent, ToolCallProblem, TranscriptFailure, Trigger, Usage};
 pub use tools::{
     valid_tool_name, validate_results, validate_tool_choice, validate_tools, ToolChoice, ToolDecl, ToolResult, MAX_TOOLS, MAX_TOOLS_BYTES,
     MAX_TOOL_NAME, MAX_TOOL_OUTPUT_CHARS, MAX_TOOL_RESULTS,
@@ -555,5 +555,30 @@ mod tests {
         assert!(!ErrorCode::ALL.contains(&ErrorCode::Other), "the server never sends `other`");
         let newer = r#"{"type":"error","code":"moon_unreachable","message":"x","fatal":false}"#;
         assert!(matches!(parse_server(newer), Some(Received::Error { code: ErrorCode::Other, .. })));
+    }
+
+    #[test]
+    fn why_a_call_or_a_transcript_failed_is_a_word_and_a_message() {
+        let invalid = ServerEvent::ResponseToolCallInvalid {
+            seq: 3,
+            response_id: 1,
+            text: "{".into(),
+            reason: ToolCallProblem::UndeclaredTool,
+            message: "the call names `x`".into(),
+        };
+        let json = invalid.to_json();
+        assert!(json.contains(r#""reason":"undeclared_tool""#), "{json}");
+        let back = parse_server(&json);
+        assert!(
+            matches!(&back, Some(Received::ToolCallInvalid { reason: ToolCallProblem::UndeclaredTool, message, .. }) if message == "the call names `x`"),
+            "{back:?}"
+        );
+        let failed = ServerEvent::InputTranscriptFailed { seq: 4, response_id: 1, reason: TranscriptFailure::Capacity, message: "busy".into() };
+        let json = failed.to_json();
+        assert!(json.contains(r#""reason":"capacity""#), "{json}");
+        assert!(matches!(parse_server(&json), Some(Received::TranscriptFailed { reason: TranscriptFailure::Capacity, .. })));
+        // a newer server's word is `other`, and an older server's event without a message still reads
+        let newer = r#"{"type":"input.transcript.failed","seq":5,"response_id":1,"reason":"moon"}"#;
+        assert!(matches!(parse_server(newer), Some(Received::TranscriptFailed { reason: TranscriptFailure::Other, .. })));
     }
 }

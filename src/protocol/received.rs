@@ -16,13 +16,25 @@ pub enum Received {
     #[serde(rename = "response.tool_call")]
     ToolCall { seq: u64, response_id: u32, call_id: String, name: String, arguments: String },
     #[serde(rename = "response.tool_call.invalid")]
-    ToolCallInvalid { seq: u64, response_id: u32, reason: String },
+    ToolCallInvalid {
+        seq: u64,
+        response_id: u32,
+        reason: crate::ToolCallProblem,
+        #[serde(default)]
+        message: String,
+    },
     #[serde(rename = "input.transcript.delta")]
     TranscriptDelta { seq: u64, response_id: u32, delta: String },
     #[serde(rename = "input.transcript.done")]
     TranscriptDone { seq: u64, response_id: u32, transcript: String },
     #[serde(rename = "input.transcript.failed")]
-    TranscriptFailed { seq: u64, response_id: u32, reason: String },
+    TranscriptFailed {
+        seq: u64,
+        response_id: u32,
+        reason: crate::TranscriptFailure,
+        #[serde(default)]
+        message: String,
+    },
     #[serde(rename = "response.done")]
     ResponseDone {
         seq: u64,

@@ -52,6 +52,42 @@ impl DoneStatus {
     }
 }
 
+/// Why a call the response began is not one (`response.tool_call.invalid`'s `reason`; its
+/// `message` says it in words).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolCallProblem {
+    /// The response ended inside the call (no `</tool_call>`).
+    Unclosed,
+    /// The call is not JSON, or not a JSON object.
+    NotJson,
+    /// The call has no `name` string.
+    NoName,
+    /// The call names a function the session did not declare.
+    UndeclaredTool,
+    /// The call's `arguments` are not an object (nor a string holding one).
+    BadArguments,
+    /// A problem this client does not know (a newer server's); never sent.
+    #[serde(other)]
+    Other,
+}
+
+/// Why a turn's transcript did not come (`input.transcript.failed`'s `reason`; its `message` says
+/// it in words).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TranscriptFailure {
+    /// The response it belongs to was cancelled first.
+    Cancelled,
+    /// The server had no room for the transcript at the time.
+    Capacity,
+    /// The engine failed or refused it.
+    Failed,
+    /// A reason this client does not know (a newer server's); never sent.
+    #[serde(other)]
+    Other,
+}
+
 /// Why the server closes a session (`session.closing`'s `reason`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -135,7 +171,7 @@ pub enum ServerEvent {
     ResponseToolCall { seq: u64, response_id: u32, call_id: String, name: String, arguments: String },
     /// The response began a call that is not one: what it wrote after `<tool_call>`, and why.
     #[serde(rename = "response.tool_call.invalid")]
-    ResponseToolCallInvalid { seq: u64, response_id: u32, text: String, reason: String },
+    ResponseToolCallInvalid { seq: u64, response_id: u32, text: String, reason: ToolCallProblem, message: String },
     /// What the caller said in the input `response_id` answers, as the model heard it (with
     /// `input_transcription`).
     #[serde(rename = "input.transcript.delta")]
@@ -143,7 +179,7 @@ pub enum ServerEvent {
     #[serde(rename = "input.transcript.done")]
     InputTranscriptDone { seq: u64, response_id: u32, transcript: String },
     #[serde(rename = "input.transcript.failed")]
-    InputTranscriptFailed { seq: u64, response_id: u32, reason: String },
+    InputTranscriptFailed { seq: u64, response_id: u32, reason: TranscriptFailure, message: String },
     #[serde(rename = "conversation.trimmed")]
     ConversationTrimmed { seq: u64, response_id: u32, turns: usize },
     #[serde(rename = "response.done")]

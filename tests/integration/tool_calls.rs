@@ -8,6 +8,7 @@ use crate::common;
 use std::sync::Arc;
 
 use antiphon_engine::{Engine, EngineConfig, EngineEvent, FunctionTool, RequestSpec, Status, ToolCall, ToolChoice, ToolSet, Tools, Turn, UserInput};
+use antiphon_protocol::ToolCallProblem;
 use common::engine::{collect, engine, spec, submit, Outcome};
 
 fn tools(choice: ToolChoice) -> Tools {
@@ -35,10 +36,16 @@ fn calls(o: &Outcome) -> Vec<&ToolCall> {
     o.events.iter().filter_map(|e| if let EngineEvent::ToolCall(c) = e { Some(c) } else { None }).collect()
 }
 
-fn invalid(o: &Outcome) -> Vec<(&str, &str)> {
+fn invalid(o: &Outcome) -> Vec<(&str, ToolCallProblem, &str)> {
     o.events
         .iter()
-        .filter_map(|e| if let EngineEvent::ToolCallInvalid { text, reason } = e { Some((text.as_str(), reason.as_str())) } else { None })
+        .filter_map(|e| {
+            if let EngineEvent::ToolCallInvalid { text, reason, message } = e {
+                Some((text.as_str(), *reason, message.as_str()))
+            } else {
+                None
+            }
+        })
         .collect()
 }
 
@@ -88,10 +95,12 @@ fn speech_then_a_call_speaks_only_what_comes_before_the_call() {
 #[test]
 fn a_call_that_is_not_one_says_why_and_ends_the_reply() {
     let e = engine(EngineConfig::default());
-    for (k, (span, says)) in
-        [("\n{\"name\": \"get_time\", \"arguments\": {}}\n", "`get_time`, which is not a declared tool"), ("\nthe weather please\n", "not JSON")]
-            .into_iter()
-            .enumerate()
+    for (k, (span, reason, says)) in [
+        ("\n{\"name\": \"get_time\", \"arguments\": {}}\n", ToolCallProblem::UndeclaredTool, "`get_time`, which is not a declared tool"),
+        ("\nthe weather please\n", ToolCallProblem::NotJson, "not JSON"),
+    ]
+    .into_iter()
+    .enumerate()
     {
         let o = collect(submit(&e, reply(&format!("bad{k}"), &format!("<tool_call>{span}</tool_call>"), 200, ToolChoice::Auto)));
         assert_eq!(o.status, Status::Completed);
@@ -99,7 +108,8 @@ fn a_call_that_is_not_one_says_why_and_ends_the_reply() {
         let bad = invalid(&o);
         assert_eq!(bad.len(), 1, "{:?}", o.events);
         assert_eq!(bad[0].0, span);
-        assert!(bad[0].1.contains(says), "{}", bad[0].1);
+        assert_eq!(bad[0].1, reason);
+        assert!(bad[0].2.contains(says), "{}", bad[0].2);
         assert!(o.audio.is_empty());
     }
     assert_eq!(tool_calls_counted(&e, "invalid"), 2);
@@ -111,7 +121,8 @@ fn a_call_that_is_not_one_says_why_and_ends_the_reply() {
     let bad = invalid(&o);
     assert_eq!(bad.len(), 1);
     assert_eq!(bad[0].0, "\n{\"name\": \"get_weather\", \"arg");
-    assert!(bad[0].1.contains("no `</tool_call>`"), "{}", bad[0].1);
+    assert_eq!(bad[0].1, ToolCallProblem::Unclosed);
+    assert!(bad[0].2.contains("no `</tool_call>`"), "{}", bad[0].2);
     assert_eq!(tool_calls_counted(&e, "unterminated"), 1);
 }
 
@@ -125,7 +136,7 @@ fn tool_choice_begins_the_call_or_forbids_it() {
     assert_eq!(o.text, "", "nothing said before a required call");
     assert!(o.audio.is_empty());
     // (synthetic weights write noise for the arguments: the call is whatever they make of them)
-    let written: Vec<&str> = invalid(&o).iter().map(|(t, _)| *t).collect();
+    let written: Vec<&str> = invalid(&o).iter().map(|(t, ..)| *t).collect();
     match calls(&o).as_slice() {
         [c] => assert_eq!(c.name, "hang_up"),
         [] => assert!(written.len() == 1 && written[0].starts_with("\n{\"name\": \"hang_up\", \"arguments\": "), "{written:?}"),

@@ -80,7 +80,8 @@ async fn a_tool_loop_over_the_wire() {
     c.send(json!({"type": "input.text", "text": "What time is it?", "seq": 4, "generation": bad})).await;
     let ms = c.until(is_done).await;
     let invalid = events(&ms).into_iter().find(|e| e["type"] == "response.tool_call.invalid").expect("an invalid call is reported");
-    assert!(invalid["reason"].as_str().unwrap().contains("get_time"), "{invalid}");
+    assert_eq!(invalid["reason"], "undeclared_tool", "{invalid}");
+    assert!(invalid["message"].as_str().unwrap().contains("get_time"), "{invalid}");
     assert_eq!(invalid["text"], "\n{\"name\": \"get_time\"}\n");
     s.shutdown().await.unwrap();
 }

@@ -18,7 +18,9 @@ use crate::{EngineEvent, Mode, RequestId, RequestSpec, Stage1Msg, Status, Task, 
 use antiphon_models::decoder::{KvCache, PooledCache};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::tokenizer::{handoff_range, TextStream};
+use antiphon_models::tools::CallError;
 use antiphon_models::top_k::LogitsRow;
+use antiphon_protocol::ToolCallProblem;
 
 /// The fewest shared positions worth a copy from the prefix store.
 const MIN_SHARED: usize = 8;
@@ -323,9 +325,13 @@ impl TurnStream {
         let event = match closed {
             true => match ToolCall::parse(&text, tools) {
                 Ok(call) => EngineEvent::ToolCall(call),
-                Err(e) => EngineEvent::ToolCallInvalid { text, reason: format!("{e:#}") },
+                Err(e) => EngineEvent::ToolCallInvalid { text, reason: call_problem(&e), message: e.to_string() },
             },
-            false => EngineEvent::ToolCallInvalid { text, reason: "the reply ended inside its call (no `</tool_call>`)".into() },
+            false => EngineEvent::ToolCallInvalid {
+                text,
+                reason: ToolCallProblem::Unclosed,
+                message: "the reply ended inside its call (no `</tool_call>`)".into(),
+            },
         };
         let outcome = match &event {
             EngineEvent::ToolCall(_) => "valid",
@@ -459,5 +465,15 @@ impl ThinkerStream for TurnStream {
 
     fn ended(&self, ctx: &Ctx) -> bool {
         self.done || !ctx.registry.is_live(&self.id)
+    }
+}
+
+/// The wire's word for what is wrong with a call.
+fn call_problem(e: &CallError) -> ToolCallProblem {
+    match e {
+        CallError::NotJson(_) | CallError::NotAnObject => ToolCallProblem::NotJson,
+        CallError::NoName => ToolCallProblem::NoName,
+        CallError::Undeclared(_) => ToolCallProblem::UndeclaredTool,
+        CallError::ArgumentsNotAnObject | CallError::ArgumentsStringNotAnObject => ToolCallProblem::BadArguments,
     }
 }

@@ -177,10 +177,10 @@ impl Translator {
                     self.out.event(&S::InputTranscriptionCompleted { item_id, transcript, seconds });
                 }
             }
-            Received::TranscriptFailed { response_id, reason, .. } => {
+            Received::TranscriptFailed { response_id, message, .. } => {
                 if let Some(k) = self.heard.iter().position(|h| h.0 == response_id) {
                     let (_, item_id, _) = self.heard.remove(k).expect("found");
-                    self.out.event(&S::InputTranscriptionFailed { item_id, message: reason });
+                    self.out.event(&S::InputTranscriptionFailed { item_id, message });
                 }
             }
             Received::ToolCall { response_id, call_id, name, arguments, .. } => {
@@ -188,9 +188,9 @@ impl Translator {
                     a.calls.push((call_id, name, arguments));
                 }
             }
-            Received::ToolCallInvalid { reason, .. } => {
+            Received::ToolCallInvalid { reason, message, .. } => {
                 // (the dialect has no event for it: the response ends with what was said)
-                tracing::info!("the model wrote a tool call that is not one: {reason}");
+                tracing::info!(?reason, "the model wrote a tool call that is not one: {message}");
             }
             Received::TextDelta { response_id, text, .. } => {
                 if self.active.as_ref().is_some_and(|a| a.v1 == Some(response_id)) {

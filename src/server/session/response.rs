@@ -273,8 +273,8 @@ impl Session {
                 }
             }
             EngineEvent::ToolCall(call) => self.on_tool_call(response_id, call),
-            EngineEvent::ToolCallInvalid { text, reason } => {
-                self.send_event(ServerEvent::ResponseToolCallInvalid { seq: 0, response_id, text, reason });
+            EngineEvent::ToolCallInvalid { text, reason, message } => {
+                self.send_event(ServerEvent::ResponseToolCallInvalid { seq: 0, response_id, text, reason, message });
             }
             EngineEvent::Done { status, usage, .. } => {
                 r.usage = usage;

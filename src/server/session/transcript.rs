@@ -5,6 +5,7 @@
 //! naming the response that answered the turn.
 
 use antiphon_engine::{GenerationParams, SpokenClip, Task};
+use antiphon_protocol::TranscriptFailure;
 
 use super::*;
 
@@ -45,10 +46,10 @@ impl Session {
             Ok(()) => self.transcripts.push(id),
             Err(e) => {
                 let reason = match e {
-                    antiphon_engine::SubmitError::Busy(_) => "the server is at capacity".to_string(),
-                    e => e.to_string(),
+                    antiphon_engine::SubmitError::Busy(_) => TranscriptFailure::Capacity,
+                    _ => TranscriptFailure::Failed,
                 };
-                self.send_event(ServerEvent::InputTranscriptFailed { seq: 0, response_id: rid, reason });
+                self.send_event(ServerEvent::InputTranscriptFailed { seq: 0, response_id: rid, reason, message: e.to_string() });
             }
         }
     }
@@ -60,11 +61,12 @@ impl Session {
             EngineEvent::Done { status, text, .. } => {
                 let id = RequestId::transcript(&self.id, response_id);
                 self.transcripts.retain(|t| *t != id);
+                let failed = |reason, message| ServerEvent::InputTranscriptFailed { seq: 0, response_id, reason, message };
                 let e = match status {
                     Status::Completed => ServerEvent::InputTranscriptDone { seq: 0, response_id, transcript: text },
-                    Status::Cancelled => ServerEvent::InputTranscriptFailed { seq: 0, response_id, reason: "cancelled".into() },
-                    Status::Failed(why) | Status::Refused(why) => ServerEvent::InputTranscriptFailed { seq: 0, response_id, reason: why },
-                    Status::Busy(_) => ServerEvent::InputTranscriptFailed { seq: 0, response_id, reason: "the server is at capacity".into() },
+                    Status::Cancelled => failed(TranscriptFailure::Cancelled, "the response was cancelled first".into()),
+                    Status::Failed(why) | Status::Refused(why) => failed(TranscriptFailure::Failed, why),
+                    Status::Busy(_) => failed(TranscriptFailure::Capacity, "the server is at capacity".into()),
                 };
                 self.send_event(e);
             }
