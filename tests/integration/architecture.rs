@@ -161,3 +161,57 @@ fn each_crate_has_at_most_one_integration_test_binary() {
         assert!(binaries.len() <= 1, "{}: {} integration-test binaries {binaries:?}; make them modules of one", dir.display(), binaries.len());
     }
 }
+
+/// The string types a field must not have where a closed set of words belongs.
+const STRING_TYPES: [&str; 6] = ["String", "&'static str", "&str", "Option<String>", "Option<&'static str>", "Option<&str>"];
+
+/// `name: Type` fields in `line` whose name is one of `names` and whose type is a string.
+fn string_fields<'a>(line: &str, names: &[&'a str]) -> Vec<&'a str> {
+    let mut found = Vec::new();
+    for name in names {
+        let mut from = 0;
+        while let Some(at) = line[from..].find(name).map(|k| k + from) {
+            from = at + name.len();
+            let before = line[..at].chars().next_back();
+            if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '.') {
+                continue;
+            }
+            let Some(rest) = line[from..].strip_prefix(':') else { continue };
+            let rest = rest.trim_start();
+            let string = STRING_TYPES
+                .iter()
+                .any(|t| rest.strip_prefix(t).is_some_and(|after| after.is_empty() || after.starts_with([',', '}', ')', ' ', '>'])));
+            if string {
+                found.push(*name);
+            }
+        }
+    }
+    found
+}
+
+/// Contracts between layers are types: in the protocol's and the engine's types no field named
+/// `status`, `reason`, `code` or `trigger` holds a string (each is an enum with its words).
+#[test]
+fn status_reason_code_and_trigger_are_never_strings() {
+    assert_eq!(string_fields("    ToolCallInvalid { seq: u64, reason: String },", &["reason"]), ["reason"]);
+    assert_eq!(string_fields("    pub code: &'static str,", &["code"]), ["code"]);
+    assert!(string_fields("    pub status: ItemStatus, error_code: String", &["status", "code"]).is_empty());
+    let mut files = Vec::new();
+    for d in ["src/protocol", "src/engine"] {
+        rust_files(&root().join(d), &mut files);
+    }
+    assert!(files.len() > 20, "found only {} files", files.len());
+    let mut bad = Vec::new();
+    for f in &files {
+        for (k, line) in std::fs::read_to_string(f).unwrap().lines().enumerate() {
+            // (a function's parameters are not a type's fields)
+            if line.contains("fn ") || line.trim_start().starts_with("//") {
+                continue;
+            }
+            for name in string_fields(line, &["status", "reason", "code", "trigger"]) {
+                bad.push(format!("{}:{}: `{name}`", f.strip_prefix(root()).unwrap().display(), k + 1));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "make these closed sets of words enums: {bad:?}");
+}

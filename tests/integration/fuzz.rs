@@ -425,7 +425,7 @@ proptest! {
     #[test]
     fn any_dialect_frame_parses_or_is_an_error(text in ".{0,300}") {
         if let Err((_, e)) = antiphon_protocol::openai::parse_client(&text) {
-            prop_assert!(!e.code.is_empty() && !e.message.is_empty());
+            prop_assert!(!e.code.as_str().is_empty() && !e.message.is_empty());
         }
     }
 
@@ -435,7 +435,7 @@ proptest! {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         if let Message::Text(t) = oai_hostile(&mut rng) {
             if let Err((_, e)) = antiphon_protocol::openai::parse_client(&t) {
-                prop_assert!(!e.code.is_empty() && !e.message.is_empty());
+                prop_assert!(!e.code.as_str().is_empty() && !e.message.is_empty());
             }
         }
     }

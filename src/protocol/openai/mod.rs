@@ -9,20 +9,23 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 pub mod server;
+mod words;
+
+pub use words::{CancelReason, ItemStatus, OaiErrorCode, ResponseStatus};
 
 /// A refused client event: OpenAI's error `code`, a message, the field at fault.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OaiError {
-    pub code: &'static str,
+    pub code: OaiErrorCode,
     pub message: String,
     pub param: Option<String>,
 }
 
 impl OaiError {
-    pub fn new(code: &'static str, message: impl Into<String>) -> Self {
+    pub fn new(code: OaiErrorCode, message: impl Into<String>) -> Self {
         Self { code, message: message.into(), param: None }
     }
-    pub fn param(code: &'static str, param: &str, message: impl Into<String>) -> Self {
+    pub fn param(code: OaiErrorCode, param: &str, message: impl Into<String>) -> Self {
         Self { code, message: message.into(), param: Some(param.to_string()) }
     }
 }
@@ -224,7 +227,7 @@ pub const MAX_ID_CHARS: usize = 64;
 pub const MAX_TOOLS: usize = 128;
 
 fn bad(param: &str, message: impl Into<String>) -> OaiError {
-    OaiError::param("invalid_value", param, message)
+    OaiError::param(OaiErrorCode::InvalidValue, param, message)
 }
 
 fn string(v: &Value, param: &str) -> Result<String, OaiError> {
@@ -258,7 +261,7 @@ fn id_field(v: &Value, param: &str) -> Result<String, OaiError> {
 }
 
 fn required<'a>(o: &'a Map<String, Value>, key: &str, param: &str) -> Result<&'a Value, OaiError> {
-    o.get(key).filter(|v| !v.is_null()).ok_or_else(|| OaiError::param("missing_required_parameter", param, format!("missing `{param}`")))
+    o.get(key).filter(|v| !v.is_null()).ok_or_else(|| OaiError::param(OaiErrorCode::MissingRequiredParameter, param, format!("missing `{param}`")))
 }
 
 fn object<'a>(v: &'a Value, param: &str) -> Result<&'a Map<String, Value>, OaiError> {
@@ -482,7 +485,7 @@ pub fn item(v: &Value, param: &str) -> Result<Item, OaiError> {
         }),
         "function_call_output" => Ok(Item::FunctionCallOutput { id, call_id: s("call_id")?, output: s("output")? }),
         "item_reference" => Ok(Item::Reference {
-            id: id.ok_or_else(|| OaiError::param("missing_required_parameter", &format!("{param}.id"), "an item_reference needs `id`"))?,
+            id: id.ok_or_else(|| OaiError::param(OaiErrorCode::MissingRequiredParameter, &format!("{param}.id"), "an item_reference needs `id`"))?,
         }),
         other => Err(bad(&format!("{param}.type"), format!("item type `{other}`: expected message, function_call or function_call_output"))),
     }
@@ -550,13 +553,16 @@ struct Truncate {
 
 /// Parses one text frame of the dialect.
 pub fn parse_client(text: &str) -> Result<OaiIncoming, (Option<String>, OaiError)> {
-    let v: Value = serde_json::from_str(text).map_err(|e| (None, OaiError::new("invalid_json", format!("not JSON: {e}"))))?;
+    let v: Value = serde_json::from_str(text).map_err(|e| (None, OaiError::new(OaiErrorCode::InvalidJson, format!("not JSON: {e}"))))?;
     let Value::Object(o) = &v else {
-        return Err((None, OaiError::new("invalid_json", "a text frame must hold one JSON object")));
+        return Err((None, OaiError::new(OaiErrorCode::InvalidJson, "a text frame must hold one JSON object")));
     };
     let event_id = o.get("event_id").and_then(Value::as_str).map(|s| s.chars().take(MAX_ID_CHARS).collect::<String>());
     let fail = |e: OaiError| (event_id.clone(), e);
-    let ty = o.get("type").and_then(Value::as_str).ok_or_else(|| fail(OaiError::param("missing_required_parameter", "type", "missing `type`")))?;
+    let ty = o
+        .get("type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| fail(OaiError::param(OaiErrorCode::MissingRequiredParameter, "type", "missing `type`")))?;
     let event = match ty {
         "session.update" => OaiClientEvent::SessionUpdate(Box::new(session_patch(required(o, "session", "session").map_err(fail)?).map_err(fail)?)),
         "input_audio_buffer.append" => OaiClientEvent::Append(decode_audio(required(o, "audio", "audio").map_err(fail)?, "audio").map_err(fail)?),
@@ -583,7 +589,7 @@ pub fn parse_client(text: &str) -> Result<OaiIncoming, (Option<String>, OaiError
         "output_audio_buffer.clear" => OaiClientEvent::OutputAudioClear,
         other => {
             let shown: String = other.chars().take(64).collect();
-            return Err(fail(OaiError::param("invalid_event", "type", format!("unknown or unsupported event type `{shown}`"))));
+            return Err(fail(OaiError::param(OaiErrorCode::InvalidEvent, "type", format!("unknown or unsupported event type `{shown}`"))));
         }
     };
     Ok(OaiIncoming { event_id, event })

@@ -5,7 +5,7 @@
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-use super::{AudioFormat, MaxTokens, Modality, TurnDetection};
+use super::{AudioFormat, CancelReason, ItemStatus, MaxTokens, Modality, OaiErrorCode, ResponseStatus, TurnDetection};
 
 fn format_json(f: AudioFormat) -> Value {
     match f {
@@ -108,7 +108,7 @@ pub struct ItemView {
     pub object: &'static str,
     #[serde(rename = "type")]
     pub kind: &'static str,
-    pub status: &'static str,
+    pub status: ItemStatus,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -125,7 +125,7 @@ pub struct ItemView {
 
 impl ItemView {
     /// A `function_call` item (`arguments`: the call's JSON text).
-    pub fn function_call(id: &str, status: &'static str, call_id: &str, name: &str, arguments: &str) -> Self {
+    pub fn function_call(id: &str, status: ItemStatus, call_id: &str, name: &str, arguments: &str) -> Self {
         Self {
             id: id.to_string(),
             object: "realtime.item",
@@ -140,7 +140,7 @@ impl ItemView {
         }
     }
 
-    pub fn message(id: &str, role: &'static str, status: &'static str, content: Vec<PartView>) -> Self {
+    pub fn message(id: &str, role: &'static str, status: ItemStatus, content: Vec<PartView>) -> Self {
         Self {
             id: id.to_string(),
             object: "realtime.item",
@@ -173,7 +173,7 @@ pub struct UsageView {
 /// server had no place for it, with the wait it suggests), and the reason in words.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Failure {
-    pub code: &'static str,
+    pub code: OaiErrorCode,
     pub message: String,
     pub retry_after_ms: Option<u64>,
 }
@@ -182,7 +182,7 @@ pub struct Failure {
 /// the client's `event_id`) or the server's (`server_error`; with `capacity`, how long to wait).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ErrorView {
-    pub code: &'static str,
+    pub code: OaiErrorCode,
     pub message: String,
     pub param: Option<String>,
     pub client_event_id: Option<String>,
@@ -192,7 +192,7 @@ pub struct ErrorView {
 
 impl ErrorView {
     /// The server's error, with no param and no wait.
-    pub fn server(code: &'static str, message: String) -> Self {
+    pub fn server(code: OaiErrorCode, message: String) -> Self {
         Self { code, message, param: None, client_event_id: None, server_side: true, retry_after_ms: None }
     }
 }
@@ -201,9 +201,9 @@ impl ErrorView {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResponseView {
     pub id: String,
-    pub status: &'static str,
-    /// `(type, reason, error)` of `status_details`, e.g. `("cancelled", "turn_detected", None)`.
-    pub status_details: Option<(&'static str, Option<&'static str>, Option<Failure>)>,
+    pub status: ResponseStatus,
+    /// `status_details` of a cancelled or a failed response.
+    pub status_details: Option<StatusDetails>,
     pub output: Vec<ItemView>,
     pub modalities: Modality,
     pub output_format: AudioFormat,
@@ -214,17 +214,25 @@ pub struct ResponseView {
     pub usage: Option<UsageView>,
 }
 
+/// Why a response ended as it did (`status_details`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum StatusDetails {
+    Cancelled(CancelReason),
+    Failed(Failure),
+}
+
 impl ResponseView {
     pub fn to_json(&self) -> Value {
-        let details = self.status_details.as_ref().map(|(ty, reason, error)| {
-            let mut d = serde_json::json!({"type": ty, "reason": reason});
-            if let Some(e) = error {
+        let details = self.status_details.as_ref().map(|d| match d {
+            StatusDetails::Cancelled(reason) => serde_json::json!({"type": "cancelled", "reason": reason}),
+            StatusDetails::Failed(e) => {
+                let mut d = serde_json::json!({"type": "failed", "reason": null});
                 d["error"] = serde_json::json!({"type": "server_error", "code": e.code, "message": e.message});
                 if let Some(ms) = e.retry_after_ms {
                     d["error"]["retry_after_ms"] = ms.into();
                 }
+                d
             }
-            d
         });
         let usage = self.usage.map(|u| {
             let (input, output) = (u.input_text_tokens + u.input_audio_tokens, u.text_tokens + u.audio_tokens);

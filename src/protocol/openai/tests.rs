@@ -54,7 +54,7 @@ fn audio_and_items_decode() {
     let (_, err) = parse(serde_json::json!({"type": "input_audio_buffer.append", "audio": "not base64!"})).unwrap_err();
     assert_eq!(err.param.as_deref(), Some("audio"));
     let (_, err) = parse(serde_json::json!({"type": "input_audio_buffer.append"})).unwrap_err();
-    assert_eq!(err.code, "missing_required_parameter");
+    assert_eq!(err.code, OaiErrorCode::MissingRequiredParameter);
     let e = parse(serde_json::json!({"type": "conversation.item.create", "item": {"id": "abc", "type": "message", "role": "user",
         "content": [{"type": "input_text", "text": "hi"}]}}))
     .unwrap();
@@ -79,9 +79,9 @@ fn response_create_overrides_and_unknown_events() {
     assert_eq!(p.input, Some(vec![Item::Reference { id: "abc".into() }]));
     assert_eq!(parse(serde_json::json!({"type": "response.create"})).unwrap().event, OaiClientEvent::ResponseCreate(Box::default()));
     let (_, err) = parse(serde_json::json!({"type": "transcription_session.update"})).unwrap_err();
-    assert_eq!(err.code, "invalid_event");
+    assert_eq!(err.code, OaiErrorCode::InvalidEvent);
     let (id, err) = parse_client("{not json").unwrap_err();
-    assert!(id.is_none() && err.code == "invalid_json");
+    assert!(id.is_none() && err.code == OaiErrorCode::InvalidJson);
 }
 
 #[test]
@@ -107,7 +107,7 @@ fn server_events_carry_event_id_and_the_ga_names() {
     assert_eq!(v["session"]["audio"]["output"]["format"], serde_json::json!({"type": "audio/pcm", "rate": 24000}));
     assert_eq!(v["session"]["audio"]["input"]["turn_detection"]["type"], "server_vad");
     assert_eq!(v["session"]["tool_choice"], "auto");
-    let item = ItemView::message("item_1", "assistant", "completed", vec![PartView::of("output_audio", None, Some("hi".into()))]);
+    let item = ItemView::message("item_1", "assistant", ItemStatus::Completed, vec![PartView::of("output_audio", None, Some("hi".into()))]);
     let v: serde_json::Value = serde_json::from_str(&OaiServerEvent::ItemAdded { previous_item_id: None, item }.to_json("e")).unwrap();
     assert_eq!(v["type"], "conversation.item.added");
     assert_eq!(v["item"]["object"], "realtime.item");
@@ -144,7 +144,7 @@ fn wrong_types_are_refused_naming_the_param() {
     for (v, param) in cases {
         let (_, e) = parse(v.clone()).expect_err(&format!("{v} was accepted"));
         assert_eq!(e.param.as_deref(), Some(param), "{v}: {e:?}");
-        assert_eq!(e.code, "invalid_value", "{v}");
+        assert_eq!(e.code, OaiErrorCode::InvalidValue, "{v}");
     }
     // the right types still pass, absent and null alike
     for v in [

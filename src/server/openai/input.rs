@@ -10,7 +10,7 @@
 //! longest wait of silence ([`max_wait_ms`]).
 
 use antiphon_audio::vad::{TurnDetector, VadConfig, VadEvent};
-use antiphon_protocol::openai::{AudioFormat, OaiError, TurnDetection};
+use antiphon_protocol::openai::{AudioFormat, OaiError, OaiErrorCode, TurnDetection};
 
 use super::translate::Pending;
 
@@ -268,7 +268,7 @@ impl Joined {
                 self.text += t.len() + 1;
                 if self.text > self.max_text {
                     return Err(OaiError::param(
-                        "invalid_value",
+                        OaiErrorCode::InvalidValue,
                         "response.input",
                         format!("the input's text, its references joined, is over the {} bytes a turn may hold", self.max_text),
                     ));
@@ -278,7 +278,7 @@ impl Joined {
                 self.audio += a.len();
                 if self.audio > self.max_audio {
                     return Err(OaiError::new(
-                        "input_audio_buffer_full",
+                        OaiErrorCode::InputAudioBufferFull,
                         format!("the input's audio, its references joined, is over the {} s a turn may hold", self.max_audio / 24_000),
                     ));
                 }
@@ -294,7 +294,7 @@ pub(super) fn decode_input(format: AudioFormat, bytes: &[u8], param: &str) -> Re
     match format {
         AudioFormat::Pcm24k => {
             if !bytes.len().is_multiple_of(2) {
-                return Err(OaiError::param("invalid_value", param, "PCM16 audio of an odd number of bytes"));
+                return Err(OaiError::param(OaiErrorCode::InvalidValue, param, "PCM16 audio of an odd number of bytes"));
             }
             Ok(bytes.chunks_exact(2).map(|b| i16::from_le_bytes([b[0], b[1]])).collect())
         }
@@ -311,7 +311,7 @@ pub(super) fn decode_input(format: AudioFormat, bytes: &[u8], param: &str) -> Re
 /// A user's text (one item, or what a response's input joins) within what one turn holds, in the
 /// Thinker's tokens (`Shared::check_user_text`): refused now rather than failing the response.
 pub(super) fn check_text(shared: &crate::Shared, text: &str, param: &str) -> Result<(), OaiError> {
-    shared.check_user_text(text).map_err(|m| OaiError::param("invalid_value", param, m))
+    shared.check_user_text(text).map_err(|m| OaiError::param(OaiErrorCode::InvalidValue, param, m))
 }
 
 #[cfg(test)]

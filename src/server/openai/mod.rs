@@ -16,7 +16,7 @@ use futures_util::{SinkExt, StreamExt};
 use crate::session::{random_token, Conn, Outbound, SessionMsg};
 use crate::Shared;
 use antiphon_protocol::openai::server::{ErrorView, OaiServerEvent};
-use antiphon_protocol::openai::{parse_client, OaiError};
+use antiphon_protocol::openai::{parse_client, OaiError, OaiErrorCode};
 use antiphon_protocol::ClientEvent;
 
 mod history;
@@ -128,7 +128,7 @@ async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, model: String, pe
         Ok(id) => shared.sessions.handle(&id),
         Err(e) => {
             shared.metrics.errors.with_label_values(&[e.code.as_str()]).inc();
-            let code = if e.code == antiphon_protocol::ErrorCode::Capacity { "capacity" } else { "server_error" };
+            let code = if e.code == antiphon_protocol::ErrorCode::Capacity { OaiErrorCode::Capacity } else { OaiErrorCode::ServerError };
             let retry_after_ms = e.retry_after_ms;
             out.event(&OaiServerEvent::Error(ErrorView { retry_after_ms, ..ErrorView::server(code, e.message) }));
             close(&out, 1013, "try again later");
@@ -176,9 +176,9 @@ async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, model: String, pe
                             shared.metrics.errors.with_label_values(&[code.as_str()]).inc();
                             let (code, why) = match code {
                                 antiphon_protocol::ErrorCode::MessageTooLarge => {
-                                    ("message_too_large", format!("a frame is over the {} bytes this server takes", limits.max_text_frame))
+                                    (OaiErrorCode::MessageTooLarge, format!("a frame is over the {} bytes this server takes", limits.max_text_frame))
                                 }
-                                _ => ("invalid_json", "a text frame is not valid UTF-8".to_string()),
+                                _ => (OaiErrorCode::InvalidJson, "a text frame is not valid UTF-8".to_string()),
                             };
                             t.error(None, OaiError::new(code, why));
                         }
@@ -194,9 +194,10 @@ async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, model: String, pe
                         Ok(inc) => t.on_client(inc.event_id, inc.event).await,
                         Err((event_id, e)) => t.error(event_id, e),
                     },
-                    Message::Binary(_) => {
-                        t.error(None, OaiError::new("invalid_event", "binary frames are not part of this dialect: send input_audio_buffer.append"))
-                    }
+                    Message::Binary(_) => t.error(
+                        None,
+                        OaiError::new(OaiErrorCode::InvalidEvent, "binary frames are not part of this dialect: send input_audio_buffer.append"),
+                    ),
                     Message::Close(_) => break,
                     Message::Ping(_) | Message::Pong(_) => {}
                 }

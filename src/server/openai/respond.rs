@@ -7,9 +7,11 @@
 //! so the v1 journal stays empty: this dialect has no resume.
 
 use antiphon_audio::g711::{alaw_encode, ulaw_encode, Downsample24kTo8k};
-use antiphon_protocol::openai::server::{CallAt, ContentAt, ErrorView, Failure, ItemView, OaiServerEvent as S, PartView, ResponseView, UsageView};
-use antiphon_protocol::openai::{AudioFormat, MaxTokens, Modality, ResponseParams};
-use antiphon_protocol::{parse_server, AudioFrame, ClientEvent, Received};
+use antiphon_protocol::openai::server::{
+    CallAt, ContentAt, ErrorView, Failure, ItemView, OaiServerEvent as S, PartView, ResponseView, StatusDetails, UsageView,
+};
+use antiphon_protocol::openai::{AudioFormat, CancelReason, ItemStatus, MaxTokens, Modality, OaiErrorCode, ResponseParams, ResponseStatus};
+use antiphon_protocol::{parse_server, AudioFrame, ClientEvent, DoneStatus, Received};
 use base64::Engine as _;
 use serde_json::{Map, Value};
 
@@ -36,7 +38,7 @@ pub(super) struct Active {
     pending_audio: Vec<i16>,
     narrow: Downsample24kTo8k,
     pub cancelling: bool,
-    pub cancel_reason: Option<&'static str>,
+    pub cancel_reason: Option<CancelReason>,
     failure: Option<Failure>,
     pub truncate_ms: Option<u64>,
     started: bool,
@@ -87,28 +89,24 @@ impl Active {
         }
     }
 
-    fn item(&self, status: &'static str) -> ItemView {
+    fn item(&self, status: ItemStatus) -> ItemView {
         let content = match (status, self.modality) {
-            ("in_progress", _) => Vec::new(),
+            (ItemStatus::InProgress, _) => Vec::new(),
             (_, Modality::Audio) => vec![PartView::of("output_audio", None, Some(self.transcript.clone()))],
             (_, Modality::Text) => vec![PartView::of("output_text", Some(self.transcript.clone()), None)],
         };
         ItemView::message(&self.item_id, "assistant", status, content)
     }
 
-    fn view(&self, status: &'static str, output: Vec<ItemView>, usage: Option<UsageView>) -> ResponseView {
+    fn view(&self, status: ResponseStatus, output: Vec<ItemView>, usage: Option<UsageView>) -> ResponseView {
         let status_details = match status {
-            "cancelled" => Some(("cancelled", Some(self.cancel_reason.unwrap_or("client_cancelled")), None)),
-            "failed" => Some((
-                "failed",
-                None,
-                Some(self.failure.clone().unwrap_or_else(|| Failure {
-                    code: "response_failed",
-                    message: "the response failed".into(),
-                    retry_after_ms: None,
-                })),
-            )),
-            _ => None,
+            ResponseStatus::Cancelled => Some(StatusDetails::Cancelled(self.cancel_reason.unwrap_or(CancelReason::ClientCancelled))),
+            ResponseStatus::Failed => Some(StatusDetails::Failed(self.failure.clone().unwrap_or_else(|| Failure {
+                code: OaiErrorCode::ResponseFailed,
+                message: "the response failed".into(),
+                retry_after_ms: None,
+            }))),
+            ResponseStatus::InProgress | ResponseStatus::Completed => None,
         };
         ResponseView {
             id: self.id.clone(),
@@ -207,12 +205,12 @@ impl Translator {
             }
             Received::ResponseDone { response_id, status, audio_ms, usage, .. } => {
                 if self.active.as_ref().is_some_and(|a| a.v1 == Some(response_id)) {
-                    self.finish(status.as_str(), audio_ms, usage).await;
+                    self.finish(status, audio_ms, usage).await;
                 }
                 done = true;
             }
             Received::SessionClosing { reason, .. } => {
-                self.out.event(&S::Error(ErrorView::server("session_closing", format!("the server is closing this session ({reason})"))));
+                self.out.event(&S::Error(ErrorView::server(OaiErrorCode::SessionClosing, format!("the server is closing this session ({reason})"))));
             }
             Received::Error { code, message, fatal, retry_after_ms, .. } => {
                 use antiphon_protocol::ErrorCode;
@@ -222,17 +220,16 @@ impl Translator {
                     // the response failed: its response.done says why (pipecat hangs up on any `error`)
                     if let Some(a) = self.active.as_mut() {
                         // (capacity says so, with its wait; any other failure is the response's)
-                        let code = if code == ErrorCode::Capacity { "capacity" } else { "response_failed" };
+                        let code = if code == ErrorCode::Capacity { OaiErrorCode::Capacity } else { OaiErrorCode::ResponseFailed };
                         a.failure = Some(Failure { code, message, retry_after_ms });
                     }
                     if unstarted {
-                        self.finish("failed", 0, Default::default()).await;
+                        self.finish(DoneStatus::Failed, 0, Default::default()).await;
                     }
                 } else {
                     self.shared.metrics.errors.with_label_values(&["openai_forwarded"]).inc();
                     let server_side = code == ErrorCode::Internal || fatal;
-                    let name = if code == ErrorCode::Other { "server_error" } else { code.as_str() };
-                    self.out.event(&S::Error(ErrorView { server_side, retry_after_ms, ..ErrorView::server(name, message) }));
+                    self.out.event(&S::Error(ErrorView { server_side, retry_after_ms, ..ErrorView::server(OaiErrorCode::V1(code), message) }));
                 }
             }
             Received::Other => {}
@@ -280,7 +277,7 @@ impl Translator {
     fn begin(&mut self) {
         let Some(a) = self.active.as_mut() else { return };
         a.started = true;
-        self.out.event(&S::ResponseCreated(a.view("in_progress", Vec::new(), None)));
+        self.out.event(&S::ResponseCreated(a.view(ResponseStatus::InProgress, Vec::new(), None)));
         if !a.lazy_message {
             self.open_message();
         }
@@ -290,7 +287,7 @@ impl Translator {
     fn open_message(&mut self) {
         let Some(a) = self.active.as_mut().filter(|a| a.started && !a.message_open) else { return };
         a.message_open = true;
-        let item = a.item("in_progress");
+        let item = a.item(ItemStatus::InProgress);
         self.out.event(&S::OutputItemAdded { response_id: a.id.clone(), output_index: 0, item: item.clone() });
         if !a.out_of_band {
             let previous_item_id = self.items.last().map(|i| i.view.id.clone());
@@ -299,9 +296,9 @@ impl Translator {
         self.out.event(&S::ContentPartAdded { at: a.at(), part: a.part() });
     }
 
-    /// The response's closing events (v1 status `completed`, `cancelled` or `failed`): its message
-    /// item's (a response with neither speech nor a call still has one), then each call's item.
-    async fn finish(&mut self, v1_status: &str, audio_ms: u64, v1_usage: antiphon_protocol::Usage) {
+    /// The response's closing events (by its v1 status): its message item's (a response with
+    /// neither speech nor a call still has one), then each call's item.
+    async fn finish(&mut self, v1_status: DoneStatus, audio_ms: u64, v1_usage: antiphon_protocol::Usage) {
         if self.active.as_ref().is_some_and(|a| !a.started) {
             self.begin();
         }
@@ -310,11 +307,11 @@ impl Translator {
         }
         let Some(a) = self.active.take() else { return };
         let (status, item_status) = match v1_status {
-            "completed" => ("completed", "completed"),
-            "cancelled" => ("cancelled", "incomplete"),
-            _ => ("failed", "incomplete"),
+            DoneStatus::Completed => (ResponseStatus::Completed, ItemStatus::Completed),
+            DoneStatus::Cancelled => (ResponseStatus::Cancelled, ItemStatus::Incomplete),
+            DoneStatus::Failed => (ResponseStatus::Failed, ItemStatus::Incomplete),
         };
-        let kept = !a.out_of_band && status != "failed";
+        let kept = !a.out_of_band && status != ResponseStatus::Failed;
         let mut output = Vec::new();
         if a.message_open {
             let at = a.at();
@@ -347,14 +344,14 @@ impl Translator {
             let output_index = output.len() as u32;
             let item_id = new_id("item");
             let at = CallAt { response_id: a.id.clone(), item_id: item_id.clone(), output_index, call_id: call_id.clone() };
-            let opening = ItemView::function_call(&item_id, "in_progress", call_id, name, "");
+            let opening = ItemView::function_call(&item_id, ItemStatus::InProgress, call_id, name, "");
             self.out.event(&S::OutputItemAdded { response_id: a.id.clone(), output_index, item: opening.clone() });
             if !a.out_of_band {
                 self.out.event(&S::ItemAdded { previous_item_id: self.items.last().map(|i| i.view.id.clone()), item: opening });
             }
             self.out.event(&S::FunctionCallArgumentsDelta { at: at.clone(), delta: arguments.clone() });
             self.out.event(&S::FunctionCallArgumentsDone { at, name: name.clone(), arguments: arguments.clone() });
-            let item = ItemView::function_call(&item_id, "completed", call_id, name, arguments);
+            let item = ItemView::function_call(&item_id, ItemStatus::Completed, call_id, name, arguments);
             if !a.out_of_band {
                 self.out.event(&S::ItemDone { previous_item_id: self.items.last().map(|i| i.view.id.clone()), item: item.clone() });
             }

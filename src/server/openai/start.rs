@@ -2,7 +2,7 @@
 //! the outputs of the latest response's calls), the v1 session brought to the instructions,
 //! voice and tools the response uses, and its input sent to v1.
 
-use antiphon_protocol::openai::{Item, MaxTokens, Modality, OaiError, ResponseParams};
+use antiphon_protocol::openai::{Item, MaxTokens, Modality, OaiError, OaiErrorCode, ResponseParams};
 use antiphon_protocol::{
     validate_tools, ClientEvent, Generation, SessionUpdate, ToolChoice, ToolDecl, ToolResult, Voice, KIND_AUDIO, MAX_TOOL_RESULTS,
 };
@@ -16,7 +16,7 @@ use crate::session::SessionMsg;
 /// v1 audio messages are sent in pieces of at most this many bytes.
 const AUDIO_PIECE: usize = 32 * 1024;
 
-fn err(code: &'static str, message: impl Into<String>) -> OaiError {
+fn err(code: OaiErrorCode, message: impl Into<String>) -> OaiError {
     OaiError::new(code, message)
 }
 
@@ -32,7 +32,7 @@ pub(super) fn v1_tools(tools: &[Value], param: &str) -> Result<Vec<ToolDecl>, Oa
             parameters: t.get("parameters").filter(|p| !p.is_null()).cloned(),
         })
         .collect();
-    validate_tools(&decls).map_err(|e| OaiError::param("invalid_value", param, e.message))?;
+    validate_tools(&decls).map_err(|e| OaiError::param(OaiErrorCode::InvalidValue, param, e.message))?;
     Ok(decls)
 }
 
@@ -44,11 +44,11 @@ pub(super) fn v1_tool_choice(choice: &Value, tools: &[ToolDecl], param: &str) ->
         Value::String(s) if s == "required" => ToolChoice::Required,
         Value::Object(o) => match o.get("name").and_then(Value::as_str) {
             Some(n) => ToolChoice::Function(n.to_string()),
-            None => return Err(OaiError::param("invalid_value", param, "a tool_choice object names a function (`name`)")),
+            None => return Err(OaiError::param(OaiErrorCode::InvalidValue, param, "a tool_choice object names a function (`name`)")),
         },
         _ => ToolChoice::Auto,
     };
-    antiphon_protocol::validate_tool_choice(&c, tools, param).map_err(|e| OaiError::param("invalid_value", param, e.message))?;
+    antiphon_protocol::validate_tool_choice(&c, tools, param).map_err(|e| OaiError::param(OaiErrorCode::InvalidValue, param, e.message))?;
     Ok(c)
 }
 
@@ -69,7 +69,9 @@ impl Translator {
                 for it in items {
                     let add = match it {
                         Item::Reference { id } => {
-                            let i = self.find(id).ok_or_else(|| OaiError::param("invalid_value", "response.input", format!("no item {id}")))?;
+                            let i = self
+                                .find(id)
+                                .ok_or_else(|| OaiError::param(OaiErrorCode::InvalidValue, "response.input", format!("no item {id}")))?;
                             joined.count(self.items[i].pending.as_ref())?;
                             self.items[i].pending.clone()
                         }
@@ -87,7 +89,9 @@ impl Translator {
         };
         let instructions = self.joined_instructions(p.instructions.as_deref().unwrap_or(&self.session.instructions), &[]);
         // (checked whole before anything is sent: a refused update is never taken as applied)
-        self.shared.check_instructions(Some(&instructions)).map_err(|e| OaiError::param("invalid_value", "response.instructions", e.message))?;
+        self.shared
+            .check_instructions(Some(&instructions))
+            .map_err(|e| OaiError::param(OaiErrorCode::InvalidValue, "response.instructions", e.message))?;
         if self.v1_instructions.as_deref() != Some(instructions.as_str()) {
             self.to_v1_event(ClientEvent::SessionUpdate(Box::new(SessionUpdate { instructions: Some(instructions.clone()), ..update() }))).await;
             self.v1_instructions = Some(instructions);
@@ -160,7 +164,7 @@ impl Translator {
         }
         let max_audio = self.max_audio_samples();
         if audio.len() > max_audio {
-            return Err(err("input_audio_buffer_full", format!("the new user audio is over the {} s a turn may hold", max_audio / 24_000)));
+            return Err(err(OaiErrorCode::InputAudioBufferFull, format!("the new user audio is over the {} s a turn may hold", max_audio / 24_000)));
         }
         check_text(&self.shared, &text.join("\n"), "response.input")?;
         // the spoken item this response answers, whose transcript v1 sends

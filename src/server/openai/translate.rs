@@ -7,7 +7,10 @@
 use std::sync::Arc;
 
 use antiphon_protocol::openai::server::{ErrorView, ItemView, OaiServerEvent as S, PartView, SessionView};
-use antiphon_protocol::openai::{AudioFormat, Item, MaxTokens, Modality, OaiClientEvent, OaiError, Part, ResponseParams, Role, SessionPatch};
+use antiphon_protocol::openai::{
+    AudioFormat, CancelReason, Item, ItemStatus, MaxTokens, Modality, OaiClientEvent, OaiError, OaiErrorCode, Part, ResponseParams, Role,
+    SessionPatch,
+};
 use antiphon_protocol::{ClientEvent, Codec, InputAudio, SessionUpdate};
 use tokio::sync::mpsc::Sender;
 
@@ -99,7 +102,7 @@ pub(super) fn new_id(prefix: &str) -> String {
     format!("{prefix}_{}", random_token(12))
 }
 
-fn err(code: &'static str, message: impl Into<String>) -> OaiError {
+fn err(code: OaiErrorCode, message: impl Into<String>) -> OaiError {
     OaiError::new(code, message)
 }
 
@@ -158,7 +161,7 @@ impl Translator {
     }
 
     pub(super) fn error(&self, client_event: Option<String>, e: OaiError) {
-        self.shared.metrics.errors.with_label_values(&[e.code]).inc();
+        self.shared.metrics.errors.with_label_values(&[e.code.as_str()]).inc();
         let (code, message, param) = (e.code, e.message, e.param);
         self.out.event(&S::Error(ErrorView { code, message, param, client_event_id: client_event, server_side: false, retry_after_ms: None }));
     }
@@ -178,7 +181,7 @@ impl Translator {
             OaiClientEvent::SessionUpdate(p) => self.update(*p),
             OaiClientEvent::Append(bytes) => {
                 let x = decode_input(self.session.input_format, &bytes, "audio")?;
-                let events = self.input.push(&x).map_err(|m| err("input_audio_buffer_full", m))?;
+                let events = self.input.push(&x).map_err(|m| err(OaiErrorCode::InputAudioBufferFull, m))?;
                 for e in events {
                     self.turn_event(e).await;
                 }
@@ -188,7 +191,7 @@ impl Translator {
                 let audio = self.input.commit().map_err(|ms| {
                     let least = super::input::MIN_COMMIT_MS;
                     err(
-                        "input_audio_buffer_commit_empty",
+                        OaiErrorCode::InputAudioBufferCommitEmpty,
                         format!("buffer too small: a commit takes at least {least} ms of audio; the buffer holds {ms} ms"),
                     )
                 })?;
@@ -205,7 +208,9 @@ impl Translator {
             OaiClientEvent::ItemCreate { item, previous_item_id } => self.create_item(item, previous_item_id.as_deref()),
             OaiClientEvent::ItemTruncate { item_id, content_index, audio_end_ms } => self.truncate(&item_id, content_index, audio_end_ms).await,
             OaiClientEvent::ItemDelete { item_id } => {
-                let i = self.find(&item_id).ok_or_else(|| OaiError::param("item_delete_invalid_item_id", "item_id", format!("no item {item_id}")))?;
+                let i = self
+                    .find(&item_id)
+                    .ok_or_else(|| OaiError::param(OaiErrorCode::ItemDeleteInvalidItemId, "item_id", format!("no item {item_id}")))?;
                 // (the model remembers it: before the next response it is told the conversation
                 // again, without it)
                 self.forgotten |= self.items.remove(i).in_v1;
@@ -213,15 +218,16 @@ impl Translator {
                 Ok(())
             }
             OaiClientEvent::ItemRetrieve { item_id } => {
-                let i =
-                    self.find(&item_id).ok_or_else(|| OaiError::param("item_retrieve_invalid_item_id", "item_id", format!("no item {item_id}")))?;
+                let i = self
+                    .find(&item_id)
+                    .ok_or_else(|| OaiError::param(OaiErrorCode::ItemRetrieveInvalidItemId, "item_id", format!("no item {item_id}")))?;
                 self.out.event(&S::ItemRetrieved { item: self.items[i].view.clone() });
                 Ok(())
             }
             OaiClientEvent::ResponseCreate(p) => {
                 if self.active.is_some() {
                     return Err(err(
-                        "conversation_already_has_active_response",
+                        OaiErrorCode::ConversationAlreadyHasActiveResponse,
                         "a response is in progress: cancel it or wait for its response.done",
                     ));
                 }
@@ -230,14 +236,14 @@ impl Translator {
             OaiClientEvent::ResponseCancel { response_id } => {
                 let live = self.active.as_ref().is_some_and(|a| !a.cancelling && response_id.as_ref().is_none_or(|r| *r == a.id));
                 if !live {
-                    return Err(err("response_cancel_not_active", "Cancellation failed: no active response found"));
+                    return Err(err(OaiErrorCode::ResponseCancelNotActive, "Cancellation failed: no active response found"));
                 }
-                self.cancel("client_cancelled").await;
+                self.cancel(CancelReason::ClientCancelled).await;
                 Ok(())
             }
             OaiClientEvent::OutputAudioClear => {
                 if self.active.as_ref().is_some_and(|a| !a.cancelling) {
-                    self.cancel("client_cancelled").await;
+                    self.cancel(CancelReason::ClientCancelled).await;
                 }
                 Ok(())
             }
@@ -249,17 +255,17 @@ impl Translator {
         if let Some(i) = &p.instructions {
             self.shared
                 .check_instructions(Some(&self.joined_instructions(i, &[])))
-                .map_err(|e| OaiError::param("invalid_value", "session.instructions", e.message))?;
+                .map_err(|e| OaiError::param(OaiErrorCode::InvalidValue, "session.instructions", e.message))?;
         }
         let tools = super::start::v1_tools(p.tools.as_deref().unwrap_or(&self.session.tools), "session.tools")?;
         if !tools.is_empty() && !self.shared.engine.serves_tools() {
-            return Err(OaiError::param("invalid_value", "session.tools", "this model's tokenizer has no tool tokens"));
+            return Err(OaiError::param(OaiErrorCode::InvalidValue, "session.tools", "this model's tokenizer has no tool tokens"));
         }
         super::start::v1_tool_choice(p.tool_choice.as_ref().unwrap_or(&self.session.tool_choice), &tools, "session.tool_choice")?;
         if let Some(t) = p.turn_detection {
             self.input
                 .set_turn_detection(t.clone())
-                .map_err(|e| OaiError::param("invalid_value", "session.audio.input.turn_detection", e.to_string()))?;
+                .map_err(|e| OaiError::param(OaiErrorCode::InvalidValue, "session.audio.input.turn_detection", e.to_string()))?;
             self.turn_item = None;
             self.session.turn_detection = t;
         }
@@ -308,7 +314,7 @@ impl Translator {
                 self.turn_item = Some(item_id.clone());
                 self.out.event(&S::SpeechStarted { audio_start_ms, item_id });
                 if td.interrupt_response && self.active.as_ref().is_some_and(|a| !a.cancelling) {
-                    self.cancel("turn_detected").await;
+                    self.cancel(CancelReason::TurnDetected).await;
                 }
             }
             InputEvent::Paused { at, audio } => {
@@ -371,7 +377,7 @@ impl Translator {
         let max = self.shared.config.server.max_input_audio_s as usize * super::input::RATE as usize;
         if self.pending_audio() + more > max {
             return Err(err(
-                "input_audio_buffer_full",
+                OaiErrorCode::InputAudioBufferFull,
                 format!("the user audio waiting for a response would be over the {} s a turn may hold", max / 24_000),
             ));
         }
@@ -384,7 +390,7 @@ impl Translator {
         }
         let previous = self.last_id();
         self.out.event(&S::Committed { previous_item_id: previous.clone(), item_id: id.clone() });
-        let view = ItemView::message(&id, "user", "completed", vec![PartView::of("input_audio", None, None)]);
+        let view = ItemView::message(&id, "user", ItemStatus::Completed, vec![PartView::of("input_audio", None, None)]);
         self.out.event(&S::ItemAdded { previous_item_id: previous.clone(), item: view.clone() });
         self.out.event(&S::ItemDone { previous_item_id: previous, item: view.clone() });
         self.push_item(ConvItem { view, pending: Some(Pending::Audio(audio)), v1_response: None, audio_ms: 0, in_v1: false });
@@ -424,27 +430,28 @@ impl Translator {
                                 "an incomplete assistant message begins the next response: {n} characters, at most {}",
                                 antiphon_protocol::MAX_PREFIX_CHARS
                             );
-                            return Err(OaiError::param("invalid_value", "item.content", why));
+                            return Err(OaiError::param(OaiErrorCode::InvalidValue, "item.content", why));
                         }
                         Some(Pending::Prefix(text))
                     }
                     _ => None,
                 };
-                let status = if pending.as_ref().is_some_and(|p| matches!(p, Pending::Prefix(_))) { "incomplete" } else { "completed" };
+                let status =
+                    if pending.as_ref().is_some_and(|p| matches!(p, Pending::Prefix(_))) { ItemStatus::Incomplete } else { ItemStatus::Completed };
                 (ItemView::message(&id, role.as_str(), status, parts), pending)
             }
             Item::FunctionCall { call_id, name, arguments, .. } => {
-                let mut v = ItemView::message(&id, "assistant", "completed", Vec::new());
+                let mut v = ItemView::message(&id, "assistant", ItemStatus::Completed, Vec::new());
                 (v.kind, v.role, v.content, v.call_id, v.name, v.arguments) = ("function_call", None, None, call_id, Some(name), Some(arguments));
                 (v, None)
             }
             Item::FunctionCallOutput { call_id, output, .. } => {
-                let mut v = ItemView::message(&id, "user", "completed", Vec::new());
+                let mut v = ItemView::message(&id, "user", ItemStatus::Completed, Vec::new());
                 (v.kind, v.role, v.content, v.call_id, v.output) = ("function_call_output", None, None, Some(call_id.clone()), Some(output.clone()));
                 (v, Some(Pending::ToolResult { call_id, output }))
             }
             Item::Reference { id } => {
-                return Err(OaiError::param("invalid_value", "item.type", format!("item_reference {id}: only in response.input")))
+                return Err(OaiError::param(OaiErrorCode::InvalidValue, "item.type", format!("item_reference {id}: only in response.input")))
             }
         })
     }
@@ -455,14 +462,14 @@ impl Translator {
     fn create_item(&mut self, item: Item, previous: Option<&str>) -> Result<(), OaiError> {
         if let Some(id) = item.id() {
             if self.find(id).is_some() {
-                return Err(OaiError::param("invalid_value", "item.id", format!("the conversation already has an item {id}")));
+                return Err(OaiError::param(OaiErrorCode::InvalidValue, "item.id", format!("the conversation already has an item {id}")));
             }
         }
         let at = match previous {
             None => self.items.len(),
             Some("root") => 0,
             Some(p) => {
-                let i = self.find(p).ok_or_else(|| OaiError::param("invalid_value", "previous_item_id", format!("no item {p}")))?;
+                let i = self.find(p).ok_or_else(|| OaiError::param(OaiErrorCode::InvalidValue, "previous_item_id", format!("no item {p}")))?;
                 i + 1
             }
         };
@@ -478,7 +485,7 @@ impl Translator {
                 let n = output.chars().count();
                 if n > antiphon_protocol::MAX_TOOL_OUTPUT_CHARS {
                     let why = format!("a function's output of {n} characters; at most {}", antiphon_protocol::MAX_TOOL_OUTPUT_CHARS);
-                    return Err(OaiError::param("invalid_value", "item.output", why));
+                    return Err(OaiError::param(OaiErrorCode::InvalidValue, "item.output", why));
                 }
             }
             Some(Pending::Prefix(_)) | None => {}
@@ -488,7 +495,11 @@ impl Translator {
             let text: Vec<&str> = view.content.iter().flatten().map(|p| p.text.as_deref().unwrap_or("")).collect();
             let joined = self.joined_instructions(&self.session.instructions, &text);
             self.shared.check_instructions(Some(&joined)).map_err(|e| {
-                OaiError::param("invalid_value", "item.content", format!("with the session's instructions and system items: {}", e.message))
+                OaiError::param(
+                    OaiErrorCode::InvalidValue,
+                    "item.content",
+                    format!("with the session's instructions and system items: {}", e.message),
+                )
             })?;
         }
         let previous = at.checked_sub(1).map(|i| self.items[i].view.id.clone());
@@ -501,15 +512,17 @@ impl Translator {
     }
 
     async fn truncate(&mut self, item_id: &str, content_index: u32, audio_end_ms: u64) -> Result<(), OaiError> {
-        let bad = |m: String| OaiError::param("invalid_value", "audio_end_ms", m);
+        let bad = |m: String| OaiError::param(OaiErrorCode::InvalidValue, "audio_end_ms", m);
         if let Some(a) = self.active.as_mut().filter(|a| a.item_id == item_id) {
             // the response is still ending: the cut applies when it is done
             a.truncate_ms = Some(audio_end_ms);
         } else {
-            let i = self.find(item_id).ok_or_else(|| OaiError::param("item_truncate_invalid_item_id", "item_id", format!("no item {item_id}")))?;
+            let i = self
+                .find(item_id)
+                .ok_or_else(|| OaiError::param(OaiErrorCode::ItemTruncateInvalidItemId, "item_id", format!("no item {item_id}")))?;
             let it = &mut self.items[i];
             let Some(rid) = it.v1_response else {
-                return Err(OaiError::param("invalid_value", "item_id", format!("item {item_id} is not an assistant's audio")));
+                return Err(OaiError::param(OaiErrorCode::InvalidValue, "item_id", format!("item {item_id} is not an assistant's audio")));
             };
             if audio_end_ms > it.audio_ms {
                 return Err(bad(format!("audio_end_ms {audio_end_ms} is beyond the item's {} ms of audio", it.audio_ms)));
@@ -537,7 +550,7 @@ impl Translator {
         self.shared.config.server.max_input_audio_s as usize * super::input::RATE as usize
     }
 
-    pub(super) async fn cancel(&mut self, reason: &'static str) {
+    pub(super) async fn cancel(&mut self, reason: CancelReason) {
         let Some(a) = self.active.as_mut() else { return };
         a.cancelling = true;
         a.cancel_reason = Some(reason);
