@@ -215,3 +215,32 @@ fn status_reason_code_and_trigger_are_never_strings() {
     }
     assert!(bad.is_empty(), "make these closed sets of words enums: {bad:?}");
 }
+
+/// ARCHITECTURE.md is a map a newcomer reads in one sitting: under 300 lines of at most 100
+/// columns, every source file named in its code map, and no measurement history (run numbers
+/// belong in docs/performance.md, rationale in docs/design/).
+#[test]
+fn the_architecture_document_maps_every_file() {
+    let doc = std::fs::read_to_string(root().join("ARCHITECTURE.md")).unwrap();
+    let lines = doc.lines().count();
+    assert!(lines < 300, "ARCHITECTURE.md is {lines} lines: move rationale to docs/design/");
+    let wide: Vec<usize> = doc.lines().enumerate().filter(|(_, l)| l.chars().count() > 100).map(|(k, _)| k + 1).collect();
+    assert!(wide.is_empty(), "ARCHITECTURE.md lines over 100 columns: {wide:?}");
+    let words: Vec<&str> = doc.split_whitespace().collect();
+    let runs: Vec<String> = words
+        .windows(2)
+        .filter(|w| matches!(w[0].trim_start_matches('('), "run" | "runs") && w[1].starts_with(|c: char| c.is_ascii_digit()))
+        .map(|w| w.join(" "))
+        .collect();
+    assert!(runs.is_empty(), "ARCHITECTURE.md names measurements: {runs:?}");
+    let mut files = Vec::new();
+    rust_files(&root().join("src"), &mut files);
+    let unnamed: Vec<String> = files
+        .iter()
+        .filter_map(|f| f.file_name()?.to_str())
+        .filter(|n| !matches!(*n, "mod.rs" | "lib.rs" | "main.rs" | "tests.rs" | "build.rs") && !n.ends_with("_tests.rs"))
+        .filter(|n| !doc.contains(&format!("`{n}`")) && !doc.contains(&format!("/{n}`")))
+        .map(str::to_string)
+        .collect();
+    assert!(unnamed.is_empty(), "ARCHITECTURE.md's code map does not name {unnamed:?}");
+}

@@ -6,7 +6,8 @@
 
 use antiphon_protocol::{valid_tool_name, ClientEvent, PastCall, PastTurn, MAX_APPEND_TURNS, MAX_TOOL_OUTPUT_CHARS, MAX_TOOL_RESULTS};
 
-use super::translate::{new_id, ConvItem, Pending, Translator};
+use super::items::{ConvItem, Pending};
+use super::translate::{new_id, Translator};
 
 /// An item the assistant said or did (a message, or a call), unless it is the beginning the
 /// client gave the next response.

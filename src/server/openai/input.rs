@@ -12,7 +12,7 @@
 use antiphon_audio::vad::{TurnDetector, VadConfig, VadEvent};
 use antiphon_protocol::openai::{AudioFormat, OaiError, OaiErrorCode, TurnDetection};
 
-use super::translate::Pending;
+use super::items::Pending;
 
 pub const RATE: u64 = 24_000;
 const PER_MS: u64 = RATE / 1000;

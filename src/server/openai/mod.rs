@@ -21,6 +21,7 @@ use antiphon_protocol::ClientEvent;
 
 mod history;
 mod input;
+mod items;
 mod respond;
 mod start;
 mod translate;

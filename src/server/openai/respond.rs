@@ -15,7 +15,8 @@ use antiphon_protocol::{parse_server, AudioFrame, ClientEvent, DoneStatus, Recei
 use base64::Engine as _;
 use serde_json::{Map, Value};
 
-use super::translate::{cut_transcript, new_id, ConvItem, Translator};
+use super::items::{cut_transcript, ConvItem};
+use super::translate::{new_id, Translator};
 
 /// Output audio is sent once this much is gathered (or the v1 queue runs dry).
 const DELTA_SAMPLES: usize = 2400;

@@ -9,8 +9,9 @@ use antiphon_protocol::{
 use serde_json::Value;
 
 use super::input::{check_text, Joined};
+use super::items::Pending;
 use super::respond::Active;
-use super::translate::{update, Pending, Translator};
+use super::translate::{update, Translator};
 use crate::session::SessionMsg;
 
 /// v1 audio messages are sent in pieces of at most this many bytes.
