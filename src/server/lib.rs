@@ -220,18 +220,28 @@ pub async fn start(cfg: Config, models: Models) -> Result<Server> {
     if !cfg.server.web_dir.join("index.html").is_file() {
         tracing::warn!(web_dir = %cfg.server.web_dir.display(), "no index.html in server.web_dir: the demo at / answers 404");
     }
-    let voices = voices::Voices::load(&cfg)?;
-    let engine = Arc::new(Engine::start(models, cfg.engine.clone())?);
-    // saved features into Stage 2 before any request; the rest prepared before ready
-    let unprepared = voices.install_saved(&engine);
     let metrics = ServerMetrics::new();
-    let turn_model = if cfg.server.smart_turn_model.as_os_str().is_empty() {
-        None
-    } else {
-        let m = turn_model::TurnModel::load(&cfg.server.smart_turn_model, cfg.server.smart_turn_workers, &metrics.registry)?;
-        tracing::info!(model = %cfg.server.smart_turn_model.display(), "semantic_vad: the turn model is loaded");
-        Some(m)
-    };
+    // model code (the stages' graphs and warm-up, the voices' files, the turn model) runs on a
+    // blocking thread, never on a runtime worker
+    let (voices, engine, unprepared, turn_model) = tokio::task::spawn_blocking({
+        let (cfg, registry) = (cfg.clone(), metrics.registry.clone());
+        move || -> Result<_> {
+            let voices = voices::Voices::load(&cfg)?;
+            let engine = Arc::new(Engine::start(models, cfg.engine.clone())?);
+            // saved features into Stage 2 before any request; the rest prepared before ready
+            let unprepared = voices.install_saved(&engine);
+            let turn_model = if cfg.server.smart_turn_model.as_os_str().is_empty() {
+                None
+            } else {
+                let m = turn_model::TurnModel::load(&cfg.server.smart_turn_model, cfg.server.smart_turn_workers, &registry)?;
+                tracing::info!(model = %cfg.server.smart_turn_model.display(), "semantic_vad: the turn model is loaded");
+                Some(m)
+            };
+            Ok((voices, engine, unprepared, turn_model))
+        }
+    })
+    .await
+    .context("the start-up thread")??;
     let shared = Arc::new(Shared {
         config: cfg.clone(),
         engine,
