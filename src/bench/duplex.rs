@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use antiphon_protocol::DoneStatus;
 use anyhow::{anyhow, bail, Context, Result};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
@@ -105,10 +106,10 @@ async fn duplex_session(sh: Arc<Shared>, level: usize, worker: usize, level_star
                     "response.done" => {
                         if let Some((i, _, durations)) = open.remove(&v["response_id"].as_u64().unwrap_or(0)) {
                             let r = &mut records[i];
-                            r.status = v["status"].as_str().map(str::to_string);
+                            r.status = crate::done_status(&v);
                             r.chunks = v["chunks"].as_u64();
-                            r.ok = v["status"] == "completed" && !r.arrivals_ms.is_empty();
-                            if v["status"] != "completed" {
+                            r.ok = r.status == Some(DoneStatus::Completed) && !r.arrivals_ms.is_empty();
+                            if r.status != Some(DoneStatus::Completed) {
                                 r.error = Some(format!("response {}", v["status"]));
                             }
                             r.audio_ms = durations.iter().sum();

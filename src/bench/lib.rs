@@ -39,6 +39,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use antiphon_protocol::DoneStatus;
 use anyhow::{bail, Context, Result};
 use base64::Engine as _;
 use futures_util::SinkExt;
@@ -125,7 +126,8 @@ pub struct RequestRecord {
     pub prompt: usize,
     pub ok: bool,
     pub error: Option<String>,
-    pub status: Option<String>,
+    /// How the response ended (`response.done`'s `status`).
+    pub status: Option<DoneStatus>,
     /// Input end -> first text delta.
     pub ttft_ms: Option<f64>,
     /// Input end -> first audio packet.
@@ -315,9 +317,9 @@ async fn request(
                         rec.ttft_ms.get_or_insert(ms(Instant::now()));
                     }
                     "response.done" => {
-                        rec.status = v["status"].as_str().map(str::to_string);
+                        rec.status = done_status(&v);
                         rec.chunks = v["chunks"].as_u64();
-                        if v["status"] != "completed" {
+                        if rec.status != Some(DoneStatus::Completed) {
                             bail!("response {}", v["status"]);
                         }
                         break;
@@ -537,6 +539,11 @@ fn summary_of(cfg: &BenchConfig, levels: Vec<report::LevelSummary>) -> report::S
 /// Asks the server whether its weights are synthetic (`/api/build_info`), from the WebSocket URL.
 pub async fn probe_build_info(url: &str) -> Option<Value> {
     serde_json::from_str(&scrape::http_get(url, "/api/build_info").await?).ok()
+}
+
+/// A `response.done`'s status (`None`: none, or a word this client does not know).
+fn done_status(v: &serde_json::Value) -> Option<DoneStatus> {
+    serde_json::from_value(v["status"].clone()).ok()
 }
 
 #[cfg(test)]

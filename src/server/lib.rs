@@ -10,6 +10,7 @@ pub mod journal;
 pub mod openai;
 pub mod session;
 pub mod turn_model;
+mod voice_error;
 pub mod voice_features;
 pub mod voices;
 pub mod ws;

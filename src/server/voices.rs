@@ -20,6 +20,7 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 
 use super::config::Config;
+pub use super::voice_error::{VoiceError, VoiceErrorCode};
 use super::{voice_features, Shared};
 
 /// What the API says of a voice.
@@ -27,12 +28,21 @@ use super::{voice_features, Shared};
 pub struct VoiceInfo {
     pub id: String,
     pub name: String,
-    /// `configured` (`[[voices]]`, fixed) or `registered` (`POST /v1/voices`).
-    pub kind: String,
+    pub kind: VoiceKind,
     pub seconds: f64,
     pub sample_rate: u32,
     /// Unix time of the registration in seconds (0 for a configured voice).
     pub created: u64,
+}
+
+/// Where a voice comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VoiceKind {
+    /// `[[voices]]` in the configuration: fixed, never deleted.
+    Configured,
+    /// `POST /v1/voices`: kept in `server.voice_dir`.
+    Registered,
 }
 
 struct Entry {
@@ -40,50 +50,6 @@ struct Entry {
     input: RefInput,
     /// The reference key of the features Stage 2 keeps for it (registered voices).
     key: Option<String>,
-}
-
-/// A refusal: its HTTP status, a stable code and a message that names the limit or the field.
-#[derive(Debug)]
-pub struct VoiceError {
-    pub status: StatusCode,
-    pub code: &'static str,
-    pub message: String,
-    /// Seconds to wait before trying again (`Retry-After`), for a busy server.
-    pub retry_after_s: Option<u64>,
-}
-
-impl VoiceError {
-    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, code, message: message.into(), retry_after_s: None }
-    }
-
-    /// What Stage 2's refusal means for the caller: busy is 503 with `Retry-After`, audio that
-    /// cannot make a voice is 400 `bad_audio`.
-    pub fn from_refusal(r: antiphon_engine::voices::PrepareRefused) -> Self {
-        use antiphon_engine::voices::PrepareRefused;
-        match r {
-            PrepareRefused::Busy { .. } => Self {
-                retry_after_s: Some(BUSY_RETRY_AFTER_S),
-                ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "busy", format!("{r}: try again in {BUSY_RETRY_AFTER_S} s"))
-            },
-            PrepareRefused::Unusable(why) => {
-                Self::new(StatusCode::BAD_REQUEST, "bad_audio", format!("the audio cannot be prepared as a voice: {why}"))
-            }
-        }
-    }
-}
-
-/// When a busy server asks a registration to come back (a preparation takes tens of ms on a GPU).
-const BUSY_RETRY_AFTER_S: u64 = 1;
-
-impl IntoResponse for VoiceError {
-    fn into_response(self) -> Response {
-        let body = Json(serde_json::json!({"error": {"code": self.code, "message": self.message}}));
-        match self.retry_after_s {
-            Some(s) => (self.status, [(axum::http::header::RETRY_AFTER, s.to_string())], body).into_response(),
-            None => (self.status, body).into_response(),
-        }
-    }
 }
 
 /// Every voice a session can name.
@@ -106,7 +72,7 @@ const PREPARE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120)
 /// features, or why not (`bad_audio` when the audio cannot make a voice, 503 when the engine is
 /// stopped or does not answer in time).
 pub fn prepare_with(engine: &Engine, input: RefInput) -> Result<PreparedVoice, VoiceError> {
-    let unavailable = |m: String| VoiceError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", m);
+    let unavailable = |m: String| VoiceError::new(StatusCode::SERVICE_UNAVAILABLE, VoiceErrorCode::Unavailable, m);
     let rx = engine.prepare_voice(input).map_err(|e| unavailable(format!("{e:#}")))?;
     match rx.recv_timeout(PREPARE_TIMEOUT) {
         Ok(Ok(v)) => Ok(v),
@@ -137,7 +103,7 @@ impl Voices {
                 anyhow::bail!("voice {} ({}): {why}", v.id, v.wav.display());
             }
             let seconds = samples.len() as f64 / f64::from(rate.max(1));
-            let info = VoiceInfo { id: v.id.clone(), name: v.id.clone(), kind: "configured".into(), seconds, sample_rate: rate, created: 0 };
+            let info = VoiceInfo { id: v.id.clone(), name: v.id.clone(), kind: VoiceKind::Configured, seconds, sample_rate: rate, created: 0 };
             entries.insert(v.id.clone(), Entry { info, input: RefInput::new(samples, rate), key: None });
             configured.push(v.id.clone());
         }
@@ -185,7 +151,7 @@ impl Voices {
 
     fn read_registered(meta: &Path) -> Result<Entry> {
         let info: VoiceInfo = serde_json::from_slice(&std::fs::read(meta)?).context("metadata")?;
-        if !registered_id_ok(&info.id) || info.kind != "registered" {
+        if !registered_id_ok(&info.id) || info.kind != VoiceKind::Registered {
             anyhow::bail!("id {:?} / kind {:?}", info.id, info.kind);
         }
         let bytes = std::fs::read(meta.with_extension("wav")).context("its audio")?;
@@ -200,7 +166,7 @@ impl Voices {
         let mut m = self.entries.write().unwrap_or_else(|e| e.into_inner());
         let mut missing = Vec::new();
         let mut installed = 0;
-        for (id, e) in m.iter_mut().filter(|(_, e)| e.info.kind == "registered") {
+        for (id, e) in m.iter_mut().filter(|(_, e)| e.info.kind == VoiceKind::Registered) {
             match voice_features::load(dir, id, &self.fingerprint) {
                 Ok(Some(v)) => {
                     let key = v.key.clone();
@@ -239,7 +205,7 @@ impl Voices {
                         e.key = Some(v.key);
                     }
                 }
-                Err(err) => tracing::warn!("voice {id}: not prepared ({}): {}", err.code, err.message),
+                Err(err) => tracing::warn!(code = ?err.code, "voice {id}: not prepared: {}", err.message),
             }
         }
     }
@@ -262,7 +228,7 @@ impl Voices {
     pub fn list(&self) -> Vec<VoiceInfo> {
         let m = self.entries.read().unwrap_or_else(|e| e.into_inner());
         let mut out: Vec<VoiceInfo> = self.configured.iter().filter_map(|id| m.get(id)).map(|e| e.info.clone()).collect();
-        let mut registered: Vec<VoiceInfo> = m.values().filter(|e| e.info.kind == "registered").map(|e| e.info.clone()).collect();
+        let mut registered: Vec<VoiceInfo> = m.values().filter(|e| e.info.kind == VoiceKind::Registered).map(|e| e.info.clone()).collect();
         registered.sort_by(|a, b| (a.created, &a.id).cmp(&(b.created, &b.id)));
         out.extend(registered);
         out
@@ -283,38 +249,42 @@ impl Voices {
         let bad = |code, m: String| VoiceError::new(StatusCode::BAD_REQUEST, code, m);
         let name = name.trim();
         if name.is_empty() || name.chars().count() > 64 || name.chars().any(char::is_control) {
-            return Err(bad("bad_field", "query parameter `name`: 1 to 64 characters, none of them control characters".into()));
+            return Err(bad(VoiceErrorCode::BadField, "query parameter `name`: 1 to 64 characters, none of them control characters".into()));
         }
         if bytes.len() > self.max_bytes {
             return Err(VoiceError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
-                "too_large",
+                VoiceErrorCode::TooLarge,
                 format!("the upload is {} bytes, more than this server takes (server.max_voice_bytes = {})", bytes.len(), self.max_bytes),
             ));
         }
         if !bytes.starts_with(b"RIFF") {
-            return Err(bad("bad_audio", "the body is not a WAV file (it must start with RIFF)".into()));
+            return Err(bad(VoiceErrorCode::BadAudio, "the body is not a WAV file (it must start with RIFF)".into()));
         }
-        let (samples, rate) = antiphon_audio::decode_wav(bytes).map_err(|e| bad("bad_audio", format!("the WAV file cannot be read: {e:#}")))?;
+        let (samples, rate) =
+            antiphon_audio::decode_wav(bytes).map_err(|e| bad(VoiceErrorCode::BadAudio, format!("the WAV file cannot be read: {e:#}")))?;
         if !(8000..=192_000).contains(&rate) {
-            return Err(bad("bad_audio", format!("sample rate {rate} Hz: 8000 to 192000 are taken")));
+            return Err(bad(VoiceErrorCode::BadAudio, format!("sample rate {rate} Hz: 8000 to 192000 are taken")));
         }
         if samples.is_empty() || samples.iter().any(|s| !s.is_finite()) {
-            return Err(bad("bad_audio", "no samples, or samples that are not finite numbers".into()));
+            return Err(bad(VoiceErrorCode::BadAudio, "no samples, or samples that are not finite numbers".into()));
         }
         if let Some(why) = antiphon_audio::voice_fault(&samples, rate) {
-            return Err(bad("bad_audio", why));
+            return Err(bad(VoiceErrorCode::BadAudio, why));
         }
         let seconds = samples.len() as f64 / f64::from(rate);
         if seconds > self.max_seconds {
-            return Err(bad("too_long", format!("{seconds:.1} s of audio, more than this server takes (server.max_voice_s = {})", self.max_seconds)));
+            return Err(bad(
+                VoiceErrorCode::TooLong,
+                format!("{seconds:.1} s of audio, more than this server takes (server.max_voice_s = {})", self.max_seconds),
+            ));
         }
         let full = |m: &HashMap<String, Entry>| {
-            let registered = m.values().filter(|e| e.info.kind == "registered").count();
+            let registered = m.values().filter(|e| e.info.kind == VoiceKind::Registered).count();
             (registered >= self.max_voices).then(|| {
                 VoiceError::new(
                     StatusCode::CONFLICT,
-                    "too_many_voices",
+                    VoiceErrorCode::TooManyVoices,
                     format!("{registered} voices are registered, the most this server keeps (server.max_voices); delete one first"),
                 )
             })
@@ -355,14 +325,14 @@ impl Voices {
                 break id;
             }
         };
-        let info = VoiceInfo { id: id.clone(), name: name.to_string(), kind: "registered".into(), seconds, sample_rate: rate, created: now_unix() };
+        let info = VoiceInfo { id: id.clone(), name: name.to_string(), kind: VoiceKind::Registered, seconds, sample_rate: rate, created: now_unix() };
         if let Some(dir) = &self.dir {
             if let Err(e) = self.persist(dir, &info, bytes, prepared) {
                 // a voice half written is no voice: what was written goes
                 if let Err(r) = remove_files(dir, &info.id) {
                     tracing::warn!("voice {}: its partly written files could not all be removed: {r}", info.id);
                 }
-                return Err(VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("keeping the voice: {e:#}")));
+                return Err(VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, VoiceErrorCode::Internal, format!("keeping the voice: {e:#}")));
             }
         }
         m.insert(id, Entry { info: info.clone(), input, key: Some(prepared.key.clone()) });
@@ -388,19 +358,20 @@ impl Voices {
     /// it keep their copy.
     pub fn delete(&self, id: &str) -> Result<Option<String>, VoiceError> {
         let mut m = self.entries.write().unwrap_or_else(|e| e.into_inner());
-        match m.get(id).map(|e| e.info.kind.as_str()) {
+        match m.get(id).map(|e| e.info.kind) {
             None => return Err(not_found(id)),
-            Some("configured") => {
+            Some(VoiceKind::Configured) => {
                 return Err(VoiceError::new(
                     StatusCode::CONFLICT,
-                    "configured_voice",
+                    VoiceErrorCode::ConfiguredVoice,
                     format!("voice {id:?} is configured ([[voices]]); it cannot be deleted"),
                 ))
             }
             Some(_) => {}
         }
         if let Some(dir) = &self.dir {
-            remove_files(dir, id).map_err(|e| VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("deleting the voice: {e}")))?;
+            remove_files(dir, id)
+                .map_err(|e| VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, VoiceErrorCode::Internal, format!("deleting the voice: {e}")))?;
         }
         let key = m.remove(id).and_then(|e| e.key);
         Ok(key.filter(|k| !m.values().any(|e| e.key.as_ref() == Some(k))))
@@ -423,7 +394,7 @@ fn remove_files(dir: &Path, id: &str) -> std::io::Result<()> {
 }
 
 fn not_found(id: &str) -> VoiceError {
-    VoiceError::new(StatusCode::NOT_FOUND, "not_found", format!("no voice {id:?}"))
+    VoiceError::new(StatusCode::NOT_FOUND, VoiceErrorCode::NotFound, format!("no voice {id:?}"))
 }
 
 #[derive(Deserialize)]
@@ -437,13 +408,17 @@ pub async fn register(State(shared): State<Arc<Shared>>, q: Query<RegisterQuery>
         Ok(b) => b,
         Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
             let max = shared.config.server.max_voice_bytes;
-            return VoiceError::new(e.status(), "too_large", format!("the upload is more than this server takes (server.max_voice_bytes = {max})"))
-                .into_response();
+            return VoiceError::new(
+                e.status(),
+                VoiceErrorCode::TooLarge,
+                format!("the upload is more than this server takes (server.max_voice_bytes = {max})"),
+            )
+            .into_response();
         }
-        Err(e) => return VoiceError::new(e.status(), "bad_request", e.body_text()).into_response(),
+        Err(e) => return VoiceError::new(e.status(), VoiceErrorCode::BadRequest, e.body_text()).into_response(),
     };
     let Some(name) = q.0.name else {
-        return VoiceError::new(StatusCode::BAD_REQUEST, "bad_field", "query parameter `name` is required").into_response();
+        return VoiceError::new(StatusCode::BAD_REQUEST, VoiceErrorCode::BadField, "query parameter `name` is required").into_response();
     };
     let s = shared.clone();
     match tokio::task::spawn_blocking(move || {
@@ -453,7 +428,7 @@ pub async fn register(State(shared): State<Arc<Shared>>, q: Query<RegisterQuery>
     {
         Ok(Ok(info)) => (StatusCode::CREATED, Json(info)).into_response(),
         Ok(Err(e)) => e.into_response(),
-        Err(e) => VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("{e}")).into_response(),
+        Err(e) => VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, VoiceErrorCode::Internal, format!("{e}")).into_response(),
     }
 }
 
@@ -484,7 +459,7 @@ pub async fn remove(State(shared): State<Arc<Shared>>, UrlPath(id): UrlPath<Stri
     {
         Ok(Ok(())) => StatusCode::NO_CONTENT.into_response(),
         Ok(Err(e)) => e.into_response(),
-        Err(e) => VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("{e}")).into_response(),
+        Err(e) => VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, VoiceErrorCode::Internal, format!("{e}")).into_response(),
     }
 }
 
@@ -515,11 +490,16 @@ mod tests {
     fn a_busy_registry_says_try_again_and_bad_audio_says_why() {
         use antiphon_engine::voices::PrepareRefused;
         let busy = VoiceError::from_refusal(PrepareRefused::Busy { waiting: 16 });
-        assert_eq!((busy.status, busy.code, busy.retry_after_s), (StatusCode::SERVICE_UNAVAILABLE, "busy", Some(1)), "{}", busy.message);
+        assert_eq!(
+            (busy.status, busy.code, busy.retry_after_s),
+            (StatusCode::SERVICE_UNAVAILABLE, VoiceErrorCode::Busy, Some(1)),
+            "{}",
+            busy.message
+        );
         let r = busy.into_response();
         assert_eq!(r.headers().get(axum::http::header::RETRY_AFTER).and_then(|v| v.to_str().ok()), Some("1"));
         let bad = VoiceError::from_refusal(PrepareRefused::Unusable("too short".into()));
-        assert_eq!((bad.status, bad.code, bad.retry_after_s), (StatusCode::BAD_REQUEST, "bad_audio", None));
+        assert_eq!((bad.status, bad.code, bad.retry_after_s), (StatusCode::BAD_REQUEST, VoiceErrorCode::BadAudio, None));
         assert!(bad.message.contains("too short"), "{}", bad.message);
         assert!(bad.into_response().headers().get(axum::http::header::RETRY_AFTER).is_none());
     }
@@ -532,10 +512,10 @@ mod tests {
         let mut forgotten = Vec::new();
         // its audio is written first; its features (not finite) then cannot be
         let e = v.register("x", &wav(), |_| Ok(prepared("k1", f32::NAN)), |k| forgotten.push(k.to_string())).unwrap_err();
-        assert_eq!((e.status, e.code), (StatusCode::INTERNAL_SERVER_ERROR, "internal"), "{}", e.message);
+        assert_eq!((e.status, e.code), (StatusCode::INTERNAL_SERVER_ERROR, VoiceErrorCode::Internal), "{}", e.message);
         assert_eq!(files(), 0, "the audio written before the failure is gone");
         assert_eq!(forgotten, ["k1"], "Stage 2 is told to drop the features");
-        assert!(v.list().iter().all(|i| i.kind != "registered"));
+        assert!(v.list().iter().all(|i| i.kind != VoiceKind::Registered));
         // one that can be kept: its three files, nothing forgotten
         let info = v.register("y", &wav(), |_| Ok(prepared("k2", 0.5)), |k| forgotten.push(k.to_string())).unwrap();
         assert_eq!(files(), 3);

@@ -189,18 +189,16 @@ fn string_fields<'a>(line: &str, names: &[&'a str]) -> Vec<&'a str> {
     found
 }
 
-/// Contracts between layers are types: in the protocol's and the engine's types no field named
-/// `status`, `reason`, `code` or `trigger` holds a string (each is an enum with its words).
+/// Contracts between layers are types: in no crate's types does a field named `status`,
+/// `reason`, `code` or `trigger` hold a string (each is an enum with its words).
 #[test]
 fn status_reason_code_and_trigger_are_never_strings() {
     assert_eq!(string_fields("    ToolCallInvalid { seq: u64, reason: String },", &["reason"]), ["reason"]);
     assert_eq!(string_fields("    pub code: &'static str,", &["code"]), ["code"]);
     assert!(string_fields("    pub status: ItemStatus, error_code: String", &["status", "code"]).is_empty());
     let mut files = Vec::new();
-    for d in ["src/protocol", "src/engine"] {
-        rust_files(&root().join(d), &mut files);
-    }
-    assert!(files.len() > 20, "found only {} files", files.len());
+    rust_files(&root().join("src"), &mut files);
+    assert!(files.len() > 100, "found only {} files", files.len());
     let mut bad = Vec::new();
     for f in &files {
         for (k, line) in std::fs::read_to_string(f).unwrap().lines().enumerate() {
