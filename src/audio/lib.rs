@@ -63,8 +63,12 @@ pub const MIN_VOICE_S: f64 = 0.5;
 /// The quietest a reference voice may be (its RMS, in dBFS): below it there is no voice to clone.
 pub const MIN_VOICE_DBFS: f64 = -60.0;
 
-/// Why `samples` at `rate` Hz cannot be a reference voice (too short, or silent), or `None`.
+/// Why `samples` at `rate` Hz cannot be a reference voice (not finite, too short, or silent), or
+/// `None`: the one check of a voice, wherever its audio comes in.
 pub fn voice_fault(samples: &[f32], rate: u32) -> Option<String> {
+    if samples.iter().any(|s| !s.is_finite()) {
+        return Some("the audio holds samples that are not finite numbers".into());
+    }
     let seconds = samples.len() as f64 / f64::from(rate.max(1));
     if seconds < MIN_VOICE_S {
         return Some(format!("{seconds:.2} s of audio: a voice needs at least {MIN_VOICE_S} s of speech"));
@@ -137,6 +141,9 @@ mod tests {
         let hiss: Vec<f32> = (0..32_000).map(|i| if i % 2 == 0 { 1e-4 } else { -1e-4 }).collect();
         assert!(voice_fault(&hiss, 16_000).is_some(), "-80 dBFS is no voice");
         assert!(voice_fault(&[f32::NAN; 16_000], 16_000).is_some());
+        let mut loud = sine(200.0, 16_000, 1.0);
+        loud[7] = f32::INFINITY;
+        assert!(voice_fault(&loud, 16_000).is_some(), "an infinite sample is no voice");
     }
 
     #[test]

@@ -16,8 +16,10 @@ pub mod admission;
 pub mod caches;
 pub mod capacity;
 pub mod chunker;
+pub mod clips;
 pub mod config;
 pub mod contain;
+pub mod fit;
 pub mod gate;
 pub mod messages;
 pub mod metrics;
@@ -253,8 +255,8 @@ impl Engine {
             0
         };
         let limits = antiphon_protocol::GenerationLimits {
-            max_text_tokens: ctx0.saturating_sub(256).min(ctx1.saturating_sub(3)),
-            max_audio_tokens: ctx1.saturating_sub(cfg.default_max_text_tokens + 2),
+            max_text_tokens: fit::max_reply(ctx0, ctx1),
+            max_audio_tokens: fit::max_codes(ctx1, cfg.default_max_text_tokens),
         };
         let cfg = Arc::new(cfg);
         let metrics = EngineMetrics::new();
@@ -349,7 +351,7 @@ impl Engine {
     /// what the Thinker's context leaves after them, the voice's system turn and a reply of the
     /// default length. Such an input always fits: the conversation's oldest turns give way to it.
     pub fn max_input_tokens(&self, instructions_tokens: usize) -> usize {
-        self.thinker_context.saturating_sub(instructions_tokens + self.voice_rows + SYSTEM_TURN_TOKENS + self.cfg.default_max_text_tokens + 64)
+        fit::max_input(self.thinker_context, instructions_tokens + self.voice_rows + SYSTEM_TURN_TOKENS, self.cfg.default_max_text_tokens)
     }
 
     pub fn metrics(&self) -> &EngineMetrics {
@@ -365,9 +367,8 @@ impl Engine {
     /// unless it is a duplex request). It starts when a place is free (admission.rs): until then it
     /// waits in the queue, and with the queue full it is refused ([`SubmitError::Busy`]).
     pub fn submit(&self, spec: RequestSpec, sink: EventSink) -> Result<(), SubmitError> {
-        let v = &spec.voice;
-        if v.samples.is_empty() || v.sample_rate == 0 || v.samples.iter().any(|s| !s.is_finite()) {
-            return Err(SubmitError::Invalid("the reference voice must be non-empty, finite audio with a sample rate".into()));
+        if let Some(why) = spec.voice.fault() {
+            return Err(SubmitError::Invalid(why.into()));
         }
         if self.registry.is_live(&spec.id) {
             return Err(SubmitError::Invalid(format!("request {} is already live", spec.id)));
@@ -403,9 +404,8 @@ impl Engine {
     /// stream (no prefetch while any is open) until [`Engine::close_duplex`]. It holds a place
     /// (taken here unless [`Engine::reserve_duplex`] took it) until then.
     pub fn open_duplex(&self, spec: DuplexSpec, sink: DuplexSink) -> Result<()> {
-        let v = &spec.voice;
-        if v.samples.is_empty() || v.sample_rate == 0 || v.samples.iter().any(|s| !s.is_finite()) {
-            bail!("the reference voice must be non-empty, finite audio with a sample rate");
+        if let Some(why) = spec.voice.fault() {
+            bail!(why);
         }
         if let DuplexPolicy::SpeakEvery(0) = spec.policy {
             bail!("speak_every needs k >= 1");
@@ -453,8 +453,8 @@ impl Engine {
     /// features there until [`Engine::forget_voice`]; the features (host copies, to be saved) come
     /// on the returned channel.
     pub fn prepare_voice(&self, voice: RefInput) -> Result<Receiver<Result<voices::PreparedVoice, voices::PrepareRefused>>> {
-        if voice.samples.is_empty() || voice.sample_rate == 0 || voice.samples.iter().any(|s| !s.is_finite()) {
-            bail!("the reference voice must be non-empty, finite audio with a sample rate");
+        if let Some(why) = voice.fault() {
+            bail!(why);
         }
         let (tx, rx) = mpsc::sync_channel(1);
         if !self.to2.as_ref().map(|t| t.send(Stage2Msg::Prepare { voice, reply: tx }).is_ok()).unwrap_or(false) {

@@ -424,9 +424,8 @@ impl StageLoop for Stage1 {
                 // room for the longest text, its two closing embeddings and every code: the cache
                 // never grows (a growth would need a new decode graph); with text chunks, room for
                 // two chunks' conditions and every code (a window holds at most that)
-                let chunked = mode == Mode::Turn && self.cfg.talker_text_chunk > 0;
-                let need = self.cfg.default_max_text_tokens.saturating_add(2).saturating_add(max_codes);
-                let need = if chunked { need.max(2 * (self.cfg.talker_text_chunk + 2) + max_codes) } else { need };
+                let chunk = (mode == Mode::Turn && self.cfg.talker_text_chunk > 0).then_some(self.cfg.talker_text_chunk);
+                let need = crate::fit::talker_rows(self.cfg.default_max_text_tokens, max_codes, chunk);
                 let context = self.talker.decoder().config().max_positions;
                 if need > context {
                     let why = format!(
@@ -468,7 +467,7 @@ impl StageLoop for Stage1 {
                     chunker: Chunker::for_stream(&self.cfg, first, mode == Mode::Turn),
                     codes: 0,
                     duplex: (mode == Mode::Duplex).then(DuplexTalk::default),
-                    chunks: chunked.then(|| TextChunks::new(text_tokens, min_codes, max_codes)),
+                    chunks: chunk.is_some().then(|| TextChunks::new(text_tokens, min_codes, max_codes)),
                     hold_first: !busy,
                 };
                 self.remove(&id);

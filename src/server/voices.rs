@@ -266,9 +266,6 @@ impl Voices {
         if !(8000..=192_000).contains(&rate) {
             return Err(bad(VoiceErrorCode::BadAudio, format!("sample rate {rate} Hz: 8000 to 192000 are taken")));
         }
-        if samples.is_empty() || samples.iter().any(|s| !s.is_finite()) {
-            return Err(bad(VoiceErrorCode::BadAudio, "no samples, or samples that are not finite numbers".into()));
-        }
         if let Some(why) = antiphon_audio::voice_fault(&samples, rate) {
             return Err(bad(VoiceErrorCode::BadAudio, why));
         }

@@ -242,3 +242,38 @@ fn the_architecture_document_maps_every_file() {
         .collect();
     assert!(unnamed.is_empty(), "ARCHITECTURE.md's code map does not name {unnamed:?}");
 }
+
+/// Lines of `src/engine` and `src/server` outside `allowed` that contain one of `all` (every one).
+fn lines_with(all: &[&str], allowed: &str) -> Vec<String> {
+    let mut files = Vec::new();
+    for d in ["src/engine", "src/server"] {
+        rust_files(&root().join(d), &mut files);
+    }
+    let mut hits = Vec::new();
+    for f in files.iter().filter(|f| !f.ends_with(allowed)) {
+        for (k, line) in std::fs::read_to_string(f).unwrap().lines().enumerate() {
+            if all.iter().all(|w| line.contains(w)) {
+                hits.push(format!("{}:{}", f.strip_prefix(root()).unwrap().display(), k + 1));
+            }
+        }
+    }
+    hits
+}
+
+/// The context-fit rule and the voice check are each defined once: a check of a request against a
+/// context is a call into `src/engine/fit.rs`, whether audio makes a voice is
+/// `antiphon_audio::voice_fault`, whether samples can reach a stage is `RefInput::fault`.
+#[test]
+fn the_context_fit_rule_and_the_voice_check_are_defined_once() {
+    let mut twice = Vec::new();
+    for sum in ["saturating_sub(", "checked_add(", "checked_sub("] {
+        for size in ["context", "max_positions", "ctx0", "ctx1"] {
+            twice.extend(lines_with(&[size, sum], "src/engine/fit.rs").into_iter().filter(|l| !l.contains("with_context")));
+        }
+    }
+    assert!(twice.is_empty(), "context arithmetic outside src/engine/fit.rs: {twice:?}");
+    for check in [["samples.is_empty()", "is_finite"], ["MIN_VOICE_S", "<"], ["MIN_VOICE_DBFS", "<"]] {
+        let again = lines_with(&check, "src/engine/clips.rs");
+        assert!(again.is_empty(), "a second voice check ({check:?}): {again:?}");
+    }
+}

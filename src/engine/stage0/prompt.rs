@@ -116,7 +116,7 @@ pub(super) fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<Prompt> 
     // the oldest turns give way when the conversation outgrows the context: the history keeps at
     // most half of what the reply leaves, and never more than the system turn and the input leave
     // (so an input within `Engine::max_input_tokens` always fits)
-    let budget = ctx.context().saturating_sub(spec.generation.max_text_tokens.unwrap_or(ctx.cfg.default_max_text_tokens) + 64);
+    let budget = crate::fit::prompt_budget(ctx.context(), spec.generation.max_text_tokens.unwrap_or(ctx.cfg.default_max_text_tokens));
     let fixed = count_tokens(ctx, &instructions) + voice_rows + crate::SYSTEM_TURN_TOKENS + input_size(ctx, &spec.input);
     let room = budget.saturating_sub(fixed).min(budget / 2);
     let sizes = turn_sizes(ctx, &spec.history);

@@ -85,11 +85,6 @@ fn store_prefix(ctx: &mut Ctx, voice: u64, key: Vec<u32>, cache: &KvCache) {
     }
 }
 
-/// Whether a prompt of `prompt` positions and a reply of up to `max` tokens fit `context`.
-fn prompt_len_fits(prompt: usize, max: usize, context: usize) -> Result<(), ()> {
-    prompt.checked_add(max).and_then(|n| n.checked_add(8)).filter(|&n| n <= context).map(|_| ()).ok_or(())
-}
-
 impl TurnStream {
     pub fn id(&self) -> &RequestId {
         &self.id
@@ -123,7 +118,7 @@ impl TurnStream {
         let s = *ctx.tok.special();
         let max = g.max_text_tokens.unwrap_or(ctx.cfg.default_max_text_tokens);
         let min = g.min_text_tokens.unwrap_or(0);
-        if prompt_len_fits(ids.len(), max, context).is_err() {
+        if !crate::fit::prompt_and_reply_fit(ids.len(), max, context) {
             let why = format!(
                 "field `generation.max_text_tokens`: {max}; the prompt ({} positions) and the reply do not fit the context ({context})",
                 ids.len()
