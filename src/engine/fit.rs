@@ -57,6 +57,19 @@ pub fn talker_rows(text: usize, codes: usize, chunk: Option<usize>) -> usize {
     }
 }
 
+/// 16 kHz samples a duplex unit's audio position covers (the Thinker hears 10 a second).
+pub const UNIT_SAMPLES_PER_POSITION: usize = 1600;
+
+/// The Thinker's markers around a duplex unit's audio, and around a spoken unit's text.
+pub const UNIT_MARKERS: usize = 2;
+
+/// The positions a duplex session's cache holds after its next unit of `unit_samples` and a whole
+/// spoken unit of up to `unit_text` tokens after it: the unit's markers and audio, then the text
+/// and its markers.
+pub fn duplex_rows_after_unit(cache: usize, unit_samples: usize, unit_text: usize) -> usize {
+    cache + UNIT_MARKERS + unit_samples / UNIT_SAMPLES_PER_POSITION + unit_text + UNIT_MARKERS
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,5 +89,6 @@ mod tests {
         assert_eq!(max_codes(4096, 512), 4096 - 512 - TALKER_MARKERS);
         assert_eq!(talker_rows(512, 100, None), 614);
         assert_eq!(talker_rows(0, 100, Some(10)), 124);
+        assert_eq!(duplex_rows_after_unit(500, 16_000, 20), 500 + 2 + 10 + 20 + 2);
     }
 }

@@ -424,7 +424,7 @@ impl Engine {
 
     /// The next unit of a duplex session: 16 kHz mono, a whole number of 100 ms (1 s by default).
     pub fn duplex_unit(&self, session: &str, samples: Vec<f32>) -> Result<()> {
-        if samples.is_empty() || !samples.len().is_multiple_of(1600) {
+        if samples.is_empty() || !samples.len().is_multiple_of(fit::UNIT_SAMPLES_PER_POSITION) {
             bail!("a duplex unit is a whole number of 100 ms at 16 kHz, not {} samples", samples.len());
         }
         if samples.iter().any(|s| !s.is_finite()) {

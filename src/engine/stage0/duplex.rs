@@ -294,8 +294,7 @@ pub fn intake(ctx: &mut Ctx, streams: &mut [DuplexStream]) {
         let Some((x, t)) = d.units.pop_front() else {
             continue;
         };
-        // the unit's markers and audio, and a whole spoken unit after it
-        let need = d.cache.len() + 2 + x.len() / 1600 + MAX_UNIT_TEXT_TOKENS + 2;
+        let need = crate::fit::duplex_rows_after_unit(d.cache.len(), x.len(), MAX_UNIT_TEXT_TOKENS);
         if need > limit {
             tracing::info!(session = %d.spec.session, "duplex context full");
             d.end(ctx, DuplexEnd::ContextFull);
