@@ -131,6 +131,10 @@ pub struct EngineConfig {
     /// starts theirs first (a decode step is a few ms; Code2Wav's chunks are hundreds). Off by
     /// default; on in the GPU configuration (docs/performance.md).
     pub stage_priorities: bool,
+    /// With stage priorities: a Thinker step that holds a reply still before its first hand-off
+    /// (its prompt, or its first text) does not wait for the gate (gate.rs). That reply's first
+    /// audio is a caller's too; under arrivals the waits took 15 % of the Thinker's time.
+    pub gate_spares_new_replies: bool,
     /// On a GPU, f32 matrix products (the vocoder's convolutions, reference preparation) run on
     /// tensor cores in TF32 (10-bit mantissa products, f32 sums); off: full f32. Process-wide.
     pub gpu_tf32: bool,
@@ -235,6 +239,7 @@ impl Default for EngineConfig {
             code2wav_slot_frames: 576,
             code2wav_pool_graphs: 16,
             stage_priorities: false,
+            gate_spares_new_replies: false,
             gpu_tf32: true,
             ref_cache_capacity: 4,
             setup_cache_capacity: 1,

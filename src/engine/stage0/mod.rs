@@ -143,6 +143,12 @@ pub trait ThinkerStream {
     fn fail(&mut self, ctx: &mut Ctx, why: &str);
     /// Over: handed off, failed, cancelled or closed; the scheduler drops it after the step.
     fn ended(&self, ctx: &Ctx) -> bool;
+
+    /// A reply whose text has not yet begun to go to the Talker (its prompt, or its first text):
+    /// a caller waits for its first audio.
+    fn before_first_hand_off(&self) -> bool {
+        false
+    }
 }
 
 pub struct Stage0 {
@@ -279,8 +285,10 @@ impl Stage0 {
         }
         let n = picked.len();
         ctx.step_streams = n;
-        // (a Talker prefill for a first code would wait behind this step's kernels: it goes first)
-        let waited = ctx.gate.wait_open(crate::gate::MAX_WAIT);
+        // (a Talker prefill for a first code would wait behind this step's kernels: it goes first,
+        // unless this step's own replies are before their hand-off and `gate_spares_new_replies`)
+        let spared = ctx.cfg.gate_spares_new_replies && picked.iter().any(|(s, _)| s.before_first_hand_off());
+        let waited = if spared { std::time::Duration::ZERO } else { ctx.gate.wait_open(crate::gate::MAX_WAIT) };
         if waited > std::time::Duration::from_micros(200) {
             tracing::debug!(ms = waited.as_secs_f64() * 1e3, "thinker step waited for a talker prefill");
         }

@@ -461,6 +461,10 @@ impl ThinkerStream for TurnStream {
     fn ended(&self, ctx: &Ctx) -> bool {
         self.done || !ctx.registry.is_live(&self.id)
     }
+
+    fn before_first_hand_off(&self) -> bool {
+        !self.done && !self.text_only && self.streamed == 0
+    }
 }
 
 /// The wire's word for what is wrong with a call.
