@@ -27,7 +27,8 @@ fn bench(c: &mut Criterion) {
             c2w.setup(&f).unwrap()
         })
     });
-    let first: Vec<u32> = std::iter::repeat_n(SILENCE_CODE, 3).chain((0..25).map(|i| (i * 97) % 6561)).collect();
+    let first: Vec<u32> =
+        std::iter::repeat_n(SILENCE_CODE, 3).chain((0..25).map(|i| (i * 97) % 6561)).collect();
     let steady: Vec<u32> = (0..28).map(|i| (i * 131 + 7) % 6561).collect();
     g.bench_function("steady_chunk_25_plus_3", |b| {
         b.iter_batched(

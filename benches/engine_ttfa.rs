@@ -11,12 +11,20 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use antiphon_assets::synth::{models_in_memory, Preset};
-use antiphon_engine::{Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, UserInput};
+use antiphon_engine::{
+    Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec,
+    Status, UserInput,
+};
 use candle_core::{DType, Device};
 
 fn voice(n: usize) -> RefInput {
     let f = 120.0 + 7.0 * n as f32;
-    RefInput::new((0..16_000 * 6).map(|i| 0.3 * (i as f32 * f / 16_000.0 * std::f32::consts::TAU).sin()).collect(), 16_000)
+    RefInput::new(
+        (0..16_000 * 6)
+            .map(|i| 0.3 * (i as f32 * f / 16_000.0 * std::f32::consts::TAU).sin())
+            .collect(),
+        16_000,
+    )
 }
 
 fn one(e: &Engine, id: String, n: usize) -> (f64, f64) {
@@ -44,9 +52,14 @@ fn one(e: &Engine, id: String, n: usize) -> (f64, f64) {
     let tx = std::sync::Mutex::new(tx);
     e.submit(spec, Arc::new(move |ev| drop(tx.lock().unwrap().send(ev)))).unwrap();
     loop {
-        if let EngineEvent::Done { status, timings, .. } = rx.recv_timeout(Duration::from_secs(300)).unwrap() {
+        if let EngineEvent::Done { status, timings, .. } =
+            rx.recv_timeout(Duration::from_secs(300)).unwrap()
+        {
             assert_eq!(status, Status::Completed);
-            return (timings.first_audio_ms().unwrap(), timings.first_text_ms().unwrap_or(f64::NAN));
+            return (
+                timings.first_audio_ms().unwrap(),
+                timings.first_text_ms().unwrap_or(f64::NAN),
+            );
         }
     }
 }
@@ -60,7 +73,11 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 fn main() {
     let per = std::env::var("REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(8usize);
     let sets = std::env::var("SETS").unwrap_or_else(|_| "prefetch_on,prefetch_off".into());
-    let levels: Vec<usize> = std::env::var("LEVELS").unwrap_or_else(|_| "1,4".into()).split(',').filter_map(|v| v.parse().ok()).collect();
+    let levels: Vec<usize> = std::env::var("LEVELS")
+        .unwrap_or_else(|_| "1,4".into())
+        .split(',')
+        .filter_map(|v| v.parse().ok())
+        .collect();
     println!("| config | C | requests | TTFA mean ms | p50 | p95 | TTFT p50 ms | prefetch phase A runs | claims | inline |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for set in sets.split(',') {
@@ -68,21 +85,34 @@ fn main() {
             "prefetch_on" => EngineConfig::default(),
             "prefetch_off" => EngineConfig { prefetch: false, ..EngineConfig::default() },
             "prefetch_ab" => EngineConfig { prefetch_setup: true, ..EngineConfig::default() },
-            "stream_prefill" => EngineConfig { talker_streaming_prefill: true, ..EngineConfig::default() },
+            "stream_prefill" => {
+                EngineConfig { talker_streaming_prefill: true, ..EngineConfig::default() }
+            }
             other => panic!("unknown set {other}"),
         };
         for &c in &levels {
-            let e = Arc::new(Engine::start(models_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap(), cfg.clone()).unwrap());
+            let e = Arc::new(
+                Engine::start(
+                    models_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap(),
+                    cfg.clone(),
+                )
+                .unwrap(),
+            );
             // warm-up (excluded)
             one(&e, "warm".into(), 999);
             let t0 = Instant::now();
             let workers: Vec<_> = (0..c)
                 .map(|w| {
                     let e = e.clone();
-                    std::thread::spawn(move || (0..per).map(|k| one(&e, format!("w{w}-{k}"), w * 1000 + k)).collect::<Vec<_>>())
+                    std::thread::spawn(move || {
+                        (0..per)
+                            .map(|k| one(&e, format!("w{w}-{k}"), w * 1000 + k))
+                            .collect::<Vec<_>>()
+                    })
                 })
                 .collect();
-            let res: Vec<(f64, f64)> = workers.into_iter().flat_map(|h| h.join().unwrap()).collect();
+            let res: Vec<(f64, f64)> =
+                workers.into_iter().flat_map(|h| h.join().unwrap()).collect();
             let wall = t0.elapsed().as_secs_f64();
             let mut ttfa: Vec<f64> = res.iter().map(|r| r.0).collect();
             let mut ttft: Vec<f64> = res.iter().map(|r| r.1).collect();

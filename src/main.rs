@@ -9,7 +9,11 @@ use antiphon_assets::synth::{Preset, SynthOptions};
 use antiphon_server::config::Config;
 
 #[derive(Parser)]
-#[command(name = "antiphon", version, about = "Realtime voice server for the MiniCPM-o 4.5 speech path")]
+#[command(
+    name = "antiphon",
+    version,
+    about = "Realtime voice server for the MiniCPM-o 4.5 speech path"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -210,14 +214,22 @@ impl BenchArgs {
 
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,tower_http=warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,tower_http=warn".into()),
+        )
         .init();
     let cli = Cli::parse();
-    match cli.command.unwrap_or(Command::Serve { config: None, listen: None, replica_id: std::env::var("ANTIPHON_REPLICA_ID").ok() }) {
+    match cli.command.unwrap_or(Command::Serve {
+        config: None,
+        listen: None,
+        replica_id: std::env::var("ANTIPHON_REPLICA_ID").ok(),
+    }) {
         Command::Serve { config, listen, replica_id } => {
             let mut cfg = match &config {
                 Some(p) => Config::load(p)?,
-                None => Config::embedded_default().context("the embedded default (run from the repository root)")?,
+                None => Config::embedded_default()
+                    .context("the embedded default (run from the repository root)")?,
             };
             if let Some(l) = listen {
                 cfg.server.listen = l;
@@ -235,7 +247,11 @@ fn main() -> Result<()> {
                 for p in &problems {
                     eprintln!("error: {p}");
                 }
-                anyhow::bail!("{}: {} problem(s) that `serve` would meet", file.display(), problems.len());
+                anyhow::bail!(
+                    "{}: {} problem(s) that `serve` would meet",
+                    file.display(),
+                    problems.len()
+                );
             }
             println!(
                 "{}: OK ({:?} model, {} on {}, listen {}, {} voice(s))",
@@ -249,7 +265,8 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::SynthCheckpoint { out, preset, seed, dtype, shard_mib } => {
-            let opts = SynthOptions { preset, seed, dtype: dtype.dtype(), shard_bytes: shard_mib << 20 };
+            let opts =
+                SynthOptions { preset, seed, dtype: dtype.dtype(), shard_bytes: shard_mib << 20 };
             antiphon_assets::synth::write_checkpoint(&out, &opts)?;
             println!("wrote a {preset:?} synthetic checkpoint (seed {seed}) to {}", out.display());
             Ok(())
@@ -261,7 +278,11 @@ fn main() -> Result<()> {
                 let info = antiphon_bench::probe_build_info(&cfg.url).await;
                 if let Some(i) = &info {
                     cfg.synthetic = i["synthetic_weights"].as_bool();
-                    cfg.server_label = format!("antiphon {} ({})", i["version"].as_str().unwrap_or("?"), i["git"].as_str().unwrap_or("?"));
+                    cfg.server_label = format!(
+                        "antiphon {} ({})",
+                        i["version"].as_str().unwrap_or("?"),
+                        i["git"].as_str().unwrap_or("?")
+                    );
                     if cfg.config_label.is_empty() {
                         let m = &i["model"];
                         cfg.config_label = format!(
@@ -278,14 +299,18 @@ fn main() -> Result<()> {
                 let out = cfg.out.clone();
                 let summary = antiphon_bench::run(cfg).await?;
                 print!("{}", antiphon_bench::report::table(&summary));
-                println!("wrote {}/summary.json, requests.jsonl, summary.csv, ttfa.svg", out.display());
+                println!(
+                    "wrote {}/summary.json, requests.jsonl, summary.csv, ttfa.svg",
+                    out.display()
+                );
                 Ok(())
             })
         }
         Command::Profile { config, iters, batch, out, only } => {
             let cfg = match &config {
                 Some(p) => Config::load(p)?,
-                None => Config::embedded_default().context("the embedded default (run from the repository root)")?,
+                None => Config::embedded_default()
+                    .context("the embedded default (run from the repository root)")?,
             };
             let t0 = std::time::Instant::now();
             let models = antiphon_server::load_models(&cfg)?;
@@ -296,7 +321,14 @@ fn main() -> Result<()> {
             if cfg.engine.gpu_tf32 && models.code2wav.device().is_cuda() {
                 candle_core::cuda::set_gemm_reduced_precision_f32(true);
             }
-            let timings = antiphon_engine::profile::run(&models, &cfg.engine, iters.max(1), &batch, (&samples, rate), &only)?;
+            let timings = antiphon_engine::profile::run(
+                &models,
+                &cfg.engine,
+                iters.max(1),
+                &batch,
+                (&samples, rate),
+                &only,
+            )?;
             if let Some(o) = out {
                 std::fs::write(&o, serde_json::to_string_pretty(&timings)?)?;
             }
@@ -348,7 +380,8 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}

@@ -40,25 +40,32 @@ fn shard_header(path: &Path) -> Result<BTreeMap<String, TensorHeader>, String> {
     let mut f = std::fs::File::open(path).map_err(|e| format!("{name}: {e}"))?;
     let len = f.metadata().map_err(|e| format!("{name}: {e}"))?.len();
     let mut n = [0u8; 8];
-    f.read_exact(&mut n).map_err(|_| format!("{name}: {len} bytes, shorter than a safetensors header"))?;
+    f.read_exact(&mut n)
+        .map_err(|_| format!("{name}: {len} bytes, shorter than a safetensors header"))?;
     let n = u64::from_le_bytes(n);
     if n > MAX_HEADER || 8 + n > len {
         return Err(format!("{name}: the header claims {n} bytes, the file holds {len}: not a safetensors file, or truncated"));
     }
     let mut head = vec![0u8; n as usize];
     f.read_exact(&mut head).map_err(|e| format!("{name}: {e}"))?;
-    let mut all: BTreeMap<String, serde_json::Value> =
-        serde_json::from_slice(&head).map_err(|e| format!("{name}: the safetensors header is not JSON ({e})"))?;
+    let mut all: BTreeMap<String, serde_json::Value> = serde_json::from_slice(&head)
+        .map_err(|e| format!("{name}: the safetensors header is not JSON ({e})"))?;
     all.remove("__metadata__");
     let mut tensors = BTreeMap::new();
     let mut end = 0;
     for (k, v) in all {
-        let t: TensorHeader = serde_json::from_value(v).map_err(|e| format!("{name}: tensor {k}: {e}"))?;
-        let Some(size) = dtype_bytes(&t.dtype) else { return Err(format!("{name}: tensor {k} has dtype {}, which is not read", t.dtype)) };
+        let t: TensorHeader =
+            serde_json::from_value(v).map_err(|e| format!("{name}: tensor {k}: {e}"))?;
+        let Some(size) = dtype_bytes(&t.dtype) else {
+            return Err(format!("{name}: tensor {k} has dtype {}, which is not read", t.dtype));
+        };
         let want = t.shape.iter().map(|&d| d as u64).product::<u64>() * size;
         let (b, e) = t.data_offsets;
         if e < b || e - b != want {
-            return Err(format!("{name}: tensor {k} takes bytes {b}..{e}, its shape {:?} of {} needs {want}", t.shape, t.dtype));
+            return Err(format!(
+                "{name}: tensor {k} takes bytes {b}..{e}, its shape {:?} of {} needs {want}",
+                t.shape, t.dtype
+            ));
         }
         end = end.max(e);
         tensors.insert(k, t);
@@ -75,7 +82,10 @@ fn llm_shapes(ck: &Checkpoint) -> Vec<(String, Vec<usize>)> {
     let c = &ck.config;
     let (v, h, i, d) = (c.vocab_size, c.hidden_size, c.intermediate_size, c.head_dim());
     let (hq, hkv) = (c.num_attention_heads, c.num_key_value_heads);
-    let mut out = vec![("llm.model.embed_tokens.weight".to_string(), vec![v, h]), ("llm.model.norm.weight".into(), vec![h])];
+    let mut out = vec![
+        ("llm.model.embed_tokens.weight".to_string(), vec![v, h]),
+        ("llm.model.norm.weight".into(), vec![h]),
+    ];
     if !c.tie_word_embeddings {
         out.push(("llm.lm_head.weight".into(), vec![v, h]));
     }
@@ -114,7 +124,8 @@ pub fn check_checkpoint(dir: &Path) -> Vec<String> {
     for shard in &ck.shards {
         match shard_header(shard) {
             Ok(tensors) => {
-                let file = shard.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+                let file =
+                    shard.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
                 held.extend(tensors.into_iter().map(|(k, t)| (k, (file.clone(), t))));
             }
             Err(e) => problems.push(e),
@@ -123,19 +134,28 @@ pub fn check_checkpoint(dir: &Path) -> Vec<String> {
     // (what a shard that could not be read holds is unknown: the rest waits for it to be fixed)
     if problems.len() == before {
         let index = dir.join("model.safetensors.index.json");
-        if let Ok(ix) = std::fs::read_to_string(&index).map(|t| serde_json::from_str::<crate::checkpoint::SafetensorsIndex>(&t)) {
+        if let Ok(ix) = std::fs::read_to_string(&index)
+            .map(|t| serde_json::from_str::<crate::checkpoint::SafetensorsIndex>(&t))
+        {
             for (name, file) in ix.iter().flat_map(|ix| &ix.weight_map) {
                 if held.get(name).is_none_or(|(f, _)| f != file) {
-                    problems.push(format!("{} places {name} in {file}, which does not hold it", index.display()));
+                    problems.push(format!(
+                        "{} places {name} in {file}, which does not hold it",
+                        index.display()
+                    ));
                 }
             }
         }
         for (name, want) in llm_shapes(&ck) {
             match held.get(&name) {
-                None => problems.push(format!("{}: missing tensor {name} (expected shape {want:?} from config.json)", dir.display())),
-                Some((file, t)) if t.shape != want => {
-                    problems.push(format!("{file}: tensor {name} has shape {:?}, config.json implies {want:?}", t.shape))
-                }
+                None => problems.push(format!(
+                    "{}: missing tensor {name} (expected shape {want:?} from config.json)",
+                    dir.display()
+                )),
+                Some((file, t)) if t.shape != want => problems.push(format!(
+                    "{file}: tensor {name} has shape {:?}, config.json implies {want:?}",
+                    t.shape
+                )),
                 Some(_) => {}
             }
         }
@@ -143,7 +163,11 @@ pub fn check_checkpoint(dir: &Path) -> Vec<String> {
     let assets = dir.join("assets").join("token2wav");
     let missing = crate::token2wav::missing_assets(&assets);
     if !missing.is_empty() {
-        problems.push(format!("{}: missing token2wav asset(s) {}", assets.display(), missing.join(", ")));
+        problems.push(format!(
+            "{}: missing token2wav asset(s) {}",
+            assets.display(),
+            missing.join(", ")
+        ));
     }
     problems
 }

@@ -41,12 +41,15 @@ pub struct Checkpoint {
 impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Self> {
         let cfg_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).with_context(|| format!("reading {}", cfg_path.display()))?;
-        let config = MiniCpmoConfig::from_json(&text).with_context(|| format!("parsing {}", cfg_path.display()))?;
+        let text = std::fs::read_to_string(&cfg_path)
+            .with_context(|| format!("reading {}", cfg_path.display()))?;
+        let config = MiniCpmoConfig::from_json(&text)
+            .with_context(|| format!("parsing {}", cfg_path.display()))?;
         let index_path = dir.join("model.safetensors.index.json");
         let shards = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path)?;
-            let index: SafetensorsIndex = serde_json::from_str(&text).with_context(|| format!("parsing {}", index_path.display()))?;
+            let index: SafetensorsIndex = serde_json::from_str(&text)
+                .with_context(|| format!("parsing {}", index_path.display()))?;
             let files: std::collections::BTreeSet<&String> = index.weight_map.values().collect();
             let mut shards = Vec::new();
             for f in files {
@@ -71,7 +74,8 @@ impl Checkpoint {
         // nobody truncates them while the server runs.
         let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&self.shards) }
             .with_context(|| format!("mapping the safetensors shards of {}", self.dir.display()))?;
-        let backend = Checked { inner: Box::new(st), origin: self.dir.display().to_string(), seen: None };
+        let backend =
+            Checked { inner: Box::new(st), origin: self.dir.display().to_string(), seen: None };
         Ok(VarBuilder::from_backend(Box::new(backend), dtype, device.clone()))
     }
 
@@ -91,16 +95,28 @@ pub fn load_models(vb: &VarBuilder, cfg: &MiniCpmoConfig) -> Result<(Thinker, Ta
 }
 
 /// As [`load_models`], with the Talker's tensors on `talker_device` (its own stream).
-pub fn load_models_on(vb: &VarBuilder, cfg: &MiniCpmoConfig, talker_device: &Device) -> Result<(Thinker, Talker)> {
-    let thinker = Thinker::load(vb.clone(), cfg).context("loading the Thinker (llm., apm., audio_projection_layer.)")?;
-    let talker = Talker::load(vb.pp("tts").set_device(talker_device.clone()), &cfg.tts_config).context("loading the Talker (tts.)")?;
+pub fn load_models_on(
+    vb: &VarBuilder,
+    cfg: &MiniCpmoConfig,
+    talker_device: &Device,
+) -> Result<(Thinker, Talker)> {
+    let thinker = Thinker::load(vb.clone(), cfg)
+        .context("loading the Thinker (llm., apm., audio_projection_layer.)")?;
+    let talker = Talker::load(vb.pp("tts").set_device(talker_device.clone()), &cfg.tts_config)
+        .context("loading the Talker (tts.)")?;
     Ok((thinker, talker))
 }
 
 /// A `VarBuilder` over a torch state dict (`.pt`, zip or legacy pickle), with an optional key prefix
 /// stripped (`generator.` in some HiFT files); tensors are checked like checkpoint tensors.
-pub fn pth_var_builder(path: &Path, strip_prefix: Option<&str>, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
-    let all = candle_core::pickle::read_all(path).with_context(|| format!("reading torch state dict {}", path.display()))?;
+pub fn pth_var_builder(
+    path: &Path,
+    strip_prefix: Option<&str>,
+    dtype: DType,
+    device: &Device,
+) -> Result<VarBuilder<'static>> {
+    let all = candle_core::pickle::read_all(path)
+        .with_context(|| format!("reading torch state dict {}", path.display()))?;
     let map: std::collections::HashMap<String, Tensor> = all
         .into_iter()
         .map(|(k, v)| {

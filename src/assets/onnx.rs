@@ -41,7 +41,12 @@ pub fn attr_int(name: &str, i: i64) -> AttributeProto {
 }
 
 pub fn attr_ints(name: &str, ints: &[i64]) -> AttributeProto {
-    AttributeProto { name: name.into(), ints: ints.to_vec(), r#type: attr::INTS, ..Default::default() }
+    AttributeProto {
+        name: name.into(),
+        ints: ints.to_vec(),
+        r#type: attr::INTS,
+        ..Default::default()
+    }
 }
 
 pub fn attr_float(name: &str, f: f32) -> AttributeProto {
@@ -72,7 +77,13 @@ impl GraphBuilder {
     }
 
     /// Adds a node named `name` with one output, returning the output's name.
-    pub fn node(&mut self, op: &str, name: &str, inputs: &[&str], attrs: Vec<AttributeProto>) -> String {
+    pub fn node(
+        &mut self,
+        op: &str,
+        name: &str,
+        inputs: &[&str],
+        attrs: Vec<AttributeProto>,
+    ) -> String {
         let out = self.fresh(op);
         self.graph.node.push(NodeProto {
             input: inputs.iter().map(|s| s.to_string()).collect(),

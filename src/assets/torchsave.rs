@@ -71,10 +71,34 @@ pub fn save_state_dict(path: &Path, archive: &str, tensors: &[(String, Tensor)])
     let mut storages: Vec<Vec<u8>> = Vec::new();
     for (key, t) in tensors {
         let (storage, bytes) = match t.dtype() {
-            DType::F32 => ("FloatStorage", t.flatten_all()?.to_vec1::<f32>()?.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()),
-            DType::BF16 => ("BFloat16Storage", t.flatten_all()?.to_vec1::<half::bf16>()?.iter().flat_map(|v| v.to_le_bytes()).collect()),
-            DType::F16 => ("HalfStorage", t.flatten_all()?.to_vec1::<half::f16>()?.iter().flat_map(|v| v.to_le_bytes()).collect()),
-            DType::F64 => ("DoubleStorage", t.flatten_all()?.to_vec1::<f64>()?.iter().flat_map(|v| v.to_le_bytes()).collect()),
+            DType::F32 => (
+                "FloatStorage",
+                t.flatten_all()?
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect::<Vec<u8>>(),
+            ),
+            DType::BF16 => (
+                "BFloat16Storage",
+                t.flatten_all()?
+                    .to_vec1::<half::bf16>()?
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+            ),
+            DType::F16 => (
+                "HalfStorage",
+                t.flatten_all()?
+                    .to_vec1::<half::f16>()?
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+            ),
+            DType::F64 => (
+                "DoubleStorage",
+                t.flatten_all()?.to_vec1::<f64>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ),
             other => bail!("{key}: dtype {other:?} is not written"),
         };
         let dims = t.dims().to_vec();
@@ -108,9 +132,12 @@ pub fn save_state_dict(path: &Path, archive: &str, tensors: &[(String, Tensor)])
     p.op(b'u');
     p.op(b'.');
 
-    let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let file =
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
     let mut z = zip::ZipWriter::new(file);
-    let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored).with_alignment(64);
+    let opts = zip::write::SimpleFileOptions::default()
+        .compression_method(zip::CompressionMethod::Stored)
+        .with_alignment(64);
     z.start_file(format!("{archive}/data.pkl"), opts)?;
     z.write_all(&p.0)?;
     z.start_file(format!("{archive}/byteorder"), opts)?;
@@ -137,8 +164,14 @@ mod tests {
         let a = Tensor::arange(0f32, 24.0, &Device::Cpu).unwrap().reshape((2, 3, 4)).unwrap();
         let b = Tensor::new(&[1.5f32, -2.0], &Device::Cpu).unwrap();
         let big = Tensor::zeros(70_000, DType::F32, &Device::Cpu).unwrap();
-        save_state_dict(&p, "x", &[("a.weight".into(), a.clone()), ("b".into(), b.clone()), ("big".into(), big)]).unwrap();
-        let back: std::collections::HashMap<String, Tensor> = candle_core::pickle::read_all(&p).unwrap().into_iter().collect();
+        save_state_dict(
+            &p,
+            "x",
+            &[("a.weight".into(), a.clone()), ("b".into(), b.clone()), ("big".into(), big)],
+        )
+        .unwrap();
+        let back: std::collections::HashMap<String, Tensor> =
+            candle_core::pickle::read_all(&p).unwrap().into_iter().collect();
         assert_eq!(back["a.weight"].to_vec3::<f32>().unwrap(), a.to_vec3::<f32>().unwrap());
         assert_eq!(back["b"].to_vec1::<f32>().unwrap(), vec![1.5, -2.0]);
         assert_eq!(back["big"].dims(), &[70_000]);

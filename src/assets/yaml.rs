@@ -36,7 +36,9 @@ impl<'a> Node<'a> {
 
     pub fn child(&self, key: &str) -> Result<Node<'a>> {
         match self.get(key) {
-            Some(n @ Yaml::Hash(_)) => Ok(Node { root: self.root, node: n, path: format!("{}.{key}", self.path) }),
+            Some(n @ Yaml::Hash(_)) => {
+                Ok(Node { root: self.root, node: n, path: format!("{}.{key}", self.path) })
+            }
             _ => bail!("{}: no mapping `{key}`", self.path),
         }
     }
@@ -53,7 +55,9 @@ impl<'a> Node<'a> {
         match self.get(key) {
             None => Ok(default),
             Some(Yaml::Integer(i)) => Ok(*i as f64),
-            Some(Yaml::Real(r)) => r.parse().map_err(|_| anyhow!("{}.{key}: bad number {r}", self.path)),
+            Some(Yaml::Real(r)) => {
+                r.parse().map_err(|_| anyhow!("{}.{key}: bad number {r}", self.path))
+            }
             Some(v) => bail!("{}.{key}: expected a number, found {v:?}", self.path),
         }
     }
@@ -135,7 +139,11 @@ pub fn flow_config(text: &str) -> Result<FlowConfig> {
             linear_units: e.usize_or("linear_units", de.linear_units)?,
             key_bias: e.bool_or("key_bias", true)?,
         };
-        for (k, want) in [("input_layer", "linear"), ("pos_enc_layer_type", "rel_pos_espnet"), ("selfattention_layer_type", "rel_selfattn")] {
+        for (k, want) in [
+            ("input_layer", "linear"),
+            ("pos_enc_layer_type", "rel_pos_espnet"),
+            ("selfattention_layer_type", "rel_selfattn"),
+        ] {
             let got = e.str_or(k, want)?;
             if got != want {
                 bail!("flow.yaml: encoder.{k} = {got:?}; only {want:?} is implemented");
@@ -184,9 +192,15 @@ pub fn flow_config(text: &str) -> Result<FlowConfig> {
 pub fn causal_hift_config(text: &str) -> Result<HiftConfig> {
     with_root(text, "config.yaml", |root| {
         let fe = root.child("feat_extractor")?;
-        for (k, want) in
-            [("n_fft", 1920), ("num_mels", 80), ("sampling_rate", 24000), ("hop_size", 480), ("win_size", 1920), ("fmin", 0), ("fmax", 8000)]
-        {
+        for (k, want) in [
+            ("n_fft", 1920),
+            ("num_mels", 80),
+            ("sampling_rate", 24000),
+            ("hop_size", 480),
+            ("win_size", 1920),
+            ("fmin", 0),
+            ("fmax", 8000),
+        ] {
             let got = fe.usize_or(k, usize::MAX)?;
             if got != want {
                 bail!("config.yaml: feat_extractor.{k} = {got}, the vocoder needs {want}");
@@ -218,9 +232,12 @@ pub fn hift_config(h: &Node<'_>, causal: bool) -> Result<HiftConfig> {
         istft_n_fft: h.child("istft_params").map(|p| p.usize_or("n_fft", 16)).unwrap_or(Ok(16))?,
         istft_hop: h.child("istft_params").map(|p| p.usize_or("hop_len", 4)).unwrap_or(Ok(4))?,
         resblock_kernel_sizes: h.usizes_or("resblock_kernel_sizes", &d.resblock_kernel_sizes)?,
-        resblock_dilation_sizes: h.usize_lists_or("resblock_dilation_sizes", &d.resblock_dilation_sizes)?,
-        source_resblock_kernel_sizes: h.usizes_or("source_resblock_kernel_sizes", &d.source_resblock_kernel_sizes)?,
-        source_resblock_dilation_sizes: h.usize_lists_or("source_resblock_dilation_sizes", &d.source_resblock_dilation_sizes)?,
+        resblock_dilation_sizes: h
+            .usize_lists_or("resblock_dilation_sizes", &d.resblock_dilation_sizes)?,
+        source_resblock_kernel_sizes: h
+            .usizes_or("source_resblock_kernel_sizes", &d.source_resblock_kernel_sizes)?,
+        source_resblock_dilation_sizes: h
+            .usize_lists_or("source_resblock_dilation_sizes", &d.source_resblock_dilation_sizes)?,
         lrelu_slope: h.f64_or("lrelu_slope", d.lrelu_slope)?,
         audio_limit: h.f64_or("audio_limit", d.audio_limit)?,
         conv_pre_look_right: if causal { h.usize_or("conv_pre_look_right", 4)? } else { 0 },

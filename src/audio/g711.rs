@@ -33,7 +33,8 @@ pub fn ulaw_decode(b: u8) -> i16 {
 }
 
 pub fn alaw_encode(s: i16) -> u8 {
-    let (sign, mag) = if s >= 0 { (0x80u8, (s as i32) >> 3) } else { (0u8, (-(s as i32) - 1).max(0) >> 3) };
+    let (sign, mag) =
+        if s >= 0 { (0x80u8, (s as i32) >> 3) } else { (0u8, (-(s as i32) - 1).max(0) >> 3) };
     let b = if mag < 32 {
         (mag >> 1) as u8
     } else {
@@ -95,7 +96,10 @@ mod tests {
     #[test]
     fn both_laws_round_trip_within_their_quantisation_step() {
         for s in (-32768i32..=32767).step_by(7).map(|s| s as i16) {
-            for (name, enc, dec) in [("mu", ulaw_encode as fn(i16) -> u8, ulaw_decode as fn(u8) -> i16), ("a", alaw_encode, alaw_decode)] {
+            for (name, enc, dec) in [
+                ("mu", ulaw_encode as fn(i16) -> u8, ulaw_decode as fn(u8) -> i16),
+                ("a", alaw_encode, alaw_decode),
+            ] {
                 let back = dec(enc(s)) as i32;
                 // a segment's step is 1/16 of its range: the error is at most about 1/32 of |s| (+ the smallest step)
                 let bound = (s as i32).abs() / 16 + 40;
@@ -125,7 +129,9 @@ mod tests {
 
     #[test]
     fn rates_convert_by_three_and_keep_a_tone() {
-        let tone: Vec<f32> = (0..2400).map(|i| 0.5 * (2.0 * std::f32::consts::PI * 440.0 * i as f32 / 24_000.0).sin()).collect();
+        let tone: Vec<f32> = (0..2400)
+            .map(|i| 0.5 * (2.0 * std::f32::consts::PI * 440.0 * i as f32 / 24_000.0).sin())
+            .collect();
         let mut d = Downsample24kTo8k::default();
         let mut narrow = d.push(&tone[..1001]);
         narrow.extend(d.push(&tone[1001..]));
@@ -134,13 +140,11 @@ mod tests {
         assert_eq!(up.len(), 2400);
         // the tone survives the round trip (a 440 Hz tone is far below both bands' edges)
         // (the 3-tap average centres output sample i on input sample 3i + 1: one sample of lag)
-        let err = up[30..2370].iter().zip(&tone[31..2371]).map(|(&a, &b)| (crate::i16_to_f32(a) - b).abs()).fold(0.0f32, |m, e| {
-            if e.is_nan() || m.is_nan() {
-                f32::NAN
-            } else {
-                m.max(e)
-            }
-        });
+        let err = up[30..2370]
+            .iter()
+            .zip(&tone[31..2371])
+            .map(|(&a, &b)| (crate::i16_to_f32(a) - b).abs())
+            .fold(0.0f32, |m, e| if e.is_nan() || m.is_nan() { f32::NAN } else { m.max(e) });
         assert!(err < 0.05, "round trip error {err}");
     }
 }

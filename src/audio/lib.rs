@@ -23,10 +23,15 @@ pub fn decode_wav(bytes: &[u8]) -> Result<(Vec<f32>, u32)> {
         bail!("WAV with {ch} channels (1 to {MAX_WAV_CHANNELS} are mixed down to one)");
     }
     let interleaved: Vec<f32> = match spec.sample_format {
-        hound::SampleFormat::Float => r.samples::<f32>().collect::<Result<_, _>>().context("reading float samples")?,
+        hound::SampleFormat::Float => {
+            r.samples::<f32>().collect::<Result<_, _>>().context("reading float samples")?
+        }
         hound::SampleFormat::Int => {
             let scale = 1.0 / (1i64 << (spec.bits_per_sample - 1)) as f32;
-            r.samples::<i32>().map(|s| s.map(|v| v as f32 * scale)).collect::<Result<_, _>>().context("reading samples")?
+            r.samples::<i32>()
+                .map(|s| s.map(|v| v as f32 * scale))
+                .collect::<Result<_, _>>()
+                .context("reading samples")?
         }
     };
     Ok((mix_to_mono(&interleaved, ch), spec.sample_rate))
@@ -42,7 +47,12 @@ pub fn mix_to_mono(interleaved: &[f32], channels: usize) -> Vec<f32> {
 
 /// Writes mono f32 samples as a 16-bit PCM WAV.
 pub fn encode_wav_pcm16(samples: &[f32], sample_rate: u32) -> Result<Vec<u8>> {
-    let spec = hound::WavSpec { channels: 1, sample_rate, bits_per_sample: 16, sample_format: hound::SampleFormat::Int };
+    let spec = hound::WavSpec {
+        channels: 1,
+        sample_rate,
+        bits_per_sample: 16,
+        sample_format: hound::SampleFormat::Int,
+    };
     let mut buf = Cursor::new(Vec::new());
     {
         let mut w = hound::WavWriter::new(&mut buf, spec)?;
@@ -71,9 +81,12 @@ pub fn voice_fault(samples: &[f32], rate: u32) -> Option<String> {
     }
     let seconds = samples.len() as f64 / f64::from(rate.max(1));
     if seconds < MIN_VOICE_S {
-        return Some(format!("{seconds:.2} s of audio: a voice needs at least {MIN_VOICE_S} s of speech"));
+        return Some(format!(
+            "{seconds:.2} s of audio: a voice needs at least {MIN_VOICE_S} s of speech"
+        ));
     }
-    let power = samples.iter().map(|&s| f64::from(s) * f64::from(s)).sum::<f64>() / samples.len() as f64;
+    let power =
+        samples.iter().map(|&s| f64::from(s) * f64::from(s)).sum::<f64>() / samples.len() as f64;
     let dbfs = 10.0 * power.log10();
     // (NaN, from a non-finite sample, is no voice either)
     if dbfs.is_nan() || dbfs < MIN_VOICE_DBFS {
@@ -97,7 +110,8 @@ pub fn resample(x: &[f32], from: u32, to: u32) -> Result<Vec<f32>> {
     }
     let want = ((x.len() as u64 * to as u64 + from as u64 / 2) / from as u64) as usize;
     let chunk = 1024;
-    let mut r = FftFixedIn::<f32>::new(from as usize, to as usize, chunk, 2, 1).context("creating the resampler")?;
+    let mut r = FftFixedIn::<f32>::new(from as usize, to as usize, chunk, 2, 1)
+        .context("creating the resampler")?;
     let delay = r.output_delay();
     let mut out: Vec<f32> = Vec::with_capacity(want + delay + chunk);
     let mut pos = 0;
@@ -128,7 +142,9 @@ mod tests {
     use super::*;
 
     fn sine(f: f32, sr: u32, secs: f32) -> Vec<f32> {
-        (0..(sr as f32 * secs) as usize).map(|i| (2.0 * std::f32::consts::PI * f * i as f32 / sr as f32).sin() * 0.5).collect()
+        (0..(sr as f32 * secs) as usize)
+            .map(|i| (2.0 * std::f32::consts::PI * f * i as f32 / sr as f32).sin() * 0.5)
+            .collect()
     }
 
     #[test]
@@ -157,12 +173,24 @@ mod tests {
             .map(|k| {
                 let shift = k as f32 / 12.0;
                 (1000..15000)
-                    .map(|i| (y[i] - (2.0 * std::f32::consts::PI * 440.0 * (i as f32 + shift) / 16_000.0).sin() * 0.5).abs())
+                    .map(|i| {
+                        (y[i]
+                            - (2.0 * std::f32::consts::PI * 440.0 * (i as f32 + shift) / 16_000.0)
+                                .sin()
+                                * 0.5)
+                            .abs()
+                    })
                     .fold(0f32, |m, e| if e.is_nan() || m.is_nan() { f32::NAN } else { m.max(e) })
             })
             .fold(f32::INFINITY, |m, e| if e.is_nan() || m.is_nan() { f32::NAN } else { m.min(e) });
         assert!(best < 5e-3, "max error {best} at the best sub-sample alignment");
-        let amp = y[1000..15000].iter().fold(0f32, |m, v| if v.is_nan() || m.is_nan() { f32::NAN } else { m.max(v.abs()) });
+        let amp = y[1000..15000].iter().fold(0f32, |m, v| {
+            if v.is_nan() || m.is_nan() {
+                f32::NAN
+            } else {
+                m.max(v.abs())
+            }
+        });
         assert!((amp - 0.5).abs() < 5e-3, "amplitude {amp}");
     }
 
@@ -183,7 +211,12 @@ mod tests {
     #[test]
     fn many_channels_are_mixed_down() {
         let write = |channels: u16| {
-            let spec = hound::WavSpec { channels, sample_rate: 16_000, bits_per_sample: 16, sample_format: hound::SampleFormat::Int };
+            let spec = hound::WavSpec {
+                channels,
+                sample_rate: 16_000,
+                bits_per_sample: 16,
+                sample_format: hound::SampleFormat::Int,
+            };
             let mut out = Cursor::new(Vec::new());
             let mut w = hound::WavWriter::new(&mut out, spec).unwrap();
             for frame in 0..100 {

@@ -34,13 +34,26 @@ impl StreamResampler {
         let (r, skip, lag) = if from == to {
             (None, 0, 0)
         } else {
-            let r = FftFixedIn::<f32>::new(from as usize, to as usize, CHUNK, 2, 1).context("creating the resampler")?;
+            let r = FftFixedIn::<f32>::new(from as usize, to as usize, CHUNK, 2, 1)
+                .context("creating the resampler")?;
             // up to a chunk's worth of input waits in `pending`, the FFT resampler holds up to
             // another inside, and its own delay is dropped: the lag covers all three
-            let lag = 2 * (CHUNK as u64 * to as u64).div_ceil(from as u64) as usize + r.output_delay() + 2;
+            let lag = 2 * (CHUNK as u64 * to as u64).div_ceil(from as u64) as usize
+                + r.output_delay()
+                + 2;
             (Some(r), 0, lag)
         };
-        let mut s = Self { r, pending: Vec::new(), out: VecDeque::new(), skip, lag, from, to, pushed: 0, taken: 0 };
+        let mut s = Self {
+            r,
+            pending: Vec::new(),
+            out: VecDeque::new(),
+            skip,
+            lag,
+            from,
+            to,
+            pushed: 0,
+            taken: 0,
+        };
         if let Some(r) = &s.r {
             s.skip = r.output_delay();
         }
@@ -101,7 +114,9 @@ mod tests {
     }
 
     fn pieces_at(rate: u32) {
-        let x: Vec<f32> = (0..rate as usize * 3).map(|i| (2.0 * std::f32::consts::PI * 440.0 * i as f32 / rate as f32).sin() * 0.5).collect();
+        let x: Vec<f32> = (0..rate as usize * 3)
+            .map(|i| (2.0 * std::f32::consts::PI * 440.0 * i as f32 / rate as f32).sin() * 0.5)
+            .collect();
         let whole = crate::resample(&x, rate, 16_000).unwrap();
         let mut s = StreamResampler::new(rate, 16_000).unwrap();
         let mut got = Vec::new();
@@ -121,8 +136,17 @@ mod tests {
         }
         assert!(worst < 1e-3, "{rate}: max diff {worst}");
         // pieces resampled each on their own show their edges at the boundaries
-        let fresh: Vec<f32> = x.chunks(rate as usize).flat_map(|p| crate::resample(p, rate, 16_000).unwrap()).collect();
-        let edge = (15_990..16_010).map(|i| (fresh[i] - whole[i]).abs()).fold(0f32, |a, d| if d.is_nan() { f32::INFINITY } else { a.max(d) });
+        let fresh: Vec<f32> = x
+            .chunks(rate as usize)
+            .flat_map(|p| crate::resample(p, rate, 16_000).unwrap())
+            .collect();
+        let edge = (15_990..16_010).map(|i| (fresh[i] - whole[i]).abs()).fold(0f32, |a, d| {
+            if d.is_nan() {
+                f32::INFINITY
+            } else {
+                a.max(d)
+            }
+        });
         assert!(edge > worst, "a fresh resampler per piece leaves an edge ({edge} vs {worst})");
     }
 

@@ -170,7 +170,8 @@ impl TurnDetector {
             if self.voiced_run >= self.short_hangover + START_FRAMES {
                 self.in_speech = true;
                 self.last_voiced_end = (k + 1) * FRAME_MS;
-                events.push(VadEvent::SpeechStarted { at_ms: (k + 1 - self.voiced_run) * FRAME_MS });
+                events
+                    .push(VadEvent::SpeechStarted { at_ms: (k + 1 - self.voiced_run) * FRAME_MS });
             }
             return;
         }

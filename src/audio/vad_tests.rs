@@ -48,7 +48,9 @@ fn check_edges(events: &[VadEvent], truth: [u64; 4]) {
     assert_eq!(events.len(), 4, "expected start, stop, start, stop: {events:?}");
     for (i, (e, t)) in events.iter().zip(truth).enumerate() {
         let at = match (i % 2, e) {
-            (0, VadEvent::SpeechStarted { at_ms }) | (1, VadEvent::SpeechStopped { at_ms }) => *at_ms,
+            (0, VadEvent::SpeechStarted { at_ms }) | (1, VadEvent::SpeechStopped { at_ms }) => {
+                *at_ms
+            }
             _ => panic!("event {i} is {e:?}: {events:?}"),
         };
         assert!(at.abs_diff(t) <= 100, "event {i} at {at} ms, the true edge at {t} ms: {events:?}");
@@ -62,7 +64,10 @@ fn speech_edges_are_found_within_100_ms_at_24_khz() {
     check_edges(&run(&x, 24000, 480), truth);
     // every aggressiveness mode the threshold can pick
     for threshold in [0.1, 0.3, 0.6, 0.9] {
-        check_edges(&run_at(&x, 24000, 480, VadConfig { threshold, silence_duration_ms: 500 }), truth);
+        check_edges(
+            &run_at(&x, 24000, 480, VadConfig { threshold, silence_duration_ms: 500 }),
+            truth,
+        );
     }
 }
 
@@ -100,17 +105,25 @@ fn a_longer_silence_setting_keeps_a_short_pause_inside_the_turn() {
     let (mut x, truth) = speech_silence_speech(24000);
     // (the trailing 1 s is shorter than the silence asked for: another second of it)
     x.extend(std::iter::repeat_n(0.0, 24000));
-    let mut d = TurnDetector::new(24000, VadConfig { threshold: 0.5, silence_duration_ms: 1500 }).unwrap();
+    let mut d =
+        TurnDetector::new(24000, VadConfig { threshold: 0.5, silence_duration_ms: 1500 }).unwrap();
     let ev: Vec<_> = x.chunks(480).flat_map(|p| d.push(p)).collect();
     // the 1.2 s gap is shorter than 1.5 s: one turn from the first start to the last stop
     assert_eq!(ev.len(), 2, "{ev:?}");
-    let (VadEvent::SpeechStarted { at_ms: s }, VadEvent::SpeechStopped { at_ms: e }) = (ev[0], ev[1]) else { panic!("{ev:?}") };
+    let (VadEvent::SpeechStarted { at_ms: s }, VadEvent::SpeechStopped { at_ms: e }) =
+        (ev[0], ev[1])
+    else {
+        panic!("{ev:?}")
+    };
     assert!(s.abs_diff(truth[0]) <= 100 && e.abs_diff(truth[3]) <= 100, "{ev:?} against {truth:?}");
 }
 
 #[test]
 fn bad_settings_are_refused() {
-    assert!(TurnDetector::new(24000, VadConfig { threshold: 1.5, silence_duration_ms: 500 }).is_err());
-    assert!(TurnDetector::new(24000, VadConfig { threshold: f32::NAN, silence_duration_ms: 500 }).is_err());
+    assert!(
+        TurnDetector::new(24000, VadConfig { threshold: 1.5, silence_duration_ms: 500 }).is_err()
+    );
+    assert!(TurnDetector::new(24000, VadConfig { threshold: f32::NAN, silence_duration_ms: 500 })
+        .is_err());
     assert!(TurnDetector::new(44100, VadConfig::default()).is_err());
 }

@@ -33,12 +33,17 @@ impl ServerSpec {
     }
 
     fn spawn(&self, port: u16, log: &Path) -> Result<Child> {
-        let log_out = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+        let log_out =
+            std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
         let log_err = log_out.try_clone()?;
         let mut cmd = match self {
             ServerSpec::Config(p) => {
                 let mut c = Command::new(std::env::current_exe().context("locating this binary")?);
-                c.arg("serve").arg("--config").arg(p).arg("--listen").arg(format!("127.0.0.1:{port}"));
+                c.arg("serve")
+                    .arg("--config")
+                    .arg(p)
+                    .arg("--listen")
+                    .arg(format!("127.0.0.1:{port}"));
                 c
             }
             ServerSpec::Shell(s) => {
@@ -130,8 +135,13 @@ pub fn compare(a: &[Summary], b: &[Summary]) -> Vec<Comparison> {
     // a level is its concurrency, or its arrival rate
     let levels: Vec<LevelSummary> = a.first().map(|s| s.levels.clone()).unwrap_or_default();
     for first in &levels {
-        let same = |l: &&LevelSummary| l.rate_per_s == first.rate_per_s && (first.rate_per_s.is_some() || l.concurrency == first.concurrency);
-        let pick = |runs: &[Summary], g: Getter| -> Vec<f64> { runs.iter().filter_map(|s| s.levels.iter().find(same)).map(g).collect() };
+        let same = |l: &&LevelSummary| {
+            l.rate_per_s == first.rate_per_s
+                && (first.rate_per_s.is_some() || l.concurrency == first.concurrency)
+        };
+        let pick = |runs: &[Summary], g: Getter| -> Vec<f64> {
+            runs.iter().filter_map(|s| s.levels.iter().find(same)).map(g).collect()
+        };
         for (name, g, lower_better) in METRICS {
             let (va, vb) = (pick(a, g), pick(b, g));
             if va.is_empty() || vb.is_empty() {
@@ -208,7 +218,9 @@ async fn wait_ready(port: u16, child: &mut Child, timeout: Duration) -> Result<(
             bail!("the server exited before it was ready ({st})");
         }
         if let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
-            let req = format!("GET /readyz HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n");
+            let req = format!(
+                "GET /readyz HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n"
+            );
             if s.write_all(req.as_bytes()).await.is_ok() {
                 let mut buf = String::new();
                 let _ = s.read_to_string(&mut buf).await;
@@ -251,7 +263,12 @@ pub async fn run(cfg: AbConfig) -> Result<AbReport> {
         let dir = cfg.out.join(format!("block{:02}-{side}", i + 1));
         std::fs::create_dir_all(&dir)?;
         let port = free_port()?;
-        eprintln!("block {}/{} ({side}): starting {} on port {port}", i + 1, order.len(), spec.label());
+        eprintln!(
+            "block {}/{} ({side}): starting {} on port {port}",
+            i + 1,
+            order.len(),
+            spec.label()
+        );
         let mut child = spec.spawn(port, &dir.join("server.log"))?;
         let result = async {
             wait_ready(port, &mut child, cfg.ready_timeout).await?;
@@ -261,13 +278,21 @@ pub async fn run(cfg: AbConfig) -> Result<AbReport> {
             b.server_label = format!("{side}: {}", spec.label());
             b.config_label = spec.label();
             if b.synthetic.is_none() {
-                b.synthetic = super::probe_build_info(&b.url).await.and_then(|v| v["synthetic_weights"].as_bool());
+                b.synthetic = super::probe_build_info(&b.url)
+                    .await
+                    .and_then(|v| v["synthetic_weights"].as_bool());
             }
             super::run(b).await
         }
         .await;
         stop(&mut child);
-        let summary = result.with_context(|| format!("block {} ({side}); the server log is {}", i + 1, dir.join("server.log").display()))?;
+        let summary = result.with_context(|| {
+            format!(
+                "block {} ({side}); the server log is {}",
+                i + 1,
+                dir.join("server.log").display()
+            )
+        })?;
         eprint!("{}", super::report::table(&summary));
         if *side == 'A' {
             sa.push(summary);
@@ -349,7 +374,10 @@ mod tests {
         // throughput: B's whole range is above A's, higher is better
         assert_eq!(get("audio_throughput").verdict, "B better");
         let slow = [summary(300.0, 1.0), summary(310.0, 1.0)];
-        assert_eq!(compare(&a, &slow).iter().find(|x| x.metric == "ttfa_p50_ms").unwrap().verdict, "B worse");
+        assert_eq!(
+            compare(&a, &slow).iter().find(|x| x.metric == "ttfa_p50_ms").unwrap().verdict,
+            "B worse"
+        );
         assert!(table(&AbReport {
             a: "a".into(),
             b: "b".into(),
@@ -359,6 +387,8 @@ mod tests {
             date: "d".into(),
             comparisons: c
         })
-        .contains("| 1 | ttfa_p50_ms | 110.00 [100.00–120.00] | 120.00 [110.00–130.00] | 1.091 | noise |"));
+        .contains(
+            "| 1 | ttfa_p50_ms | 110.00 [100.00–120.00] | 120.00 [110.00–130.00] | 1.091 | noise |"
+        ));
     }
 }

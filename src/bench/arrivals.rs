@@ -114,7 +114,14 @@ struct Outcome {
 }
 
 /// One conversation, arriving at `due`.
-async fn conversation(sh: Arc<Shared>, rate: f64, n: usize, due: Instant, level_start: Instant, live: Arc<Live>) -> Outcome {
+async fn conversation(
+    sh: Arc<Shared>,
+    rate: f64,
+    n: usize,
+    due: Instant,
+    level_start: Instant,
+    live: Arc<Live>,
+) -> Outcome {
     tokio::time::sleep_until(due.into()).await;
     let cfg = &sh.cfg;
     let skip = |turns: usize| {
@@ -142,11 +149,24 @@ async fn conversation(sh: Arc<Shared>, rate: f64, n: usize, due: Instant, level_
             live.conversations.leave();
             skip(cfg.turns);
             return match e.downcast_ref::<Capacity>() {
-                Some(Capacity(ms)) => Outcome { call: Call::Refused(*ms), records: vec![], end: Instant::now() },
+                Some(Capacity(ms)) => {
+                    Outcome { call: Call::Refused(*ms), records: vec![], end: Instant::now() }
+                }
                 None => {
-                    let mut r = RequestRecord::new(in_progress, n, 0, false, 0, due.duration_since(level_start).as_secs_f64());
+                    let mut r = RequestRecord::new(
+                        in_progress,
+                        n,
+                        0,
+                        false,
+                        0,
+                        due.duration_since(level_start).as_secs_f64(),
+                    );
                     r.error = Some(format!("{e:#}"));
-                    Outcome { call: Call::Failed(format!("{e:#}")), records: vec![mark(r, 0)], end: Instant::now() }
+                    Outcome {
+                        call: Call::Failed(format!("{e:#}")),
+                        records: vec![mark(r, 0)],
+                        end: Instant::now(),
+                    }
                 }
             };
         }
@@ -154,16 +174,19 @@ async fn conversation(sh: Arc<Shared>, rate: f64, n: usize, due: Instant, level_
     live.sessions.enter();
     let mut records = Vec::new();
     for turn in 0..cfg.turns {
-        let (rec, played) = request(&sh, &mut c, live.conversations.now(), n, turn, false, level_start).await;
+        let (rec, played) =
+            request(&sh, &mut c, live.conversations.now(), n, turn, false, level_start).await;
         // a refused reply or a failed response leaves the session usable; anything else ends it
-        let broken = !rec.ok && rec.error.as_deref().is_some_and(|e| e != "capacity" && !e.starts_with("response "));
+        let broken = !rec.ok
+            && rec.error.as_deref().is_some_and(|e| e != "capacity" && !e.starts_with("response "));
         records.push(mark(rec, turn));
         if broken {
             skip(cfg.turns - turn - 1);
             break;
         }
         if turn + 1 < cfg.turns {
-            tokio::time::sleep_until((played.unwrap_or_else(Instant::now) + cfg.think).into()).await;
+            tokio::time::sleep_until((played.unwrap_or_else(Instant::now) + cfg.think).into())
+                .await;
         }
     }
     c.close().await;
@@ -183,7 +206,10 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 
 /// One arrival rate: `conversations` calls on the Poisson schedule; every turn's record and the
 /// level's summary.
-pub(super) async fn run_rate_level(sh: Arc<Shared>, rate: f64) -> Result<(Vec<RequestRecord>, LevelSummary)> {
+pub(super) async fn run_rate_level(
+    sh: Arc<Shared>,
+    rate: f64,
+) -> Result<(Vec<RequestRecord>, LevelSummary)> {
     let cfg = &sh.cfg;
     let schedule = poisson_arrivals(rate, cfg.conversations, cfg.seed);
     let live = Arc::new(Live::default());
@@ -191,7 +217,16 @@ pub(super) async fn run_rate_level(sh: Arc<Shared>, rate: f64) -> Result<(Vec<Re
     let tasks: Vec<_> = schedule
         .iter()
         .enumerate()
-        .map(|(n, &at)| tokio::spawn(conversation(sh.clone(), rate, n, start + Duration::from_secs_f64(at), start, live.clone())))
+        .map(|(n, &at)| {
+            tokio::spawn(conversation(
+                sh.clone(),
+                rate,
+                n,
+                start + Duration::from_secs_f64(at),
+                start,
+                live.clone(),
+            ))
+        })
         .collect();
     let (mut records, mut refused, mut failed) = (Vec::new(), Vec::new(), Vec::new());
     let mut end = start;
@@ -214,7 +249,8 @@ pub(super) async fn run_rate_level(sh: Arc<Shared>, rate: f64) -> Result<(Vec<Re
     l.rate_per_s = Some(rate);
     l.calls_offered = Some(schedule.len());
     l.calls_refused = Some(refused.len());
-    l.replies_refused = Some(records.iter().filter(|r| r.error.as_deref() == Some("capacity")).count());
+    l.replies_refused =
+        Some(records.iter().filter(|r| r.error.as_deref() == Some("capacity")).count());
     l.live_sessions_peak = Some(live.sessions.peak());
     l.retry_after_ms = median(refused.iter().flatten().map(|&ms| ms as f64).collect());
     Ok((records, l))
@@ -247,7 +283,8 @@ mod tests {
             // the standard error of the mean is 1 / (rate √20000) ≈ 0.7 %
             assert!((mean * rate - 1.0).abs() < 0.05, "rate {rate}: mean gap {mean}");
             // exponential: about e^-1 of the gaps are longer than the mean
-            let longer = gaps.iter().filter(|&&g| g > 1.0 / rate).count() as f64 / gaps.len() as f64;
+            let longer =
+                gaps.iter().filter(|&&g| g > 1.0 / rate).count() as f64 / gaps.len() as f64;
             assert!((longer - (-1f64).exp()).abs() < 0.03, "rate {rate}: {longer}");
         }
     }

@@ -11,7 +11,8 @@ use tokio_tungstenite::tungstenite::Message;
 
 use super::BenchConfig;
 
-pub(crate) type Ws = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+pub(crate) type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
 pub(crate) struct Client {
     pub(crate) ws: Ws,
@@ -37,7 +38,10 @@ impl Client {
         let ws = match tokio_tungstenite::connect_async(req).await {
             Ok((ws, _)) => ws,
             Err(Error::Http(r)) if r.status().as_u16() == 503 => {
-                let after = r.headers().get("retry-after").and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok());
+                let after = r
+                    .headers()
+                    .get("retry-after")
+                    .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok());
                 return Err(anyhow::Error::new(Capacity(after.map(|s| s * 1000))));
             }
             Err(e) => return Err(e).with_context(|| format!("connecting to {}", cfg.url)),
@@ -56,7 +60,9 @@ impl Client {
 
     pub(crate) async fn recv(&mut self, timeout: Duration) -> Result<Msg> {
         loop {
-            let m = tokio::time::timeout(timeout, self.ws.next()).await.map_err(|_| anyhow!("timed out waiting for the server"))?;
+            let m = tokio::time::timeout(timeout, self.ws.next())
+                .await
+                .map_err(|_| anyhow!("timed out waiting for the server"))?;
             match m {
                 Some(Ok(Message::Text(t))) => {
                     let v: Value = serde_json::from_str(&t)?;
@@ -117,7 +123,10 @@ impl Client {
     /// connection, so that its place is free before the caller opens another.
     pub(crate) async fn close(&mut self) {
         let _ = self.send(json!({"type": "session.close"})).await;
-        let _ = tokio::time::timeout(Duration::from_secs(5), async { while let Some(Ok(_)) = self.ws.next().await {} }).await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), async {
+            while let Some(Ok(_)) = self.ws.next().await {}
+        })
+        .await;
     }
 
     /// A new connection with a turn-mode session. A server with no free session (`capacity`) is
@@ -135,7 +144,10 @@ impl Client {
                 Ok(c) => return Ok(c),
                 Err(e) => match e.downcast_ref::<Capacity>() {
                     Some(Capacity(ms)) if t0.elapsed() < cfg.timeout => {
-                        tokio::time::sleep(Duration::from_millis(ms.unwrap_or(1000).clamp(50, 5000))).await;
+                        tokio::time::sleep(Duration::from_millis(
+                            ms.unwrap_or(1000).clamp(50, 5000),
+                        ))
+                        .await;
                     }
                     _ => return Err(e),
                 },

@@ -25,7 +25,12 @@ pub(super) fn duplex_turns(cfg: &BenchConfig) -> usize {
 /// One duplex session of the `duplex` workload: streams `duplex_units` seconds of the voice WAV
 /// (looped) in real time as 20 ms Opus packets while it receives; one record per spoken turn,
 /// its TTFA measured from the end of the unit in which the model decided to speak.
-async fn duplex_session(sh: Arc<Shared>, level: usize, worker: usize, level_start: Instant) -> Result<Vec<RequestRecord>> {
+async fn duplex_session(
+    sh: Arc<Shared>,
+    level: usize,
+    worker: usize,
+    level_start: Instant,
+) -> Result<Vec<RequestRecord>> {
     use tokio::sync::Mutex;
     let cfg = &sh.cfg;
     let mut c = Client::connect(cfg).await?;
@@ -78,9 +83,13 @@ async fn duplex_session(sh: Arc<Shared>, level: usize, worker: usize, level_star
     let mut done = 0usize;
     let mut last_seq = 0u64;
     let mut last_ack = Instant::now();
-    let unit_end = |u: u64| -> Option<Instant> { sent_at.lock().expect("sent_at").get(((u + 1) * 50 - 1) as usize).copied() };
+    let unit_end = |u: u64| -> Option<Instant> {
+        sent_at.lock().expect("sent_at").get(((u + 1) * 50 - 1) as usize).copied()
+    };
     while done < expected {
-        let m = tokio::time::timeout(cfg.timeout, stream.next()).await.map_err(|_| anyhow!("timed out waiting for the server"))?;
+        let m = tokio::time::timeout(cfg.timeout, stream.next())
+            .await
+            .map_err(|_| anyhow!("timed out waiting for the server"))?;
         let now = Instant::now();
         match m {
             Some(Ok(Message::Text(t))) => {
@@ -92,28 +101,46 @@ async fn duplex_session(sh: Arc<Shared>, level: usize, worker: usize, level_star
                     "response.created" if last_speak as usize + 1 >= cfg.duplex_units => {}
                     "response.created" => {
                         let index = records.len();
-                        let start_s = unit_end(last_speak).map_or(0.0, |t| t.duration_since(level_start).as_secs_f64());
-                        records.push(RequestRecord::new(level, worker, index, index < warm, last_speak as usize, start_s));
-                        open.insert(v["response_id"].as_u64().unwrap_or(0), (index, last_speak, vec![]));
+                        let start_s = unit_end(last_speak)
+                            .map_or(0.0, |t| t.duration_since(level_start).as_secs_f64());
+                        records.push(RequestRecord::new(
+                            level,
+                            worker,
+                            index,
+                            index < warm,
+                            last_speak as usize,
+                            start_s,
+                        ));
+                        open.insert(
+                            v["response_id"].as_u64().unwrap_or(0),
+                            (index, last_speak, vec![]),
+                        );
                     }
                     "response.text.delta" => {
                         if let Some((i, u, _)) = open.get(&v["response_id"].as_u64().unwrap_or(0)) {
                             if let Some(end) = unit_end(*u) {
-                                records[*i].ttft_ms.get_or_insert(now.saturating_duration_since(end).as_secs_f64() * 1000.0);
+                                records[*i].ttft_ms.get_or_insert(
+                                    now.saturating_duration_since(end).as_secs_f64() * 1000.0,
+                                );
                             }
                         }
                     }
                     "response.done" => {
-                        if let Some((i, _, durations)) = open.remove(&v["response_id"].as_u64().unwrap_or(0)) {
+                        if let Some((i, _, durations)) =
+                            open.remove(&v["response_id"].as_u64().unwrap_or(0))
+                        {
                             let r = &mut records[i];
                             r.status = crate::done_status(&v);
                             r.chunks = v["chunks"].as_u64();
-                            r.ok = r.status == Some(DoneStatus::Completed) && !r.arrivals_ms.is_empty();
+                            r.ok = r.status == Some(DoneStatus::Completed)
+                                && !r.arrivals_ms.is_empty();
                             if r.status != Some(DoneStatus::Completed) {
                                 r.error = Some(format!("response {}", v["status"]));
                             }
                             r.audio_ms = durations.iter().sum();
-                            if let (Some(&first), Some(&last)) = (r.arrivals_ms.first(), r.arrivals_ms.last()) {
+                            if let (Some(&first), Some(&last)) =
+                                (r.arrivals_ms.first(), r.arrivals_ms.last())
+                            {
                                 r.last_audio_ms = Some(last);
                                 r.rtf = Some(last / r.audio_ms.max(1e-9));
                                 r.rtf_compute = Some((last - first) / r.audio_ms.max(1e-9));
@@ -161,22 +188,40 @@ async fn duplex_session(sh: Arc<Shared>, level: usize, worker: usize, level_star
             None => bail!("the connection ended"),
         }
         if last_ack.elapsed() >= Duration::from_millis(250) {
-            sink.lock().await.send(Message::Text(json!({"type": "ack", "seq": last_seq}).to_string().into())).await?;
+            sink.lock()
+                .await
+                .send(Message::Text(json!({"type": "ack", "seq": last_seq}).to_string().into()))
+                .await?;
             last_ack = Instant::now();
         }
     }
     sender.await.context("duplex sender")??;
-    let _ = sink.lock().await.send(Message::Text(json!({"type": "session.close", "seq": input_seq + 1 + total as u64}).to_string().into())).await;
+    let _ = sink
+        .lock()
+        .await
+        .send(Message::Text(
+            json!({"type": "session.close", "seq": input_seq + 1 + total as u64})
+                .to_string()
+                .into(),
+        ))
+        .await;
     // read until the server closes: dropping a socket with unread data resets it, and the reset
     // can overtake the close
-    let _ = tokio::time::timeout(Duration::from_secs(5), async { while let Some(Ok(_)) = stream.next().await {} }).await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Some(Ok(_)) = stream.next().await {}
+    })
+    .await;
     Ok(records)
 }
 
 /// A duplex level: `level` sessions streaming at once.
-pub(super) async fn run_duplex_level(sh: Arc<Shared>, level: usize) -> Result<(Vec<RequestRecord>, f64)> {
+pub(super) async fn run_duplex_level(
+    sh: Arc<Shared>,
+    level: usize,
+) -> Result<(Vec<RequestRecord>, f64)> {
     let start = Instant::now();
-    let tasks: Vec<_> = (0..level).map(|w| tokio::spawn(duplex_session(sh.clone(), level, w, start))).collect();
+    let tasks: Vec<_> =
+        (0..level).map(|w| tokio::spawn(duplex_session(sh.clone(), level, w, start))).collect();
     let mut all = Vec::new();
     for t in tasks {
         all.extend(t.await.context("duplex worker")??);

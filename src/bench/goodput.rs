@@ -49,13 +49,17 @@ pub fn without_stall_frac(l: &LevelSummary) -> Option<f64> {
 /// the server refused no call and no reply.
 fn served_all(l: &LevelSummary) -> bool {
     let completed = l.requests.saturating_sub(l.failures);
-    let refused = l.calls_refused.unwrap_or(0) + l.replies_refused.unwrap_or(0) + l.failures_by_code.get("capacity").copied().unwrap_or(0);
+    let refused = l.calls_refused.unwrap_or(0)
+        + l.replies_refused.unwrap_or(0)
+        + l.failures_by_code.get("capacity").copied().unwrap_or(0);
     completed > 0 && l.failures == 0 && refused == 0
 }
 
 /// Whether one level meets the criterion (a level with no completed response does not).
 pub fn meets(l: &LevelSummary) -> bool {
-    served_all(l) && l.ttfa_ms.p95 <= TTFA_P95_MAX_MS && without_stall_frac(l).is_some_and(|f| f >= WITHOUT_STALL_MIN_FRAC)
+    served_all(l)
+        && l.ttfa_ms.p95 <= TTFA_P95_MAX_MS
+        && without_stall_frac(l).is_some_and(|f| f >= WITHOUT_STALL_MIN_FRAC)
 }
 
 /// Whether a duplex level's sessions were all held: every reply without a stall, none refused,
@@ -70,9 +74,14 @@ fn highest<'a>(levels: impl Iterator<Item = &'a LevelSummary>) -> Option<f64> {
 
 /// The goodput of a run's levels.
 pub fn of(workload: Workload, levels: &[LevelSummary]) -> Goodput {
-    let unit = if workload == Workload::Conversations { "conversations/s" } else { "concurrent sessions" };
+    let unit =
+        if workload == Workload::Conversations { "conversations/s" } else { "concurrent sessions" };
     let level = highest(levels.iter().filter(|l| meets(l)));
-    let sessions_held = if workload == Workload::Duplex { highest(levels.iter().filter(|l| holds(l))) } else { None };
+    let sessions_held = if workload == Workload::Duplex {
+        highest(levels.iter().filter(|l| holds(l)))
+    } else {
+        None
+    };
     Goodput {
         criterion: format!(
             "TTFA p95 <= {TTFA_P95_MAX_MS:.0} ms, >= {:.0}% of completed responses without a stall (no pre-buffer), no call or reply refused, no request failed",
@@ -102,7 +111,13 @@ mod tests {
 
     #[test]
     fn the_highest_concurrency_that_meets_every_bound() {
-        let levels = vec![level(1, 300.0, 0), level(2, 500.0, 1), level(4, 790.0, 0), level(8, 900.0, 0), level(16, 2000.0, 30)];
+        let levels = vec![
+            level(1, 300.0, 0),
+            level(2, 500.0, 1),
+            level(4, 790.0, 0),
+            level(8, 900.0, 0),
+            level(16, 2000.0, 30),
+        ];
         let g = of(Workload::Tts, &levels);
         assert_eq!(g.level, Some(4.0));
         assert_eq!(g.unit, "concurrent sessions");
@@ -124,17 +139,34 @@ mod tests {
         assert!(!meets(&LevelSummary { calls_refused: Some(1), ..ok.clone() }));
         assert!(!meets(&LevelSummary { replies_refused: Some(1), failures: 1, ..ok.clone() }));
         assert!(!meets(&LevelSummary { failures: 1, ..ok.clone() }));
-        assert!(!meets(&LevelSummary { requests: 0, responses_without_stall_frac: None, ..ok.clone() }));
+        assert!(!meets(&LevelSummary {
+            requests: 0,
+            responses_without_stall_frac: None,
+            ..ok.clone()
+        }));
         // an old summary: the stall events bound the fraction (1 in 100 = 99 %)
-        assert!(meets(&LevelSummary { responses_without_stall_frac: None, stall_events: 1, ..ok.clone() }));
-        assert!(!meets(&LevelSummary { responses_without_stall_frac: None, stall_events: 2, ..ok }));
+        assert!(meets(&LevelSummary {
+            responses_without_stall_frac: None,
+            stall_events: 1,
+            ..ok.clone()
+        }));
+        assert!(!meets(&LevelSummary {
+            responses_without_stall_frac: None,
+            stall_events: 2,
+            ..ok
+        }));
     }
 
     /// Duplex: the sessions held are the highest level with no stall at all, whatever its first
     /// audio (C64 at 1.8 s p95 counts); one stall, one refusal or one failure and it does not.
     #[test]
     fn duplex_sessions_held_are_the_highest_level_without_a_stall() {
-        let levels = vec![level(16, 600.0, 0), level(32, 750.0, 0), level(64, 1800.0, 0), level(96, 9000.0, 1)];
+        let levels = vec![
+            level(16, 600.0, 0),
+            level(32, 750.0, 0),
+            level(64, 1800.0, 0),
+            level(96, 9000.0, 1),
+        ];
         let g = of(Workload::Duplex, &levels);
         assert_eq!((g.level, g.sessions_held), (Some(32.0), Some(64.0)));
         let refused = LevelSummary { calls_refused: Some(1), ..level(64, 1800.0, 0) };
@@ -142,13 +174,19 @@ mod tests {
         assert_eq!(of(Workload::Duplex, &[level(8, 600.0, 1)]).sessions_held, None);
         assert_eq!(of(Workload::Tts, &levels).sessions_held, None, "duplex only");
         // (an old summary without the figure reads as none)
-        let old: Goodput = serde_json::from_str(r#"{"criterion":"c","level":null,"unit":"u"}"#).unwrap();
+        let old: Goodput =
+            serde_json::from_str(r#"{"criterion":"c","level":null,"unit":"u"}"#).unwrap();
         assert_eq!(old.sessions_held, None);
     }
 
     #[test]
     fn rates_are_the_levels_of_the_conversations_workload() {
-        let at = |rate: f64, p95: f64| LevelSummary { rate_per_s: Some(rate), calls_offered: Some(100), calls_refused: Some(0), ..level(7, p95, 0) };
+        let at = |rate: f64, p95: f64| LevelSummary {
+            rate_per_s: Some(rate),
+            calls_offered: Some(100),
+            calls_refused: Some(0),
+            ..level(7, p95, 0)
+        };
         let g = of(Workload::Conversations, &[at(2.0, 300.0), at(4.0, 600.0), at(8.0, 1500.0)]);
         assert_eq!(g.level, Some(4.0));
         assert_eq!(g.unit, "conversations/s");

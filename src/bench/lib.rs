@@ -160,7 +160,14 @@ pub struct RequestRecord {
 
 impl RequestRecord {
     /// A request not yet answered.
-    pub fn new(concurrency: usize, worker: usize, index: usize, warmup: bool, prompt: usize, start_s: f64) -> Self {
+    pub fn new(
+        concurrency: usize,
+        worker: usize,
+        index: usize,
+        warmup: bool,
+        prompt: usize,
+        start_s: f64,
+    ) -> Self {
         Self {
             concurrency,
             worker,
@@ -227,7 +234,12 @@ fn clone_voice(base: &[f32], rate: u32, n: usize) -> String {
     // a per-request resampling ratio and gain: different content, different hash
     let factor = 1.0 + 0.003 * (n % 97) as f32;
     let out_len = (base.len() as f32 / factor) as usize;
-    let x: Vec<f32> = (0..out_len).map(|i| base[((i as f32 * factor) as usize).min(base.len() - 1)] * (0.8 + 0.002 * (n % 50) as f32)).collect();
+    let x: Vec<f32> = (0..out_len)
+        .map(|i| {
+            base[((i as f32 * factor) as usize).min(base.len() - 1)]
+                * (0.8 + 0.002 * (n % 50) as f32)
+        })
+        .collect();
     let wav = antiphon_audio::encode_wav_pcm16(&x, rate).expect("wav encoding");
     base64::engine::general_purpose::STANDARD.encode(wav)
 }
@@ -254,7 +266,15 @@ struct Shared {
     progress: Option<indicatif::ProgressBar>,
 }
 
-async fn one_request(sh: &Shared, c: &mut Client, level: usize, worker: usize, index: usize, warmup: bool, level_start: Instant) -> RequestRecord {
+async fn one_request(
+    sh: &Shared,
+    c: &mut Client,
+    level: usize,
+    worker: usize,
+    index: usize,
+    warmup: bool,
+    level_start: Instant,
+) -> RequestRecord {
     request(sh, c, level, worker, index, warmup, level_start).await.0
 }
 
@@ -271,7 +291,14 @@ async fn request(
 ) -> (RequestRecord, Option<Instant>) {
     let cfg = &sh.cfg;
     let prompt = (worker * 7 + index) % PROMPTS.len();
-    let mut rec = RequestRecord::new(level, worker, index, warmup, prompt, level_start.elapsed().as_secs_f64());
+    let mut rec = RequestRecord::new(
+        level,
+        worker,
+        index,
+        warmup,
+        prompt,
+        level_start.elapsed().as_secs_f64(),
+    );
     let gen = json!({"min_text_tokens": cfg.text_tokens, "max_text_tokens": cfg.text_tokens,
         "min_audio_tokens": cfg.audio_tokens, "max_audio_tokens": cfg.audio_tokens, "seed": (worker * 1000 + index) as u64});
     let mut refused = false;
@@ -417,7 +444,10 @@ async fn run_level(sh: Arc<Shared>, level: usize) -> Result<(Vec<RequestRecord>,
                     // (one session's turns in order: how first audio grows with a conversation)
                     r.turn = Some(i);
                 }
-                let broken = !r.ok && r.error.as_deref().is_some_and(|e| e.contains("closed") || e.contains("ended"));
+                let broken = !r.ok
+                    && r.error
+                        .as_deref()
+                        .is_some_and(|e| e.contains("closed") || e.contains("ended"));
                 out.push(r);
                 if broken {
                     // a new session for the next request
@@ -443,19 +473,24 @@ async fn run_level(sh: Arc<Shared>, level: usize) -> Result<(Vec<RequestRecord>,
 pub async fn run(cfg: BenchConfig) -> Result<report::Summary> {
     std::fs::create_dir_all(&cfg.out).with_context(|| format!("creating {}", cfg.out.display()))?;
     if cfg.workload == Workload::Duplex && cfg.speak_every < 2 {
-        bail!("the duplex workload needs --speak-every >= 2 (a turn ends at the next listening unit)");
+        bail!(
+            "the duplex workload needs --speak-every >= 2 (a turn ends at the next listening unit)"
+        );
     }
     if cfg.workload == Workload::Conversations {
         arrivals::check(&cfg)?;
     }
     let voice = match cfg.workload {
         Workload::Voice | Workload::Duplex => {
-            let wav = cfg.input_wav.clone().unwrap_or_else(|| PathBuf::from("assets/voices/default.wav"));
+            let wav =
+                cfg.input_wav.clone().unwrap_or_else(|| PathBuf::from("assets/voices/default.wav"));
             Some(voice_packets(&wav)?)
         }
         _ => None,
     };
-    let base = std::fs::read("assets/voices/default.wav").ok().and_then(|b| antiphon_audio::decode_wav(&b).ok());
+    let base = std::fs::read("assets/voices/default.wav")
+        .ok()
+        .and_then(|b| antiphon_audio::decode_wav(&b).ok());
     let clone_base = match (cfg.workload, base) {
         (Workload::Clone | Workload::CloneTurns, Some(b)) => b,
         (Workload::Clone | Workload::CloneTurns, None) => {
@@ -470,14 +505,20 @@ pub async fn run(cfg: BenchConfig) -> Result<report::Summary> {
     };
     let progress = cfg.progress.then(|| {
         let p = indicatif::ProgressBar::new(total as u64);
-        p.set_style(indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}").expect("template"));
+        p.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}",
+            )
+            .expect("template"),
+        );
         p
     });
     let sh = Arc::new(Shared { cfg: cfg.clone(), voice, clone_base, progress });
     let mut records = Vec::new();
     let mut levels = Vec::new();
     // one level per concurrency, or per arrival rate
-    let count = if cfg.workload == Workload::Conversations { cfg.rates.len() } else { cfg.levels.len() };
+    let count =
+        if cfg.workload == Workload::Conversations { cfg.rates.len() } else { cfg.levels.len() };
     for i in 0..count {
         let tag = match cfg.workload {
             Workload::Conversations => format!("r{}", cfg.rates[i]),
@@ -530,7 +571,11 @@ fn summary_of(cfg: &BenchConfig, levels: Vec<report::LevelSummary>) -> report::S
         } else {
             cfg.text_tokens
         },
-        audio_tokens: if cfg.workload == Workload::Duplex { 25 + duplex_drain(cfg) } else { cfg.audio_tokens },
+        audio_tokens: if cfg.workload == Workload::Duplex {
+            25 + duplex_drain(cfg)
+        } else {
+            cfg.audio_tokens
+        },
         goodput: Some(goodput::of(cfg.workload, &levels)),
         levels,
     }

@@ -31,7 +31,13 @@ impl Percentiles {
             let k = ((p * v.len() as f64).ceil() as usize).clamp(1, v.len());
             v[k - 1]
         };
-        Self { mean: v.iter().sum::<f64>() / v.len() as f64, p50: at(0.5), p90: at(0.9), p95: at(0.95), p99: at(0.99) }
+        Self {
+            mean: v.iter().sum::<f64>() / v.len() as f64,
+            p50: at(0.5),
+            p90: at(0.9),
+            p95: at(0.95),
+            p99: at(0.99),
+        }
     }
 }
 
@@ -104,7 +110,11 @@ fn ttfa_by_ten_turns(ok: &[&&RequestRecord]) -> Option<Vec<f64>> {
         return None;
     }
     let tens = (0..=last / 10).map(|t| {
-        let v: Vec<f64> = ok.iter().filter(|r| r.turn.is_some_and(|n| n / 10 == t)).filter_map(|r| r.ttfa_ms).collect();
+        let v: Vec<f64> = ok
+            .iter()
+            .filter(|r| r.turn.is_some_and(|n| n / 10 == t))
+            .filter_map(|r| r.ttfa_ms)
+            .collect();
         Percentiles::of(&v).p50
     });
     Some(tens.collect())
@@ -134,7 +144,9 @@ pub fn level_summary(level: usize, recs: &[RequestRecord], wall_s: f64) -> Level
         let code = code.split(':').next().unwrap_or("?").trim().to_string();
         *failures_by_code.entry(code).or_insert(0) += 1;
     }
-    let f = |get: &dyn Fn(&RequestRecord) -> Option<f64>| -> Vec<f64> { ok.iter().filter_map(|r| get(r)).collect() };
+    let f = |get: &dyn Fn(&RequestRecord) -> Option<f64>| -> Vec<f64> {
+        ok.iter().filter_map(|r| get(r)).collect()
+    };
     let mean = |v: Vec<f64>| {
         if v.is_empty() {
             0.0
@@ -142,8 +154,11 @@ pub fn level_summary(level: usize, recs: &[RequestRecord], wall_s: f64) -> Level
             v.iter().sum::<f64>() / v.len() as f64
         }
     };
-    let stall =
-        |p: u64| -> (usize, f64) { ok.iter().flat_map(|r| r.stalls.iter().filter(move |s| s.0 == p)).fold((0, 0.0), |(e, t), s| (e + s.1, t + s.2)) };
+    let stall = |p: u64| -> (usize, f64) {
+        ok.iter()
+            .flat_map(|r| r.stalls.iter().filter(move |s| s.0 == p))
+            .fold((0, 0.0), |(e, t), s| (e + s.1, t + s.2))
+    };
     let (se, sm) = stall(0);
     let without_stall = ok.iter().filter(|r| r.stalls.iter().any(|s| s.0 == 0 && s.1 == 0)).count();
     let with_model = ok.iter().filter(|r| r.stalls.iter().any(|s| s.0 == 0)).count();
@@ -171,7 +186,8 @@ pub fn level_summary(level: usize, recs: &[RequestRecord], wall_s: f64) -> Level
         chunks_mean: mean(f(&|r| r.chunks.map(|c| c as f64))),
         wall_s,
         server: None,
-        responses_without_stall_frac: (with_model > 0).then(|| without_stall as f64 / with_model as f64),
+        responses_without_stall_frac: (with_model > 0)
+            .then(|| without_stall as f64 / with_model as f64),
         ttfa_p50_by_ten_turns: ttfa_by_ten_turns(&ok),
         ..Default::default()
     }
@@ -187,7 +203,10 @@ pub fn level_label(l: &LevelSummary) -> String {
 
 /// UTC date and time, ISO 8601.
 pub fn now_iso() -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0) as i64;
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0) as i64;
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
     // civil-from-days (Howard Hinnant)
     let z = days + 719_468;
@@ -253,7 +272,11 @@ pub fn table(s: &Summary) -> String {
     for l in &s.levels {
         if let Some(tens) = &l.ttfa_p50_by_ten_turns {
             let v: Vec<String> = tens.iter().map(|t| format!("{t:.0}")).collect();
-            out.push_str(&format!("{}: TTFA p50 by ten turns of a session: {} ms\n", level_label(l), v.join(" · ")));
+            out.push_str(&format!(
+                "{}: TTFA p50 by ten turns of a session: {} ms\n",
+                level_label(l),
+                v.join(" · ")
+            ));
         }
     }
     if let Some(g) = &s.goodput {
@@ -271,13 +294,31 @@ pub fn table(s: &Summary) -> String {
             .step_ms
             .iter()
             .map(|(stage, ms)| {
-                format!("{stage} {ms:.1} ms × {:.0} (batch {:.1})", b.steps.get(stage).unwrap_or(&0.0), b.batch_mean.get(stage).unwrap_or(&0.0))
+                format!(
+                    "{stage} {ms:.1} ms × {:.0} (batch {:.1})",
+                    b.steps.get(stage).unwrap_or(&0.0),
+                    b.batch_mean.get(stage).unwrap_or(&0.0)
+                )
             })
             .collect();
-        let order = ["first_token", "first_text", "handoff", "first_code", "chunk0_codes", "first_chunk", "first_audio"];
-        let phases: Vec<String> = order.iter().filter_map(|p| Some(format!("{p} {:.0}", b.phase_ms.get(*p)?))).collect();
-        let name = if l.rate_per_s.is_some() { level_label(l) } else { format!("C{}", l.concurrency) };
-        out.push_str(&format!("{name} server: {}\n      milestones (ms after admission): {}\n", steps.join(", "), phases.join(", ")));
+        let order = [
+            "first_token",
+            "first_text",
+            "handoff",
+            "first_code",
+            "chunk0_codes",
+            "first_chunk",
+            "first_audio",
+        ];
+        let phases: Vec<String> =
+            order.iter().filter_map(|p| Some(format!("{p} {:.0}", b.phase_ms.get(*p)?))).collect();
+        let name =
+            if l.rate_per_s.is_some() { level_label(l) } else { format!("C{}", l.concurrency) };
+        out.push_str(&format!(
+            "{name} server: {}\n      milestones (ms after admission): {}\n",
+            steps.join(", "),
+            phases.join(", ")
+        ));
     }
     out
 }
@@ -352,9 +393,13 @@ pub fn plot(s: &Summary, path: &Path) -> Result<()> {
     let x_axis = || Categories(s.levels.len());
     let refused = |l: &LevelSummary| l.calls_refused.unwrap_or(0) as f64;
     let ymax = s.levels.iter().map(|l| l.ttfa_ms.p95).fold(1.0, f64::max) * 1.15;
-    let smax = s.levels.iter().map(|l| (l.stall_events as f64).max(refused(l))).fold(1.0, f64::max) * 1.15;
+    let smax =
+        s.levels.iter().map(|l| (l.stall_events as f64).max(refused(l))).fold(1.0, f64::max) * 1.15;
     let mut chart = ChartBuilder::on(&area)
-        .caption(format!("antiphon bench — {} workload ({})", s.workload, s.config), ("sans-serif", 18))
+        .caption(
+            format!("antiphon bench — {} workload ({})", s.workload, s.config),
+            ("sans-serif", 18),
+        )
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
@@ -371,12 +416,20 @@ pub fn plot(s: &Summary, path: &Path) -> Result<()> {
     };
     let x_desc = if rates { "arrival rate (conversations per second)" } else { "concurrency C" };
     chart.configure_mesh().x_desc(x_desc).y_desc("TTFA (ms)").x_label_formatter(&tick).draw()?;
-    chart.configure_secondary_axes().y_desc(if rates { "stall events, refused calls" } else { "stall events" }).draw()?;
-    let series = |f: &dyn Fn(&LevelSummary) -> f64| -> Vec<(f64, f64)> { xs.iter().cloned().zip(s.levels.iter().map(f)).collect() };
-    let mut keys: Vec<(RGBColor, &str)> = vec![(BLUE, "TTFA p50"), (RED, "TTFA p95"), (GREEN, "stall events (no pre-buffer)")];
+    chart
+        .configure_secondary_axes()
+        .y_desc(if rates { "stall events, refused calls" } else { "stall events" })
+        .draw()?;
+    let series = |f: &dyn Fn(&LevelSummary) -> f64| -> Vec<(f64, f64)> {
+        xs.iter().cloned().zip(s.levels.iter().map(f)).collect()
+    };
+    let mut keys: Vec<(RGBColor, &str)> =
+        vec![(BLUE, "TTFA p50"), (RED, "TTFA p95"), (GREEN, "stall events (no pre-buffer)")];
     chart.draw_series(LineSeries::new(series(&|l| l.ttfa_ms.p50), &BLUE).point_size(4))?;
     chart.draw_series(LineSeries::new(series(&|l| l.ttfa_ms.p95), &RED).point_size(4))?;
-    chart.draw_secondary_series(LineSeries::new(series(&|l| l.stall_events as f64), &GREEN).point_size(3))?;
+    chart.draw_secondary_series(
+        LineSeries::new(series(&|l| l.stall_events as f64), &GREEN).point_size(3),
+    )?;
     if rates {
         chart.draw_secondary_series(LineSeries::new(series(&refused), &MAGENTA).point_size(3))?;
         keys.push((MAGENTA, "refused calls"));
@@ -473,20 +526,34 @@ mod tests {
 
     /// The SVG's text elements: (the element's attributes, its text).
     fn svg_texts(s: &Summary, name: &str) -> Vec<(String, String)> {
-        let path = std::env::temp_dir().join(format!("antiphon-bench-{}-{name}.svg", std::process::id()));
+        let path =
+            std::env::temp_dir().join(format!("antiphon-bench-{}-{name}.svg", std::process::id()));
         plot(s, &path).unwrap();
         let svg = std::fs::read_to_string(&path).unwrap();
         let _ = std::fs::remove_file(&path);
         svg.split("<text")
             .skip(1)
-            .filter_map(|t| t.split_once('>').map(|(attrs, rest)| (attrs.to_string(), rest.split("</text>").next().unwrap_or("").trim().to_string())))
+            .filter_map(|t| {
+                t.split_once('>').map(|(attrs, rest)| {
+                    (
+                        attrs.to_string(),
+                        rest.split("</text>").next().unwrap_or("").trim().to_string(),
+                    )
+                })
+            })
             .collect()
     }
 
     /// The x axis's tick labels: the centred texts that are not a caption or an axis's
     /// description (those have spaces).
     fn x_ticks(texts: &[(String, String)]) -> Vec<String> {
-        texts.iter().filter(|(a, t)| a.contains("text-anchor=\"middle\"") && !t.contains(' ') && !t.is_empty()).map(|(_, t)| t.clone()).collect()
+        texts
+            .iter()
+            .filter(|(a, t)| {
+                a.contains("text-anchor=\"middle\"") && !t.contains(' ') && !t.is_empty()
+            })
+            .map(|(_, t)| t.clone())
+            .collect()
     }
 
     /// A long conversation's first audio per ten turns, from its records (warm-up and failed
@@ -517,18 +584,30 @@ mod tests {
         assert_eq!(all.iter().filter(|t| **t == "2").count(), 1, "{all:?}");
         assert!(all.contains(&"concurrency C") && all.contains(&"TTFA p95"), "{all:?}");
         // wide levels too: evenly spaced, never a repeated label
-        let s = summary("tts", [1, 2, 4, 8, 16, 32].iter().map(|&c| level(c, 100.0 * c as f64)).collect());
+        let s = summary(
+            "tts",
+            [1, 2, 4, 8, 16, 32].iter().map(|&c| level(c, 100.0 * c as f64)).collect(),
+        );
         assert_eq!(x_ticks(&svg_texts(&s, "six")), ["1", "2", "4", "8", "16", "32"]);
     }
 
     #[test]
     fn rates_are_ticks_too() {
-        let at = |r: f64, p95: f64| LevelSummary { rate_per_s: Some(r), calls_offered: Some(10), calls_refused: Some(1), ..level(3, p95) };
+        let at = |r: f64, p95: f64| LevelSummary {
+            rate_per_s: Some(r),
+            calls_offered: Some(10),
+            calls_refused: Some(1),
+            ..level(3, p95)
+        };
         let s = summary("conversations", vec![at(0.5, 200.0), at(2.0, 300.0), at(8.0, 900.0)]);
         let texts = svg_texts(&s, "rates");
         assert_eq!(x_ticks(&texts), ["0.5/s", "2/s", "8/s"], "{texts:?}");
         let all: Vec<&str> = texts.iter().map(|(_, t)| t.as_str()).collect();
-        assert!(all.contains(&"refused calls") && all.contains(&"arrival rate (conversations per second)"), "{all:?}");
+        assert!(
+            all.contains(&"refused calls")
+                && all.contains(&"arrival rate (conversations per second)"),
+            "{all:?}"
+        );
         let t = table(&s);
         assert!(t.contains("0.5/s") && t.contains("goodput"), "{t}");
     }

@@ -29,7 +29,11 @@ pub async fn http_get(ws_url: &str, path: &str) -> Option<String> {
     let rest = ws_url.strip_prefix("ws://")?;
     let host = rest.split('/').next()?;
     let mut s = tokio::net::TcpStream::connect(host).await.ok()?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes()).await.ok()?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .ok()?;
     let mut buf = String::new();
     s.read_to_string(&mut buf).await.ok()?;
     let (head, body) = buf.split_once("\r\n\r\n")?;
@@ -64,7 +68,13 @@ pub fn parse(text: &str) -> Sums {
         let Some((key, value)) = line.rsplit_once(' ') else { continue };
         let Ok(value) = value.parse::<f64>() else { continue };
         let (name, label) = match key.split_once('{') {
-            Some((n, rest)) => (n, rest.split_once("=\"").and_then(|(_, v)| v.split_once('"')).map(|(v, _)| v).unwrap_or("")),
+            Some((n, rest)) => (
+                n,
+                rest.split_once("=\"")
+                    .and_then(|(_, v)| v.split_once('"'))
+                    .map(|(v, _)| v)
+                    .unwrap_or(""),
+            ),
             None => (key, ""),
         };
         if let Some(metric) = name.strip_suffix("_sum") {

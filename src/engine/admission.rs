@@ -80,7 +80,13 @@ const INCREASE_EVERY: Duration = Duration::from_millis(500);
 
 impl LoadLimit {
     pub fn new(max: usize) -> Self {
-        Self { max: max.max(1), limit: max.max(1), last_late: None, last_decrease: None, last_change: None }
+        Self {
+            max: max.max(1),
+            limit: max.max(1),
+            last_late: None,
+            last_decrease: None,
+            last_change: None,
+        }
     }
 
     pub fn get(&self) -> usize {
@@ -337,7 +343,10 @@ mod tests {
 
     fn admission(max_streams: usize, max_queued: usize, call_headroom: usize) -> Admission {
         let g = IntGaugeVec::new(prometheus::Opts::new("t", "t"), &["state"]).unwrap();
-        Admission::new(AdmissionLimits { max_streams, max_queued, call_headroom, adaptive: true }, g)
+        Admission::new(
+            AdmissionLimits { max_streams, max_queued, call_headroom, adaptive: true },
+            g,
+        )
     }
 
     fn id(s: &str) -> RequestId {

@@ -17,12 +17,21 @@ impl StageCaches {
     /// and a pool of `pooled` idle caches rounded to `quantum` positions, holding at most
     /// `idle_bytes` together. With a batched decode mode, every batch size's step is captured now,
     /// so no request pays a capture.
-    pub fn new(dec: &Decoder, pooled: usize, quantum: usize, idle_bytes: usize, slots: usize, slot_context: usize) -> Result<Self> {
+    pub fn new(
+        dec: &Decoder,
+        pooled: usize,
+        quantum: usize,
+        idle_bytes: usize,
+        slots: usize,
+        slot_context: usize,
+    ) -> Result<Self> {
         let slots = if slots == 0 {
             None
         } else {
             let ctx = slot_context.min(dec.config().max_positions);
-            let pool = dec.slot_pool(slots, ctx).with_context(|| format!("allocating {slots} KV slots of {ctx} positions"))?;
+            let pool = dec
+                .slot_pool(slots, ctx)
+                .with_context(|| format!("allocating {slots} KV slots of {ctx} positions"))?;
             if dec.decode_mode() != DecodeMode::Eager {
                 dec.warm_pool(&pool).context("capturing the batched decode steps")?;
             }

@@ -61,8 +61,16 @@ pub fn streams_that_fit(free: u64, reserve: u64, per_stream: u64, at_most: usize
 /// Sizes every stage's slots (and the batches and the stream limit that follow them) to the
 /// streams that fit in `free` bytes; `call_headroom` keeps its share of the places. An error when not one fits: the engine cannot serve on this
 /// device with this configuration, and says what it would need.
-pub fn size_streams(cfg: &mut EngineConfig, free: u64, per_stream: StreamBytes) -> Result<Sizing, String> {
-    let asked = [cfg.thinker_slots, cfg.talker_slots, cfg.code2wav_slots].into_iter().filter(|&n| n > 0).min().unwrap_or(0);
+pub fn size_streams(
+    cfg: &mut EngineConfig,
+    free: u64,
+    per_stream: StreamBytes,
+) -> Result<Sizing, String> {
+    let asked = [cfg.thinker_slots, cfg.talker_slots, cfg.code2wav_slots]
+        .into_iter()
+        .filter(|&n| n > 0)
+        .min()
+        .unwrap_or(0);
     let reserve = reserve_bytes(cfg, &per_stream);
     if asked == 0 {
         return Ok(Sizing { free, reserve, per_stream, asked, streams: 0 });
@@ -82,7 +90,9 @@ pub fn size_streams(cfg: &mut EngineConfig, free: u64, per_stream: StreamBytes) 
             *slots = streams;
         }
     }
-    for batch in [&mut cfg.thinker_max_batch, &mut cfg.talker_max_batch, &mut cfg.code2wav_max_batch] {
+    for batch in
+        [&mut cfg.thinker_max_batch, &mut cfg.talker_max_batch, &mut cfg.code2wav_max_batch]
+    {
         *batch = (*batch).min(streams);
     }
     cfg.code2wav_early_batch = cfg.code2wav_early_batch.min(streams);
@@ -130,7 +140,10 @@ mod tests {
         let mut big = gpu_config();
         let s = size_streams(&mut big, 120 * 1024 * MIB, full_size()).unwrap();
         assert_eq!((s.asked, s.streams), (64, 64));
-        assert_eq!((big.thinker_slots, big.talker_slots, big.code2wav_slots, big.thinker_max_batch), (64, 64, 64, 64));
+        assert_eq!(
+            (big.thinker_slots, big.talker_slots, big.code2wav_slots, big.thinker_max_batch),
+            (64, 64, 64, 64)
+        );
         // an H100 after the weights: ~60 GiB free; kept: 16 GiB of headroom, the prefix store's
         // 8 and the idle caches' 2 × 8, and a scratch slot of each pool (1116 MiB)
         let mut small = gpu_config();
@@ -139,19 +152,32 @@ mod tests {
         let expect = ((60 * 1024 - 40 * 1024 - 1116) / 1116) as usize;
         assert_eq!(s.streams, expect);
         assert!((10..64).contains(&s.streams), "{s:?}");
-        assert_eq!((small.thinker_slots, small.talker_slots, small.code2wav_slots), (expect, expect, expect));
         assert_eq!(
-            (small.thinker_max_batch, small.talker_max_batch, small.code2wav_max_batch, small.code2wav_early_batch),
+            (small.thinker_slots, small.talker_slots, small.code2wav_slots),
+            (expect, expect, expect)
+        );
+        assert_eq!(
+            (
+                small.thinker_max_batch,
+                small.talker_max_batch,
+                small.code2wav_max_batch,
+                small.code2wav_early_batch
+            ),
             (expect, expect, expect, expect)
         );
         assert_eq!(small.stream_places(), expect, "admission follows the slots");
-        assert_eq!((big.call_headroom, small.call_headroom), (4, (4 * expect).div_ceil(64)), "the same share of the places");
+        assert_eq!(
+            (big.call_headroom, small.call_headroom),
+            (4, (4 * expect).div_ceil(64)),
+            "the same share of the places"
+        );
     }
 
     #[test]
     fn a_stage_without_slots_stays_without_and_a_set_stream_limit_is_never_raised() {
         let mut cfg = EngineConfig { code2wav_slots: 0, max_streams: Some(40), ..gpu_config() };
-        let s = size_streams(&mut cfg, 80 * 1024 * MIB, StreamBytes { code2wav: 0, ..full_size() }).unwrap();
+        let s = size_streams(&mut cfg, 80 * 1024 * MIB, StreamBytes { code2wav: 0, ..full_size() })
+            .unwrap();
         assert_eq!(cfg.code2wav_slots, 0);
         assert_eq!(cfg.thinker_slots, s.streams);
         assert_eq!(cfg.max_streams, Some(40.min(s.streams)));

@@ -32,14 +32,27 @@ impl Chunker {
     /// `first` outside `1..size` means "same as `size`".
     pub fn new(first: usize, size: usize, context: usize, silence: u32) -> Self {
         let first = if first > 0 && first < size { first } else { size };
-        Self { first, size: size.max(1), context: vec![silence; context], pending: Vec::new(), seq: 0, flushed: false, hold: false }
+        Self {
+            first,
+            size: size.max(1),
+            context: vec![silence; context],
+            pending: Vec::new(),
+            seq: 0,
+            flushed: false,
+            hold: false,
+        }
     }
 
     /// A stream's chunker as Stage 1 makes it: `first` new codes in the first payload, the
     /// configured size and context after; a turn's holds its chunks, a duplex turn's does not
     /// (its codes stop at each unit's end, so its chunks go out at once).
     pub fn for_stream(cfg: &crate::EngineConfig, first: usize, turn: bool) -> Self {
-        let c = Self::new(first, cfg.chunk_codes, cfg.context_codes, antiphon_models::code2wav::SILENCE_CODE);
+        let c = Self::new(
+            first,
+            cfg.chunk_codes,
+            cfg.context_codes,
+            antiphon_models::code2wav::SILENCE_CODE,
+        );
         if turn {
             c.holding()
         } else {
@@ -138,7 +151,8 @@ pub fn warm_sequences(cfg: &crate::EngineConfig) -> Vec<Vec<(usize, bool)>> {
     let size = cfg.chunk_codes.max(1);
     let run = |first: usize, turn: bool, codes: usize| -> Vec<(usize, bool)> {
         let mut c = Chunker::for_stream(cfg, first, turn);
-        let mut out: Vec<(usize, bool)> = (0..codes as u32).filter_map(|i| c.push(i)).map(|p| (p.codes.len(), p.last)).collect();
+        let mut out: Vec<(usize, bool)> =
+            (0..codes as u32).filter_map(|i| c.push(i)).map(|p| (p.codes.len(), p.last)).collect();
         out.extend(c.flush().map(|p| (p.codes.len(), p.last)));
         out
     };
@@ -218,13 +232,18 @@ mod tests {
     #[test]
     fn a_holding_chunker_sends_the_same_chunks_and_ends_on_the_boundary() {
         for (first, n) in [(25, 60), (8, 83), (25, 100), (8, 108), (25, 1)] {
-            let (mut plain, mut held) = (Chunker::new(first, 25, 3, 4218), Chunker::new(first, 25, 3, 4218).holding());
+            let (mut plain, mut held) =
+                (Chunker::new(first, 25, 3, 4218), Chunker::new(first, 25, 3, 4218).holding());
             let mut a: Vec<Payload> = (0..n).filter_map(|i| plain.push(i)).collect();
             let mut b = Vec::new();
             for i in 0..n {
                 let p = held.push(i);
                 // a chunk goes out with the code after it, not with its own last code
-                assert_eq!(p.is_some(), i > 0 && a.iter().any(|x| *x.codes.last().unwrap() == i - 1), "first {first}, code {i}");
+                assert_eq!(
+                    p.is_some(),
+                    i > 0 && a.iter().any(|x| *x.codes.last().unwrap() == i - 1),
+                    "first {first}, code {i}"
+                );
                 b.extend(p);
             }
             a.extend(plain.flush());
@@ -233,7 +252,11 @@ mod tests {
             if boundary {
                 // plain: the boundary chunk, then the context alone; holding: the chunk, last
                 let tail = a.pop().unwrap();
-                assert!(tail.last && tail.codes.len() == 3 && a.last().unwrap().codes.ends_with(&tail.codes));
+                assert!(
+                    tail.last
+                        && tail.codes.len() == 3
+                        && a.last().unwrap().codes.ends_with(&tail.codes)
+                );
                 a.last_mut().unwrap().last = true;
             }
             assert_eq!(a, b, "first {first}, {n} codes");

@@ -23,8 +23,11 @@ impl RefInput {
     /// Whether they make a voice (long and loud enough) the server decides where the audio comes
     /// in (`antiphon_audio::voice_fault`); this is what the engine itself needs.
     pub fn fault(&self) -> Option<&'static str> {
-        let usable = !self.samples.is_empty() && self.sample_rate > 0 && self.samples.iter().all(|s| s.is_finite());
-        (!usable).then_some("the reference voice must be non-empty, finite audio with a sample rate")
+        let usable = !self.samples.is_empty()
+            && self.sample_rate > 0
+            && self.samples.iter().all(|s| s.is_finite());
+        (!usable)
+            .then_some("the reference voice must be non-empty, finite audio with a sample rate")
     }
 
     /// A key for the audio by its content (the same samples at the same rate, the same key).
@@ -34,7 +37,8 @@ impl RefInput {
 
     /// Same audio (cheap when it is the same buffer).
     pub fn same_as(&self, o: &RefInput) -> bool {
-        self.sample_rate == o.sample_rate && (Arc::ptr_eq(&self.samples, &o.samples) || self.samples == o.samples)
+        self.sample_rate == o.sample_rate
+            && (Arc::ptr_eq(&self.samples, &o.samples) || self.samples == o.samples)
     }
 }
 

@@ -270,7 +270,8 @@ impl Default for EngineConfig {
 impl EngineConfig {
     /// `admission_slack_ms` as a margin, `None` when off.
     pub fn admission_slack(&self) -> Option<std::time::Duration> {
-        (self.admission_slack_ms > 0).then(|| std::time::Duration::from_millis(self.admission_slack_ms))
+        (self.admission_slack_ms > 0)
+            .then(|| std::time::Duration::from_millis(self.admission_slack_ms))
     }
 
     /// The most new codes one Code2Wav chunk carries (what a flow slot must leave room for).
@@ -285,20 +286,36 @@ impl EngineConfig {
 
     /// Streams the engine runs at once (see `max_streams`).
     pub fn stream_places(&self) -> usize {
-        let slots = [self.thinker_slots, self.talker_slots, self.code2wav_slots].into_iter().filter(|&n| n > 0).min();
+        let slots = [self.thinker_slots, self.talker_slots, self.code2wav_slots]
+            .into_iter()
+            .filter(|&n| n > 0)
+            .min();
         self.max_streams.or(slots).unwrap_or(self.talker_max_batch).max(1)
     }
 
     /// What the stages cannot run with, named by key.
     pub fn validate(&self) -> Result<(), String> {
-        if self.chunk_codes == 0 || self.thinker_max_batch == 0 || self.talker_max_batch == 0 || self.code2wav_max_batch == 0 {
+        if self.chunk_codes == 0
+            || self.thinker_max_batch == 0
+            || self.talker_max_batch == 0
+            || self.code2wav_max_batch == 0
+        {
             return Err("engine batch limits and chunk_codes must be at least 1".into());
         }
         if self.talker_text_chunk > MAX_TEXT_CHUNK {
-            return Err(format!("engine.talker_text_chunk {}: 0 (the whole reply) or up to {MAX_TEXT_CHUNK} tokens", self.talker_text_chunk));
+            return Err(format!(
+                "engine.talker_text_chunk {}: 0 (the whole reply) or up to {MAX_TEXT_CHUNK} tokens",
+                self.talker_text_chunk
+            ));
         }
-        if self.duplex_unit_ms == 0 || !self.duplex_unit_ms.is_multiple_of(100) || self.duplex_unit_ms > 10_000 {
-            return Err(format!("engine.duplex_unit_ms {}: a multiple of 100 ms up to 10000", self.duplex_unit_ms));
+        if self.duplex_unit_ms == 0
+            || !self.duplex_unit_ms.is_multiple_of(100)
+            || self.duplex_unit_ms > 10_000
+        {
+            return Err(format!(
+                "engine.duplex_unit_ms {}: a multiple of 100 ms up to 10000",
+                self.duplex_unit_ms
+            ));
         }
         Ok(())
     }
@@ -308,7 +325,9 @@ fn minus_one_is_none<'de, D: Deserializer<'de>>(d: D) -> Result<Option<usize>, D
     let v = i64::deserialize(d)?;
     match v {
         -1 => Ok(None),
-        v => usize::try_from(v).map(Some).map_err(|_| serde::de::Error::custom(format!("{v}: a count, or -1 for no limit"))),
+        v => usize::try_from(v)
+            .map(Some)
+            .map_err(|_| serde::de::Error::custom(format!("{v}: a count, or -1 for no limit"))),
     }
 }
 

@@ -10,7 +10,10 @@ use candle_core::{Result, Tensor};
 pub type Outcome = std::result::Result<Tensor, String>;
 
 /// `forward` over the whole batch; if that fails for more than one stream, over each stream alone.
-pub fn forward_contained(steps: &mut [StreamStep], mut forward: impl FnMut(&mut [StreamStep]) -> Result<Vec<Tensor>>) -> Vec<Outcome> {
+pub fn forward_contained(
+    steps: &mut [StreamStep],
+    mut forward: impl FnMut(&mut [StreamStep]) -> Result<Vec<Tensor>>,
+) -> Vec<Outcome> {
     let n = steps.len();
     let one_each = |h: Vec<Tensor>, n: usize| -> Vec<Outcome> {
         if h.len() == n {
@@ -23,7 +26,9 @@ pub fn forward_contained(steps: &mut [StreamStep], mut forward: impl FnMut(&mut 
         Ok(h) => one_each(h, n),
         Err(e) if n <= 1 => vec![Err(format!("{e:#}")); n],
         Err(e) => {
-            tracing::warn!("a batched forward of {n} streams failed ({e:#}); running each stream alone");
+            tracing::warn!(
+                "a batched forward of {n} streams failed ({e:#}); running each stream alone"
+            );
             steps
                 .iter_mut()
                 .map(|s| {
@@ -69,7 +74,11 @@ mod tests {
         let rows = |w: usize, v: f32| Tensor::full(v, (1, w), &dev).unwrap();
         let mut caches: Vec<KvCache> = (0..3).map(|_| KvCache::new(0)).collect();
         let embeds = [rows(4, 1.0), rows(3, 5.0), rows(4, 2.0)];
-        let mut steps: Vec<StreamStep> = caches.iter_mut().zip(embeds).map(|(cache, embeds)| StreamStep { cache, embeds }).collect();
+        let mut steps: Vec<StreamStep> = caches
+            .iter_mut()
+            .zip(embeds)
+            .map(|(cache, embeds)| StreamStep { cache, embeds })
+            .collect();
         let mut calls = 0;
         let out = forward_contained(&mut steps, |s| concat_forward(&mut calls, s));
         assert_eq!(calls, 4, "the batch, then each stream alone");
@@ -82,13 +91,21 @@ mod tests {
     fn a_batch_that_works_runs_once_and_a_lone_failure_is_not_retried() {
         let dev = Device::Cpu;
         let mut caches: Vec<KvCache> = (0..2).map(|_| KvCache::new(0)).collect();
-        let mut steps: Vec<StreamStep> =
-            caches.iter_mut().map(|cache| StreamStep { cache, embeds: Tensor::ones((2, 4), candle_core::DType::F32, &dev).unwrap() }).collect();
+        let mut steps: Vec<StreamStep> = caches
+            .iter_mut()
+            .map(|cache| StreamStep {
+                cache,
+                embeds: Tensor::ones((2, 4), candle_core::DType::F32, &dev).unwrap(),
+            })
+            .collect();
         let mut calls = 0;
         let out = forward_contained(&mut steps, |s| concat_forward(&mut calls, s));
         assert_eq!((calls, out.iter().filter(|o| o.is_ok()).count()), (1, 2));
         let mut lone = KvCache::new(0);
-        let mut one = [StreamStep { cache: &mut lone, embeds: Tensor::ones((1, 4), candle_core::DType::F32, &dev).unwrap() }];
+        let mut one = [StreamStep {
+            cache: &mut lone,
+            embeds: Tensor::ones((1, 4), candle_core::DType::F32, &dev).unwrap(),
+        }];
         let mut calls = 0;
         let out = forward_contained(&mut one, |_| {
             calls += 1;

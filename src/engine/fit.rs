@@ -20,7 +20,10 @@ pub const TALKER_MARKERS: usize = 2;
 
 /// Whether a prompt of `prompt` positions and a reply of up to `max_reply` tokens fit `context`.
 pub fn prompt_and_reply_fit(prompt: usize, max_reply: usize, context: usize) -> bool {
-    prompt.checked_add(max_reply).and_then(|n| n.checked_add(REPLY_SPARE)).is_some_and(|n| n <= context)
+    prompt
+        .checked_add(max_reply)
+        .and_then(|n| n.checked_add(REPLY_SPARE))
+        .is_some_and(|n| n <= context)
 }
 
 /// The positions a prompt's system turn, input and kept history may take beside a reply of up to
@@ -38,7 +41,9 @@ pub fn max_input(context: usize, fixed: usize, max_reply: usize) -> usize {
 /// The longest reply a session may ask for: the Thinker's context beside the shortest prompt, and
 /// the Talker's beside the reply's markers and at least one code.
 pub fn max_reply(thinker_context: usize, talker_context: usize) -> usize {
-    thinker_context.saturating_sub(PROMPT_ROOM).min(talker_context.saturating_sub(TALKER_MARKERS + 1))
+    thinker_context
+        .saturating_sub(PROMPT_ROOM)
+        .min(talker_context.saturating_sub(TALKER_MARKERS + 1))
 }
 
 /// The most codes a session may ask for: the Talker's context beside a reply of `text` tokens.

@@ -88,7 +88,10 @@ mod tests {
         assert!(gate.is_held());
         drop(a);
         assert!(gate.is_held(), "one holder left");
-        assert!(gate.wait_open(Duration::from_millis(5)) >= Duration::from_millis(5), "held: the wait runs to its bound");
+        assert!(
+            gate.wait_open(Duration::from_millis(5)) >= Duration::from_millis(5),
+            "held: the wait runs to its bound"
+        );
         drop(b);
         assert!(!gate.is_held());
         let off = PrefillGate::new(false);

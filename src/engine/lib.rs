@@ -110,7 +110,10 @@ fn run_stage<S: StageLoop>(mut s: S, rx: Receiver<S::Msg>) {
             Ok(true) => continue,
             Ok(false) => {}
             Err(p) => {
-                let what = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+                let what = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
                 tracing::error!("a stage step panicked: {}", what.as_deref().unwrap_or("?"));
                 s.fail_all("internal error");
                 continue;
@@ -154,22 +157,34 @@ pub struct Engine {
 /// `engine.streams_from_memory`: every stage's slots as many as the GPU's free memory holds now
 /// (capacity.rs), when the stages share one GPU; otherwise the slots as configured.
 fn size_streams_from_memory(models: &Models, cfg: &mut EngineConfig) -> Result<()> {
-    let (d0, d1, d2) = (models.thinker.llm.decoder().device(), models.talker.decoder().device(), models.code2wav.device());
+    let (d0, d1, d2) = (
+        models.thinker.llm.decoder().device(),
+        models.talker.decoder().device(),
+        models.code2wav.device(),
+    );
     let Some(free) = antiphon_models::gpu::free_memory(d0) else {
         tracing::info!("engine.streams_from_memory: not on a GPU; the slots as configured");
         return Ok(());
     };
     // (each stage may have a stream of its own on the one GPU: its own `Device`, the same card)
     if !(d0.location() == d1.location() && d0.location() == d2.location()) {
-        tracing::warn!("engine.streams_from_memory: the stages are on different GPUs; the slots as configured");
+        tracing::warn!(
+            "engine.streams_from_memory: the stages are on different GPUs; the slots as configured"
+        );
         return Ok(());
     }
     let bytes = |slots: usize, b: usize| if slots > 0 { b as u64 } else { 0 };
     let thinker = models.thinker.llm.decoder();
     let talker = models.talker.decoder();
     let per_stream = capacity::StreamBytes {
-        thinker: bytes(cfg.thinker_slots, thinker.slot_bytes(cfg.thinker_slot_context.min(thinker.config().max_positions))),
-        talker: bytes(cfg.talker_slots, talker.slot_bytes(cfg.talker_slot_context.min(talker.config().max_positions))),
+        thinker: bytes(
+            cfg.thinker_slots,
+            thinker.slot_bytes(cfg.thinker_slot_context.min(thinker.config().max_positions)),
+        ),
+        talker: bytes(
+            cfg.talker_slots,
+            talker.slot_bytes(cfg.talker_slot_context.min(talker.config().max_positions)),
+        ),
         code2wav: bytes(cfg.code2wav_slots, models.code2wav.slot_bytes(cfg.code2wav_slot_frames)),
     };
     let s = capacity::size_streams(cfg, free, per_stream).map_err(anyhow::Error::msg)?;
@@ -191,9 +206,14 @@ impl Engine {
         }
         // A capture records everything issued to its stream, from any thread: a stage may capture
         // only when no other stage issues work to the same stream (`streams = "per_stage"`).
-        let (d0, d1, d2) =
-            (models.thinker.llm.decoder().device().clone(), models.talker.decoder().device().clone(), models.code2wav.device().clone());
-        let own_stream = |d: &candle_core::Device, others: [&candle_core::Device; 2]| d.is_cuda() && !others.iter().any(|o| d.same_device(o));
+        let (d0, d1, d2) = (
+            models.thinker.llm.decoder().device().clone(),
+            models.talker.decoder().device().clone(),
+            models.code2wav.device().clone(),
+        );
+        let own_stream = |d: &candle_core::Device, others: [&candle_core::Device; 2]| {
+            d.is_cuda() && !others.iter().any(|o| d.same_device(o))
+        };
         if cfg.stage_priorities {
             // before any capture: the Thinker's and the Talker's graphs go ahead of Code2Wav's
             for (name, d, others) in [("thinker", &d0, [&d1, &d2]), ("talker", &d1, [&d0, &d2])] {
@@ -213,11 +233,15 @@ impl Engine {
             models.thinker.set_clip_graphs(Some(n));
             // (and a burst of them, every batch size, heard together)
             let silence = vec![0.0; n];
-            let batches = (0..).map(|i| 1usize << i).take_while(|&b| b <= antiphon_models::thinker::CLIP_BATCH);
+            let batches = (0..)
+                .map(|i| 1usize << i)
+                .take_while(|&b| b <= antiphon_models::thinker::CLIP_BATCH);
             for b in batches {
                 for _ in 0..2 {
                     if let Err(e) = models.thinker.encode_clips(&vec![silence.as_slice(); b]) {
-                        tracing::warn!("thinker: reference encoding warm-up ({b} at once) failed: {e:#}");
+                        tracing::warn!(
+                            "thinker: reference encoding warm-up ({b} at once) failed: {e:#}"
+                        );
                     }
                 }
             }
@@ -245,12 +269,21 @@ impl Engine {
         }
         models.code2wav.set_pool_attention(cfg.code2wav_pool_attention);
         models.code2wav.set_vocoder_half_columns(cfg.vocoder_half_columns)?;
-        models.code2wav.set_slots(cfg.code2wav_slots, cfg.code2wav_slot_frames, cfg.max_chunk_codes())?;
+        models.code2wav.set_slots(
+            cfg.code2wav_slots,
+            cfg.code2wav_slot_frames,
+            cfg.max_chunk_codes(),
+        )?;
         // what a request may ask for: a reply (with room for a prompt) that fits the Thinker's
         // context and the Talker's, and codes that fit the Talker's beside the longest default text
-        let (ctx0, ctx1) = (models.thinker.llm.decoder().config().max_positions, models.talker.decoder().config().max_positions);
+        let (ctx0, ctx1) = (
+            models.thinker.llm.decoder().config().max_positions,
+            models.talker.decoder().config().max_positions,
+        );
         let voice_rows = if cfg.thinker_hears_reference {
-            models.thinker.clip_embeddings_for((16_000.0 * antiphon_models::code2wav::prompt::PROMPT_SECONDS) as usize)
+            models.thinker.clip_embeddings_for(
+                (16_000.0 * antiphon_models::code2wav::prompt::PROMPT_SECONDS) as usize,
+            )
         } else {
             0
         };
@@ -271,7 +304,9 @@ impl Engine {
         );
         let registry = {
             let a = admission.clone();
-            Registry::with_end_hook(Arc::new(move |id| a.release(&admission::Holder::Response(id.clone()))))
+            Registry::with_end_hook(Arc::new(move |id| {
+                a.release(&admission::Holder::Response(id.clone()))
+            }))
         };
         let cap = cfg.channel_capacity;
         let (tx0, rx0) = mpsc::sync_channel::<Stage0Msg>(cap);
@@ -280,18 +315,37 @@ impl Engine {
         let (tx2, rx2) = mpsc::sync_channel::<Stage2Msg>(cap);
         let tokenizer = Arc::new(models.tokenizer.clone());
         // (on a GPU whose decode graphs run at a raised priority, see gate.rs)
-        let gate = gate::PrefillGate::new(cfg.stage_priorities && models.thinker.llm.decoder().device().is_cuda());
-        let s0 =
-            stage0::Stage0::new(models.thinker, models.tokenizer, cfg.clone(), registry.clone(), metrics.clone(), tx1.clone(), admission.clone())?
-                .with_gate(gate.clone());
+        let gate = gate::PrefillGate::new(
+            cfg.stage_priorities && models.thinker.llm.decoder().device().is_cuda(),
+        );
+        let s0 = stage0::Stage0::new(
+            models.thinker,
+            models.tokenizer,
+            cfg.clone(),
+            registry.clone(),
+            metrics.clone(),
+            tx1.clone(),
+            admission.clone(),
+        )?
+        .with_gate(gate.clone());
         let pace = pace::StagePace::default();
-        let s1 =
-            stage1::Stage1::new(models.talker, cfg.clone(), registry.clone(), metrics.clone(), tx2.clone(), gate.clone())?.with_pace(pace.clone());
-        let s2 = stage2::Stage2::new(models.code2wav, cfg.clone(), registry.clone(), metrics.clone())
-            .with_admission(admission.clone())
-            .with_gate(gate.clone())
-            .with_pace(pace);
-        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| std::thread::Builder::new().name(name.to_string()).spawn(f);
+        let s1 = stage1::Stage1::new(
+            models.talker,
+            cfg.clone(),
+            registry.clone(),
+            metrics.clone(),
+            tx2.clone(),
+            gate.clone(),
+        )?
+        .with_pace(pace.clone());
+        let s2 =
+            stage2::Stage2::new(models.code2wav, cfg.clone(), registry.clone(), metrics.clone())
+                .with_admission(admission.clone())
+                .with_gate(gate.clone())
+                .with_pace(pace);
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new().name(name.to_string()).spawn(f)
+        };
         let threads = vec![
             spawn("stage0-thinker", Box::new(move || run_stage(s0, rx0)))?,
             spawn("stage1-talker", Box::new(move || run_stage(s1, rx1)))?,
@@ -320,7 +374,9 @@ impl Engine {
 
     /// Whether a new call (a turn-mode session) may begin now; counted when refused.
     pub fn accepts_call(&self) -> Result<(), Busy> {
-        self.admission.accepts_call().inspect_err(|_| self.metrics.admission_refused.with_label_values(&["call"]).inc())
+        self.admission
+            .accepts_call()
+            .inspect_err(|_| self.metrics.admission_refused.with_label_values(&["call"]).inc())
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -351,7 +407,11 @@ impl Engine {
     /// what the Thinker's context leaves after them, the voice's system turn and a reply of the
     /// default length. Such an input always fits: the conversation's oldest turns give way to it.
     pub fn max_input_tokens(&self, instructions_tokens: usize) -> usize {
-        fit::max_input(self.thinker_context, instructions_tokens + self.voice_rows + SYSTEM_TURN_TOKENS, self.cfg.default_max_text_tokens)
+        fit::max_input(
+            self.thinker_context,
+            instructions_tokens + self.voice_rows + SYSTEM_TURN_TOKENS,
+            self.cfg.default_max_text_tokens,
+        )
     }
 
     pub fn metrics(&self) -> &EngineMetrics {
@@ -396,7 +456,9 @@ impl Engine {
     /// Takes a place for a duplex session (admission.rs) until [`Engine::close_duplex`]: a session
     /// that gets none is refused when it is created, before anything is opened.
     pub fn reserve_duplex(&self, session: &str) -> Result<(), Busy> {
-        self.admission.open_duplex(session).inspect_err(|_| self.metrics.admission_refused.with_label_values(&["duplex"]).inc())
+        self.admission
+            .open_duplex(session)
+            .inspect_err(|_| self.metrics.admission_refused.with_label_values(&["duplex"]).inc())
     }
 
     /// Opens a duplex session: a long-lived Thinker stream fed with [`Engine::duplex_unit`]; its
@@ -413,8 +475,16 @@ impl Engine {
         self.reserve_duplex(&spec.session)?;
         let session = spec.session.clone();
         let spec_session = spec.session.clone();
-        let sent = self.to2.as_ref().map(|t| t.send(Stage2Msg::DuplexOpen(session)).is_ok()).unwrap_or(false)
-            && self.to0.as_ref().map(|t| t.send(Stage0Msg::DuplexOpen(spec, sink)).is_ok()).unwrap_or(false);
+        let sent = self
+            .to2
+            .as_ref()
+            .map(|t| t.send(Stage2Msg::DuplexOpen(session)).is_ok())
+            .unwrap_or(false)
+            && self
+                .to0
+                .as_ref()
+                .map(|t| t.send(Stage0Msg::DuplexOpen(spec, sink)).is_ok())
+                .unwrap_or(false);
         if !sent {
             self.admission.release(&admission::Holder::Duplex(spec_session));
             bail!("the engine has stopped");
@@ -425,12 +495,19 @@ impl Engine {
     /// The next unit of a duplex session: 16 kHz mono, a whole number of 100 ms (1 s by default).
     pub fn duplex_unit(&self, session: &str, samples: Vec<f32>) -> Result<()> {
         if samples.is_empty() || !samples.len().is_multiple_of(fit::UNIT_SAMPLES_PER_POSITION) {
-            bail!("a duplex unit is a whole number of 100 ms at 16 kHz, not {} samples", samples.len());
+            bail!(
+                "a duplex unit is a whole number of 100 ms at 16 kHz, not {} samples",
+                samples.len()
+            );
         }
         if samples.iter().any(|s| !s.is_finite()) {
             bail!("input audio holds non-finite samples");
         }
-        let m = Stage0Msg::DuplexUnit { session: session.to_string(), samples, arrived: std::time::Instant::now() };
+        let m = Stage0Msg::DuplexUnit {
+            session: session.to_string(),
+            samples,
+            arrived: std::time::Instant::now(),
+        };
         if !self.to0.as_ref().map(|t| t.send(m).is_ok()).unwrap_or(false) {
             bail!("the engine has stopped");
         }
@@ -452,12 +529,20 @@ impl Engine {
     /// Prepares a reference voice in Stage 2 (in a step when no chunk is due) and keeps its
     /// features there until [`Engine::forget_voice`]; the features (host copies, to be saved) come
     /// on the returned channel.
-    pub fn prepare_voice(&self, voice: RefInput) -> Result<Receiver<Result<voices::PreparedVoice, voices::PrepareRefused>>> {
+    pub fn prepare_voice(
+        &self,
+        voice: RefInput,
+    ) -> Result<Receiver<Result<voices::PreparedVoice, voices::PrepareRefused>>> {
         if let Some(why) = voice.fault() {
             bail!(why);
         }
         let (tx, rx) = mpsc::sync_channel(1);
-        if !self.to2.as_ref().map(|t| t.send(Stage2Msg::Prepare { voice, reply: tx }).is_ok()).unwrap_or(false) {
+        if !self
+            .to2
+            .as_ref()
+            .map(|t| t.send(Stage2Msg::Prepare { voice, reply: tx }).is_ok())
+            .unwrap_or(false)
+        {
             bail!("the engine has stopped");
         }
         Ok(rx)
@@ -482,7 +567,8 @@ impl Engine {
     /// Cancels a request at any point: `Done { Cancelled }` is its last event, and every stage frees
     /// its state.
     pub fn cancel(&self, id: &RequestId) -> bool {
-        let ended = self.registry.finish_counted(id, Status::Cancelled, &self.metrics.requests).is_some();
+        let ended =
+            self.registry.finish_counted(id, Status::Cancelled, &self.metrics.requests).is_some();
         if let Some(t) = &self.to0 {
             let _ = t.send(Stage0Msg::Cancel(id.clone()));
         }

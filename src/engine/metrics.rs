@@ -1,6 +1,9 @@
 //! Engine metrics in a Prometheus registry of their own (the server exposes it at /metrics).
 
-use prometheus::{Counter, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    Counter, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts,
+    Registry,
+};
 
 /// Every figure the stages report.
 #[derive(Clone)]
@@ -44,30 +47,54 @@ impl EngineMetrics {
     pub fn new() -> Self {
         let registry = Registry::new();
         let step_seconds = HistogramVec::new(
-            HistogramOpts::new("antiphon_stage_step_seconds", "Duration of one batched step per stage")
-                .buckets(vec![0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]),
+            HistogramOpts::new(
+                "antiphon_stage_step_seconds",
+                "Duration of one batched step per stage",
+            )
+            .buckets(vec![
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+            ]),
             &["stage"],
         )
         .expect("valid metric");
         let batch_size = HistogramVec::new(
-            HistogramOpts::new("antiphon_stage_batch_size", "Streams advanced by one step per stage")
-                .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]),
+            HistogramOpts::new(
+                "antiphon_stage_batch_size",
+                "Streams advanced by one step per stage",
+            )
+            .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]),
             &["stage"],
         )
         .expect("valid metric");
-        let queue_depth = IntGaugeVec::new(Opts::new("antiphon_stage_queue_depth", "Requests held by a stage"), &["stage"]).expect("valid metric");
+        let queue_depth = IntGaugeVec::new(
+            Opts::new("antiphon_stage_queue_depth", "Requests held by a stage"),
+            &["stage"],
+        )
+        .expect("valid metric");
         let prefetch = IntCounterVec::new(
-            Opts::new("antiphon_prefetch_total", "Reference prefetch events (phase runs, chunk-0 claims, inline preparations)"),
+            Opts::new(
+                "antiphon_prefetch_total",
+                "Reference prefetch events (phase runs, chunk-0 claims, inline preparations)",
+            ),
             &["event"],
         )
         .expect("valid metric");
-        let prefetch_skips = IntCounterVec::new(Opts::new("antiphon_prefetch_skips_total", "Idle steps that did not prefetch, by gate"), &["reason"])
-            .expect("valid metric");
-        let requests =
-            IntCounterVec::new(Opts::new("antiphon_engine_requests_total", "Finished requests by status"), &["status"]).expect("valid metric");
+        let prefetch_skips = IntCounterVec::new(
+            Opts::new("antiphon_prefetch_skips_total", "Idle steps that did not prefetch, by gate"),
+            &["reason"],
+        )
+        .expect("valid metric");
+        let requests = IntCounterVec::new(
+            Opts::new("antiphon_engine_requests_total", "Finished requests by status"),
+            &["status"],
+        )
+        .expect("valid metric");
         let first_audio_seconds = Histogram::with_opts(
-            HistogramOpts::new("antiphon_engine_first_audio_seconds", "Engine-side time from admission to the first audio samples")
-                .buckets(vec![0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0]),
+            HistogramOpts::new(
+                "antiphon_engine_first_audio_seconds",
+                "Engine-side time from admission to the first audio samples",
+            )
+            .buckets(vec![0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0]),
         )
         .expect("valid metric");
         let phase_seconds = HistogramVec::new(
@@ -79,18 +106,29 @@ impl EngineMetrics {
             &["phase"],
         )
         .expect("valid metric");
-        let prefix_cache =
-            IntCounterVec::new(Opts::new("antiphon_prefix_cache_total", "Thinker prompt-prefix cache lookups"), &["event"]).expect("valid metric");
+        let prefix_cache = IntCounterVec::new(
+            Opts::new("antiphon_prefix_cache_total", "Thinker prompt-prefix cache lookups"),
+            &["event"],
+        )
+        .expect("valid metric");
         let prompt_positions = IntCounterVec::new(
-            Opts::new("antiphon_prompt_positions_total", "Thinker prompt positions, taken from the prefix cache (reused) or prefilled"),
+            Opts::new(
+                "antiphon_prompt_positions_total",
+                "Thinker prompt positions, taken from the prefix cache (reused) or prefilled",
+            ),
             &["source"],
         )
         .expect("valid metric");
-        let playback_late = IntCounter::new("antiphon_playback_late_total", "Audio chunks sent after a real-time listener's buffer ran dry (stalls)")
-            .expect("valid metric");
-        let playback_late_seconds =
-            Counter::new("antiphon_playback_late_seconds_total", "Silence those late chunks left a real-time listener, in seconds")
-                .expect("valid metric");
+        let playback_late = IntCounter::new(
+            "antiphon_playback_late_total",
+            "Audio chunks sent after a real-time listener's buffer ran dry (stalls)",
+        )
+        .expect("valid metric");
+        let playback_late_seconds = Counter::new(
+            "antiphon_playback_late_seconds_total",
+            "Silence those late chunks left a real-time listener, in seconds",
+        )
+        .expect("valid metric");
         let voice_preparations = IntCounter::new(
             "antiphon_voice_preparations_total",
             "Reference voices prepared by Code2Wav (S3 codes, speaker embedding, prompt mel): inline, by prefetch or at registration",
@@ -105,7 +143,10 @@ impl EngineMetrics {
         )
         .expect("valid metric");
         let admission_refused = IntCounterVec::new(
-            Opts::new("antiphon_admission_refused_total", "Refused for want of capacity: responses (queue full), calls, duplex sessions"),
+            Opts::new(
+                "antiphon_admission_refused_total",
+                "Refused for want of capacity: responses (queue full), calls, duplex sessions",
+            ),
             &["what"],
         )
         .expect("valid metric");
@@ -186,7 +227,9 @@ impl EngineMetrics {
     pub fn render(&self) -> String {
         use prometheus::Encoder;
         let mut buf = Vec::new();
-        prometheus::TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding");
+        prometheus::TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding");
         String::from_utf8(buf).expect("utf-8")
     }
 }

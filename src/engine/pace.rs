@@ -32,7 +32,11 @@ struct Inner {
 
 impl Default for StagePace {
     fn default() -> Self {
-        let inner = Inner { talker_step_us: AtomicU64::new(0), code2wav_step_us: AtomicU64::new(0), least_buffered_us: AtomicU64::new(NONE) };
+        let inner = Inner {
+            talker_step_us: AtomicU64::new(0),
+            code2wav_step_us: AtomicU64::new(0),
+            least_buffered_us: AtomicU64::new(NONE),
+        };
         Self { inner: Arc::new(inner) }
     }
 }
@@ -71,7 +75,13 @@ impl StagePace {
 
     /// [`first_chunk_under_load`] with the paces as they are now.
     pub fn first_chunk(&self, small: usize, full: usize) -> usize {
-        first_chunk_under_load(small, full, self.talker_step(), self.code2wav_step(), self.least_buffered())
+        first_chunk_under_load(
+            small,
+            full,
+            self.talker_step(),
+            self.code2wav_step(),
+            self.least_buffered(),
+        )
     }
 }
 
@@ -89,7 +99,13 @@ pub fn halfway(small: usize, full: usize) -> usize {
 ///   then up to two Code2Wav steps.
 ///
 /// Paces not yet measured give `full`.
-pub fn first_chunk_under_load(small: usize, full: usize, talker_step: Duration, code2wav_step: Duration, least_buffered: Option<Duration>) -> usize {
+pub fn first_chunk_under_load(
+    small: usize,
+    full: usize,
+    talker_step: Duration,
+    code2wav_step: Duration,
+    least_buffered: Option<Duration>,
+) -> usize {
     if small >= full || talker_step.is_zero() || code2wav_step.is_zero() {
         return full;
     }
@@ -97,7 +113,10 @@ pub fn first_chunk_under_load(small: usize, full: usize, talker_step: Duration, 
         return full;
     }
     let next_chunk_heard = talker_step * full as u32 + code2wav_step * 2;
-    [small, halfway(small, full)].into_iter().find(|&n| CODE_AUDIO * n as u32 >= next_chunk_heard).unwrap_or(full)
+    [small, halfway(small, full)]
+        .into_iter()
+        .find(|&n| CODE_AUDIO * n as u32 >= next_chunk_heard)
+        .unwrap_or(full)
 }
 
 #[cfg(test)]
@@ -121,7 +140,11 @@ mod tests {
     fn a_speaking_stream_short_of_two_steps_of_audio_keeps_first_chunks_full() {
         assert_eq!(first_chunk_under_load(8, 25, MS(2), MS(40), Some(MS(79))), 25);
         assert_eq!(first_chunk_under_load(8, 25, MS(2), MS(40), Some(MS(80))), 8);
-        assert_eq!(first_chunk_under_load(8, 25, MS(2), MS(40), None), 8, "nobody speaking: nobody to wait");
+        assert_eq!(
+            first_chunk_under_load(8, 25, MS(2), MS(40), None),
+            8,
+            "nobody speaking: nobody to wait"
+        );
     }
 
     #[test]
@@ -134,7 +157,10 @@ mod tests {
     #[test]
     fn the_shared_figures_are_what_the_stages_wrote() {
         let p = StagePace::default();
-        assert_eq!((p.talker_step(), p.code2wav_step(), p.least_buffered()), (Duration::ZERO, Duration::ZERO, None));
+        assert_eq!(
+            (p.talker_step(), p.code2wav_step(), p.least_buffered()),
+            (Duration::ZERO, Duration::ZERO, None)
+        );
         p.record_talker_step(MS(4));
         p.record_talker_step(MS(8));
         assert_eq!(p.talker_step(), MS(5), "a quarter of each new step");
@@ -142,6 +168,10 @@ mod tests {
         assert_eq!((p.code2wav_step(), p.least_buffered()), (MS(100), Some(MS(900))));
         p.record_code2wav(MS(100), None);
         assert_eq!(p.least_buffered(), None);
-        assert_eq!(p.first_chunk(8, 25), 17, "25 × 5 ms + 2 × 100 ms = 325 ms: more than 8 codes' 320 ms");
+        assert_eq!(
+            p.first_chunk(8, 25),
+            17,
+            "25 × 5 ms + 2 × 100 ms = 325 ms: more than 8 codes' 320 ms"
+        );
     }
 }

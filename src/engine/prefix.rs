@@ -62,7 +62,14 @@ impl<V> PrefixStore<V> {
     /// and, for an entry of another voice than `voice`, at most `voice_free` (the positions before
     /// the prompt's voice audio begins); `None` when the best shares fewer than `min`. The entry
     /// becomes the most recent. Returns it and the positions to take from it.
-    pub fn lookup(&mut self, voice: u64, ids: &[u32], limit: usize, voice_free: usize, min: usize) -> Option<(&V, usize)> {
+    pub fn lookup(
+        &mut self,
+        voice: u64,
+        ids: &[u32],
+        limit: usize,
+        voice_free: usize,
+        min: usize,
+    ) -> Option<(&V, usize)> {
         let (i, n) = self
             .entries
             .iter()
@@ -82,7 +89,9 @@ impl<V> PrefixStore<V> {
 
     /// Whether an entry with `voice` holds all of `ids`.
     pub fn covers(&self, voice: u64, ids: &[u32]) -> bool {
-        self.entries.iter().any(|e| e.voice == voice && e.ids.len() >= ids.len() && common_prefix(&e.ids, ids) == ids.len())
+        self.entries.iter().any(|e| {
+            e.voice == voice && e.ids.len() >= ids.len() && common_prefix(&e.ids, ids) == ids.len()
+        })
     }
 
     /// Adds an entry of `bytes` as the most recent. Entries it holds entirely are dropped (it
@@ -92,7 +101,11 @@ impl<V> PrefixStore<V> {
         if self.cap == 0 || bytes > self.max_bytes {
             return;
         }
-        self.entries.retain(|e| !(e.voice == voice && e.ids.len() <= ids.len() && common_prefix(&e.ids, &ids) == e.ids.len()));
+        self.entries.retain(|e| {
+            !(e.voice == voice
+                && e.ids.len() <= ids.len()
+                && common_prefix(&e.ids, &ids) == e.ids.len())
+        });
         self.entries.push_front(Entry { voice, ids, value, bytes });
         self.entries.truncate(self.cap);
         while self.bytes() > self.max_bytes {
@@ -116,9 +129,17 @@ mod tests {
         assert!(s.covers(1, &[1, 2, 3]));
         let next = [1, 2, 3, 4, 5, 6, 9, 9];
         assert_eq!(s.lookup(1, &next, 100, 0, 2), Some((&"turn 1", 6)));
-        assert_eq!(s.lookup(1, &next, 4, 0, 2), Some((&"turn 1", 4)), "a user audio clip at 4 stops the match");
+        assert_eq!(
+            s.lookup(1, &next, 4, 0, 2),
+            Some((&"turn 1", 4)),
+            "a user audio clip at 4 stops the match"
+        );
         assert_eq!(s.lookup(1, &next, 100, 0, 7), None, "fewer than min shared");
-        assert_eq!(s.lookup(3, &next, 100, 0, 1), None, "another voice's entries only before the voice");
+        assert_eq!(
+            s.lookup(3, &next, 100, 0, 1),
+            None,
+            "another voice's entries only before the voice"
+        );
         assert_eq!(s.lookup(2, &[1, 2, 3, 4, 5, 6, 7, 8, 9], 8, 0, 1), Some((&"other voice", 8)));
     }
 
@@ -132,7 +153,11 @@ mod tests {
         let new_voice = [1, 2, 3, 9, 9, 5, 7];
         assert_eq!(s.lookup(2, &new_voice, 100, 3, 1), Some((&"voice 1", 3)));
         assert_eq!(s.lookup(2, &new_voice, 100, 3, 4), None, "fewer than min before the voice");
-        assert_eq!(s.lookup(1, &new_voice, 100, 3, 1), Some((&"voice 1", 6)), "its own voice: the whole shared run");
+        assert_eq!(
+            s.lookup(1, &new_voice, 100, 3, 1),
+            Some((&"voice 1", 6)),
+            "its own voice: the whole shared run"
+        );
         s.insert(2, vec![1, 2, 3, 9, 9, 5], "voice 2", 1);
         assert_eq!(s.lookup(2, &new_voice, 100, 3, 1), Some((&"voice 2", 6)));
     }

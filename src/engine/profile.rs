@@ -46,7 +46,13 @@ impl Rows<'_> {
     }
 
     /// Times `f` as the row `what` (if it is wanted) and prints the row.
-    fn time(&mut self, what: &str, batch: usize, iters: usize, f: impl FnMut() -> Result<()>) -> Result<()> {
+    fn time(
+        &mut self,
+        what: &str,
+        batch: usize,
+        iters: usize,
+        f: impl FnMut() -> Result<()>,
+    ) -> Result<()> {
         if !self.wants(what) {
             return Ok(());
         }
@@ -94,8 +100,19 @@ fn greedy_ids(logits: &Tensor) -> candle_core::Result<Vec<u32>> {
 
 /// Runs every measurement; `batches` are the decode batch sizes.
 /// Only the rows whose names contain one of `only`'s strings run (all when it is empty).
-pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], reference: (&[f32], u32), only: &[String]) -> Result<Vec<Timing>> {
-    let devs = [m.thinker.llm.decoder().device().clone(), m.talker.decoder().device().clone(), m.code2wav.device().clone()];
+pub fn run(
+    m: &Models,
+    ecfg: &EngineConfig,
+    iters: usize,
+    batches: &[usize],
+    reference: (&[f32], u32),
+    only: &[String],
+) -> Result<Vec<Timing>> {
+    let devs = [
+        m.thinker.llm.decoder().device().clone(),
+        m.talker.decoder().device().clone(),
+        m.code2wav.device().clone(),
+    ];
     let mut rows = Rows { only, devs: &devs, out: Vec::new() };
     // ---- Stage 0: Thinker
     let llm = &m.thinker.llm;
@@ -121,7 +138,9 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
         let r16 = antiphon_audio::resample(reference.0, reference.1, 16_000)?;
         let clip = &r16[..r16.len().min(6 * 16_000)];
         rows.time("thinker encode the reference (6 s)", 1, iters, || {
-            std::hint::black_box(m.thinker.encode_clip(clip)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+            std::hint::black_box(
+                m.thinker.encode_clip(clip)?.to_dtype(DType::F32)?.to_vec2::<f32>()?,
+            );
             Ok(())
         })?;
         // as the server hears them: padded to the fixed 6 s, a graph per batch (where the device
@@ -160,7 +179,8 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
         let mut caches = prefilled(b)?;
         let tok = llm.embed(&[42])?;
         rows.time("thinker decode step (forward only)", b, iters, || {
-            let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
+            let mut steps: Vec<StreamStep> =
+                caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
             llm.forward(&mut steps)?;
             for c in caches.iter_mut() {
                 c.truncate(200);
@@ -168,9 +188,13 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
             Ok(())
         })?;
         rows.time("thinker decode step + logits to host", b, iters, || {
-            let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
+            let mut steps: Vec<StreamStep> =
+                caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
             let h = llm.forward(&mut steps)?;
-            let rows: Vec<Tensor> = h.iter().map(|x| x.narrow(0, x.dim(0)? - 1, 1)).collect::<candle_core::Result<_>>()?;
+            let rows: Vec<Tensor> = h
+                .iter()
+                .map(|x| x.narrow(0, x.dim(0)? - 1, 1))
+                .collect::<candle_core::Result<_>>()?;
             let l = llm.logits(&Tensor::cat(&rows, 0)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
             std::hint::black_box(l);
             for c in caches.iter_mut() {
@@ -200,16 +224,21 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
         g.set_decode_mode(DecodeMode::Graph);
         g.set_ragged_prefill(true);
         for &b in batches {
-            let pool = g.decoder().slot_pool(b, SLOT_CONTEXT.min(g.decoder().config().max_positions))?;
+            let pool =
+                g.decoder().slot_pool(b, SLOT_CONTEXT.min(g.decoder().config().max_positions))?;
             g.decoder().warm_pool(&pool)?;
-            let mut caches: Vec<KvCache> =
-                (0..b).map(|_| pool.take()?.ok_or_else(|| candle_core::Error::Msg("no free slot".into()))).collect::<candle_core::Result<_>>()?;
+            let mut caches: Vec<KvCache> = (0..b)
+                .map(|_| pool.take()?.ok_or_else(|| candle_core::Error::Msg("no free slot".into())))
+                .collect::<candle_core::Result<_>>()?;
             for c in caches.iter_mut() {
                 g.forward(&mut [StreamStep { cache: c, embeds: llm.embed(&prompt)? }])?;
             }
             let tok = llm.embed(&[42])?;
             rows.time("thinker decode step (slots, graph) + ids to host", b, iters, || {
-                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
+                let mut steps: Vec<StreamStep> = caches
+                    .iter_mut()
+                    .map(|c| StreamStep { cache: c, embeds: tok.clone() })
+                    .collect();
                 let h = g.forward(&mut steps)?;
                 std::hint::black_box(greedy_ids(&g.logits(&Tensor::cat(&h, 0)?)?)?);
                 for c in caches.iter_mut() {
@@ -219,12 +248,22 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
             })?;
             if b == 1 {
                 // a lone stream's whole prompt in its slot, as the server prefills a new voice's
-                rows.time("thinker prefill 200 tokens in a slot (a lone prompt, server path)", 1, iters, || {
-                    caches[0].truncate(0);
-                    let h = g.forward(&mut [StreamStep { cache: &mut caches[0], embeds: llm.embed(&prompt)? }])?;
-                    std::hint::black_box(h[0].narrow(0, 199, 1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
-                    Ok(())
-                })?;
+                rows.time(
+                    "thinker prefill 200 tokens in a slot (a lone prompt, server path)",
+                    1,
+                    iters,
+                    || {
+                        caches[0].truncate(0);
+                        let h = g.forward(&mut [StreamStep {
+                            cache: &mut caches[0],
+                            embeds: llm.embed(&prompt)?,
+                        }])?;
+                        std::hint::black_box(
+                            h[0].narrow(0, 199, 1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?,
+                        );
+                        Ok(())
+                    },
+                )?;
             }
             // a prefill step as the server runs it: b prompt chunks of 30 positions, each after a
             // 170-position prefix, in slots (one ragged batch) or in caches of their own (op by
@@ -235,24 +274,44 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
                 c.truncate(170);
                 llm.forward(&mut [StreamStep { cache: o, embeds: llm.embed(&prompt[..170])? }])?;
             }
-            rows.time("thinker prefill step in slots: b prompts x 30 positions (one batch when b > 1)", b, iters, || {
-                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: chunk.clone() }).collect();
-                let h = g.forward(&mut steps)?;
-                std::hint::black_box(h[0].narrow(0, 29, 1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
-                for c in caches.iter_mut() {
-                    c.truncate(170);
-                }
-                Ok(())
-            })?;
-            rows.time("thinker prefill step, own caches: b prompts x 30 positions (op by op)", b, iters, || {
-                let mut steps: Vec<StreamStep> = own.iter_mut().map(|c| StreamStep { cache: c, embeds: chunk.clone() }).collect();
-                let h = g.forward(&mut steps)?;
-                std::hint::black_box(h[0].narrow(0, 29, 1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
-                for c in own.iter_mut() {
-                    c.truncate(170);
-                }
-                Ok(())
-            })?;
+            rows.time(
+                "thinker prefill step in slots: b prompts x 30 positions (one batch when b > 1)",
+                b,
+                iters,
+                || {
+                    let mut steps: Vec<StreamStep> = caches
+                        .iter_mut()
+                        .map(|c| StreamStep { cache: c, embeds: chunk.clone() })
+                        .collect();
+                    let h = g.forward(&mut steps)?;
+                    std::hint::black_box(
+                        h[0].narrow(0, 29, 1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?,
+                    );
+                    for c in caches.iter_mut() {
+                        c.truncate(170);
+                    }
+                    Ok(())
+                },
+            )?;
+            rows.time(
+                "thinker prefill step, own caches: b prompts x 30 positions (op by op)",
+                b,
+                iters,
+                || {
+                    let mut steps: Vec<StreamStep> = own
+                        .iter_mut()
+                        .map(|c| StreamStep { cache: c, embeds: chunk.clone() })
+                        .collect();
+                    let h = g.forward(&mut steps)?;
+                    std::hint::black_box(
+                        h[0].narrow(0, 29, 1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?,
+                    );
+                    for c in own.iter_mut() {
+                        c.truncate(170);
+                    }
+                    Ok(())
+                },
+            )?;
             for c in caches.iter_mut() {
                 g.forward(&mut [StreamStep { cache: c, embeds: chunk.clone() }])?;
             }
@@ -266,36 +325,54 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
                     s
                 })
                 .collect();
-            rows.time("thinker decode step (slots, graph) + all logits to host, sampled there", b, iters, || {
-                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
-                let h = g.forward(&mut steps)?;
-                let l = g.logits(&Tensor::cat(&h, 0)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-                for (s, row) in samplers.iter_mut().zip(&l) {
-                    std::hint::black_box(s.sample(row, &[]));
-                }
-                for c in caches.iter_mut() {
-                    c.truncate(200);
-                }
-                Ok(())
-            })?;
-            rows.time("thinker decode step (slots, graph) + best 16 to host, sampled there (server)", b, iters, || {
-                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
-                let h = g.forward(&mut steps)?;
-                let l = Logits::new(g.logits(&Tensor::cat(&h, 0)?)?, TOP_K)?;
-                for (i, s) in samplers.iter_mut().enumerate() {
-                    std::hint::black_box(s.sample_row(&l.row(i), &[])?);
-                }
-                for c in caches.iter_mut() {
-                    c.truncate(200);
-                }
-                Ok(())
-            })?;
+            rows.time(
+                "thinker decode step (slots, graph) + all logits to host, sampled there",
+                b,
+                iters,
+                || {
+                    let mut steps: Vec<StreamStep> = caches
+                        .iter_mut()
+                        .map(|c| StreamStep { cache: c, embeds: tok.clone() })
+                        .collect();
+                    let h = g.forward(&mut steps)?;
+                    let l =
+                        g.logits(&Tensor::cat(&h, 0)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+                    for (s, row) in samplers.iter_mut().zip(&l) {
+                        std::hint::black_box(s.sample(row, &[]));
+                    }
+                    for c in caches.iter_mut() {
+                        c.truncate(200);
+                    }
+                    Ok(())
+                },
+            )?;
+            rows.time(
+                "thinker decode step (slots, graph) + best 16 to host, sampled there (server)",
+                b,
+                iters,
+                || {
+                    let mut steps: Vec<StreamStep> = caches
+                        .iter_mut()
+                        .map(|c| StreamStep { cache: c, embeds: tok.clone() })
+                        .collect();
+                    let h = g.forward(&mut steps)?;
+                    let l = Logits::new(g.logits(&Tensor::cat(&h, 0)?)?, TOP_K)?;
+                    for (i, s) in samplers.iter_mut().enumerate() {
+                        std::hint::black_box(s.sample_row(&l.row(i), &[])?);
+                    }
+                    for c in caches.iter_mut() {
+                        c.truncate(200);
+                    }
+                    Ok(())
+                },
+            )?;
         }
     }
     // ---- Stage 1: Talker
     let talker = &m.talker;
     let hidden = talker.config().hidden_size;
-    let cond = Tensor::randn(0f32, 1.0, (40, hidden), talker.decoder().device())?.to_dtype(talker.embed_codes(&[0])?.dtype())?;
+    let cond = Tensor::randn(0f32, 1.0, (40, hidden), talker.decoder().device())?
+        .to_dtype(talker.embed_codes(&[0])?.dtype())?;
     if batches.contains(&1) {
         let mut g = talker.clone();
         g.set_decode_mode(DecodeMode::Graph);
@@ -319,10 +396,16 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
             .collect::<Result<_>>()?;
         let code = talker.embed_codes(&[17])?;
         rows.time("talker decode step + logits to host", b, iters, || {
-            let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: code.clone() }).collect();
+            let mut steps: Vec<StreamStep> =
+                caches.iter_mut().map(|c| StreamStep { cache: c, embeds: code.clone() }).collect();
             let h = talker.forward(&mut steps)?;
-            let rows: Vec<Tensor> = h.iter().map(|x| x.narrow(0, x.dim(0)? - 1, 1)).collect::<candle_core::Result<_>>()?;
-            std::hint::black_box(talker.logits(&Tensor::cat(&rows, 0)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+            let rows: Vec<Tensor> = h
+                .iter()
+                .map(|x| x.narrow(0, x.dim(0)? - 1, 1))
+                .collect::<candle_core::Result<_>>()?;
+            std::hint::black_box(
+                talker.logits(&Tensor::cat(&rows, 0)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?,
+            );
             for c in caches.iter_mut() {
                 c.truncate(40);
             }
@@ -335,14 +418,18 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
         for &b in batches {
             let pool = g.decoder().slot_pool(b, 1024.min(g.decoder().config().max_positions))?;
             g.decoder().warm_pool(&pool)?;
-            let mut caches: Vec<KvCache> =
-                (0..b).map(|_| pool.take()?.ok_or_else(|| candle_core::Error::Msg("no free slot".into()))).collect::<candle_core::Result<_>>()?;
+            let mut caches: Vec<KvCache> = (0..b)
+                .map(|_| pool.take()?.ok_or_else(|| candle_core::Error::Msg("no free slot".into())))
+                .collect::<candle_core::Result<_>>()?;
             for c in caches.iter_mut() {
                 g.forward(&mut [StreamStep { cache: c, embeds: cond.clone() }])?;
             }
             let code = talker.embed_codes(&[17])?;
             rows.time("talker decode step (slots, graph) + ids to host", b, iters, || {
-                let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: code.clone() }).collect();
+                let mut steps: Vec<StreamStep> = caches
+                    .iter_mut()
+                    .map(|c| StreamStep { cache: c, embeds: code.clone() })
+                    .collect();
                 let h = g.forward(&mut steps)?;
                 std::hint::black_box(greedy_ids(&g.logits(&Tensor::cat(&h, 0)?)?)?);
                 for c in caches.iter_mut() {
@@ -368,12 +455,14 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
         Ok(())
     })?;
     let setup = c2w.setup(&f)?;
-    let first: Vec<u32> = std::iter::repeat_n(SILENCE_CODE, 3).chain((0..25).map(|i| (i * 97) % 6561)).collect();
+    let first: Vec<u32> =
+        std::iter::repeat_n(SILENCE_CODE, 3).chain((0..25).map(|i| (i * 97) % 6561)).collect();
     let steady: Vec<u32> = (0..28).map(|i| (i * 131 + 7) % 6561).collect();
     // chunk 0 whole, flow alone, vocoder alone: op by op, then as CUDA graphs (the server's default
     // on a GPU)
     // (graphs and flow slots as the server sets them, with room for the largest batch)
-    let slots = ecfg.code2wav_slots.max(batches.iter().copied().filter(|&b| b <= 32).max().unwrap_or(1));
+    let slots =
+        ecfg.code2wav_slots.max(batches.iter().copied().filter(|&b| b <= 32).max().unwrap_or(1));
     let mut g2w = c2w.clone();
     g2w.set_graphs(Some(GraphPolicy { pool_batch: 32, ..GraphPolicy::default() }), Some(32));
     g2w.set_pool_attention(ecfg.code2wav_pool_attention);
@@ -394,7 +483,14 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
                 "code2wav chunk 0, vocoder only (HiFT)",
             ],
         ),
-        (&g2w, ["code2wav chunk 0, flow + vocoder as graphs", "code2wav chunk 0, flow only (graph)", "code2wav chunk 0, vocoder only (graphs)"]),
+        (
+            &g2w,
+            [
+                "code2wav chunk 0, flow + vocoder as graphs",
+                "code2wav chunk 0, flow only (graph)",
+                "code2wav chunk 0, vocoder only (graphs)",
+            ],
+        ),
     ];
     for (c, [whole, flow, vocoder]) in variants {
         rows.time(whole, 1, iters, || {
@@ -425,8 +521,10 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
         (&p2w, "code2wav steady chunk, flow slots op by op"),
         (&g2w, "code2wav steady chunk, graphs (server config)"),
     ];
-    let names: Vec<String> =
-        steady_kinds.iter().flat_map(|(_, w)| [w.to_string(), format!("{w}: flow only"), format!("{w}: vocoder only")]).collect();
+    let names: Vec<String> = steady_kinds
+        .iter()
+        .flat_map(|(_, w)| [w.to_string(), format!("{w}: flow only"), format!("{w}: vocoder only")])
+        .collect();
     let steady_rows = rows.wants_any(&names);
     for &b in batches.iter().filter(|&&b| b <= 32 && steady_rows) {
         for (c, what) in steady_kinds {
@@ -466,7 +564,14 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
     if rows.wants(BUSY) {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let worker = {
-            let (c2w, f, setup, steady, first, stop) = (c2w.clone(), f.clone(), setup.clone(), steady.clone(), first.clone(), stop.clone());
+            let (c2w, f, setup, steady, first, stop) = (
+                c2w.clone(),
+                f.clone(),
+                setup.clone(),
+                steady.clone(),
+                first.clone(),
+                stop.clone(),
+            );
             std::thread::spawn(move || -> Result<usize> {
                 let mut n = 0;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
@@ -482,9 +587,12 @@ pub fn run(m: &Models, ecfg: &EngineConfig, iters: usize, batches: &[usize], ref
         let mut caches = prefilled(1)?;
         let tok = llm.embed(&[42])?;
         rows.time(BUSY, 1, iters, || {
-            let mut steps: Vec<StreamStep> = caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
+            let mut steps: Vec<StreamStep> =
+                caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
             let h = llm.forward(&mut steps)?;
-            std::hint::black_box(llm.logits(&h[0].narrow(0, 0, 1)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+            std::hint::black_box(
+                llm.logits(&h[0].narrow(0, 0, 1)?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?,
+            );
             for c in caches.iter_mut() {
                 c.truncate(200);
             }

@@ -135,7 +135,12 @@ impl RefCache {
     pub fn trim(&mut self) -> Vec<String> {
         let mut gone = Vec::new();
         while self.entries.len() > self.capacity {
-            let victim = self.entries.iter().filter(|(_, e)| e.evictable()).min_by_key(|(_, e)| e.last_used).map(|(k, _)| k.clone());
+            let victim = self
+                .entries
+                .iter()
+                .filter(|(_, e)| e.evictable())
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(k, _)| k.clone());
             match victim {
                 Some(k) => {
                     self.entries.remove(&k);
@@ -243,7 +248,10 @@ mod tests {
         c.own("key1", &id("pin:req-7"));
         c.own("key1", &id("req-7x"));
         c.unpin(&id("pin:req-7"));
-        assert!(c.get("key1").unwrap().pins.contains(&id("req-7")), "unpinning another id leaves the pin");
+        assert!(
+            c.get("key1").unwrap().pins.contains(&id("req-7")),
+            "unpinning another id leaves the pin"
+        );
         c.release(&id("req-7"));
         let e = c.get("key1").unwrap();
         assert!(e.pins.is_empty());
@@ -258,7 +266,9 @@ mod tests {
     fn setup_cache_keeps_the_most_recent() {
         use antiphon_assets::synth::{code2wav_in_memory, Preset};
         // FlowState values are only moved around here; a real one is cheap at the tiny size
-        let c2w = code2wav_in_memory(Preset::Tiny, 1, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+        let c2w =
+            code2wav_in_memory(Preset::Tiny, 1, candle_core::DType::F32, &candle_core::Device::Cpu)
+                .unwrap();
         let x: Vec<f32> = (0..16000).map(|i| (i as f32 * 0.01).sin() * 0.2).collect();
         let f = c2w.prepare(&Reference::materialize(&x, 16000).unwrap()).unwrap();
         let st = c2w.setup(&f).unwrap();

@@ -13,7 +13,10 @@ use candle_core::{DType, Tensor};
 use super::caches::StageCaches;
 use super::chunker::{Chunker, Payload};
 use super::gate::PrefillGate;
-use super::{EngineConfig, EngineMetrics, Mode, RefInput, Registry, RequestId, Stage1Msg, Stage2Msg, StageLoop, Status};
+use super::{
+    EngineConfig, EngineMetrics, Mode, RefInput, Registry, RequestId, Stage1Msg, Stage2Msg,
+    StageLoop, Status,
+};
 use antiphon_models::decoder::{KvCache, PooledCache, StreamStep};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::talker::{ConditionMode, Talker};
@@ -92,11 +95,30 @@ impl Stage1 {
         to_c2w: SyncSender<Stage2Msg>,
         gate: PrefillGate,
     ) -> anyhow::Result<Self> {
-        let caches =
-            StageCaches::new(talker.decoder(), cfg.talker_max_batch, 256, cfg.idle_cache_mib << 20, cfg.talker_slots, cfg.talker_slot_context)?;
+        let caches = StageCaches::new(
+            talker.decoder(),
+            cfg.talker_max_batch,
+            256,
+            cfg.idle_cache_mib << 20,
+            cfg.talker_slots,
+            cfg.talker_slot_context,
+        )?;
         let pace = crate::pace::StagePace::default();
         let (reqs, order, bridge) = (HashMap::new(), Vec::new(), Vec::new());
-        Ok(Self { talker, cfg, registry, metrics, to_c2w, reqs, order, paced: false, caches, gate, bridge, pace })
+        Ok(Self {
+            talker,
+            cfg,
+            registry,
+            metrics,
+            to_c2w,
+            reqs,
+            order,
+            paced: false,
+            caches,
+            gate,
+            bridge,
+            pace,
+        })
     }
 
     /// The paces it shares with Stage 2 (it writes the Talker's).
@@ -122,7 +144,12 @@ impl Stage1 {
     /// audio would have to cover the next chunk's whole wait, so it keeps its lead).
     fn pacing_limit(&self, first: usize, hold_first: bool, delivered: usize, lead: usize) -> usize {
         let size = self.cfg.chunk_codes.max(1);
-        let lead = if delivered == 0 && first < size && hold_first && self.cfg.talker_hold_first_chunk { 0 } else { lead };
+        let lead =
+            if delivered == 0 && first < size && hold_first && self.cfg.talker_hold_first_chunk {
+                0
+            } else {
+                lead
+            };
         first + (delivered + lead) * size
     }
 
@@ -147,7 +174,13 @@ impl Stage1 {
                 t.chunk0_codes.get_or_insert_with(Instant::now);
             });
         }
-        let _ = self.to_c2w.send(Stage2Msg::Chunk { id: id.clone(), seq: p.seq, codes: p.codes, last: p.last, reference });
+        let _ = self.to_c2w.send(Stage2Msg::Chunk {
+            id: id.clone(),
+            seq: p.seq,
+            codes: p.codes,
+            last: p.last,
+            reference,
+        });
     }
 
     /// The stream made its last code: it leaves the Talker, and its codes not yet chunked go to
@@ -189,7 +222,8 @@ impl Stage1 {
             dx.active = true;
             dx.left = (!turn_end).then_some(self.cfg.duplex_codes_per_unit());
             if turn_end {
-                r.length = LengthPolicy::new(vec![self.talker.eos_code()], r.length.min, r.length.max);
+                r.length =
+                    LengthPolicy::new(vec![self.talker.eos_code()], r.length.min, r.length.max);
             }
         }
         for id in done {
@@ -216,9 +250,17 @@ impl Stage1 {
             let mut rest = None;
             let e = if !r.pending.is_empty() {
                 // (one tensor, as a segment fed by rows leaves it: no copy)
-                let all = if let [one] = r.pending.as_slice() { one.clone() } else { Tensor::cat(&r.pending, 0)? };
+                let all = if let [one] = r.pending.as_slice() {
+                    one.clone()
+                } else {
+                    Tensor::cat(&r.pending, 0)?
+                };
                 let rows = all.dim(0)?;
-                if self.cfg.talker_segment_rows && (r.chunks.is_some() || r.duplex.is_some()) && r.chunker.sent() > 0 && rows > 1 {
+                if self.cfg.talker_segment_rows
+                    && (r.chunks.is_some() || r.duplex.is_some())
+                    && r.chunker.sent() > 0
+                    && rows > 1
+                {
                     rest = Some(all.narrow(0, 1, rows - 1)?);
                     all.narrow(0, 0, 1)?
                 } else {
@@ -228,7 +270,10 @@ impl Stage1 {
                 if let (Some(lead), None) = (self.cfg.talker_lead_chunks, &r.duplex) {
                     // (a request that just ended is dropped by the next step's sweep)
                     let Some(delivered) = self.registry.chunks_if_live(id) else { continue };
-                    if r.codes >= self.pacing_limit(r.chunker.first(), r.hold_first, delivered, lead) + r.chunker.held_codes() {
+                    if r.codes
+                        >= self.pacing_limit(r.chunker.first(), r.hold_first, delivered, lead)
+                            + r.chunker.held_codes()
+                    {
                         self.paced = true;
                         continue;
                     }
@@ -264,9 +309,21 @@ impl Stage1 {
         let hidden = {
             let mut caches: Vec<(RequestId, PooledCache)> = ids
                 .iter()
-                .map(|id| (id.clone(), std::mem::replace(&mut self.reqs.get_mut(id).expect("listed").cache, PooledCache::alone(KvCache::new(0)))))
+                .map(|id| {
+                    (
+                        id.clone(),
+                        std::mem::replace(
+                            &mut self.reqs.get_mut(id).expect("listed").cache,
+                            PooledCache::alone(KvCache::new(0)),
+                        ),
+                    )
+                })
                 .collect();
-            let mut steps: Vec<StreamStep> = caches.iter_mut().zip(embeds).map(|((_, c), e)| StreamStep { cache: c, embeds: e }).collect();
+            let mut steps: Vec<StreamStep> = caches
+                .iter_mut()
+                .zip(embeds)
+                .map(|((_, c), e)| StreamStep { cache: c, embeds: e })
+                .collect();
             let out = self.forward_step(&mut steps);
             drop(steps);
             for (id, c) in caches {
@@ -372,9 +429,17 @@ impl Stage1 {
                 }
             }
         }
-        tracing::debug!(streams = n, paced = self.paced, ms = t0.elapsed().as_secs_f64() * 1e3, "talker step");
+        tracing::debug!(
+            streams = n,
+            paced = self.paced,
+            ms = t0.elapsed().as_secs_f64() * 1e3,
+            "talker step"
+        );
         self.pace.record_talker_step(t0.elapsed());
-        self.metrics.step_seconds.with_label_values(&["talker"]).observe(t0.elapsed().as_secs_f64());
+        self.metrics
+            .step_seconds
+            .with_label_values(&["talker"])
+            .observe(t0.elapsed().as_secs_f64());
         self.metrics.batch_size.with_label_values(&["talker"]).observe(n as f64);
         Ok(true)
     }
@@ -396,9 +461,19 @@ impl Stage1 {
             }
         }
         let forward = |s: &mut [StreamStep]| self.talker.forward(s);
-        let decoded = if one.is_empty() { Vec::new() } else { crate::contain::forward_contained(&mut one, forward) };
-        let prefilled = if many.is_empty() { Vec::new() } else { crate::contain::forward_contained(&mut many, forward) };
-        at.into_iter().map(|(m, i)| if m { prefilled[i].clone() } else { decoded[i].clone() }).collect()
+        let decoded = if one.is_empty() {
+            Vec::new()
+        } else {
+            crate::contain::forward_contained(&mut one, forward)
+        };
+        let prefilled = if many.is_empty() {
+            Vec::new()
+        } else {
+            crate::contain::forward_contained(&mut many, forward)
+        };
+        at.into_iter()
+            .map(|(m, i)| if m { prefilled[i].clone() } else { decoded[i].clone() })
+            .collect()
     }
 
     /// Whether more than `small_first_chunk_streams` requests are in the engine (in any stage),
@@ -424,8 +499,10 @@ impl StageLoop for Stage1 {
                 // room for the longest text, its two closing embeddings and every code: the cache
                 // never grows (a growth would need a new decode graph); with text chunks, room for
                 // two chunks' conditions and every code (a window holds at most that)
-                let chunk = (mode == Mode::Turn && self.cfg.talker_text_chunk > 0).then_some(self.cfg.talker_text_chunk);
-                let need = crate::fit::talker_rows(self.cfg.default_max_text_tokens, max_codes, chunk);
+                let chunk = (mode == Mode::Turn && self.cfg.talker_text_chunk > 0)
+                    .then_some(self.cfg.talker_text_chunk);
+                let need =
+                    crate::fit::talker_rows(self.cfg.default_max_text_tokens, max_codes, chunk);
                 let context = self.talker.decoder().config().max_positions;
                 if need > context {
                     let why = format!(
@@ -450,7 +527,11 @@ impl StageLoop for Stage1 {
                 let cache = match self.caches.take(self.talker.decoder(), need) {
                     Ok(c) => c,
                     Err(e) => {
-                        self.registry.finish_counted(&id, Status::Failed(format!("talker cache: {e:#}")), &self.metrics.requests);
+                        self.registry.finish_counted(
+                            &id,
+                            Status::Failed(format!("talker cache: {e:#}")),
+                            &self.metrics.requests,
+                        );
                         return;
                     }
                 };
@@ -467,7 +548,9 @@ impl StageLoop for Stage1 {
                     chunker: Chunker::for_stream(&self.cfg, first, mode == Mode::Turn),
                     codes: 0,
                     duplex: (mode == Mode::Duplex).then(DuplexTalk::default),
-                    chunks: chunk.is_some().then(|| TextChunks::new(text_tokens, min_codes, max_codes)),
+                    chunks: chunk
+                        .is_some()
+                        .then(|| TextChunks::new(text_tokens, min_codes, max_codes)),
                     hold_first: !busy,
                 };
                 self.remove(&id);
@@ -491,7 +574,11 @@ impl StageLoop for Stage1 {
                 let Some(r) = self.reqs.get_mut(&id) else {
                     return;
                 };
-                if busy && r.mode == Mode::Turn && r.chunker.first() < busy_first && r.chunker.widen_first_to(busy_first) {
+                if busy
+                    && r.mode == Mode::Turn
+                    && r.chunker.first() < busy_first
+                    && r.chunker.widen_first_to(busy_first)
+                {
                     r.hold_first = false;
                 }
                 let mode = match r.mode {
@@ -517,7 +604,12 @@ impl StageLoop for Stage1 {
                     (Some(h), false) => self
                         .talker
                         .condition_rows(&ids, h)
-                        .and_then(|rows| Tensor::cat(&[rows, self.talker.condition_tail(ConditionMode::Duplex)?], 0))
+                        .and_then(|rows| {
+                            Tensor::cat(
+                                &[rows, self.talker.condition_tail(ConditionMode::Duplex)?],
+                                0,
+                            )
+                        })
                         .map(Some),
                     // a spoken unit without text still opens a unit of speech
                     _ if !turn_end => self.talker.condition_tail(ConditionMode::Duplex).map(Some),
@@ -542,7 +634,8 @@ impl StageLoop for Stage1 {
 
     fn step(&mut self) -> bool {
         let registry = self.registry.clone();
-        let gone: Vec<RequestId> = self.reqs.keys().filter(|id| !registry.is_live(id)).cloned().collect();
+        let gone: Vec<RequestId> =
+            self.reqs.keys().filter(|id| !registry.is_live(id)).cloned().collect();
         for id in gone {
             self.remove(&id);
         }

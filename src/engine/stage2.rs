@@ -27,7 +27,10 @@ use anyhow::Result;
 
 use super::refcache::{RefCache, SetupCache};
 use super::voices::{PreparedStore, PreparedVoice};
-use super::{EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId, Stage2Msg, StageLoop, Status};
+use super::{
+    EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId, Stage2Msg, StageLoop,
+    Status,
+};
 use antiphon_models::code2wav::{Code2Wav, StreamState};
 
 mod plan;
@@ -54,7 +57,9 @@ struct Waiting {
 
 impl Waiting {
     fn needs_phase(&self, with_setup: bool) -> bool {
-        self.reference.is_some() && (self.phase == Phase::Queued || (with_setup && matches!(self.phase, Phase::Prepared(_))))
+        self.reference.is_some()
+            && (self.phase == Phase::Queued
+                || (with_setup && matches!(self.phase, Phase::Prepared(_))))
     }
     fn pinned_key(&self) -> Option<&str> {
         match &self.phase {
@@ -130,7 +135,8 @@ pub struct Stage2 {
     /// Registered voices' features, by reference key.
     prepared: PreparedStore,
     /// Registrations waiting for a step with no chunk due.
-    prepare_jobs: VecDeque<(RefInput, SyncSender<Result<PreparedVoice, super::voices::PrepareRefused>>)>,
+    prepare_jobs:
+        VecDeque<(RefInput, SyncSender<Result<PreparedVoice, super::voices::PrepareRefused>>)>,
     /// Told of every late chunk (the online stream limit).
     admission: Option<super::Admission>,
     /// When the earliest chunk left for a later step is due (the loop wakes a horizon before).
@@ -153,7 +159,12 @@ const PREPARE_QUEUE: usize = 16;
 const PREPARED_VOICES: usize = 1024;
 
 impl Stage2 {
-    pub fn new(model: Code2Wav, cfg: Arc<EngineConfig>, registry: Registry, metrics: EngineMetrics) -> Self {
+    pub fn new(
+        model: Code2Wav,
+        cfg: Arc<EngineConfig>,
+        registry: Registry,
+        metrics: EngineMetrics,
+    ) -> Self {
         Self {
             cache: RefCache::new(cfg.ref_cache_capacity),
             setup: SetupCache::new(cfg.setup_cache_capacity),
@@ -247,7 +258,10 @@ impl Stage2 {
         for id in stale {
             self.abort(&id);
         }
-        self.metrics.queue_depth.with_label_values(&["code2wav"]).set((self.live.len() + self.waiting.len()) as i64);
+        self.metrics
+            .queue_depth
+            .with_label_values(&["code2wav"])
+            .set((self.live.len() + self.waiting.len()) as i64);
         // the chunks that are next in order, earliest playback deadline first: chunk 0s (no audio
         // yet) before all, then the streams whose listeners run dry soonest
         let mut next = Vec::new();
@@ -264,7 +278,8 @@ impl Stage2 {
         }
         // (stable: equal deadlines keep their arrival order)
         let lead = self.step_estimate;
-        let due_of = |c: &ChunkWork| due(self.live.get(&c.id).and_then(Live::deadline), c.queued, lead);
+        let due_of =
+            |c: &ChunkWork| due(self.live.get(&c.id).and_then(Live::deadline), c.queued, lead);
         next.sort_by_key(due_of);
         // what is due within the horizon: a chunk 0 never waits behind a long step of streams that
         // have seconds of audio buffered, and those run when their deadlines need them
@@ -273,7 +288,12 @@ impl Stage2 {
         // is behind, and no new stream starts until it has caught up (admission.rs). (A chunk
         // that came with less was late from the Talker, or is a duplex unit's, made in real time.)
         if let (Some(a), Some(margin)) = (&self.admission, self.cfg.admission_slack()) {
-            let behind = next.iter().any(|c| self.live.get(&c.id).and_then(Live::dry_at).is_some_and(|d| d >= c.queued + margin && d < now + margin));
+            let behind = next.iter().any(|c| {
+                self.live
+                    .get(&c.id)
+                    .and_then(Live::dry_at)
+                    .is_some_and(|d| d >= c.queued + margin && d < now + margin)
+            });
             if behind {
                 a.tight();
             }
@@ -290,11 +310,13 @@ impl Stage2 {
         }
         if self.cfg.code2wav_first_chunks_apart {
             let seqs: Vec<usize> = ready.iter().map(|c| c.seq).collect();
-            let later = first_chunks_apart(&seqs, &dues[..ready.len()], now, horizon(self.step_estimate));
+            let later =
+                first_chunks_apart(&seqs, &dues[..ready.len()], now, horizon(self.step_estimate));
             ready = put_back(ready, &later, &mut rest);
         }
         if self.cfg.code2wav_one_batch_per_step && !self.cfg.code2wav_mixed_steps {
-            let shapes: Vec<(usize, bool)> = ready.iter().map(|c| (c.codes.len(), c.last)).collect();
+            let shapes: Vec<(usize, bool)> =
+                ready.iter().map(|c| (c.codes.len(), c.last)).collect();
             ready = put_back(ready, &other_batches(&shapes), &mut rest);
         }
         self.queue = rest;
@@ -304,9 +326,11 @@ impl Stage2 {
         self.prev_idle = false;
         let t0 = Instant::now();
         // chunk 0s: resolve the references, set up the new voices together, open the streams
-        let (zeros, others): (Vec<ChunkWork>, Vec<ChunkWork>) = ready.into_iter().partition(|c| c.seq == 0);
+        let (zeros, others): (Vec<ChunkWork>, Vec<ChunkWork>) =
+            ready.into_iter().partition(|c| c.seq == 0);
         // (held until the step's audio is on the host, at its end)
-        let _held = (others.is_empty() && zeros.len() <= GATED_FIRST_CHUNKS).then(|| self.gate.hold());
+        let _held =
+            (others.is_empty() && zeros.len() <= GATED_FIRST_CHUNKS).then(|| self.gate.hold());
         for c in &zeros {
             self.registry.mark(&c.id, |t| t.first_chunk = Some(Instant::now()));
         }
@@ -331,7 +355,10 @@ impl Stage2 {
             // one batch per (chunk length, last)
             let mut groups: Vec<Vec<ChunkWork>> = Vec::new();
             for c in group {
-                match groups.iter_mut().find(|g| g[0].codes.len() == c.codes.len() && g[0].last == c.last) {
+                match groups
+                    .iter_mut()
+                    .find(|g| g[0].codes.len() == c.codes.len() && g[0].last == c.last)
+                {
                     Some(g) => g.push(c),
                     None => groups.push(vec![c]),
                 }
@@ -341,9 +368,15 @@ impl Stage2 {
             }
         }
         let took = t0.elapsed();
-        self.step_estimate = if self.step_estimate.is_zero() { took } else { (self.step_estimate * 3 + took) / 4 };
+        self.step_estimate =
+            if self.step_estimate.is_zero() { took } else { (self.step_estimate * 3 + took) / 4 };
         let now = Instant::now();
-        let least_buffered = self.live.values().filter_map(Live::dry_at).map(|d| d.saturating_duration_since(now)).min();
+        let least_buffered = self
+            .live
+            .values()
+            .filter_map(Live::dry_at)
+            .map(|d| d.saturating_duration_since(now))
+            .min();
         self.pace.record_code2wav(self.step_estimate, least_buffered);
         self.metrics.step_seconds.with_label_values(&["code2wav"]).observe(took.as_secs_f64());
         self.metrics.batch_size.with_label_values(&["code2wav"]).observe(batch_total as f64);
@@ -354,16 +387,22 @@ impl Stage2 {
     /// their audio; the last ones finish their requests.
     fn run_batch(&mut self, group: Vec<ChunkWork>) {
         let tg = Instant::now();
-        let mut states: Vec<(RequestId, Live)> = group.iter().map(|c| (c.id.clone(), self.live.remove(&c.id).expect("live"))).collect();
+        let mut states: Vec<(RequestId, Live)> =
+            group.iter().map(|c| (c.id.clone(), self.live.remove(&c.id).expect("live"))).collect();
         let out = {
-            let mut refs: Vec<&mut StreamState> = states.iter_mut().map(|(_, l)| &mut l.stream).collect();
+            let mut refs: Vec<&mut StreamState> =
+                states.iter_mut().map(|(_, l)| &mut l.stream).collect();
             let codes: Vec<&[u32]> = group.iter().map(|c| c.codes.as_slice()).collect();
             let lasts: Vec<bool> = group.iter().map(|c| c.last).collect();
             self.model.chunk_mixed(&mut refs, &codes, &lasts)
         };
         if tracing::enabled!(tracing::Level::DEBUG) {
-            let chunks: Vec<String> =
-                group.iter().map(|c| format!("{}#{}:{}{}", c.id, c.seq, c.codes.len(), if c.last { "L" } else { "" })).collect();
+            let chunks: Vec<String> = group
+                .iter()
+                .map(|c| {
+                    format!("{}#{}:{}{}", c.id, c.seq, c.codes.len(), if c.last { "L" } else { "" })
+                })
+                .collect();
             let ms = tg.elapsed().as_secs_f64() * 1e3;
             tracing::debug!(batch = group.len(), ms, chunks = %chunks.join(" "), "code2wav batch (ms: its flow and vocoder; chunks id#seq:codes, L = last)");
         }
@@ -387,7 +426,8 @@ impl Stage2 {
                 }
             };
             let first = c.seq == 0;
-            let audio = Duration::from_secs_f64(samples.len() as f64 / self.model.sample_rate() as f64);
+            let audio =
+                Duration::from_secs_f64(samples.len() as f64 / self.model.sample_rate() as f64);
             if let Some(dry) = live.dry_at() {
                 let gap = Instant::now().saturating_duration_since(dry);
                 if gap > Duration::ZERO {
@@ -443,12 +483,21 @@ impl StageLoop for Stage2 {
                 self.waiting.push(Waiting { id, reference, phase: Phase::Queued });
             }
             Stage2Msg::Chunk { id, seq, codes, last, reference } => {
-                self.queue.push_back(ChunkWork { id, seq, codes, last, reference, queued: Instant::now() });
+                self.queue.push_back(ChunkWork {
+                    id,
+                    seq,
+                    codes,
+                    last,
+                    reference,
+                    queued: Instant::now(),
+                });
             }
             Stage2Msg::Cancel(id) => self.abort(&id),
             Stage2Msg::Prepare { voice, reply } => {
                 if self.prepare_jobs.len() >= PREPARE_QUEUE {
-                    let _ = reply.try_send(Err(super::voices::PrepareRefused::Busy { waiting: PREPARE_QUEUE }));
+                    let _ = reply.try_send(Err(super::voices::PrepareRefused::Busy {
+                        waiting: PREPARE_QUEUE,
+                    }));
                 } else {
                     self.prepare_jobs.push_back((voice, reply));
                 }
@@ -476,7 +525,9 @@ impl StageLoop for Stage2 {
 
     fn idle_wait(&self) -> Option<Duration> {
         let with_setup = self.cfg.prefetch_setup;
-        let prefetch = (self.cfg.prefetch && self.waiting.iter().any(|w| w.needs_phase(with_setup))).then_some(self.cfg.idle_tick);
+        let prefetch = (self.cfg.prefetch
+            && self.waiting.iter().any(|w| w.needs_phase(with_setup)))
+        .then_some(self.cfg.idle_tick);
         // a chunk left for later is woken for a horizon before it is due
         let chunk = self.next_due.filter(|_| !self.queue.is_empty()).map(|d| {
             let wake = d.checked_sub(horizon(self.step_estimate)).unwrap_or(d);

@@ -356,7 +356,10 @@ impl Registry {
         if m.contains_key(&id) {
             return false;
         }
-        let progress = Progress { timings: Timings { admitted: Some(Instant::now()), ..Default::default() }, ..Default::default() };
+        let progress = Progress {
+            timings: Timings { admitted: Some(Instant::now()), ..Default::default() },
+            ..Default::default()
+        };
         m.insert(id, Arc::new(Entry { sink, progress: Mutex::new(progress) }));
         true
     }
@@ -395,7 +398,9 @@ impl Registry {
                         p.timings.first_audio.get_or_insert(now);
                     }
                 }
-                EngineEvent::HistoryTrimmed { .. } | EngineEvent::ToolCall(_) | EngineEvent::ToolCallInvalid { .. } => {}
+                EngineEvent::HistoryTrimmed { .. }
+                | EngineEvent::ToolCall(_)
+                | EngineEvent::ToolCallInvalid { .. } => {}
                 EngineEvent::Done { .. } => return false,
             }
             // emitted under the lock: a concurrent finish cannot overtake it
@@ -447,11 +452,21 @@ impl Registry {
 
     /// [`Registry::finish`] that counts the request in `counter` (by status label) before its
     /// `Done` goes out: whoever sees `Done` sees it counted.
-    pub fn finish_counted(&self, id: &RequestId, status: Status, counter: &prometheus::IntCounterVec) -> Option<Timings> {
+    pub fn finish_counted(
+        &self,
+        id: &RequestId,
+        status: Status,
+        counter: &prometheus::IntCounterVec,
+    ) -> Option<Timings> {
         self.end(id, status, Some(counter))
     }
 
-    fn end(&self, id: &RequestId, status: Status, counter: Option<&prometheus::IntCounterVec>) -> Option<Timings> {
+    fn end(
+        &self,
+        id: &RequestId,
+        status: Status,
+        counter: Option<&prometheus::IntCounterVec>,
+    ) -> Option<Timings> {
         let e = self.get(id)?;
         let out = {
             let mut p = e.progress.lock().expect("progress");

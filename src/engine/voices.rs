@@ -22,7 +22,9 @@ pub enum PrepareRefused {
 impl std::fmt::Display for PrepareRefused {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            PrepareRefused::Busy { waiting } => write!(f, "{waiting} voices are waiting to be prepared already"),
+            PrepareRefused::Busy { waiting } => {
+                write!(f, "{waiting} voices are waiting to be prepared already")
+            }
             PrepareRefused::Unusable(why) => f.write_str(why),
         }
     }
@@ -61,7 +63,11 @@ impl PreparedVoice {
         Ok(PromptFeatures {
             codes: self.codes.clone(),
             speaker: Tensor::from_vec(self.speaker.clone(), self.speaker.len(), dev)?,
-            mel: Tensor::from_vec(self.mel.clone(), (self.mel.len() / self.mel_bins, self.mel_bins), dev)?,
+            mel: Tensor::from_vec(
+                self.mel.clone(),
+                (self.mel.len() / self.mel_bins, self.mel_bins),
+                dev,
+            )?,
         })
     }
 
@@ -70,7 +76,11 @@ impl PreparedVoice {
     pub fn tensors(&self) -> Result<HashMap<String, Tensor>> {
         let f = self.to_features(&Device::Cpu)?;
         let codes = Tensor::from_vec(self.codes.clone(), self.codes.len(), &Device::Cpu)?;
-        Ok(HashMap::from([("codes".to_string(), codes), ("speaker".to_string(), f.speaker), ("mel".to_string(), f.mel)]))
+        Ok(HashMap::from([
+            ("codes".to_string(), codes),
+            ("speaker".to_string(), f.speaker),
+            ("mel".to_string(), f.mel),
+        ]))
     }
 
     /// Back from [`PreparedVoice::tensors`]; anything missing, misshapen or not finite is refused.
@@ -134,7 +144,8 @@ impl PreparedStore {
         }
         self.tick += 1;
         if !self.map.contains_key(&key) && self.map.len() >= self.max {
-            if let Some(old) = self.map.iter().min_by_key(|(_, (t, _))| *t).map(|(k, _)| k.clone()) {
+            if let Some(old) = self.map.iter().min_by_key(|(_, (t, _))| *t).map(|(k, _)| k.clone())
+            {
                 self.map.remove(&old);
             }
         }
@@ -159,7 +170,13 @@ mod tests {
     use super::*;
 
     fn voice(key: &str) -> PreparedVoice {
-        PreparedVoice { key: key.into(), codes: vec![1, 2, 3], speaker: vec![0.5; 4], mel: (0..12).map(|i| i as f32).collect(), mel_bins: 2 }
+        PreparedVoice {
+            key: key.into(),
+            codes: vec![1, 2, 3],
+            speaker: vec![0.5; 4],
+            mel: (0..12).map(|i| i as f32).collect(),
+            mel_bins: 2,
+        }
     }
 
     #[test]
@@ -167,7 +184,10 @@ mod tests {
         let v = voice("k");
         let t = v.tensors().unwrap();
         assert_eq!(PreparedVoice::from_tensors("k", &t).unwrap(), v);
-        assert_eq!(PreparedVoice::from_features("k", &v.to_features(&Device::Cpu).unwrap()).unwrap(), v);
+        assert_eq!(
+            PreparedVoice::from_features("k", &v.to_features(&Device::Cpu).unwrap()).unwrap(),
+            v
+        );
         let mut bad = t.clone();
         bad.insert("speaker".into(), Tensor::new(&[f32::NAN, 1.0], &Device::Cpu).unwrap());
         assert!(PreparedVoice::from_tensors("k", &bad).is_err(), "a NaN is refused");

@@ -11,11 +11,21 @@ pub struct Rope {
 }
 
 impl Rope {
-    pub fn new(head_dim: usize, theta: f64, max_positions: usize, dtype: DType, dev: &Device) -> Result<Self> {
+    pub fn new(
+        head_dim: usize,
+        theta: f64,
+        max_positions: usize,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Self> {
         let half = head_dim / 2;
-        let inv_freq: Vec<f32> = (0..half).map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / head_dim as f32)).collect();
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / head_dim as f32))
+            .collect();
         let inv_freq = Tensor::from_vec(inv_freq, (1, half), dev)?;
-        let pos = Tensor::arange(0u32, max_positions as u32, dev)?.to_dtype(DType::F32)?.reshape((max_positions, 1))?;
+        let pos = Tensor::arange(0u32, max_positions as u32, dev)?
+            .to_dtype(DType::F32)?
+            .reshape((max_positions, 1))?;
         let freqs = pos.broadcast_mul(&inv_freq)?;
         Ok(Self { cos: freqs.cos()?.to_dtype(dtype)?, sin: freqs.sin()?.to_dtype(dtype)? })
     }
@@ -50,7 +60,8 @@ impl Rope {
     /// with its own position (`cos`, `sin` from [`Rope::tables_fused`]).
     pub fn apply_fused(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let (n, h, d) = x.dims3()?;
-        candle_nn::rotary_emb::rope(&x.contiguous()?.reshape((n, h, 1, d))?, cos, sin)?.reshape((n, h, d))
+        candle_nn::rotary_emb::rope(&x.contiguous()?.reshape((n, h, 1, d))?, cos, sin)?
+            .reshape((n, h, d))
     }
 
     /// Rotate-half RoPE of `x: [n, heads, head_dim]`.
@@ -71,7 +82,9 @@ pub fn causal_mask(n: usize, l: usize, dtype: DType, dev: &Device) -> Result<Opt
         return Ok(None);
     }
     let offset = l - n;
-    let mask: Vec<f32> = (0..n).flat_map(|i| (0..l).map(move |j| if j > offset + i { f32::NEG_INFINITY } else { 0.0 })).collect();
+    let mask: Vec<f32> = (0..n)
+        .flat_map(|i| (0..l).map(move |j| if j > offset + i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
     Ok(Some(Tensor::from_vec(mask, (1, 1, n, l), dev)?.to_dtype(dtype)?))
 }
 

@@ -33,13 +33,29 @@ impl Checked {
 }
 
 impl SimpleBackend for Checked {
-    fn get(&self, s: Shape, name: &str, h: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
         if !self.inner.contains_tensor(name) {
-            candle_core::bail!("{}: missing tensor {name} (expected shape {:?})", self.origin, s.dims());
+            candle_core::bail!(
+                "{}: missing tensor {name} (expected shape {:?})",
+                self.origin,
+                s.dims()
+            );
         }
         let t = self.inner.get_unchecked(name, dtype, dev)?;
         if t.shape() != &s {
-            candle_core::bail!("{}: tensor {name} has shape {:?}, expected {:?}", self.origin, t.shape().dims(), s.dims());
+            candle_core::bail!(
+                "{}: tensor {name} has shape {:?}, expected {:?}",
+                self.origin,
+                t.shape().dims(),
+                s.dims()
+            );
         }
         let _ = h;
         self.note(name);
@@ -64,7 +80,14 @@ impl SimpleBackend for Checked {
 pub struct SharedBackend<T: SimpleBackend>(pub std::sync::Arc<T>);
 
 impl<T: SimpleBackend> SimpleBackend for SharedBackend<T> {
-    fn get(&self, s: Shape, name: &str, h: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
         self.0.get(s, name, h, dtype, dev)
     }
 

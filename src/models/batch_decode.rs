@@ -34,8 +34,19 @@ pub fn qk_norm_rope_store_batch(
 ) -> Result<Tensor> {
     let (b, rows, d) = qkv.dims3()?;
     let (_, khv, _, kd) = kc.dims4()?;
-    if rows != hq + 2 * hkv || khv != hkv || kd != d || !d.is_multiple_of(2) || slots.dims1()? != b || pos.dims1()? != b {
-        candle_core::bail!("qk_norm_rope_store_batch: qkv {:?} for {hq} + 2 x {hkv} heads, pool {:?}, {} slots", qkv.shape(), kc.shape(), b);
+    if rows != hq + 2 * hkv
+        || khv != hkv
+        || kd != d
+        || !d.is_multiple_of(2)
+        || slots.dims1()? != b
+        || pos.dims1()? != b
+    {
+        candle_core::bail!(
+            "qk_norm_rope_store_batch: qkv {:?} for {hq} + 2 x {hkv} heads, pool {:?}, {} slots",
+            qkv.shape(),
+            kc.shape(),
+            b
+        );
     }
     #[cfg(feature = "cuda")]
     if qkv.device().is_cuda() {
@@ -59,7 +70,8 @@ pub fn qk_norm_rope_store_batch(
     for i in 0..b {
         let (s, p) = (slots[i] as usize, pos[i]);
         let p_t = Tensor::new(&[p], qkv.device())?;
-        let heads = super::fused::qk_norm_rope_store_twin(&qkv.get(i)?, hq, hkv, w, eps, rope, &p_t)?;
+        let heads =
+            super::fused::qk_norm_rope_store_twin(&qkv.get(i)?, hq, hkv, w, eps, rope, &p_t)?;
         let cap = kc.dim(2)?;
         let at = (p as usize).min(cap - 1);
         let k = heads.narrow(0, hq, hkv)?.unsqueeze(1)?.contiguous()?;
@@ -96,14 +108,26 @@ pub fn decode_attention_batch(
         || slots.dims1()? != b
         || pos.dims1()? != b
     {
-        candle_core::bail!("decode_attention_batch: heads {:?} for {hq} + 2 x {hkv}, pool {:?}", heads.shape(), kc.shape());
+        candle_core::bail!(
+            "decode_attention_batch: heads {:?} for {hq} + 2 x {hkv}, pool {:?}",
+            heads.shape(),
+            kc.shape()
+        );
     }
     if hq / hkv > 8 || d > 128 {
         candle_core::bail!("decode_attention_batch: {} query heads per KV head (at most 8), head_dim {d} (at most 128)", hq / hkv);
     }
     #[cfg(feature = "cuda")]
     if heads.device().is_cuda() {
-        let op = cuda::AttnBatch { kc: kc.clone(), vc: vc.clone(), slots: slots.contiguous()?, pos: pos.contiguous()?, hq, hkv, max_pos };
+        let op = cuda::AttnBatch {
+            kc: kc.clone(),
+            vc: vc.clone(),
+            slots: slots.contiguous()?,
+            pos: pos.contiguous()?,
+            hq,
+            hkv,
+            max_pos,
+        };
         return heads.contiguous()?.apply_op1_no_bwd(&op);
     }
     // (the twin reads each row's own position)
@@ -115,7 +139,14 @@ pub fn decode_attention_batch(
         let p = Tensor::new(&[pos[i]], heads.device())?;
         let s = slots[i] as usize;
         let (q, k, v) = (h.narrow(0, 0, hq)?, h.narrow(0, hq, hkv)?, h.narrow(0, hq + hkv, hkv)?);
-        out.push(super::decode_attention::decode_attention(&q, &k, &v, &kc.get(s)?, &vc.get(s)?, &p)?);
+        out.push(super::decode_attention::decode_attention(
+            &q,
+            &k,
+            &v,
+            &kc.get(s)?,
+            &vc.get(s)?,
+            &p,
+        )?);
     }
     Tensor::stack(&out, 0)
 }
@@ -148,7 +179,11 @@ mod cuda {
     }
 
     impl QkStoreBatch {
-        fn run<T: CudaDType + DeviceRepr>(&self, qkv: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            &self,
+            qkv: &CudaStorage,
+            l: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
             let dev = qkv.device().clone();
             let (b, rows, d) = l.shape().dims3()?;
             let cap = self.kc.dim(2)?;
@@ -169,7 +204,8 @@ mod cuda {
             };
             // SAFETY: the kernel writes every element.
             let out = unsafe { dev.alloc::<T>(b * rows * d) }?;
-            let f = dev.get_or_load_custom_func(&kernel("qk_store_batch", qkv.dtype())?, MODULE, PTX)?;
+            let f =
+                dev.get_or_load_custom_func(&kernel("qk_store_batch", qkv.dtype())?, MODULE, PTX)?;
             let mut bl = f.builder();
             let null = 0u64;
             bl.arg(&qv);
@@ -180,7 +216,11 @@ mod cuda {
             let (hq, hkv, d_i, cap_i) = (self.hq as i32, self.hkv as i32, d as i32, cap as i32);
             bl.arg(&cos).arg(&sin).arg(&slots).arg(&pos).arg(&out).arg(&kc).arg(&vc);
             bl.arg(&hq).arg(&hkv).arg(&d_i).arg(&cap_i).arg(&self.eps);
-            let cfg = LaunchConfig { grid_dim: (rows as u32, b as u32, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, b as u32, 1),
+                block_dim: (32, 1, 1),
+                shared_mem_bytes: 0,
+            };
             // SAFETY: arguments as the kernel declares them; one 32-thread block per head and stream.
             unsafe { bl.launch(cfg) }.map_err(err)?;
             Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from((b, rows, d))))
@@ -192,7 +232,11 @@ mod cuda {
             "qk-norm-rope-store-batch"
         }
 
-        fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> Result<(candle_core::CpuStorage, Shape)> {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> Result<(candle_core::CpuStorage, Shape)> {
             candle_core::bail!("qk_norm_rope_store_batch: the CUDA op ran on the CPU")
         }
 
@@ -215,7 +259,11 @@ mod cuda {
     }
 
     impl AttnBatch {
-        fn run<T: CudaDType + DeviceRepr>(&self, heads: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            &self,
+            heads: &CudaStorage,
+            l: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
             let dev = heads.device().clone();
             let (b, _, d) = l.shape().dims3()?;
             let (hq, hkv) = (self.hq, self.hkv);
@@ -239,18 +287,42 @@ mod cuda {
             let part_acc = unsafe { dev.alloc::<f32>(b * hq * s * d) }?;
             let part_ml = unsafe { dev.alloc::<f32>(b * hq * s * 2) }?;
             let out = unsafe { dev.alloc::<T>(b * hq * d) }?;
-            let (hq_i, hkv_i, cap_i, d_i, s_i) = (hq as i32, hkv as i32, cap as i32, d as i32, s as i32);
-            let partial = dev.get_or_load_custom_func(&kernel("batch_attn_partial", heads.dtype())?, MODULE, PTX)?;
+            let (hq_i, hkv_i, cap_i, d_i, s_i) =
+                (hq as i32, hkv as i32, cap as i32, d as i32, s as i32);
+            let partial = dev.get_or_load_custom_func(
+                &kernel("batch_attn_partial", heads.dtype())?,
+                MODULE,
+                PTX,
+            )?;
             let mut bl = partial.builder();
             bl.arg(&hv).arg(&kc).arg(&vc).arg(&slots).arg(&pos).arg(&part_acc).arg(&part_ml);
             bl.arg(&hq_i).arg(&hkv_i).arg(&cap_i).arg(&d_i);
-            let cfg = LaunchConfig { grid_dim: (hkv as u32, s as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            let cfg = LaunchConfig {
+                grid_dim: (hkv as u32, s as u32, b as u32),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
             // SAFETY: the arguments match the kernel's signature; shapes were checked by the caller.
             unsafe { bl.launch(cfg) }.map_err(err)?;
-            let combine = dev.get_or_load_custom_func(&kernel("batch_attn_combine", heads.dtype())?, MODULE, PTX)?;
+            let combine = dev.get_or_load_custom_func(
+                &kernel("batch_attn_combine", heads.dtype())?,
+                MODULE,
+                PTX,
+            )?;
             let mut bl = combine.builder();
-            bl.arg(&part_acc).arg(&part_ml).arg(&pos).arg(&out).arg(&hq_i).arg(&d_i).arg(&s_i).arg(&cap_i);
-            let cfg = LaunchConfig { grid_dim: (hq as u32, b as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: (s * 4) as u32 };
+            bl.arg(&part_acc)
+                .arg(&part_ml)
+                .arg(&pos)
+                .arg(&out)
+                .arg(&hq_i)
+                .arg(&d_i)
+                .arg(&s_i)
+                .arg(&cap_i);
+            let cfg = LaunchConfig {
+                grid_dim: (hq as u32, b as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: (s * 4) as u32,
+            };
             // SAFETY: as above.
             unsafe { bl.launch(cfg) }.map_err(err)?;
             drop(g);
@@ -263,7 +335,11 @@ mod cuda {
             "decode-attention-batch"
         }
 
-        fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> Result<(candle_core::CpuStorage, Shape)> {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> Result<(candle_core::CpuStorage, Shape)> {
             candle_core::bail!("decode_attention_batch: the CUDA op ran on the CPU")
         }
 

@@ -51,7 +51,12 @@ impl CachePool {
     pub fn take(&self, dec: &Decoder, need: usize) -> Result<PooledCache> {
         let found = {
             let mut free = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-            let best = free.iter().enumerate().filter(|(_, c)| c.capacity() >= need).min_by_key(|(_, c)| c.capacity()).map(|(i, _)| i);
+            let best = free
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| c.capacity() >= need)
+                .min_by_key(|(_, c)| c.capacity())
+                .map(|(i, _)| i);
             best.map(|i| free.swap_remove(i))
         };
         let cache = match found {
@@ -70,14 +75,22 @@ impl CachePool {
         let mut free = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         if free.len() < self.max {
             free.push(c);
-        } else if let Some(i) = free.iter().enumerate().filter(|(_, f)| f.capacity() < c.capacity()).min_by_key(|(_, f)| f.capacity()).map(|(i, _)| i)
+        } else if let Some(i) = free
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| f.capacity() < c.capacity())
+            .min_by_key(|(_, f)| f.capacity())
+            .map(|(i, _)| i)
         {
             // full: the larger cache stays (it fits more streams)
             free[i] = c;
         }
         // within the byte budget: the largest go first
         while free.iter().map(KvCache::bytes).sum::<usize>() > self.max_bytes {
-            let Some(i) = free.iter().enumerate().max_by_key(|(_, f)| f.bytes()).map(|(i, _)| i) else { break };
+            let Some(i) = free.iter().enumerate().max_by_key(|(_, f)| f.bytes()).map(|(i, _)| i)
+            else {
+                break;
+            };
             free.swap_remove(i);
         }
     }

@@ -148,7 +148,10 @@ impl MiniCpmoConfig {
         }
         let a = &self.audio_config;
         if a.activation_function != "gelu" {
-            bail!("config.json: audio_config.activation_function {:?} (expected \"gelu\")", a.activation_function);
+            bail!(
+                "config.json: audio_config.activation_function {:?} (expected \"gelu\")",
+                a.activation_function
+            );
         }
         if !a.d_model.is_multiple_of(a.encoder_attention_heads) {
             bail!("config.json: audio_config.d_model is not a multiple of encoder_attention_heads");
@@ -166,16 +169,27 @@ impl MiniCpmoConfig {
             bail!("config.json: tts_config.num_vq = {:?}; only 1 is supported", t.num_vq);
         }
         if t.llm_dim != self.hidden_size {
-            bail!("config.json: tts_config.llm_dim {} differs from the Thinker hidden_size {}", t.llm_dim, self.hidden_size);
+            bail!(
+                "config.json: tts_config.llm_dim {} differs from the Thinker hidden_size {}",
+                t.llm_dim,
+                self.hidden_size
+            );
         }
-        if !t.num_attention_heads.is_multiple_of(t.num_key_value_heads) || !t.hidden_size.is_multiple_of(t.num_attention_heads) {
+        if !t.num_attention_heads.is_multiple_of(t.num_key_value_heads)
+            || !t.hidden_size.is_multiple_of(t.num_attention_heads)
+        {
             bail!("config.json: tts_config head counts do not divide hidden_size");
         }
         if t.num_audio_tokens < 2 {
             bail!("config.json: tts_config.num_audio_tokens must be at least 2");
         }
-        if (t.audio_bos_token_id as usize) >= t.num_text_tokens || (t.text_eos_token_id as usize) >= t.num_text_tokens {
-            bail!("config.json: tts_config audio_bos/text_eos ids lie outside emb_text ({} rows)", t.num_text_tokens);
+        if (t.audio_bos_token_id as usize) >= t.num_text_tokens
+            || (t.text_eos_token_id as usize) >= t.num_text_tokens
+        {
+            bail!(
+                "config.json: tts_config audio_bos/text_eos ids lie outside emb_text ({} rows)",
+                t.num_text_tokens
+            );
         }
         if self.vocab_size > t.num_text_tokens {
             bail!("config.json: the Talker's emb_text has {} rows but the Thinker vocabulary has {} ids", t.num_text_tokens, self.vocab_size);

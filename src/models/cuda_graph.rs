@@ -64,7 +64,8 @@ pub fn can_capture(_dev: &Device) -> bool {
 /// The devices (each a stage's stream) whose graphs run at the highest stream priority: when
 /// their kernels wait beside another stage's, the GPU's block scheduler starts theirs first.
 #[cfg(feature = "cuda")]
-static RAISED: std::sync::Mutex<Vec<candle_core::cuda_backend::DeviceId>> = std::sync::Mutex::new(Vec::new());
+static RAISED: std::sync::Mutex<Vec<candle_core::cuda_backend::DeviceId>> =
+    std::sync::Mutex::new(Vec::new());
 
 /// Graphs captured on `dev` from now on run at the GPU's highest stream priority (kernels outside
 /// graphs, and other devices' graphs, keep the default, the lowest). Returns that priority, or
@@ -74,7 +75,8 @@ pub fn raise_priority(dev: &Device) -> Option<i32> {
     let Device::Cuda(d) = dev else { return None };
     // (the range is the current context's: without one bound to this thread the query fails)
     d.cuda_stream().context().bind_to_thread().ok()?;
-    let (_least, greatest) = candle_core::cuda_backend::cudarc::driver::result::stream::get_priority_range().ok()?;
+    let (_least, greatest) =
+        candle_core::cuda_backend::cudarc::driver::result::stream::get_priority_range().ok()?;
     let mut raised = RAISED.lock().unwrap_or_else(|e| e.into_inner());
     if !raised.contains(&d.id()) {
         raised.push(d.id());
@@ -92,7 +94,9 @@ fn raised_priority(d: &candle_core::cuda_backend::CudaDevice) -> Option<i32> {
     if !RAISED.lock().unwrap_or_else(|e| e.into_inner()).contains(&d.id()) {
         return None;
     }
-    candle_core::cuda_backend::cudarc::driver::result::stream::get_priority_range().ok().map(|(_, greatest)| greatest)
+    candle_core::cuda_backend::cudarc::driver::result::stream::get_priority_range()
+        .ok()
+        .map(|(_, greatest)| greatest)
 }
 
 /// Sets `priority` on every kernel node of `graph`; the number of nodes set.
@@ -100,7 +104,10 @@ fn raised_priority(d: &candle_core::cuda_backend::CudaDevice) -> Option<i32> {
 /// # Safety
 /// `graph` must be a valid graph of the current context.
 #[cfg(feature = "cuda")]
-unsafe fn set_kernel_priority(graph: candle_core::cuda_backend::cudarc::driver::sys::CUgraph, priority: i32) -> Result<usize> {
+unsafe fn set_kernel_priority(
+    graph: candle_core::cuda_backend::cudarc::driver::sys::CUgraph,
+    priority: i32,
+) -> Result<usize> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     let check = |r: sys::CUresult, what: &str| -> Result<()> {
         if r == sys::CUresult::CUDA_SUCCESS {
@@ -124,7 +131,13 @@ unsafe fn set_kernel_priority(graph: candle_core::cuda_backend::cudarc::driver::
         let mut value: sys::CUkernelNodeAttrValue = unsafe { std::mem::zeroed() };
         value.priority = priority;
         check(
-            unsafe { sys::cuGraphKernelNodeSetAttribute(node, sys::CUkernelNodeAttrID::CU_LAUNCH_ATTRIBUTE_PRIORITY, &value) },
+            unsafe {
+                sys::cuGraphKernelNodeSetAttribute(
+                    node,
+                    sys::CUkernelNodeAttrID::CU_LAUNCH_ATTRIBUTE_PRIORITY,
+                    &value,
+                )
+            },
             "cuGraphKernelNodeSetAttribute(priority)",
         )?;
         set += 1;
@@ -149,7 +162,9 @@ pub fn record(dev: &Device, body: impl Fn() -> Result<()>) -> Result<Graph> {
     // (asked before the capture: no driver query inside it)
     let raised = raised_priority(d);
     // relaxed: the other stages keep making their own driver calls meanwhile
-    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(candle_core::Error::wrap)?;
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .map_err(candle_core::Error::wrap)?;
     let ran = body();
     if let Some(p) = raised {
         return record_raised(stream, ran, p).map(|g| Graph(GraphKind::Raised(g)));
@@ -197,7 +212,10 @@ fn record_raised(
     let mut flags = 0u64;
     // SAFETY: `graph` is the valid graph just captured in this context.
     match unsafe { set_kernel_priority(graph, priority) } {
-        Ok(_) => flags |= sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.0 as u64,
+        Ok(_) => {
+            flags |= sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.0
+                as u64
+        }
         Err(e) => tracing::warn!("graph kernels keep the stream's priority: {e}"),
     }
     let mut exec: sys::CUgraphExec = std::ptr::null_mut();
@@ -307,13 +325,24 @@ impl GraphCache {
             Some(i) => i,
             None => {
                 if self.entries.len() >= SEEN_KEYS {
-                    if let Some(old) =
-                        self.entries.iter().enumerate().filter(|(_, e)| e.held.is_none()).min_by_key(|(_, e)| e.last_used).map(|(i, _)| i)
+                    if let Some(old) = self
+                        .entries
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, e)| e.held.is_none())
+                        .min_by_key(|(_, e)| e.last_used)
+                        .map(|(i, _)| i)
                     {
                         self.entries.swap_remove(old);
                     }
                 }
-                self.entries.push(CachedShape { key, last_used: tick, seen: 0, failed: false, held: None });
+                self.entries.push(CachedShape {
+                    key,
+                    last_used: tick,
+                    seen: 0,
+                    failed: false,
+                    held: None,
+                });
                 self.entries.len() - 1
             }
         };
@@ -326,7 +355,11 @@ impl GraphCache {
         let body = |h: &Held| -> Result<()> {
             let outs = f(&h.inputs)?;
             if outs.len() != h.outputs.len() {
-                candle_core::bail!("graphed function gave {} outputs, not {}", outs.len(), h.outputs.len());
+                candle_core::bail!(
+                    "graphed function gave {} outputs, not {}",
+                    outs.len(),
+                    h.outputs.len()
+                );
             }
             for (o, b) in outs.iter().zip(&h.outputs) {
                 b.slice_set(&o.contiguous()?, 0, 0)?;
@@ -344,14 +377,19 @@ impl GraphCache {
             return h.outputs.iter().map(|t| t.copy()).collect();
         }
         // a first capture for this shape: make room, run once for the outputs' shapes, record
-        let held: Vec<usize> = (0..self.entries.len()).filter(|&j| self.entries[j].held.is_some()).collect();
+        let held: Vec<usize> =
+            (0..self.entries.len()).filter(|&j| self.entries[j].held.is_some()).collect();
         if held.len() >= self.max {
             if let Some(j) = held.iter().copied().min_by_key(|&j| self.entries[j].last_used) {
                 self.entries[j].held = None;
             }
         }
-        let ins: Vec<Tensor> = inputs.iter().map(|t| t.contiguous().and_then(|t| t.copy())).collect::<Result<_>>()?;
-        let outs: Vec<Tensor> = f(&ins)?.iter().map(|t| t.contiguous().and_then(|t| t.copy())).collect::<Result<_>>()?;
+        let ins: Vec<Tensor> =
+            inputs.iter().map(|t| t.contiguous().and_then(|t| t.copy())).collect::<Result<_>>()?;
+        let outs: Vec<Tensor> = f(&ins)?
+            .iter()
+            .map(|t| t.contiguous().and_then(|t| t.copy()))
+            .collect::<Result<_>>()?;
         let mut h = Held { inputs: ins, outputs: outs, graph: None };
         if can_capture(&dev) {
             let t0 = std::time::Instant::now();

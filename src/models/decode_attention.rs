@@ -11,10 +11,22 @@
 use candle_core::{DType, Result, Tensor};
 
 /// See the module documentation.
-pub fn decode_attention(q: &Tensor, k_new: &Tensor, v_new: &Tensor, kc: &Tensor, vc: &Tensor, pos: &Tensor) -> Result<Tensor> {
+pub fn decode_attention(
+    q: &Tensor,
+    k_new: &Tensor,
+    v_new: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    pos: &Tensor,
+) -> Result<Tensor> {
     let (hq, d) = q.dims2()?;
     let (hkv, cap, dk) = kc.dims3()?;
-    if dk != d || vc.dims3()? != (hkv, cap, d) || k_new.dims2()? != (hkv, d) || v_new.dims2()? != (hkv, d) || hq % hkv != 0 {
+    if dk != d
+        || vc.dims3()? != (hkv, cap, d)
+        || k_new.dims2()? != (hkv, d)
+        || v_new.dims2()? != (hkv, d)
+        || hq % hkv != 0
+    {
         candle_core::bail!(
             "decode_attention: q {:?}, k_new {:?}, v_new {:?}, kc {:?}, vc {:?}",
             q.shape(),
@@ -25,7 +37,10 @@ pub fn decode_attention(q: &Tensor, k_new: &Tensor, v_new: &Tensor, kc: &Tensor,
         );
     }
     if hq / hkv > 8 || d > 128 {
-        candle_core::bail!("decode_attention: {} query heads per KV head (at most 8), head_dim {d} (at most 128)", hq / hkv);
+        candle_core::bail!(
+            "decode_attention: {} query heads per KV head (at most 8), head_dim {d} (at most 128)",
+            hq / hkv
+        );
     }
     let p = (pos.to_device(&candle_core::Device::Cpu)?.to_vec1::<u32>()?[0] as usize).min(cap - 1);
     let f = |t: &Tensor| t.to_dtype(DType::F32);
@@ -58,10 +73,17 @@ mod tests {
             // reference: the cache with this position written, attention over 0..=p
             let k = Tensor::cat(&[kc.narrow(1, 0, p)?, k_new.unsqueeze(1)?], 1)?;
             let v = Tensor::cat(&[vc.narrow(1, 0, p)?, v_new.unsqueeze(1)?], 1)?;
-            let want = crate::attention::attend(&q.reshape((hq, 1, d))?, &k, &v, None)?.reshape((hq, d))?;
+            let want = crate::attention::attend(&q.reshape((hq, 1, d))?, &k, &v, None)?
+                .reshape((hq, d))?;
             // (a NaN anywhere fails: max_all alone could pass over it)
             let diff: Vec<f32> = (got - want)?.abs()?.flatten_all()?.to_vec1()?;
-            let diff = diff.iter().fold(0f32, |m, &d| if d.is_finite() && m.is_finite() { m.max(d) } else { f32::INFINITY });
+            let diff = diff.iter().fold(0f32, |m, &d| {
+                if d.is_finite() && m.is_finite() {
+                    m.max(d)
+                } else {
+                    f32::INFINITY
+                }
+            });
             assert!(diff < 1e-5, "pos {p}: max abs difference {diff}");
         }
         Ok(())
@@ -74,6 +96,9 @@ mod tests {
         let q = Tensor::zeros((3, 8), DType::F32, &dev).unwrap();
         let kv = Tensor::zeros((2, 8), DType::F32, &dev).unwrap();
         let pos = Tensor::new(&[1u32], &dev).unwrap();
-        assert!(decode_attention(&q, &kv, &kv, &kc, &kc, &pos).is_err(), "3 query heads over 2 KV heads");
+        assert!(
+            decode_attention(&q, &kv, &kv, &kc, &kc, &pos).is_err(),
+            "3 query heads over 2 KV heads"
+        );
     }
 }

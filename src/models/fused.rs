@@ -35,8 +35,15 @@ impl Norm {
 /// `(x + a, norm(x + a))` for `x`, `a: [n, h]`.
 pub fn add_rmsnorm(x: &Tensor, a: &Tensor, norm: &Norm) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && x.rank() == 2 && x.shape() == a.shape() && x.dim(1)? <= cuda::NORM_MAX {
-        let both = x.contiguous()?.apply_op2_no_bwd(&a.contiguous()?, &cuda::AddRmsNorm { w: norm.weight.clone(), eps: norm.eps as f32 })?;
+    if x.device().is_cuda()
+        && x.rank() == 2
+        && x.shape() == a.shape()
+        && x.dim(1)? <= cuda::NORM_MAX
+    {
+        let both = x.contiguous()?.apply_op2_no_bwd(
+            &a.contiguous()?,
+            &cuda::AddRmsNorm { w: norm.weight.clone(), eps: norm.eps as f32 },
+        )?;
         return Ok((both.get(0)?, both.get(1)?));
     }
     let s = (x + a)?;
@@ -72,9 +79,17 @@ pub fn snake_twin(x: &Tensor, alpha: &Tensor) -> Result<Tensor> {
 /// Per-head RMSNorm (when `norm` = (per-head weights `[heads, d]`, `[d]` ones) is given) and
 /// rotate-half RoPE of `qk: [n, heads, d]`, `cos`, `sin` from [`Rope::tables_fused`]: the op-by-op
 /// q/k path of every step, and the definition of the batched step's q/k kernel.
-pub fn qk_norm_rope(qk: &Tensor, norm: Option<(&Tensor, &Tensor)>, eps: f64, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+pub fn qk_norm_rope(
+    qk: &Tensor,
+    norm: Option<(&Tensor, &Tensor)>,
+    eps: f64,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<Tensor> {
     let qk = match norm {
-        Some((w, ones)) => candle_nn::ops::rms_norm(&qk.contiguous()?, ones, eps as f32)?.broadcast_mul(w)?,
+        Some((w, ones)) => {
+            candle_nn::ops::rms_norm(&qk.contiguous()?, ones, eps as f32)?.broadcast_mul(w)?
+        }
         None => qk.clone(),
     };
     Rope::apply_fused(&qk, cos, sin)
@@ -84,11 +99,26 @@ pub fn qk_norm_rope(qk: &Tensor, norm: Option<(&Tensor, &Tensor)>, eps: f64, cos
 /// normed per head with the rows of `w` (`[hq + hkv, d]`, when given), both rotated by `rope` at
 /// the position in `pos` (`[1]` u32); v heads as they are. The definition of the batched step's
 /// `qk_store_batch` kernel for one row (see [`crate::batch_decode`]), which also writes K and V.
-pub fn qk_norm_rope_store_twin(qkv: &Tensor, hq: usize, hkv: usize, w: Option<&Tensor>, eps: f64, rope: &Rope, pos: &Tensor) -> Result<Tensor> {
+pub fn qk_norm_rope_store_twin(
+    qkv: &Tensor,
+    hq: usize,
+    hkv: usize,
+    w: Option<&Tensor>,
+    eps: f64,
+    rope: &Rope,
+    pos: &Tensor,
+) -> Result<Tensor> {
     let d = qkv.dim(1)?;
     let ones = Tensor::ones(d, qkv.dtype(), qkv.device())?;
     let (cos, sin) = rope.tables_fused(pos)?;
-    let qk = qk_norm_rope(&qkv.narrow(0, 0, hq + hkv)?.unsqueeze(0)?, w.map(|w| (w, &ones)), eps, &cos, &sin)?.squeeze(0)?;
+    let qk = qk_norm_rope(
+        &qkv.narrow(0, 0, hq + hkv)?.unsqueeze(0)?,
+        w.map(|w| (w, &ones)),
+        eps,
+        &cos,
+        &sin,
+    )?
+    .squeeze(0)?;
     let v = qkv.narrow(0, hq + hkv, hkv)?;
     Tensor::cat(&[qk, v.contiguous()?], 0)
 }
@@ -97,18 +127,44 @@ pub fn qk_norm_rope_store_twin(qkv: &Tensor, hq: usize, hkv: usize, w: Option<&T
 /// `kp`, `vp: [P, R, h, cap, d]` (contiguous; views of a larger pool are fine) at row `rows[n]`
 /// (`[N]` u32) and position `pos[n, t]` (`[N, T]` u32), in place. One kernel on CUDA; elsewhere
 /// slice copies (one per run of consecutive positions), which define the result.
-pub fn kv_rows_store(kp: &Tensor, vp: &Tensor, k: &Tensor, v: &Tensor, rows: &Tensor, pos: &Tensor) -> Result<()> {
+pub fn kv_rows_store(
+    kp: &Tensor,
+    vp: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    rows: &Tensor,
+    pos: &Tensor,
+) -> Result<()> {
     let (p, n, h, t, d) = k.dims5()?;
     let (pp, _, ph, _, pd) = kp.dims5()?;
-    if v.shape() != k.shape() || vp.shape() != kp.shape() || pp != p || ph != h || pd != d || rows.dims1()? != n || pos.dims2()? != (n, t) {
-        candle_core::bail!("kv_rows_store: k {:?} into pool {:?} with {:?} rows, {:?} positions", k.shape(), kp.shape(), rows.shape(), pos.shape());
+    if v.shape() != k.shape()
+        || vp.shape() != kp.shape()
+        || pp != p
+        || ph != h
+        || pd != d
+        || rows.dims1()? != n
+        || pos.dims2()? != (n, t)
+    {
+        candle_core::bail!(
+            "kv_rows_store: k {:?} into pool {:?} with {:?} rows, {:?} positions",
+            k.shape(),
+            kp.shape(),
+            rows.shape(),
+            pos.shape()
+        );
     }
     if !kp.is_contiguous() || !vp.is_contiguous() || kp.dtype() != k.dtype() {
         candle_core::bail!("kv_rows_store: the pools must be contiguous and of the keys' dtype");
     }
     #[cfg(feature = "cuda")]
     if kp.device().is_cuda() {
-        let op = cuda::KvRowsStore { vp: vp.clone(), k: k.contiguous()?, v: v.contiguous()?, rows: rows.contiguous()?, pos: pos.contiguous()? };
+        let op = cuda::KvRowsStore {
+            vp: vp.clone(),
+            k: k.contiguous()?,
+            v: v.contiguous()?,
+            rows: rows.contiguous()?,
+            pos: pos.contiguous()?,
+        };
         return kp.inplace_op1(&op);
     }
     let cpu = candle_core::Device::Cpu;
@@ -127,7 +183,11 @@ pub fn kv_rows_store(kp: &Tensor, vp: &Tensor, k: &Tensor, v: &Tensor, rows: &Te
                 while b < t && ps[b] as i64 - ps[b - 1] as i64 == step {
                     b += 1;
                 }
-                let frames: Vec<u32> = if step == 1 { (a as u32..b as u32).collect() } else { (a as u32..b as u32).rev().collect() };
+                let frames: Vec<u32> = if step == 1 {
+                    (a as u32..b as u32).collect()
+                } else {
+                    (a as u32..b as u32).rev().collect()
+                };
                 let idx = Tensor::new(frames.as_slice(), k.device())?;
                 let at = if step == 1 { ps[a] } else { ps[b - 1] } as usize;
                 kd.slice_set(&ks.index_select(&idx, 1)?.contiguous()?, 1, at)?;
@@ -149,11 +209,18 @@ pub fn rows_gather(src: &Tensor, rows: &Tensor) -> Result<Tensor> {
         && src.is_contiguous()
         && src.rank() >= 1
         && rows.dtype() == candle_core::DType::U32
-        && matches!(src.dtype(), candle_core::DType::F32 | candle_core::DType::BF16 | candle_core::DType::F16)
+        && matches!(
+            src.dtype(),
+            candle_core::DType::F32 | candle_core::DType::BF16 | candle_core::DType::F16
+        )
     {
         let row_bytes = src.elem_count() / src.dim(0)?.max(1) * src.dtype().size_in_bytes();
         let start = src.layout().start_offset() * src.dtype().size_in_bytes();
-        if row_bytes > 0 && row_bytes.is_multiple_of(16) && start.is_multiple_of(16) && rows.dims1()? > 0 {
+        if row_bytes > 0
+            && row_bytes.is_multiple_of(16)
+            && start.is_multiple_of(16)
+            && rows.dims1()? > 0
+        {
             return src.apply_op1_no_bwd(&cuda::RowsGather { rows: rows.contiguous()?, row_bytes });
         }
     }
@@ -189,7 +256,9 @@ pub(crate) use by_dtype;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
     use candle_core::cuda_backend::{CudaDType, CudaStorage};
     use candle_core::{CustomOp1, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor};
 
@@ -200,7 +269,11 @@ pub(crate) mod cuda {
     }
 
     /// A contiguous tensor's elements as a device view (from its layout's start).
-    pub(crate) fn view<'a, T: CudaDType>(s: &'a Storage, l: &Layout, what: &str) -> Result<CudaView<'a, T>> {
+    pub(crate) fn view<'a, T: CudaDType>(
+        s: &'a Storage,
+        l: &Layout,
+        what: &str,
+    ) -> Result<CudaView<'a, T>> {
         let Storage::Cuda(s) = s else { candle_core::bail!("{what}: not on the GPU") };
         if !l.is_contiguous() {
             candle_core::bail!("{what}: not contiguous");
@@ -230,7 +303,13 @@ pub(crate) mod cuda {
     }
 
     impl AddRmsNorm {
-        fn run<T: CudaDType + DeviceRepr>(&self, x: &CudaStorage, xl: &Layout, a: &CudaStorage, al: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            a: &CudaStorage,
+            al: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
             let dev = x.device().clone();
             let (n, h) = xl.shape().dims2()?;
             let xv = x.as_cuda_slice::<T>()?.slice(xl.start_offset()..);
@@ -245,7 +324,14 @@ pub(crate) mod cuda {
             let h_i = h as i32;
             b.arg(&xv).arg(&av).arg(&wv).arg(&xo).arg(&ho).arg(&h_i).arg(&self.eps);
             // SAFETY: arguments as the kernel declares them; one block of 1024 per row (h <= NORM_MAX).
-            unsafe { b.launch(LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 }) }.map_err(err)?;
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (n as u32, 1, 1),
+                    block_dim: (1024, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map_err(err)?;
             Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from((2, n, h))))
         }
     }
@@ -265,7 +351,13 @@ pub(crate) mod cuda {
             candle_core::bail!("add_rmsnorm: the CUDA op ran on the CPU")
         }
 
-        fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout, a: &CudaStorage, al: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn cuda_fwd(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            a: &CudaStorage,
+            al: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
             super::by_dtype!("add_rmsnorm", x.dtype(), T => self.run::<T>(x, xl, a, al))
         }
     }
@@ -275,7 +367,11 @@ pub(crate) mod cuda {
     }
 
     impl SiluMul {
-        fn run<T: CudaDType + DeviceRepr>(&self, gu: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            &self,
+            gu: &CudaStorage,
+            l: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
             let dev = gu.device().clone();
             let n = l.shape().dims2()?.0;
             let total = n * self.inter;
@@ -288,7 +384,14 @@ pub(crate) mod cuda {
             b.arg(&gv).arg(&out).arg(&inter).arg(&total_u);
             let blocks = total.div_ceil(256).min(4096) as u32;
             // SAFETY: arguments as the kernel declares them; a grid-stride loop covers `total`.
-            unsafe { b.launch(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }.map_err(err)?;
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (blocks, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map_err(err)?;
             Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from((n, self.inter))))
         }
     }
@@ -296,7 +399,13 @@ pub(crate) mod cuda {
     pub(super) struct Snake;
 
     impl Snake {
-        fn run<T: CudaDType + DeviceRepr>(&self, x: &CudaStorage, xl: &Layout, a: &CudaStorage, al: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            a: &CudaStorage,
+            al: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
             let dev = x.device().clone();
             let (_, c, t) = xl.shape().dims3()?;
             if al.shape().elem_count() != c {
@@ -313,7 +422,14 @@ pub(crate) mod cuda {
             b.arg(&xv).arg(&av).arg(&out).arg(&c_i).arg(&t_i).arg(&total_u);
             let blocks = total.div_ceil(256).min(8192) as u32;
             // SAFETY: arguments as the kernel declares them; a grid-stride loop covers `total`.
-            unsafe { b.launch(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }.map_err(err)?;
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (blocks, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map_err(err)?;
             Ok((CudaStorage::wrap_cuda_slice(out, dev), xl.shape().clone()))
         }
     }
@@ -333,7 +449,13 @@ pub(crate) mod cuda {
             candle_core::bail!("snake: the CUDA op ran on the CPU")
         }
 
-        fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout, a: &CudaStorage, al: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn cuda_fwd(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            a: &CudaStorage,
+            al: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
             super::by_dtype!("snake", x.dtype(), T => self.run::<T>(x, xl, a, al))
         }
     }
@@ -365,15 +487,27 @@ pub(crate) mod cuda {
             let pos = view::<u32>(&ps, pl, "positions")?;
             let total = self.k.elem_count();
             let plane = (r_all * h * cap * d) as u64;
-            let f = dev.get_or_load_custom_func(&kernel("kv_rows_store", self.k.dtype())?, MODULE, PTX)?;
+            let f = dev.get_or_load_custom_func(
+                &kernel("kv_rows_store", self.k.dtype())?,
+                MODULE,
+                PTX,
+            )?;
             let mut b = f.builder();
-            let (n_i, h_i, t_i, d_i, cap_i, total_u) = (n as i32, h as i32, t as i32, d as i32, cap as i32, total as u64);
+            let (n_i, h_i, t_i, d_i, cap_i, total_u) =
+                (n as i32, h as i32, t as i32, d as i32, cap as i32, total as u64);
             b.arg(&kv).arg(&vv).arg(&kpv).arg(&vpv).arg(&rows).arg(&pos);
             b.arg(&n_i).arg(&h_i).arg(&t_i).arg(&d_i).arg(&cap_i).arg(&plane).arg(&total_u);
             let blocks = total.div_ceil(256).min(8192) as u32;
             // SAFETY: arguments as the kernel declares them; the caller checked the shapes (every
             // row and position inside the pool); a grid-stride loop covers `total`.
-            unsafe { b.launch(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }.map_err(err)?;
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (blocks, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map_err(err)?;
             Ok(())
         }
     }
@@ -398,7 +532,11 @@ pub(crate) mod cuda {
     }
 
     impl RowsGather {
-        fn run<T: CudaDType + DeviceRepr>(&self, src: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            &self,
+            src: &CudaStorage,
+            l: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
             let dev = src.device().clone();
             let n = self.rows.dims1()?;
             let s = src.as_cuda_slice::<T>()?.slice(l.start_offset()..);
@@ -417,7 +555,14 @@ pub(crate) mod cuda {
             // SAFETY: arguments as the kernel declares them; the caller checked that rows are
             // whole 16-byte pieces from an aligned start; the rows are the caller's (inside the
             // pool, as index_select would require); a grid-stride loop covers each row.
-            unsafe { b.launch(LaunchConfig { grid_dim: (blocks, n as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }.map_err(err)?;
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (blocks, n as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map_err(err)?;
             Ok((CudaStorage::wrap_cuda_slice(out, dev), shape))
         }
     }
@@ -427,7 +572,11 @@ pub(crate) mod cuda {
             "rows-gather"
         }
 
-        fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> Result<(candle_core::CpuStorage, Shape)> {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> Result<(candle_core::CpuStorage, Shape)> {
             candle_core::bail!("rows_gather: the CUDA op ran on the CPU")
         }
 
@@ -441,7 +590,11 @@ pub(crate) mod cuda {
             "silu-mul"
         }
 
-        fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> Result<(candle_core::CpuStorage, Shape)> {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> Result<(candle_core::CpuStorage, Shape)> {
             candle_core::bail!("silu_mul: the CUDA op ran on the CPU")
         }
 

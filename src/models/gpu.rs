@@ -115,7 +115,8 @@ impl std::fmt::Display for Precision {
 /// The device a configuration names, tuned for serving.
 pub fn open(spec: DeviceSpec) -> Result<Device> {
     let DeviceSpec::Cuda(ordinal) = spec else { return Ok(Device::Cpu) };
-    let dev = Device::new_cuda(ordinal).with_context(|| format!("device {spec}: this build has no CUDA, or no GPU is present"))?;
+    let dev = Device::new_cuda(ordinal)
+        .with_context(|| format!("device {spec}: this build has no CUDA, or no GPU is present"))?;
     no_event_tracking(&dev);
     keep_pool_memory(&dev)?;
     Ok(dev)
@@ -161,7 +162,10 @@ fn keep_pool_memory(dev: &Device) -> Result<()> {
             sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
             &mut threshold as *mut u64 as *mut std::ffi::c_void,
         );
-        anyhow::ensure!(r == sys::CUresult::CUDA_SUCCESS, "cuMemPoolSetAttribute(release threshold): {r:?}");
+        anyhow::ensure!(
+            r == sys::CUresult::CUDA_SUCCESS,
+            "cuMemPoolSetAttribute(release threshold): {r:?}"
+        );
     }
     tracing::info!("cuda: memory pool keeps freed memory (release threshold = max)");
     Ok(())
@@ -214,7 +218,9 @@ pub fn cuda_memory(_spec: DeviceSpec) -> Option<(u64, u64)> {
 /// The free memory of the GPU `dev` is on, in bytes; `None` for the CPU.
 pub fn free_memory(dev: &Device) -> Option<u64> {
     match dev.location() {
-        candle_core::DeviceLocation::Cuda { gpu_id } => cuda_memory(DeviceSpec::Cuda(gpu_id)).map(|(used, total)| total.saturating_sub(used)),
+        candle_core::DeviceLocation::Cuda { gpu_id } => {
+            cuda_memory(DeviceSpec::Cuda(gpu_id)).map(|(used, total)| total.saturating_sub(used))
+        }
         _ => None,
     }
 }

@@ -34,11 +34,20 @@ fn mel_to_hz_slaney(m: f64) -> f64 {
 
 /// Triangular mel filters on the Slaney scale with Slaney area normalization (librosa's default,
 /// transformers' `mel_filter_bank(norm="slaney", mel_scale="slaney")`), `[n_mels][n_fft/2+1]`.
-pub fn mel_filters_slaney(sample_rate: usize, n_fft: usize, n_mels: usize, fmin: f64, fmax: f64) -> Vec<Vec<f64>> {
+pub fn mel_filters_slaney(
+    sample_rate: usize,
+    n_fft: usize,
+    n_mels: usize,
+    fmin: f64,
+    fmax: f64,
+) -> Vec<Vec<f64>> {
     let n_freq = n_fft / 2 + 1;
     let (mmin, mmax) = (hz_to_mel_slaney(fmin), hz_to_mel_slaney(fmax));
-    let pts: Vec<f64> = (0..n_mels + 2).map(|i| mel_to_hz_slaney(mmin + (mmax - mmin) * i as f64 / (n_mels + 1) as f64)).collect();
-    let fft_freqs: Vec<f64> = (0..n_freq).map(|k| (sample_rate as f64 / 2.0) * k as f64 / (n_freq - 1) as f64).collect();
+    let pts: Vec<f64> = (0..n_mels + 2)
+        .map(|i| mel_to_hz_slaney(mmin + (mmax - mmin) * i as f64 / (n_mels + 1) as f64))
+        .collect();
+    let fft_freqs: Vec<f64> =
+        (0..n_freq).map(|k| (sample_rate as f64 / 2.0) * k as f64 / (n_freq - 1) as f64).collect();
     (0..n_mels)
         .map(|m| {
             let (lo, mid, hi) = (pts[m], pts[m + 1], pts[m + 2]);
@@ -85,7 +94,9 @@ impl MelBank {
 
     /// Each band's energy in `spectrum` (one frame's bins), in band order.
     pub fn apply<'a>(&'a self, spectrum: &'a [f64]) -> impl Iterator<Item = f64> + 'a {
-        self.bands.iter().map(move |(start, w)| w.iter().zip(&spectrum[*start..]).map(|(a, b)| a * b).sum())
+        self.bands
+            .iter()
+            .map(move |(start, w)| w.iter().zip(&spectrum[*start..]).map(|(a, b)| a * b).sum())
     }
 }
 
@@ -171,7 +182,13 @@ impl WhisperLogMel {
     pub fn new(n_mels: usize) -> Self {
         Self {
             stft: Stft::new(Self::N_FFT, Self::HOP, hann_periodic(Self::N_FFT)),
-            filters: MelBank::from_dense(&mel_filters_slaney(Self::SAMPLE_RATE, Self::N_FFT, n_mels, 0.0, 8000.0)),
+            filters: MelBank::from_dense(&mel_filters_slaney(
+                Self::SAMPLE_RATE,
+                Self::N_FFT,
+                n_mels,
+                0.0,
+                8000.0,
+            )),
             hop: Self::HOP,
         }
     }
@@ -218,7 +235,12 @@ pub fn kaldi_fbank(samples: &[f32], sample_rate: usize, n_mels: usize) -> (Vec<f
         return (vec![], 0);
     }
     let frames = 1 + (samples.len() - win) / shift;
-    let povey: Vec<f64> = (0..win).map(|i| (0.5 - 0.5 * (2.0 * std::f64::consts::PI * i as f64 / (win - 1) as f64).cos()).powf(0.85)).collect();
+    let povey: Vec<f64> = (0..win)
+        .map(|i| {
+            (0.5 - 0.5 * (2.0 * std::f64::consts::PI * i as f64 / (win - 1) as f64).cos())
+                .powf(0.85)
+        })
+        .collect();
     // mel banks over the first nfft/2 bins (the Nyquist bin gets no weight)
     let mel = |f: f64| 1127.0 * (1.0 + f / 700.0).ln();
     let nyq = sample_rate as f64 / 2.0;
@@ -227,7 +249,8 @@ pub fn kaldi_fbank(samples: &[f32], sample_rate: usize, n_mels: usize) -> (Vec<f
     let width = sample_rate as f64 / nfft as f64;
     let banks: Vec<Vec<f64>> = (0..n_mels)
         .map(|m| {
-            let (l, c, r) = (lo + m as f64 * delta, lo + (m + 1) as f64 * delta, lo + (m + 2) as f64 * delta);
+            let (l, c, r) =
+                (lo + m as f64 * delta, lo + (m + 1) as f64 * delta, lo + (m + 2) as f64 * delta);
             (0..nfft / 2 + 1)
                 .map(|k| {
                     if k == nfft / 2 {
@@ -291,7 +314,13 @@ impl FlowMel {
     pub fn new(sample_rate: usize, n_fft: usize, hop: usize, n_mels: usize, fmax: f64) -> Self {
         Self {
             stft: Stft::new(n_fft, hop, hann_periodic(n_fft)),
-            filters: MelBank::from_dense(&mel_filters_slaney(sample_rate, n_fft, n_mels, 0.0, fmax)),
+            filters: MelBank::from_dense(&mel_filters_slaney(
+                sample_rate,
+                n_fft,
+                n_mels,
+                0.0,
+                fmax,
+            )),
             n_fft,
             hop,
         }
@@ -341,7 +370,8 @@ mod tests {
             assert_eq!(bank.len(), n_mels);
             let kept: usize = bank.bands.iter().map(|b| b.1.len()).sum();
             assert!(kept * 4 < n_mels * (n_fft / 2 + 1), "the bank keeps {kept} weights");
-            let spectrum: Vec<f64> = (0..n_fft / 2 + 1).map(|k| ((k * 7919) % 1000) as f64 * 1e-3 + 1e-7).collect();
+            let spectrum: Vec<f64> =
+                (0..n_fft / 2 + 1).map(|k| ((k * 7919) % 1000) as f64 * 1e-3 + 1e-7).collect();
             for (row, e) in dense.iter().zip(bank.apply(&spectrum)) {
                 let want: f64 = row.iter().zip(&spectrum).map(|(a, b)| a * b).sum();
                 assert!(want.is_finite() && want > 0.0, "{want}");
@@ -353,7 +383,9 @@ mod tests {
     #[test]
     fn a_sine_lights_the_right_band() {
         let mel = WhisperLogMel::new(80);
-        let s: Vec<f32> = (0..16_000).map(|i| (2.0 * std::f32::consts::PI * 440.0 * i as f32 / 16_000.0).sin()).collect();
+        let s: Vec<f32> = (0..16_000)
+            .map(|i| (2.0 * std::f32::consts::PI * 440.0 * i as f32 / 16_000.0).sin())
+            .collect();
         let (m, frames) = mel.compute(&s);
         assert_eq!(frames, 100);
         let t = 50;

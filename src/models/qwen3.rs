@@ -23,7 +23,8 @@ impl Qwen3 {
     pub fn load(vb: VarBuilder, cfg: &MiniCpmoConfig) -> Result<Self> {
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         // 1. token embeddings
-        let embed_tokens = Embedding::new(vb.pp("model").pp("embed_tokens").get((v, h), "weight")?, h);
+        let embed_tokens =
+            Embedding::new(vb.pp("model").pp("embed_tokens").get((v, h), "weight")?, h);
         // 2. decoder stack with per-head q/k norm
         let model = Decoder::load(vb.pp("model"), &cfg.llm_decoder())?;
         // 3. output head (untied unless the config says otherwise)
@@ -32,7 +33,14 @@ impl Qwen3 {
         } else {
             Linear::new(vb.pp("lm_head").get((v, h), "weight")?, None)
         };
-        Ok(Self { embed_tokens, model, lm_head, vocab_size: v, hidden_size: h, scale_emb: cfg.scale_emb })
+        Ok(Self {
+            embed_tokens,
+            model,
+            lm_head,
+            vocab_size: v,
+            hidden_size: h,
+            scale_emb: cfg.scale_emb,
+        })
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -49,7 +49,15 @@ impl SamplingParams {
 
     /// Greedy text decoding with the served Thinker's repetition penalty.
     pub fn thinker_greedy() -> Self {
-        Self { temperature: 0.0, top_k: 0, top_p: 1.0, repetition_penalty: 1.1, penalty_kind: PenaltyKind::Presence, penalty_window: 0, min_keep: 1 }
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            repetition_penalty: 1.1,
+            penalty_kind: PenaltyKind::Presence,
+            penalty_window: 0,
+            min_keep: 1,
+        }
     }
 }
 
@@ -156,12 +164,16 @@ impl Sampler {
                 }
             };
             // the whole row's argmax: the larger value, on ties the larger id
-            if best.is_none_or(|(bi, bv)| v.total_cmp(&bv).then(id.cmp(&bi)) == std::cmp::Ordering::Greater) {
+            if best.is_none_or(|(bi, bv)| {
+                v.total_cmp(&bv).then(id.cmp(&bi)) == std::cmp::Ordering::Greater
+            }) {
                 best = Some((id, v));
             }
         }
         let (id, v) = best?;
-        (top.len() >= vocab || v.total_cmp(&last).then(id.cmp(&last_id)) != std::cmp::Ordering::Less).then_some(id)
+        (top.len() >= vocab
+            || v.total_cmp(&last).then(id.cmp(&last_id)) != std::cmp::Ordering::Less)
+            .then_some(id)
     }
 
     /// Picks the next token from `logits`, never one in `forbid`, and records it.
@@ -195,7 +207,13 @@ impl Sampler {
     }
 
     fn pick(&mut self, l: &[f32]) -> u32 {
-        let argmax = || l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).unwrap_or(0);
+        let argmax = || {
+            l.iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .map(|(i, _)| i as u32)
+                .unwrap_or(0)
+        };
         let prm = &self.params;
         if prm.temperature <= 0.0 {
             return argmax();
@@ -299,7 +317,12 @@ impl LengthPolicy {
     }
 
     /// [`LengthPolicy::next`] from a row on the device ([`Sampler::sample_row`]).
-    pub fn next_row(&mut self, sampler: &mut Sampler, row: &LogitsRow, extra_forbid: &[u32]) -> candle_core::Result<u32> {
+    pub fn next_row(
+        &mut self,
+        sampler: &mut Sampler,
+        row: &LogitsRow,
+        extra_forbid: &[u32],
+    ) -> candle_core::Result<u32> {
         if self.generated >= self.max {
             let e = self.end[0];
             sampler.observe(&[e]);
@@ -330,10 +353,16 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
         for round in 0..300 {
             // few distinct values: ties, and winners that are forbidden or penalised
-            let l: Vec<f32> = (0..64).map(|_| (rng.random_range(0..12) as f32 - 6.0) / 2.0).collect();
-            let forbid: Vec<u32> = (0..rng.random_range(0..4)).map(|_| rng.random_range(0..64)).collect();
+            let l: Vec<f32> =
+                (0..64).map(|_| (rng.random_range(0..12) as f32 - 6.0) / 2.0).collect();
+            let forbid: Vec<u32> =
+                (0..rng.random_range(0..4)).map(|_| rng.random_range(0..64)).collect();
             let mut s = Sampler::new(SamplingParams::thinker_greedy(), 0);
-            s.observe(&(0..rng.random_range(0..20)).map(|_| rng.random_range(0..64)).collect::<Vec<u32>>());
+            s.observe(
+                &(0..rng.random_range(0..20))
+                    .map(|_| rng.random_range(0..64))
+                    .collect::<Vec<u32>>(),
+            );
             let mut full = s.clone();
             assert_eq!(s.sample(&l, &forbid), full.sample_full(&l, &forbid), "round {round}");
             assert_eq!(s.history(), full.history());
@@ -344,14 +373,17 @@ mod tests {
     /// greedy and sampled parameters, penalties of both kinds, forbidden tokens and ties; and the
     /// candidates alone decide most greedy picks.
     #[test]
-    fn sampling_from_the_best_candidates_picks_what_the_whole_row_picks() -> candle_core::Result<()> {
+    fn sampling_from_the_best_candidates_picks_what_the_whole_row_picks() -> candle_core::Result<()>
+    {
         use crate::top_k::Logits;
         let mut rng = ChaCha8Rng::seed_from_u64(11);
         let (mut decided, mut greedy) = (0, 0);
         for round in 0..400 {
             let vocab = 4 + round % 90;
-            let rows: Vec<f32> = (0..3 * vocab).map(|_| (rng.random_range(0..24) as f32 - 12.0) / 3.0).collect();
-            let t = candle_core::Tensor::from_vec(rows.clone(), (3, vocab), &candle_core::Device::Cpu)?;
+            let rows: Vec<f32> =
+                (0..3 * vocab).map(|_| (rng.random_range(0..24) as f32 - 12.0) / 3.0).collect();
+            let t =
+                candle_core::Tensor::from_vec(rows.clone(), (3, vocab), &candle_core::Device::Cpu)?;
             let logits = Logits::new(t, 1 + round % 9)?;
             let mut params = match round % 3 {
                 0 => SamplingParams::thinker_greedy(),
@@ -362,14 +394,21 @@ mod tests {
                 params.repetition_penalty = 1.0;
             }
             let mut a = Sampler::new(params.clone(), round as u64);
-            a.observe(&(0..rng.random_range(0..30)).map(|_| rng.random_range(0..vocab as u32)).collect::<Vec<u32>>());
+            a.observe(
+                &(0..rng.random_range(0..30))
+                    .map(|_| rng.random_range(0..vocab as u32))
+                    .collect::<Vec<u32>>(),
+            );
             let mut b = a.clone();
             for i in 0..3 {
-                let forbid: Vec<u32> = (0..rng.random_range(0..3)).map(|_| rng.random_range(0..vocab as u32)).collect();
+                let forbid: Vec<u32> = (0..rng.random_range(0..3))
+                    .map(|_| rng.random_range(0..vocab as u32))
+                    .collect();
                 let row = logits.row(i);
                 if params.temperature <= 0.0 {
                     greedy += 1;
-                    decided += usize::from(a.greedy_from_top(row.top(), row.vocab(), &forbid).is_some());
+                    decided +=
+                        usize::from(a.greedy_from_top(row.top(), row.vocab(), &forbid).is_some());
                 }
                 let got = a.sample_row(&row, &forbid)?;
                 let want = b.sample(&rows[i * vocab..(i + 1) * vocab], &forbid);
@@ -378,7 +417,10 @@ mod tests {
             }
         }
         // (743 of 801 when written: the rest are rows where every candidate was penalised)
-        assert!(decided * 10 > greedy * 8, "the candidates decided {decided} of {greedy} greedy picks");
+        assert!(
+            decided * 10 > greedy * 8,
+            "the candidates decided {decided} of {greedy} greedy picks"
+        );
         Ok(())
     }
 
@@ -416,7 +458,8 @@ mod tests {
                 full.truncate(top_k.min(n));
                 for seed in 0..3 {
                     // the same draw over the same ordered candidates
-                    let (mut a, mut b) = (Sampler::new(prm.clone(), seed), Sampler::new(prm.clone(), seed));
+                    let (mut a, mut b) =
+                        (Sampler::new(prm.clone(), seed), Sampler::new(prm.clone(), seed));
                     let got = a.pick(&l);
                     let want = {
                         let t = prm.temperature;

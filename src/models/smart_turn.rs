@@ -62,7 +62,9 @@ impl SmartTurn {
         let graph = OnnxGraph::from_model(m, "smart turn model")?.with_float_activations();
         let g = m.graph.as_ref().context("smart turn model: no graph")?;
         let input =
-            g.input.iter().find(|v| v.name == "input_features").context("smart turn model: no input `input_features` (not a Smart Turn v3 file?)")?;
+            g.input.iter().find(|v| v.name == "input_features").context(
+                "smart turn model: no input `input_features` (not a Smart Turn v3 file?)",
+            )?;
         let dims: Vec<i64> = input
             .r#type
             .as_ref()
@@ -83,7 +85,11 @@ impl SmartTurn {
 
     /// The probability (0–1) that the turn in `audio` (16 kHz, its last 8 s) is complete.
     pub fn end_of_turn(&self, audio: &[f32]) -> Result<f32> {
-        let f = Tensor::from_vec(self.features.features(audio), (1, Self::MELS, Self::FRAMES), &Device::Cpu)?;
+        let f = Tensor::from_vec(
+            self.features.features(audio),
+            (1, Self::MELS, Self::FRAMES),
+            &Device::Cpu,
+        )?;
         let p = self.graph.run(&f)?.flatten_all()?.to_vec1::<f32>()?;
         match p.as_slice() {
             [v] if v.is_finite() => Ok(*v),

@@ -55,7 +55,10 @@ pub fn load_weight_norm(vb: &VarBuilder, shape: &[usize]) -> Result<Tensor> {
     let mut gshape = vec![shape[0]];
     gshape.extend(std::iter::repeat_n(1, shape.len() - 1));
     let (g, v) = if vb.contains_tensor("parametrizations.weight.original0") {
-        (vb.get(gshape.as_slice(), "parametrizations.weight.original0")?, vb.get(shape, "parametrizations.weight.original1")?)
+        (
+            vb.get(gshape.as_slice(), "parametrizations.weight.original0")?,
+            vb.get(shape, "parametrizations.weight.original1")?,
+        )
     } else if vb.contains_tensor("weight_g") {
         (vb.get(gshape.as_slice(), "weight_g")?, vb.get(shape, "weight_v")?)
     } else {
@@ -68,14 +71,33 @@ impl Talker {
     /// `vb` points at `tts`.
     pub fn load(vb: VarBuilder, cfg: &TtsConfig) -> Result<Self> {
         let h = cfg.hidden_size;
-        let emb_text = Embedding::new(vb.pp("emb_text").get((cfg.num_text_tokens, h), "weight")?, h);
+        let emb_text =
+            Embedding::new(vb.pp("emb_text").get((cfg.num_text_tokens, h), "weight")?, h);
         let p = vb.pp("projector_semantic");
-        let projector_linear1 = Linear::new(p.pp("linear1").get((h, cfg.llm_dim), "weight")?, Some(p.pp("linear1").get(h, "bias")?));
-        let projector_linear2 = Linear::new(p.pp("linear2").get((h, h), "weight")?, Some(p.pp("linear2").get(h, "bias")?));
-        let emb_code = Embedding::new(vb.pp("emb_code").pp(0).get((cfg.num_audio_tokens, h), "weight")?, h);
-        let head_code = Linear::new(load_weight_norm(&vb.pp("head_code").pp(0), &[cfg.num_audio_tokens, h])?, None);
+        let projector_linear1 = Linear::new(
+            p.pp("linear1").get((h, cfg.llm_dim), "weight")?,
+            Some(p.pp("linear1").get(h, "bias")?),
+        );
+        let projector_linear2 = Linear::new(
+            p.pp("linear2").get((h, h), "weight")?,
+            Some(p.pp("linear2").get(h, "bias")?),
+        );
+        let emb_code =
+            Embedding::new(vb.pp("emb_code").pp(0).get((cfg.num_audio_tokens, h), "weight")?, h);
+        let head_code = Linear::new(
+            load_weight_norm(&vb.pp("head_code").pp(0), &[cfg.num_audio_tokens, h])?,
+            None,
+        );
         let model = Decoder::load(vb.pp("model"), &cfg.decoder())?;
-        Ok(Self { emb_text, projector_linear1, projector_linear2, emb_code, head_code, model, cfg: cfg.clone() })
+        Ok(Self {
+            emb_text,
+            projector_linear1,
+            projector_linear2,
+            emb_code,
+            head_code,
+            model,
+            cfg: cfg.clone(),
+        })
     }
 
     pub fn config(&self) -> &TtsConfig {
@@ -104,7 +126,10 @@ impl Talker {
 
     fn embed_text(&self, ids: &[u32]) -> Result<Tensor> {
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.cfg.num_text_tokens) {
-            candle_core::bail!("text id {bad} is outside the Talker's emb_text ({} rows)", self.cfg.num_text_tokens);
+            candle_core::bail!(
+                "text id {bad} is outside the Talker's emb_text ({} rows)",
+                self.cfg.num_text_tokens
+            );
         }
         self.emb_text.forward(&Tensor::new(ids, self.device())?)
     }
@@ -136,7 +161,8 @@ impl Talker {
         let mut p = self.projector_linear2.forward(&self.projector_linear1.forward(&h)?.relu()?)?;
         if self.cfg.normalize_projected_hidden {
             // F.normalize(p, dim=-1): p / max(||p||, 1e-12)
-            let norm = p.to_dtype(DType::F32)?.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.maximum(1e-12)?;
+            let norm =
+                p.to_dtype(DType::F32)?.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.maximum(1e-12)?;
             p = p.to_dtype(DType::F32)?.broadcast_div(&norm)?.to_dtype(dtype)?;
         }
         self.embed_text(ids)? + p
@@ -155,7 +181,10 @@ impl Talker {
     /// Embeddings of codes fed back as decode inputs.
     pub fn embed_codes(&self, codes: &[u32]) -> Result<Tensor> {
         if let Some(&bad) = codes.iter().find(|&&c| c as usize >= self.cfg.num_audio_tokens) {
-            candle_core::bail!("code {bad} is outside the Talker's {} codes", self.cfg.num_audio_tokens);
+            candle_core::bail!(
+                "code {bad} is outside the Talker's {} codes",
+                self.cfg.num_audio_tokens
+            );
         }
         self.emb_code.forward(&Tensor::new(codes, self.device())?)
     }

@@ -27,7 +27,10 @@ impl AudioProjector {
         let l = |name: &str, i: usize, o: usize| -> Result<Linear> {
             Ok(Linear::new(vb.pp(name).get((o, i), "weight")?, Some(vb.pp(name).get(o, "bias")?)))
         };
-        Ok(Self { linear1: l("linear1", in_dim, out_dim)?, linear2: l("linear2", out_dim, out_dim)? })
+        Ok(Self {
+            linear1: l("linear1", in_dim, out_dim)?,
+            linear2: l("linear2", out_dim, out_dim)?,
+        })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -85,7 +88,11 @@ impl Thinker {
     pub fn load(vb: VarBuilder, cfg: &MiniCpmoConfig) -> Result<Self> {
         let llm = Qwen3::load(vb.pp("llm"), cfg)?;
         let apm = WhisperEncoder::load(vb.pp("apm"), &cfg.audio_config)?;
-        let audio_projection_layer = AudioProjector::load(vb.pp("audio_projection_layer"), cfg.audio_config.encoder_ffn_dim / 4, cfg.hidden_size)?;
+        let audio_projection_layer = AudioProjector::load(
+            vb.pp("audio_projection_layer"),
+            cfg.audio_config.encoder_ffn_dim / 4,
+            cfg.hidden_size,
+        )?;
         Ok(Self {
             llm,
             apm,
@@ -107,13 +114,17 @@ impl Thinker {
     /// prompt's positions are laid out before any clip is.
     pub fn clip_embeddings_for(&self, samples: usize) -> usize {
         let window = self.apm.config().max_source_positions * 2 * WhisperLogMel::HOP;
-        (0..samples).step_by(window.max(1)).map(|at| self.audio_embeddings_for((samples - at).min(window))).sum()
+        (0..samples)
+            .step_by(window.max(1))
+            .map(|at| self.audio_embeddings_for((samples - at).min(window)))
+            .sum()
     }
 
     /// Whisper log-mel of 16 kHz samples as a `[n_mels, frames]` tensor on the model's device.
     pub fn log_mel(&self, samples: &[f32]) -> Result<Tensor> {
         let (m, frames) = self.mel.compute(samples);
-        Tensor::from_vec(m, (self.mel.n_mels(), frames), self.llm_device())?.to_dtype(self.llm_dtype())
+        Tensor::from_vec(m, (self.mel.n_mels(), frames), self.llm_device())?
+            .to_dtype(self.llm_dtype())
     }
 
     fn llm_device(&self) -> &candle_core::Device {
@@ -135,7 +146,11 @@ impl Thinker {
     pub fn set_clip_graphs(&mut self, samples: Option<usize>) {
         self.graph_clip = samples;
         let shapes = CLIP_BATCH.trailing_zeros() as usize + 1;
-        self.clip_graphs = if samples.is_some() { crate::cuda_graph::GraphSlot::on(shapes) } else { crate::cuda_graph::GraphSlot::off() };
+        self.clip_graphs = if samples.is_some() {
+            crate::cuda_graph::GraphSlot::on(shapes)
+        } else {
+            crate::cuda_graph::GraphSlot::off()
+        };
     }
 
     /// A whole clip of 16 kHz audio -> LLM-width audio embeddings. Clips longer than the encoder's
@@ -150,7 +165,9 @@ impl Thinker {
         let mut parts = Vec::new();
         for chunk in samples.chunks(window).filter(|c| self.mel.frames_for(c.len()) > 0) {
             match self.graph_clip {
-                Some(n) if chunk.len() <= n => parts.push(self.encode_padded(&[chunk], n)?.remove(0)),
+                Some(n) if chunk.len() <= n => {
+                    parts.push(self.encode_padded(&[chunk], n)?.remove(0))
+                }
                 _ => parts.push(self.project(&self.apm.forward_clip(&self.log_mel(chunk)?)?)?),
             }
         }
@@ -163,7 +180,10 @@ impl Thinker {
     /// computed side by side on threads, one upload, one replayed graph per batch; else clip by clip.
     pub fn encode_clips(&self, clips: &[&[f32]]) -> Result<Vec<Tensor>> {
         match self.graph_clip {
-            Some(n) if clips.len() > 1 && clips.iter().all(|c| c.len() <= n && self.mel.frames_for(c.len()) > 0) => {
+            Some(n)
+                if clips.len() > 1
+                    && clips.iter().all(|c| c.len() <= n && self.mel.frames_for(c.len()) > 0) =>
+            {
                 let mut out = Vec::with_capacity(clips.len());
                 for part in clips.chunks(CLIP_BATCH) {
                     out.extend(self.encode_padded(part, n)?);
@@ -183,9 +203,14 @@ impl Thinker {
             vec![self.mel.compute(clips[0])]
         } else {
             std::thread::scope(|scope| {
-                let jobs: Vec<_> = clips.iter().map(|&c| scope.spawn(move || self.mel.compute(c))).collect();
+                let jobs: Vec<_> =
+                    clips.iter().map(|&c| scope.spawn(move || self.mel.compute(c))).collect();
                 jobs.into_iter()
-                    .map(|j| j.join().map_err(|_| candle_core::Error::Msg("a log-mel thread panicked".into())))
+                    .map(|j| {
+                        j.join().map_err(|_| {
+                            candle_core::Error::Msg("a log-mel thread panicked".into())
+                        })
+                    })
                     .collect::<Result<Vec<_>>>()
             })?
         };
@@ -207,7 +232,8 @@ impl Thinker {
             r[nm * fmax + fmax + p..].fill(f32::NEG_INFINITY);
             lengths.push(p);
         }
-        let all = Tensor::from_vec(host, (b, row), self.llm_device())?.to_dtype(self.llm_dtype())?;
+        let all =
+            Tensor::from_vec(host, (b, row), self.llm_device())?.to_dtype(self.llm_dtype())?;
         let step = self.pool_step;
         let encode = |x: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
             let mel = x[0].narrow(1, 0, nm * fmax)?.reshape((b, nm, fmax))?;
@@ -239,10 +265,18 @@ impl Thinker {
 
     /// LLM input embeddings of `ids` with every placeholder run replaced, in order, by the rows of
     /// `audio` (one tensor per run, exactly as many rows as placeholders).
-    pub fn embed_with_audio(&self, ids: &[u32], markers: &AudioMarkers, audio: &[Tensor]) -> Result<Tensor> {
+    pub fn embed_with_audio(
+        &self,
+        ids: &[u32],
+        markers: &AudioMarkers,
+        audio: &[Tensor],
+    ) -> Result<Tensor> {
         let spans = audio_spans(ids, markers)?.len();
         if spans != audio.len() {
-            candle_core::bail!("the prompt has {spans} audio spans but {} audio inputs were given", audio.len());
+            candle_core::bail!(
+                "the prompt has {spans} audio spans but {} audio inputs were given",
+                audio.len()
+            );
         }
         self.embed_with_audio_from(ids, markers, 0, &mut |k| Ok(audio[k].clone()))
     }
@@ -271,7 +305,9 @@ impl Thinker {
             let a = audio(k)?;
             let rows = a.dim(0)?;
             if rows != n {
-                candle_core::bail!("audio span {k} has {n} placeholders but its audio gives {rows} embeddings");
+                candle_core::bail!(
+                    "audio span {k} has {n} placeholders but its audio gives {rows} embeddings"
+                );
             }
             let skip = from.saturating_sub(s);
             if s > pos {

@@ -98,7 +98,11 @@ impl SpecialTokens {
     }
 
     pub fn audio_markers(&self) -> crate::thinker::AudioMarkers {
-        crate::thinker::AudioMarkers { start: self.audio_start, end: self.audio_end, placeholder: self.unk }
+        crate::thinker::AudioMarkers {
+            start: self.audio_start,
+            end: self.audio_end,
+            placeholder: self.unk,
+        }
     }
 
     /// Every special id (none of them is text).
@@ -144,11 +148,19 @@ impl SpecialTokens {
         let speech = with(&[self.listen, self.speak, self.tts_eos, self.endoftext]);
         let mut speech_forced = speech.clone();
         speech_forced.extend([self.turn_eos, self.chunk_tts_eos, self.im_end]);
-        let reply = with(&[self.listen, self.speak, self.chunk_eos, self.chunk_tts_eos, self.turn_eos]);
+        let reply =
+            with(&[self.listen, self.speak, self.chunk_eos, self.chunk_tts_eos, self.turn_eos]);
         Forbidden {
             reply_calling: reply.clone(),
             reply,
-            duplex_decision: with(&[self.tts_eos, self.im_end, self.endoftext, self.chunk_eos, self.chunk_tts_eos, self.turn_eos]),
+            duplex_decision: with(&[
+                self.tts_eos,
+                self.im_end,
+                self.endoftext,
+                self.chunk_eos,
+                self.chunk_tts_eos,
+                self.turn_eos,
+            ]),
             duplex_speech: speech,
             duplex_speech_forced: speech_forced,
         }
@@ -156,7 +168,16 @@ impl SpecialTokens {
 
     /// Tokens that end the text handed to the Talker.
     pub fn handoff_boundaries(&self) -> [u32; 8] {
-        [self.tts_eos, self.tts_pad, self.listen, self.chunk_eos, self.chunk_tts_eos, self.unit, self.unit_end, self.im_end]
+        [
+            self.tts_eos,
+            self.tts_pad,
+            self.listen,
+            self.chunk_eos,
+            self.chunk_tts_eos,
+            self.unit,
+            self.unit_end,
+            self.im_end,
+        ]
     }
 }
 
@@ -286,7 +307,8 @@ impl std::fmt::Debug for TextTokenizer {
 
 impl TextTokenizer {
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
-        let mut inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| anyhow!("tokenizer.json: {e}"))?;
+        let mut inner =
+            tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| anyhow!("tokenizer.json: {e}"))?;
         let special = SpecialTokens::lookup(|t| inner.token_to_id(t))?;
         let tools = ToolTokens::lookup(|t| inner.token_to_id(t));
         inner.set_encode_special_tokens(true);
@@ -307,7 +329,12 @@ impl TextTokenizer {
     pub fn forbidden(&self) -> Forbidden {
         let mut f = self.special.forbidden();
         if let Some(t) = &self.tools {
-            for list in [&mut f.reply, &mut f.duplex_decision, &mut f.duplex_speech, &mut f.duplex_speech_forced] {
+            for list in [
+                &mut f.reply,
+                &mut f.duplex_decision,
+                &mut f.duplex_speech,
+                &mut f.duplex_speech_forced,
+            ] {
                 list.extend(t.all());
             }
             f.reply_calling.extend([t.response, t.response_end]);
@@ -324,7 +351,12 @@ impl TextTokenizer {
                 return Ok(ids);
             }
         }
-        let ids = self.inner.encode(text, false).map_err(|e| anyhow!("tokenize: {e}"))?.get_ids().to_vec();
+        let ids = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| anyhow!("tokenize: {e}"))?
+            .get_ids()
+            .to_vec();
         if memo {
             self.memo.lock().expect("memo").put(text, &ids);
         }
@@ -434,7 +466,11 @@ impl TextTokenizer {
 
 /// The rows handed to the Talker: after the last `<|tts_bos|>` up to (excluding) the first
 /// boundary token; without a `<|tts_bos|>`, the whole generated span from `prompt_len`.
-pub fn handoff_range(ids: &[u32], prompt_len: usize, special: &SpecialTokens) -> std::ops::Range<usize> {
+pub fn handoff_range(
+    ids: &[u32],
+    prompt_len: usize,
+    special: &SpecialTokens,
+) -> std::ops::Range<usize> {
     let start = match ids.iter().rposition(|&t| t == special.tts_bos) {
         Some(i) => i + 1,
         None => prompt_len.min(ids.len()),

@@ -19,12 +19,18 @@ pub struct ToolTokens {
 
 impl ToolTokens {
     /// The tags' texts, in field order (the generator of synthetic tokenizers uses it too).
-    pub const NAMES: [&'static str; 4] = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"];
+    pub const NAMES: [&'static str; 4] =
+        ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"];
 
     /// All four, or `None` when the tokenizer lacks any (it then serves no tools).
     pub fn lookup(find: impl Fn(&str) -> Option<u32>) -> Option<Self> {
         let [call, call_end, response, response_end] = Self::NAMES.map(&find);
-        Some(Self { call: call?, call_end: call_end?, response: response?, response_end: response_end? })
+        Some(Self {
+            call: call?,
+            call_end: call_end?,
+            response: response?,
+            response_end: response_end?,
+        })
     }
 
     pub fn all(&self) -> [u32; 4] {
@@ -150,13 +156,18 @@ pub struct ToolCall {
 impl ToolCall {
     /// The call as an assistant turn of the template holds it.
     pub fn template_text(&self) -> String {
-        format!("<tool_call>\n{{\"name\": {}, \"arguments\": {}}}\n</tool_call>", Value::String(self.name.clone()), self.arguments)
+        format!(
+            "<tool_call>\n{{\"name\": {}, \"arguments\": {}}}\n</tool_call>",
+            Value::String(self.name.clone()),
+            self.arguments
+        )
     }
 
     /// A call a client says was made (a conversation it replays): `arguments` must be a JSON
     /// object's text; it is kept as the template writes it.
     pub fn given(name: &str, arguments: &str) -> Result<Self> {
-        let v: Value = serde_json::from_str(arguments).map_err(|e| anyhow!("`arguments` is not JSON ({e})"))?;
+        let v: Value = serde_json::from_str(arguments)
+            .map_err(|e| anyhow!("`arguments` is not JSON ({e})"))?;
         if !v.is_object() {
             return Err(anyhow!("`arguments` is not a JSON object"));
         }
@@ -167,7 +178,8 @@ impl ToolCall {
     /// `name` and `arguments` that are an object or a string holding one (models write both; none
     /// is `{}`). The error says what is wrong, for the client.
     pub fn parse(span: &str, tools: &ToolSet) -> std::result::Result<Self, CallError> {
-        let v: Value = serde_json::from_str(span.trim()).map_err(|e| CallError::NotJson(e.to_string()))?;
+        let v: Value =
+            serde_json::from_str(span.trim()).map_err(|e| CallError::NotJson(e.to_string()))?;
         let Value::Object(call) = v else { return Err(CallError::NotAnObject) };
         let name = match call.get("name") {
             Some(Value::String(n)) if tools.declares(n) => n.clone(),
@@ -176,7 +188,10 @@ impl ToolCall {
         };
         let arguments = match call.get("arguments") {
             None | Some(Value::Null) => Value::Object(Default::default()),
-            Some(Value::String(s)) => serde_json::from_str::<Value>(s).ok().filter(Value::is_object).ok_or(CallError::ArgumentsStringNotAnObject)?,
+            Some(Value::String(s)) => serde_json::from_str::<Value>(s)
+                .ok()
+                .filter(Value::is_object)
+                .ok_or(CallError::ArgumentsStringNotAnObject)?,
             Some(a @ Value::Object(_)) => a.clone(),
             Some(_) => return Err(CallError::ArgumentsNotAnObject),
         };
@@ -203,9 +218,15 @@ impl std::fmt::Display for CallError {
             CallError::NotJson(e) => write!(f, "the call is not JSON ({e})"),
             CallError::NotAnObject => f.write_str("the call is not a JSON object"),
             CallError::NoName => f.write_str("the call has no `name` string"),
-            CallError::Undeclared(n) => write!(f, "the call names `{n}`, which is not a declared tool"),
-            CallError::ArgumentsNotAnObject => f.write_str("the call's `arguments` is not an object"),
-            CallError::ArgumentsStringNotAnObject => f.write_str("the call's `arguments` string is not a JSON object"),
+            CallError::Undeclared(n) => {
+                write!(f, "the call names `{n}`, which is not a declared tool")
+            }
+            CallError::ArgumentsNotAnObject => {
+                f.write_str("the call's `arguments` is not an object")
+            }
+            CallError::ArgumentsStringNotAnObject => {
+                f.write_str("the call's `arguments` string is not a JSON object")
+            }
         }
     }
 }
@@ -228,7 +249,11 @@ pub fn assistant_content(said: &str, calls: &[ToolCall]) -> String {
 /// The user turn that gives tools' outputs back, in the order of the calls (the template matches
 /// them by position).
 pub fn responses_content(outputs: &[String]) -> String {
-    outputs.iter().map(|o| format!("<tool_response>\n{o}\n</tool_response>")).collect::<Vec<_>>().join("\n")
+    outputs
+        .iter()
+        .map(|o| format!("<tool_response>\n{o}\n</tool_response>"))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// The start of a reply that must call: `<tool_call>` and the call's JSON up to the function's

@@ -84,7 +84,10 @@ pub fn top_k(logits: &Tensor, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
     #[cfg(feature = "cuda")]
     if logits.device().is_cuda() {
         let packed = logits.contiguous()?.apply_op1_no_bwd(&cuda::TopK { k })?.to_vec2::<u32>()?;
-        return Ok(packed.into_iter().map(|r| (0..k).map(|j| (r[j], f32::from_bits(r[k + j]))).collect()).collect());
+        return Ok(packed
+            .into_iter()
+            .map(|r| (0..k).map(|j| (r[j], f32::from_bits(r[k + j]))).collect())
+            .collect());
     }
     let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     let _ = n;
@@ -125,7 +128,11 @@ mod cuda {
     }
 
     impl TopK {
-        fn run<T: CudaDType + DeviceRepr>(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            &self,
+            s: &CudaStorage,
+            l: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
             let dev = s.device().clone();
             let (n, v) = l.shape().dims2()?;
             let x = s.as_cuda_slice::<T>()?.slice(l.start_offset()..);
@@ -136,7 +143,14 @@ mod cuda {
             let (v_i, k_i) = (v as i32, self.k as i32);
             b.arg(&x).arg(&out).arg(&v_i).arg(&k_i);
             // SAFETY: arguments as the kernel declares them; one block of 1024 per row.
-            unsafe { b.launch(LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 }) }.map_err(err)?;
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (n as u32, 1, 1),
+                    block_dim: (1024, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map_err(err)?;
             Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from((n, 2 * self.k))))
         }
     }
@@ -146,7 +160,11 @@ mod cuda {
             "top_k"
         }
 
-        fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> Result<(candle_core::CpuStorage, Shape)> {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> Result<(candle_core::CpuStorage, Shape)> {
             candle_core::bail!("top_k: the CUDA op ran on the CPU")
         }
 
@@ -166,7 +184,8 @@ mod tests {
 
     #[test]
     fn keys_order_as_total_cmp() {
-        let vals = [f32::NEG_INFINITY, -3.5, -0.0, 0.0, 1e-30, 2.0, f32::INFINITY, f32::NAN, -f32::NAN];
+        let vals =
+            [f32::NEG_INFINITY, -3.5, -0.0, 0.0, 1e-30, 2.0, f32::INFINITY, f32::NAN, -f32::NAN];
         for a in vals {
             for b in vals {
                 assert_eq!(ordered_bits(a).cmp(&ordered_bits(b)), a.total_cmp(&b), "{a} vs {b}");
@@ -187,7 +206,8 @@ mod tests {
                 assert_eq!(got, all[..k.min(n)], "n {n} k {k}");
             }
             // the first is what the host's argmax picks
-            let argmax = row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32);
+            let argmax =
+                row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32);
             assert_eq!(Some(top_k_host(&row, 1)[0].0), argmax);
         }
     }
@@ -197,7 +217,8 @@ mod tests {
         // (on a GPU: tests/integration/parity_lm.rs, `top_k_on_the_device_matches_the_host_twin`)
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
         let (n, v) = (3, 500);
-        let data: Vec<f32> = (0..n * v).map(|_| (rng.random::<f32>() * 40.0).floor() / 4.0 - 5.0).collect();
+        let data: Vec<f32> =
+            (0..n * v).map(|_| (rng.random::<f32>() * 40.0).floor() / 4.0 - 5.0).collect();
         let t = Tensor::from_vec(data, (n, v), &candle_core::Device::Cpu)?.to_dtype(DType::BF16)?;
         let logits = Logits::new(t.clone(), TOP_K)?;
         let rows = t.to_dtype(DType::F32)?.to_vec2::<f32>()?;

@@ -90,10 +90,21 @@ impl WhisperEncoder {
         let d = cfg.d_model;
         let c1 = Conv1dConfig { padding: 1, stride: 1, ..Default::default() };
         let c2 = Conv1dConfig { padding: 1, stride: 2, ..Default::default() };
-        let conv1 = Conv1d::new(vb.pp("conv1").get((d, cfg.num_mel_bins, 3), "weight")?, Some(vb.pp("conv1").get(d, "bias")?), c1);
-        let conv2 = Conv1d::new(vb.pp("conv2").get((d, d, 3), "weight")?, Some(vb.pp("conv2").get(d, "bias")?), c2);
-        let embed_positions = vb.pp("embed_positions").get((cfg.max_source_positions, d), "weight")?;
-        let layers = (0..cfg.encoder_layers).map(|i| EncoderLayer::load(vb.pp("layers").pp(i), cfg)).collect::<Result<Vec<_>>>()?;
+        let conv1 = Conv1d::new(
+            vb.pp("conv1").get((d, cfg.num_mel_bins, 3), "weight")?,
+            Some(vb.pp("conv1").get(d, "bias")?),
+            c1,
+        );
+        let conv2 = Conv1d::new(
+            vb.pp("conv2").get((d, d, 3), "weight")?,
+            Some(vb.pp("conv2").get(d, "bias")?),
+            c2,
+        );
+        let embed_positions =
+            vb.pp("embed_positions").get((cfg.max_source_positions, d), "weight")?;
+        let layers = (0..cfg.encoder_layers)
+            .map(|i| EncoderLayer::load(vb.pp("layers").pp(i), cfg))
+            .collect::<Result<Vec<_>>>()?;
         let layer_norm = candle_nn::layer_norm(d, LN_EPS, vb.pp("layer_norm"))?;
         Ok(Self { conv1, conv2, embed_positions, layers, layer_norm, cfg: cfg.clone() })
     }
@@ -155,9 +166,13 @@ impl WhisperEncoder {
         let x = self.conv2.forward(&x)?.gelu_erf()?;
         let p = x.dim(2)?;
         if p > self.cfg.max_source_positions {
-            candle_core::bail!("audio clip of {p} encoder positions exceeds {}; split it first", self.cfg.max_source_positions);
+            candle_core::bail!(
+                "audio clip of {p} encoder positions exceeds {}; split it first",
+                self.cfg.max_source_positions
+            );
         }
-        let mut x = x.transpose(1, 2)?.broadcast_add(&self.positions(0, p)?)?.reshape((b * p, d))?;
+        let mut x =
+            x.transpose(1, 2)?.broadcast_add(&self.positions(0, p)?)?.reshape((b * p, d))?;
         let scale = (hd as f64).powf(-0.5);
         let split = |t: Tensor| t.reshape((b, p, heads, hd))?.transpose(1, 2)?.contiguous();
         for l in &self.layers {
@@ -167,7 +182,10 @@ impl WhisperEncoder {
             let v = split(l.v_proj.forward(&h)?)?;
             // scores in the activations' dtype, the softmax accumulating in f32 (as `attend`)
             let att = q.matmul(&k.t()?)?.broadcast_add(&mask.keys)?;
-            let o = candle_nn::ops::softmax_last_dim(&att)?.matmul(&v)?.transpose(1, 2)?.reshape((b * p, d))?;
+            let o = candle_nn::ops::softmax_last_dim(&att)?
+                .matmul(&v)?
+                .transpose(1, 2)?
+                .reshape((b * p, d))?;
             x = (x + l.out_proj.forward(&o)?)?;
             let h = l.final_layer_norm.forward(&x)?;
             let h = l.fc2.forward(&l.fc1.forward(&h)?.gelu_erf()?)?;
@@ -203,7 +221,9 @@ impl WhisperEncoder {
                 }
                 None => {
                     if n > max {
-                        candle_core::bail!("audio clip of {n} encoder positions exceeds {max}; split it first");
+                        candle_core::bail!(
+                            "audio clip of {n} encoder positions exceeds {max}; split it first"
+                        );
                     }
                     temp.push(self.new_cache());
                     0
@@ -232,7 +252,11 @@ impl WhisperEncoder {
             let mut outs = Vec::with_capacity(spans.len());
             for (cache, &(s, n)) in caches.iter_mut().zip(&spans) {
                 let qs = q.narrow(0, s, n)?.transpose(0, 1)?;
-                let (ka, va) = cache.append(li, &k.narrow(0, s, n)?.transpose(0, 1)?, &v.narrow(0, s, n)?.transpose(0, 1)?)?;
+                let (ka, va) = cache.append(
+                    li,
+                    &k.narrow(0, s, n)?.transpose(0, 1)?,
+                    &v.narrow(0, s, n)?.transpose(0, 1)?,
+                )?;
                 outs.push(attend(&qs, &ka, &va, None)?.transpose(0, 1)?.reshape((n, d))?);
             }
             let o = if outs.len() == 1 { outs.pop().expect("one") } else { Tensor::cat(&outs, 0)? };

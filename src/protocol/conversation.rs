@@ -4,7 +4,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{valid_tool_name, ErrorCode, WireError, MAX_TOOL_NAME, MAX_TOOL_OUTPUT_CHARS, MAX_TOOL_RESULTS};
+use crate::{
+    valid_tool_name, ErrorCode, WireError, MAX_TOOL_NAME, MAX_TOOL_OUTPUT_CHARS, MAX_TOOL_RESULTS,
+};
 
 /// Turns one `conversation.append` may give.
 pub const MAX_APPEND_TURNS: usize = 256;
@@ -42,7 +44,9 @@ pub fn validate_turns(turns: &[PastTurn]) -> Result<(), WireError> {
         if !t.user.is_empty() && !t.tool_outputs.is_empty() {
             return bad(format!("field `turns[{k}]`: `user` or `tool_outputs`, not both"));
         }
-        if t.tool_outputs.len() > MAX_TOOL_RESULTS || t.tool_outputs.iter().any(|o| o.chars().count() > MAX_TOOL_OUTPUT_CHARS) {
+        if t.tool_outputs.len() > MAX_TOOL_RESULTS
+            || t.tool_outputs.iter().any(|o| o.chars().count() > MAX_TOOL_OUTPUT_CHARS)
+        {
             return bad(format!("field `turns[{k}].tool_outputs`: at most {MAX_TOOL_RESULTS} of at most {MAX_TOOL_OUTPUT_CHARS} characters"));
         }
         for (j, c) in t.calls.iter().enumerate() {

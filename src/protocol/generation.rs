@@ -75,17 +75,26 @@ impl Generation {
                 return bad(format!("field `generation.{name}`: {v} is more than this server holds (at most {limit})"));
             }
         }
-        for (what, min, max) in [("text", self.min_text_tokens, self.max_text_tokens), ("audio", self.min_audio_tokens, self.max_audio_tokens)] {
+        for (what, min, max) in [
+            ("text", self.min_text_tokens, self.max_text_tokens),
+            ("audio", self.min_audio_tokens, self.max_audio_tokens),
+        ] {
             if let (Some(lo), Some(hi)) = (min, max) {
                 if lo > hi {
                     return bad(format!("field `generation.min_{what}_tokens`: {lo} is more than `max_{what}_tokens` ({hi})"));
                 }
             }
         }
-        if let Some(t) = self.temperature.filter(|t| !(t.is_finite() && (0.0..=MAX_TEMPERATURE).contains(t))) {
-            return bad(format!("field `generation.temperature`: {t} is not in 0..={MAX_TEMPERATURE}"));
+        if let Some(t) =
+            self.temperature.filter(|t| !(t.is_finite() && (0.0..=MAX_TEMPERATURE).contains(t)))
+        {
+            return bad(format!(
+                "field `generation.temperature`: {t} is not in 0..={MAX_TEMPERATURE}"
+            ));
         }
-        if let Some(n) = self.prefix.as_ref().map(|p| p.chars().count()).filter(|&n| n > MAX_PREFIX_CHARS) {
+        if let Some(n) =
+            self.prefix.as_ref().map(|p| p.chars().count()).filter(|&n| n > MAX_PREFIX_CHARS)
+        {
             return bad(format!("field `generation.prefix`: {n} characters, more than this server takes (at most {MAX_PREFIX_CHARS})"));
         }
         Ok(())

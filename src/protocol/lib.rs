@@ -12,12 +12,17 @@ mod received;
 mod server_event;
 mod tools;
 pub use conversation::{validate_turns, PastCall, PastTurn, MAX_APPEND_TURNS};
-pub use generation::{validate_instructions, Generation, GenerationLimits, MAX_INSTRUCTIONS_CHARS, MAX_PREFIX_CHARS, MAX_TEMPERATURE};
+pub use generation::{
+    validate_instructions, Generation, GenerationLimits, MAX_INSTRUCTIONS_CHARS, MAX_PREFIX_CHARS,
+    MAX_TEMPERATURE,
+};
 pub use received::{parse_server, Received};
-pub use server_event::{ClosingReason, DoneStatus, ServerEvent, ToolCallProblem, TranscriptFailure, Trigger, Usage};
+pub use server_event::{
+    ClosingReason, DoneStatus, ServerEvent, ToolCallProblem, TranscriptFailure, Trigger, Usage,
+};
 pub use tools::{
-    valid_tool_name, validate_results, validate_tool_choice, validate_tools, ToolChoice, ToolDecl, ToolResult, MAX_TOOLS, MAX_TOOLS_BYTES,
-    MAX_TOOL_NAME, MAX_TOOL_OUTPUT_CHARS, MAX_TOOL_RESULTS,
+    valid_tool_name, validate_results, validate_tool_choice, validate_tools, ToolChoice, ToolDecl,
+    ToolResult, MAX_TOOLS, MAX_TOOLS_BYTES, MAX_TOOL_NAME, MAX_TOOL_OUTPUT_CHARS, MAX_TOOL_RESULTS,
 };
 
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -320,28 +325,43 @@ pub const MAX_SAFE_INTEGER: u64 = (1 << 53) - 1;
 
 /// Parses one text frame.
 pub fn parse_client(text: &str) -> Result<Incoming, WireError> {
-    let v: Value = serde_json::from_str(text).map_err(|e| WireError::new(ErrorCode::BadJson, format!("not JSON: {e}")))?;
+    let v: Value = serde_json::from_str(text)
+        .map_err(|e| WireError::new(ErrorCode::BadJson, format!("not JSON: {e}")))?;
     let Value::Object(obj) = &v else {
         return Err(WireError::new(ErrorCode::BadJson, "a text frame must hold one JSON object"));
     };
     let ty = match obj.get("type") {
         Some(Value::String(t)) => t.clone(),
-        Some(_) => return Err(WireError::new(ErrorCode::BadField, "field `type`: must be a string")),
+        Some(_) => {
+            return Err(WireError::new(ErrorCode::BadField, "field `type`: must be a string"))
+        }
         None => return Err(WireError::new(ErrorCode::BadField, "field `type`: missing")),
     };
     // (an input's seq counts audio packets and events alike: the packet header's u32 bounds it)
     let seq = match obj.get("seq") {
         None | Some(Value::Null) => None,
-        Some(Value::Number(n)) if n.as_u64().is_some_and(|s| s <= u32::MAX as u64) && ty != "ack" => n.as_u64(),
+        Some(Value::Number(n))
+            if n.as_u64().is_some_and(|s| s <= u32::MAX as u64) && ty != "ack" =>
+        {
+            n.as_u64()
+        }
         Some(Value::Number(_)) if ty == "ack" => None,
-        Some(_) => return Err(WireError::new(ErrorCode::BadField, format!("field `seq`: must be an integer from 0 to {}", u32::MAX))),
+        Some(_) => {
+            return Err(WireError::new(
+                ErrorCode::BadField,
+                format!("field `seq`: must be an integer from 0 to {}", u32::MAX),
+            ))
+        }
     };
     let event = match ty.as_str() {
         "session.create" => ClientEvent::SessionCreate(Box::new(typed(v)?)),
         "session.resume" => ClientEvent::SessionResume(typed(v)?),
         "session.update" => {
             if obj.contains_key("mode") {
-                return Err(WireError::new(ErrorCode::BadField, "field `mode`: cannot change after session.create"));
+                return Err(WireError::new(
+                    ErrorCode::BadField,
+                    "field `mode`: cannot change after session.create",
+                ));
             }
             ClientEvent::SessionUpdate(Box::new(typed(v)?))
         }
@@ -349,7 +369,9 @@ pub fn parse_client(text: &str) -> Result<Incoming, WireError> {
             let b: TextBody = typed(v)?;
             ClientEvent::InputText { text: b.text, generation: b.generation }
         }
-        "input.commit" => ClientEvent::InputCommit { generation: typed::<CommitBody>(v)?.generation },
+        "input.commit" => {
+            ClientEvent::InputCommit { generation: typed::<CommitBody>(v)?.generation }
+        }
         "input.tool_result" => {
             let b: ToolResultBody = typed(v)?;
             validate_results(&b.results)?;
@@ -362,18 +384,28 @@ pub fn parse_client(text: &str) -> Result<Incoming, WireError> {
             validate_turns(&b.turns)?;
             ClientEvent::ConversationAppend { turns: b.turns }
         }
-        "response.cancel" => ClientEvent::ResponseCancel { response_id: typed::<CancelBody>(v)?.response_id },
+        "response.cancel" => {
+            ClientEvent::ResponseCancel { response_id: typed::<CancelBody>(v)?.response_id }
+        }
         "playback" => {
             let b: PlaybackBody = typed(v)?;
             if b.played_ms > MAX_SAFE_INTEGER {
-                return Err(WireError::new(ErrorCode::BadField, format!("field `played_ms`: at most {MAX_SAFE_INTEGER}")));
+                return Err(WireError::new(
+                    ErrorCode::BadField,
+                    format!("field `played_ms`: at most {MAX_SAFE_INTEGER}"),
+                ));
             }
             ClientEvent::Playback { response_id: b.response_id, played_ms: b.played_ms }
         }
         "ack" => ClientEvent::Ack { seq: typed::<AckBody>(v)?.seq },
         "ping" => ClientEvent::Ping { id: typed::<PingBody>(v)?.id },
         "session.close" => ClientEvent::SessionClose,
-        other => return Err(WireError::new(ErrorCode::UnknownEvent, format!("unknown event type `{other}`"))),
+        other => {
+            return Err(WireError::new(
+                ErrorCode::UnknownEvent,
+                format!("unknown event type `{other}`"),
+            ))
+        }
     };
     Ok(Incoming { seq, event })
 }
@@ -441,9 +473,18 @@ mod tests {
         };
         refused(r#"{"type": "input.clear", "seq": 9007199254740993}"#, "`seq`");
         refused(r#"{"type": "input.clear", "seq": 4294967296}"#, "`seq`");
-        refused(r#"{"type": "playback", "response_id": 1, "played_ms": 9007199254740992}"#, "`played_ms`");
-        assert_eq!(parse_client(r#"{"type": "input.clear", "seq": 4294967295}"#).unwrap().seq, Some(4_294_967_295));
-        assert!(parse_client(r#"{"type": "playback", "response_id": 1, "played_ms": 9007199254740991}"#).is_ok());
+        refused(
+            r#"{"type": "playback", "response_id": 1, "played_ms": 9007199254740992}"#,
+            "`played_ms`",
+        );
+        assert_eq!(
+            parse_client(r#"{"type": "input.clear", "seq": 4294967295}"#).unwrap().seq,
+            Some(4_294_967_295)
+        );
+        assert!(parse_client(
+            r#"{"type": "playback", "response_id": 1, "played_ms": 9007199254740991}"#
+        )
+        .is_ok());
     }
 
     #[test]
@@ -457,7 +498,11 @@ mod tests {
         assert!(g(&|_| {}).is_ok());
         assert!(g(&|g| g.max_text_tokens = Some(100)).is_ok());
         for (field, set) in [
-            ("max_text_tokens", &(|g: &mut Generation| g.max_text_tokens = Some(4_294_967_296)) as &dyn Fn(&mut Generation)),
+            (
+                "max_text_tokens",
+                &(|g: &mut Generation| g.max_text_tokens = Some(4_294_967_296))
+                    as &dyn Fn(&mut Generation),
+            ),
             ("min_text_tokens", &|g| g.min_text_tokens = Some(101)),
             ("max_audio_tokens", &|g| g.max_audio_tokens = Some(501)),
             ("min_audio_tokens", &|g| {
@@ -521,8 +566,12 @@ mod tests {
 
     #[test]
     fn server_events_carry_seq_except_connection_level() {
-        let e = ServerEvent::ResponseCreated { seq: 0, response_id: 1, trigger: Trigger::Text }.with_seq(5);
-        assert!(e.to_json().contains("\"seq\":5") && e.to_json().contains("\"type\":\"response.created\""));
+        let e = ServerEvent::ResponseCreated { seq: 0, response_id: 1, trigger: Trigger::Text }
+            .with_seq(5);
+        assert!(
+            e.to_json().contains("\"seq\":5")
+                && e.to_json().contains("\"type\":\"response.created\"")
+        );
         assert!(e.to_json().contains("\"trigger\":\"text\""));
         // the words on the wire, and what a client makes of them (a reason it does not know too)
         let done = ServerEvent::ResponseDone {
@@ -535,13 +584,25 @@ mod tests {
             usage: Usage::default(),
         };
         assert!(done.to_json().contains("\"status\":\"cancelled\""));
-        let closing = ServerEvent::SessionClosing { seq: 0, reason: ClosingReason::MaxDuration, retry_after_ms: None };
+        let closing = ServerEvent::SessionClosing {
+            seq: 0,
+            reason: ClosingReason::MaxDuration,
+            retry_after_ms: None,
+        };
         assert!(closing.to_json().contains("\"reason\":\"max_duration\""));
-        assert!(matches!(parse_server(&closing.to_json()), Some(Received::SessionClosing { reason: ClosingReason::MaxDuration, .. })));
+        assert!(matches!(
+            parse_server(&closing.to_json()),
+            Some(Received::SessionClosing { reason: ClosingReason::MaxDuration, .. })
+        ));
         let newer = r#"{"type":"session.closing","seq":4,"reason":"moved_to_mars"}"#;
-        assert!(matches!(parse_server(newer), Some(Received::SessionClosing { reason: ClosingReason::Other, .. })));
+        assert!(matches!(
+            parse_server(newer),
+            Some(Received::SessionClosing { reason: ClosingReason::Other, .. })
+        ));
         assert!(ServerEvent::Ack { input_seq: 3 }.is_connection_level());
-        assert!(!ServerEvent::error(&WireError::new(ErrorCode::BadAudio, "x")).with_seq(2).is_connection_level());
+        assert!(!ServerEvent::error(&WireError::new(ErrorCode::BadAudio, "x"))
+            .with_seq(2)
+            .is_connection_level());
         assert!(ServerEvent::error(&WireError::new(ErrorCode::BadJson, "x")).is_connection_level());
     }
 
@@ -550,11 +611,17 @@ mod tests {
         for code in ErrorCode::ALL {
             let json = ServerEvent::error(&WireError::new(code, "x").retry_after(7)).to_json();
             assert!(json.contains(&format!("\"code\":\"{}\"", code.as_str())), "{json}");
-            assert!(matches!(parse_server(&json), Some(Received::Error { code: c, retry_after_ms: Some(7), .. }) if c == code), "{json}");
+            assert!(
+                matches!(parse_server(&json), Some(Received::Error { code: c, retry_after_ms: Some(7), .. }) if c == code),
+                "{json}"
+            );
         }
         assert!(!ErrorCode::ALL.contains(&ErrorCode::Other), "the server never sends `other`");
         let newer = r#"{"type":"error","code":"moon_unreachable","message":"x","fatal":false}"#;
-        assert!(matches!(parse_server(newer), Some(Received::Error { code: ErrorCode::Other, .. })));
+        assert!(matches!(
+            parse_server(newer),
+            Some(Received::Error { code: ErrorCode::Other, .. })
+        ));
     }
 
     #[test]
@@ -573,12 +640,23 @@ mod tests {
             matches!(&back, Some(Received::ToolCallInvalid { reason: ToolCallProblem::UndeclaredTool, message, .. }) if message == "the call names `x`"),
             "{back:?}"
         );
-        let failed = ServerEvent::InputTranscriptFailed { seq: 4, response_id: 1, reason: TranscriptFailure::Capacity, message: "busy".into() };
+        let failed = ServerEvent::InputTranscriptFailed {
+            seq: 4,
+            response_id: 1,
+            reason: TranscriptFailure::Capacity,
+            message: "busy".into(),
+        };
         let json = failed.to_json();
         assert!(json.contains(r#""reason":"capacity""#), "{json}");
-        assert!(matches!(parse_server(&json), Some(Received::TranscriptFailed { reason: TranscriptFailure::Capacity, .. })));
+        assert!(matches!(
+            parse_server(&json),
+            Some(Received::TranscriptFailed { reason: TranscriptFailure::Capacity, .. })
+        ));
         // a newer server's word is `other`, and an older server's event without a message still reads
         let newer = r#"{"type":"input.transcript.failed","seq":5,"response_id":1,"reason":"moon"}"#;
-        assert!(matches!(parse_server(newer), Some(Received::TranscriptFailed { reason: TranscriptFailure::Other, .. })));
+        assert!(matches!(
+            parse_server(newer),
+            Some(Received::TranscriptFailed { reason: TranscriptFailure::Other, .. })
+        ));
     }
 }

@@ -168,10 +168,22 @@ pub enum ServerEvent {
     /// this response's prompt, and the session has let them go.
     /// The response called a tool (sent when the call is written; the response ends after it).
     #[serde(rename = "response.tool_call")]
-    ResponseToolCall { seq: u64, response_id: u32, call_id: String, name: String, arguments: String },
+    ResponseToolCall {
+        seq: u64,
+        response_id: u32,
+        call_id: String,
+        name: String,
+        arguments: String,
+    },
     /// The response began a call that is not one: what it wrote after `<tool_call>`, and why.
     #[serde(rename = "response.tool_call.invalid")]
-    ResponseToolCallInvalid { seq: u64, response_id: u32, text: String, reason: ToolCallProblem, message: String },
+    ResponseToolCallInvalid {
+        seq: u64,
+        response_id: u32,
+        text: String,
+        reason: ToolCallProblem,
+        message: String,
+    },
     /// What the caller said in the input `response_id` answers, as the model heard it (with
     /// `input_transcription`).
     #[serde(rename = "input.transcript.delta")]
@@ -183,7 +195,15 @@ pub enum ServerEvent {
     #[serde(rename = "conversation.trimmed")]
     ConversationTrimmed { seq: u64, response_id: u32, turns: usize },
     #[serde(rename = "response.done")]
-    ResponseDone { seq: u64, response_id: u32, status: DoneStatus, audio_ms: u64, packets: u64, chunks: u64, usage: Usage },
+    ResponseDone {
+        seq: u64,
+        response_id: u32,
+        status: DoneStatus,
+        audio_ms: u64,
+        packets: u64,
+        chunks: u64,
+        usage: Usage,
+    },
     #[serde(rename = "duplex.listen")]
     DuplexListen { seq: u64, unit: u64 },
     #[serde(rename = "duplex.speak")]
@@ -221,8 +241,10 @@ impl ServerEvent {
 
     /// Connection-level events carry no seq and are never journaled.
     pub fn is_connection_level(&self) -> bool {
-        matches!(self, ServerEvent::SessionResumed { .. } | ServerEvent::Ack { .. } | ServerEvent::Pong { .. })
-            || matches!(self, ServerEvent::Error { seq: None, .. })
+        matches!(
+            self,
+            ServerEvent::SessionResumed { .. } | ServerEvent::Ack { .. } | ServerEvent::Pong { .. }
+        ) || matches!(self, ServerEvent::Error { seq: None, .. })
     }
 
     /// Sets the session sequence number of an event that carries one.
@@ -248,6 +270,12 @@ impl ServerEvent {
     }
 
     pub fn error(e: &WireError) -> Self {
-        ServerEvent::Error { seq: None, code: e.code, message: e.message.clone(), fatal: e.fatal, retry_after_ms: e.retry_after_ms }
+        ServerEvent::Error {
+            seq: None,
+            code: e.code,
+            message: e.message.clone(),
+            fatal: e.fatal,
+            retry_after_ms: e.retry_after_ms,
+        }
     }
 }

@@ -47,11 +47,15 @@ impl<'de> Deserialize<'de> for ToolChoice {
                 "auto" => Ok(ToolChoice::Auto),
                 "none" => Ok(ToolChoice::None),
                 "required" => Ok(ToolChoice::Required),
-                other => Err(D::Error::custom(format!("`{other}` is not \"auto\", \"none\", \"required\" or {{\"name\": …}}"))),
+                other => Err(D::Error::custom(format!(
+                    "`{other}` is not \"auto\", \"none\", \"required\" or {{\"name\": …}}"
+                ))),
             },
             Value::Object(o) => match (o.get("name"), o.get("type")) {
                 (Some(Value::String(n)), None) => Ok(ToolChoice::Function(n.clone())),
-                (Some(Value::String(n)), Some(Value::String(t))) if t == "function" => Ok(ToolChoice::Function(n.clone())),
+                (Some(Value::String(n)), Some(Value::String(t))) if t == "function" => {
+                    Ok(ToolChoice::Function(n.clone()))
+                }
                 _ => Err(D::Error::custom("an object must be {\"name\": \"<a declared tool>\"}")),
             },
             _ => Err(D::Error::custom("must be \"auto\", \"none\", \"required\" or {\"name\": …}")),
@@ -79,7 +83,8 @@ pub struct ToolResult {
 
 /// A function's name as OpenAI allows it: 1 to [`MAX_TOOL_NAME`] of `A-Z a-z 0-9 _ -`.
 pub fn valid_tool_name(name: &str) -> bool {
-    (1..=MAX_TOOL_NAME).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    (1..=MAX_TOOL_NAME).contains(&name.len())
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 fn bad(m: String) -> WireError {
@@ -90,17 +95,25 @@ fn bad(m: String) -> WireError {
 /// parameters an object, [`MAX_TOOLS_BYTES`] in all.
 pub fn validate_tools(tools: &[ToolDecl]) -> Result<(), WireError> {
     if tools.len() > MAX_TOOLS {
-        return Err(bad(format!("field `tools`: {} tools, more than this server takes (at most {MAX_TOOLS})", tools.len())));
+        return Err(bad(format!(
+            "field `tools`: {} tools, more than this server takes (at most {MAX_TOOLS})",
+            tools.len()
+        )));
     }
     for (k, t) in tools.iter().enumerate() {
         if !valid_tool_name(&t.name) {
-            return Err(bad(format!("field `tools[{k}].name`: {:?} is not 1-{MAX_TOOL_NAME} of A-Z a-z 0-9 _ -", t.name)));
+            return Err(bad(format!(
+                "field `tools[{k}].name`: {:?} is not 1-{MAX_TOOL_NAME} of A-Z a-z 0-9 _ -",
+                t.name
+            )));
         }
         if tools[..k].iter().any(|o| o.name == t.name) {
             return Err(bad(format!("field `tools[{k}].name`: `{}` is declared twice", t.name)));
         }
         if t.parameters.as_ref().is_some_and(|p| !p.is_object()) {
-            return Err(bad(format!("field `tools[{k}].parameters`: must be a JSON Schema object")));
+            return Err(bad(format!(
+                "field `tools[{k}].parameters`: must be a JSON Schema object"
+            )));
         }
     }
     let bytes = serde_json::to_string(tools).map(|s| s.len()).unwrap_or(usize::MAX);
@@ -111,10 +124,18 @@ pub fn validate_tools(tools: &[ToolDecl]) -> Result<(), WireError> {
 }
 
 /// A `tool_choice` the declared tools can honour (`field` names where it came from).
-pub fn validate_tool_choice(choice: &ToolChoice, tools: &[ToolDecl], field: &str) -> Result<(), WireError> {
+pub fn validate_tool_choice(
+    choice: &ToolChoice,
+    tools: &[ToolDecl],
+    field: &str,
+) -> Result<(), WireError> {
     match choice {
-        ToolChoice::Required if tools.is_empty() => Err(bad(format!("field `{field}`: \"required\", but the session declares no tools"))),
-        ToolChoice::Function(n) if !tools.iter().any(|t| &t.name == n) => Err(bad(format!("field `{field}`: `{n}` is not a declared tool"))),
+        ToolChoice::Required if tools.is_empty() => {
+            Err(bad(format!("field `{field}`: \"required\", but the session declares no tools")))
+        }
+        ToolChoice::Function(n) if !tools.iter().any(|t| &t.name == n) => {
+            Err(bad(format!("field `{field}`: `{n}` is not a declared tool")))
+        }
         _ => Ok(()),
     }
 }
@@ -123,7 +144,10 @@ pub fn validate_tool_choice(choice: &ToolChoice, tools: &[ToolDecl], field: &str
 /// [`MAX_TOOL_OUTPUT_CHARS`], no call answered twice.
 pub fn validate_results(results: &[ToolResult]) -> Result<(), WireError> {
     if results.is_empty() || results.len() > MAX_TOOL_RESULTS {
-        return Err(bad(format!("field `results`: {} results; give 1 to {MAX_TOOL_RESULTS}", results.len())));
+        return Err(bad(format!(
+            "field `results`: {} results; give 1 to {MAX_TOOL_RESULTS}",
+            results.len()
+        )));
     }
     for (k, r) in results.iter().enumerate() {
         let n = r.output.chars().count();
@@ -131,7 +155,10 @@ pub fn validate_results(results: &[ToolResult]) -> Result<(), WireError> {
             return Err(bad(format!("field `results[{k}].output`: {n} characters, more than this server takes (at most {MAX_TOOL_OUTPUT_CHARS})")));
         }
         if results[..k].iter().any(|o| o.call_id == r.call_id) {
-            return Err(bad(format!("field `results[{k}].call_id`: `{}` is answered twice", r.call_id)));
+            return Err(bad(format!(
+                "field `results[{k}].call_id`: `{}` is answered twice",
+                r.call_id
+            )));
         }
     }
     Ok(())
@@ -152,17 +179,25 @@ mod tests {
         assert_eq!(read("\"none\"").unwrap(), ToolChoice::None);
         assert_eq!(read("\"required\"").unwrap(), ToolChoice::Required);
         assert_eq!(read(r#"{"name": "f"}"#).unwrap(), ToolChoice::Function("f".into()));
-        assert_eq!(read(r#"{"type": "function", "name": "f"}"#).unwrap(), ToolChoice::Function("f".into()));
+        assert_eq!(
+            read(r#"{"type": "function", "name": "f"}"#).unwrap(),
+            ToolChoice::Function("f".into())
+        );
         assert!(read("\"sometimes\"").unwrap_err().to_string().contains("sometimes"));
         assert!(read(r#"{"type": "mcp", "name": "f"}"#).is_err());
         assert!(read("3").is_err());
-        assert_eq!(serde_json::to_string(&ToolChoice::Function("f".into())).unwrap(), r#"{"name":"f"}"#);
+        assert_eq!(
+            serde_json::to_string(&ToolChoice::Function("f".into())).unwrap(),
+            r#"{"name":"f"}"#
+        );
     }
 
     #[test]
     fn tools_and_results_beyond_the_bounds_are_refused_naming_the_field() {
         assert!(validate_tools(&[decl("get_weather"), decl("hang-up")]).is_ok());
-        let field = |r: Result<(), WireError>| r.unwrap_err().message.split('`').nth(1).unwrap().to_string();
+        let field = |r: Result<(), WireError>| {
+            r.unwrap_err().message.split('`').nth(1).unwrap().to_string()
+        };
         assert_eq!(field(validate_tools(&[decl("a"), decl("bad name")])), "tools[1].name");
         assert_eq!(field(validate_tools(&[decl("")])), "tools[0].name");
         assert_eq!(field(validate_tools(&[decl(&"x".repeat(65))])), "tools[0].name");
@@ -175,13 +210,22 @@ mod tests {
         let mut big = decl("big");
         big.description = Some("x".repeat(MAX_TOOLS_BYTES));
         assert_eq!(field(validate_tools(&[big])), "tools");
-        assert_eq!(field(validate_tool_choice(&ToolChoice::Required, &[], "generation.tool_choice")), "generation.tool_choice");
-        assert_eq!(field(validate_tool_choice(&ToolChoice::Function("g".into()), &[decl("f")], "x")), "x");
+        assert_eq!(
+            field(validate_tool_choice(&ToolChoice::Required, &[], "generation.tool_choice")),
+            "generation.tool_choice"
+        );
+        assert_eq!(
+            field(validate_tool_choice(&ToolChoice::Function("g".into()), &[decl("f")], "x")),
+            "x"
+        );
         assert!(validate_tool_choice(&ToolChoice::Function("f".into()), &[decl("f")], "x").is_ok());
         let r = |id: &str, n: usize| ToolResult { call_id: id.into(), output: "é".repeat(n) };
         assert!(validate_results(&[r("a", MAX_TOOL_OUTPUT_CHARS)]).is_ok());
         assert_eq!(field(validate_results(&[])), "results");
-        assert_eq!(field(validate_results(&[r("a", 1), r("b", MAX_TOOL_OUTPUT_CHARS + 1)])), "results[1].output");
+        assert_eq!(
+            field(validate_results(&[r("a", 1), r("b", MAX_TOOL_OUTPUT_CHARS + 1)])),
+            "results[1].output"
+        );
         assert_eq!(field(validate_results(&[r("a", 1), r("a", 1)])), "results[1].call_id");
     }
 }

@@ -67,11 +67,17 @@ pub async fn serve(
             let _ = tcp.set_nodelay(true);
             match tls {
                 None => serve_connection(tcp, app, limits.header_timeout, stop).await,
-                Some(acceptor) => match tokio::time::timeout(limits.header_timeout, acceptor.accept(tcp)).await {
-                    Ok(Ok(stream)) => serve_connection(stream, app, limits.header_timeout, stop).await,
-                    Ok(Err(e)) => tracing::debug!(%peer, "TLS handshake failed: {e}"),
-                    Err(_) => tracing::debug!(%peer, "TLS handshake took longer than server.header_timeout_s"),
-                },
+                Some(acceptor) => {
+                    match tokio::time::timeout(limits.header_timeout, acceptor.accept(tcp)).await {
+                        Ok(Ok(stream)) => {
+                            serve_connection(stream, app, limits.header_timeout, stop).await
+                        }
+                        Ok(Err(e)) => tracing::debug!(%peer, "TLS handshake failed: {e}"),
+                        Err(_) => {
+                            tracing::debug!(%peer, "TLS handshake took longer than server.header_timeout_s")
+                        }
+                    }
+                }
             }
         });
     }
@@ -82,11 +88,16 @@ pub async fn serve(
 }
 
 /// One connection: HTTP/1.1 (keep-alive, upgrades), each request head within `header_timeout`.
-async fn serve_connection<I>(io: I, app: Router, header_timeout: Duration, mut stop: watch::Receiver<()>)
-where
+async fn serve_connection<I>(
+    io: I,
+    app: Router,
+    header_timeout: Duration,
+    mut stop: watch::Receiver<()>,
+) where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let service = TowerToHyperService::new(app.map_request(|r: hyper::Request<Incoming>| r.map(Body::new)));
+    let service =
+        TowerToHyperService::new(app.map_request(|r: hyper::Request<Incoming>| r.map(Body::new)));
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder.timer(TokioTimer::new()).header_read_timeout(header_timeout);
     let mut conn = pin!(builder.serve_connection(TokioIo::new(io), service).with_upgrades());

@@ -32,7 +32,15 @@ impl InputAudio {
             Codec::Opus => Some(opus::Decoder::new(rate, opus::Channels::Mono)?),
             Codec::Pcm16 => None,
         };
-        Ok(Self { codec, rate, opus, buf: Vec::new(), scratch: vec![0.0; rate as usize * 120 / 1000], units: None, max_samples: usize::MAX })
+        Ok(Self {
+            codec,
+            rate,
+            opus,
+            buf: Vec::new(),
+            scratch: vec![0.0; rate as usize * 120 / 1000],
+            units: None,
+            max_samples: usize::MAX,
+        })
     }
 
     /// Holds at most `seconds` of audio: a packet beyond is refused (and changes nothing).
@@ -47,7 +55,10 @@ impl InputAudio {
 
     fn room(&self, n: usize) -> Result<()> {
         if self.buf.len().saturating_add(n) > self.max_samples {
-            bail!("over the {} s of audio a turn may hold: commit or clear it first", self.max_samples / self.rate as usize);
+            bail!(
+                "over the {} s of audio a turn may hold: commit or clear it first",
+                self.max_samples / self.rate as usize
+            );
         }
         Ok(())
     }
@@ -62,7 +73,11 @@ impl InputAudio {
                 }
                 let n = payload.len() / 2;
                 self.room(n)?;
-                self.buf.extend(payload.chunks_exact(2).map(|b| antiphon_audio::i16_to_f32(i16::from_le_bytes([b[0], b[1]]))));
+                self.buf.extend(
+                    payload
+                        .chunks_exact(2)
+                        .map(|b| antiphon_audio::i16_to_f32(i16::from_le_bytes([b[0], b[1]]))),
+                );
                 Ok(n)
             }
             Codec::Opus => {
@@ -70,7 +85,9 @@ impl InputAudio {
                     bail!("empty Opus packet");
                 }
                 let dec = self.opus.as_mut().expect("opus decoder");
-                let n = dec.decode_float(payload, &mut self.scratch, false).map_err(|e| anyhow::anyhow!("Opus: {e}"))?;
+                let n = dec
+                    .decode_float(payload, &mut self.scratch, false)
+                    .map_err(|e| anyhow::anyhow!("Opus: {e}"))?;
                 self.room(n)?;
                 self.buf.extend_from_slice(&self.scratch[..n]);
                 Ok(n)
@@ -142,13 +159,19 @@ impl OutputAudio {
         }
         let opus = match codec {
             Codec::Opus => {
-                let mut e = opus::Encoder::new(OUTPUT_RATE, opus::Channels::Mono, opus::Application::Voip)?;
+                let mut e =
+                    opus::Encoder::new(OUTPUT_RATE, opus::Channels::Mono, opus::Application::Voip)?;
                 e.set_bitrate(opus::Bitrate::Bits(32_000))?;
                 Some(e)
             }
             Codec::Pcm16 => None,
         };
-        Ok(Self { codec, frame: OUTPUT_RATE as usize * frame_ms as usize / 1000, opus, pending: Vec::new() })
+        Ok(Self {
+            codec,
+            frame: OUTPUT_RATE as usize * frame_ms as usize / 1000,
+            opus,
+            pending: Vec::new(),
+        })
     }
 
     pub fn frame_samples(&self) -> usize {
@@ -157,7 +180,10 @@ impl OutputAudio {
 
     fn packet(&mut self, samples: &[f32]) -> Result<Vec<u8>> {
         match self.codec {
-            Codec::Pcm16 => Ok(samples.iter().flat_map(|&s| antiphon_audio::f32_to_i16(s).to_le_bytes()).collect()),
+            Codec::Pcm16 => Ok(samples
+                .iter()
+                .flat_map(|&s| antiphon_audio::f32_to_i16(s).to_le_bytes())
+                .collect()),
             Codec::Opus => {
                 let e = self.opus.as_mut().expect("opus encoder");
                 Ok(e.encode_vec_float(samples, 4000).map_err(|e| anyhow::anyhow!("Opus: {e}"))?)
@@ -201,7 +227,9 @@ mod tests {
     #[test]
     fn opus_round_trip_keeps_a_tone() {
         let mut out = OutputAudio::new(Codec::Opus, 20).unwrap();
-        let tone: Vec<f32> = (0..24_000).map(|i| 0.4 * (i as f32 * 440.0 / 24_000.0 * std::f32::consts::TAU).sin()).collect();
+        let tone: Vec<f32> = (0..24_000)
+            .map(|i| 0.4 * (i as f32 * 440.0 / 24_000.0 * std::f32::consts::TAU).sin())
+            .collect();
         let mut packets = out.push(&tone).unwrap();
         packets.extend(out.finish().unwrap());
         assert_eq!(packets.len(), 50, "1 s in 20 ms packets");
@@ -213,7 +241,10 @@ mod tests {
         assert_eq!(x.len(), 16_000);
         let rms = (x[4000..12000].iter().map(|v| v * v).sum::<f32>() / 8000.0).sqrt();
         assert!((rms - 0.4 / 2f32.sqrt()).abs() < 0.05, "rms {rms}");
-        assert!(inp.push(&[0xff, 0xff, 0xff]).is_err() || inp.buffered_ms() == 0, "garbage is refused or decodes to nothing");
+        assert!(
+            inp.push(&[0xff, 0xff, 0xff]).is_err() || inp.buffered_ms() == 0,
+            "garbage is refused or decodes to nothing"
+        );
     }
 
     #[test]

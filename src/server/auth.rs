@@ -27,7 +27,8 @@ pub fn presented_key(headers: &HeaderMap, query: Option<&str>) -> Option<String>
         .and_then(|v| v.trim().split_once(' '))
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
         .map(|(_, k)| k.trim().to_string());
-    bearer.or_else(|| query?.split('&').find_map(|kv| kv.strip_prefix("token=")).map(percent_decode))
+    bearer
+        .or_else(|| query?.split('&').find_map(|kv| kv.strip_prefix("token=")).map(percent_decode))
 }
 
 /// `%XX` escapes of a query value decoded (`+` stays itself: keys are not form text).
@@ -59,7 +60,10 @@ pub fn key_ok(auth: &AuthSection, key: Option<&str>) -> bool {
 /// unless `auth.open_metrics`.
 pub async fn operational(State(shared): State<Arc<Shared>>, req: Request, next: Next) -> Response {
     let auth = &shared.config.auth;
-    if !auth.api_keys.is_empty() && !auth.open_metrics && !key_ok(auth, presented_key(req.headers(), req.uri().query()).as_deref()) {
+    if !auth.api_keys.is_empty()
+        && !auth.open_metrics
+        && !key_ok(auth, presented_key(req.headers(), req.uri().query()).as_deref())
+    {
         return (StatusCode::UNAUTHORIZED, "missing or wrong API key").into_response();
     }
     next.run(req).await
@@ -69,7 +73,9 @@ pub async fn operational(State(shared): State<Arc<Shared>>, req: Request, next: 
 /// WebSocket.
 pub async fn keyed(State(shared): State<Arc<Shared>>, req: Request, next: Next) -> Response {
     let auth = &shared.config.auth;
-    if !auth.api_keys.is_empty() && !key_ok(auth, presented_key(req.headers(), req.uri().query()).as_deref()) {
+    if !auth.api_keys.is_empty()
+        && !key_ok(auth, presented_key(req.headers(), req.uri().query()).as_deref())
+    {
         return (StatusCode::UNAUTHORIZED, axum::Json(serde_json::json!({"error": {"code": "unauthorized", "message": "missing or wrong API key"}})))
             .into_response();
     }

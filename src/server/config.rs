@@ -208,7 +208,8 @@ impl Config {
     pub fn parse(text: &str, base: &Path) -> Result<Self> {
         let de = toml::Deserializer::parse(text).context("parsing the configuration")?;
         // errors name the key (`model.dtype: unknown variant ...`)
-        let mut c: Config = serde_path_to_error::deserialize(de).map_err(|e| anyhow::anyhow!("{}: {}", e.path(), e.inner()))?;
+        let mut c: Config = serde_path_to_error::deserialize(de)
+            .map_err(|e| anyhow::anyhow!("{}: {}", e.path(), e.inner()))?;
         let rel = |p: &Path| {
             if p.is_relative() {
                 base.join(p)
@@ -238,7 +239,8 @@ impl Config {
     }
 
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
         Self::parse(&text, &base).with_context(|| format!("in {}", path.display()))
     }
@@ -257,7 +259,12 @@ impl Config {
             bail!("server.max_sessions must be at least 1");
         }
         let s = &self.server;
-        if s.outbound_queue == 0 || s.session_inbox == 0 || s.max_connections == 0 || s.first_event_timeout_s == 0 || s.max_input_audio_s == 0 {
+        if s.outbound_queue == 0
+            || s.session_inbox == 0
+            || s.max_connections == 0
+            || s.first_event_timeout_s == 0
+            || s.max_input_audio_s == 0
+        {
             bail!("server.outbound_queue, session_inbox, max_connections, first_event_timeout_s and max_input_audio_s must be at least 1");
         }
         if s.max_instructions_tokens == 0 {
@@ -272,7 +279,10 @@ impl Config {
         if let Err(e) = check_replica_id(&s.replica_id) {
             bail!("server.replica_id {:?}: {e}", s.replica_id);
         }
-        if !self.server.max_voice_s.is_finite() || self.server.max_voice_s <= 0.0 || self.server.max_voice_bytes < 1024 {
+        if !self.server.max_voice_s.is_finite()
+            || self.server.max_voice_s <= 0.0
+            || self.server.max_voice_bytes < 1024
+        {
             bail!("server.max_voice_s must be above 0 and server.max_voice_bytes at least 1024");
         }
         if self.server.max_binary_frame < 64 || self.server.max_text_frame < 1024 {
@@ -280,7 +290,9 @@ impl Config {
         }
         match self.model.source {
             ModelSource::Checkpoint => {
-                let Some(p) = &self.model.path else { bail!("model.path is required with source = \"checkpoint\"") };
+                let Some(p) = &self.model.path else {
+                    bail!("model.path is required with source = \"checkpoint\"")
+                };
                 if !p.join("config.json").is_file() {
                     bail!("model.path {}: no config.json there", p.display());
                 }
@@ -335,7 +347,9 @@ impl Config {
             ));
         }
         for v in &self.voices {
-            let audio = std::fs::read(&v.wav).map_err(anyhow::Error::from).and_then(|b| antiphon_audio::decode_wav(&b));
+            let audio = std::fs::read(&v.wav)
+                .map_err(anyhow::Error::from)
+                .and_then(|b| antiphon_audio::decode_wav(&b));
             match audio {
                 Err(e) => problems.push(format!("voice {:?}: {}: {e:#}", v.id, v.wav.display())),
                 Ok((samples, rate)) => {
@@ -350,7 +364,8 @@ impl Config {
         }
         let turn_model = &self.server.smart_turn_model;
         if !turn_model.as_os_str().is_empty() {
-            let loaded = antiphon_assets::onnx::read_model(turn_model).and_then(|m| antiphon_models::smart_turn::SmartTurn::from_model(&m));
+            let loaded = antiphon_assets::onnx::read_model(turn_model)
+                .and_then(|m| antiphon_models::smart_turn::SmartTurn::from_model(&m));
             if let Err(e) = loaded {
                 problems.push(format!("server.smart_turn_model = {}: {e:#}", turn_model.display()));
             }
@@ -361,7 +376,10 @@ impl Config {
 
 /// A replica id: empty, or 1–63 letters, digits and `-` (a DNS label, as a pod name is).
 pub fn check_replica_id(id: &str) -> std::result::Result<(), &'static str> {
-    if id.len() > 63 || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') || id.starts_with('-') {
+    if id.len() > 63
+        || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        || id.starts_with('-')
+    {
         return Err("letters, digits and '-' (not first), at most 63");
     }
     Ok(())

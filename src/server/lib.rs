@@ -26,10 +26,14 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
 use tokio::net::TcpListener;
 
-use antiphon_engine::{Engine, EngineEvent, GenerationParams, Mode, Models, RequestId, RequestSpec, Status, UserInput};
+use antiphon_engine::{
+    Engine, EngineEvent, GenerationParams, Mode, Models, RequestId, RequestSpec, Status, UserInput,
+};
 use config::{Config, ModelSource};
 use session::SessionManager;
 
@@ -60,25 +64,57 @@ pub struct ServerMetrics {
 impl ServerMetrics {
     fn new() -> Self {
         let registry = Registry::new();
-        let sessions = IntGauge::new("antiphon_sessions", "Live sessions (attached or parked)").expect("metric");
-        let parked = IntGauge::new("antiphon_sessions_parked", "Sessions waiting for a resume").expect("metric");
-        let journal_bytes = IntGauge::new("antiphon_journal_bytes", "Bytes held by all replay journals").expect("metric");
-        let sessions_created = IntCounter::new("antiphon_sessions_created_total", "Sessions created").expect("metric");
-        let connections = IntCounter::new("antiphon_connections_total", "WebSocket connections accepted").expect("metric");
-        let connections_open =
-            IntGauge::new("antiphon_connections_open", "WebSockets open now (each holds a place of server.max_connections)").expect("metric");
-        let errors = IntCounterVec::new(Opts::new("antiphon_errors_total", "Protocol errors sent, by code"), &["code"]).expect("metric");
-        let responses = IntCounterVec::new(Opts::new("antiphon_responses_total", "Responses by final status"), &["status"]).expect("metric");
-        let ttfa = Histogram::with_opts(
-            HistogramOpts::new("antiphon_ttfa_seconds", "Server-side time from a turn's input to its first audio packet")
-                .buckets(vec![0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]),
+        let sessions = IntGauge::new("antiphon_sessions", "Live sessions (attached or parked)")
+            .expect("metric");
+        let parked = IntGauge::new("antiphon_sessions_parked", "Sessions waiting for a resume")
+            .expect("metric");
+        let journal_bytes =
+            IntGauge::new("antiphon_journal_bytes", "Bytes held by all replay journals")
+                .expect("metric");
+        let sessions_created =
+            IntCounter::new("antiphon_sessions_created_total", "Sessions created").expect("metric");
+        let connections =
+            IntCounter::new("antiphon_connections_total", "WebSocket connections accepted")
+                .expect("metric");
+        let connections_open = IntGauge::new(
+            "antiphon_connections_open",
+            "WebSockets open now (each holds a place of server.max_connections)",
         )
         .expect("metric");
-        let resumes = IntCounter::new("antiphon_resumes_total", "Sessions resumed on a new socket").expect("metric");
-        let replica = IntGaugeVec::new(Opts::new("antiphon_replica_info", "This replica (its id in the label)"), &["replica"]).expect("metric");
-        let draining = IntGauge::new("antiphon_draining", "1 while the server drains for shutdown").expect("metric");
-        let device_memory =
-            IntGaugeVec::new(Opts::new("antiphon_device_memory_bytes", "Memory of the model's device (used, total)"), &["state"]).expect("metric");
+        let errors = IntCounterVec::new(
+            Opts::new("antiphon_errors_total", "Protocol errors sent, by code"),
+            &["code"],
+        )
+        .expect("metric");
+        let responses = IntCounterVec::new(
+            Opts::new("antiphon_responses_total", "Responses by final status"),
+            &["status"],
+        )
+        .expect("metric");
+        let ttfa = Histogram::with_opts(
+            HistogramOpts::new(
+                "antiphon_ttfa_seconds",
+                "Server-side time from a turn's input to its first audio packet",
+            )
+            .buckets(vec![
+                0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
+            ]),
+        )
+        .expect("metric");
+        let resumes = IntCounter::new("antiphon_resumes_total", "Sessions resumed on a new socket")
+            .expect("metric");
+        let replica = IntGaugeVec::new(
+            Opts::new("antiphon_replica_info", "This replica (its id in the label)"),
+            &["replica"],
+        )
+        .expect("metric");
+        let draining = IntGauge::new("antiphon_draining", "1 while the server drains for shutdown")
+            .expect("metric");
+        let device_memory = IntGaugeVec::new(
+            Opts::new("antiphon_device_memory_bytes", "Memory of the model's device (used, total)"),
+            &["state"],
+        )
+        .expect("metric");
         for c in [
             Box::new(sessions.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(resumes.clone()),
@@ -144,11 +180,15 @@ impl Shared {
         antiphon_protocol::validate_instructions(i)?;
         let Some(i) = i else { return Ok(()) };
         let max = self.config.server.max_instructions_tokens;
-        let n = self.engine.count_tokens(i).map_err(|e| WireError::new(ErrorCode::BadField, format!("field `instructions`: {e}")))?;
+        let n = self.engine.count_tokens(i).map_err(|e| {
+            WireError::new(ErrorCode::BadField, format!("field `instructions`: {e}"))
+        })?;
         if n > max {
             return Err(WireError::new(
                 ErrorCode::BadField,
-                format!("field `instructions`: {n} tokens, more than this server takes (at most {max})"),
+                format!(
+                    "field `instructions`: {n} tokens, more than this server takes (at most {max})"
+                ),
             ));
         }
         Ok(())
@@ -178,20 +218,32 @@ impl Shared {
 
 /// Loads (or makes) the models a configuration names.
 pub fn load_models(cfg: &Config) -> Result<Models> {
-    let devs = antiphon_models::gpu::open_stages(cfg.model.device, cfg.model.streams == config::Streams::PerStage)?;
+    let devs = antiphon_models::gpu::open_stages(
+        cfg.model.device,
+        cfg.model.streams == config::Streams::PerStage,
+    )?;
     let dtype = cfg.model.dtype.dtype();
     match cfg.model.source {
-        ModelSource::Synthetic => antiphon_assets::synth::models_on(cfg.model.preset, cfg.model.seed, dtype, &devs),
+        ModelSource::Synthetic => {
+            antiphon_assets::synth::models_on(cfg.model.preset, cfg.model.seed, dtype, &devs)
+        }
         ModelSource::Checkpoint => {
             let dir = cfg.model.path.as_ref().expect("validated");
             let ck = antiphon_assets::checkpoint::Checkpoint::open(dir)?;
-            let (thinker, talker) = antiphon_assets::checkpoint::load_models_on(&ck.var_builder(dtype, &devs.thinker)?, &ck.config, &devs.talker)?;
+            let (thinker, talker) = antiphon_assets::checkpoint::load_models_on(
+                &ck.var_builder(dtype, &devs.thinker)?,
+                &ck.config,
+                &devs.talker,
+            )?;
             let tokenizer = ck.tokenizer()?;
             let code2wav = antiphon_assets::token2wav::load_dir(
                 &dir.join("assets").join("token2wav"),
                 dtype,
                 &devs.code2wav,
-                antiphon_models::code2wav::BufferSeeds { seed: cfg.model.seed, ..Default::default() },
+                antiphon_models::code2wav::BufferSeeds {
+                    seed: cfg.model.seed,
+                    ..Default::default()
+                },
             )?;
             Ok(Models { thinker, talker, code2wav, tokenizer })
         }
@@ -257,7 +309,9 @@ pub async fn start(cfg: Config, models: Models) -> Result<Server> {
         turn_model,
     });
     shared.metrics.replica.with_label_values(&[cfg.server.replica_id.as_str()]).set(1);
-    let listener = TcpListener::bind(&cfg.server.listen).await.with_context(|| format!("binding {}", cfg.server.listen))?;
+    let listener = TcpListener::bind(&cfg.server.listen)
+        .await
+        .with_context(|| format!("binding {}", cfg.server.listen))?;
     let addr = listener.local_addr()?;
     let app = router(shared.clone());
     let (stop, mut stopped) = tokio::sync::watch::channel(false);
@@ -266,7 +320,10 @@ pub async fn start(cfg: Config, models: Models) -> Result<Server> {
     tokio::spawn(async move {
         if !unprepared.is_empty() {
             let w = warm.clone();
-            let _ = tokio::task::spawn_blocking(move || w.voices.prepare_missing(&w.engine, &unprepared)).await;
+            let _ = tokio::task::spawn_blocking(move || {
+                w.voices.prepare_missing(&w.engine, &unprepared)
+            })
+            .await;
         }
         match warm_up(&warm).await {
             Ok(ms) => tracing::info!("warm-up done in {ms:.0} ms; ready"),
@@ -280,7 +337,9 @@ pub async fn start(cfg: Config, models: Models) -> Result<Server> {
             let _ = rustls::crypto::ring::default_provider().install_default();
             let loaded = axum_server::tls_rustls::RustlsConfig::from_pem_file(&tls.cert, &tls.key)
                 .await
-                .with_context(|| format!("loading {} / {}", tls.cert.display(), tls.key.display()))?;
+                .with_context(|| {
+                    format!("loading {} / {}", tls.cert.display(), tls.key.display())
+                })?;
             // HTTP/1.1 only: WebSockets upgrade over it, and its request heads have a timeout
             let mut c = (*loaded.get_inner()).clone();
             c.alpn_protocols = vec![b"http/1.1".to_vec()];
@@ -381,18 +440,38 @@ pub fn router(shared: Arc<Shared>) -> Router {
         )
         .route(
             "/v1/voices/{id}",
-            get(voices::one).delete(voices::remove).route_layer(axum::middleware::from_fn_with_state(shared.clone(), auth::keyed)),
+            get(voices::one)
+                .delete(voices::remove)
+                .route_layer(axum::middleware::from_fn_with_state(shared.clone(), auth::keyed)),
         )
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics).route_layer(axum::middleware::from_fn_with_state(shared.clone(), auth::operational)))
-        .route("/api/build_info", get(build_info).route_layer(axum::middleware::from_fn_with_state(shared.clone(), auth::operational)))
+        .route(
+            "/metrics",
+            get(metrics).route_layer(axum::middleware::from_fn_with_state(
+                shared.clone(),
+                auth::operational,
+            )),
+        )
+        .route(
+            "/api/build_info",
+            get(build_info).route_layer(axum::middleware::from_fn_with_state(
+                shared.clone(),
+                auth::operational,
+            )),
+        )
         .fallback_service(web)
         .layer(axum::middleware::from_fn(reject_long_segments))
         // on every answer: no MIME sniffing, no framing by other sites, no referrer sent on
-        .layer(SetHeader::if_not_present(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff")))
+        .layer(SetHeader::if_not_present(
+            header::X_CONTENT_TYPE_OPTIONS,
+            HeaderValue::from_static("nosniff"),
+        ))
         .layer(SetHeader::if_not_present(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY")))
-        .layer(SetHeader::if_not_present(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer")))
+        .layer(SetHeader::if_not_present(
+            header::REFERRER_POLICY,
+            HeaderValue::from_static("no-referrer"),
+        ))
         .layer(tower_http::trace::TraceLayer::new_for_http().on_failure(log_failure))
         .with_state(shared)
 }
@@ -400,11 +479,17 @@ pub fn router(shared: Arc<Shared>) -> Router {
 /// A server error answered over HTTP, logged at ERROR, but for 503: `/readyz` says so while the
 /// server warms up or refuses calls, and a full server refuses upgrades with it. Those are states
 /// (the metrics and `/readyz`'s body report them), not faults, and a probe polls every few seconds.
-fn log_failure(class: tower_http::classify::ServerErrorsFailureClass, latency: std::time::Duration, _span: &tracing::Span) {
+fn log_failure(
+    class: tower_http::classify::ServerErrorsFailureClass,
+    latency: std::time::Duration,
+    _span: &tracing::Span,
+) {
     use tower_http::classify::ServerErrorsFailureClass::StatusCode as Status;
     let ms = latency.as_secs_f64() * 1e3;
     match class {
-        Status(code) if code == StatusCode::SERVICE_UNAVAILABLE => tracing::debug!(ms, "503 service unavailable"),
+        Status(code) if code == StatusCode::SERVICE_UNAVAILABLE => {
+            tracing::debug!(ms, "503 service unavailable")
+        }
         class => tracing::error!(ms, "response failed: {class}"),
     }
 }
@@ -418,13 +503,18 @@ struct RealtimeQuery {
 
 /// Whether a WebSocket may open: the key (when the server has keys), the origin, not shutting
 /// down, and a free connection permit (`server.max_connections`); the answer to send otherwise.
-pub(crate) fn admit(shared: &Arc<Shared>, headers: &HeaderMap, key: Option<&str>) -> Result<tokio::sync::OwnedSemaphorePermit, (StatusCode, String)> {
+pub(crate) fn admit(
+    shared: &Arc<Shared>,
+    headers: &HeaderMap,
+    key: Option<&str>,
+) -> Result<tokio::sync::OwnedSemaphorePermit, (StatusCode, String)> {
     let auth = &shared.config.auth;
     if !auth.api_keys.is_empty() && !auth::key_ok(auth, key) {
         return Err((StatusCode::UNAUTHORIZED, "missing or wrong API key".into()));
     }
     if !auth.allowed_origins.is_empty() {
-        if let Some(origin) = headers.get(axum::http::header::ORIGIN).and_then(|v| v.to_str().ok()) {
+        if let Some(origin) = headers.get(axum::http::header::ORIGIN).and_then(|v| v.to_str().ok())
+        {
             if !auth.allowed_origins.iter().any(|o| o == origin) {
                 return Err((StatusCode::FORBIDDEN, "origin not allowed".into()));
             }
@@ -439,7 +529,12 @@ pub(crate) fn admit(shared: &Arc<Shared>, headers: &HeaderMap, key: Option<&str>
     })
 }
 
-async fn realtime(State(shared): State<Arc<Shared>>, headers: HeaderMap, q: Query<RealtimeQuery>, ws: WebSocketUpgrade) -> Response {
+async fn realtime(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    q: Query<RealtimeQuery>,
+    ws: WebSocketUpgrade,
+) -> Response {
     let key = auth::presented_key(&headers, None).or_else(|| q.token.clone());
     let permit = match admit(&shared, &headers, key.as_deref()) {
         Ok(p) => p,
@@ -448,12 +543,17 @@ async fn realtime(State(shared): State<Arc<Shared>>, headers: HeaderMap, q: Quer
     // the transport's limit is the configured one: a bigger frame is refused before it is buffered
     let limit = shared.config.server.max_text_frame.max(shared.config.server.max_binary_frame);
     let routed = q.0.session_id;
-    ws.max_message_size(limit).max_frame_size(limit).on_upgrade(move |socket| ws::handle_socket(socket, shared, routed, permit))
+    ws.max_message_size(limit)
+        .max_frame_size(limit)
+        .on_upgrade(move |socket| ws::handle_socket(socket, shared, routed, permit))
 }
 
 /// Paths with a segment longer than any file name can be are answered 404 before they reach a
 /// handler (the static files' service answered 500 for them).
-async fn reject_long_segments(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+async fn reject_long_segments(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
     if req.uri().path().split('/').any(|seg| seg.len() > 255) {
         return (StatusCode::NOT_FOUND, "not found").into_response();
     }
@@ -468,8 +568,10 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
     let a = shared.engine.admission();
     let (running, queued, limit) = a.counts();
     let calls = a.accepts_call().is_ok();
-    let body = Json(serde_json::json!({"ready": ready, "capacity_left": left, "sessions": shared.sessions.len(),
-        "headroom": a.headroom(), "streams": running, "queued": queued, "stream_limit": limit, "accepts_calls": calls}));
+    let body = Json(
+        serde_json::json!({"ready": ready, "capacity_left": left, "sessions": shared.sessions.len(),
+        "headroom": a.headroom(), "streams": running, "queued": queued, "stream_limit": limit, "accepts_calls": calls}),
+    );
     if ready && left > 0 && calls {
         (StatusCode::OK, body).into_response()
     } else {
@@ -501,9 +603,21 @@ fn device_memory(spec: antiphon_models::gpu::DeviceSpec) -> Option<(u64, u64)> {
     if spec != antiphon_models::gpu::DeviceSpec::Cpu {
         return antiphon_models::gpu::cuda_memory(spec);
     }
-    let pages: u64 = std::fs::read_to_string("/proc/self/statm").ok()?.split_whitespace().nth(1)?.parse().ok()?;
+    let pages: u64 = std::fs::read_to_string("/proc/self/statm")
+        .ok()?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let total_kib: u64 = meminfo.lines().find_map(|l| l.strip_prefix("MemTotal:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    let total_kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
     Some((pages * 4096, total_kib * 1024))
 }
 

@@ -51,9 +51,13 @@ impl TurnModel {
     /// The model from its ONNX file, its metrics in `registry`.
     pub fn load(path: &Path, workers: usize, registry: &Registry) -> Result<Self> {
         let m = antiphon_assets::onnx::read_model(path)?;
-        let model = SmartTurn::from_model(&m).with_context(|| format!("server.smart_turn_model = {}", path.display()))?;
+        let model = SmartTurn::from_model(&m)
+            .with_context(|| format!("server.smart_turn_model = {}", path.display()))?;
         let verdicts = IntCounterVec::new(
-            Opts::new("antiphon_turn_model_verdicts_total", "semantic_vad: what the turn model said at a pause in a caller's speech"),
+            Opts::new(
+                "antiphon_turn_model_verdicts_total",
+                "semantic_vad: what the turn model said at a pause in a caller's speech",
+            ),
             &["verdict"],
         )?;
         let seconds = Histogram::with_opts(
@@ -68,7 +72,12 @@ impl TurnModel {
         for v in [Verdict::Complete, Verdict::Incomplete, Verdict::Failed] {
             verdicts.with_label_values(&[v.label()]);
         }
-        Ok(Self { model: Arc::new(model), workers: Arc::new(Semaphore::new(workers)), verdicts, seconds })
+        Ok(Self {
+            model: Arc::new(model),
+            workers: Arc::new(Semaphore::new(workers)),
+            verdicts,
+            seconds,
+        })
     }
 
     /// Whether the turn in `audio` (24 kHz, the turn so far) is complete.
@@ -76,7 +85,12 @@ impl TurnModel {
         let t0 = Instant::now();
         let model = self.model.clone();
         let run = async {
-            let _worker = self.workers.clone().acquire_owned().await.context("the turn model's workers are closed")?;
+            let _worker = self
+                .workers
+                .clone()
+                .acquire_owned()
+                .await
+                .context("the turn model's workers are closed")?;
             tokio::task::spawn_blocking(move || {
                 let x: Vec<f32> = audio.iter().map(|&s| antiphon_audio::i16_to_f32(s)).collect();
                 let x = antiphon_audio::resample(&x, 24_000, SmartTurn::SAMPLE_RATE as u32)?;
@@ -89,7 +103,9 @@ impl TurnModel {
             Ok(p) if p >= COMPLETE => Verdict::Complete,
             Ok(_) => Verdict::Incomplete,
             Err(e) => {
-                tracing::warn!("semantic_vad: the turn model failed, the pause ends the turn: {e:#}");
+                tracing::warn!(
+                    "semantic_vad: the turn model failed, the pause ends the turn: {e:#}"
+                );
                 Verdict::Failed
             }
         };

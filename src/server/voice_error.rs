@@ -43,7 +43,11 @@ pub struct VoiceError {
 }
 
 impl VoiceError {
-    pub(crate) fn new(status: StatusCode, code: VoiceErrorCode, message: impl Into<String>) -> Self {
+    pub(crate) fn new(
+        status: StatusCode,
+        code: VoiceErrorCode,
+        message: impl Into<String>,
+    ) -> Self {
         Self { status, code, message: message.into(), retry_after_s: None }
     }
 
@@ -54,11 +58,17 @@ impl VoiceError {
         match r {
             PrepareRefused::Busy { .. } => Self {
                 retry_after_s: Some(BUSY_RETRY_AFTER_S),
-                ..Self::new(StatusCode::SERVICE_UNAVAILABLE, VoiceErrorCode::Busy, format!("{r}: try again in {BUSY_RETRY_AFTER_S} s"))
+                ..Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    VoiceErrorCode::Busy,
+                    format!("{r}: try again in {BUSY_RETRY_AFTER_S} s"),
+                )
             },
-            PrepareRefused::Unusable(why) => {
-                Self::new(StatusCode::BAD_REQUEST, VoiceErrorCode::BadAudio, format!("the audio cannot be prepared as a voice: {why}"))
-            }
+            PrepareRefused::Unusable(why) => Self::new(
+                StatusCode::BAD_REQUEST,
+                VoiceErrorCode::BadAudio,
+                format!("the audio cannot be prepared as a voice: {why}"),
+            ),
         }
     }
 }
@@ -70,7 +80,8 @@ impl IntoResponse for VoiceError {
     fn into_response(self) -> Response {
         let body = Json(serde_json::json!({"error": {"code": self.code, "message": self.message}}));
         match self.retry_after_s {
-            Some(s) => (self.status, [(axum::http::header::RETRY_AFTER, s.to_string())], body).into_response(),
+            Some(s) => (self.status, [(axum::http::header::RETRY_AFTER, s.to_string())], body)
+                .into_response(),
             None => (self.status, body).into_response(),
         }
     }

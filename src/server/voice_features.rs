@@ -38,7 +38,8 @@ pub fn model_fingerprint(cfg: &Config) -> String {
                 .flatten()
                 .filter_map(|e| {
                     let meta = e.metadata().ok()?;
-                    let mtime = meta.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?.as_secs();
+                    let mtime =
+                        meta.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?.as_secs();
                     Some(format!("{} {} {mtime}", e.file_name().to_string_lossy(), meta.len()))
                 })
                 .collect();
@@ -62,7 +63,8 @@ pub fn save(dir: &Path, id: &str, v: &PreparedVoice, fingerprint: &str) -> Resul
     ]);
     let mut named: Vec<(String, candle_core::Tensor)> = tensors.into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
-    safetensors::serialize_to_file(named, Some(meta), &path(dir, id)).with_context(|| format!("writing the features of {id}"))?;
+    safetensors::serialize_to_file(named, Some(meta), &path(dir, id))
+        .with_context(|| format!("writing the features of {id}"))?;
     Ok(())
 }
 
@@ -76,7 +78,8 @@ pub fn load(dir: &Path, id: &str, fingerprint: &str) -> Result<Option<PreparedVo
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e).with_context(|| format!("reading {}", p.display())),
     };
-    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).with_context(|| format!("{}: not a safetensors file", p.display()))?;
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)
+        .with_context(|| format!("{}: not a safetensors file", p.display()))?;
     let meta = header.metadata().clone().unwrap_or_default();
     if meta.get("model").map(String::as_str) != Some(fingerprint) {
         return Ok(None);
@@ -84,8 +87,11 @@ pub fn load(dir: &Path, id: &str, fingerprint: &str) -> Result<Option<PreparedVo
     let Some(key) = meta.get("reference_key").filter(|k| !k.is_empty()) else {
         bail!("{}: no reference_key in its metadata", p.display());
     };
-    let tensors = candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu).with_context(|| format!("{}", p.display()))?;
-    Ok(Some(PreparedVoice::from_tensors(key, &tensors).with_context(|| format!("{}", p.display()))?))
+    let tensors = candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu)
+        .with_context(|| format!("{}", p.display()))?;
+    Ok(Some(
+        PreparedVoice::from_tensors(key, &tensors).with_context(|| format!("{}", p.display()))?,
+    ))
 }
 
 #[cfg(test)]
@@ -93,7 +99,13 @@ mod tests {
     use super::*;
 
     fn voice() -> PreparedVoice {
-        PreparedVoice { key: "abc".into(), codes: vec![4, 5, 6], speaker: vec![0.25; 3], mel: (0..8).map(|i| i as f32).collect(), mel_bins: 2 }
+        PreparedVoice {
+            key: "abc".into(),
+            codes: vec![4, 5, 6],
+            speaker: vec![0.25; 3],
+            mel: (0..8).map(|i| i as f32).collect(),
+            mel_bins: 2,
+        }
     }
 
     #[test]
@@ -101,7 +113,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         save(dir.path(), "v_a", &voice(), "model-1").unwrap();
         assert_eq!(load(dir.path(), "v_a", "model-1").unwrap(), Some(voice()));
-        assert_eq!(load(dir.path(), "v_a", "model-2").unwrap(), None, "another model's features are stale");
+        assert_eq!(
+            load(dir.path(), "v_a", "model-2").unwrap(),
+            None,
+            "another model's features are stale"
+        );
         assert_eq!(load(dir.path(), "v_b", "model-1").unwrap(), None, "no file");
         std::fs::write(path(dir.path(), "v_c"), b"not a safetensors file").unwrap();
         assert!(load(dir.path(), "v_c", "model-1").is_err());

@@ -72,22 +72,33 @@ const PREPARE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120)
 /// features, or why not (`bad_audio` when the audio cannot make a voice, 503 when the engine is
 /// stopped or does not answer in time).
 pub fn prepare_with(engine: &Engine, input: RefInput) -> Result<PreparedVoice, VoiceError> {
-    let unavailable = |m: String| VoiceError::new(StatusCode::SERVICE_UNAVAILABLE, VoiceErrorCode::Unavailable, m);
+    let unavailable = |m: String| {
+        VoiceError::new(StatusCode::SERVICE_UNAVAILABLE, VoiceErrorCode::Unavailable, m)
+    };
     let rx = engine.prepare_voice(input).map_err(|e| unavailable(format!("{e:#}")))?;
     match rx.recv_timeout(PREPARE_TIMEOUT) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(refused)) => Err(VoiceError::from_refusal(refused)),
-        Err(_) => Err(unavailable(format!("the engine did not prepare the voice within {} s", PREPARE_TIMEOUT.as_secs()))),
+        Err(_) => Err(unavailable(format!(
+            "the engine did not prepare the voice within {} s",
+            PREPARE_TIMEOUT.as_secs()
+        ))),
     }
 }
 
 /// Registered ids: `v_` and letters, digits, `-` or `_` (they name files in the voice directory).
 fn registered_id_ok(id: &str) -> bool {
-    id.len() <= 64 && id.strip_prefix("v_").is_some_and(|r| !r.is_empty() && r.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'))
+    id.len() <= 64
+        && id.strip_prefix("v_").is_some_and(|r| {
+            !r.is_empty() && r.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        })
 }
 
 fn now_unix() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 impl Voices {
@@ -97,14 +108,26 @@ impl Voices {
         let mut entries = HashMap::new();
         let mut configured = Vec::new();
         for v in &cfg.voices {
-            let bytes = std::fs::read(&v.wav).with_context(|| format!("voice {}: reading {}", v.id, v.wav.display()))?;
-            let (samples, rate) = antiphon_audio::decode_wav(&bytes).with_context(|| format!("voice {}", v.id))?;
+            let bytes = std::fs::read(&v.wav)
+                .with_context(|| format!("voice {}: reading {}", v.id, v.wav.display()))?;
+            let (samples, rate) =
+                antiphon_audio::decode_wav(&bytes).with_context(|| format!("voice {}", v.id))?;
             if let Some(why) = antiphon_audio::voice_fault(&samples, rate) {
                 anyhow::bail!("voice {} ({}): {why}", v.id, v.wav.display());
             }
             let seconds = samples.len() as f64 / f64::from(rate.max(1));
-            let info = VoiceInfo { id: v.id.clone(), name: v.id.clone(), kind: VoiceKind::Configured, seconds, sample_rate: rate, created: 0 };
-            entries.insert(v.id.clone(), Entry { info, input: RefInput::new(samples, rate), key: None });
+            let info = VoiceInfo {
+                id: v.id.clone(),
+                name: v.id.clone(),
+                kind: VoiceKind::Configured,
+                seconds,
+                sample_rate: rate,
+                created: 0,
+            };
+            entries.insert(
+                v.id.clone(),
+                Entry { info, input: RefInput::new(samples, rate), key: None },
+            );
             configured.push(v.id.clone());
         }
         let s = &cfg.server;
@@ -119,7 +142,8 @@ impl Voices {
             fingerprint: voice_features::model_fingerprint(cfg),
         };
         if let Some(dir) = &voices.dir {
-            std::fs::create_dir_all(dir).with_context(|| format!("server.voice_dir {}", dir.display()))?;
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("server.voice_dir {}", dir.display()))?;
             voices.load_dir(dir)?;
         }
         Ok(voices)
@@ -136,13 +160,19 @@ impl Voices {
                 Ok(entry) => {
                     let mut m = self.entries.write().unwrap_or_else(|e| e.into_inner());
                     if m.contains_key(&entry.info.id) {
-                        tracing::warn!("{}: voice id {} is taken, skipped", path.display(), entry.info.id);
+                        tracing::warn!(
+                            "{}: voice id {} is taken, skipped",
+                            path.display(),
+                            entry.info.id
+                        );
                         continue;
                     }
                     m.insert(entry.info.id.clone(), entry);
                     found += 1;
                 }
-                Err(err) => tracing::warn!("{}: not a registered voice, skipped: {err:#}", path.display()),
+                Err(err) => {
+                    tracing::warn!("{}: not a registered voice, skipped: {err:#}", path.display())
+                }
             }
         }
         tracing::info!("{found} registered voice(s) in {}", dir.display());
@@ -175,7 +205,9 @@ impl Voices {
                             e.key = Some(key);
                             installed += 1;
                         }
-                        Err(err) => tracing::warn!("voice {id}: its features were not installed: {err:#}"),
+                        Err(err) => {
+                            tracing::warn!("voice {id}: its features were not installed: {err:#}")
+                        }
                     }
                 }
                 Ok(None) => missing.push(id.clone()),
@@ -185,7 +217,10 @@ impl Voices {
                 }
             }
         }
-        tracing::info!("{installed} registered voice(s) installed from their saved features, {} to prepare", missing.len());
+        tracing::info!(
+            "{installed} registered voice(s) installed from their saved features, {} to prepare",
+            missing.len()
+        );
         missing.sort();
         missing
     }
@@ -201,11 +236,15 @@ impl Voices {
                     if let Err(err) = voice_features::save(dir, id, &v, &self.fingerprint) {
                         tracing::warn!("voice {id}: its features were not saved: {err:#}");
                     }
-                    if let Some(e) = self.entries.write().unwrap_or_else(|e| e.into_inner()).get_mut(id) {
+                    if let Some(e) =
+                        self.entries.write().unwrap_or_else(|e| e.into_inner()).get_mut(id)
+                    {
                         e.key = Some(v.key);
                     }
                 }
-                Err(err) => tracing::warn!(code = ?err.code, "voice {id}: not prepared: {}", err.message),
+                Err(err) => {
+                    tracing::warn!(code = ?err.code, "voice {id}: not prepared: {}", err.message)
+                }
             }
         }
     }
@@ -227,8 +266,13 @@ impl Voices {
     /// Configured voices first, in their order, then the registered ones by registration.
     pub fn list(&self) -> Vec<VoiceInfo> {
         let m = self.entries.read().unwrap_or_else(|e| e.into_inner());
-        let mut out: Vec<VoiceInfo> = self.configured.iter().filter_map(|id| m.get(id)).map(|e| e.info.clone()).collect();
-        let mut registered: Vec<VoiceInfo> = m.values().filter(|e| e.info.kind == VoiceKind::Registered).map(|e| e.info.clone()).collect();
+        let mut out: Vec<VoiceInfo> =
+            self.configured.iter().filter_map(|id| m.get(id)).map(|e| e.info.clone()).collect();
+        let mut registered: Vec<VoiceInfo> = m
+            .values()
+            .filter(|e| e.info.kind == VoiceKind::Registered)
+            .map(|e| e.info.clone())
+            .collect();
         registered.sort_by(|a, b| (a.created, &a.id).cmp(&(b.created, &b.id)));
         out.extend(registered);
         out
@@ -249,7 +293,11 @@ impl Voices {
         let bad = |code, m: String| VoiceError::new(StatusCode::BAD_REQUEST, code, m);
         let name = name.trim();
         if name.is_empty() || name.chars().count() > 64 || name.chars().any(char::is_control) {
-            return Err(bad(VoiceErrorCode::BadField, "query parameter `name`: 1 to 64 characters, none of them control characters".into()));
+            return Err(bad(
+                VoiceErrorCode::BadField,
+                "query parameter `name`: 1 to 64 characters, none of them control characters"
+                    .into(),
+            ));
         }
         if bytes.len() > self.max_bytes {
             return Err(VoiceError::new(
@@ -259,12 +307,19 @@ impl Voices {
             ));
         }
         if !bytes.starts_with(b"RIFF") {
-            return Err(bad(VoiceErrorCode::BadAudio, "the body is not a WAV file (it must start with RIFF)".into()));
+            return Err(bad(
+                VoiceErrorCode::BadAudio,
+                "the body is not a WAV file (it must start with RIFF)".into(),
+            ));
         }
-        let (samples, rate) =
-            antiphon_audio::decode_wav(bytes).map_err(|e| bad(VoiceErrorCode::BadAudio, format!("the WAV file cannot be read: {e:#}")))?;
+        let (samples, rate) = antiphon_audio::decode_wav(bytes).map_err(|e| {
+            bad(VoiceErrorCode::BadAudio, format!("the WAV file cannot be read: {e:#}"))
+        })?;
         if !(8000..=192_000).contains(&rate) {
-            return Err(bad(VoiceErrorCode::BadAudio, format!("sample rate {rate} Hz: 8000 to 192000 are taken")));
+            return Err(bad(
+                VoiceErrorCode::BadAudio,
+                format!("sample rate {rate} Hz: 8000 to 192000 are taken"),
+            ));
         }
         if let Some(why) = antiphon_audio::voice_fault(&samples, rate) {
             return Err(bad(VoiceErrorCode::BadAudio, why));
@@ -322,14 +377,28 @@ impl Voices {
                 break id;
             }
         };
-        let info = VoiceInfo { id: id.clone(), name: name.to_string(), kind: VoiceKind::Registered, seconds, sample_rate: rate, created: now_unix() };
+        let info = VoiceInfo {
+            id: id.clone(),
+            name: name.to_string(),
+            kind: VoiceKind::Registered,
+            seconds,
+            sample_rate: rate,
+            created: now_unix(),
+        };
         if let Some(dir) = &self.dir {
             if let Err(e) = self.persist(dir, &info, bytes, prepared) {
                 // a voice half written is no voice: what was written goes
                 if let Err(r) = remove_files(dir, &info.id) {
-                    tracing::warn!("voice {}: its partly written files could not all be removed: {r}", info.id);
+                    tracing::warn!(
+                        "voice {}: its partly written files could not all be removed: {r}",
+                        info.id
+                    );
                 }
-                return Err(VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, VoiceErrorCode::Internal, format!("keeping the voice: {e:#}")));
+                return Err(VoiceError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    VoiceErrorCode::Internal,
+                    format!("keeping the voice: {e:#}"),
+                ));
             }
         }
         m.insert(id, Entry { info: info.clone(), input, key: Some(prepared.key.clone()) });
@@ -338,7 +407,13 @@ impl Voices {
 
     /// The audio and the features first, then the metadata (what a restart looks for), each
     /// written whole and renamed into place.
-    fn persist(&self, dir: &Path, info: &VoiceInfo, bytes: &[u8], prepared: &PreparedVoice) -> Result<()> {
+    fn persist(
+        &self,
+        dir: &Path,
+        info: &VoiceInfo,
+        bytes: &[u8],
+        prepared: &PreparedVoice,
+    ) -> Result<()> {
         let write = |name: String, data: &[u8]| -> Result<()> {
             let tmp = dir.join(format!(".{name}.tmp"));
             std::fs::write(&tmp, data)?;
@@ -367,8 +442,13 @@ impl Voices {
             Some(_) => {}
         }
         if let Some(dir) = &self.dir {
-            remove_files(dir, id)
-                .map_err(|e| VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, VoiceErrorCode::Internal, format!("deleting the voice: {e}")))?;
+            remove_files(dir, id).map_err(|e| {
+                VoiceError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    VoiceErrorCode::Internal,
+                    format!("deleting the voice: {e}"),
+                )
+            })?;
         }
         let key = m.remove(id).and_then(|e| e.key);
         Ok(key.filter(|k| !m.values().any(|e| e.key.as_ref() == Some(k))))
@@ -378,8 +458,13 @@ impl Voices {
 /// A registered voice's files, the metadata first (a restart after a partial removal does not
 /// find the voice), then its audio, its features and any temporary file of a write.
 fn remove_files(dir: &Path, id: &str) -> std::io::Result<()> {
-    let names =
-        [format!("{id}.json"), format!("{id}.wav"), format!("{id}.features.safetensors"), format!(".{id}.json.tmp"), format!(".{id}.wav.tmp")];
+    let names = [
+        format!("{id}.json"),
+        format!("{id}.wav"),
+        format!("{id}.features.safetensors"),
+        format!(".{id}.json.tmp"),
+        format!(".{id}.wav.tmp"),
+    ];
     for name in names {
         match std::fs::remove_file(dir.join(name)) {
             Ok(()) => {}
@@ -400,7 +485,11 @@ pub struct RegisterQuery {
 }
 
 /// `POST /v1/voices?name=<name>`, the body a WAV file: 201 and the voice.
-pub async fn register(State(shared): State<Arc<Shared>>, q: Query<RegisterQuery>, body: Result<Bytes, BytesRejection>) -> Response {
+pub async fn register(
+    State(shared): State<Arc<Shared>>,
+    q: Query<RegisterQuery>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let body = match body {
         Ok(b) => b,
         Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
@@ -408,24 +497,44 @@ pub async fn register(State(shared): State<Arc<Shared>>, q: Query<RegisterQuery>
             return VoiceError::new(
                 e.status(),
                 VoiceErrorCode::TooLarge,
-                format!("the upload is more than this server takes (server.max_voice_bytes = {max})"),
+                format!(
+                    "the upload is more than this server takes (server.max_voice_bytes = {max})"
+                ),
             )
             .into_response();
         }
-        Err(e) => return VoiceError::new(e.status(), VoiceErrorCode::BadRequest, e.body_text()).into_response(),
+        Err(e) => {
+            return VoiceError::new(e.status(), VoiceErrorCode::BadRequest, e.body_text())
+                .into_response()
+        }
     };
     let Some(name) = q.0.name else {
-        return VoiceError::new(StatusCode::BAD_REQUEST, VoiceErrorCode::BadField, "query parameter `name` is required").into_response();
+        return VoiceError::new(
+            StatusCode::BAD_REQUEST,
+            VoiceErrorCode::BadField,
+            "query parameter `name` is required",
+        )
+        .into_response();
     };
     let s = shared.clone();
     match tokio::task::spawn_blocking(move || {
-        s.voices.register(&name, &body, |input| prepare_with(&s.engine, input), |key| s.engine.forget_voice(key))
+        s.voices.register(
+            &name,
+            &body,
+            |input| prepare_with(&s.engine, input),
+            |key| s.engine.forget_voice(key),
+        )
     })
     .await
     {
         Ok(Ok(info)) => (StatusCode::CREATED, Json(info)).into_response(),
         Ok(Err(e)) => e.into_response(),
-        Err(e) => VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, VoiceErrorCode::Internal, format!("{e}")).into_response(),
+        Err(e) => VoiceError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            VoiceErrorCode::Internal,
+            format!("{e}"),
+        )
+        .into_response(),
     }
 }
 
@@ -456,7 +565,12 @@ pub async fn remove(State(shared): State<Arc<Shared>>, UrlPath(id): UrlPath<Stri
     {
         Ok(Ok(())) => StatusCode::NO_CONTENT.into_response(),
         Ok(Err(e)) => e.into_response(),
-        Err(e) => VoiceError::new(StatusCode::INTERNAL_SERVER_ERROR, VoiceErrorCode::Internal, format!("{e}")).into_response(),
+        Err(e) => VoiceError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            VoiceErrorCode::Internal,
+            format!("{e}"),
+        )
+        .into_response(),
     }
 }
 
@@ -477,7 +591,13 @@ mod tests {
     }
 
     fn prepared(key: &str, speaker: f32) -> PreparedVoice {
-        PreparedVoice { key: key.into(), codes: vec![1, 2, 3], speaker: vec![speaker; 4], mel: vec![0.0; 8], mel_bins: 2 }
+        PreparedVoice {
+            key: key.into(),
+            codes: vec![1, 2, 3],
+            speaker: vec![speaker; 4],
+            mel: vec![0.0; 8],
+            mel_bins: 2,
+        }
     }
 
     /// Busy is not bad audio: a full preparation queue is 503 with `Retry-After`, audio the model
@@ -494,9 +614,15 @@ mod tests {
             busy.message
         );
         let r = busy.into_response();
-        assert_eq!(r.headers().get(axum::http::header::RETRY_AFTER).and_then(|v| v.to_str().ok()), Some("1"));
+        assert_eq!(
+            r.headers().get(axum::http::header::RETRY_AFTER).and_then(|v| v.to_str().ok()),
+            Some("1")
+        );
         let bad = VoiceError::from_refusal(PrepareRefused::Unusable("too short".into()));
-        assert_eq!((bad.status, bad.code, bad.retry_after_s), (StatusCode::BAD_REQUEST, VoiceErrorCode::BadAudio, None));
+        assert_eq!(
+            (bad.status, bad.code, bad.retry_after_s),
+            (StatusCode::BAD_REQUEST, VoiceErrorCode::BadAudio, None)
+        );
         assert!(bad.message.contains("too short"), "{}", bad.message);
         assert!(bad.into_response().headers().get(axum::http::header::RETRY_AFTER).is_none());
     }
@@ -508,17 +634,36 @@ mod tests {
         let files = || std::fs::read_dir(dir.path()).unwrap().count();
         let mut forgotten = Vec::new();
         // its audio is written first; its features (not finite) then cannot be
-        let e = v.register("x", &wav(), |_| Ok(prepared("k1", f32::NAN)), |k| forgotten.push(k.to_string())).unwrap_err();
-        assert_eq!((e.status, e.code), (StatusCode::INTERNAL_SERVER_ERROR, VoiceErrorCode::Internal), "{}", e.message);
+        let e = v
+            .register(
+                "x",
+                &wav(),
+                |_| Ok(prepared("k1", f32::NAN)),
+                |k| forgotten.push(k.to_string()),
+            )
+            .unwrap_err();
+        assert_eq!(
+            (e.status, e.code),
+            (StatusCode::INTERNAL_SERVER_ERROR, VoiceErrorCode::Internal),
+            "{}",
+            e.message
+        );
         assert_eq!(files(), 0, "the audio written before the failure is gone");
         assert_eq!(forgotten, ["k1"], "Stage 2 is told to drop the features");
         assert!(v.list().iter().all(|i| i.kind != VoiceKind::Registered));
         // one that can be kept: its three files, nothing forgotten
-        let info = v.register("y", &wav(), |_| Ok(prepared("k2", 0.5)), |k| forgotten.push(k.to_string())).unwrap();
+        let info = v
+            .register("y", &wav(), |_| Ok(prepared("k2", 0.5)), |k| forgotten.push(k.to_string()))
+            .unwrap();
         assert_eq!(files(), 3);
         assert_eq!(forgotten, ["k1"]);
         // a failure for audio another voice also has: its features stay (that voice uses them)
-        let e = v.register("z", &wav(), |_| Ok(prepared("k2", f32::NAN)), |k| forgotten.push(k.to_string()));
+        let e = v.register(
+            "z",
+            &wav(),
+            |_| Ok(prepared("k2", f32::NAN)),
+            |k| forgotten.push(k.to_string()),
+        );
         assert!(e.is_err());
         assert_eq!(forgotten, ["k1"]);
         assert_eq!(files(), 3);

@@ -38,7 +38,12 @@ impl Drop for OpenSocket {
 
 /// `permit`: the connection's place under `server.max_connections`, held until the socket is
 /// closed.
-pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Option<String>, permit: tokio::sync::OwnedSemaphorePermit) {
+pub async fn handle_socket(
+    socket: WebSocket,
+    shared: Arc<Shared>,
+    routed: Option<String>,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) {
     shared.metrics.connections.inc();
     // (declared before the socket's halves: the reader's share goes after its half)
     let open = Arc::new(OpenSocket::new(permit, shared.metrics.connections_open.clone()));
@@ -65,7 +70,11 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
                 Outbound::Text(t) => Message::Text(t.into()),
                 Outbound::Binary(b) => Message::Binary(b.into()),
                 Outbound::Close(code, reason) => {
-                    let _ = tokio::time::timeout(CLOSE_GRACE, sink.send(Message::Close(Some(CloseFrame { code, reason: reason.into() })))).await;
+                    let _ = tokio::time::timeout(
+                        CLOSE_GRACE,
+                        sink.send(Message::Close(Some(CloseFrame { code, reason: reason.into() }))),
+                    )
+                    .await;
                     break;
                 }
             };
@@ -95,7 +104,9 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
         conn.send_event(&ServerEvent::error(&e));
     };
     // a refused frame: its error (in the session's order when there is one), then the close frame
-    let refuse = |session: &Option<tokio::sync::mpsc::Sender<SessionMsg>>, e: Option<WireError>, close: (u16, String)| {
+    let refuse = |session: &Option<tokio::sync::mpsc::Sender<SessionMsg>>,
+                  e: Option<WireError>,
+                  close: (u16, String)| {
         let conn = conn.clone();
         let session = session.clone();
         let shared = shared.clone();
@@ -114,7 +125,8 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
             }
         }
     };
-    let first_deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(limits.first_event_timeout_s);
+    let first_deadline =
+        tokio::time::Instant::now() + std::time::Duration::from_secs(limits.first_event_timeout_s);
     let mut kicked = kicked;
     let mut writer_gone = false;
     loop {
@@ -140,10 +152,12 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
             Ok(f) => f,
             Err(e) => {
                 // the transport refused the frame: say why, with the close code the protocol asks for
-                let (code, close) = transport_error(&e, limits.max_text_frame.max(limits.max_binary_frame));
+                let (code, close) =
+                    transport_error(&e, limits.max_text_frame.max(limits.max_binary_frame));
                 match close {
                     Some(close) => {
-                        refuse(&session, code.map(|c| WireError::fatal(c, e.to_string())), close).await;
+                        refuse(&session, code.map(|c| WireError::fatal(c, e.to_string())), close)
+                            .await;
                         linger = true;
                     }
                     None => {
@@ -158,8 +172,14 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
         match frame {
             Message::Text(t) => {
                 if t.len() > limits.max_text_frame {
-                    let e =
-                        WireError::fatal(ErrorCode::MessageTooLarge, format!("text frame of {} bytes (limit {})", t.len(), limits.max_text_frame));
+                    let e = WireError::fatal(
+                        ErrorCode::MessageTooLarge,
+                        format!(
+                            "text frame of {} bytes (limit {})",
+                            t.len(),
+                            limits.max_text_frame
+                        ),
+                    );
                     refuse(&session, Some(e), (1009, "message too large".into())).await;
                     linger = true;
                     break;
@@ -218,7 +238,11 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
                 if b.len() > limits.max_binary_frame {
                     let e = WireError::fatal(
                         ErrorCode::MessageTooLarge,
-                        format!("binary frame of {} bytes (limit {})", b.len(), limits.max_binary_frame),
+                        format!(
+                            "binary frame of {} bytes (limit {})",
+                            b.len(),
+                            limits.max_binary_frame
+                        ),
                     );
                     refuse(&session, Some(e), (1009, "message too large".into())).await;
                     linger = true;
@@ -231,11 +255,17 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
                 match AudioFrame::decode(&b) {
                     Some(f) => {
                         let seq = (f.seq != 0).then_some(f.seq as u64);
-                        let _ = s.send(SessionMsg::Audio { seq, kind: f.kind, payload: f.payload }).await;
+                        let _ = s
+                            .send(SessionMsg::Audio { seq, kind: f.kind, payload: f.payload })
+                            .await;
                     }
                     None => {
-                        let _ =
-                            s.send(SessionMsg::Invalid(WireError::new(ErrorCode::BadAudio, "binary frame shorter than its 12-byte header"))).await;
+                        let _ = s
+                            .send(SessionMsg::Invalid(WireError::new(
+                                ErrorCode::BadAudio,
+                                "binary frame shorter than its 12-byte header",
+                            )))
+                            .await;
                     }
                 }
             }
@@ -273,11 +303,17 @@ pub async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, routed: Optio
 /// What a transport error means for the client: the error code to send (if any) and the close
 /// frame: an oversized frame is `message_too_large` with 1009, invalid UTF-8 in a text frame 1007,
 /// any other protocol violation 1002; a connection that is simply gone gets nothing.
-pub(crate) fn transport_error(e: &axum::Error, limit: usize) -> (Option<ErrorCode>, Option<(u16, String)>) {
+pub(crate) fn transport_error(
+    e: &axum::Error,
+    limit: usize,
+) -> (Option<ErrorCode>, Option<(u16, String)>) {
     let text = e.to_string();
     let lower = text.to_ascii_lowercase();
     if lower.contains("space limit") || lower.contains("too long") || lower.contains("too big") {
-        (Some(ErrorCode::MessageTooLarge), Some((1009, format!("message too large (limit {limit} bytes)"))))
+        (
+            Some(ErrorCode::MessageTooLarge),
+            Some((1009, format!("message too large (limit {limit} bytes)"))),
+        )
     } else if lower.contains("utf-8") || lower.contains("utf8") {
         (Some(ErrorCode::BadJson), Some((1007, "invalid UTF-8 in a text frame".into())))
     } else if lower.contains("protocol") {

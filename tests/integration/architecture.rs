@@ -19,10 +19,18 @@ fn normal_closure() -> BTreeMap<String, BTreeSet<String>> {
         .current_dir(root())
         .output()
         .expect("running cargo metadata");
-    assert!(out.status.success(), "cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "cargo metadata failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let m: Value = serde_json::from_slice(&out.stdout).expect("cargo metadata prints JSON");
-    let names: BTreeMap<String, String> =
-        m["packages"].as_array().unwrap().iter().map(|p| (p["id"].as_str().unwrap().to_string(), p["name"].as_str().unwrap().to_string())).collect();
+    let names: BTreeMap<String, String> = m["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["id"].as_str().unwrap().to_string(), p["name"].as_str().unwrap().to_string()))
+        .collect();
     let mut direct: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for n in m["resolve"]["nodes"].as_array().unwrap() {
         let deps = n["deps"]
@@ -67,27 +75,59 @@ fn the_crate_graph_keeps_the_layers() {
         "antiphon-bench",
     ];
     for name in expect {
-        assert!(c.contains_key(name), "the workspace has no crate {name}: {:?}", c.keys().collect::<Vec<_>>());
+        assert!(
+            c.contains_key(name),
+            "the workspace has no crate {name}: {:?}",
+            c.keys().collect::<Vec<_>>()
+        );
     }
     let forbid = |krate: &str, banned: &[&str]| {
         let deps = &c[krate];
         let bad: Vec<&&str> = banned.iter().filter(|b| deps.contains(**b)).collect();
-        assert!(bad.is_empty(), "{krate} must not depend on {bad:?} (directly or through another crate)");
+        assert!(
+            bad.is_empty(),
+            "{krate} must not depend on {bad:?} (directly or through another crate)"
+        );
     };
-    let server_side = ["tokio", "axum", "tower-http", "tokio-tungstenite", "opus", "prometheus", "hyper"];
+    let server_side =
+        ["tokio", "axum", "tower-http", "tokio-tungstenite", "opus", "prometheus", "hyper"];
     // Architecture invariant: the models are pure computation (candle + serde), no runtime, no sockets.
     forbid("antiphon-models", &server_side);
-    forbid("antiphon-models", &["antiphon-assets", "antiphon-engine", "antiphon-server", "antiphon-bench", "antiphon-protocol"]);
+    forbid(
+        "antiphon-models",
+        &[
+            "antiphon-assets",
+            "antiphon-engine",
+            "antiphon-server",
+            "antiphon-bench",
+            "antiphon-protocol",
+        ],
+    );
     // Architecture invariant: model files are read in one crate, which knows nothing of serving.
     forbid("antiphon-assets", &server_side);
     forbid("antiphon-assets", &["antiphon-engine", "antiphon-server", "antiphon-bench"]);
     // Architecture invariant: the engine runs stages on threads; sockets and HTTP are the server's.
-    forbid("antiphon-engine", &["axum", "tower-http", "tokio-tungstenite", "tokio", "hyper", "opus"]);
+    forbid(
+        "antiphon-engine",
+        &["axum", "tower-http", "tokio-tungstenite", "tokio", "hyper", "opus"],
+    );
     forbid("antiphon-engine", &["antiphon-server", "antiphon-bench", "antiphon-assets"]);
     // Architecture invariant: the bench client knows the wire protocol only, like any client.
-    forbid("antiphon-bench", &["antiphon-engine", "antiphon-models", "antiphon-assets", "antiphon-server", "candle-core"]);
+    forbid(
+        "antiphon-bench",
+        &[
+            "antiphon-engine",
+            "antiphon-models",
+            "antiphon-assets",
+            "antiphon-server",
+            "candle-core",
+        ],
+    );
     // Architecture invariant: the protocol crate is plain data (serde only).
-    forbid("antiphon-protocol", &["antiphon-audio", "antiphon-models", "antiphon-engine", "candle-core", "tokio"]);
+    forbid(
+        "antiphon-protocol",
+        &["antiphon-audio", "antiphon-models", "antiphon-engine", "candle-core", "tokio"],
+    );
 }
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
@@ -109,7 +149,11 @@ fn the_models_crate_reads_no_files() {
     for f in files.iter().filter(|f| !f.ends_with("build.rs")) {
         let text = std::fs::read_to_string(f).unwrap();
         for banned in ["std::fs", "File::open", "read_to_string(", "tokio"] {
-            assert!(!text.contains(banned), "{} uses {banned}: file IO belongs in antiphon-assets", f.display());
+            assert!(
+                !text.contains(banned),
+                "{} uses {banned}: file IO belongs in antiphon-assets",
+                f.display()
+            );
         }
     }
 }
@@ -151,19 +195,29 @@ fn each_crate_has_at_most_one_integration_test_binary() {
     assert!(dirs.len() >= 8, "found only {} crates", dirs.len());
     for dir in dirs {
         let manifest = std::fs::read_to_string(dir.join("Cargo.toml")).unwrap();
-        assert!(!manifest.contains("[[test]]"), "{}: a [[test]] target; keep integration tests in one binary", dir.display());
+        assert!(
+            !manifest.contains("[[test]]"),
+            "{}: a [[test]] target; keep integration tests in one binary",
+            dir.display()
+        );
         let Ok(entries) = std::fs::read_dir(dir.join("tests")) else { continue };
         let binaries: Vec<String> = entries
             .map(|e| e.unwrap().path())
             .filter(|p| p.extension().is_some_and(|x| x == "rs") || p.join("main.rs").is_file())
             .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
             .collect();
-        assert!(binaries.len() <= 1, "{}: {} integration-test binaries {binaries:?}; make them modules of one", dir.display(), binaries.len());
+        assert!(
+            binaries.len() <= 1,
+            "{}: {} integration-test binaries {binaries:?}; make them modules of one",
+            dir.display(),
+            binaries.len()
+        );
     }
 }
 
 /// The string types a field must not have where a closed set of words belongs.
-const STRING_TYPES: [&str; 6] = ["String", "&'static str", "&str", "Option<String>", "Option<&'static str>", "Option<&str>"];
+const STRING_TYPES: [&str; 6] =
+    ["String", "&'static str", "&str", "Option<String>", "Option<&'static str>", "Option<&str>"];
 
 /// `name: Type` fields in `line` whose name is one of `names` and whose type is a string.
 fn string_fields<'a>(line: &str, names: &[&'a str]) -> Vec<&'a str> {
@@ -178,9 +232,11 @@ fn string_fields<'a>(line: &str, names: &[&'a str]) -> Vec<&'a str> {
             }
             let Some(rest) = line[from..].strip_prefix(':') else { continue };
             let rest = rest.trim_start();
-            let string = STRING_TYPES
-                .iter()
-                .any(|t| rest.strip_prefix(t).is_some_and(|after| after.is_empty() || after.starts_with([',', '}', ')', ' ', '>'])));
+            let string = STRING_TYPES.iter().any(|t| {
+                rest.strip_prefix(t).is_some_and(|after| {
+                    after.is_empty() || after.starts_with([',', '}', ')', ' ', '>'])
+                })
+            });
             if string {
                 found.push(*name);
             }
@@ -193,9 +249,13 @@ fn string_fields<'a>(line: &str, names: &[&'a str]) -> Vec<&'a str> {
 /// `reason`, `code` or `trigger` hold a string (each is an enum with its words).
 #[test]
 fn status_reason_code_and_trigger_are_never_strings() {
-    assert_eq!(string_fields("    ToolCallInvalid { seq: u64, reason: String },", &["reason"]), ["reason"]);
+    assert_eq!(
+        string_fields("    ToolCallInvalid { seq: u64, reason: String },", &["reason"]),
+        ["reason"]
+    );
     assert_eq!(string_fields("    pub code: &'static str,", &["code"]), ["code"]);
-    assert!(string_fields("    pub status: ItemStatus, error_code: String", &["status", "code"]).is_empty());
+    assert!(string_fields("    pub status: ItemStatus, error_code: String", &["status", "code"])
+        .is_empty());
     let mut files = Vec::new();
     rust_files(&root().join("src"), &mut files);
     assert!(files.len() > 100, "found only {} files", files.len());
@@ -207,7 +267,11 @@ fn status_reason_code_and_trigger_are_never_strings() {
                 continue;
             }
             for name in string_fields(line, &["status", "reason", "code", "trigger"]) {
-                bad.push(format!("{}:{}: `{name}`", f.strip_prefix(root()).unwrap().display(), k + 1));
+                bad.push(format!(
+                    "{}:{}: `{name}`",
+                    f.strip_prefix(root()).unwrap().display(),
+                    k + 1
+                ));
             }
         }
     }
@@ -222,12 +286,20 @@ fn the_architecture_document_maps_every_file() {
     let doc = std::fs::read_to_string(root().join("ARCHITECTURE.md")).unwrap();
     let lines = doc.lines().count();
     assert!(lines < 300, "ARCHITECTURE.md is {lines} lines: move rationale to docs/design/");
-    let wide: Vec<usize> = doc.lines().enumerate().filter(|(_, l)| l.chars().count() > 100).map(|(k, _)| k + 1).collect();
+    let wide: Vec<usize> = doc
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| l.chars().count() > 100)
+        .map(|(k, _)| k + 1)
+        .collect();
     assert!(wide.is_empty(), "ARCHITECTURE.md lines over 100 columns: {wide:?}");
     let words: Vec<&str> = doc.split_whitespace().collect();
     let runs: Vec<String> = words
         .windows(2)
-        .filter(|w| matches!(w[0].trim_start_matches('('), "run" | "runs") && w[1].starts_with(|c: char| c.is_ascii_digit()))
+        .filter(|w| {
+            matches!(w[0].trim_start_matches('('), "run" | "runs")
+                && w[1].starts_with(|c: char| c.is_ascii_digit())
+        })
         .map(|w| w.join(" "))
         .collect();
     assert!(runs.is_empty(), "ARCHITECTURE.md names measurements: {runs:?}");
@@ -236,7 +308,10 @@ fn the_architecture_document_maps_every_file() {
     let unnamed: Vec<String> = files
         .iter()
         .filter_map(|f| f.file_name()?.to_str())
-        .filter(|n| !matches!(*n, "mod.rs" | "lib.rs" | "main.rs" | "tests.rs" | "build.rs") && !n.ends_with("_tests.rs"))
+        .filter(|n| {
+            !matches!(*n, "mod.rs" | "lib.rs" | "main.rs" | "tests.rs" | "build.rs")
+                && !n.ends_with("_tests.rs")
+        })
         .filter(|n| !doc.contains(&format!("`{n}`")) && !doc.contains(&format!("/{n}`")))
         .map(str::to_string)
         .collect();
@@ -268,11 +343,17 @@ fn the_context_fit_rule_and_the_voice_check_are_defined_once() {
     let mut twice = Vec::new();
     for sum in ["saturating_sub(", "checked_add(", "checked_sub("] {
         for size in ["context", "max_positions", "ctx0", "ctx1"] {
-            twice.extend(lines_with(&[size, sum], "src/engine/fit.rs").into_iter().filter(|l| !l.contains("with_context")));
+            twice.extend(
+                lines_with(&[size, sum], "src/engine/fit.rs")
+                    .into_iter()
+                    .filter(|l| !l.contains("with_context")),
+            );
         }
     }
     assert!(twice.is_empty(), "context arithmetic outside src/engine/fit.rs: {twice:?}");
-    for check in [["samples.is_empty()", "is_finite"], ["MIN_VOICE_S", "<"], ["MIN_VOICE_DBFS", "<"]] {
+    for check in
+        [["samples.is_empty()", "is_finite"], ["MIN_VOICE_S", "<"], ["MIN_VOICE_DBFS", "<"]]
+    {
         let again = lines_with(&check, "src/engine/clips.rs");
         assert!(again.is_empty(), "a second voice check ({check:?}): {again:?}");
     }

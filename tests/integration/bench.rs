@@ -9,12 +9,19 @@ use antiphon_server::config::Config;
 use serde_json::Value;
 
 async fn server() -> antiphon_server::Server {
-    let mut cfg =
-        Config::parse(antiphon_server::config::DEFAULT_TOML, std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs"))).unwrap();
+    let mut cfg = Config::parse(
+        antiphon_server::config::DEFAULT_TOML,
+        std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs")),
+    )
+    .unwrap();
     cfg.server.listen = "127.0.0.1:0".into();
-    let models =
-        antiphon_assets::synth::models_in_memory(antiphon_assets::synth::Preset::Tiny, 0, candle_core::DType::F32, &candle_core::Device::Cpu)
-            .unwrap();
+    let models = antiphon_assets::synth::models_in_memory(
+        antiphon_assets::synth::Preset::Tiny,
+        0,
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
     let s = antiphon_server::start(cfg, models).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
     while !s.shared.ready.load(std::sync::atomic::Ordering::SeqCst) {
@@ -24,7 +31,13 @@ async fn server() -> antiphon_server::Server {
     s
 }
 
-fn config(url: String, workload: Workload, levels: Vec<usize>, requests: usize, out: PathBuf) -> BenchConfig {
+fn config(
+    url: String,
+    workload: Workload,
+    levels: Vec<usize>,
+    requests: usize,
+    out: PathBuf,
+) -> BenchConfig {
     BenchConfig {
         url,
         api_key: None,
@@ -60,10 +73,13 @@ async fn tts_summary_follows_the_contract() {
     let url = format!("ws://{}/v1/realtime", s.addr);
     let info = antiphon_bench::probe_build_info(&url).await.expect("build info");
     assert_eq!(info["synthetic_weights"], true);
-    let summary = antiphon_bench::run(config(url, Workload::Tts, vec![1, 2], 2, dir.path().into())).await.unwrap();
+    let summary = antiphon_bench::run(config(url, Workload::Tts, vec![1, 2], 2, dir.path().into()))
+        .await
+        .unwrap();
 
     // the contract, as a script reads it
-    let v: Value = serde_json::from_slice(&std::fs::read(dir.path().join("summary.json")).unwrap()).unwrap();
+    let v: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("summary.json")).unwrap()).unwrap();
     for k in ["workload", "server", "config", "synthetic_weights", "date", "levels"] {
         assert!(v.get(k).is_some(), "summary.json lacks {k}");
     }
@@ -167,7 +183,10 @@ async fn duplex_workload() {
         assert!((1400.0..=1800.0).contains(&l.audio_ms_mean), "{}", l.audio_ms_mean);
     }
     let recs = std::fs::read_to_string(dir.path().join("requests.jsonl")).unwrap();
-    let units: Vec<u64> = recs.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()["prompt"].as_u64().unwrap()).collect();
+    let units: Vec<u64> = recs
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["prompt"].as_u64().unwrap())
+        .collect();
     assert!(units.iter().all(|u| [1, 3].contains(u)), "{units:?}");
     s.shutdown().await.unwrap();
 }
@@ -186,7 +205,8 @@ async fn conversations_arrive_at_a_rate() {
     cfg.seed = 3;
     let summary = antiphon_bench::run(cfg).await.unwrap();
 
-    let v: Value = serde_json::from_slice(&std::fs::read(dir.path().join("summary.json")).unwrap()).unwrap();
+    let v: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("summary.json")).unwrap()).unwrap();
     assert_eq!(v["workload"], "conversations");
     let levels = v["levels"].as_array().unwrap();
     assert_eq!(levels.len(), 1);
@@ -222,10 +242,14 @@ async fn conversations_arrive_at_a_rate() {
     for c in 0..3u64 {
         let turns: Vec<&Value> = recs.iter().filter(|r| r["conversation"] == c).collect();
         assert_eq!(turns.len(), 2, "conversation {c}");
-        let (t0, t1) = (turns.iter().find(|r| r["turn"] == 0).unwrap(), turns.iter().find(|r| r["turn"] == 1).unwrap());
+        let (t0, t1) = (
+            turns.iter().find(|r| r["turn"] == 0).unwrap(),
+            turns.iter().find(|r| r["turn"] == 1).unwrap(),
+        );
         assert!(turns.iter().all(|r| r["rate_per_s"] == 4.0 && r["ok"] == true), "{turns:?}");
         // the reply is at least its audio long, then the think time
-        let played = t0["start_s"].as_f64().unwrap() + (t0["ttfa_ms"].as_f64().unwrap() + t0["audio_ms"].as_f64().unwrap() + 50.0) / 1000.0;
+        let played = t0["start_s"].as_f64().unwrap()
+            + (t0["ttfa_ms"].as_f64().unwrap() + t0["audio_ms"].as_f64().unwrap() + 50.0) / 1000.0;
         assert!(t1["start_s"].as_f64().unwrap() >= played - 0.05, "{t0} {t1}");
     }
     let table = std::fs::read_to_string(dir.path().join("table.txt")).unwrap();
@@ -236,7 +260,10 @@ async fn conversations_arrive_at_a_rate() {
         .next()
         .unwrap()
         .ends_with(",rate_per_s,calls_offered,calls_refused,replies_refused,live_sessions_peak,responses_without_stall_frac,retry_after_ms"));
-    assert!(std::fs::read_to_string(dir.path().join("ttfa.svg")).unwrap().contains("\n4/s\n"), "the rate's tick");
+    assert!(
+        std::fs::read_to_string(dir.path().join("ttfa.svg")).unwrap().contains("\n4/s\n"),
+        "the rate's tick"
+    );
     s.shutdown().await.unwrap();
 }
 
@@ -245,7 +272,14 @@ async fn failures_are_counted_by_code() {
     // nothing listens on this port: every worker fails to connect, and the run says so
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let dir = tempfile::tempdir().unwrap();
-    let r = antiphon_bench::run(config(format!("ws://127.0.0.1:{port}/v1/realtime"), Workload::Tts, vec![1], 1, dir.path().into())).await;
+    let r = antiphon_bench::run(config(
+        format!("ws://127.0.0.1:{port}/v1/realtime"),
+        Workload::Tts,
+        vec![1],
+        1,
+        dir.path().into(),
+    ))
+    .await;
     assert!(r.is_err());
     assert!(format!("{:#}", r.unwrap_err()).contains("connecting"));
 }
@@ -266,8 +300,14 @@ async fn ab_mode_starts_and_stops_its_servers() {
     };
     let (a, b) = (conf(true), conf(false));
     let cfg = ab::AbConfig {
-        a: ab::ServerSpec::Shell(format!("{exe} serve --config {} --listen 127.0.0.1:{{port}}", a.display())),
-        b: ab::ServerSpec::Shell(format!("{exe} serve --config {} --listen 127.0.0.1:{{port}}", b.display())),
+        a: ab::ServerSpec::Shell(format!(
+            "{exe} serve --config {} --listen 127.0.0.1:{{port}}",
+            a.display()
+        )),
+        b: ab::ServerSpec::Shell(format!(
+            "{exe} serve --config {} --listen 127.0.0.1:{{port}}",
+            b.display()
+        )),
         blocks: 1,
         bench: config(String::new(), Workload::Clone, vec![1], 1, PathBuf::new()),
         out: dir.path().join("ab"),
@@ -296,7 +336,10 @@ async fn ab_mode_starts_and_stops_its_servers() {
         let log = std::fs::read_to_string(d.join("server.log")).unwrap();
         assert!(log.contains("listening"), "{log}");
     }
-    assert!(std::fs::read_to_string(dir.path().join("ab/ab.md")).unwrap().contains("| 1 | ttfa_p50_ms |"));
-    let v: Value = serde_json::from_slice(&std::fs::read(dir.path().join("ab/ab.json")).unwrap()).unwrap();
+    assert!(std::fs::read_to_string(dir.path().join("ab/ab.md"))
+        .unwrap()
+        .contains("| 1 | ttfa_p50_ms |"));
+    let v: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("ab/ab.json")).unwrap()).unwrap();
     assert_eq!(v["blocks_per_side"], 1);
 }

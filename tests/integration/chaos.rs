@@ -103,7 +103,12 @@ async fn random_drops_across_many_responses_lose_and_double_nothing() {
     c.send(json!({"type": "ack", "seq": last})).await;
     c.send(json!({"type": "session.close"})).await;
     let n = sess.seen.len() as u64;
-    assert_eq!(sess.seen, (1..=n).collect::<Vec<_>>(), "every message once, in order ({} drops)", sess.drops);
+    assert_eq!(
+        sess.seen,
+        (1..=n).collect::<Vec<_>>(),
+        "every message once, in order ({} drops)",
+        sess.drops
+    );
     assert_eq!(sess.done, responses as usize, "one response.done per request");
     assert!(sess.drops >= 8, "the schedule cut the socket only {} times", sess.drops);
     s.shutdown().await.unwrap();

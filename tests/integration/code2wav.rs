@@ -14,11 +14,20 @@ use candle_core::{DType, Device, Tensor};
 fn synthetic_assets_round_trip_and_stream() {
     let dir = tempfile::tempdir().unwrap();
     synth::write_token2wav(dir.path(), Preset::Tiny, 3).unwrap();
-    for f in ["flow.pt", "flow.yaml", "hift.pt", "config.yaml", "hift_original.pt", "campplus.onnx", "speech_tokenizer_v2_25hz.onnx"] {
+    for f in [
+        "flow.pt",
+        "flow.yaml",
+        "hift.pt",
+        "config.yaml",
+        "hift_original.pt",
+        "campplus.onnx",
+        "speech_tokenizer_v2_25hz.onnx",
+    ] {
         assert!(dir.path().join(f).is_file(), "{f} written");
     }
     let seeds = BufferSeeds { seed: 3, ..BufferSeeds::default() };
-    let from_files = antiphon_assets::token2wav::load_dir(dir.path(), DType::F32, &Device::Cpu, seeds).unwrap();
+    let from_files =
+        antiphon_assets::token2wav::load_dir(dir.path(), DType::F32, &Device::Cpu, seeds).unwrap();
     let in_memory = synth::code2wav_in_memory(Preset::Tiny, 3, DType::F32, &Device::Cpu).unwrap();
     let r = reference();
     let fa = from_files.prepare(&r).unwrap();
@@ -31,7 +40,11 @@ fn synthetic_assets_round_trip_and_stream() {
     let run = |c2w: &Code2Wav, f: &antiphon_models::code2wav::prompt::PromptFeatures| {
         let setup = c2w.setup(f).unwrap();
         let mut st = c2w.start(f, &setup).unwrap();
-        chunks.iter().enumerate().map(|(i, p)| samples(&c2w.chunk(&mut st, p, i == chunks.len() - 1).unwrap())).collect::<Vec<_>>()
+        chunks
+            .iter()
+            .enumerate()
+            .map(|(i, p)| samples(&c2w.chunk(&mut st, p, i == chunks.len() - 1).unwrap()))
+            .collect::<Vec<_>>()
     };
     let a = run(&from_files, &fa);
     let b = run(&in_memory, &fb);
@@ -107,7 +120,8 @@ fn streams_with_different_histories_and_voices_share_a_batch() {
     let feats = [(&f, &sf), (&f, &sf), (&g, &sg)];
     let lag = [0usize, 1, 0];
     let sizes = [25, 25, 25, 10];
-    let pay: Vec<Vec<Vec<u32>>> = (0..3).map(|s| payloads(&codes(85, s as u32 + 1), &sizes)).collect();
+    let pay: Vec<Vec<Vec<u32>>> =
+        (0..3).map(|s| payloads(&codes(85, s as u32 + 1), &sizes)).collect();
     let mut together: Vec<_> = feats.iter().map(|(f, s)| c2w.start(f, s).unwrap()).collect();
     let mut alone: Vec<_> = feats.iter().map(|(f, s)| c2w.start(f, s).unwrap()).collect();
     let mut ragged = 0;
@@ -117,7 +131,12 @@ fn streams_with_different_histories_and_voices_share_a_batch() {
             if members.is_empty() {
                 continue;
             }
-            let mut refs: Vec<&mut _> = together.iter_mut().enumerate().filter(|(s, _)| members.iter().any(|m| m.0 == *s)).map(|(_, t)| t).collect();
+            let mut refs: Vec<&mut _> = together
+                .iter_mut()
+                .enumerate()
+                .filter(|(s, _)| members.iter().any(|m| m.0 == *s))
+                .map(|(_, t)| t)
+                .collect();
             let codes: Vec<&[u32]> = members.iter().map(|&(s, i)| pay[s][i].as_slice()).collect();
             let lens: Vec<usize> = refs.iter().map(|r| r.flow.estimator.len()).collect();
             ragged += usize::from(lens.iter().any(|&l| l != lens[0]));
@@ -127,7 +146,10 @@ fn streams_with_different_histories_and_voices_share_a_batch() {
                 let got = samples(y);
                 assert_eq!(got.len(), want.len(), "stream {s}, chunk {i}");
                 let d = common::max_abs_diff(&got, &want);
-                assert!(d < 1e-4, "stream {s}, chunk {i} (cache lengths in the batch {lens:?}): max diff {d}");
+                assert!(
+                    d < 1e-4,
+                    "stream {s}, chunk {i} (cache lengths in the batch {lens:?}): max diff {d}"
+                );
             }
         }
     }
@@ -156,7 +178,8 @@ fn voices_set_up_in_one_batch_match_voices_set_up_alone() {
     // the same state from every run
     let mut g2w = c2w.clone();
     g2w.set_graphs(Some(antiphon_models::code2wav::dit::GraphPolicy::default()), Some(4));
-    let want = samples(&c2w.chunk(&mut c2w.start(&g, &together[1]).unwrap(), &first, false).unwrap());
+    let want =
+        samples(&c2w.chunk(&mut c2w.start(&g, &together[1]).unwrap(), &first, false).unwrap());
     for run in 0..3 {
         let set = g2w.setup_batch(&[&f, &g, &f]).unwrap();
         let got = samples(&g2w.chunk(&mut g2w.start(&g, &set[1]).unwrap(), &first, false).unwrap());
@@ -170,7 +193,14 @@ fn missing_assets_are_named() {
     let dir = tempfile::tempdir().unwrap();
     synth::write_token2wav(dir.path(), Preset::Tiny, 1).unwrap();
     std::fs::remove_file(dir.path().join("campplus.onnx")).unwrap();
-    let err = antiphon_assets::token2wav::load_dir(dir.path(), DType::F32, &Device::Cpu, BufferSeeds::default()).unwrap_err().to_string();
+    let err = antiphon_assets::token2wav::load_dir(
+        dir.path(),
+        DType::F32,
+        &Device::Cpu,
+        BufferSeeds::default(),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("campplus.onnx"), "{err}");
 }
 
@@ -189,7 +219,14 @@ fn a_chunk_after_the_last_is_refused() {
 struct Counting(std::sync::Mutex<Vec<(String, usize)>>);
 
 impl candle_nn::var_builder::SimpleBackend for Counting {
-    fn get(&self, s: candle_core::Shape, name: &str, _: candle_nn::Init, d: DType, dev: &Device) -> candle_core::Result<Tensor> {
+    fn get(
+        &self,
+        s: candle_core::Shape,
+        name: &str,
+        _: candle_nn::Init,
+        d: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
         self.0.lock().unwrap().push((name.to_string(), s.elem_count()));
         Tensor::ones(1, d, dev)?.broadcast_as(s)
     }
@@ -203,7 +240,11 @@ impl candle_nn::var_builder::SimpleBackend for Counting {
 
 fn count<T>(build: impl FnOnce(candle_nn::VarBuilder<'static>) -> T) -> (usize, usize) {
     let c = std::sync::Arc::new(Counting(Default::default()));
-    let vb = candle_nn::VarBuilder::from_backend(Box::new(antiphon_assets::checkpoint::SharedBackend(c.clone())), DType::F32, Device::Cpu);
+    let vb = candle_nn::VarBuilder::from_backend(
+        Box::new(antiphon_assets::checkpoint::SharedBackend(c.clone())),
+        DType::F32,
+        Device::Cpu,
+    );
     let _ = build(vb);
     let v = c.0.lock().unwrap();
     (v.len(), v.iter().map(|(_, n)| n).sum())
@@ -220,7 +261,8 @@ fn full_code2wav_preset_has_the_real_sizes() {
     assert_eq!(tensors, 605);
     assert!((155_700_000..155_900_000).contains(&params), "flow parameters {params}");
     // the original HiFT: 328 tensors, 20,821,295 parameters
-    let (tensors, params) = count(|vb| HiftGenerator::load(vb, &HiftConfig::original(), None).unwrap());
+    let (tensors, params) =
+        count(|vb| HiftGenerator::load(vb, &HiftConfig::original(), None).unwrap());
     assert_eq!((tensors, params), (328, 20_821_295));
 }
 
@@ -235,12 +277,24 @@ fn conv_columns_times_the_weight_are_the_convolution() {
     for (k, d, pad_l, pad_r) in [(3, 1, 2, 0), (7, 3, 18, 0), (11, 5, 25, 25), (3, 1, 1, 1)] {
         let w = Tensor::randn(0f32, 1., (o, c, k), &dev).unwrap();
         let bias = Tensor::randn(0f32, 1., o, &dev).unwrap();
-        let want =
-            x.pad_with_zeros(2, pad_l, pad_r).unwrap().conv1d(&w, 0, 1, d, 1).unwrap().broadcast_add(&bias.reshape((1, o, 1)).unwrap()).unwrap();
+        let want = x
+            .pad_with_zeros(2, pad_l, pad_r)
+            .unwrap()
+            .conv1d(&w, 0, 1, d, 1)
+            .unwrap()
+            .broadcast_add(&bias.reshape((1, o, 1)).unwrap())
+            .unwrap();
         let wc = antiphon_models::code2wav::conv_cols::cols_weight(&w, Some(&bias)).unwrap();
-        let got = wc.broadcast_left(b).unwrap().matmul(&conv_cols(&x, k, d, pad_l, pad_r).unwrap()).unwrap();
+        let got = wc
+            .broadcast_left(b)
+            .unwrap()
+            .matmul(&conv_cols(&x, k, d, pad_l, pad_r).unwrap())
+            .unwrap();
         assert_eq!(got.dims(), want.dims(), "k {k}, d {d}");
-        let diff = common::max_abs_diff(&got.flatten_all().unwrap().to_vec1().unwrap(), &want.flatten_all().unwrap().to_vec1().unwrap());
+        let diff = common::max_abs_diff(
+            &got.flatten_all().unwrap().to_vec1().unwrap(),
+            &want.flatten_all().unwrap().to_vec1().unwrap(),
+        );
         assert!(diff < 1e-4, "k {k}, d {d}, padding ({pad_l}, {pad_r}): max diff {diff}");
     }
 }
@@ -253,12 +307,23 @@ fn strided_and_upsampled_conv_columns_are_the_convolution() {
     let dev = Device::Cpu;
     let (b, c, o, t) = (2, 3, 4, 47);
     let x = Tensor::randn(0f32, 1., (b, c, t), &dev).unwrap();
-    for (k, d, pad_l, pad_r, stride, up) in
-        [(30, 1, 14, 0, 15, 1), (6, 1, 2, 0, 3, 1), (16, 1, 15, 0, 1, 8), (7, 1, 6, 0, 1, 3), (5, 1, 0, 4, 1, 1), (4, 2, 3, 1, 2, 2)]
-    {
+    for (k, d, pad_l, pad_r, stride, up) in [
+        (30, 1, 14, 0, 15, 1),
+        (6, 1, 2, 0, 3, 1),
+        (16, 1, 15, 0, 1, 8),
+        (7, 1, 6, 0, 1, 3),
+        (5, 1, 0, 4, 1, 1),
+        (4, 2, 3, 1, 2, 2),
+    ] {
         let w = Tensor::randn(0f32, 1., (o, c, k), &dev).unwrap();
         let bias = Tensor::randn(0f32, 1., o, &dev).unwrap();
-        let xu = x.unsqueeze(3).unwrap().broadcast_as((b, c, t, up)).unwrap().reshape((b, c, t * up)).unwrap();
+        let xu = x
+            .unsqueeze(3)
+            .unwrap()
+            .broadcast_as((b, c, t, up))
+            .unwrap()
+            .reshape((b, c, t * up))
+            .unwrap();
         let want = xu
             .pad_with_zeros(2, pad_l, pad_r)
             .unwrap()
@@ -270,8 +335,14 @@ fn strided_and_upsampled_conv_columns_are_the_convolution() {
         let cols = conv_cols_with(&x, Cols { k, d, pad_l, pad_r, stride, up }).unwrap();
         let got = wc.broadcast_left(b).unwrap().matmul(&cols).unwrap();
         assert_eq!(got.dims(), want.dims(), "k {k}, stride {stride}, up {up}");
-        let diff = common::max_abs_diff(&got.flatten_all().unwrap().to_vec1().unwrap(), &want.flatten_all().unwrap().to_vec1().unwrap());
-        assert!(diff < 1e-4, "k {k}, d {d}, padding ({pad_l}, {pad_r}), stride {stride}, up {up}: max diff {diff}");
+        let diff = common::max_abs_diff(
+            &got.flatten_all().unwrap().to_vec1().unwrap(),
+            &want.flatten_all().unwrap().to_vec1().unwrap(),
+        );
+        assert!(
+            diff < 1e-4,
+            "k {k}, d {d}, padding ({pad_l}, {pad_r}), stride {stride}, up {up}: max diff {diff}"
+        );
     }
 }
 
@@ -282,7 +353,11 @@ fn references_prepared_in_one_batch_match_references_prepared_alone() {
     let c2w = synth::code2wav_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap();
     let a = reference();
     let b = Reference::materialize(&reference().samples[..24_000 * 2], 24_000).unwrap();
-    let c = Reference::materialize(&reference().samples.iter().map(|s| 0.5 * s).collect::<Vec<_>>(), 24_000).unwrap();
+    let c = Reference::materialize(
+        &reference().samples.iter().map(|s| 0.5 * s).collect::<Vec<_>>(),
+        24_000,
+    )
+    .unwrap();
     let together = c2w.prepare_batch(&[&a, &b, &c]);
     assert_eq!(together.len(), 3);
     for (r, got) in [&a, &b, &c].into_iter().zip(&together) {
@@ -290,8 +365,17 @@ fn references_prepared_in_one_batch_match_references_prepared_alone() {
         let got = got.as_ref().expect("each voice prepared");
         assert_eq!(got.codes, want.codes);
         // (CAM++ over a batch may sum in another order than over one voice)
-        assert!(common::max_abs_diff(&got.speaker.to_vec1::<f32>().unwrap(), &want.speaker.to_vec1::<f32>().unwrap()) < 1e-5);
+        assert!(
+            common::max_abs_diff(
+                &got.speaker.to_vec1::<f32>().unwrap(),
+                &want.speaker.to_vec1::<f32>().unwrap()
+            ) < 1e-5
+        );
         assert_eq!(got.mel.to_vec2::<f32>().unwrap(), want.mel.to_vec2::<f32>().unwrap());
     }
-    assert_ne!(together[0].as_ref().unwrap().codes, together[1].as_ref().unwrap().codes, "different voices, different codes");
+    assert_ne!(
+        together[0].as_ref().unwrap().codes,
+        together[1].as_ref().unwrap().codes,
+        "different voices, different codes"
+    );
 }

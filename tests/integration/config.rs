@@ -18,10 +18,21 @@ fn shipped_configs_parse() {
     assert_eq!(s.model.preset, antiphon_assets::synth::Preset::Full);
     assert_eq!(s.model.dtype, antiphon_models::gpu::Precision::Bf16);
     // the GPU config sizes its streams from the card's memory, at most its 64 slots
-    assert!(s.engine.streams_from_memory && s.engine.thinker_slots == 64 && s.engine.memory_headroom_mib == 16384);
+    assert!(
+        s.engine.streams_from_memory
+            && s.engine.thinker_slots == 64
+            && s.engine.memory_headroom_mib == 16384
+    );
     // ...and ships run 54's Code2Wav scheduling and kernels (keys the reference defaults to off)
-    assert!(s.engine.code2wav_first_chunks_apart && s.engine.code2wav_one_batch_per_step && s.engine.vocoder_half_columns);
-    assert_eq!(s.engine.code2wav_pool_attention, antiphon_models::code2wav::dit_attention::PoolAttention::InPlace);
+    assert!(
+        s.engine.code2wav_first_chunks_apart
+            && s.engine.code2wav_one_batch_per_step
+            && s.engine.vocoder_half_columns
+    );
+    assert_eq!(
+        s.engine.code2wav_pool_attention,
+        antiphon_models::code2wav::dit_attention::PoolAttention::InPlace
+    );
     // the real-checkpoint file names a directory this machine does not have
     let e = format!("{:#}", Config::load(&root().join("configs/minicpmo45.toml")).unwrap_err());
     assert!(e.contains("model.path") && e.contains("config.json"), "{e}");
@@ -32,14 +43,20 @@ fn mistakes_are_named() {
     let base = std::fs::read_to_string(root().join("configs/default.toml")).unwrap();
     let cfgdir = root().join("configs");
     let err = |text: &str| format!("{:#}", Config::parse(text, &cfgdir).unwrap_err());
-    assert!(err(&base.replace("listen = \"127.0.0.1:8080\"", "listen = \"nowhere\"")).contains("server.listen"));
+    assert!(err(&base.replace("listen = \"127.0.0.1:8080\"", "listen = \"nowhere\""))
+        .contains("server.listen"));
     assert!(err(&base.replace("source = \"synthetic\"", "source = \"magic\"")).contains("source"));
     assert!(err(&base.replace("dtype = \"f32\"", "dtype = \"f8\"")).contains("model.dtype"));
     assert!(err(&base.replace("default.wav", "missing.wav")).contains("does not exist"));
-    assert!(err(&format!("{base}\n[server2]\nx = 1\n")).contains("server2"), "unknown tables are refused");
+    assert!(
+        err(&format!("{base}\n[server2]\nx = 1\n")).contains("server2"),
+        "unknown tables are refused"
+    );
     assert!(err(&base.replace("max_sessions = 8", "max_sessions = 0")).contains("max_sessions"));
     // a replica id is a DNS label: it prefixes session ids and a proxy routes on it
-    let with_replica = |id: &str| base.replace("max_sessions = 8", &format!("max_sessions = 8\nreplica_id = {id:?}"));
+    let with_replica = |id: &str| {
+        base.replace("max_sessions = 8", &format!("max_sessions = 8\nreplica_id = {id:?}"))
+    };
     assert!(Config::parse(&with_replica("antiphon-3"), &cfgdir).is_ok());
     for bad in ["a.b", "-a", "a b", &"x".repeat(64)] {
         assert!(err(&with_replica(bad)).contains("server.replica_id"), "{bad:?} is refused");
@@ -49,10 +66,18 @@ fn mistakes_are_named() {
 #[test]
 fn check_config_command() {
     let bin = env!("CARGO_BIN_EXE_antiphon");
-    let ok = Command::new(bin).args(["check-config", "configs/default.toml"]).current_dir(root()).output().unwrap();
+    let ok = Command::new(bin)
+        .args(["check-config", "configs/default.toml"])
+        .current_dir(root())
+        .output()
+        .unwrap();
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
     assert!(String::from_utf8_lossy(&ok.stdout).contains("OK"));
-    let bad = Command::new(bin).args(["check-config", "configs/minicpmo45.toml"]).current_dir(root()).output().unwrap();
+    let bad = Command::new(bin)
+        .args(["check-config", "configs/minicpmo45.toml"])
+        .current_dir(root())
+        .output()
+        .unwrap();
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("model.path"));
 }
@@ -62,9 +87,21 @@ fn check_config_command() {
 #[test]
 fn the_configuration_reference_states_the_real_defaults() {
     let readme = std::fs::read_to_string(root().join("docs/configuration.md")).unwrap();
-    let table = readme.split("# Configuration reference").nth(1).expect("a configuration section").split("\n## ").next().unwrap();
+    let table = readme
+        .split("# Configuration reference")
+        .nth(1)
+        .expect("a configuration section")
+        .split("\n## ")
+        .next()
+        .unwrap();
     let base = "[model]\nsource = \"synthetic\"\n\n[[voices]]\nid = \"v\"\nwav = \"../assets/voices/default.wav\"\n";
-    let parse = |text: &str| format!("{:?}", Config::parse(text, &root().join("configs")).unwrap_or_else(|e| panic!("{e:#}\n{text}")));
+    let parse = |text: &str| {
+        format!(
+            "{:?}",
+            Config::parse(text, &root().join("configs"))
+                .unwrap_or_else(|e| panic!("{e:#}\n{text}"))
+        )
+    };
     let plain = parse(base);
     let strip = |s: &str| s.trim().trim_matches('`').to_string();
     let mut checked = 0;
@@ -81,7 +118,8 @@ fn the_configuration_reference_states_the_real_defaults() {
         let section = keys[0].split('.').next().unwrap().to_string();
         for (k, v) in keys.iter().zip(&values) {
             let (sec, key) = k.split_once('.').unwrap_or((section.as_str(), k.as_str()));
-            let literal = v.parse::<f64>().is_ok() || v == "true" || v == "false" || v.starts_with('[');
+            let literal =
+                v.parse::<f64>().is_ok() || v == "true" || v == "false" || v.starts_with('[');
             let value = if literal { v.clone() } else { format!("{v:?}") };
             let text = if sec == "model" {
                 base.replace("[model]\n", &format!("[model]\n{key} = {value}\n"))
@@ -107,7 +145,8 @@ fn every_shipped_config_passes_check_config() {
             continue;
         }
         n += 1;
-        let out = Command::new(bin).arg("check-config").arg(&p).current_dir(root()).output().unwrap();
+        let out =
+            Command::new(bin).arg("check-config").arg(&p).current_dir(root()).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         let cuda = std::fs::read_to_string(&p).unwrap().contains("device = \"cuda");
         if p.ends_with("minicpmo45.toml") {
@@ -115,7 +154,9 @@ fn every_shipped_config_passes_check_config() {
         } else if cuda && !cfg!(feature = "cuda") {
             // (a CUDA device on a build without CUDA is the one thing it finds)
             assert!(
-                !out.status.success() && err.contains("no CUDA") && err.lines().filter(|l| l.starts_with("error: ")).count() == 1,
+                !out.status.success()
+                    && err.contains("no CUDA")
+                    && err.lines().filter(|l| l.starts_with("error: ")).count() == 1,
                 "{}: {err}",
                 p.display()
             );
@@ -151,7 +192,10 @@ fn check_config_finds_what_serve_would_meet() {
     let (ok, err) = config("");
     assert!(ok, "a whole checkpoint passes: {err}");
     // a wrong shape: one layer's q_proj rewritten with a row too few
-    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ck.join("model.safetensors.index.json")).unwrap()).unwrap();
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(ck.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
     let name = "llm.model.layers.0.self_attn.q_proj.weight";
     let shard = ck.join(index["weight_map"][name].as_str().unwrap());
     let saved = std::fs::read(&shard).unwrap();
@@ -164,7 +208,11 @@ fn check_config_finds_what_serve_would_meet() {
     // a truncated shard
     std::fs::write(&shard, &saved[..saved.len() - 100]).unwrap();
     let (ok, err) = config("");
-    assert!(!ok && err.contains(&*shard.file_name().unwrap().to_string_lossy()) && err.contains("truncated"), "{err}");
+    assert!(
+        !ok && err.contains(&*shard.file_name().unwrap().to_string_lossy())
+            && err.contains("truncated"),
+        "{err}"
+    );
     std::fs::write(&shard, &saved).unwrap();
     // no tokenizer
     std::fs::rename(ck.join("tokenizer.json"), ck.join("t.json")).unwrap();
@@ -178,10 +226,18 @@ fn check_config_finds_what_serve_would_meet() {
     }
     // a web_dir without the demo
     let text = std::fs::read_to_string(tmp.path().join("c.toml")).unwrap();
-    std::fs::write(tmp.path().join("c.toml"), text.replace(&format!("{:?}", root().join("web")), &format!("{:?}", tmp.path()))).unwrap();
-    let out = Command::new(bin).arg("check-config").arg(tmp.path().join("c.toml")).output().unwrap();
+    std::fs::write(
+        tmp.path().join("c.toml"),
+        text.replace(&format!("{:?}", root().join("web")), &format!("{:?}", tmp.path())),
+    )
+    .unwrap();
+    let out =
+        Command::new(bin).arg("check-config").arg(tmp.path().join("c.toml")).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("server.web_dir") && err.contains("index.html"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("server.web_dir") && err.contains("index.html"),
+        "{err}"
+    );
     // and all of it found, the checkpoint is whole again
     let (ok, err) = config("");
     assert!(ok, "{err}");
@@ -193,23 +249,39 @@ fn check_config_finds_what_serve_would_meet() {
 fn check_config_opens_the_turn_model() {
     let bin = env!("CARGO_BIN_EXE_antiphon");
     let tmp = tempfile::tempdir().unwrap();
-    let base = std::fs::read_to_string(root().join("configs/default.toml")).unwrap().replace("../", &format!("{}/", root().display()));
+    let base = std::fs::read_to_string(root().join("configs/default.toml"))
+        .unwrap()
+        .replace("../", &format!("{}/", root().display()));
     let check = |model: &std::path::Path| {
-        let text = base.replacen("[server]\n", &format!("[server]\nsmart_turn_model = {model:?}\n"), 1);
-        assert!(text.contains("smart_turn_model"), "the default configuration has a [server] table");
+        let text =
+            base.replacen("[server]\n", &format!("[server]\nsmart_turn_model = {model:?}\n"), 1);
+        assert!(
+            text.contains("smart_turn_model"),
+            "the default configuration has a [server] table"
+        );
         let p = tmp.path().join("c.toml");
         std::fs::write(&p, text).unwrap();
         let out = Command::new(bin).arg("check-config").arg(&p).output().unwrap();
         (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
     };
     let (ok, err) = check(&tmp.path().join("missing.onnx"));
-    assert!(!ok && err.contains("server.smart_turn_model") && err.contains("missing.onnx"), "{err}");
+    assert!(
+        !ok && err.contains("server.smart_turn_model") && err.contains("missing.onnx"),
+        "{err}"
+    );
     // an ONNX file, but CAM++'s speaker model from a synthetic checkpoint, not a turn model
     let ck = tmp.path().join("ck");
-    antiphon_assets::synth::write_checkpoint(&ck, &antiphon_assets::synth::SynthOptions::default()).unwrap();
-    let campplus = walk(&ck).into_iter().find(|p| p.file_name().is_some_and(|n| n == "campplus.onnx")).expect("the checkpoint has campplus.onnx");
+    antiphon_assets::synth::write_checkpoint(&ck, &antiphon_assets::synth::SynthOptions::default())
+        .unwrap();
+    let campplus = walk(&ck)
+        .into_iter()
+        .find(|p| p.file_name().is_some_and(|n| n == "campplus.onnx"))
+        .expect("the checkpoint has campplus.onnx");
     let (ok, err) = check(&campplus);
-    assert!(!ok && err.contains("server.smart_turn_model") && err.contains("input_features"), "{err}");
+    assert!(
+        !ok && err.contains("server.smart_turn_model") && err.contains("input_features"),
+        "{err}"
+    );
 }
 
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {

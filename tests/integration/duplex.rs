@@ -10,17 +10,23 @@ use std::time::{Duration, Instant};
 
 use antiphon_assets::synth::{models_in_memory, Preset};
 use antiphon_engine::{
-    DuplexEvent, DuplexPolicy, DuplexSpec, Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status,
-    UserInput,
+    DuplexEvent, DuplexPolicy, DuplexSpec, Engine, EngineConfig, EngineEvent, GenerationParams,
+    Mode, RefInput, RequestId, RequestSpec, Status, UserInput,
 };
 use candle_core::{DType, Device};
 
 fn engine(cfg: EngineConfig) -> Engine {
-    Engine::start(models_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap(), cfg).unwrap()
+    Engine::start(models_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap(), cfg)
+        .unwrap()
 }
 
 fn voice(f: f32) -> RefInput {
-    RefInput::new((0..16_000 * 3).map(|i| 0.3 * (i as f32 * f / 16_000.0 * std::f32::consts::TAU).sin()).collect(), 16_000)
+    RefInput::new(
+        (0..16_000 * 3)
+            .map(|i| 0.3 * (i as f32 * f / 16_000.0 * std::f32::consts::TAU).sin())
+            .collect(),
+        16_000,
+    )
 }
 
 /// One second of "speech" (a gliding tone), different per unit.
@@ -40,10 +46,21 @@ fn forced(text: usize, drain: usize) -> GenerationParams {
     }
 }
 
-fn open(e: &Engine, session: &str, policy: DuplexPolicy, generation: GenerationParams) -> mpsc::Receiver<DuplexEvent> {
+fn open(
+    e: &Engine,
+    session: &str,
+    policy: DuplexPolicy,
+    generation: GenerationParams,
+) -> mpsc::Receiver<DuplexEvent> {
     let (tx, rx) = mpsc::channel();
     let tx = std::sync::Mutex::new(tx);
-    let spec = DuplexSpec { session: session.into(), policy, instructions: None, voice: voice(180.0), generation };
+    let spec = DuplexSpec {
+        session: session.into(),
+        policy,
+        instructions: None,
+        voice: voice(180.0),
+        generation,
+    };
     e.open_duplex(
         spec,
         Arc::new(move |ev| {
@@ -55,7 +72,10 @@ fn open(e: &Engine, session: &str, policy: DuplexPolicy, generation: GenerationP
 }
 
 /// Events until `stop` says so (or a timeout fails the test).
-fn collect(rx: &mpsc::Receiver<DuplexEvent>, mut stop: impl FnMut(&[DuplexEvent]) -> bool) -> Vec<DuplexEvent> {
+fn collect(
+    rx: &mpsc::Receiver<DuplexEvent>,
+    mut stop: impl FnMut(&[DuplexEvent]) -> bool,
+) -> Vec<DuplexEvent> {
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut out = Vec::new();
     while !stop(&out) {
@@ -75,7 +95,9 @@ fn summary(ev: &[DuplexEvent]) -> String {
             DuplexEvent::Speak { unit, new_turn, .. } => {
                 format!("S{unit}{}", if *new_turn { "+" } else { "" })
             }
-            DuplexEvent::Response { turn, event: EngineEvent::Done { status, .. } } => format!("done({turn},{status:?})"),
+            DuplexEvent::Response { turn, event: EngineEvent::Done { status, .. } } => {
+                format!("done({turn},{status:?})")
+            }
             DuplexEvent::Response { .. } => String::new(),
             DuplexEvent::Closed { reason } => format!("closed({reason})"),
         })
@@ -98,9 +120,10 @@ fn decisions(ev: &[DuplexEvent]) -> Vec<(u64, bool, usize)> {
 fn dones(ev: &[DuplexEvent]) -> Vec<(RequestId, Status, usize, String)> {
     ev.iter()
         .filter_map(|e| match e {
-            DuplexEvent::Response { turn, event: EngineEvent::Done { status, codes, text, .. } } => {
-                Some((turn.clone(), status.clone(), *codes, text.clone()))
-            }
+            DuplexEvent::Response {
+                turn,
+                event: EngineEvent::Done { status, codes, text, .. },
+            } => Some((turn.clone(), status.clone(), *codes, text.clone())),
             _ => None,
         })
         .collect()
@@ -116,7 +139,12 @@ fn speak_every_cadence_and_the_per_unit_token_budget() {
     // units 1, 3, 5 speak; unit 6 listens and closes the third turn
     let ev = collect(&rx, |ev| dones(ev).len() == 3);
     let d = decisions(&ev);
-    assert_eq!(d.iter().map(|x| (x.0, x.1)).collect::<Vec<_>>(), (0..7).map(|u| (u, u % 2 == 1)).collect::<Vec<_>>(), "{}", summary(&ev));
+    assert_eq!(
+        d.iter().map(|x| (x.0, x.1)).collect::<Vec<_>>(),
+        (0..7).map(|u| (u, u % 2 == 1)).collect::<Vec<_>>(),
+        "{}",
+        summary(&ev)
+    );
     // Thinker positions per unit: `</unit>` `<unit>` + 10 audio embeddings, plus what the
     // previous unit fed back: `<|listen|>` (1), or `<|speak|>` + 5 text tokens + `<|chunk_eos|>` (7)
     for w in d.windows(2) {
@@ -124,8 +152,16 @@ fn speak_every_cadence_and_the_per_unit_token_budget() {
         assert_eq!(w[1].2 - w[0].2, 12 + fed, "unit {} → {}", w[0].0, w[1].0);
     }
     // every speaking unit opened its own turn: a unit of codes (25) plus the forced drain (10)
-    let turns: Vec<_> =
-        ev.iter().filter_map(|e| if let DuplexEvent::Speak { turn, new_turn, .. } = e { Some((turn.clone(), *new_turn)) } else { None }).collect();
+    let turns: Vec<_> = ev
+        .iter()
+        .filter_map(|e| {
+            if let DuplexEvent::Speak { turn, new_turn, .. } = e {
+                Some((turn.clone(), *new_turn))
+            } else {
+                None
+            }
+        })
+        .collect();
     assert!(turns.iter().all(|t| t.1));
     let done = dones(&ev);
     for (turn, status, codes, text) in &done {
@@ -133,26 +169,36 @@ fn speak_every_cadence_and_the_per_unit_token_budget() {
         assert_eq!(*codes, 35, "{turn}");
         assert!(!text.is_empty());
     }
-    assert_eq!(done.iter().map(|d| d.0 .0.clone()).collect::<Vec<_>>(), vec!["s/t1", "s/t2", "s/t3"]);
+    assert_eq!(
+        done.iter().map(|d| d.0 .0.clone()).collect::<Vec<_>>(),
+        vec!["s/t1", "s/t2", "s/t3"]
+    );
     // audio of each turn: chunks in order, the last flagged, ≈ 35 codes × 40 ms
     for t in ["s/t1", "s/t2", "s/t3"] {
         let chunks: Vec<(usize, bool, usize)> = ev
             .iter()
             .filter_map(|e| match e {
-                DuplexEvent::Response { turn, event: EngineEvent::Audio { chunk, last, samples } } if turn.0 == t => {
-                    Some((*chunk, *last, samples.len()))
-                }
+                DuplexEvent::Response {
+                    turn,
+                    event: EngineEvent::Audio { chunk, last, samples },
+                } if turn.0 == t => Some((*chunk, *last, samples.len())),
                 _ => None,
             })
             .collect();
-        assert_eq!(chunks.iter().map(|c| c.0).collect::<Vec<_>>(), (0..chunks.len()).collect::<Vec<_>>());
+        assert_eq!(
+            chunks.iter().map(|c| c.0).collect::<Vec<_>>(),
+            (0..chunks.len()).collect::<Vec<_>>()
+        );
         assert!(chunks.last().unwrap().1 && chunks.iter().filter(|c| c.1).count() == 1);
         let ms = chunks.iter().map(|c| c.2).sum::<usize>() as f64 / 24.0;
         assert!((35.0 * 40.0..=35.0 * 40.0 + 400.0).contains(&ms), "{t}: {ms} ms");
     }
     e.close_duplex("s");
     let end = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
-    assert!(matches!(end.last(), Some(DuplexEvent::Closed { reason: antiphon_engine::DuplexEnd::Closed })));
+    assert!(matches!(
+        end.last(),
+        Some(DuplexEvent::Closed { reason: antiphon_engine::DuplexEnd::Closed })
+    ));
 }
 
 #[test]
@@ -163,8 +209,22 @@ fn consecutive_speaking_units_are_one_turn_and_closing_cancels_it() {
         e.duplex_unit("s", unit(n)).unwrap();
     }
     // three segments of 25 codes: the first two chunks are out before the third unit's codes end
-    let ev = collect(&rx, |ev| ev.iter().filter(|e| matches!(e, DuplexEvent::Response { event: EngineEvent::Audio { .. }, .. })).count() >= 2);
-    let speaks: Vec<bool> = ev.iter().filter_map(|e| if let DuplexEvent::Speak { new_turn, .. } = e { Some(*new_turn) } else { None }).collect();
+    let ev = collect(&rx, |ev| {
+        ev.iter()
+            .filter(|e| matches!(e, DuplexEvent::Response { event: EngineEvent::Audio { .. }, .. }))
+            .count()
+            >= 2
+    });
+    let speaks: Vec<bool> = ev
+        .iter()
+        .filter_map(|e| {
+            if let DuplexEvent::Speak { new_turn, .. } = e {
+                Some(*new_turn)
+            } else {
+                None
+            }
+        })
+        .collect();
     assert_eq!(speaks.first(), Some(&true));
     assert!(speaks[1..].iter().all(|n| !n), "one turn: {}", summary(&ev));
     e.close_duplex("s");
@@ -188,7 +248,9 @@ fn later_units_fed_by_rows_give_what_their_prefills_give() {
         let audio = |ev: &[DuplexEvent]| -> Vec<Vec<f32>> {
             ev.iter()
                 .filter_map(|e| match e {
-                    DuplexEvent::Response { event: EngineEvent::Audio { samples, .. }, .. } => Some(samples.clone()),
+                    DuplexEvent::Response { event: EngineEvent::Audio { samples, .. }, .. } => {
+                        Some(samples.clone())
+                    }
                     _ => None,
                 })
                 .collect()
@@ -204,10 +266,19 @@ fn later_units_fed_by_rows_give_what_their_prefills_give() {
     };
     let (prefilled, prefill_rows) = run(EngineConfig::default());
     let (rows, row_steps) = run(EngineConfig { talker_segment_rows: true, ..Default::default() });
-    assert!(prefill_rows <= 3 && row_steps >= 10, "Talker steps without a code: {row_steps} by rows, {prefill_rows} with prefills");
+    assert!(
+        prefill_rows <= 3 && row_steps >= 10,
+        "Talker steps without a code: {row_steps} by rows, {prefill_rows} with prefills"
+    );
     for (k, (x, y)) in rows.iter().zip(&prefilled).enumerate() {
         assert_eq!(x.len(), y.len(), "chunk {k}");
-        let err = x.iter().zip(y).map(|(a, b)| if a.is_finite() && b.is_finite() { (a - b).abs() } else { f32::INFINITY }).fold(0f32, f32::max);
+        let err = x
+            .iter()
+            .zip(y)
+            .map(
+                |(a, b)| if a.is_finite() && b.is_finite() { (a - b).abs() } else { f32::INFINITY },
+            )
+            .fold(0f32, f32::max);
         assert!(err < 1e-4, "chunk {k}: audio differs by {err}");
     }
 }
@@ -242,7 +313,14 @@ fn a_full_context_closes_the_session_with_its_reason() {
         e.duplex_unit("c", unit(n)).unwrap();
     }
     let ev = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
-    assert!(matches!(ev.last(), Some(DuplexEvent::Closed { reason: antiphon_engine::DuplexEnd::ContextFull })), "{}", summary(&ev));
+    assert!(
+        matches!(
+            ev.last(),
+            Some(DuplexEvent::Closed { reason: antiphon_engine::DuplexEnd::ContextFull })
+        ),
+        "{}",
+        summary(&ev)
+    );
     let d = decisions(&ev);
     assert!(!d.is_empty() && d.len() < 30);
     // the next unit would not have fit: its markers, audio and a whole spoken unit
@@ -290,7 +368,9 @@ fn no_prefetch_while_a_duplex_session_is_live() {
         )
         .unwrap();
         loop {
-            if let EngineEvent::Done { status, .. } = trx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            if let EngineEvent::Done { status, .. } =
+                trx.recv_timeout(Duration::from_secs(60)).unwrap()
+            {
                 assert_eq!(status, Status::Completed);
                 break;
             }
@@ -321,9 +401,13 @@ fn a_session_that_outgrows_its_slot_goes_on_unchanged() {
         e.close_duplex("g");
         (decisions(&ev), dones(&ev))
     };
-    let (slot_d, slot_t) = run(EngineConfig { thinker_slots: 2, thinker_slot_context: 96, ..Default::default() });
+    let (slot_d, slot_t) =
+        run(EngineConfig { thinker_slots: 2, thinker_slot_context: 96, ..Default::default() });
     let (own_d, own_t) = run(EngineConfig { thinker_slots: 0, ..Default::default() });
-    assert!(slot_d.first().unwrap().2 < 96 && slot_d.last().unwrap().2 > 96, "the session outgrew its 96-position slot: {slot_d:?}");
+    assert!(
+        slot_d.first().unwrap().2 < 96 && slot_d.last().unwrap().2 > 96,
+        "the session outgrew its 96-position slot: {slot_d:?}"
+    );
     assert_eq!(slot_d, own_d);
     assert_eq!(slot_t, own_t);
 }

@@ -81,12 +81,20 @@ async fn a_full_outbound_queue_marks_the_connection_overrun() {
 /// incident the log holds.
 #[test]
 fn internal_errors_are_one_short_line() {
-    let detail = format!("the Talker's step failed: out of memory\n{}", "   at some::frame::of::a::backtrace\n".repeat(50));
+    let detail = format!(
+        "the Talker's step failed: out of memory\n{}",
+        "   at some::frame::of::a::backtrace\n".repeat(50)
+    );
     let e = antiphon_server::session::internal_error("response 3 failed", &detail, false);
     assert_eq!(e.code, antiphon_protocol::ErrorCode::Internal);
     assert!(!e.fatal);
     assert!(!e.message.contains('\n') && !e.message.contains("backtrace"), "{}", e.message);
-    assert!(e.message.starts_with("response 3 failed: the Talker's step failed: out of memory (incident "), "{}", e.message);
+    assert!(
+        e.message
+            .starts_with("response 3 failed: the Talker's step failed: out of memory (incident "),
+        "{}",
+        e.message
+    );
     let long = antiphon_server::session::internal_error("x", &"y".repeat(10_000), true);
     assert!(long.fatal && long.message.len() < 300, "{}", long.message.len());
 }
@@ -95,7 +103,11 @@ fn internal_errors_are_one_short_line() {
 async fn get_with(s: &antiphon_server::Server, path: &str, headers: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut t = tokio::net::TcpStream::connect(s.addr).await.unwrap();
-    t.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n{headers}Connection: close\r\n\r\n").as_bytes()).await.unwrap();
+    t.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: x\r\n{headers}Connection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
     let mut buf = String::new();
     t.read_to_string(&mut buf).await.unwrap();
     buf
@@ -108,18 +120,28 @@ async fn keys_guard_the_operational_endpoints_and_bearer_is_case_insensitive() {
     use tokio_tungstenite::tungstenite::client::IntoClientRequest;
     let s = server(|c| c.auth.api_keys = vec!["k1".into(), "k2".into()]).await;
     let url = format!("ws://{}/v1/realtime", s.addr);
-    for (value, ok) in [("bearer k2", true), ("BEARER k1", true), ("Bearer k3", false), ("Basic k1", false)] {
+    for (value, ok) in
+        [("bearer k2", true), ("BEARER k1", true), ("Bearer k3", false), ("Basic k1", false)]
+    {
         let mut req = url.clone().into_client_request().unwrap();
         req.headers_mut().insert("authorization", value.parse().unwrap());
         assert_eq!(tokio_tungstenite::connect_async(req).await.is_ok(), ok, "{value}");
     }
     for path in ["/metrics", "/api/build_info"] {
         assert!(get_with(&s, path, "").await.starts_with("HTTP/1.1 401"), "{path} without a key");
-        assert!(get_with(&s, path, "Authorization: bearer k1\r\n").await.starts_with("HTTP/1.1 200"), "{path} with a key");
-        assert!(get_with(&s, &format!("{path}?token=k2"), "").await.starts_with("HTTP/1.1 200"), "{path} with ?token");
+        assert!(
+            get_with(&s, path, "Authorization: bearer k1\r\n").await.starts_with("HTTP/1.1 200"),
+            "{path} with a key"
+        );
+        assert!(
+            get_with(&s, &format!("{path}?token=k2"), "").await.starts_with("HTTP/1.1 200"),
+            "{path} with ?token"
+        );
     }
     let page = get_with(&s, "/healthz", "").await.to_ascii_lowercase();
-    for h in ["x-content-type-options: nosniff", "x-frame-options: deny", "referrer-policy: no-referrer"] {
+    for h in
+        ["x-content-type-options: nosniff", "x-frame-options: deny", "referrer-policy: no-referrer"]
+    {
         assert!(page.contains(h), "{h} in {page}");
     }
     s.shutdown().await.unwrap();
@@ -128,7 +150,10 @@ async fn keys_guard_the_operational_endpoints_and_bearer_is_case_insensitive() {
         c.auth.open_metrics = true;
     })
     .await;
-    assert!(get_with(&open, "/metrics", "").await.starts_with("HTTP/1.1 200"), "opened by auth.open_metrics");
+    assert!(
+        get_with(&open, "/metrics", "").await.starts_with("HTTP/1.1 200"),
+        "opened by auth.open_metrics"
+    );
     open.shutdown().await.unwrap();
 }
 
@@ -185,7 +210,11 @@ async fn oversized_instructions_are_refused_at_create_and_update() {
     c.send(json!({"type": "session.update", "instructions": "word ".repeat(200)})).await;
     let e = c.event("error").await;
     assert_eq!(e["code"], "bad_field", "{e}");
-    assert!(e["message"].as_str().unwrap().contains("tokens") && e["message"].as_str().unwrap().contains("at most 16"), "{e}");
+    assert!(
+        e["message"].as_str().unwrap().contains("tokens")
+            && e["message"].as_str().unwrap().contains("at most 16"),
+        "{e}"
+    );
     s.shutdown().await.unwrap();
 }
 
@@ -196,7 +225,8 @@ async fn the_drain_deadline_cancels_what_runs_and_closes_1001() {
     let s = server(|c| c.server.shutdown_drain_s = 0).await;
     let mut c = Client::connect(&s).await;
     c.create(json!({})).await;
-    c.send(json!({"type": "input.text", "text": "a long one", "generation": wire::short(2000)})).await;
+    c.send(json!({"type": "input.text", "text": "a long one", "generation": wire::short(2000)}))
+        .await;
     c.until(|m| matches!(m, In::Audio(_))).await;
     let stop = tokio::spawn(s.shutdown());
     let ms = c.until(|m| matches!(m, In::Closed(_))).await;
@@ -212,15 +242,27 @@ async fn a_resume_whose_url_names_another_session_is_a_bad_field() {
     let s = server(|_| {}).await;
     let mut c = Client::connect(&s).await;
     let created = c.create(json!({})).await;
-    let (id, token) = (created["session_id"].as_str().unwrap().to_string(), created["resume_token"].as_str().unwrap().to_string());
+    let (id, token) = (
+        created["session_id"].as_str().unwrap().to_string(),
+        created["resume_token"].as_str().unwrap().to_string(),
+    );
     drop(c); // parked
-    let resume = json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": 1});
-    let mut other = Client::connect_to(&format!("ws://{}/v1/realtime?session_id=s_other", s.addr)).await.unwrap();
+    let resume =
+        json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": 1});
+    let mut other = Client::connect_to(&format!("ws://{}/v1/realtime?session_id=s_other", s.addr))
+        .await
+        .unwrap();
     other.send(resume.clone()).await;
     let e = other.event("error").await;
-    assert!(e["code"] == "bad_field" && e["fatal"] == false && e["message"].as_str().unwrap().contains("session_id"), "{e}");
+    assert!(
+        e["code"] == "bad_field"
+            && e["fatal"] == false
+            && e["message"].as_str().unwrap().contains("session_id"),
+        "{e}"
+    );
     // a URL that names the same session resumes it
-    let mut right = Client::connect_to(&format!("ws://{}/v1/realtime?session_id={id}", s.addr)).await.unwrap();
+    let mut right =
+        Client::connect_to(&format!("ws://{}/v1/realtime?session_id={id}", s.addr)).await.unwrap();
     right.send(resume).await;
     let r = right.event("session.resumed").await;
     assert_eq!(r["session_id"], id.as_str());
@@ -246,13 +288,18 @@ async fn request_heads_that_never_end_are_cut_and_tcp_connections_are_capped() {
     // a fourth TCP connection is answered at once with a plain 503, its request unread
     let mut t = tokio::net::TcpStream::connect(s.addr).await.unwrap();
     let mut reply = Vec::new();
-    tokio::time::timeout(std::time::Duration::from_secs(30), t.read_to_end(&mut reply)).await.expect("refused, not held").ok();
+    tokio::time::timeout(std::time::Duration::from_secs(30), t.read_to_end(&mut reply))
+        .await
+        .expect("refused, not held")
+        .ok();
     let reply = String::from_utf8_lossy(&reply);
     assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
     // the half heads are cut at the header timeout: each socket ends
     for mut t in idle {
         let mut rest = Vec::new();
-        let ended = tokio::time::timeout(std::time::Duration::from_secs(30), t.read_to_end(&mut rest)).await;
+        let ended =
+            tokio::time::timeout(std::time::Duration::from_secs(30), t.read_to_end(&mut rest))
+                .await;
         assert!(ended.is_ok(), "a request head that never ends holds its socket");
     }
     // their permits come back: a session works again
@@ -306,7 +353,10 @@ async fn a_response_beyond_the_places_is_refused_at_once_and_the_admitted_one_pl
     assert_eq!((e["code"].as_str(), e["fatal"].as_bool()), (Some("capacity"), Some(true)), "{e}");
     assert!(e["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0), "{e}");
     let ready = reqwest_like_get(&s, "/readyz").await;
-    assert!(ready.starts_with("HTTP/1.1 503") && ready.contains("\"accepts_calls\":false"), "{ready}");
+    assert!(
+        ready.starts_with("HTTP/1.1 503") && ready.contains("\"accepts_calls\":false"),
+        "{ready}"
+    );
     // the admitted response plays on (more audio comes), until its caller stops it
     a.until(|m| matches!(m, In::Audio(_))).await;
     a.send(json!({"type": "response.cancel"})).await;
@@ -338,14 +388,22 @@ async fn a_reader_that_stops_reading_is_closed_and_counted_until_then() {
     sock.set_recv_buffer_size(4096).unwrap();
     let tcp = sock.connect(s.addr).await.unwrap();
     let client_port = tcp.local_addr().unwrap().port();
-    let (mut ws, _) = tokio_tungstenite::client_async(format!("ws://{}/v1/realtime", s.addr), tcp).await.unwrap();
+    let (mut ws, _) =
+        tokio_tungstenite::client_async(format!("ws://{}/v1/realtime", s.addr), tcp).await.unwrap();
     let create = json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16", "sample_rate": 16000},
         "output_audio": {"codec": "pcm16"}});
     ws.send(Message::Text(create.to_string().into())).await.unwrap();
-    ws.send(Message::Text(json!({"type": "input.text", "text": "talk", "generation": short(3500)}).to_string().into())).await.unwrap();
+    ws.send(Message::Text(
+        json!({"type": "input.text", "text": "talk", "generation": short(3500)}).to_string().into(),
+    ))
+    .await
+    .unwrap();
     assert_eq!(open(), 1, "the socket counts while it is open");
     let held = || server_side_held(s.addr.port(), client_port);
-    assert!(std::path::Path::new("/proc/net/tcp").exists(), "this test reads the server's side of the connection from Linux's /proc/net/tcp");
+    assert!(
+        std::path::Path::new("/proc/net/tcp").exists(),
+        "this test reads the server's side of the connection from Linux's /proc/net/tcp"
+    );
     assert!(held(), "the server holds its side of the connection");
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
@@ -369,10 +427,15 @@ async fn a_reader_that_stops_reading_is_closed_and_counted_until_then() {
 /// open: established and owned by a socket (a socket the server let go has no inode, or is gone).
 fn server_side_held(port: u16, peer: u16) -> bool {
     let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
-    let port_of = |addr: &str| addr.rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok());
+    let port_of =
+        |addr: &str| addr.rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok());
     table.lines().skip(1).any(|l| {
         let f: Vec<&str> = l.split_whitespace().collect();
-        f.len() > 9 && port_of(f[1]) == Some(port) && port_of(f[2]) == Some(peer) && f[3] == "01" && f[9] != "0"
+        f.len() > 9
+            && port_of(f[1]) == Some(port)
+            && port_of(f[2]) == Some(peer)
+            && f[3] == "01"
+            && f[9] != "0"
     })
 }
 
@@ -385,7 +448,10 @@ async fn a_replay_longer_than_the_queue_resumes_at_the_sockets_pace() {
     let s = server(|c| c.server.outbound_queue = 16).await;
     let mut c = Client::connect(&s).await;
     let created = c.create(json!({})).await;
-    let (id, token) = (created["session_id"].as_str().unwrap().to_string(), created["resume_token"].as_str().unwrap().to_string());
+    let (id, token) = (
+        created["session_id"].as_str().unwrap().to_string(),
+        created["resume_token"].as_str().unwrap().to_string(),
+    );
     c.send(json!({"type": "input.text", "text": "a long answer", "generation": short(150)})).await;
     drop(c); // parked: the reply goes to the journal alone
     let completed = || s.shared.metrics.responses.with_label_values(&["completed"]).get();
@@ -398,9 +464,17 @@ async fn a_replay_longer_than_the_queue_resumes_at_the_sockets_pace() {
     let last = created["seq"].as_u64().unwrap_or(0);
     r.send(json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": last})).await;
     let got = r.until(is_done).await;
-    assert!(matches!(got.first(), Some(In::Event(v)) if v["type"] == "session.resumed"), "{:?}", got.first());
+    assert!(
+        matches!(got.first(), Some(In::Event(v)) if v["type"] == "session.resumed"),
+        "{:?}",
+        got.first()
+    );
     let seqs: Vec<u64> = got.iter().filter_map(In::seq).collect();
-    assert_eq!(seqs, (last + 1..last + 1 + seqs.len() as u64).collect::<Vec<_>>(), "every message after the last seen, in order");
+    assert_eq!(
+        seqs,
+        (last + 1..last + 1 + seqs.len() as u64).collect::<Vec<_>>(),
+        "every message after the last seen, in order"
+    );
     let frames = got.iter().filter(|m| matches!(m, In::Audio(_))).count();
     assert!(frames > 4 * 16, "{frames} audio frames: the replay must be longer than the queue");
     // live after the replay: the session answers on this socket

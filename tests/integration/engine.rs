@@ -8,7 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use antiphon_assets::synth::{models_in_memory, Preset};
-use antiphon_engine::{Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, SpokenClip, Status, UserInput};
+use antiphon_engine::{
+    Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, SpokenClip,
+    Status, UserInput,
+};
 use candle_core::{DType, Device};
 use common::engine::{collect, engine, spec, submit, voice, Outcome};
 
@@ -21,7 +24,11 @@ fn a_turn_request_gives_text_then_audio_of_the_forced_length() {
     // 60 codes in chunks of 25 + 25 + 10 (each with 3 codes of context)
     assert_eq!(o.audio.len(), 3);
     let total: usize = o.audio.iter().map(|a| a.len()).sum();
-    assert_eq!(total, (3 + 60) * 2 * 480 + 3840, "(codes + 3 look-ahead) × 40 ms, plus the vocoder delay");
+    assert_eq!(
+        total,
+        (3 + 60) * 2 * 480 + 3840,
+        "(codes + 3 look-ahead) × 40 ms, plus the vocoder delay"
+    );
     assert!(o.first_audio_ms > 0.0);
     assert!(o.audio.iter().flatten().all(|s| s.is_finite()));
     // audio events come after the text is complete (turn mode hands off at <|tts_eos|>)
@@ -34,10 +41,12 @@ fn a_turn_request_gives_text_then_audio_of_the_forced_length() {
     // every milestone of the reply, once, in the order the stages reach them
     let at = |phase: &str| -> f64 {
         let key = format!("antiphon_engine_phase_seconds_sum{{phase=\"{phase}\"}} ");
-        let line = m.lines().find(|l| l.starts_with(&key)).unwrap_or_else(|| panic!("no {phase} in {m}"));
+        let line =
+            m.lines().find(|l| l.starts_with(&key)).unwrap_or_else(|| panic!("no {phase} in {m}"));
         line[key.len()..].parse().unwrap()
     };
-    let order = ["first_token", "handoff", "first_code", "chunk0_codes", "first_chunk", "first_audio"];
+    let order =
+        ["first_token", "handoff", "first_code", "chunk0_codes", "first_chunk", "first_audio"];
     let times: Vec<f64> = order.iter().map(|p| at(p)).collect();
     assert!(times.windows(2).all(|w| w[0] <= w[1]), "{order:?}: {times:?}");
 }
@@ -62,21 +71,30 @@ fn requests_batched_together_match_requests_alone() {
 /// lengths (their last chunks: 5, 10 and 15 new codes) and flags: each still gets its audio alone.
 #[test]
 fn requests_in_mixed_code2wav_steps_match_requests_alone() {
-    batched_requests_match_requests_alone(EngineConfig { code2wav_mixed_steps: true, ..EngineConfig::default() });
+    batched_requests_match_requests_alone(EngineConfig {
+        code2wav_mixed_steps: true,
+        ..EngineConfig::default()
+    });
 }
 
 /// One batch a Code2Wav step: the replies' chunks of other lengths and flags (their last chunks:
 /// 5, 10 and 15 new codes) wait for later steps, and each still gets its audio alone.
 #[test]
 fn requests_in_one_batch_code2wav_steps_match_requests_alone() {
-    batched_requests_match_requests_alone(EngineConfig { code2wav_one_batch_per_step: true, ..EngineConfig::default() });
+    batched_requests_match_requests_alone(EngineConfig {
+        code2wav_one_batch_per_step: true,
+        ..EngineConfig::default()
+    });
 }
 
 /// Text chunks of 3 tokens (so every reply has several): replies batched together get what each
 /// gets alone, though every chunk starts its stream's Talker cache over with a window.
 #[test]
 fn requests_with_text_chunks_batched_together_match_requests_alone() {
-    batched_requests_match_requests_alone(EngineConfig { talker_text_chunk: 3, ..EngineConfig::default() });
+    batched_requests_match_requests_alone(EngineConfig {
+        talker_text_chunk: 3,
+        ..EngineConfig::default()
+    });
 }
 
 /// A later chunk's window fed a row a step through the decode step (the GPU config's way) gives the
@@ -91,7 +109,11 @@ fn text_chunk_windows_fed_by_rows_give_what_their_prefill_gives() {
     let by_rows = EngineConfig { talker_segment_rows: true, ..chunked };
     let e = engine(by_rows.clone());
     let rows = collect(submit(&e, spec("a", "say it", 12, 80, 5)));
-    assert!(talker_steps(&e) > prefill_steps + 20, "windows fed by rows: {} steps, {prefill_steps} with prefills", talker_steps(&e));
+    assert!(
+        talker_steps(&e) > prefill_steps + 20,
+        "windows fed by rows: {} steps, {prefill_steps} with prefills",
+        talker_steps(&e)
+    );
     assert_eq!(rows.status, Status::Completed);
     assert_eq!(rows.codes, 80);
     assert_eq!(rows.audio.len(), prefilled.audio.len());
@@ -115,7 +137,11 @@ fn text_chunks_give_the_forced_codes_and_the_same_text() {
     assert_eq!(chunked.text, whole.text);
     assert_eq!(chunked.codes, 100);
     let total: usize = chunked.audio.iter().map(|a| a.len()).sum();
-    assert_eq!(total, (3 + 100) * 2 * 480 + 3840, "(codes + 3 look-ahead) × 40 ms, plus the vocoder delay");
+    assert_eq!(
+        total,
+        (3 + 100) * 2 * 480 + 3840,
+        "(codes + 3 look-ahead) × 40 ms, plus the vocoder delay"
+    );
     assert!(chunked.audio.iter().flatten().all(|s| s.is_finite()));
     assert_ne!(chunked.audio.concat(), whole.audio.concat(), "the Talker's condition is another");
     let mut free = spec("b", "say it", 25, 0, 6);
@@ -131,11 +157,27 @@ fn text_chunks_give_the_forced_codes_and_the_same_text() {
 
 fn batched_requests_match_requests_alone(cfg: EngineConfig) {
     let e = engine(cfg);
-    let alone: Vec<Outcome> =
-        (0..3).map(|i| collect(submit(&e, spec(&format!("alone{i}"), &format!("prompt {i}"), 8 + i, 30 + 5 * i, i as u64)))).collect();
-    let rxs: Vec<_> = (0..3).map(|i| submit(&e, spec(&format!("together{i}"), &format!("prompt {i}"), 8 + i, 30 + 5 * i, i as u64))).collect();
+    let alone: Vec<Outcome> = (0..3)
+        .map(|i| {
+            collect(submit(
+                &e,
+                spec(&format!("alone{i}"), &format!("prompt {i}"), 8 + i, 30 + 5 * i, i as u64),
+            ))
+        })
+        .collect();
+    let rxs: Vec<_> = (0..3)
+        .map(|i| {
+            submit(
+                &e,
+                spec(&format!("together{i}"), &format!("prompt {i}"), 8 + i, 30 + 5 * i, i as u64),
+            )
+        })
+        .collect();
     let together: Vec<Outcome> = rxs.into_iter().map(collect).collect();
-    assert!(e.metrics().render().contains("antiphon_stage_batch_size_bucket{stage=\"talker\",le=\"1\"}"));
+    assert!(e
+        .metrics()
+        .render()
+        .contains("antiphon_stage_batch_size_bucket{stage=\"talker\",le=\"1\"}"));
     for (a, t) in alone.iter().zip(&together) {
         assert_eq!(a.text, t.text);
         assert_eq!(a.codes, t.codes);
@@ -154,10 +196,14 @@ fn batched_requests_match_requests_alone(cfg: EngineConfig) {
 fn a_burst_of_new_voices_gives_what_each_gives_alone() {
     let voiced = |i: usize| {
         let mut s = spec(&format!("v{i}"), "Say it in my voice.", 8, 30, 3);
-        s.voice = RefInput::new((0..16_000 * 2).map(|k| 0.3 * (k as f32 * (0.05 + 0.01 * i as f32)).sin()).collect(), 16_000);
+        s.voice = RefInput::new(
+            (0..16_000 * 2).map(|k| 0.3 * (k as f32 * (0.05 + 0.01 * i as f32)).sin()).collect(),
+            16_000,
+        );
         s
     };
-    let alone: Vec<Outcome> = (0..3).map(|i| collect(submit(&engine(EngineConfig::default()), voiced(i)))).collect();
+    let alone: Vec<Outcome> =
+        (0..3).map(|i| collect(submit(&engine(EngineConfig::default()), voiced(i)))).collect();
     let e = engine(EngineConfig { prefetch_setup: true, ..EngineConfig::default() });
     let rxs: Vec<_> = (0..3).map(|i| submit(&e, voiced(i))).collect();
     let together: Vec<Outcome> = rxs.into_iter().map(collect).collect();
@@ -194,8 +240,14 @@ fn cancel_stops_output_and_frees_every_stage() {
         after.push(ev);
     }
     assert!(t.elapsed() < Duration::from_secs(5));
-    assert!(matches!(after.last(), Some(EngineEvent::Done { status: Status::Cancelled, .. })), "{after:?}");
-    assert!(after.iter().filter(|e| matches!(e, EngineEvent::Audio { .. })).count() == 0, "no audio after the cancel");
+    assert!(
+        matches!(after.last(), Some(EngineEvent::Done { status: Status::Cancelled, .. })),
+        "{after:?}"
+    );
+    assert!(
+        after.iter().filter(|e| matches!(e, EngineEvent::Audio { .. })).count() == 0,
+        "no audio after the cancel"
+    );
     assert_eq!(e.active(), 0);
     assert!(!e.cancel(&RequestId("long".into())), "a second cancel does nothing");
     // the engine keeps serving
@@ -231,13 +283,19 @@ fn a_smaller_first_chunk_comes_first() {
 /// only, never the audio.
 #[test]
 fn a_small_first_chunk_only_for_a_lone_stream_and_holding_changes_no_audio() {
-    let cfg = EngineConfig { first_chunk_codes: 5, small_first_chunk_streams: 1, talker_hold_first_chunk: true, ..EngineConfig::default() };
+    let cfg = EngineConfig {
+        first_chunk_codes: 5,
+        small_first_chunk_streams: 1,
+        talker_hold_first_chunk: true,
+        ..EngineConfig::default()
+    };
     let e = engine(cfg);
     let a = collect(submit(&e, spec("lone", "hi", 6, 40, 2)));
     assert_eq!(a.status, Status::Completed);
     assert_eq!(a.audio.len(), 3, "5 + 25 + 10 new codes");
     // two requests at once: both are in the engine when the first reaches the Talker
-    let (ra, rb) = (submit(&e, spec("first", "hi", 6, 40, 2)), submit(&e, spec("second", "hello", 6, 40, 3)));
+    let (ra, rb) =
+        (submit(&e, spec("first", "hi", 6, 40, 2)), submit(&e, spec("second", "hello", 6, 40, 3)));
     let (b, c) = (collect(ra), collect(rb));
     assert_eq!((b.status.clone(), c.status.clone()), (Status::Completed, Status::Completed));
     assert_eq!((b.audio.len(), c.audio.len()), (2, 2), "25 + 15 new codes each");
@@ -272,7 +330,9 @@ fn a_busy_engine_sizes_the_first_chunk_and_every_code_is_heard() {
         }
         let second = collect(submit(&e, spec("second", "hello", 6, 60, 3)));
         let long = loop {
-            if let EngineEvent::Done { status, .. } = rx.recv_timeout(Duration::from_secs(120)).expect("the long reply ends") {
+            if let EngineEvent::Done { status, .. } =
+                rx.recv_timeout(Duration::from_secs(120)).expect("the long reply ends")
+            {
                 break status;
             }
         };
@@ -284,7 +344,10 @@ fn a_busy_engine_sizes_the_first_chunk_and_every_code_is_heard() {
     assert_eq!(full, 50, "busy, no slack: a full first chunk");
     let (slack, slack_audio) = first_of_second(true);
     eprintln!("a busy engine's first chunk with slack: {slack} codes");
-    assert!([5, 28, 50].contains(&slack), "with slack: the small, the halfway or a full first chunk, got {slack}");
+    assert!(
+        [5, 28, 50].contains(&slack),
+        "with slack: the small, the halfway or a full first chunk, got {slack}"
+    );
     assert_eq!(full_audio.len(), slack_audio.len(), "every code is heard either way");
     assert!(slack_audio.iter().all(|v| v.is_finite()));
 }
@@ -292,7 +355,10 @@ fn a_busy_engine_sizes_the_first_chunk_and_every_code_is_heard() {
 #[test]
 fn streaming_prefill_gives_the_same_response() {
     let a = collect(submit(&engine(EngineConfig::default()), spec("a", "same input", 16, 30, 11)));
-    let b = collect(submit(&engine(EngineConfig { talker_streaming_prefill: true, ..EngineConfig::default() }), spec("a", "same input", 16, 30, 11)));
+    let b = collect(submit(
+        &engine(EngineConfig { talker_streaming_prefill: true, ..EngineConfig::default() }),
+        spec("a", "same input", 16, 30, 11),
+    ));
     assert_eq!(a.text, b.text);
     assert_eq!(a.codes, b.codes);
     let (x, y): (Vec<f32>, Vec<f32>) = (a.audio.concat(), b.audio.concat());
@@ -305,7 +371,9 @@ fn streaming_prefill_gives_the_same_response() {
 fn spoken_input_and_history_are_accepted() {
     let e = engine(EngineConfig::default());
     let mut s = spec("voice", "", 6, 20, 1);
-    s.input = UserInput::Audio(SpokenClip::new((0..16_000 * 2).map(|i| 0.2 * (i as f32 * 0.05).sin()).collect()).unwrap());
+    s.input = UserInput::Audio(
+        SpokenClip::new((0..16_000 * 2).map(|i| 0.2 * (i as f32 * 0.05).sin()).collect()).unwrap(),
+    );
     s.history = vec![antiphon_engine::Turn::text("hi", "hello there")];
     s.instructions = Some("Be brief.".into());
     let o = collect(submit(&e, s));
@@ -347,9 +415,10 @@ fn a_bad_reference_is_refused_and_the_engine_keeps_serving() {
 #[test]
 fn counts_beyond_the_contexts_fail_the_request_not_the_engine() {
     let e = engine(EngineConfig::default());
-    for (id, text, codes, what) in
-        [("huge-text", 4_294_967_296usize, 10usize, "max_text_tokens"), ("huge-codes", 4, 1usize << 40, "max_audio_tokens")]
-    {
+    for (id, text, codes, what) in [
+        ("huge-text", 4_294_967_296usize, 10usize, "max_text_tokens"),
+        ("huge-codes", 4, 1usize << 40, "max_audio_tokens"),
+    ] {
         let mut s = spec(id, "x", 4, 10, 1);
         s.generation.max_text_tokens = Some(text);
         s.generation.max_audio_tokens = Some(codes);
@@ -370,7 +439,9 @@ fn duplicate_live_ids_are_refused() {
     let rx = submit(&e, spec("dup", "x", 30, 100, 1));
     let (tx, _rx2) = mpsc::channel::<EngineEvent>();
     let tx = std::sync::Mutex::new(tx);
-    assert!(e.submit(spec("dup", "x", 3, 10, 1), Arc::new(move |ev| drop(tx.lock().unwrap().send(ev)))).is_err());
+    assert!(e
+        .submit(spec("dup", "x", 3, 10, 1), Arc::new(move |ev| drop(tx.lock().unwrap().send(ev))))
+        .is_err());
     e.cancel(&RequestId("dup".into()));
     let _ = collect(rx);
 }
@@ -379,30 +450,55 @@ fn duplicate_live_ids_are_refused() {
 fn a_history_longer_than_the_context_loses_its_oldest_turns() {
     let e = engine(EngineConfig::default());
     let mut s = spec("long-history", "and now?", 4, 10, 1);
-    s.history = (0..60).map(|i| antiphon_engine::Turn::text(format!("question {i} ").repeat(40), "answer ".repeat(60))).collect();
+    s.history = (0..60)
+        .map(|i| {
+            antiphon_engine::Turn::text(format!("question {i} ").repeat(40), "answer ".repeat(60))
+        })
+        .collect();
     let o = collect(submit(&e, s));
     assert_eq!(o.status, Status::Completed);
     // and says how many, before anything else of the reply
-    let trimmed = o.events.iter().position(|ev| matches!(ev, EngineEvent::HistoryTrimmed { turns } if (1..60).contains(turns)));
-    assert_eq!(trimmed, Some(0), "the first event says how many turns were left out: {:?}", o.events.first());
+    let trimmed = o.events.iter().position(
+        |ev| matches!(ev, EngineEvent::HistoryTrimmed { turns } if (1..60).contains(turns)),
+    );
+    assert_eq!(
+        trimmed,
+        Some(0),
+        "the first event says how many turns were left out: {:?}",
+        o.events.first()
+    );
     // an input within `max_input_tokens` fits whatever the history: more of it gives way (here
     // ~3400 positions of history, within half of what the reply leaves, and an input of 5000)
     let max = e.max_input_tokens(0);
     let mut s = spec("big-input", &"b".repeat(max.min(5000)), 4, 10, 1);
-    s.history = (0..12).map(|i| antiphon_engine::Turn::text(format!("q{i} ").repeat(80), "answer ".repeat(3))).collect();
+    s.history = (0..12)
+        .map(|i| antiphon_engine::Turn::text(format!("q{i} ").repeat(80), "answer ".repeat(3)))
+        .collect();
     let o = collect(submit(&e, s));
     assert_eq!(o.status, Status::Completed, "an input of {} tokens, within {max}", max.min(5000));
-    assert!(matches!(o.events.first(), Some(EngineEvent::HistoryTrimmed { turns }) if *turns > 0), "{:?}", o.events.first());
+    assert!(
+        matches!(o.events.first(), Some(EngineEvent::HistoryTrimmed { turns }) if *turns > 0),
+        "{:?}",
+        o.events.first()
+    );
     // a prompt that alone is longer than the context is refused clearly
     let o = collect(submit(&e, spec("huge", &"la ".repeat(4000), 4, 10, 1)));
-    assert!(matches!(&o.status, Status::Refused(m) if m.contains("context") && m.contains("`text`")), "{:?}", o.status);
+    assert!(
+        matches!(&o.status, Status::Refused(m) if m.contains("context") && m.contains("`text`")),
+        "{:?}",
+        o.status
+    );
 }
 
 /// The GPU runs bf16 weights: the same pipeline in bf16 on the CPU finds dtype mismatches without a
 /// GPU (the S3 tokenizer and the vocoder run in f32 by design; everything else in the weights' dtype).
 #[test]
 fn bf16_weights_run_end_to_end() {
-    let e = Engine::start(models_in_memory(Preset::Tiny, 5, DType::BF16, &Device::Cpu).unwrap(), EngineConfig::default()).unwrap();
+    let e = Engine::start(
+        models_in_memory(Preset::Tiny, 5, DType::BF16, &Device::Cpu).unwrap(),
+        EngineConfig::default(),
+    )
+    .unwrap();
     let o = collect(submit(&e, spec("bf", "Read this sentence.", 6, 30, 1)));
     assert_eq!(o.status, Status::Completed, "{:?}", o.events.last());
     assert_eq!(o.codes, 30);
@@ -411,7 +507,9 @@ fn bf16_weights_run_end_to_end() {
     assert!(o.audio.iter().flatten().all(|s| s.is_finite()));
     // a spoken turn too (audio input through the Whisper encoder in bf16)
     let mut s = spec("bf2", "", 4, 10, 2);
-    s.input = UserInput::Audio(SpokenClip::new((0..16_000).map(|i| 0.2 * (i as f32 * 0.05).sin()).collect()).unwrap());
+    s.input = UserInput::Audio(
+        SpokenClip::new((0..16_000).map(|i| 0.2 * (i as f32 * 0.05).sin()).collect()).unwrap(),
+    );
     assert_eq!(collect(submit(&e, s)).status, Status::Completed);
     // and a duplex session's streaming units
     let (tx, rx) = mpsc::channel();
@@ -432,11 +530,18 @@ fn bf16_weights_run_end_to_end() {
     };
     e.open_duplex(d, Arc::new(move |ev| drop(tx.lock().unwrap().send(ev)))).unwrap();
     for n in 0..3 {
-        e.duplex_unit("bfd", (0..16_000).map(|i| 0.2 * (i as f32 * (0.03 + 0.01 * n as f32)).sin()).collect()).unwrap();
+        e.duplex_unit(
+            "bfd",
+            (0..16_000).map(|i| 0.2 * (i as f32 * (0.03 + 0.01 * n as f32)).sin()).collect(),
+        )
+        .unwrap();
     }
     loop {
         match rx.recv_timeout(Duration::from_secs(60)).expect("duplex events") {
-            antiphon_engine::DuplexEvent::Response { event: EngineEvent::Done { status, .. }, .. } => {
+            antiphon_engine::DuplexEvent::Response {
+                event: EngineEvent::Done { status, .. },
+                ..
+            } => {
                 assert_eq!(status, Status::Completed);
                 break;
             }
@@ -453,7 +558,12 @@ fn bf16_weights_run_end_to_end() {
 fn requests_beyond_the_places_wait_and_beyond_the_queue_are_refused() {
     use antiphon_engine::SubmitError;
     // (the limit stays at the places: the CPU's tiny engine is no real-time measure)
-    let e = engine(EngineConfig { max_streams: Some(2), max_queued: 2, adaptive_stream_limit: false, ..EngineConfig::default() });
+    let e = engine(EngineConfig {
+        max_streams: Some(2),
+        max_queued: 2,
+        adaptive_stream_limit: false,
+        ..EngineConfig::default()
+    });
     let (tx, rx) = mpsc::channel::<(usize, Instant, EngineEvent)>();
     let tx = Arc::new(std::sync::Mutex::new(tx));
     for i in 0..4 {
@@ -469,7 +579,8 @@ fn requests_beyond_the_places_wait_and_beyond_the_queue_are_refused() {
     let (mut first, mut last): ([Option<Instant>; 4], [Option<Instant>; 4]) = Default::default();
     let mut done = [false; 4];
     while done.iter().any(|d| !d) {
-        let (i, t, ev) = rx.recv_timeout(Duration::from_secs(120)).expect("every admitted request finishes");
+        let (i, t, ev) =
+            rx.recv_timeout(Duration::from_secs(120)).expect("every admitted request finishes");
         match ev {
             EngineEvent::Done { status, .. } => {
                 assert_eq!(status, Status::Completed, "request {i}");

@@ -66,11 +66,17 @@ fn pooled_batches_match_own_caches(slots: usize, graphs: bool, mode: PoolAttenti
     let feats = [(&f, &sf), (&g, &sg), (&f, &sf)];
     let lag = [0usize, 0, 1];
     let sizes = [25, 25, 25, 25, 25, 10];
-    let pay: Vec<Vec<Vec<u32>>> = (0..3).map(|s| payloads(&codes(135, s as u32 + 7), &sizes)).collect();
-    let mut together: Vec<StreamState> = feats.iter().map(|(f, s)| pooled.start(f, s).unwrap()).collect();
+    let pay: Vec<Vec<Vec<u32>>> =
+        (0..3).map(|s| payloads(&codes(135, s as u32 + 7), &sizes)).collect();
+    let mut together: Vec<StreamState> =
+        feats.iter().map(|(f, s)| pooled.start(f, s).unwrap()).collect();
     let mut alone: Vec<StreamState> = feats.iter().map(|(f, s)| own.start(f, s).unwrap()).collect();
     let pool = pooled.pool().expect("a pool").clone();
-    assert_eq!(together.iter().filter(|s| s.flow.slot.is_some()).count(), slots.min(3), "streams took the free slots");
+    assert_eq!(
+        together.iter().filter(|s| s.flow.slot.is_some()).count(),
+        slots.min(3),
+        "streams took the free slots"
+    );
     assert_eq!(pool.free_slots(), slots.saturating_sub(3));
     let mut trimmed = false;
     for round in 0..sizes.len() + 1 {
@@ -79,15 +85,23 @@ fn pooled_batches_match_own_caches(slots: usize, graphs: bool, mode: PoolAttenti
             if members.is_empty() {
                 continue;
             }
-            let mut refs: Vec<&mut StreamState> =
-                together.iter_mut().enumerate().filter(|(s, _)| members.iter().any(|m| m.0 == *s)).map(|(_, t)| t).collect();
+            let mut refs: Vec<&mut StreamState> = together
+                .iter_mut()
+                .enumerate()
+                .filter(|(s, _)| members.iter().any(|m| m.0 == *s))
+                .map(|(_, t)| t)
+                .collect();
             let cs: Vec<&[u32]> = members.iter().map(|&(s, i)| pay[s][i].as_slice()).collect();
             let out = pooled.chunk_batch(&mut refs, &cs, last).unwrap();
             for (&(s, i), y) in members.iter().zip(&out) {
                 let want = samples(&own.chunk(&mut alone[s], &pay[s][i], last).unwrap());
                 assert_near(&format!("stream {s}, chunk {i}"), &samples(y), &want, tol());
                 if let Some(slot) = &together[s].flow.slot {
-                    assert_eq!(slot.len(), alone[s].flow.estimator.len(), "stream {s}, chunk {i}: cache length");
+                    assert_eq!(
+                        slot.len(),
+                        alone[s].flow.estimator.len(),
+                        "stream {s}, chunk {i}: cache length"
+                    );
                     trimmed |= slot.len() == together[s].flow.prompt_frames + 100;
                 }
             }
@@ -132,7 +146,10 @@ fn mixed_steps_match_each_stream_alone(slots: usize, graphs: bool, held_lengths:
     if held_lengths {
         // solves padded up to the warm-up's lengths: 16, 50 and 56 frames
         pooled.set_solve_payloads(&[(11, false), (28, false), (28, true)]);
-        assert_eq!([10, 16, 17, 26, 50, 56, 60].map(|f| pooled.flow.solve_length(f)), [16, 16, 50, 50, 50, 56, 60]);
+        assert_eq!(
+            [10, 16, 17, 26, 50, 56, 60].map(|f| pooled.flow.solve_length(f)),
+            [16, 16, 50, 50, 50, 56, 60]
+        );
     }
     let f = own.prepare(&reference()).unwrap();
     let short: Vec<f32> = reference().samples[..24_000 * 2].to_vec();
@@ -140,14 +157,19 @@ fn mixed_steps_match_each_stream_alone(slots: usize, graphs: bool, held_lengths:
     let (sf, sg) = (own.setup(&f).unwrap(), own.setup(&g).unwrap());
     let feats = [(&f, &sf), (&g, &sg), (&f, &sf), (&g, &sg)];
     // (new codes per chunk; a stream's first chunk comes at round `lag`)
-    let sizes: [&[usize]; 4] = [&[8, 25, 25, 10], &[25, 25, 25], &[25, 25, 25, 25, 25], &[25, 25, 10]];
+    let sizes: [&[usize]; 4] =
+        [&[8, 25, 25, 10], &[25, 25, 25], &[25, 25, 25, 25, 25], &[25, 25, 10]];
     let lag = [0usize, 0, 1, 2];
-    let pay: Vec<Vec<Vec<u32>>> = (0..4).map(|s| payloads(&codes(sizes[s].iter().sum(), s as u32 + 11), sizes[s])).collect();
-    let mut together: Vec<StreamState> = feats.iter().map(|(f, s)| pooled.start(f, s).unwrap()).collect();
+    let pay: Vec<Vec<Vec<u32>>> =
+        (0..4).map(|s| payloads(&codes(sizes[s].iter().sum(), s as u32 + 11), sizes[s])).collect();
+    let mut together: Vec<StreamState> =
+        feats.iter().map(|(f, s)| pooled.start(f, s).unwrap()).collect();
     let mut alone: Vec<StreamState> = feats.iter().map(|(f, s)| own.start(f, s).unwrap()).collect();
     let (mut mixed_lengths, mut mixed_flags) = (0, 0);
     for round in 0usize..8 {
-        let members: Vec<(usize, usize)> = (0..4).filter_map(|s| round.checked_sub(lag[s]).filter(|&i| i < pay[s].len()).map(|i| (s, i))).collect();
+        let members: Vec<(usize, usize)> = (0..4)
+            .filter_map(|s| round.checked_sub(lag[s]).filter(|&i| i < pay[s].len()).map(|i| (s, i)))
+            .collect();
         if members.is_empty() {
             continue;
         }
@@ -155,20 +177,37 @@ fn mixed_steps_match_each_stream_alone(slots: usize, graphs: bool, held_lengths:
         let cs: Vec<&[u32]> = members.iter().map(|&(s, i)| pay[s][i].as_slice()).collect();
         mixed_lengths += usize::from(cs.iter().any(|c| c.len() != cs[0].len()));
         mixed_flags += usize::from(lasts.iter().any(|&l| l != lasts[0]));
-        let mut refs: Vec<&mut StreamState> =
-            together.iter_mut().enumerate().filter(|(s, _)| members.iter().any(|m| m.0 == *s)).map(|(_, t)| t).collect();
+        let mut refs: Vec<&mut StreamState> = together
+            .iter_mut()
+            .enumerate()
+            .filter(|(s, _)| members.iter().any(|m| m.0 == *s))
+            .map(|(_, t)| t)
+            .collect();
         let out = pooled.chunk_mixed(&mut refs, &cs, &lasts).unwrap();
         for ((&(s, i), y), &last) in members.iter().zip(&out).zip(&lasts) {
             let want = samples(&own.chunk(&mut alone[s], &pay[s][i], last).unwrap());
-            assert_near(&format!("round {round}: stream {s}, chunk {i} (last {last})"), &samples(y), &want, tol());
+            assert_near(
+                &format!("round {round}: stream {s}, chunk {i} (last {last})"),
+                &samples(y),
+                &want,
+                tol(),
+            );
             if let Some(slot) = &together[s].flow.slot {
                 let (got, want) = (slot.materialize().unwrap(), &alone[s].flow.estimator.att);
                 assert_eq!(got.dims(), want.dims(), "round {round}: stream {s}'s cache shape");
-                assert_near(&format!("round {round}: stream {s}'s cache"), &flat(&got), &flat(want), tol());
+                assert_near(
+                    &format!("round {round}: stream {s}'s cache"),
+                    &flat(&got),
+                    &flat(want),
+                    tol(),
+                );
             }
         }
     }
-    assert!(mixed_lengths >= 3 && mixed_flags >= 2, "steps mixed chunk lengths {mixed_lengths} times, last and not {mixed_flags} times");
+    assert!(
+        mixed_lengths >= 3 && mixed_flags >= 2,
+        "steps mixed chunk lengths {mixed_lengths} times, last and not {mixed_flags} times"
+    );
     assert!(together.iter().all(|s| s.finished), "every stream ended");
 }
 
@@ -212,7 +251,8 @@ fn a_slot_holds_the_reference_cache_in_its_order() {
     let f = own.prepare(&reference()).unwrap();
     let setup = own.setup(&f).unwrap();
     let (mut a, mut b) = (pooled.start(&f, &setup).unwrap(), own.start(&f, &setup).unwrap());
-    let slot_cache = |s: &StreamState| s.flow.slot.as_ref().expect("in a slot").materialize().unwrap();
+    let slot_cache =
+        |s: &StreamState| s.flow.slot.as_ref().expect("in a slot").materialize().unwrap();
     assert_near("after setup", &flat(&slot_cache(&a)), &flat(&b.flow.estimator.att), 1e-6);
     // (a small first chunk: the trim then cuts through chunks, not between them)
     for (i, p) in payloads(&codes(133, 3), &[8, 25, 25, 25, 25, 25]).iter().enumerate() {
@@ -268,7 +308,13 @@ fn graph_warm_up_runs_each_batch_size_and_frees_its_slots() {
     let seqs = vec![vec![(11, false), (28, false), (28, true)]];
     let own = tiny();
     assert_eq!(
-        own.warm_graphs(&own.prepare(&reference()).unwrap(), &own.setup(&own.prepare(&reference()).unwrap()).unwrap(), &[1], &seqs).unwrap(),
+        own.warm_graphs(
+            &own.prepare(&reference()).unwrap(),
+            &own.setup(&own.prepare(&reference()).unwrap()).unwrap(),
+            &[1],
+            &seqs
+        )
+        .unwrap(),
         0,
         "no graphs: nothing to warm"
     );
@@ -293,7 +339,11 @@ fn graph_warm_up_runs_each_batch_size_and_frees_its_slots() {
 fn the_warm_up_holds_every_shape_the_chunkers_make() {
     use antiphon_engine::chunker::{warm_sequences, Chunker};
     use antiphon_engine::EngineConfig;
-    let cfg = EngineConfig { first_chunk_codes: 8, small_first_chunk_streams: 1, ..EngineConfig::default() };
+    let cfg = EngineConfig {
+        first_chunk_codes: 8,
+        small_first_chunk_streams: 1,
+        ..EngineConfig::default()
+    };
     let mut c = tiny();
     c.set_slots(2, 512, 25).unwrap();
     c.set_graphs(Some(GraphPolicy::default()), Some(64));
@@ -304,7 +354,8 @@ fn the_warm_up_holds_every_shape_the_chunkers_make() {
     for (first, turn, n) in [(8, true, 83), (25, true, 100), (25, false, 50), (25, false, 25)] {
         for _ in 0..2 {
             let mut ch = Chunker::for_stream(&cfg, first, turn);
-            let mut payloads: Vec<_> = (0..n as u32).filter_map(|i| ch.push(i * 7 % 6561)).collect();
+            let mut payloads: Vec<_> =
+                (0..n as u32).filter_map(|i| ch.push(i * 7 % 6561)).collect();
             payloads.extend(ch.flush());
             let mut st = c.start(&f, &setup).unwrap();
             for p in payloads {
@@ -332,7 +383,9 @@ fn a_flow_pool_holds_what_its_slots_are_counted_as() {
 /// tiles, and masks with holes, a masked prefix (the slot's ring) and one fully open.
 #[test]
 fn attention_over_the_pool_is_the_masked_softmax_of_each_rows_slot() {
-    use antiphon_models::code2wav::dit_attention::{pool_attention, pool_attention_in_place, pool_attention_ops};
+    use antiphon_models::code2wav::dit_attention::{
+        pool_attention, pool_attention_in_place, pool_attention_ops,
+    };
     let (n, h, t, d, slots, cap) = (3usize, 2usize, 37usize, 64usize, 5usize, 176usize);
     let rows = [4u32, 0, 2];
     // row 0 sees every position, row 1 the first 70 but every fifth, row 2 only 100.. (a prefix masked)
@@ -346,7 +399,9 @@ fn attention_over_the_pool_is_the_masked_softmax_of_each_rows_slot() {
         let q = Tensor::randn(0f32, 0.125, (n, h, t, d), dev).unwrap().to_dtype(dt).unwrap();
         let pk = Tensor::randn(0f32, 1.0, (slots, h, cap, d), dev).unwrap().to_dtype(dt).unwrap();
         let pv = Tensor::randn(0f32, 1.0, (slots, h, cap, d), dev).unwrap().to_dtype(dt).unwrap();
-        let m: Vec<f32> = (0..n).flat_map(|r| (0..cap).map(move |j| if open(r, j) { 0.0 } else { f32::NEG_INFINITY })).collect();
+        let m: Vec<f32> = (0..n)
+            .flat_map(|r| (0..cap).map(move |j| if open(r, j) { 0.0 } else { f32::NEG_INFINITY }))
+            .collect();
         let mask = Tensor::from_vec(m, (n, 1, 1, cap), dev).unwrap().to_dtype(dt).unwrap();
         let rows_t = Tensor::new(&rows[..], dev).unwrap();
         let vals = |x: &Tensor| flat(&x.to_dtype(DType::F32).unwrap());
@@ -359,13 +414,20 @@ fn attention_over_the_pool_is_the_masked_softmax_of_each_rows_slot() {
                 for i in 0..t {
                     let qi = &qv[((r * h + hh) * t + i) * d..][..d];
                     let sc: Vec<f64> = (0..cap)
-                        .map(|j| if open(r, j) { (0..d).map(|e| qi[e] as f64 * kv[plane + j * d + e] as f64).sum() } else { f64::NEG_INFINITY })
+                        .map(|j| {
+                            if open(r, j) {
+                                (0..d).map(|e| qi[e] as f64 * kv[plane + j * d + e] as f64).sum()
+                            } else {
+                                f64::NEG_INFINITY
+                            }
+                        })
                         .collect();
                     let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                     let w: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
                     let z: f64 = w.iter().sum();
                     for e in 0..d {
-                        let o: f64 = (0..cap).map(|j| w[j] * vv[plane + j * d + e] as f64).sum::<f64>() / z;
+                        let o: f64 =
+                            (0..cap).map(|j| w[j] * vv[plane + j * d + e] as f64).sum::<f64>() / z;
                         want[(r * t + i) * h * d + hh * d + e] = o as f32;
                     }
                 }
@@ -399,17 +461,24 @@ fn masked_softmax_is_the_softmax_of_the_scores_plus_the_mask() {
             1 => !j.is_multiple_of(3),
             _ => j >= l / 2,
         };
-        let m: Vec<f32> = (0..n).flat_map(|r| (0..l).map(move |j| if open(r, j) { 0.0 } else { f32::NEG_INFINITY })).collect();
+        let m: Vec<f32> = (0..n)
+            .flat_map(|r| (0..l).map(move |j| if open(r, j) { 0.0 } else { f32::NEG_INFINITY }))
+            .collect();
         // (bf16: on the CPU the twin's softmax sums in bf16; our kernels sum in f32)
         let bf16_tol = if dev.is_cpu() { 1e-1 } else { 8e-3 };
         for (dt, tol) in [(DType::F32, 1e-5f32), (DType::BF16, bf16_tol)] {
             let att = (Tensor::randn(0f32, 3.0, (n, h, t, l), dev).unwrap()).to_dtype(dt).unwrap();
-            let mask = Tensor::from_vec(m.clone(), (n, 1, 1, l), dev).unwrap().to_dtype(dt).unwrap();
+            let mask =
+                Tensor::from_vec(m.clone(), (n, 1, 1, l), dev).unwrap().to_dtype(dt).unwrap();
             let a = flat(&att.to_dtype(DType::F32).unwrap());
             let mut want = vec![0f32; n * h * t * l];
             for (i, row) in a.chunks(l).enumerate() {
                 let r = i / (h * t);
-                let s: Vec<f64> = row.iter().enumerate().map(|(j, v)| if open(r, j) { *v as f64 } else { f64::NEG_INFINITY }).collect();
+                let s: Vec<f64> = row
+                    .iter()
+                    .enumerate()
+                    .map(|(j, v)| if open(r, j) { *v as f64 } else { f64::NEG_INFINITY })
+                    .collect();
                 let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = s.iter().map(|v| (v - mx).exp()).sum();
                 for (j, v) in s.iter().enumerate() {
@@ -418,7 +487,12 @@ fn masked_softmax_is_the_softmax_of_the_scores_plus_the_mask() {
             }
             let got = masked_softmax(&att, &mask).unwrap();
             assert_eq!(got.dims(), [n, h, t, l]);
-            assert_near(&format!("masked_softmax, rows of {l}, {dt:?}"), &flat(&got.to_dtype(DType::F32).unwrap()), &want, tol);
+            assert_near(
+                &format!("masked_softmax, rows of {l}, {dt:?}"),
+                &flat(&got.to_dtype(DType::F32).unwrap()),
+                &want,
+                tol,
+            );
         }
     }
     // a mask of another shape is refused

@@ -88,32 +88,39 @@ fn any_json() -> impl Strategy<Value = Value> {
     let leaf = prop_oneof![
         Just(Value::Null),
         any::<bool>().prop_map(Value::from),
-        prop_oneof![Just(0i64), Just(-1), Just(i64::MIN), Just(i64::MAX), any::<i64>()].prop_map(Value::from),
+        prop_oneof![Just(0i64), Just(-1), Just(i64::MIN), Just(i64::MAX), any::<i64>()]
+            .prop_map(Value::from),
         prop_oneof![Just(u64::MAX), Just(4_294_967_296u64), any::<u64>()].prop_map(Value::from),
-        prop_oneof![Just(1e308f64), Just(-0.0), Just(5e-324), any::<f64>()]
-            .prop_map(|f| serde_json::Number::from_f64(f).map(Value::Number).unwrap_or(Value::Null)),
+        prop_oneof![Just(1e308f64), Just(-0.0), Just(5e-324), any::<f64>()].prop_map(|f| {
+            serde_json::Number::from_f64(f).map(Value::Number).unwrap_or(Value::Null)
+        }),
         ".{0,40}".prop_map(Value::from),
         prop::sample::select(FIELDS).prop_map(Value::from),
     ];
     leaf.prop_recursive(3, 24, 6, |inner| {
         prop_oneof![
             prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
-            prop::collection::vec((prop::sample::select(FIELDS), inner), 0..6)
-                .prop_map(|kv| Value::Object(kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect())),
+            prop::collection::vec((prop::sample::select(FIELDS), inner), 0..6).prop_map(|kv| {
+                Value::Object(kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+            }),
         ]
     })
 }
 
 /// An event of a known (or unknown) type with random fields.
 fn any_event() -> impl Strategy<Value = Value> {
-    (prop::sample::select(EVENTS), prop::collection::vec((prop::sample::select(FIELDS), any_json()), 0..6)).prop_map(|(ty, kv)| {
-        let mut o = serde_json::Map::new();
-        for (k, v) in kv {
-            o.insert(k.to_string(), v);
-        }
-        o.insert("type".into(), Value::from(ty));
-        Value::Object(o)
-    })
+    (
+        prop::sample::select(EVENTS),
+        prop::collection::vec((prop::sample::select(FIELDS), any_json()), 0..6),
+    )
+        .prop_map(|(ty, kv)| {
+            let mut o = serde_json::Map::new();
+            for (k, v) in kv {
+                o.insert(k.to_string(), v);
+            }
+            o.insert("type".into(), Value::from(ty));
+            Value::Object(o)
+        })
 }
 
 proptest! {
@@ -218,10 +225,16 @@ async fn case(c: &mut Client, m: Message, n: u64) -> bool {
             In::Event(v) if v["type"] == "error" => {
                 let code = v["code"].as_str().unwrap_or("");
                 assert!(CODES.contains(&code), "case {n} ({m:?}): undocumented error {v}");
-                assert!(v["message"].as_str().is_some_and(|s| !s.is_empty() && s.len() <= 400), "case {n}: {v}");
+                assert!(
+                    v["message"].as_str().is_some_and(|s| !s.is_empty() && s.len() <= 400),
+                    "case {n}: {v}"
+                );
             }
             In::Closed(code) => {
-                assert!(matches!(code, Some(1000 | 1002 | 1007 | 1008 | 1009)), "case {n} ({m:?}): closed with {code:?}");
+                assert!(
+                    matches!(code, Some(1000 | 1002 | 1007 | 1008 | 1009)),
+                    "case {n} ({m:?}): closed with {code:?}"
+                );
                 return false;
             }
             _ => {}
@@ -259,7 +272,8 @@ async fn a_server_fed_hostile_messages_stays_up_and_answers_each() {
 /// The process's resident memory in bytes (Linux).
 fn rss_bytes() -> usize {
     let statm = std::fs::read_to_string("/proc/self/statm").expect("/proc/self/statm");
-    statm.split_whitespace().nth(1).and_then(|p| p.parse::<usize>().ok()).expect("resident pages") * 4096
+    statm.split_whitespace().nth(1).and_then(|p| p.parse::<usize>().ok()).expect("resident pages")
+        * 4096
 }
 
 /// A client that asks for one response after another, acks far ahead of what it got and never
@@ -288,7 +302,10 @@ async fn a_client_that_never_reads_cannot_grow_the_server_without_bound() {
                 json!({"type": "input.text", "text": format!("round {round} turn {k}"), "generation": short(40)}).to_string().into(),
             ))
             .await;
-            c.send_raw(Message::Text(json!({"type": "ack", "seq": 1_000_000 + k}).to_string().into())).await;
+            c.send_raw(Message::Text(
+                json!({"type": "ack", "seq": 1_000_000 + k}).to_string().into(),
+            ))
+            .await;
         }
         // (never read: the server either closes the socket or keeps at most its bounds)
         drop(c);
@@ -329,8 +346,18 @@ const OAI_EVENTS: &[&str] = &[
     "no.such.event",
 ];
 
-const OAI_FIELDS: &[&str] =
-    &["session", "audio", "item", "item_id", "previous_item_id", "content_index", "audio_end_ms", "response", "response_id", "event_id"];
+const OAI_FIELDS: &[&str] = &[
+    "session",
+    "audio",
+    "item",
+    "item_id",
+    "previous_item_id",
+    "content_index",
+    "audio_end_ms",
+    "response",
+    "response_id",
+    "event_id",
+];
 
 /// A JSON value of any type the SDKs' types could be confused with.
 fn oai_value(rng: &mut rand_chacha::ChaCha8Rng) -> Value {
@@ -341,15 +368,19 @@ fn oai_value(rng: &mut rand_chacha::ChaCha8Rng) -> Value {
         3 => json!(-rng.random::<f64>() * 1e12),
         4 => json!("x".repeat(rng.random_range(0..300))),
         5 => json!([1, "two", null]),
-        6 => json!({"type": "message", "role": (["user", "assistant", "system", "tool"][rng.random_range(0..4)]),
+        6 => {
+            json!({"type": "message", "role": (["user", "assistant", "system", "tool"][rng.random_range(0..4)]),
             "content": [{"type": (["input_text", "input_audio", "text", "audio", "output_text"][rng.random_range(0..5)]),
-                "text": "hi", "audio": "!!notbase64", "transcript": 5}]}),
+                "text": "hi", "audio": "!!notbase64", "transcript": 5}]})
+        }
         7 => json!({"type": "realtime", "instructions": "x".repeat(rng.random_range(0..12_000)),
             "audio": {"input": {"format": {"type": (["audio/pcm", "audio/pcmu", "audio/x"][rng.random_range(0..3)]), "rate": rng.random::<u32>()},
                 "turn_detection": {"type": "semantic_vad", "eagerness": rng.random::<u8>()}}},
             "tools": vec![json!({"type": "function", "name": "f"}); rng.random_range(0..200)], "max_output_tokens": rng.random::<i32>()}),
-        8 => json!({"input": vec![json!({"type": "item_reference", "id": "i0"}); rng.random_range(0..3000)],
-            "output_modalities": (["audio", "text", "video"][rng.random_range(0..3)]), "conversation": "none", "max_output_tokens": 4}),
+        8 => {
+            json!({"input": vec![json!({"type": "item_reference", "id": "i0"}); rng.random_range(0..3000)],
+            "output_modalities": (["audio", "text", "video"][rng.random_range(0..3)]), "conversation": "none", "max_output_tokens": 4})
+        }
         _ => json!({"deep": [[[[[[[[rng.random::<u8>()]]]]]]]]}),
     }
 }
@@ -393,18 +424,33 @@ async fn oai_case(c: &mut Client, m: Message, n: u64) -> bool {
         match c.recv().await {
             In::Event(v) if v["type"] == "error" => {
                 let e = &v["error"];
-                assert!(matches!(e["type"].as_str(), Some("invalid_request_error" | "server_error")), "case {n}: {v}");
+                assert!(
+                    matches!(e["type"].as_str(), Some("invalid_request_error" | "server_error")),
+                    "case {n}: {v}"
+                );
                 let code = e["code"].as_str().unwrap_or("");
-                assert!(!code.is_empty() && code.chars().all(|c| c.is_ascii_lowercase() || c == '_'), "case {n}: {v}");
-                assert!(e["message"].as_str().is_some_and(|s| !s.is_empty() && s.len() <= 2000), "case {n}: {v}");
+                assert!(
+                    !code.is_empty() && code.chars().all(|c| c.is_ascii_lowercase() || c == '_'),
+                    "case {n}: {v}"
+                );
+                assert!(
+                    e["message"].as_str().is_some_and(|s| !s.is_empty() && s.len() <= 2000),
+                    "case {n}: {v}"
+                );
                 if e["event_id"] == probe.as_str() {
                     assert_eq!(code, "item_retrieve_invalid_item_id", "case {n}: {v}");
                     return true;
                 }
             }
-            In::Event(v) => assert!(v["type"].as_str().is_some_and(|t| !t.is_empty()) && v["event_id"].is_string(), "case {n}: {v}"),
+            In::Event(v) => assert!(
+                v["type"].as_str().is_some_and(|t| !t.is_empty()) && v["event_id"].is_string(),
+                "case {n}: {v}"
+            ),
             In::Closed(code) => {
-                assert!(matches!(code, Some(1000 | 1002 | 1007 | 1008 | 1009)), "case {n} ({m:?}): closed with {code:?}");
+                assert!(
+                    matches!(code, Some(1000 | 1002 | 1007 | 1008 | 1009)),
+                    "case {n} ({m:?}): closed with {code:?}"
+                );
                 return false;
             }
             In::Audio(_) => panic!("case {n}: a binary frame from the dialect"),
@@ -464,7 +510,10 @@ async fn the_dialect_fed_hostile_messages_stays_up_and_answers_each() {
     .await;
     d.send(json!({"type": "response.create"})).await;
     let done = d.until(|m| m.ty() == "response.done").await.pop();
-    assert!(matches!(&done, Some(In::Event(v)) if v["response"]["status"] == "completed"), "{done:?}");
+    assert!(
+        matches!(&done, Some(In::Event(v)) if v["response"]["status"] == "completed"),
+        "{done:?}"
+    );
     s.shutdown().await.unwrap();
 }
 
@@ -504,7 +553,10 @@ async fn dialect_floods_of_items_and_references_cannot_grow_the_server_without_b
             let refs = vec![json!({"type": "item_reference", "id": id}); 7000];
             c.send(json!({"type": "response.create", "event_id": format!("r{k}-{i}"), "response": {"input": refs}})).await;
         }
-        c.send(json!({"type": "conversation.item.retrieve", "item_id": "never", "event_id": "end"})).await;
+        c.send(
+            json!({"type": "conversation.item.retrieve", "item_id": "never", "event_id": "end"}),
+        )
+        .await;
         let got = c.until(|m| matches!(m, In::Event(v) if v["error"]["event_id"] == "end")).await;
         let refused = got.iter().filter(|m| matches!(m, In::Event(v) if v["error"]["event_id"].as_str().is_some_and(|e| e.starts_with('r')))).count();
         assert_eq!(refused, 20, "every flood of references is refused");
@@ -514,7 +566,10 @@ async fn dialect_floods_of_items_and_references_cannot_grow_the_server_without_b
     warm.send(json!({"type": "response.create", "response": {"input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "still there?"}]}]}}))
         .await;
     let done = warm.until(|m| m.ty() == "response.done").await.pop();
-    assert!(matches!(&done, Some(In::Event(v)) if v["response"]["status"] == "completed"), "{done:?}");
+    assert!(
+        matches!(&done, Some(In::Event(v)) if v["response"]["status"] == "completed"),
+        "{done:?}"
+    );
     let grown = rss_bytes().saturating_sub(before);
     eprintln!("resident memory grew by {} MiB", grown >> 20);
     assert!(grown < 192 << 20, "resident memory grew by {} MiB", grown >> 20);

@@ -21,7 +21,10 @@ fn quick(c: &mut antiphon_server::config::Config) {
 }
 
 async fn connect(s: &Server) -> Client {
-    let mut c = Client::connect_to(&format!("ws://{}/openai/v1/realtime?model=gpt-realtime", s.addr)).await.unwrap();
+    let mut c =
+        Client::connect_to(&format!("ws://{}/openai/v1/realtime?model=gpt-realtime", s.addr))
+            .await
+            .unwrap();
     let first = c.recv().await;
     assert_eq!(first.ty(), "session.created", "{first:?}");
     c
@@ -30,7 +33,10 @@ async fn connect(s: &Server) -> Client {
 async fn event(c: &mut Client) -> Value {
     match c.recv().await {
         In::Event(v) => {
-            assert!(v["event_id"].as_str().is_some_and(|s| !s.is_empty()), "every event has an event_id: {v}");
+            assert!(
+                v["event_id"].as_str().is_some_and(|s| !s.is_empty()),
+                "every event has an event_id: {v}"
+            );
             v
         }
         other => panic!("expected an event, got {other:?}"),
@@ -74,7 +80,11 @@ async fn a_text_turn_in_g711_with_the_full_event_sequence() {
     assert_eq!(event(&mut c).await["type"], "conversation.item.done");
     c.send(json!({"type": "response.create", "response": {"metadata": {"k": "v"}}})).await;
     let evs = until(&mut c, "response.done").await;
-    let types: Vec<&str> = evs.iter().map(|v| v["type"].as_str().unwrap()).filter(|t| !t.ends_with(".delta")).collect();
+    let types: Vec<&str> = evs
+        .iter()
+        .map(|v| v["type"].as_str().unwrap())
+        .filter(|t| !t.ends_with(".delta"))
+        .collect();
     assert_eq!(
         types,
         [
@@ -97,28 +107,51 @@ async fn a_text_turn_in_g711_with_the_full_event_sequence() {
     let bytes: usize = evs
         .iter()
         .filter(|v| v["type"] == "response.output_audio.delta")
-        .map(|v| base64::engine::general_purpose::STANDARD.decode(v["delta"].as_str().unwrap()).unwrap().len())
+        .map(|v| {
+            base64::engine::general_purpose::STANDARD
+                .decode(v["delta"].as_str().unwrap())
+                .unwrap()
+                .len()
+        })
         .sum();
     assert_eq!(bytes, 1480 * 8, "8 bytes a millisecond");
     assert_eq!(done["usage"]["output_token_details"]["audio_tokens"], 1480 * 25 / 1000);
-    let transcript: String =
-        evs.iter().filter(|v| v["type"] == "response.output_audio_transcript.delta").map(|v| v["delta"].as_str().unwrap()).collect();
-    assert_eq!(done["output"][0]["content"][0], json!({"type": "output_audio", "transcript": transcript}));
+    let transcript: String = evs
+        .iter()
+        .filter(|v| v["type"] == "response.output_audio_transcript.delta")
+        .map(|v| v["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        done["output"][0]["content"][0],
+        json!({"type": "output_audio", "transcript": transcript})
+    );
     // every v1 message was acked: the journal behind the dialect holds nothing for a resume
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert!(s.shared.sessions.journal_bytes() < 4096, "v1 journal {} bytes", s.shared.sessions.journal_bytes());
+    assert!(
+        s.shared.sessions.journal_bytes() < 4096,
+        "v1 journal {} bytes",
+        s.shared.sessions.journal_bytes()
+    );
     // truncation of the answer's audio, beyond its length refused
     let item = done["output"][0]["id"].as_str().unwrap().to_string();
     c.send(json!({"type": "conversation.item.truncate", "item_id": item, "content_index": 0, "audio_end_ms": 5000, "event_id": "t1"})).await;
     let e = error(&mut c).await;
-    assert_eq!((e["param"].as_str(), e["event_id"].as_str()), (Some("audio_end_ms"), Some("t1")), "{e}");
+    assert_eq!(
+        (e["param"].as_str(), e["event_id"].as_str()),
+        (Some("audio_end_ms"), Some("t1")),
+        "{e}"
+    );
     c.send(json!({"type": "conversation.item.truncate", "item_id": item, "content_index": 0, "audio_end_ms": 500})).await;
     assert_eq!(event(&mut c).await["type"], "conversation.item.truncated");
     c.send(json!({"type": "conversation.item.retrieve", "item_id": item})).await;
     let r = event(&mut c).await;
     assert_eq!(r["type"], "conversation.item.retrieved");
     let kept = r["item"]["content"][0]["transcript"].as_str().unwrap().chars().count();
-    assert_eq!(kept, transcript.chars().count() * 500 / 1480, "the transcript is cut to what was heard");
+    assert_eq!(
+        kept,
+        transcript.chars().count() * 500 / 1480,
+        "the transcript is cut to what was heard"
+    );
     s.shutdown().await.unwrap();
 }
 
@@ -141,11 +174,16 @@ async fn bad_input_gets_errors_with_the_event_id_and_the_session_goes_on() {
     assert_eq!(error(&mut c).await["code"], "input_audio_buffer_commit_empty");
     // one sample is too little to be a turn: refused when committed (issue 38: accepted, and the
     // response failed), and kept: with 100 ms more the commit takes both
-    let pcm = |samples: usize| base64::engine::general_purpose::STANDARD.encode(vec![0u8; 2 * samples]);
+    let pcm =
+        |samples: usize| base64::engine::general_purpose::STANDARD.encode(vec![0u8; 2 * samples]);
     c.send(json!({"type": "input_audio_buffer.append", "audio": pcm(1)})).await;
     c.send(json!({"type": "input_audio_buffer.commit", "event_id": "tiny"})).await;
     let e = error(&mut c).await;
-    assert_eq!((e["code"].as_str(), e["event_id"].as_str()), (Some("input_audio_buffer_commit_empty"), Some("tiny")), "{e}");
+    assert_eq!(
+        (e["code"].as_str(), e["event_id"].as_str()),
+        (Some("input_audio_buffer_commit_empty"), Some("tiny")),
+        "{e}"
+    );
     assert!(e["message"].as_str().unwrap().contains("100 ms"), "{e}");
     c.send(json!({"type": "input_audio_buffer.append", "audio": pcm(2400)})).await;
     c.send(json!({"type": "input_audio_buffer.commit"})).await;
@@ -154,9 +192,15 @@ async fn bad_input_gets_errors_with_the_event_id_and_the_session_goes_on() {
     assert_eq!(event(&mut c).await["type"], "conversation.item.done");
     c.send(json!({"type": "response.cancel"})).await;
     assert_eq!(error(&mut c).await["code"], "response_cancel_not_active");
-    c.send(json!({"type": "conversation.item.retrieve", "item_id": "nope", "event_id": "rci_nope"})).await;
+    c.send(
+        json!({"type": "conversation.item.retrieve", "item_id": "nope", "event_id": "rci_nope"}),
+    )
+    .await;
     let e = error(&mut c).await;
-    assert_eq!((e["code"].as_str(), e["event_id"].as_str()), (Some("item_retrieve_invalid_item_id"), Some("rci_nope")));
+    assert_eq!(
+        (e["code"].as_str(), e["event_id"].as_str()),
+        (Some("item_retrieve_invalid_item_id"), Some("rci_nope"))
+    );
     c.send(json!({"type": "session.update", "session": {"type": "realtime", "instructions": "x".repeat(9000)}})).await;
     assert_eq!(error(&mut c).await["param"], "session.instructions");
     // a response while one runs is the benign conflict pipecat expects
@@ -164,7 +208,8 @@ async fn bad_input_gets_errors_with_the_event_id_and_the_session_goes_on() {
     c.send(json!({"type": "response.create"})).await;
     let mut conflict = false;
     for v in until(&mut c, "response.done").await {
-        conflict |= v["type"] == "error" && v["error"]["code"] == "conversation_already_has_active_response";
+        conflict |= v["type"] == "error"
+            && v["error"]["code"] == "conversation_already_has_active_response";
     }
     assert!(conflict, "the second response.create is refused");
     // and the session still answers
@@ -192,12 +237,21 @@ async fn keys_by_header_subprotocol_or_query_and_the_session_ends_with_its_socke
     assert!(tokio_tungstenite::connect_async(req).await.is_ok());
     assert!(tokio_tungstenite::connect_async(format!("{url}?model=m&token=k1")).await.is_ok());
     let mut req = url.as_str().into_client_request().unwrap();
-    req.headers_mut().insert("sec-websocket-protocol", "realtime, openai-insecure-api-key.k2".parse().unwrap());
-    assert!(tokio_tungstenite::connect_async(req).await.is_err(), "a wrong key in the subprotocol: refused");
+    req.headers_mut()
+        .insert("sec-websocket-protocol", "realtime, openai-insecure-api-key.k2".parse().unwrap());
+    assert!(
+        tokio_tungstenite::connect_async(req).await.is_err(),
+        "a wrong key in the subprotocol: refused"
+    );
     let mut req = url.as_str().into_client_request().unwrap();
-    req.headers_mut().insert("sec-websocket-protocol", "realtime, openai-insecure-api-key.k1".parse().unwrap());
+    req.headers_mut()
+        .insert("sec-websocket-protocol", "realtime, openai-insecure-api-key.k1".parse().unwrap());
     let (mut ws, resp) = tokio_tungstenite::connect_async(req).await.unwrap();
-    assert_eq!(resp.headers().get("sec-websocket-protocol").unwrap(), "realtime", "the subprotocol is answered");
+    assert_eq!(
+        resp.headers().get("sec-websocket-protocol").unwrap(),
+        "realtime",
+        "the subprotocol is answered"
+    );
     use futures_util::StreamExt;
     let first = ws.next().await.unwrap().unwrap();
     assert!(first.to_text().unwrap().contains("session.created"));
@@ -205,7 +259,11 @@ async fn keys_by_header_subprotocol_or_query_and_the_session_ends_with_its_socke
     // no resume in this dialect: every session ends with its socket
     let deadline = Instant::now() + Duration::from_secs(30);
     while !s.shared.sessions.is_empty() {
-        assert!(Instant::now() < deadline, "{} sessions left after their sockets closed", s.shared.sessions.len());
+        assert!(
+            Instant::now() < deadline,
+            "{} sessions left after their sockets closed",
+            s.shared.sessions.len()
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(s.shared.sessions.parked(), 0);
@@ -228,7 +286,11 @@ async fn what_a_client_keeps_on_the_server_is_bounded() {
         assert_eq!(event(&mut c).await["type"], "conversation.item.done");
     }
     c.send(json!({"type": "conversation.item.retrieve", "item_id": "i0"})).await;
-    assert_eq!(error(&mut c).await["code"], "item_retrieve_invalid_item_id", "the oldest item is gone");
+    assert_eq!(
+        error(&mut c).await["code"],
+        "item_retrieve_invalid_item_id",
+        "the oldest item is gone"
+    );
     c.send(json!({"type": "conversation.item.retrieve", "item_id": "i1029"})).await;
     assert_eq!(event(&mut c).await["type"], "conversation.item.retrieved");
     // more text than the list keeps: 6 assistant items of 200 KB hold over 1 MiB (a user's text
@@ -240,7 +302,11 @@ async fn what_a_client_keeps_on_the_server_is_bounded() {
         assert_eq!(event(&mut c).await["type"], "conversation.item.done");
     }
     c.send(json!({"type": "conversation.item.retrieve", "item_id": "big0"})).await;
-    assert_eq!(error(&mut c).await["code"], "item_retrieve_invalid_item_id", "the oldest text gave way");
+    assert_eq!(
+        error(&mut c).await["code"],
+        "item_retrieve_invalid_item_id",
+        "the oldest text gave way"
+    );
     c.send(json!({"type": "conversation.item.retrieve", "item_id": "big5"})).await;
     assert_eq!(event(&mut c).await["type"], "conversation.item.retrieved");
     // user audio waiting for a response: at most what a turn holds (2 s here)
@@ -260,9 +326,13 @@ async fn what_a_client_keeps_on_the_server_is_bounded() {
     for _ in 0..2 {
         c.send(json!({"type": "input_audio_buffer.append", "audio": second})).await;
     }
-    c.send(json!({"type": "input_audio_buffer.append", "audio": second, "event_id": "third"})).await;
+    c.send(json!({"type": "input_audio_buffer.append", "audio": second, "event_id": "third"}))
+        .await;
     let e = error(&mut c).await;
-    assert_eq!((e["code"].as_str(), e["event_id"].as_str()), (Some("input_audio_buffer_full"), Some("third")));
+    assert_eq!(
+        (e["code"].as_str(), e["event_id"].as_str()),
+        (Some("input_audio_buffer_full"), Some("third"))
+    );
     s.shutdown().await.unwrap();
 }
 
@@ -298,12 +368,20 @@ async fn references_are_counted_before_they_are_joined() {
     // 3 × 4 KB: within the frame, over what one turn holds in the Thinker's tokens
     c.send(refs("t", 3)).await;
     let e = error(&mut c).await;
-    assert_eq!((e["param"].as_str(), e["event_id"].as_str()), (Some("response.input"), Some("t3")), "{e}");
+    assert_eq!(
+        (e["param"].as_str(), e["event_id"].as_str()),
+        (Some("response.input"), Some("t3")),
+        "{e}"
+    );
     assert!(e["message"].as_str().unwrap().contains("tokens"), "{e}");
     // 2000 × 1 s of audio: over the 2 s a turn holds, refused at the third
     c.send(refs("a", 2000)).await;
     let e = error(&mut c).await;
-    assert_eq!((e["code"].as_str(), e["event_id"].as_str()), (Some("input_audio_buffer_full"), Some("a2000")), "{e}");
+    assert_eq!(
+        (e["code"].as_str(), e["event_id"].as_str()),
+        (Some("input_audio_buffer_full"), Some("a2000")),
+        "{e}"
+    );
     // within the bounds the same references make a response
     c.send(refs("s", 2)).await;
     let done = until(&mut c, "response.done").await.into_iter().last().unwrap();
@@ -325,7 +403,11 @@ async fn a_users_text_beyond_a_turn_is_refused_when_it_arrives() {
     };
     c.send(user("huge", 20_000)).await;
     let e = error(&mut c).await;
-    assert_eq!((e["code"].as_str(), e["param"].as_str(), e["event_id"].as_str()), (Some("invalid_value"), Some("item.content"), Some("huge")), "{e}");
+    assert_eq!(
+        (e["code"].as_str(), e["param"].as_str(), e["event_id"].as_str()),
+        (Some("invalid_value"), Some("item.content"), Some("huge")),
+        "{e}"
+    );
     assert!(e["message"].as_str().unwrap().contains("tokens"), "{e}");
     // within a turn alone; over it with the text already waiting
     c.send(user("first", 3_000)).await;
@@ -333,9 +415,17 @@ async fn a_users_text_beyond_a_turn_is_refused_when_it_arrives() {
     assert_eq!(event(&mut c).await["type"], "conversation.item.done");
     c.send(user("second", 3_000)).await;
     let e = error(&mut c).await;
-    assert_eq!((e["param"].as_str(), e["event_id"].as_str()), (Some("item.content"), Some("second")), "{e}");
+    assert_eq!(
+        (e["param"].as_str(), e["event_id"].as_str()),
+        (Some("item.content"), Some("second")),
+        "{e}"
+    );
     c.send(json!({"type": "conversation.item.retrieve", "item_id": "huge"})).await;
-    assert_eq!(error(&mut c).await["code"], "item_retrieve_invalid_item_id", "a refused item is not in the conversation");
+    assert_eq!(
+        error(&mut c).await["code"],
+        "item_retrieve_invalid_item_id",
+        "a refused item is not in the conversation"
+    );
     // what was accepted is answered
     c.send(json!({"type": "response.create"})).await;
     let done = until(&mut c, "response.done").await.into_iter().last().unwrap();
@@ -361,17 +451,29 @@ async fn instructions_are_checked_with_the_system_items_they_join() {
     };
     c.send(system("huge", 9000)).await;
     let e = error(&mut c).await;
-    assert_eq!((e["param"].as_str(), e["event_id"].as_str()), (Some("item.content"), Some("huge")), "{e}");
+    assert_eq!(
+        (e["param"].as_str(), e["event_id"].as_str()),
+        (Some("item.content"), Some("huge")),
+        "{e}"
+    );
     // within the limits alone, over them together (the synthetic tokenizer: a token a byte)
     c.send(system("small", 600)).await;
     assert_eq!(event(&mut c).await["type"], "conversation.item.added");
     assert_eq!(event(&mut c).await["type"], "conversation.item.done");
     c.send(json!({"type": "session.update", "event_id": "long", "session": {"type": "realtime", "instructions": "i".repeat(1600)}})).await;
     let e = error(&mut c).await;
-    assert_eq!((e["param"].as_str(), e["event_id"].as_str()), (Some("session.instructions"), Some("long")), "{e}");
+    assert_eq!(
+        (e["param"].as_str(), e["event_id"].as_str()),
+        (Some("session.instructions"), Some("long")),
+        "{e}"
+    );
     c.send(json!({"type": "response.create", "event_id": "r", "response": {"instructions": "i".repeat(1600)}})).await;
     let e = error(&mut c).await;
-    assert_eq!((e["param"].as_str(), e["event_id"].as_str()), (Some("response.instructions"), Some("r")), "{e}");
+    assert_eq!(
+        (e["param"].as_str(), e["event_id"].as_str()),
+        (Some("response.instructions"), Some("r")),
+        "{e}"
+    );
     // what was refused changed nothing: a response now runs with the 600-character item
     c.send(
         json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}}),
@@ -401,14 +503,24 @@ async fn frames_over_the_limit_or_not_utf8_get_an_error_and_a_close_code() {
         let mut c = connect(&s).await;
         c.send_raw(frame).await;
         let ms = c.until(|m| matches!(m, In::Closed(_))).await;
-        assert!(ms.iter().any(|m| matches!(m, In::Event(v) if v["type"] == "error" && v["error"]["code"] == code)), "frame {n}: {ms:?}");
+        assert!(
+            ms.iter().any(
+                |m| matches!(m, In::Event(v) if v["type"] == "error" && v["error"]["code"] == code)
+            ),
+            "frame {n}: {ms:?}"
+        );
         assert!(matches!(ms.last(), Some(In::Closed(Some(c))) if *c == close), "frame {n}: {ms:?}");
     }
     // invalid UTF-8 in a text frame (a raw frame: the library's text messages are valid UTF-8)
     let mut c = connect(&s).await;
     use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
     use tokio_tungstenite::tungstenite::protocol::frame::Frame;
-    c.send_raw(Message::Frame(Frame::message(vec![b'{', 0xff, 0xfe, b'}'], OpCode::Data(Data::Text), true))).await;
+    c.send_raw(Message::Frame(Frame::message(
+        vec![b'{', 0xff, 0xfe, b'}'],
+        OpCode::Data(Data::Text),
+        true,
+    )))
+    .await;
     let ms = c.until(|m| matches!(m, In::Closed(_))).await;
     assert!(ms.iter().any(|m| matches!(m, In::Event(v) if v["type"] == "error" && v["error"]["code"] == "invalid_json")), "{ms:?}");
     assert!(matches!(ms.last(), Some(In::Closed(Some(1007)))), "{ms:?}");
@@ -431,7 +543,11 @@ async fn a_client_streaming_silence_is_active_and_an_idle_one_is_closed() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     c.send(json!({"type": "session.update", "session": {"type": "realtime"}})).await;
-    assert_eq!(event(&mut c).await["type"], "session.updated", "the session outlived 4 s of streamed silence");
+    assert_eq!(
+        event(&mut c).await["type"],
+        "session.updated",
+        "the session outlived 4 s of streamed silence"
+    );
     // then nothing: the idle timeout ends it, and the client is told why before the close
     let e = error(&mut c).await;
     assert_eq!(e["code"], "session_closing", "{e}");
@@ -460,7 +576,10 @@ async fn capacity_says_when_to_try_again() {
     assert_eq!(details["error"]["code"], "capacity", "{done}");
     assert!(details["error"]["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0), "{done}");
     // a new call while no place is free
-    let mut c = Client::connect_to(&format!("ws://{}/openai/v1/realtime?model=gpt-realtime", s.addr)).await.unwrap();
+    let mut c =
+        Client::connect_to(&format!("ws://{}/openai/v1/realtime?model=gpt-realtime", s.addr))
+            .await
+            .unwrap();
     let e = error(&mut c).await;
     assert_eq!(e["code"], "capacity", "{e}");
     assert!(e["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0), "{e}");

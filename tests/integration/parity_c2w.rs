@@ -21,8 +21,10 @@ fn assets() -> PathBuf {
 
 fn flow() -> Flow {
     let io = load_io(FIX);
-    let cfg = yaml::flow_config(&std::fs::read_to_string(assets().join("flow.yaml")).unwrap()).unwrap();
-    let vb = pth_var_builder(&assets().join("flow.pt"), None, DType::F32, &common::device()).unwrap();
+    let cfg =
+        yaml::flow_config(&std::fs::read_to_string(assets().join("flow.yaml")).unwrap()).unwrap();
+    let vb =
+        pth_var_builder(&assets().join("flow.pt"), None, DType::F32, &common::device()).unwrap();
     Flow::load(vb, &cfg, io["cfm_noise"].clone()).unwrap()
 }
 
@@ -36,8 +38,11 @@ fn setup(flow: &Flow) -> FlowState {
 
 fn causal_hift() -> HiftGenerator {
     let io = load_io(FIX);
-    let cfg = yaml::causal_hift_config(&std::fs::read_to_string(assets().join("config.yaml")).unwrap()).unwrap();
-    let vb = pth_var_builder(&assets().join("hift.pt"), None, DType::F32, &common::device()).unwrap();
+    let cfg =
+        yaml::causal_hift_config(&std::fs::read_to_string(assets().join("config.yaml")).unwrap())
+            .unwrap();
+    let vb =
+        pth_var_builder(&assets().join("hift.pt"), None, DType::F32, &common::device()).unwrap();
     HiftGenerator::load(vb, &cfg, Some(&io["vocoder_noise_table"])).unwrap()
 }
 
@@ -55,14 +60,34 @@ fn parity_flow_setup_caches() {
         assert_close(&format!("conformer token cache {i}"), &packed, &want.get(i).unwrap(), TOL);
     }
     for (i, t) in c.att_mel.iter().enumerate() {
-        assert_close(&format!("conformer mel cache {i}"), t, &want.get(c.att_token.len() + i).unwrap(), TOL);
+        assert_close(
+            &format!("conformer mel cache {i}"),
+            t,
+            &want.get(c.att_token.len() + i).unwrap(),
+            TOL,
+        );
     }
     assert_close("conformer cnn cache", &c.cnn, &io["setup_conformer_cnn_cache"], TOL);
     let want_att = &io["setup_estimator_att_cache"]; // Euler steps 0 and 9
-    assert_close("estimator att cache, step 0", &st.estimator.att.get(0).unwrap(), &want_att.get(0).unwrap(), TOL);
-    assert_close("estimator att cache, step 9", &st.estimator.att.get(9).unwrap(), &want_att.get(1).unwrap(), TOL);
+    assert_close(
+        "estimator att cache, step 0",
+        &st.estimator.att.get(0).unwrap(),
+        &want_att.get(0).unwrap(),
+        TOL,
+    );
+    assert_close(
+        "estimator att cache, step 9",
+        &st.estimator.att.get(9).unwrap(),
+        &want_att.get(1).unwrap(),
+        TOL,
+    );
     // (ours time-major, [.., 2, 2 H]; the reference's [.., 2 H, 2])
-    assert_close("estimator cnn cache", &st.estimator.cnn.transpose(3, 4).unwrap(), &io["setup_estimator_cnn_cache"], TOL);
+    assert_close(
+        "estimator cnn cache",
+        &st.estimator.cnn.transpose(3, 4).unwrap(),
+        &io["setup_estimator_cnn_cache"],
+        TOL,
+    );
 }
 
 #[test]
@@ -73,8 +98,17 @@ fn parity_flow_dit_step() {
     let est = &f.decoder.estimator;
     let att0 = st.estimator.att.get(0).unwrap();
     let cnn0 = st.estimator.cnn.get(0).unwrap();
-    let (v, nc, na) =
-        est.forward_chunk(&io["dit_x"], &io["dit_mu"], 0.3, &io["dit_spks"], &io["dit_x"].zeros_like().unwrap(), Some(&cnn0), Some(&att0)).unwrap();
+    let (v, nc, na) = est
+        .forward_chunk(
+            &io["dit_x"],
+            &io["dit_mu"],
+            0.3,
+            &io["dit_spks"],
+            &io["dit_x"].zeros_like().unwrap(),
+            Some(&cnn0),
+            Some(&att0),
+        )
+        .unwrap();
     assert_close("DiT velocity", &v, &io["dit_out"], TOL);
     assert_close("DiT new conv cache", &nc.transpose(2, 3).unwrap(), &io["dit_new_cnn"], TOL);
     assert_close("DiT new attention cache", &na, &io["dit_new_att"], TOL);
@@ -103,13 +137,23 @@ fn parity_flow_stream_utterance_chunk_by_chunk() {
         let last = i == payloads.len() - 1;
         let mel = f.chunk(&ids(p), &io["spk"], &mut st, last).unwrap();
         assert_close(&format!("chunk {i} mel"), &mel, &io[&format!("chunk{i}_mel")], TOL);
-        let want_len = io[&format!("chunk{i}_estimator_att_len")].to_vec1::<f32>().unwrap()[0] as usize;
-        assert_eq!(st.estimator.len(), want_len, "estimator cache after chunk {i} (trimmed to prompt + 100)");
+        let want_len =
+            io[&format!("chunk{i}_estimator_att_len")].to_vec1::<f32>().unwrap()[0] as usize;
+        assert_eq!(
+            st.estimator.len(),
+            want_len,
+            "estimator cache after chunk {i} (trimmed to prompt + 100)"
+        );
     }
     let c = &st.conformer;
     let want = &io["final_conformer_att_cache"];
     for (i, t) in c.att_token.iter().enumerate() {
-        assert_close(&format!("trimmed token cache {i}"), &Tensor::cat(&[t, t], 2).unwrap(), &want.get(i).unwrap(), TOL);
+        assert_close(
+            &format!("trimmed token cache {i}"),
+            &Tensor::cat(&[t, t], 2).unwrap(),
+            &want.get(i).unwrap(),
+            TOL,
+        );
     }
 }
 
@@ -126,7 +170,11 @@ fn parity_flow_graphed_chunks_match_reference() {
     let eager = flow();
     for max_graphs in [12, 1] {
         let mut g = flow();
-        g.decoder.set_graphs(Some(GraphPolicy { max_batch: 2, max_graphs, ..GraphPolicy::default() }));
+        g.decoder.set_graphs(Some(GraphPolicy {
+            max_batch: 2,
+            max_graphs,
+            ..GraphPolicy::default()
+        }));
         for pass in 0..3 {
             let (mut st, mut want) = (setup(&g), setup(&eager));
             for (i, p) in payloads.iter().enumerate() {
@@ -134,10 +182,25 @@ fn parity_flow_graphed_chunks_match_reference() {
                 let mel = g.chunk(p, &io["spk"], &mut st, last).unwrap();
                 let mel_eager = eager.chunk(p, &io["spk"], &mut want, last).unwrap();
                 let what = format!("max_graphs {max_graphs}, pass {pass}, chunk {i}");
-                assert_close(&format!("{what}: mel vs reference"), &mel, &io[&format!("chunk{i}_mel")], TOL);
+                assert_close(
+                    &format!("{what}: mel vs reference"),
+                    &mel,
+                    &io[&format!("chunk{i}_mel")],
+                    TOL,
+                );
                 assert_close(&format!("{what}: mel vs op by op"), &mel, &mel_eager, 1e-5);
-                assert_close(&format!("{what}: attention cache"), &st.estimator.att, &want.estimator.att, 1e-5);
-                assert_close(&format!("{what}: conv cache"), &st.estimator.cnn, &want.estimator.cnn, 1e-5);
+                assert_close(
+                    &format!("{what}: attention cache"),
+                    &st.estimator.att,
+                    &want.estimator.att,
+                    1e-5,
+                );
+                assert_close(
+                    &format!("{what}: conv cache"),
+                    &st.estimator.cnn,
+                    &want.estimator.cnn,
+                    1e-5,
+                );
             }
         }
         let held = g.decoder.graphs_held();
@@ -153,16 +216,29 @@ fn parity_flow_batched_chunks_match_single() {
     let payloads: Vec<Vec<u32>> = meta["payloads"].as_array().unwrap().iter().map(ids).collect();
     // stream A: the fixture's; stream B: same prompt, another speaker and other codes
     let spk_b = (io["spk"].clone() * -0.5).unwrap();
-    let codes_b: Vec<Vec<u32>> = payloads.iter().map(|p| p.iter().map(|&c| (c * 7 + 11) % 6561).collect()).collect();
+    let codes_b: Vec<Vec<u32>> =
+        payloads.iter().map(|p| p.iter().map(|&c| (c * 7 + 11) % 6561).collect()).collect();
     let (mut a1, mut b1) = (setup(&f), setup(&f));
     let (mut a2, mut b2) = (setup(&f), setup(&f));
     for i in 0..payloads.len() - 1 {
-        let together = f.chunk_batch(&[&payloads[i], &codes_b[i]], &[&io["spk"], &spk_b], &mut [&mut a1, &mut b1], false).unwrap();
+        let together = f
+            .chunk_batch(
+                &[&payloads[i], &codes_b[i]],
+                &[&io["spk"], &spk_b],
+                &mut [&mut a1, &mut b1],
+                false,
+            )
+            .unwrap();
         let alone_a = f.chunk(&payloads[i], &io["spk"], &mut a2, false).unwrap();
         let alone_b = f.chunk(&codes_b[i], &spk_b, &mut b2, false).unwrap();
         assert_close(&format!("batched A chunk {i}"), &together[0], &alone_a, 1e-5);
         assert_close(&format!("batched B chunk {i}"), &together[1], &alone_b, 1e-5);
-        assert_close(&format!("batched A chunk {i} vs reference"), &together[0], &io[&format!("chunk{i}_mel")], TOL);
+        assert_close(
+            &format!("batched A chunk {i} vs reference"),
+            &together[0],
+            &io[&format!("chunk{i}_mel")],
+            TOL,
+        );
     }
 }
 
@@ -182,15 +258,39 @@ fn parity_flow_ragged_batch_matches_reference() {
         let last = i == payloads.len() - 1;
         if i > 0 && payloads[i].len() == payloads[i - 1].len() && !last {
             ragged += usize::from(a.estimator.len() != b.estimator.len());
-            let out = f.chunk_batch(&[&payloads[i], &payloads[i - 1]], &[&io["spk"], &io["spk"]], &mut [&mut a, &mut b], false).unwrap();
+            let out = f
+                .chunk_batch(
+                    &[&payloads[i], &payloads[i - 1]],
+                    &[&io["spk"], &io["spk"]],
+                    &mut [&mut a, &mut b],
+                    false,
+                )
+                .unwrap();
             assert_close(&format!("ahead, chunk {i}"), &out[0], &io[&format!("chunk{i}_mel")], TOL);
-            assert_close(&format!("behind, chunk {}", i - 1), &out[1], &io[&format!("chunk{}_mel", i - 1)], TOL);
+            assert_close(
+                &format!("behind, chunk {}", i - 1),
+                &out[1],
+                &io[&format!("chunk{}_mel", i - 1)],
+                TOL,
+            );
         } else {
             let mel = f.chunk(&payloads[i], &io["spk"], &mut a, last).unwrap();
-            assert_close(&format!("ahead alone, chunk {i}"), &mel, &io[&format!("chunk{i}_mel")], TOL);
+            assert_close(
+                &format!("ahead alone, chunk {i}"),
+                &mel,
+                &io[&format!("chunk{i}_mel")],
+                TOL,
+            );
             if i > 0 {
-                let mel = f.chunk(&payloads[i - 1], &io["spk"], &mut b, i - 1 == payloads.len() - 1).unwrap();
-                assert_close(&format!("behind alone, chunk {}", i - 1), &mel, &io[&format!("chunk{}_mel", i - 1)], TOL);
+                let mel = f
+                    .chunk(&payloads[i - 1], &io["spk"], &mut b, i - 1 == payloads.len() - 1)
+                    .unwrap();
+                assert_close(
+                    &format!("behind alone, chunk {}", i - 1),
+                    &mel,
+                    &io[&format!("chunk{}_mel", i - 1)],
+                    TOL,
+                );
             }
         }
     }
@@ -217,7 +317,8 @@ fn parity_flow_pooled_chunks_match_reference() {
         }
         let st0 = setup(&f);
         let cap = f.config().history_frames + st0.prompt_frames + longest + 4;
-        let pool = FlowPool::new(f.config(), 2, cap, longest, DType::F32, &common::device()).unwrap();
+        let pool =
+            FlowPool::new(f.config(), 2, cap, longest, DType::F32, &common::device()).unwrap();
         for pass in 0..if graphs { 3 } else { 1 } {
             let start = || {
                 let mut st = setup(&f);
@@ -232,15 +333,42 @@ fn parity_flow_pooled_chunks_match_reference() {
                 let what = format!("graphs {graphs}, pass {pass}, chunk {i}");
                 if i > 0 && payloads[i].len() == payloads[i - 1].len() && !last {
                     batched += 1;
-                    let out = f.chunk_batch(&[&payloads[i], &payloads[i - 1]], &[&io["spk"], &io["spk"]], &mut [&mut a, &mut b], false).unwrap();
-                    assert_close(&format!("{what}: ahead"), &out[0], &io[&format!("chunk{i}_mel")], TOL);
-                    assert_close(&format!("{what}: behind"), &out[1], &io[&format!("chunk{}_mel", i - 1)], TOL);
+                    let out = f
+                        .chunk_batch(
+                            &[&payloads[i], &payloads[i - 1]],
+                            &[&io["spk"], &io["spk"]],
+                            &mut [&mut a, &mut b],
+                            false,
+                        )
+                        .unwrap();
+                    assert_close(
+                        &format!("{what}: ahead"),
+                        &out[0],
+                        &io[&format!("chunk{i}_mel")],
+                        TOL,
+                    );
+                    assert_close(
+                        &format!("{what}: behind"),
+                        &out[1],
+                        &io[&format!("chunk{}_mel", i - 1)],
+                        TOL,
+                    );
                 } else {
                     let mel = f.chunk(&payloads[i], &io["spk"], &mut a, last).unwrap();
-                    assert_close(&format!("{what}: ahead alone"), &mel, &io[&format!("chunk{i}_mel")], TOL);
+                    assert_close(
+                        &format!("{what}: ahead alone"),
+                        &mel,
+                        &io[&format!("chunk{i}_mel")],
+                        TOL,
+                    );
                     if i > 0 {
                         let mel = f.chunk(&payloads[i - 1], &io["spk"], &mut b, false).unwrap();
-                        assert_close(&format!("{what}: behind alone"), &mel, &io[&format!("chunk{}_mel", i - 1)], TOL);
+                        assert_close(
+                            &format!("{what}: behind alone"),
+                            &mel,
+                            &io[&format!("chunk{}_mel", i - 1)],
+                            TOL,
+                        );
                     }
                 }
                 eager.chunk(&payloads[i], &io["spk"], &mut want, last).unwrap();
@@ -314,8 +442,17 @@ fn parity_hift_graphed_streamed_chunks() {
                 let mel = io[&format!("chunk{i}_mel")].unsqueeze(0).unwrap();
                 let audio = h.stream(&mut st, &mel, i == n - 1).unwrap();
                 let want = &io[&format!("chunk{i}_audio")];
-                assert_eq!(audio.dims(), want.dims(), "max {max}, pass {pass}, chunk {i} sample count");
-                assert_close(&format!("max {max}, pass {pass}, chunk {i} audio"), &audio, want, TOL);
+                assert_eq!(
+                    audio.dims(),
+                    want.dims(),
+                    "max {max}, pass {pass}, chunk {i} sample count"
+                );
+                assert_close(
+                    &format!("max {max}, pass {pass}, chunk {i} audio"),
+                    &audio,
+                    want,
+                    TOL,
+                );
             }
         }
         let held = h.graphs_held();
@@ -346,8 +483,16 @@ fn parity_hift_batched_streams_match_reference() {
             if members.is_empty() {
                 continue;
             }
-            let mels: Vec<Tensor> = members.iter().map(|&(_, i)| io[&format!("chunk{i}_mel")].unsqueeze(0).unwrap()).collect();
-            let mut refs: Vec<&mut _> = states.iter_mut().enumerate().filter(|(s, _)| members.iter().any(|m| m.0 == *s)).map(|(_, st)| st).collect();
+            let mels: Vec<Tensor> = members
+                .iter()
+                .map(|&(_, i)| io[&format!("chunk{i}_mel")].unsqueeze(0).unwrap())
+                .collect();
+            let mut refs: Vec<&mut _> = states
+                .iter_mut()
+                .enumerate()
+                .filter(|(s, _)| members.iter().any(|m| m.0 == *s))
+                .map(|(_, st)| st)
+                .collect();
             let out = h.stream_batch(&mut refs, &mels.iter().collect::<Vec<_>>(), last).unwrap();
             for (&(s, i), audio) in members.iter().zip(&out) {
                 let want = &io[&format!("chunk{i}_audio")];
@@ -364,7 +509,13 @@ fn parity_hift_original_whole_utterance() {
     let mut cfg = antiphon_models::code2wav::hift::HiftConfig::original();
     cfg.base_channels = 32;
     cfg.f0_channels = 32;
-    let vb = pth_var_builder(&assets().join("hift_original.pt"), Some("generator."), DType::F32, &common::device()).unwrap();
+    let vb = pth_var_builder(
+        &assets().join("hift_original.pt"),
+        Some("generator."),
+        DType::F32,
+        &common::device(),
+    )
+    .unwrap();
     let h = HiftGenerator::load(vb, &cfg, None).unwrap();
     let mel = io["orig_mel"].unsqueeze(0).unwrap();
     let f0 = h.f0(&mel, true).unwrap();
@@ -405,7 +556,10 @@ fn rows_gather_is_index_select() {
     }
     let odd = Tensor::randn(0f32, 1.0, (5, 3), &dev).unwrap();
     let got = antiphon_models::fused::rows_gather(&odd, &rows).unwrap();
-    assert_eq!(got.to_vec2::<f32>().unwrap(), odd.index_select(&rows, 0).unwrap().to_vec2::<f32>().unwrap());
+    assert_eq!(
+        got.to_vec2::<f32>().unwrap(),
+        odd.index_select(&rows, 0).unwrap().to_vec2::<f32>().unwrap()
+    );
 }
 
 /// The columns of Snake's output (`dit_ops::conv_cols_snake`, one kernel on CUDA) times the weight
@@ -424,13 +578,30 @@ fn snake_columns_are_the_convolution_of_snake() {
         let w = Tensor::randn(0f32, 1., (o, c, k), &dev).unwrap();
         let bias = Tensor::randn(0f32, 1., o, &dev).unwrap();
         let s = antiphon_models::fused::snake_twin(&x, &alpha).unwrap();
-        let want = s.pad_with_zeros(2, pad, 0).unwrap().conv1d(&w, 0, 1, d, 1).unwrap().broadcast_add(&bias.reshape((1, o, 1)).unwrap()).unwrap();
-        let cols = conv_cols_snake(&x, Cols { k, d, pad_l: pad, pad_r: 0, stride: 1, up: 1 }, Some(&alpha)).unwrap();
-        let got = cols_weight(&w, Some(&bias)).unwrap().broadcast_left(b).unwrap().matmul(&cols).unwrap();
+        let want = s
+            .pad_with_zeros(2, pad, 0)
+            .unwrap()
+            .conv1d(&w, 0, 1, d, 1)
+            .unwrap()
+            .broadcast_add(&bias.reshape((1, o, 1)).unwrap())
+            .unwrap();
+        let cols = conv_cols_snake(
+            &x,
+            Cols { k, d, pad_l: pad, pad_r: 0, stride: 1, up: 1 },
+            Some(&alpha),
+        )
+        .unwrap();
+        let got =
+            cols_weight(&w, Some(&bias)).unwrap().broadcast_left(b).unwrap().matmul(&cols).unwrap();
         assert_close(&format!("snake columns, k {k}, d {d}"), &got, &want, 1e-4);
     }
     // a wrong alpha is refused
-    assert!(conv_cols_snake(&x, Cols { k: 3, d: 1, pad_l: 2, pad_r: 0, stride: 1, up: 1 }, Some(&alpha.narrow(0, 0, 2).unwrap())).is_err());
+    assert!(conv_cols_snake(
+        &x,
+        Cols { k: 3, d: 1, pad_l: 2, pad_r: 0, stride: 1, up: 1 },
+        Some(&alpha.narrow(0, 0, 2).unwrap())
+    )
+    .is_err());
 }
 
 /// The f16 columns times the f16 weight into f32 sums (`conv_cols_half` and `half_columns_product`:
@@ -440,7 +611,9 @@ fn snake_columns_are_the_convolution_of_snake() {
 /// an upsampling, output lengths that are not multiples of 8, a batch sharing the weight.
 #[test]
 fn half_columns_are_the_convolution_to_f16_rounding() {
-    use antiphon_models::code2wav::conv_cols::{cols_weight, conv_cols_half, conv_cols_snake, half_columns_product, Cols};
+    use antiphon_models::code2wav::conv_cols::{
+        cols_weight, conv_cols_half, conv_cols_snake, half_columns_product, Cols,
+    };
     use candle_core::DType;
     let dev = common::device();
     let (b, c, o, t) = (3, 48, 40, 37);
@@ -453,11 +626,18 @@ fn half_columns_are_the_convolution_to_f16_rounding() {
         (Cols { k: 5, d: 1, pad_l: 4, pad_r: 0, stride: 2, up: 3 }, None),
     ];
     for (p, a) in shapes {
-        let w = (Tensor::randn(0f32, 1., (o, c, p.k), &dev).unwrap() / ((c * p.k) as f64).sqrt()).unwrap();
+        let w = (Tensor::randn(0f32, 1., (o, c, p.k), &dev).unwrap() / ((c * p.k) as f64).sqrt())
+            .unwrap();
         let wc = cols_weight(&w, Some(&Tensor::randn(0f32, 1., o, &dev).unwrap())).unwrap();
         let cols = conv_cols_snake(&x, p, a).unwrap();
         let exact = wc.broadcast_left(b).unwrap().matmul(&cols).unwrap();
-        let rounded = round(&wc).broadcast_left(b).unwrap().contiguous().unwrap().matmul(&round(&cols)).unwrap();
+        let rounded = round(&wc)
+            .broadcast_left(b)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .matmul(&round(&cols))
+            .unwrap();
         let half_cols = conv_cols_half(&x, p, a).unwrap();
         assert_eq!(half_cols.dtype(), DType::F16);
         assert_eq!(half_cols.dims(), cols.dims(), "{p:?}: the columns' shape");
@@ -485,7 +665,8 @@ fn parity_hift_half_columns_streamed_chunks() {
     let io = load_io(FIX);
     let meta = load_meta(FIX);
     let n = meta["payloads"].as_array().unwrap().len();
-    let want: Vec<f32> = (0..n).flat_map(|i| io[&format!("chunk{i}_audio")].to_vec1::<f32>().unwrap()).collect();
+    let want: Vec<f32> =
+        (0..n).flat_map(|i| io[&format!("chunk{i}_audio")].to_vec1::<f32>().unwrap()).collect();
     let mut lsd = vec![];
     for half in [false, true] {
         let mut h = causal_hift();
@@ -500,14 +681,22 @@ fn parity_hift_half_columns_streamed_chunks() {
                 let reference = &io[&format!("chunk{i}_audio")];
                 assert_eq!(audio.dims(), reference.dims(), "pass {pass}, chunk {i} sample count");
                 let tol = if half { 2e-3 } else { TOL };
-                assert_close(&format!("half columns {half}, pass {pass}, chunk {i} audio"), &audio, reference, tol);
+                assert_close(
+                    &format!("half columns {half}, pass {pass}, chunk {i} audio"),
+                    &audio,
+                    reference,
+                    tol,
+                );
                 if pass == 1 {
                     got.extend(audio.to_vec1::<f32>().unwrap());
                 }
             }
         }
         let d = log_spectral_distance_db(&got, &want);
-        eprintln!("half columns {half}: log-spectral distance {d:.4} dB over {} samples", got.len());
+        eprintln!(
+            "half columns {half}: log-spectral distance {d:.4} dB over {} samples",
+            got.len()
+        );
         lsd.push(d);
     }
     assert!(lsd.iter().all(|d| d.is_finite()), "log-spectral distances {lsd:?}");
@@ -536,15 +725,19 @@ fn log_spectral_distance_db(a: &[f32], b: &[f32]) -> f64 {
             })
             .collect()
     };
-    let frames: Vec<usize> = (0..a.len().min(b.len()).saturating_sub(N) / 256).map(|f| f * 256).collect();
+    let frames: Vec<usize> =
+        (0..a.len().min(b.len()).saturating_sub(N) / 256).map(|f| f * 256).collect();
     assert!(!frames.is_empty(), "too few samples for a frame");
     let total: f64 = frames
         .iter()
         .map(|&s| {
             let (pa, pb) = (power(&a[s..s + N]), power(&b[s..s + N]));
             let floor = pb.iter().cloned().fold(1e-20, f64::max) * 1e-8;
-            let (pa, pb): (Vec<f64>, Vec<f64>) = pa.iter().zip(&pb).map(|(x, y)| (x.max(floor), y.max(floor))).unzip();
-            let mean: f64 = pa.iter().zip(&pb).map(|(x, y)| (10.0 * (x / y).log10()).powi(2)).sum::<f64>() / pa.len() as f64;
+            let (pa, pb): (Vec<f64>, Vec<f64>) =
+                pa.iter().zip(&pb).map(|(x, y)| (x.max(floor), y.max(floor))).unzip();
+            let mean: f64 =
+                pa.iter().zip(&pb).map(|(x, y)| (10.0 * (x / y).log10()).powi(2)).sum::<f64>()
+                    / pa.len() as f64;
             mean.sqrt()
         })
         .sum();

@@ -68,7 +68,12 @@ fn parity_thinker_encoder_whole_clip() {
     thinker.set_clip_graphs(Some(n + 2 * 1600 + 480));
     for run in 0..3 {
         let padded = thinker.encode_clip(&samples(&io["clip"])).unwrap();
-        assert_close(&format!("clip padded to a longer graph, run {run}"), &padded, &io["clip_embeds"], TOL);
+        assert_close(
+            &format!("clip padded to a longer graph, run {run}"),
+            &padded,
+            &io["clip_embeds"],
+            TOL,
+        );
     }
     let enc = thinker.apm.forward_clip(&mel).unwrap();
     assert_close("encoder output after the padded runs", &enc, &io["clip_encoder"], TOL);
@@ -101,7 +106,12 @@ fn parity_thinker_encoder_streaming_units() {
         let mel = thinker.log_mel(&unit).unwrap();
         let mut steps = [antiphon_models::whisper::EncoderStep { cache: Some(&mut cache), mel }];
         let enc = thinker.apm.forward(&mut steps).unwrap().pop().unwrap();
-        assert_close(&format!("unit {k} encoder output"), &enc, &io[&format!("unit{k}_encoder")], TOL);
+        assert_close(
+            &format!("unit {k} encoder output"),
+            &enc,
+            &io[&format!("unit{k}_encoder")],
+            TOL,
+        );
         let emb = thinker.project(&enc).unwrap();
         assert_close(&format!("unit {k} embeddings"), &emb, &io[&format!("unit{k}_embeds")], TOL);
         assert_eq!(emb.dim(0).unwrap(), 10, "10 embeddings per second");
@@ -113,7 +123,12 @@ fn parity_thinker_encoder_streaming_units() {
     for k in 0..4 {
         let unit = samples(&io[&format!("unit{k}")]);
         let emb = thinker.encode_units(&mut [(&mut cache2, &unit[..])]).unwrap().pop().unwrap();
-        assert_close(&format!("unit {k} via encode_units"), &emb, &io[&format!("unit{k}_embeds")], TOL);
+        assert_close(
+            &format!("unit {k} via encode_units"),
+            &emb,
+            &io[&format!("unit{k}_embeds")],
+            TOL,
+        );
     }
 }
 
@@ -127,12 +142,19 @@ fn parity_thinker_llm_prefill_with_spliced_audio() {
     let audio = thinker.encode_clip(&samples(&io["clip"])).unwrap();
     let embeds = thinker.embed_with_audio(&prompt, &markers, &[audio]).unwrap();
     let mut cache = thinker.llm.new_cache();
-    let hidden = thinker.llm.forward(&mut [StreamStep { cache: &mut cache, embeds }]).unwrap().pop().unwrap();
+    let hidden = thinker
+        .llm
+        .forward(&mut [StreamStep { cache: &mut cache, embeds }])
+        .unwrap()
+        .pop()
+        .unwrap();
     assert_close("llm hidden (after final norm)", &hidden, &io["llm_audio_hidden"], TOL);
     let logits = thinker.llm.logits(&hidden).unwrap();
     assert_close("llm logits", &logits, &io["llm_audio_logits"], TOL);
     // A wrong number of audio rows is refused, naming the mismatch.
-    let short = thinker.encode_units(&mut [(&mut thinker.apm.new_cache(), &vec![0f32; 16000][..])]).unwrap();
+    let short = thinker
+        .encode_units(&mut [(&mut thinker.apm.new_cache(), &vec![0f32; 16000][..])])
+        .unwrap();
     let err = thinker.embed_with_audio(&prompt, &markers, &short).unwrap_err().to_string();
     assert!(err.contains("placeholders"), "{err}");
 }
@@ -147,9 +169,14 @@ fn prompt_embeddings_from_a_held_prefix_match_the_whole() {
     let window = thinker.apm.config().max_source_positions * 2 * WhisperLogMel::HOP;
     for n in [100, 16_000, window, window + 3_000] {
         let clip: Vec<f32> = (0..n).map(|i| 0.2 * (i as f32 * 0.01).sin()).collect();
-        assert_eq!(thinker.encode_clip(&clip).unwrap().dim(0).unwrap(), thinker.clip_embeddings_for(n), "{n} samples");
+        assert_eq!(
+            thinker.encode_clip(&clip).unwrap().dim(0).unwrap(),
+            thinker.clip_embeddings_for(n),
+            "{n} samples"
+        );
     }
-    let clips: Vec<Tensor> = [20_000, 12_000].iter().map(|&n| thinker.encode_clip(&vec![0.1f32; n]).unwrap()).collect();
+    let clips: Vec<Tensor> =
+        [20_000, 12_000].iter().map(|&n| thinker.encode_clip(&vec![0.1f32; n]).unwrap()).collect();
     let mut prompt = vec![5, 6, markers.start];
     prompt.extend(std::iter::repeat_n(markers.placeholder, clips[0].dim(0).unwrap()));
     prompt.extend([markers.end, 7, markers.start]);
@@ -163,8 +190,21 @@ fn prompt_embeddings_from_a_held_prefix_match_the_whole() {
             Ok(clips[k].clone())
         };
         let part = thinker.embed_with_audio_from(&prompt, &markers, from, &mut audio).unwrap();
-        assert_close(&format!("from {from}"), &part, &whole.narrow(0, from, prompt.len() - from).unwrap(), 0.0);
-        let past: Vec<usize> = (0..2).filter(|&k| if k == 0 { from < 3 + clips[0].dim(0).unwrap() } else { from < prompt.len() - 3 }).collect();
+        assert_close(
+            &format!("from {from}"),
+            &part,
+            &whole.narrow(0, from, prompt.len() - from).unwrap(),
+            0.0,
+        );
+        let past: Vec<usize> = (0..2)
+            .filter(|&k| {
+                if k == 0 {
+                    from < 3 + clips[0].dim(0).unwrap()
+                } else {
+                    from < prompt.len() - 3
+                }
+            })
+            .collect();
         assert_eq!(asked, past, "from {from}");
     }
 }
@@ -193,13 +233,25 @@ fn thinker_chunked_prefill_then_decode(mode: DecodeMode) {
     let mut pos = 0;
     for n in [10usize, 5].into_iter().chain(std::iter::repeat_n(1, tids.len() - 15)) {
         let embeds = thinker.llm.embed(&tids[pos..pos + n]).unwrap();
-        rows.push(thinker.llm.forward(&mut [StreamStep { cache: &mut cache, embeds }]).unwrap().pop().unwrap());
+        rows.push(
+            thinker
+                .llm
+                .forward(&mut [StreamStep { cache: &mut cache, embeds }])
+                .unwrap()
+                .pop()
+                .unwrap(),
+        );
         pos += n;
     }
     assert_eq!(cache.len(), tids.len());
     let hidden = Tensor::cat(&rows, 0).unwrap();
     assert_close("incremental hidden", &hidden, &io["llm_text_hidden"], TOL);
-    assert_close("incremental logits", &thinker.llm.logits(&hidden).unwrap(), &io["llm_text_logits"], TOL);
+    assert_close(
+        "incremental logits",
+        &thinker.llm.logits(&hidden).unwrap(),
+        &io["llm_text_logits"],
+        TOL,
+    );
 }
 
 #[test]
@@ -215,8 +267,11 @@ fn parity_thinker_batched_streams_match_single() {
     let mut caches: Vec<KvCache> = starts.iter().map(|_| llm.new_cache()).collect();
     let mut got: Vec<Vec<Tensor>> = vec![vec![]; 3];
     {
-        let mut steps: Vec<StreamStep> =
-            caches.iter_mut().zip(starts).map(|(c, s)| StreamStep { cache: c, embeds: llm.embed(&tids[..s]).unwrap() }).collect();
+        let mut steps: Vec<StreamStep> = caches
+            .iter_mut()
+            .zip(starts)
+            .map(|(c, s)| StreamStep { cache: c, embeds: llm.embed(&tids[..s]).unwrap() })
+            .collect();
         for (i, h) in llm.forward(&mut steps).unwrap().into_iter().enumerate() {
             got[i].push(h);
         }
@@ -230,7 +285,10 @@ fn parity_thinker_batched_streams_match_single() {
                 continue;
             }
             let n = if i == 0 && pos[i] == 4 { 3 } else { 1 };
-            steps.push(StreamStep { cache: c, embeds: llm.embed(&tids[pos[i]..pos[i] + n]).unwrap() });
+            steps.push(StreamStep {
+                cache: c,
+                embeds: llm.embed(&tids[pos[i]..pos[i] + n]).unwrap(),
+            });
             who.push((i, n));
         }
         for ((i, n), h) in who.into_iter().zip(llm.forward(&mut steps).unwrap()) {
@@ -243,7 +301,11 @@ fn parity_thinker_batched_streams_match_single() {
         assert_close(&format!("stream {i} batched vs reference"), &h, &io["llm_text_hidden"], TOL);
         // and against the same stream stepped alone
         let mut alone = llm.new_cache();
-        let single = llm.forward(&mut [StreamStep { cache: &mut alone, embeds: llm.embed(&tids).unwrap() }]).unwrap().pop().unwrap();
+        let single = llm
+            .forward(&mut [StreamStep { cache: &mut alone, embeds: llm.embed(&tids).unwrap() }])
+            .unwrap()
+            .pop()
+            .unwrap();
         assert_close(&format!("stream {i} batched vs alone"), &h, &single, 1e-5);
     }
 }
@@ -265,7 +327,11 @@ fn parity_talker_condition_embeddings() {
     assert_eq!(c.dim(0).unwrap(), tids.len() + 1);
     assert_close("duplex condition", &c, &io["talker_condition_duplex"], TOL);
     // An empty hand-off still opens the audio.
-    let empty = talker.condition(&[], &Tensor::zeros((0, 64), DType::F32, &common::device()).unwrap(), ConditionMode::Turn);
+    let empty = talker.condition(
+        &[],
+        &Tensor::zeros((0, 64), DType::F32, &common::device()).unwrap(),
+        ConditionMode::Turn,
+    );
     assert_eq!(empty.unwrap().dim(0).unwrap(), 2);
 }
 
@@ -293,8 +359,12 @@ fn thinker_graph_decode_across_growth_batching_and_truncation() {
         let llm = &thinker.llm;
         let (mut a, mut b) = (llm.new_cache(), llm.new_cache());
         let mut out = vec![];
-        let step =
-            |c: &mut KvCache, ids: &[u32]| llm.forward(&mut [StreamStep { cache: c, embeds: llm.embed(ids).unwrap() }]).unwrap().pop().unwrap();
+        let step = |c: &mut KvCache, ids: &[u32]| {
+            llm.forward(&mut [StreamStep { cache: c, embeds: llm.embed(ids).unwrap() }])
+                .unwrap()
+                .pop()
+                .unwrap()
+        };
         out.push(step(&mut a, &seq[..58]));
         out.push(step(&mut b, &seq[..5]));
         for p in 58..62 {
@@ -337,18 +407,33 @@ fn pooled_caches_carry_their_decode_step_to_the_next_stream() {
         let (mut thinker, _) = models();
         thinker.llm.set_decode_mode(mode);
         let llm = &thinker.llm;
-        let step =
-            |c: &mut KvCache, ids: &[u32]| llm.forward(&mut [StreamStep { cache: c, embeds: llm.embed(ids).unwrap() }]).unwrap().pop().unwrap();
-        let decode = |c: &mut KvCache, ids: &[u32], from: usize, to: usize| -> Vec<Tensor> { (from..to).map(|p| step(c, &ids[p..p + 1])).collect() };
+        let step = |c: &mut KvCache, ids: &[u32]| {
+            llm.forward(&mut [StreamStep { cache: c, embeds: llm.embed(ids).unwrap() }])
+                .unwrap()
+                .pop()
+                .unwrap()
+        };
+        let decode = |c: &mut KvCache, ids: &[u32], from: usize, to: usize| -> Vec<Tensor> {
+            (from..to).map(|p| step(c, &ids[p..p + 1])).collect()
+        };
         // the truth: fresh caches, op by op
         let (mut eager, _) = models();
         eager.llm.set_decode_mode(DecodeMode::Eager);
         let want = {
             let e = &eager.llm;
             let mut c = e.new_cache();
-            e.forward(&mut [StreamStep { cache: &mut c, embeds: e.embed(&seq[..30]).unwrap() }]).unwrap();
+            e.forward(&mut [StreamStep { cache: &mut c, embeds: e.embed(&seq[..30]).unwrap() }])
+                .unwrap();
             (30..40)
-                .map(|p| e.forward(&mut [StreamStep { cache: &mut c, embeds: e.embed(&seq[p..p + 1]).unwrap() }]).unwrap().pop().unwrap())
+                .map(|p| {
+                    e.forward(&mut [StreamStep {
+                        cache: &mut c,
+                        embeds: e.embed(&seq[p..p + 1]).unwrap(),
+                    }])
+                    .unwrap()
+                    .pop()
+                    .unwrap()
+                })
                 .collect::<Vec<_>>()
         };
         let pool = CachePool::new(2);
@@ -367,7 +452,11 @@ fn pooled_caches_carry_their_decode_step_to_the_next_stream() {
         let mut c = pool.take(dec, 100).unwrap();
         assert_eq!(pool.idle(), 0);
         let before = c.decode_step_capacity();
-        assert_eq!(before, Some(c.capacity()), "{mode:?}: the predecessor's decode step came with the cache");
+        assert_eq!(
+            before,
+            Some(c.capacity()),
+            "{mode:?}: the predecessor's decode step came with the cache"
+        );
         c.load_prefix(&prefix, 20).unwrap();
         assert_eq!(c.len(), 20);
         step(&mut c, &seq[20..30]);
@@ -385,10 +474,16 @@ fn talker_prefill_and_decode(mode: DecodeMode) {
     talker.set_decode_mode(mode);
     let cond = talker.condition(&tids, &io["talker_hidden_in"], ConditionMode::Turn).unwrap();
     let mut cache = talker.new_cache();
-    let mut rows = vec![talker.forward(&mut [StreamStep { cache: &mut cache, embeds: cond }]).unwrap().pop().unwrap()];
+    let mut rows = vec![talker
+        .forward(&mut [StreamStep { cache: &mut cache, embeds: cond }])
+        .unwrap()
+        .pop()
+        .unwrap()];
     for &c in &codes {
         let embeds = talker.embed_codes(&[c]).unwrap();
-        rows.push(talker.forward(&mut [StreamStep { cache: &mut cache, embeds }]).unwrap().pop().unwrap());
+        rows.push(
+            talker.forward(&mut [StreamStep { cache: &mut cache, embeds }]).unwrap().pop().unwrap(),
+        );
     }
     let hidden = Tensor::cat(&rows, 0).unwrap();
     assert_close("talker hidden", &hidden, &io["talker_hidden"], TOL);
@@ -417,10 +512,14 @@ fn parity_talker_weight_norm_spellings() {
         let vb = candle_nn::VarBuilder::from_tensors(m, DType::F32, &common::device());
         let (_, talker) = load_models(&vb, &ck.config).unwrap();
         // head weight = logits of the identity
-        let eye = Tensor::eye(ck.config.tts_config.hidden_size, DType::F32, &common::device()).unwrap();
+        let eye =
+            Tensor::eye(ck.config.tts_config.hidden_size, DType::F32, &common::device()).unwrap();
         talker.logits(&eye).unwrap().t().unwrap()
     };
-    let legacy = head_of(vec![("tts.head_code.0.weight_g", g.clone()), ("tts.head_code.0.weight_v", v.clone())]);
+    let legacy = head_of(vec![
+        ("tts.head_code.0.weight_g", g.clone()),
+        ("tts.head_code.0.weight_v", v.clone()),
+    ]);
     assert_close("legacy weight_g/weight_v", &legacy, want, TOL);
     let plain = head_of(vec![("tts.head_code.0.weight", want.clone())]);
     assert_close("materialized weight", &plain, want, TOL);
@@ -438,10 +537,20 @@ fn parity_talker_batched_streams_match_single() {
     ];
     let run_alone = |cond: &Tensor| {
         let mut c = talker.new_cache();
-        let mut rows = vec![talker.forward(&mut [StreamStep { cache: &mut c, embeds: cond.clone() }]).unwrap().pop().unwrap()];
+        let mut rows = vec![talker
+            .forward(&mut [StreamStep { cache: &mut c, embeds: cond.clone() }])
+            .unwrap()
+            .pop()
+            .unwrap()];
         for &code in &codes {
             let e = talker.embed_codes(&[code]).unwrap();
-            rows.push(talker.forward(&mut [StreamStep { cache: &mut c, embeds: e }]).unwrap().pop().unwrap());
+            rows.push(
+                talker
+                    .forward(&mut [StreamStep { cache: &mut c, embeds: e }])
+                    .unwrap()
+                    .pop()
+                    .unwrap(),
+            );
         }
         Tensor::cat(&rows, 0).unwrap()
     };
@@ -450,19 +559,42 @@ fn parity_talker_batched_streams_match_single() {
     let mut ra = vec![];
     let mut rb = vec![];
     let out = talker
-        .forward(&mut [StreamStep { cache: &mut ca, embeds: conds[0].clone() }, StreamStep { cache: &mut cb, embeds: conds[1].clone() }])
+        .forward(&mut [
+            StreamStep { cache: &mut ca, embeds: conds[0].clone() },
+            StreamStep { cache: &mut cb, embeds: conds[1].clone() },
+        ])
         .unwrap();
     ra.push(out[0].clone());
     rb.push(out[1].clone());
     for &code in &codes {
         let e = talker.embed_codes(&[code]).unwrap();
-        let out = talker.forward(&mut [StreamStep { cache: &mut ca, embeds: e.clone() }, StreamStep { cache: &mut cb, embeds: e }]).unwrap();
+        let out = talker
+            .forward(&mut [
+                StreamStep { cache: &mut ca, embeds: e.clone() },
+                StreamStep { cache: &mut cb, embeds: e },
+            ])
+            .unwrap();
         ra.push(out[0].clone());
         rb.push(out[1].clone());
     }
-    assert_close("talker stream A batched vs alone", &Tensor::cat(&ra, 0).unwrap(), &run_alone(&conds[0]), 1e-5);
-    assert_close("talker stream B batched vs alone", &Tensor::cat(&rb, 0).unwrap(), &run_alone(&conds[1]), 1e-5);
-    assert_close("talker stream A vs reference", &Tensor::cat(&ra, 0).unwrap(), &io["talker_hidden"], TOL);
+    assert_close(
+        "talker stream A batched vs alone",
+        &Tensor::cat(&ra, 0).unwrap(),
+        &run_alone(&conds[0]),
+        1e-5,
+    );
+    assert_close(
+        "talker stream B batched vs alone",
+        &Tensor::cat(&rb, 0).unwrap(),
+        &run_alone(&conds[1]),
+        1e-5,
+    );
+    assert_close(
+        "talker stream A vs reference",
+        &Tensor::cat(&ra, 0).unwrap(),
+        &io["talker_hidden"],
+        TOL,
+    );
 }
 
 /// Streams in slots of a pool, stepped in batches of 3, 2 and 1 (batched decode step, captured per
@@ -481,9 +613,21 @@ fn slot_pool_batched_decode_matches_streams_alone() {
         .map(|p| {
             let llm = &eager.llm;
             let mut c = llm.new_cache();
-            let mut rows = vec![llm.forward(&mut [StreamStep { cache: &mut c, embeds: llm.embed(p).unwrap() }]).unwrap().pop().unwrap()];
+            let mut rows = vec![llm
+                .forward(&mut [StreamStep { cache: &mut c, embeds: llm.embed(p).unwrap() }])
+                .unwrap()
+                .pop()
+                .unwrap()];
             for t in 0..6 {
-                rows.push(llm.forward(&mut [StreamStep { cache: &mut c, embeds: llm.embed(&seq[t..t + 1]).unwrap() }]).unwrap().pop().unwrap());
+                rows.push(
+                    llm.forward(&mut [StreamStep {
+                        cache: &mut c,
+                        embeds: llm.embed(&seq[t..t + 1]).unwrap(),
+                    }])
+                    .unwrap()
+                    .pop()
+                    .unwrap(),
+                );
             }
             rows
         })
@@ -503,7 +647,8 @@ fn slot_pool_batched_decode_matches_streams_alone() {
             drop(lease);
             assert_eq!(pool.free(), 3, "a dropped cache hands its slot back");
         }
-        let mut c: Vec<KvCache> = (0..3).map(|_| pool.take().unwrap().expect("a free slot")).collect();
+        let mut c: Vec<KvCache> =
+            (0..3).map(|_| pool.take().unwrap().expect("a free slot")).collect();
         assert!(pool.take().unwrap().is_none(), "every slot is taken");
         let mut got: Vec<Vec<Tensor>> = vec![vec![]; 3];
         // streams 0 and 1 prefill in one step (one ragged batch of 7 + 20 rows); then stream 2
@@ -539,7 +684,10 @@ fn slot_pool_batched_decode_matches_streams_alone() {
             let mut steps: Vec<StreamStep> = Vec::new();
             for (i, cache) in c.iter_mut().enumerate() {
                 if who.contains(&i) {
-                    steps.push(StreamStep { cache, embeds: llm.embed(&seq[next[i]..next[i] + 1]).unwrap() });
+                    steps.push(StreamStep {
+                        cache,
+                        embeds: llm.embed(&seq[next[i]..next[i] + 1]).unwrap(),
+                    });
                 }
             }
             let rows = llm.forward(&mut steps).unwrap();
@@ -563,7 +711,8 @@ fn top_k_on_the_device_matches_the_host_twin() {
     use antiphon_models::top_k::{top_k_host, Logits, TOP_K};
     let dev = common::device();
     for (n, v, dtype) in [(7, 151_936, DType::BF16), (3, 6562, DType::F32), (2, 10, DType::BF16)] {
-        let data: Vec<f32> = (0..n * v).map(|i| ((i * 7919 % 997) as f32 / 8.0).floor() - 40.0).collect();
+        let data: Vec<f32> =
+            (0..n * v).map(|i| ((i * 7919 % 997) as f32 / 8.0).floor() - 40.0).collect();
         let t = Tensor::from_vec(data, (n, v), &dev).unwrap().to_dtype(dtype).unwrap();
         let logits = Logits::new(t.clone(), TOP_K).unwrap();
         let rows = t.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
@@ -584,7 +733,8 @@ fn idle_caches_stay_within_the_byte_budget() {
     let one = dec.cache_with_capacity(64).unwrap().bytes();
     let pool = CachePool::with_budget(8, 64, 3 * one);
     {
-        let caches: Vec<_> = [64, 64, 128, 64].iter().map(|&n| pool.take(dec, n).unwrap()).collect();
+        let caches: Vec<_> =
+            [64, 64, 128, 64].iter().map(|&n| pool.take(dec, n).unwrap()).collect();
         assert_eq!(caches[2].bytes(), 2 * one);
     }
     // 1 + 1 + 2 + 1 units came back to a budget of 3: the 128-position cache went

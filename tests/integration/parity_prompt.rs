@@ -42,7 +42,12 @@ fn parity_prompt_s3_mel_and_codes_exact() {
     let (m, frames) = WhisperLogMel::new(128).compute(&v(&io["audio_16k"]));
     let mel = Tensor::from_vec(m, (128, frames), &common::device()).unwrap();
     assert_close("S3 128-bin log-mel", &mel, &io["mel_128"], TOL);
-    let tok = load_tokenizer(&common::fixture_dir(FIX).join("speech_tokenizer_v2_25hz.onnx"), DType::F32, &common::device()).unwrap();
+    let tok = load_tokenizer(
+        &common::fixture_dir(FIX).join("speech_tokenizer_v2_25hz.onnx"),
+        DType::F32,
+        &common::device(),
+    )
+    .unwrap();
     let want = ids(&meta["s3_codes"]);
     assert_eq!(want.len(), 150, "150 codes for 6 s");
     assert_eq!(tok.quantize(&io["mel_128"]).unwrap(), want, "codes from the reference mel");
@@ -59,7 +64,8 @@ fn parity_prompt_s3_mel_and_codes_exact() {
 #[test]
 fn parity_prompt_campplus_embedding() {
     let io = load_io(FIX);
-    let m = antiphon_assets::onnx::read_model(&common::fixture_dir(FIX).join("campplus.onnx")).unwrap();
+    let m =
+        antiphon_assets::onnx::read_model(&common::fixture_dir(FIX).join("campplus.onnx")).unwrap();
     let cam = CamPlusPlus::from_model(&m).unwrap().on(&common::device()).unwrap();
     let mut fb = v(&io["fbank"]);
     mean_normalize(&mut fb, 80);
@@ -76,7 +82,12 @@ fn parity_prompt_campplus_embedding() {
     for run in 0..4 {
         let again = cam.embed(&fb).unwrap();
         assert_close(&format!("CAM++ embedding, folded run {run}"), &again, &io["spk_emb"], TOL);
-        assert_close(&format!("CAM++ embedding, folded run {run}, against the first"), &again, &emb, 1e-6);
+        assert_close(
+            &format!("CAM++ embedding, folded run {run}, against the first"),
+            &again,
+            &emb,
+            1e-6,
+        );
     }
     // a burst's voices in one run where the graph takes a batch (this export fixes nothing but the
     // frame count): each row that voice's own embedding, in order; else none, and voice by voice
@@ -100,10 +111,25 @@ fn parity_prompt_features_end_to_end() {
     let io = load_io(FIX);
     let meta = load_meta(FIX);
     let dir = common::fixture_dir(FIX);
-    let tok = load_tokenizer(&dir.join("speech_tokenizer_v2_25hz.onnx"), DType::F32, &common::device()).unwrap();
-    let cam =
-        CamPlusPlus::from_model(&antiphon_assets::onnx::read_model(&dir.join("campplus.onnx")).unwrap()).unwrap().on(&common::device()).unwrap();
-    let f = prompt::prepare_features(&v(&io["audio_16k"]), &v(&io["audio_24k"]), &tok, &cam, &FlowMel::standard(), 2, &common::device()).unwrap();
+    let tok =
+        load_tokenizer(&dir.join("speech_tokenizer_v2_25hz.onnx"), DType::F32, &common::device())
+            .unwrap();
+    let cam = CamPlusPlus::from_model(
+        &antiphon_assets::onnx::read_model(&dir.join("campplus.onnx")).unwrap(),
+    )
+    .unwrap()
+    .on(&common::device())
+    .unwrap();
+    let f = prompt::prepare_features(
+        &v(&io["audio_16k"]),
+        &v(&io["audio_24k"]),
+        &tok,
+        &cam,
+        &FlowMel::standard(),
+        2,
+        &common::device(),
+    )
+    .unwrap();
     assert_eq!(f.codes, ids(&meta["s3_codes"]));
     assert_eq!(f.mel.dims(), &[300, 80], "prompt mel padded to 2 × 150 frames");
     assert_close("prompt mel", &f.mel, &io["mel_24k"].t().unwrap(), TOL);
@@ -129,7 +155,12 @@ fn materialize_normalizes_to_six_seconds_and_hashes_content() {
     // from a stereo 48 kHz WAV: mixed down, resampled, normalized
     let stereo: Vec<f32> = v(&io["audio_24k"]).iter().flat_map(|&s| [s, s]).collect();
     let wav = {
-        let spec = hound::WavSpec { channels: 2, sample_rate: 24_000, bits_per_sample: 32, sample_format: hound::SampleFormat::Float };
+        let spec = hound::WavSpec {
+            channels: 2,
+            sample_rate: 24_000,
+            bits_per_sample: 32,
+            sample_format: hound::SampleFormat::Float,
+        };
         let mut c = std::io::Cursor::new(Vec::new());
         let mut w = hound::WavWriter::new(&mut c, spec).unwrap();
         for s in &stereo {
@@ -150,7 +181,12 @@ fn materialize_normalizes_to_six_seconds_and_hashes_content() {
 fn comparisons_fail_on_nan_and_inf() {
     let dev = candle_core::Device::Cpu;
     let want = Tensor::new(&[1f32, 2.0, 3.0], &dev).unwrap();
-    for bad in [[f32::NAN; 3], [1.0, f32::NAN, 3.0], [1.0, 2.0, f32::INFINITY], [f32::NEG_INFINITY, 2.0, 3.0]] {
+    for bad in [
+        [f32::NAN; 3],
+        [1.0, f32::NAN, 3.0],
+        [1.0, 2.0, f32::INFINITY],
+        [f32::NEG_INFINITY, 2.0, 3.0],
+    ] {
         let got = Tensor::new(&bad, &dev).unwrap();
         assert_eq!(common::rel_err(&got, &want), f32::INFINITY, "{bad:?} against {want}");
         assert_eq!(common::rel_err(&want, &got), f32::INFINITY, "{want} against {bad:?}");

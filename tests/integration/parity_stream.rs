@@ -17,12 +17,17 @@ const TOL: f32 = 1e-4;
 const FIX: &str = "parity_stream";
 
 fn talker() -> Talker {
-    let ck = Checkpoint::open(&common::fixture_dir("parity_lm")).expect("open the fixture checkpoint");
+    let ck =
+        Checkpoint::open(&common::fixture_dir("parity_lm")).expect("open the fixture checkpoint");
     ck.load_models(DType::F32, &common::device()).expect("load through the real loader").1
 }
 
 fn positions(v: &serde_json::Value) -> Vec<Vec<u64>> {
-    v.as_array().unwrap().iter().map(|p| p.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect())
+        .collect()
 }
 
 fn streaming_matches_the_reference(mode: DecodeMode) {
@@ -36,11 +41,30 @@ fn streaming_matches_the_reference(mode: DecodeMode) {
         let (tids, codes) = (ids(&c["ids"]), ids(&c["codes"]));
         let last = c["last"].as_bool().unwrap();
         let steps = c["steps"].as_u64().unwrap() as usize;
-        assert!(!codes.is_empty() && steps >= codes.len() && steps <= codes.len() + 1, "chunk {k}: {steps} steps, {} codes", codes.len());
-        let condition = chunk_condition(&talker, &tids, &io[&format!("chunk{k}_hidden")], last).unwrap();
-        assert_eq!(condition.dim(0).unwrap(), tids.len() + 1 + usize::from(last), "rows, the text end on the last chunk, the audio start");
-        let window = segment_window(&talker, previous.as_ref().map(|(c, codes)| (c, codes.as_slice())), &condition).unwrap();
-        assert_close(&format!("chunk {k}'s window"), &window, &io[&format!("chunk{k}_window")], TOL);
+        assert!(
+            !codes.is_empty() && steps >= codes.len() && steps <= codes.len() + 1,
+            "chunk {k}: {steps} steps, {} codes",
+            codes.len()
+        );
+        let condition =
+            chunk_condition(&talker, &tids, &io[&format!("chunk{k}_hidden")], last).unwrap();
+        assert_eq!(
+            condition.dim(0).unwrap(),
+            tids.len() + 1 + usize::from(last),
+            "rows, the text end on the last chunk, the audio start"
+        );
+        let window = segment_window(
+            &talker,
+            previous.as_ref().map(|(c, codes)| (c, codes.as_slice())),
+            &condition,
+        )
+        .unwrap();
+        assert_close(
+            &format!("chunk {k}'s window"),
+            &window,
+            &io[&format!("chunk{k}_window")],
+            TOL,
+        );
         // the reference starts every chunk's cache over: the window from position 0, then one
         // position a step
         let len = window.dim(0).unwrap() as u64;
@@ -49,15 +73,30 @@ fn streaming_matches_the_reference(mode: DecodeMode) {
         assert_eq!(pos[0], (0..len).collect::<Vec<_>>());
         assert!(pos[1..].iter().enumerate().all(|(t, p)| p == &[len + t as u64]));
         let mut cache = talker.new_cache();
-        let h = talker.forward(&mut [StreamStep { cache: &mut cache, embeds: window }]).unwrap().pop().unwrap();
+        let h = talker
+            .forward(&mut [StreamStep { cache: &mut cache, embeds: window }])
+            .unwrap()
+            .pop()
+            .unwrap();
         let mut rows = vec![h.narrow(0, h.dim(0).unwrap() - 1, 1).unwrap()];
         // each step feeds the code the step before sampled
         for &code in &codes[..steps - 1] {
             let embeds = talker.embed_codes(&[code]).unwrap();
-            rows.push(talker.forward(&mut [StreamStep { cache: &mut cache, embeds }]).unwrap().pop().unwrap());
+            rows.push(
+                talker
+                    .forward(&mut [StreamStep { cache: &mut cache, embeds }])
+                    .unwrap()
+                    .pop()
+                    .unwrap(),
+            );
         }
         let logits = talker.logits(&Tensor::cat(&rows, 0).unwrap()).unwrap();
-        assert_close(&format!("chunk {k}'s logits"), &logits, &io[&format!("chunk{k}_logits")], TOL);
+        assert_close(
+            &format!("chunk {k}'s logits"),
+            &logits,
+            &io[&format!("chunk{k}_logits")],
+            TOL,
+        );
         previous = Some((condition, codes));
     }
 }

@@ -16,7 +16,8 @@ fn fixture() -> Value {
 }
 
 fn clip(name: &str, tail_ms: u64) -> Vec<f32> {
-    let bytes = std::fs::read(format!("{}/assets/turns/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let bytes =
+        std::fs::read(format!("{}/assets/turns/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap();
     let (mut x, rate) = antiphon_audio::decode_wav(&bytes).unwrap();
     assert_eq!(rate, 16_000, "{name}");
     x.extend(std::iter::repeat_n(0.0, (tail_ms * 16) as usize));
@@ -33,7 +34,11 @@ fn model() -> Option<SmartTurn> {
 }
 
 fn cases(f: &Value) -> impl Iterator<Item = (&str, u64, &Value)> {
-    f["cases"].as_array().unwrap().iter().map(|c| (c["clip"].as_str().unwrap(), c["tail_ms"].as_u64().unwrap(), c))
+    f["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["clip"].as_str().unwrap(), c["tail_ms"].as_u64().unwrap(), c))
 }
 
 #[test]
@@ -47,10 +52,17 @@ fn parity_turn_features_match_the_whisper_feature_extractor() {
         assert!(got.iter().all(|v| v.is_finite()), "{name}: a feature is not finite");
         let sum: f64 = got.iter().map(|&v| v as f64).sum();
         let want = c["features_sum"].as_f64().unwrap();
-        assert!((sum - want).abs() <= 1e-3 * want.abs().max(1.0), "{name} +{tail} ms: features sum {sum}, the reference's {want}");
+        assert!(
+            (sum - want).abs() <= 1e-3 * want.abs().max(1.0),
+            "{name} +{tail} ms: features sum {sum}, the reference's {want}"
+        );
         for (i, w) in c["features_every"].as_array().unwrap().iter().enumerate() {
             let (g, w) = (got[i * stride], w.as_f64().unwrap() as f32);
-            assert!((g - w).abs() <= 1e-4, "{name} +{tail} ms: feature {} is {g}, the reference's {w}", i * stride);
+            assert!(
+                (g - w).abs() <= 1e-4,
+                "{name} +{tail} ms: feature {} is {g}, the reference's {w}",
+                i * stride
+            );
         }
     }
 }

@@ -8,18 +8,26 @@ use std::sync::{Arc, Mutex};
 use antiphon_assets::synth::{code2wav_in_memory, Preset};
 use antiphon_engine::chunker::Chunker;
 use antiphon_engine::stage2::{IdleOutcome, Stage2};
-use antiphon_engine::{EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId, Stage2Msg, StageLoop};
+use antiphon_engine::{
+    EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId, Stage2Msg, StageLoop,
+};
 use antiphon_models::code2wav::prompt::Reference;
 use antiphon_models::code2wav::{Code2Wav, SILENCE_CODE};
 use candle_core::{DType, Device};
 
 fn model() -> Code2Wav {
     static M: std::sync::OnceLock<Code2Wav> = std::sync::OnceLock::new();
-    M.get_or_init(|| code2wav_in_memory(Preset::Tiny, 21, DType::F32, &Device::Cpu).unwrap()).clone()
+    M.get_or_init(|| code2wav_in_memory(Preset::Tiny, 21, DType::F32, &Device::Cpu).unwrap())
+        .clone()
 }
 
 fn voice(freq: f32) -> RefInput {
-    RefInput::new((0..16_000 * 2).map(|i| 0.3 * (i as f32 * freq / 16_000.0 * std::f32::consts::TAU).sin()).collect(), 16_000)
+    RefInput::new(
+        (0..16_000 * 2)
+            .map(|i| 0.3 * (i as f32 * freq / 16_000.0 * std::f32::consts::TAU).sin())
+            .collect(),
+        16_000,
+    )
 }
 
 type Log = Arc<Mutex<Vec<EngineEvent>>>;
@@ -34,19 +42,39 @@ impl Rig {
     fn new(cfg: EngineConfig) -> Self {
         let registry = Registry::default();
         let metrics = EngineMetrics::new();
-        Self { stage: Stage2::new(model(), Arc::new(cfg), registry.clone(), metrics.clone()), registry, metrics }
+        Self {
+            stage: Stage2::new(model(), Arc::new(cfg), registry.clone(), metrics.clone()),
+            registry,
+            metrics,
+        }
     }
 
     fn admit(&mut self, id: &str, reference: Option<RefInput>) -> Log {
         let log: Log = Arc::default();
         let l = log.clone();
-        assert!(self.registry.insert(RequestId(id.into()), Arc::new(move |e| l.lock().unwrap().push(e))));
-        self.stage.on_message(Stage2Msg::Placeholder { id: RequestId(id.into()), prefetch: reference });
+        assert!(self
+            .registry
+            .insert(RequestId(id.into()), Arc::new(move |e| l.lock().unwrap().push(e))));
+        self.stage
+            .on_message(Stage2Msg::Placeholder { id: RequestId(id.into()), prefetch: reference });
         log
     }
 
-    fn chunk(&mut self, id: &str, seq: usize, codes: Vec<u32>, last: bool, reference: Option<RefInput>) {
-        self.stage.on_message(Stage2Msg::Chunk { id: RequestId(id.into()), seq, codes, last, reference });
+    fn chunk(
+        &mut self,
+        id: &str,
+        seq: usize,
+        codes: Vec<u32>,
+        last: bool,
+        reference: Option<RefInput>,
+    ) {
+        self.stage.on_message(Stage2Msg::Chunk {
+            id: RequestId(id.into()),
+            seq,
+            codes,
+            last,
+            reference,
+        });
     }
 
     fn idle(&mut self) -> IdleOutcome {
@@ -126,16 +154,29 @@ fn prefetch_phase_b_is_off_by_default_and_on_when_asked() {
 #[test]
 fn a_burst_of_placeholders_is_prefetched_together() {
     let (va, vb, vc) = (voice(180.0), voice(200.0), voice(240.0));
-    let cfg = EngineConfig { ref_cache_capacity: 2, setup_cache_capacity: 1, prefetch_setup: true, ..EngineConfig::default() };
+    let cfg = EngineConfig {
+        ref_cache_capacity: 2,
+        setup_cache_capacity: 1,
+        prefetch_setup: true,
+        ..EngineConfig::default()
+    };
     let mut r = Rig::new(cfg);
     let (la, lb) = (r.admit("a", Some(va.clone())), r.admit("b", Some(vb.clone())));
     r.admit("c", Some(vc.clone()));
     r.idle();
-    assert_eq!(r.idle(), IdleOutcome::PhaseA(vec![id("a"), id("b")]), "both in one phase, c beyond the pin cap");
+    assert_eq!(
+        r.idle(),
+        IdleOutcome::PhaseA(vec![id("a"), id("b")]),
+        "both in one phase, c beyond the pin cap"
+    );
     assert_eq!(r.metrics.voice_preparations.get(), 2);
     assert_eq!(r.stage.ref_cache().pin_count(), 2);
     assert_eq!(r.idle(), IdleOutcome::PhaseB(vec![id("a")]), "the setup cache holds one");
-    assert_eq!(r.idle(), IdleOutcome::Skipped("setup_cap"), "a's state is not pushed out while a waits");
+    assert_eq!(
+        r.idle(),
+        IdleOutcome::Skipped("setup_cap"),
+        "a's state is not pushed out while a waits"
+    );
     assert!(r.stage.setup_cache().contains(&key(&va)));
     r.chunk("a", 0, chunk0_codes(), false, Some(va.clone()));
     r.chunk("b", 0, chunk0_codes(), false, Some(vb.clone()));
@@ -156,8 +197,13 @@ fn a_burst_of_placeholders_is_prefetched_together() {
     for (got, want) in [(audio(&la), audio(&qa)), (audio(&lb), audio(&qb))] {
         assert_eq!((got.len(), want.len()), (1, 1));
         assert_eq!(got[0].len(), want[0].len());
-        let d =
-            got[0].iter().zip(&want[0]).map(|(x, y)| if x.is_finite() && y.is_finite() { (x - y).abs() } else { f32::INFINITY }).fold(0f32, f32::max);
+        let d = got[0]
+            .iter()
+            .zip(&want[0])
+            .map(
+                |(x, y)| if x.is_finite() && y.is_finite() { (x - y).abs() } else { f32::INFINITY },
+            )
+            .fold(0f32, f32::max);
         assert!(d < 1e-4, "first audio differs by {d} from the burst prepared at its chunk 0s");
     }
 }
@@ -187,7 +233,13 @@ fn a_burst_of_chunk0s_prepares_its_references_together() {
     // (CAM++ over the batch sums in other orders than over one voice: equal to rounding)
     for (got, want) in [(a, alone(&va)), (b, alone(&vb))] {
         assert_eq!(got.len(), want.len());
-        let d = got.iter().zip(&want).map(|(x, y)| if x.is_finite() && y.is_finite() { (x - y).abs() } else { f32::INFINITY }).fold(0f32, f32::max);
+        let d = got
+            .iter()
+            .zip(&want)
+            .map(
+                |(x, y)| if x.is_finite() && y.is_finite() { (x - y).abs() } else { f32::INFINITY },
+            )
+            .fold(0f32, f32::max);
         assert!(d < 1e-4, "first audio differs from the voice's alone by {d}");
     }
 }
@@ -319,7 +371,11 @@ fn prefetch_owner_and_pin_cannot_alias() {
     r.admit("pin:req-1", None);
     r.chunk("pin:req-1", 0, chunk0_codes(), false, Some(v.clone()));
     assert!(r.stage.step());
-    assert_eq!(r.metrics.prefetch_count("cache_hit"), 1, "the second request found the prepared entry");
+    assert_eq!(
+        r.metrics.prefetch_count("cache_hit"),
+        1,
+        "the second request found the prepared entry"
+    );
     let e = r.stage.ref_cache().get(&key(&v)).unwrap();
     assert!(e.pins.contains(&id("req-1")) && e.owners.contains(&id("pin:req-1")));
     // ending the pinning request leaves the owner; ending the owner leaves nothing

@@ -37,7 +37,10 @@ async fn session_ids_name_their_replica_and_resumes_are_counted() {
     drop(c); // no close frame: the session parks
     let url = format!("ws://{}/v1/realtime?session_id={id}", s.addr);
     let mut c = Client::connect_to(&url).await.unwrap();
-    c.send(json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": 2})).await;
+    c.send(
+        json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": 2}),
+    )
+    .await;
     let resumed = c.event("session.resumed").await;
     assert_eq!(resumed["input_seq"], 1);
     c.event("response.done").await;

@@ -12,7 +12,8 @@ use wire::{server, Client, In};
 
 /// A clip of `assets/turns` (16 kHz) as 24 kHz PCM16 bytes.
 fn clip(name: &str) -> Vec<u8> {
-    let bytes = std::fs::read(format!("{}/assets/turns/{name}.wav", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let bytes =
+        std::fs::read(format!("{}/assets/turns/{name}.wav", env!("CARGO_MANIFEST_DIR"))).unwrap();
     let (x, rate) = antiphon_audio::decode_wav(&bytes).unwrap();
     let y = antiphon_audio::resample(&x, rate, 24_000).unwrap();
     y.iter().flat_map(|&v| antiphon_audio::f32_to_i16(v).to_le_bytes()).collect()
@@ -58,7 +59,10 @@ async fn a_paused_sentence_is_one_semantic_turn_and_two_silence_turns() {
         return;
     };
     let s = server(|c| c.server.smart_turn_model = path.into()).await;
-    let mut c = Client::connect_to(&format!("ws://{}/openai/v1/realtime?model=gpt-realtime", s.addr)).await.unwrap();
+    let mut c =
+        Client::connect_to(&format!("ws://{}/openai/v1/realtime?model=gpt-realtime", s.addr))
+            .await
+            .unwrap();
     assert_eq!(c.recv().await.ty(), "session.created");
     // "I would like a cup of," a second's pause, "I would like a cup of tea.", then 3 s of silence
     let mut audio = silence(500);
@@ -72,13 +76,24 @@ async fn a_paused_sentence_is_one_semantic_turn_and_two_silence_turns() {
     let semantic = json!({"type": "semantic_vad", "eagerness": "high", "create_response": false});
     let events = turns_in(&mut c, semantic.clone(), &audio).await;
     assert!(!events.iter().any(|e| e["type"] == "error"), "{events:?}");
-    assert_eq!((count(&events, "input_audio_buffer.speech_started"), count(&events, "input_audio_buffer.speech_stopped")), (1, 1), "{events:?}");
+    assert_eq!(
+        (
+            count(&events, "input_audio_buffer.speech_started"),
+            count(&events, "input_audio_buffer.speech_stopped")
+        ),
+        (1, 1),
+        "{events:?}"
+    );
     let stopped = events.iter().find(|e| e["type"] == "input_audio_buffer.speech_stopped").unwrap();
     let at = stopped["audio_end_ms"].as_u64().unwrap();
-    assert!(at.abs_diff(end_ms) <= 150, "the turn ends with the second phrase ({end_ms} ms of the session's audio), not at {at}");
+    assert!(
+        at.abs_diff(end_ms) <= 150,
+        "the turn ends with the second phrase ({end_ms} ms of the session's audio), not at {at}"
+    );
     assert!(at > second_at_ms as u64);
     // the same audio with server_vad: the pause ends a turn
-    let events = turns_in(&mut c, json!({"type": "server_vad", "create_response": false}), &audio).await;
+    let events =
+        turns_in(&mut c, json!({"type": "server_vad", "create_response": false}), &audio).await;
     assert_eq!(count(&events, "input_audio_buffer.speech_stopped"), 2, "{events:?}");
     // what was asked is echoed
     c.send(json!({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": semantic}}}})).await;
@@ -90,8 +105,15 @@ async fn a_paused_sentence_is_one_semantic_turn_and_two_silence_turns() {
         }
     };
     let td = &updated["session"]["audio"]["input"]["turn_detection"];
-    assert_eq!((td["type"].as_str(), td["eagerness"].as_str()), (Some("semantic_vad"), Some("high")), "{updated}");
+    assert_eq!(
+        (td["type"].as_str(), td["eagerness"].as_str()),
+        (Some("semantic_vad"), Some("high")),
+        "{updated}"
+    );
     let metrics = wire::reqwest_like_get(&s, "/metrics").await;
-    assert!(metrics.contains("antiphon_turn_model_verdicts_total{verdict=\"incomplete\"}"), "the verdicts are counted");
+    assert!(
+        metrics.contains("antiphon_turn_model_verdicts_total{verdict=\"incomplete\"}"),
+        "the verdicts are counted"
+    );
     s.shutdown().await.unwrap();
 }

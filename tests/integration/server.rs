@@ -27,12 +27,20 @@ async fn a_basic_exchange_with_gapless_seq() {
     c.send(json!({"type": "input.text", "text": "Hello", "seq": 1, "generation": short(30)})).await;
     let ms = c.until(is_done).await;
     let seqs: Vec<u64> = ms.iter().filter_map(In::seq).collect();
-    assert_eq!(seqs, (2..2 + seqs.len() as u64).collect::<Vec<_>>(), "every message of the conversation, +1 each");
+    assert_eq!(
+        seqs,
+        (2..2 + seqs.len() as u64).collect::<Vec<_>>(),
+        "every message of the conversation, +1 each"
+    );
     assert_eq!(ms[0].ty(), "response.created");
-    let audio: Vec<&AudioFrame> = ms.iter().filter_map(|m| if let In::Audio(f) = m { Some(f) } else { None }).collect();
+    let audio: Vec<&AudioFrame> =
+        ms.iter().filter_map(|m| if let In::Audio(f) = m { Some(f) } else { None }).collect();
     assert_eq!(audio.len(), 74, "(3 + 30 codes) × 40 ms + 160 ms in 20 ms packets");
     assert!(audio.iter().all(|f| f.response_id == 1 && f.kind == 1));
-    assert!(audio.last().unwrap().last && audio.iter().filter(|f| f.last).count() == 1, "the last packet is flagged");
+    assert!(
+        audio.last().unwrap().last && audio.iter().filter(|f| f.last).count() == 1,
+        "the last packet is flagged"
+    );
     let done = match ms.last().unwrap() {
         In::Event(v) => v.clone(),
         _ => unreachable!(),
@@ -43,7 +51,9 @@ async fn a_basic_exchange_with_gapless_seq() {
     // the server acknowledges the applied input within its ack period (500 ms), which a fast
     // response may finish before
     if !ms.iter().any(|m| m.ty() == "ack") {
-        let ack = tokio::time::timeout(std::time::Duration::from_secs(2), c.event("ack")).await.expect("the server acknowledges input");
+        let ack = tokio::time::timeout(std::time::Duration::from_secs(2), c.event("ack"))
+            .await
+            .expect("the server acknowledges input");
         assert_eq!(ack["input_seq"], 1);
     }
     // ping / pong and a clean close
@@ -64,8 +74,12 @@ async fn a_basic_exchange_with_gapless_seq() {
 async fn drop_and_resume(s: &Server, cut: usize, codes: u64) {
     let mut c = Client::connect(s).await;
     let created = c.create(json!({})).await;
-    let (id, token) = (created["session_id"].as_str().unwrap().to_string(), created["resume_token"].as_str().unwrap().to_string());
-    c.send(json!({"type": "input.text", "text": "Tell me", "seq": 1, "generation": short(codes)})).await;
+    let (id, token) = (
+        created["session_id"].as_str().unwrap().to_string(),
+        created["resume_token"].as_str().unwrap().to_string(),
+    );
+    c.send(json!({"type": "input.text", "text": "Tell me", "seq": 1, "generation": short(codes)}))
+        .await;
     let mut seen: Vec<u64> = vec![1];
     let mut got_done = false;
     for _ in 0..cut {
@@ -88,7 +102,11 @@ async fn drop_and_resume(s: &Server, cut: usize, codes: u64) {
     if !got_done {
         let rest = c.until(is_done).await;
         let after: Vec<u64> = rest.iter().filter_map(In::seq).collect();
-        assert_eq!(after.first(), Some(&(last + 1)), "replay starts right after last_seq (cut {cut})");
+        assert_eq!(
+            after.first(),
+            Some(&(last + 1)),
+            "replay starts right after last_seq (cut {cut})"
+        );
         seen.extend(after);
     }
     let n = seen.len() as u64;
@@ -113,12 +131,18 @@ async fn input_is_deduplicated_after_a_resume() {
     let s = server(|_| {}).await;
     let mut c = Client::connect(&s).await;
     let created = c.create(json!({})).await;
-    let (id, token) = (created["session_id"].as_str().unwrap().to_string(), created["resume_token"].as_str().unwrap().to_string());
+    let (id, token) = (
+        created["session_id"].as_str().unwrap().to_string(),
+        created["resume_token"].as_str().unwrap().to_string(),
+    );
     c.send(json!({"type": "input.text", "text": "one", "seq": 1, "generation": short(10)})).await;
     c.until(is_done).await;
     drop(c);
     let mut c = Client::connect(&s).await;
-    c.send(json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": 0})).await;
+    c.send(
+        json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": 0}),
+    )
+    .await;
     let r = c.event("session.resumed").await;
     assert_eq!(r["input_seq"], 1);
     // the replay brings everything since seq 1, including the finished response
@@ -142,24 +166,36 @@ async fn expiry_replacement_and_resume_errors() {
     let s = server(|c| c.server.resume_grace_s = 1).await;
     let mut a = Client::connect(&s).await;
     let created = a.create(json!({})).await;
-    let (id, token) = (created["session_id"].as_str().unwrap().to_string(), created["resume_token"].as_str().unwrap().to_string());
+    let (id, token) = (
+        created["session_id"].as_str().unwrap().to_string(),
+        created["resume_token"].as_str().unwrap().to_string(),
+    );
     // a second socket with the right token replaces the first
     let mut b = Client::connect(&s).await;
-    b.send(json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": 1})).await;
+    b.send(
+        json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": 1}),
+    )
+    .await;
     b.event("session.resumed").await;
     let closing = a.event("session.closing").await;
     assert_eq!(closing["reason"], "replaced");
     assert!(matches!(a.recv().await, In::Closed(_)));
     // wrong token, unknown session
     let mut c = Client::connect(&s).await;
-    c.send(json!({"type": "session.resume", "session_id": id, "resume_token": "nope", "last_seq": 0})).await;
+    c.send(
+        json!({"type": "session.resume", "session_id": id, "resume_token": "nope", "last_seq": 0}),
+    )
+    .await;
     assert_eq!(c.event("error").await["code"], "bad_resume_token");
     c.send(json!({"type": "session.resume", "session_id": "s_nobody", "resume_token": "x", "last_seq": 0})).await;
     assert_eq!(c.event("error").await["code"], "session_not_found");
     // drop b; after the 1 s grace the session is gone
     drop(b);
     tokio::time::sleep(Duration::from_millis(1800)).await;
-    c.send(json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": 0})).await;
+    c.send(
+        json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": 0}),
+    )
+    .await;
     assert_eq!(c.event("error").await["code"], "session_expired");
     assert_eq!(s.shared.sessions.len(), 0);
     s.shutdown().await.unwrap();
@@ -212,7 +248,12 @@ async fn bad_input_never_ends_the_session() {
         assert!(e["seq"].as_u64().is_some(), "errors inside a session carry seq");
     }
     // an unknown binary kind is ignored silently
-    c.send_raw(Message::Binary(AudioFrame { kind: 9, last: false, seq: 0, response_id: 0, payload: vec![1, 2] }.encode().into())).await;
+    c.send_raw(Message::Binary(
+        AudioFrame { kind: 9, last: false, seq: 0, response_id: 0, payload: vec![1, 2] }
+            .encode()
+            .into(),
+    ))
+    .await;
     // the session still works
     c.send(json!({"type": "input.text", "text": "still here?", "generation": short(8)})).await;
     let ms = c.until(is_done).await;
@@ -225,14 +266,22 @@ async fn bad_input_never_ends_the_session() {
     big.send_raw(Message::Binary(vec![1u8; 20_000].into())).await;
     let ms = big.until(|m| matches!(m, In::Closed(_))).await;
     // (inside a session the error is one of its messages: it carries the next seq)
-    assert!(ms.iter().any(|m| matches!(m, In::Event(v) if v["code"] == "message_too_large" && v["seq"] == 2)), "{ms:?}");
+    assert!(
+        ms.iter().any(
+            |m| matches!(m, In::Event(v) if v["code"] == "message_too_large" && v["seq"] == 2)
+        ),
+        "{ms:?}"
+    );
     assert!(matches!(ms.last(), Some(In::Closed(Some(1009)))), "{ms:?}");
     // text beyond the limit, just over and far over (the transport refuses it unbuffered)
     for n in [300_000, 2 << 20] {
         let mut big = Client::connect(&s).await;
         big.send_raw(Message::Text("x".repeat(n).into())).await;
         let ms = big.until(|m| matches!(m, In::Closed(_))).await;
-        assert!(ms.iter().any(|m| matches!(m, In::Event(v) if v["code"] == "message_too_large")), "{n}: {ms:?}");
+        assert!(
+            ms.iter().any(|m| matches!(m, In::Event(v) if v["code"] == "message_too_large")),
+            "{n}: {ms:?}"
+        );
         assert!(matches!(ms.last(), Some(In::Closed(Some(1009)))), "{n}: {ms:?}");
     }
     s.shutdown().await.unwrap();
@@ -258,14 +307,18 @@ async fn absurd_generation_values_are_refused_and_the_server_stays_up() {
         assert_eq!(e["code"], "bad_field", "{e}");
         assert!(e["message"].as_str().unwrap().contains(field), "{e}");
     }
-    c.send(json!({"type": "session.update", "generation": {"max_audio_tokens": 2_147_483_648u64}})).await;
+    c.send(json!({"type": "session.update", "generation": {"max_audio_tokens": 2_147_483_648u64}}))
+        .await;
     assert_eq!(c.event("error").await["code"], "bad_field");
     let mut d = Client::connect(&s).await;
     d.send(json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16", "sample_rate": 16000},
         "output_audio": {"codec": "opus"}, "generation": {"max_text_tokens": 1_000_000_000}}))
         .await;
     let e = d.event("error").await;
-    assert!(e["code"] == "bad_field" && e["message"].as_str().unwrap().contains("max_text_tokens"), "{e}");
+    assert!(
+        e["code"] == "bad_field" && e["message"].as_str().unwrap().contains("max_text_tokens"),
+        "{e}"
+    );
     // the first session still works
     c.send(json!({"type": "input.text", "text": "still here?", "generation": short(8)})).await;
     let ms = c.until(is_done).await;
@@ -278,21 +331,32 @@ async fn spoken_input_in_opus_and_pcm16_output() {
     let s = server(|_| {}).await;
     let mut c = Client::connect(&s).await;
     c.create(json!({"input_audio": {"codec": "opus", "sample_rate": 48000}, "output_audio": {"codec": "pcm16", "frame_ms": 40}})).await;
-    let mut enc = opus::Encoder::new(48_000, opus::Channels::Mono, opus::Application::Voip).unwrap();
+    let mut enc =
+        opus::Encoder::new(48_000, opus::Channels::Mono, opus::Application::Voip).unwrap();
     for k in 0..50u32 {
-        let frame: Vec<f32> = (0..960).map(|i| 0.3 * (((k * 960 + i) as f32) * 0.03).sin()).collect();
+        let frame: Vec<f32> =
+            (0..960).map(|i| 0.3 * (((k * 960 + i) as f32) * 0.03).sin()).collect();
         let p = enc.encode_vec_float(&frame, 4000).unwrap();
-        c.send_raw(Message::Binary(AudioFrame { kind: 1, last: false, seq: k + 1, response_id: 0, payload: p }.encode().into())).await;
+        c.send_raw(Message::Binary(
+            AudioFrame { kind: 1, last: false, seq: k + 1, response_id: 0, payload: p }
+                .encode()
+                .into(),
+        ))
+        .await;
     }
     c.send(json!({"type": "input.commit", "seq": 51, "generation": short(20)})).await;
     let ms = c.until(is_done).await;
     let created = ms.iter().find(|m| m.ty() == "response.created").unwrap();
     assert!(matches!(created, In::Event(v) if v["trigger"] == "commit"));
-    let pcm: usize = ms.iter().filter_map(|m| if let In::Audio(f) = m { Some(f.payload.len() / 2) } else { None }).sum();
+    let pcm: usize = ms
+        .iter()
+        .filter_map(|m| if let In::Audio(f) = m { Some(f.payload.len() / 2) } else { None })
+        .sum();
     // 20 codes make a single (first and last) chunk: no delay silence in front
     assert_eq!(pcm, (3 + 20) * 2 * 480, "PCM16 carries every sample");
     // the server acknowledges the highest applied input (at least every 500 ms while receiving)
-    let mut acked = ms.iter().any(|m| matches!(m, In::Event(v) if v["type"] == "ack" && v["input_seq"] == 51));
+    let mut acked =
+        ms.iter().any(|m| matches!(m, In::Event(v) if v["type"] == "ack" && v["input_seq"] == 51));
     for _ in 0..3 {
         if acked {
             break;
@@ -326,7 +390,9 @@ async fn cancel_stops_audio_quickly_and_playback_truncates() {
     // a new turn works
     c.send(json!({"type": "input.text", "text": "again", "generation": short(8)})).await;
     let ms = c.until(is_done).await;
-    assert!(matches!(ms.last().unwrap(), In::Event(v) if v["status"] == "completed" && v["response_id"] == 2));
+    assert!(
+        matches!(ms.last().unwrap(), In::Event(v) if v["status"] == "completed" && v["response_id"] == 2)
+    );
     s.shutdown().await.unwrap();
 }
 
@@ -383,9 +449,14 @@ async fn acks_trim_the_journal_and_uploaded_voices_work() {
     let mut c = Client::connect(&s).await;
     // an uploaded voice: 1 s of PCM16 at 16 kHz, base64
     use base64::Engine as _;
-    let pcm: Vec<u8> = (0..16_000).flat_map(|i| ((((i as f32) * 0.05).sin() * 8000.0) as i16).to_le_bytes()).collect();
+    let pcm: Vec<u8> = (0..16_000)
+        .flat_map(|i| ((((i as f32) * 0.05).sin() * 8000.0) as i16).to_le_bytes())
+        .collect();
     let b64 = base64::engine::general_purpose::STANDARD.encode(pcm);
-    c.create(json!({"voice": {"ref_audio_b64": b64, "sample_rate": 16000}, "instructions": "Be brief."})).await;
+    c.create(
+        json!({"voice": {"ref_audio_b64": b64, "sample_rate": 16000}, "instructions": "Be brief."}),
+    )
+    .await;
     c.send(json!({"type": "input.text", "text": "x", "generation": short(20)})).await;
     let ms = c.until(is_done).await;
     let last = ms.iter().filter_map(In::seq).max().unwrap();
@@ -405,7 +476,10 @@ async fn tls_when_a_certificate_is_configured() {
     let (cp, kp) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
     std::fs::write(&cp, cert.cert.pem()).unwrap();
     std::fs::write(&kp, cert.signing_key.serialize_pem()).unwrap();
-    let s = server(|c| c.tls = Some(antiphon_server::config::TlsSection { cert: cp.clone(), key: kp.clone() })).await;
+    let s = server(|c| {
+        c.tls = Some(antiphon_server::config::TlsSection { cert: cp.clone(), key: kp.clone() })
+    })
+    .await;
     let mut roots = rustls::RootCertStore::empty();
     roots.add(cert.cert.der().clone()).unwrap();
     let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
@@ -416,8 +490,11 @@ async fn tls_when_a_certificate_is_configured() {
         .with_no_client_auth();
     let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg));
     let tcp = TcpStream::connect(s.addr).await.unwrap();
-    let mut tls = connector.connect("localhost".try_into().unwrap(), tcp).await.expect("TLS handshake");
-    tls.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").await.unwrap();
+    let mut tls =
+        connector.connect("localhost".try_into().unwrap(), tcp).await.expect("TLS handshake");
+    tls.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
     let mut body = String::new();
     let _ = tls.read_to_string(&mut body).await;
     assert!(body.starts_with("HTTP/1.1 200") && body.ends_with("ok"), "{body}");
@@ -425,7 +502,10 @@ async fn tls_when_a_certificate_is_configured() {
     let mut plain = TcpStream::connect(s.addr).await.unwrap();
     plain.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
     let mut buf = vec![0u8; 64];
-    let n = tokio::time::timeout(Duration::from_secs(5), plain.read(&mut buf)).await.map(|r| r.unwrap_or(0)).unwrap_or(0);
+    let n = tokio::time::timeout(Duration::from_secs(5), plain.read(&mut buf))
+        .await
+        .map(|r| r.unwrap_or(0))
+        .unwrap_or(0);
     assert!(!String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
     s.shutdown().await.unwrap();
 }
@@ -449,9 +529,14 @@ async fn an_unacknowledged_journal_overflows_and_a_prompt_beyond_the_context_is_
     // a request the engine cannot hold (a prompt longer than the context): bad_field, not fatal
     let mut c = Client::connect(&s).await;
     c.create(json!({})).await;
-    c.send(json!({"type": "input.text", "text": "la ".repeat(4000), "generation": short(10)})).await;
+    c.send(json!({"type": "input.text", "text": "la ".repeat(4000), "generation": short(10)}))
+        .await;
     let ms = c.until(is_done).await;
-    assert!(ms.iter().any(|m| matches!(m, In::Event(v) if v["code"] == "bad_field" && v["fatal"] == false)), "{ms:?}");
+    assert!(
+        ms.iter()
+            .any(|m| matches!(m, In::Event(v) if v["code"] == "bad_field" && v["fatal"] == false)),
+        "{ms:?}"
+    );
     assert!(matches!(ms.last().unwrap(), In::Event(v) if v["status"] == "failed"));
     c.send(json!({"type": "input.text", "text": "short", "generation": short(10)})).await;
     let ms = c.until(is_done).await;
@@ -481,17 +566,36 @@ async fn a_duplex_session_over_the_wire() {
             "duplex": {"policy": "speak_every", "k": 2}, "generation": short(10)}))
         .await;
     assert_eq!(created["mode"], "duplex");
-    let (sid, tok) = (created["session_id"].as_str().unwrap().to_string(), created["resume_token"].as_str().unwrap().to_string());
+    let (sid, tok) = (
+        created["session_id"].as_str().unwrap().to_string(),
+        created["resume_token"].as_str().unwrap().to_string(),
+    );
     c.send(json!({"type": "input.text", "text": "hi", "seq": 1})).await;
     let e = c.event("error").await;
     assert_eq!((e["code"].as_str(), e["fatal"].as_bool()), (Some("bad_field"), Some(false)));
     c.send(json!({"type": "session.update", "voice": {"id": "default"}, "seq": 2})).await;
     assert_eq!(c.event("error").await["code"], "bad_field");
     // 5 s of 24 kHz PCM16 in 100 ms frames (seq 3..52): units 1 and 3 speak, unit 4 closes turn 2
-    let frames: Vec<Vec<u8>> =
-        (0..50).map(|f| (0..2400).map(|i| (((f * 2400 + i) as f32 * 0.05).sin() * 8000.0) as i16).flat_map(|v| v.to_le_bytes()).collect()).collect();
+    let frames: Vec<Vec<u8>> = (0..50)
+        .map(|f| {
+            (0..2400)
+                .map(|i| (((f * 2400 + i) as f32 * 0.05).sin() * 8000.0) as i16)
+                .flat_map(|v| v.to_le_bytes())
+                .collect()
+        })
+        .collect();
     let frame = |k: usize| {
-        Message::Binary(AudioFrame { kind: 1, last: false, seq: (k + 3) as u32, response_id: 0, payload: frames[k].clone() }.encode().into())
+        Message::Binary(
+            AudioFrame {
+                kind: 1,
+                last: false,
+                seq: (k + 3) as u32,
+                response_id: 0,
+                payload: frames[k].clone(),
+            }
+            .encode()
+            .into(),
+        )
     };
     for k in 0..50 {
         c.send_raw(frame(k)).await;
@@ -504,8 +608,8 @@ async fn a_duplex_session_over_the_wire() {
         if let Some(q) = m.seq() {
             held.push(q);
         }
-        let cut =
-            matches!(&m, In::Audio(a) if a.response_id == 2) && got.iter().filter(|x| matches!(x, In::Audio(a) if a.response_id == 2)).count() == 2;
+        let cut = matches!(&m, In::Audio(a) if a.response_id == 2)
+            && got.iter().filter(|x| matches!(x, In::Audio(a) if a.response_id == 2)).count() == 2;
         got.push(m);
         if cut {
             break;
@@ -514,7 +618,10 @@ async fn a_duplex_session_over_the_wire() {
     drop(c);
     let mut c = Client::connect(&s).await;
     let last = *held.iter().max().unwrap();
-    c.send(json!({"type": "session.resume", "session_id": sid, "resume_token": tok, "last_seq": last})).await;
+    c.send(
+        json!({"type": "session.resume", "session_id": sid, "resume_token": tok, "last_seq": last}),
+    )
+    .await;
     let r = c.event("session.resumed").await;
     let applied = r["input_seq"].as_u64().unwrap();
     for k in (applied as usize).saturating_sub(2)..50 {
@@ -535,7 +642,8 @@ async fn a_duplex_session_over_the_wire() {
     held.sort_unstable();
     // error events carry seqs too; everything from 1 to the last arrived exactly once
     assert_eq!(held, (1..=*held.last().unwrap()).collect::<Vec<_>>());
-    let ev: Vec<&Value> = got.iter().filter_map(|m| if let In::Event(v) = m { Some(v) } else { None }).collect();
+    let ev: Vec<&Value> =
+        got.iter().filter_map(|m| if let In::Event(v) = m { Some(v) } else { None }).collect();
     let decisions: Vec<(u64, bool)> = ev
         .iter()
         .filter(|v| v["type"].as_str().unwrap().starts_with("duplex."))
@@ -548,8 +656,16 @@ async fn a_duplex_session_over_the_wire() {
     for v in ev.iter().filter(|v| v["type"] == "response.done") {
         assert_eq!(v["status"], "completed");
         let rid = v["response_id"].as_u64().unwrap() as u32;
-        let audio: Vec<&AudioFrame> =
-            got.iter().filter_map(|m| if let In::Audio(a) = m { (a.response_id == rid).then_some(a) } else { None }).collect();
+        let audio: Vec<&AudioFrame> = got
+            .iter()
+            .filter_map(|m| {
+                if let In::Audio(a) = m {
+                    (a.response_id == rid).then_some(a)
+                } else {
+                    None
+                }
+            })
+            .collect();
         assert_eq!(audio.len() as u64, v["packets"].as_u64().unwrap());
         assert!(audio.last().unwrap().last && audio.iter().filter(|a| a.last).count() == 1);
     }
@@ -563,7 +679,10 @@ async fn acks_ahead_and_resumes_without_last_seq_are_refused() {
     let s = server(|_| {}).await;
     let mut c = Client::connect(&s).await;
     let created = c.create(json!({})).await;
-    let (id, token) = (created["session_id"].as_str().unwrap().to_string(), created["resume_token"].as_str().unwrap().to_string());
+    let (id, token) = (
+        created["session_id"].as_str().unwrap().to_string(),
+        created["resume_token"].as_str().unwrap().to_string(),
+    );
     c.send(json!({"type": "input.text", "text": "hi", "generation": short(10)})).await;
     c.until(is_done).await;
     c.send(json!({"type": "ack", "seq": 1_000_000})).await;
@@ -577,7 +696,10 @@ async fn acks_ahead_and_resumes_without_last_seq_are_refused() {
     assert_eq!(e["code"], "bad_field", "{e}");
     assert!(e["message"].as_str().unwrap().contains("last_seq"), "{e}");
     // with last_seq the replay still holds the whole response: the ack ahead emptied nothing
-    c.send(json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": 1})).await;
+    c.send(
+        json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": 1}),
+    )
+    .await;
     c.event("session.resumed").await;
     let replay = c.until(is_done).await;
     assert_eq!(replay.iter().filter(|m| m.ty() == "response.created").count(), 1);

@@ -1,10 +1,18 @@
 //! Tokenizer, special tokens, the spoken-reply prompt, the hand-off slice and text deltas.
 
 use antiphon_assets::synth::{tokenizer_json, Preset, REAL_SPECIAL_IDS, REAL_TOOL_IDS};
-use antiphon_models::tokenizer::{handoff_range, voice_clone_system, Message, Part, Role, SpecialTokens, TextStream, TextTokenizer};
+use antiphon_models::tokenizer::{
+    handoff_range, voice_clone_system, Message, Part, Role, SpecialTokens, TextStream,
+    TextTokenizer,
+};
 
 fn tiny() -> TextTokenizer {
-    TextTokenizer::from_bytes(tokenizer_json(&Preset::Tiny.special_ids(), &Preset::Tiny.tool_ids()).to_string().as_bytes()).unwrap()
+    TextTokenizer::from_bytes(
+        tokenizer_json(&Preset::Tiny.special_ids(), &Preset::Tiny.tool_ids())
+            .to_string()
+            .as_bytes(),
+    )
+    .unwrap()
 }
 
 #[test]
@@ -12,10 +20,19 @@ fn special_ids_are_looked_up_not_assumed() {
     let t = tiny();
     assert_eq!(t.special().im_start, 257);
     assert_eq!(t.special().tts_bos, 256 + 10);
-    let full = TextTokenizer::from_bytes(tokenizer_json(&REAL_SPECIAL_IDS, &REAL_TOOL_IDS).to_string().as_bytes()).unwrap();
+    let full = TextTokenizer::from_bytes(
+        tokenizer_json(&REAL_SPECIAL_IDS, &REAL_TOOL_IDS).to_string().as_bytes(),
+    )
+    .unwrap();
     let s = full.special();
-    assert_eq!((s.im_start, s.im_end, s.tts_bos, s.tts_eos, s.unk), (151644, 151645, 151703, 151704, 128244));
-    assert_eq!((s.listen, s.speak, s.unit, s.turn_eos, s.chunk_eos, s.tts_pad), (151705, 151706, 151683, 151717, 151718, 151722));
+    assert_eq!(
+        (s.im_start, s.im_end, s.tts_bos, s.tts_eos, s.unk),
+        (151644, 151645, 151703, 151704, 128244)
+    );
+    assert_eq!(
+        (s.listen, s.speak, s.unit, s.turn_eos, s.chunk_eos, s.tts_pad),
+        (151705, 151706, 151683, 151717, 151718, 151722)
+    );
 }
 
 #[test]
@@ -42,7 +59,10 @@ fn user_text_cannot_smuggle_special_tokens() {
 fn spoken_reply_prompt_follows_the_chat_template() {
     let t = tiny();
     let s = *t.special();
-    let msgs = vec![voice_clone_system(3), Message { role: Role::User, parts: vec![Part::Audio(4), Part::Text("Hi".into())] }];
+    let msgs = vec![
+        voice_clone_system(3),
+        Message { role: Role::User, parts: vec![Part::Audio(4), Part::Text("Hi".into())] },
+    ];
     let ids = t.spoken_reply_prompt(&msgs).unwrap();
     let enc = |x: &str| t.encode(x).unwrap();
     let mut want = vec![s.im_start];
@@ -146,15 +166,22 @@ fn the_tool_tags_are_text_tokens_looked_up_by_name() {
     let t = tiny();
     let tags = *t.tool_tokens().unwrap();
     assert_eq!(tags.all(), [274, 275, 276, 277]);
-    let full = TextTokenizer::from_bytes(tokenizer_json(&REAL_SPECIAL_IDS, &REAL_TOOL_IDS).to_string().as_bytes()).unwrap();
+    let full = TextTokenizer::from_bytes(
+        tokenizer_json(&REAL_SPECIAL_IDS, &REAL_TOOL_IDS).to_string().as_bytes(),
+    )
+    .unwrap();
     assert_eq!(full.tool_tokens().unwrap().all(), [151657, 151658, 151665, 151666]);
     let ids = t.encode("a<tool_call>b</tool_call>").unwrap();
     assert_eq!(ids, [b'a' as u32, tags.call, b'b' as u32, tags.call_end]);
     assert_eq!(t.decode(&ids).unwrap(), "a<tool_call>b</tool_call>");
     let f = t.forbidden();
-    assert!(tags.all().iter().all(|id| f.reply.contains(id) && f.duplex_speech.contains(id) && f.duplex_decision.contains(id)));
+    assert!(tags.all().iter().all(|id| f.reply.contains(id)
+        && f.duplex_speech.contains(id)
+        && f.duplex_decision.contains(id)));
     assert!(!f.reply_calling.contains(&tags.call) && !f.reply_calling.contains(&tags.call_end));
-    assert!(f.reply_calling.contains(&tags.response) && f.reply_calling.contains(&tags.response_end));
+    assert!(
+        f.reply_calling.contains(&tags.response) && f.reply_calling.contains(&tags.response_end)
+    );
     // a tokenizer without them serves no tools, and forbids nothing more
     let mut j = tokenizer_json(&Preset::Tiny.special_ids(), &Preset::Tiny.tool_ids());
     j["added_tokens"].as_array_mut().unwrap().retain(|a| a["content"] != "</tool_response>");
@@ -169,10 +196,16 @@ fn the_tool_tags_are_text_tokens_looked_up_by_name() {
 /// template's output for these messages, written out by hand from its source).
 #[test]
 fn tools_calls_and_results_render_as_the_qwen3_template_does() {
-    use antiphon_models::tools::{assistant_content, responses_content, FunctionTool, ToolCall, ToolSet};
+    use antiphon_models::tools::{
+        assistant_content, responses_content, FunctionTool, ToolCall, ToolSet,
+    };
     let params = serde_json::json!({"type": "object", "properties": {"city": {"type": "string", "description": "Où"}}, "required": ["city"]});
     let set = ToolSet::new(vec![
-        FunctionTool { name: "get_weather".into(), description: Some("The weather \"now\"".into()), parameters: Some(params) },
+        FunctionTool {
+            name: "get_weather".into(),
+            description: Some("The weather \"now\"".into()),
+            parameters: Some(params),
+        },
         FunctionTool { name: "hang_up".into(), description: None, parameters: None },
     ]);
     let want = "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n\
@@ -180,18 +213,35 @@ fn tools_calls_and_results_render_as_the_qwen3_template_does() {
         {\"type\": \"function\", \"function\": {\"name\": \"hang_up\"}}\n</tools>\n\n\
         For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>";
     assert_eq!(set.block(), want);
-    let call = ToolCall::parse(" \n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Paris\"}}\n", &set).unwrap();
-    assert_eq!(call, ToolCall { name: "get_weather".into(), arguments: "{\"city\": \"Paris\"}".into() });
+    let call = ToolCall::parse(
+        " \n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Paris\"}}\n",
+        &set,
+    )
+    .unwrap();
+    assert_eq!(
+        call,
+        ToolCall { name: "get_weather".into(), arguments: "{\"city\": \"Paris\"}".into() }
+    );
     let hang = ToolCall::parse("{\"name\": \"hang_up\"}", &set).unwrap();
     assert_eq!(hang.arguments, "{}");
     assert_eq!(
         assistant_content("Let me look.", &[call.clone(), hang.clone()]),
         "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"hang_up\", \"arguments\": {}}\n</tool_call>"
     );
-    assert_eq!(assistant_content("", std::slice::from_ref(&hang)), "<tool_call>\n{\"name\": \"hang_up\", \"arguments\": {}}\n</tool_call>");
-    assert_eq!(responses_content(&["18 °C".into(), "ok".into()]), "<tool_response>\n18 °C\n</tool_response>\n<tool_response>\nok\n</tool_response>");
+    assert_eq!(
+        assistant_content("", std::slice::from_ref(&hang)),
+        "<tool_call>\n{\"name\": \"hang_up\", \"arguments\": {}}\n</tool_call>"
+    );
+    assert_eq!(
+        responses_content(&["18 °C".into(), "ok".into()]),
+        "<tool_response>\n18 °C\n</tool_response>\n<tool_response>\nok\n</tool_response>"
+    );
     // a string holding the arguments' object is taken as the object
-    let s = ToolCall::parse("{\"name\": \"get_weather\", \"arguments\": \"{\\\"city\\\": \\\"Oslo\\\"}\"}", &set).unwrap();
+    let s = ToolCall::parse(
+        "{\"name\": \"get_weather\", \"arguments\": \"{\\\"city\\\": \\\"Oslo\\\"}\"}",
+        &set,
+    )
+    .unwrap();
     assert_eq!(s.arguments, "{\"city\": \"Oslo\"}");
     for (span, says) in [
         ("{\"name\": \"get_time\"}", "`get_time`, which is not a declared tool"),

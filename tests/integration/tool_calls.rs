@@ -7,7 +7,10 @@ use crate::common;
 
 use std::sync::Arc;
 
-use antiphon_engine::{Engine, EngineConfig, EngineEvent, FunctionTool, RequestSpec, Status, ToolCall, ToolChoice, ToolSet, Tools, Turn, UserInput};
+use antiphon_engine::{
+    Engine, EngineConfig, EngineEvent, FunctionTool, RequestSpec, Status, ToolCall, ToolChoice,
+    ToolSet, Tools, Turn, UserInput,
+};
 use antiphon_protocol::ToolCallProblem;
 use common::engine::{collect, engine, spec, submit, Outcome};
 
@@ -15,13 +18,16 @@ fn tools(choice: ToolChoice) -> Tools {
     let weather = FunctionTool {
         name: "get_weather".into(),
         description: Some("The weather in a city now".into()),
-        parameters: Some(serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}}})),
+        parameters: Some(
+            serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}}}),
+        ),
     };
     let hang_up = FunctionTool { name: "hang_up".into(), description: None, parameters: None };
     Tools { set: Some(Arc::new(ToolSet::new(vec![weather, hang_up]))), choice }
 }
 
-const CALL: &str = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+const CALL: &str =
+    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
 
 /// A reply begun with `prefix`, up to `max_text` tokens of text, 30 codes if it speaks.
 fn reply(id: &str, prefix: &str, max_text: usize, choice: ToolChoice) -> RequestSpec {
@@ -33,7 +39,10 @@ fn reply(id: &str, prefix: &str, max_text: usize, choice: ToolChoice) -> Request
 }
 
 fn calls(o: &Outcome) -> Vec<&ToolCall> {
-    o.events.iter().filter_map(|e| if let EngineEvent::ToolCall(c) = e { Some(c) } else { None }).collect()
+    o.events
+        .iter()
+        .filter_map(|e| if let EngineEvent::ToolCall(c) = e { Some(c) } else { None })
+        .collect()
 }
 
 fn invalid(o: &Outcome) -> Vec<(&str, ToolCallProblem, &str)> {
@@ -58,7 +67,10 @@ fn a_reply_that_only_calls_makes_no_audio() {
     let e = engine(EngineConfig::default());
     let o = collect(submit(&e, reply("call", CALL, 200, ToolChoice::Auto)));
     assert_eq!(o.status, Status::Completed);
-    assert_eq!(calls(&o), [&ToolCall { name: "get_weather".into(), arguments: "{\"city\": \"Paris\"}".into() }]);
+    assert_eq!(
+        calls(&o),
+        [&ToolCall { name: "get_weather".into(), arguments: "{\"city\": \"Paris\"}".into() }]
+    );
     assert_eq!(o.text, "", "a call is written, not said");
     assert!(o.audio.is_empty() && o.codes == 0, "{} chunks, {} codes", o.audio.len(), o.codes);
     assert_eq!(tool_calls_counted(&e, "valid"), 1);
@@ -79,7 +91,10 @@ fn speech_then_a_call_speaks_only_what_comes_before_the_call() {
     assert_eq!(o.text, said);
     assert_eq!(calls(&o).len(), 1);
     let call_at = o.events.iter().position(|e| matches!(e, EngineEvent::ToolCall(_))).unwrap();
-    assert!(o.events[call_at..].iter().all(|e| !matches!(e, EngineEvent::TextDelta(_))), "no text after the call");
+    assert!(
+        o.events[call_at..].iter().all(|e| !matches!(e, EngineEvent::TextDelta(_))),
+        "no text after the call"
+    );
     assert_eq!(o.codes, 30);
     // the same words as a whole reply, with the tools declared but not callable (the same prompt)
     let n = said.len();
@@ -96,13 +111,25 @@ fn speech_then_a_call_speaks_only_what_comes_before_the_call() {
 fn a_call_that_is_not_one_says_why_and_ends_the_reply() {
     let e = engine(EngineConfig::default());
     for (k, (span, reason, says)) in [
-        ("\n{\"name\": \"get_time\", \"arguments\": {}}\n", ToolCallProblem::UndeclaredTool, "`get_time`, which is not a declared tool"),
+        (
+            "\n{\"name\": \"get_time\", \"arguments\": {}}\n",
+            ToolCallProblem::UndeclaredTool,
+            "`get_time`, which is not a declared tool",
+        ),
         ("\nthe weather please\n", ToolCallProblem::NotJson, "not JSON"),
     ]
     .into_iter()
     .enumerate()
     {
-        let o = collect(submit(&e, reply(&format!("bad{k}"), &format!("<tool_call>{span}</tool_call>"), 200, ToolChoice::Auto)));
+        let o = collect(submit(
+            &e,
+            reply(
+                &format!("bad{k}"),
+                &format!("<tool_call>{span}</tool_call>"),
+                200,
+                ToolChoice::Auto,
+            ),
+        ));
         assert_eq!(o.status, Status::Completed);
         assert!(calls(&o).is_empty());
         let bad = invalid(&o);
@@ -116,7 +143,10 @@ fn a_call_that_is_not_one_says_why_and_ends_the_reply() {
     // a reply that ends inside its call (here: at its most tokens, right after the prefix; the
     // tag is one token, every other byte one)
     let open = "<tool_call>\n{\"name\": \"get_weather\", \"arg";
-    let o = collect(submit(&e, reply("open", open, open.len() - "<tool_call>".len() + 1, ToolChoice::Auto)));
+    let o = collect(submit(
+        &e,
+        reply("open", open, open.len() - "<tool_call>".len() + 1, ToolChoice::Auto),
+    ));
     assert_eq!(o.status, Status::Completed);
     let bad = invalid(&o);
     assert_eq!(bad.len(), 1);
@@ -139,7 +169,11 @@ fn tool_choice_begins_the_call_or_forbids_it() {
     let written: Vec<&str> = invalid(&o).iter().map(|(t, ..)| *t).collect();
     match calls(&o).as_slice() {
         [c] => assert_eq!(c.name, "hang_up"),
-        [] => assert!(written.len() == 1 && written[0].starts_with("\n{\"name\": \"hang_up\", \"arguments\": "), "{written:?}"),
+        [] => assert!(
+            written.len() == 1
+                && written[0].starts_with("\n{\"name\": \"hang_up\", \"arguments\": "),
+            "{written:?}"
+        ),
         more => panic!("{more:?}"),
     }
     let none = collect(submit(&e, reply("none", CALL, CALL.len(), ToolChoice::None)));
@@ -160,7 +194,11 @@ fn a_tools_output_comes_back_as_the_next_turn() {
     let before = reused(&e);
     let mut answer = spec("answer", "", 8, 30, 6);
     answer.input = UserInput::ToolResults(vec!["{\"temperature_c\": 18}".into()]);
-    answer.history = vec![Turn { user: UserInput::Text("What is the weather in Paris?".into()), assistant: String::new(), calls: vec![call] }];
+    answer.history = vec![Turn {
+        user: UserInput::Text("What is the weather in Paris?".into()),
+        assistant: String::new(),
+        calls: vec![call],
+    }];
     answer.tools = tools(ToolChoice::Auto);
     let o = collect(submit(&e, answer));
     assert_eq!(o.status, Status::Completed);
@@ -185,7 +223,11 @@ fn a_text_only_reply_is_written_not_spoken() {
     assert_eq!(written.text, spoken.text);
     assert!(!written.text.is_empty());
     assert!(written.audio.is_empty() && written.codes == 0);
-    assert_eq!(e.metrics().step_count("talker"), talker_steps, "the Talker stepped for the spoken reply only");
+    assert_eq!(
+        e.metrics().step_count("talker"),
+        talker_steps,
+        "the Talker stepped for the spoken reply only"
+    );
     assert_eq!(e.active(), 0);
 }
 
@@ -195,7 +237,8 @@ fn a_text_only_reply_is_written_not_spoken() {
 #[test]
 fn a_spoken_input_is_transcribed_by_the_thinker_without_speech() {
     let e = engine(EngineConfig::default());
-    let said: Vec<f32> = (0..16_000 * 2).map(|i| 0.2 * (i as f32 * 0.05).sin() * (i as f32 * 0.001).cos()).collect();
+    let said: Vec<f32> =
+        (0..16_000 * 2).map(|i| 0.2 * (i as f32 * 0.05).sin() * (i as f32 * 0.001).cos()).collect();
     let clip = antiphon_engine::SpokenClip::new(said).unwrap();
     let mut s = spec("heard", "", 8, 30, 4);
     s.input = UserInput::Audio(clip.clone());

@@ -11,7 +11,8 @@ use serde_json::{json, Value};
 use crate::wire;
 use wire::{is_done, server, Client, In};
 
-const CALL: &str = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+const CALL: &str =
+    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
 
 fn tools() -> Value {
     json!([{"name": "get_weather", "description": "The weather in a city now",
@@ -35,11 +36,17 @@ async fn a_tool_loop_over_the_wire() {
     let ask = json!({"prefix": format!("Let me check.\n{CALL}"), "max_text_tokens": 200, "min_audio_tokens": 20, "max_audio_tokens": 20, "seed": 1});
     c.send(json!({"type": "input.text", "text": "What is the weather in Paris?", "seq": 1, "generation": ask})).await;
     let before_call = c.until(|m| m.ty() == "response.tool_call").await;
-    let said: String =
-        events(&before_call).iter().filter(|e| e["type"] == "response.text.delta").map(|e| e["text"].as_str().unwrap().to_string()).collect();
+    let said: String = events(&before_call)
+        .iter()
+        .filter(|e| e["type"] == "response.text.delta")
+        .map(|e| e["text"].as_str().unwrap().to_string())
+        .collect();
     assert_eq!(said, "Let me check.\n");
     let call = events(&before_call).pop().unwrap();
-    assert_eq!((call["response_id"].as_u64(), call["name"].as_str()), (Some(1), Some("get_weather")));
+    assert_eq!(
+        (call["response_id"].as_u64(), call["name"].as_str()),
+        (Some(1), Some("get_weather"))
+    );
     assert_eq!(call["arguments"], "{\"city\": \"Paris\"}");
     let call_id = call["call_id"].as_str().unwrap().to_string();
     assert!(call_id.starts_with("call_") && call_id.len() <= 32, "{call_id}");
@@ -49,10 +56,20 @@ async fn a_tool_loop_over_the_wire() {
         json!({"type": "input.tool_result", "seq": 2, "results": [{"call_id": call_id, "output": "{\"temperature_c\": 18}"}], "generation": answer}),
     )
     .await;
-    let rest = c.until(|m| matches!(m, In::Event(v) if v["type"] == "response.done" && v["response_id"] == 2)).await;
+    let rest = c
+        .until(
+            |m| matches!(m, In::Event(v) if v["type"] == "response.done" && v["response_id"] == 2),
+        )
+        .await;
     let ev = events(&rest);
-    let done1 = ev.iter().position(|e| e["type"] == "response.done" && e["response_id"] == 1).expect("the calling response ends");
-    let created2 = ev.iter().position(|e| e["type"] == "response.created" && e["response_id"] == 2).expect("the answer starts");
+    let done1 = ev
+        .iter()
+        .position(|e| e["type"] == "response.done" && e["response_id"] == 1)
+        .expect("the calling response ends");
+    let created2 = ev
+        .iter()
+        .position(|e| e["type"] == "response.created" && e["response_id"] == 2)
+        .expect("the answer starts");
     assert!(done1 < created2, "{ev:?}");
     assert_eq!(ev[done1]["status"], "completed");
     assert!(ev[done1]["audio_ms"].as_u64().unwrap() > 0, "the speech before the call was spoken");
@@ -63,23 +80,35 @@ async fn a_tool_loop_over_the_wire() {
     let u = &done2["usage"];
     assert_eq!(u["output_text_tokens"], 4);
     assert_eq!(u["output_audio_tokens"], done2["audio_ms"].as_u64().unwrap() * 25 / 1000);
-    assert!(u["input_tokens"].as_u64().unwrap() > u["cached_tokens"].as_u64().unwrap() && u["cached_tokens"].as_u64().unwrap() > 0, "{u}");
+    assert!(
+        u["input_tokens"].as_u64().unwrap() > u["cached_tokens"].as_u64().unwrap()
+            && u["cached_tokens"].as_u64().unwrap() > 0,
+        "{u}"
+    );
     assert!(audio_packets(&rest, 2) > 0);
 
     // a response that only calls: no audio at all
     let only = json!({"prefix": CALL, "max_text_tokens": 200, "seed": 3});
-    c.send(json!({"type": "input.text", "text": "And in Oslo?", "seq": 3, "generation": only})).await;
+    c.send(json!({"type": "input.text", "text": "And in Oslo?", "seq": 3, "generation": only}))
+        .await;
     let ms = c.until(is_done).await;
     assert_eq!(events(&ms).iter().filter(|e| e["type"] == "response.tool_call").count(), 1);
     assert_eq!(audio_packets(&ms, 3), 0);
     let done = events(&ms).pop().unwrap();
-    assert_eq!((done["status"].as_str(), done["audio_ms"].as_u64(), done["packets"].as_u64()), (Some("completed"), Some(0), Some(0)));
+    assert_eq!(
+        (done["status"].as_str(), done["audio_ms"].as_u64(), done["packets"].as_u64()),
+        (Some("completed"), Some(0), Some(0))
+    );
 
     // a call that is not one says why, and the response ends
     let bad = json!({"prefix": "<tool_call>\n{\"name\": \"get_time\"}\n</tool_call>", "max_text_tokens": 200, "seed": 4});
-    c.send(json!({"type": "input.text", "text": "What time is it?", "seq": 4, "generation": bad})).await;
+    c.send(json!({"type": "input.text", "text": "What time is it?", "seq": 4, "generation": bad}))
+        .await;
     let ms = c.until(is_done).await;
-    let invalid = events(&ms).into_iter().find(|e| e["type"] == "response.tool_call.invalid").expect("an invalid call is reported");
+    let invalid = events(&ms)
+        .into_iter()
+        .find(|e| e["type"] == "response.tool_call.invalid")
+        .expect("an invalid call is reported");
     assert_eq!(invalid["reason"], "undeclared_tool", "{invalid}");
     assert!(invalid["message"].as_str().unwrap().contains("get_time"), "{invalid}");
     assert_eq!(invalid["text"], "\n{\"name\": \"get_time\"}\n");
@@ -93,13 +122,28 @@ async fn bad_tool_input_is_refused_naming_the_field() {
     let mut c = Client::connect(&s).await;
     c.create(json!({"tools": tools()})).await;
     let cases = [
-        (json!({"type": "input.tool_result", "results": [{"call_id": "call_nope", "output": "x"}]}), "results[0].call_id"),
+        (
+            json!({"type": "input.tool_result", "results": [{"call_id": "call_nope", "output": "x"}]}),
+            "results[0].call_id",
+        ),
         (json!({"type": "input.tool_result", "results": []}), "results"),
-        (json!({"type": "input.text", "text": "hi", "generation": {"tool_choice": {"name": "get_time"}}}), "generation.tool_choice"),
-        (json!({"type": "input.text", "text": "hi", "generation": {"tool_choice": "sometimes"}}), "generation.tool_choice"),
-        (json!({"type": "input.text", "text": "hi", "generation": {"prefix": "x".repeat(2049)}}), "generation.prefix"),
+        (
+            json!({"type": "input.text", "text": "hi", "generation": {"tool_choice": {"name": "get_time"}}}),
+            "generation.tool_choice",
+        ),
+        (
+            json!({"type": "input.text", "text": "hi", "generation": {"tool_choice": "sometimes"}}),
+            "generation.tool_choice",
+        ),
+        (
+            json!({"type": "input.text", "text": "hi", "generation": {"prefix": "x".repeat(2049)}}),
+            "generation.prefix",
+        ),
         (json!({"type": "session.update", "tools": [{"name": "a b"}]}), "tools[0].name"),
-        (json!({"type": "session.update", "tools": [], "generation": {"tool_choice": "required"}}), "generation.tool_choice"),
+        (
+            json!({"type": "session.update", "tools": [], "generation": {"tool_choice": "required"}}),
+            "generation.tool_choice",
+        ),
     ];
     for (msg, field) in cases {
         c.send(msg.clone()).await;
@@ -123,7 +167,10 @@ async fn bad_tool_input_is_refused_naming_the_field() {
 }
 
 async fn oai_connect(s: &antiphon_server::Server) -> Client {
-    let mut c = Client::connect_to(&format!("ws://{}/openai/v1/realtime?model=gpt-realtime", s.addr)).await.unwrap();
+    let mut c =
+        Client::connect_to(&format!("ws://{}/openai/v1/realtime?model=gpt-realtime", s.addr))
+            .await
+            .unwrap();
     assert_eq!(c.recv().await.ty(), "session.created");
     c
 }
@@ -145,7 +192,10 @@ async fn oai_until(c: &mut Client, ty: &str) -> Vec<Value> {
 }
 
 fn types(evs: &[Value]) -> Vec<&str> {
-    evs.iter().map(|v| v["type"].as_str().unwrap()).filter(|t| !t.ends_with("audio.delta") && !t.ends_with("transcript.delta")).collect()
+    evs.iter()
+        .map(|v| v["type"].as_str().unwrap())
+        .filter(|t| !t.ends_with("audio.delta") && !t.ends_with("transcript.delta"))
+        .collect()
 }
 
 /// The OpenAI Realtime dialect: tools in `session.update`, a call made by a reply the client
@@ -162,7 +212,10 @@ async fn a_tool_loop_in_the_openai_dialect() {
         "audio": {"input": {"turn_detection": null}}}}))
         .await;
     let u = oai_until(&mut c, "session.updated").await.pop().unwrap();
-    assert_eq!((u["session"]["tools"][0]["name"].as_str(), u["session"]["tool_choice"].as_str()), (Some("get_weather"), Some("auto")));
+    assert_eq!(
+        (u["session"]["tools"][0]["name"].as_str(), u["session"]["tool_choice"].as_str()),
+        (Some("get_weather"), Some("auto"))
+    );
     let user = |text: &str| json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}});
     let begun = |text: &str| json!({"type": "conversation.item.create", "item": {"type": "message", "role": "assistant", "status": "incomplete", "content": [{"type": "output_text", "text": text}]}});
     c.send(user("What is the weather in Paris?")).await;
@@ -187,7 +240,10 @@ async fn a_tool_loop_in_the_openai_dialect() {
         "a call alone: no message item, no audio"
     );
     let args = &evs[4];
-    assert_eq!((args["name"].as_str(), args["arguments"].as_str()), (Some("get_weather"), Some("{\"city\": \"Paris\"}")));
+    assert_eq!(
+        (args["name"].as_str(), args["arguments"].as_str()),
+        (Some("get_weather"), Some("{\"city\": \"Paris\"}"))
+    );
     let call_id = args["call_id"].as_str().unwrap().to_string();
     assert!(call_id.len() <= 32);
     let done = &evs.last().unwrap()["response"];
@@ -209,7 +265,11 @@ async fn a_tool_loop_in_the_openai_dialect() {
     assert_eq!(done["status"], "completed", "{done}");
     assert_eq!(done["output"][0]["type"], "message");
     let u = &done["usage"];
-    assert!(u["input_tokens"].as_u64().unwrap() > 0 && u["input_token_details"]["cached_tokens"].as_u64().unwrap() > 0, "{u}");
+    assert!(
+        u["input_tokens"].as_u64().unwrap() > 0
+            && u["input_token_details"]["cached_tokens"].as_u64().unwrap() > 0,
+        "{u}"
+    );
     assert!(evs.iter().any(|v| v["type"] == "response.output_audio.delta"));
     assert!(!evs.iter().any(|v| v["type"] == "error"), "{evs:?}");
     // speech, then a call, in one response: the message first, the call after it
@@ -221,12 +281,14 @@ async fn a_tool_loop_in_the_openai_dialect() {
     c.send(json!({"type": "response.create", "response": {"max_output_tokens": 200}})).await;
     let evs = oai_until(&mut c, "response.done").await;
     let done = &evs.last().unwrap()["response"];
-    let kinds: Vec<&str> = done["output"].as_array().unwrap().iter().map(|i| i["type"].as_str().unwrap()).collect();
+    let kinds: Vec<&str> =
+        done["output"].as_array().unwrap().iter().map(|i| i["type"].as_str().unwrap()).collect();
     assert_eq!(kinds, ["message", "function_call"]);
     assert_eq!(done["output"][0]["content"][0]["transcript"], "Let me check.\n");
     assert_eq!(done["output"][1]["arguments"], "{\"city\": \"Oslo\"}");
     assert!(evs.iter().any(|v| v["type"] == "response.output_audio.delta"));
-    let call_at = evs.iter().position(|v| v["type"] == "response.function_call_arguments.done").unwrap();
+    let call_at =
+        evs.iter().position(|v| v["type"] == "response.function_call_arguments.done").unwrap();
     assert_eq!(evs[call_at]["output_index"], 1);
     // a text-only response is written, not spoken
     c.send(user("Say it in writing.")).await;
@@ -248,11 +310,14 @@ async fn a_tool_loop_in_the_openai_dialect() {
 /// PCM16 frames of `seconds` of a tone at 16 kHz, as v1 audio input.
 async fn speak(c: &mut Client, seconds: usize, first_seq: u32) -> u32 {
     use tokio_tungstenite::tungstenite::Message;
-    let samples: Vec<i16> = (0..16_000 * seconds).map(|i| (6000.0 * ((i as f32) * 0.05).sin() * ((i as f32) * 0.002).cos()) as i16).collect();
+    let samples: Vec<i16> = (0..16_000 * seconds)
+        .map(|i| (6000.0 * ((i as f32) * 0.05).sin() * ((i as f32) * 0.002).cos()) as i16)
+        .collect();
     let mut seq = first_seq;
     for chunk in samples.chunks(3200) {
         let payload: Vec<u8> = chunk.iter().flat_map(|s| s.to_le_bytes()).collect();
-        let frame = antiphon_protocol::AudioFrame { kind: 1, last: false, seq, response_id: 0, payload };
+        let frame =
+            antiphon_protocol::AudioFrame { kind: 1, last: false, seq, response_id: 0, payload };
         c.send_raw(Message::Binary(frame.encode().into())).await;
         seq += 1;
     }
@@ -271,24 +336,40 @@ async fn spoken_turns_are_transcribed_after_the_replys_first_audio() {
     let g = json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": 20, "max_audio_tokens": 20, "seed": 1});
     c.send(json!({"type": "input.commit", "seq": seq, "generation": g})).await;
     let ms = c.until(|m| m.ty() == "input.transcript.done").await;
-    let first_audio = ms.iter().position(|m| matches!(m, In::Audio(f) if f.response_id == 1)).expect("the reply's audio");
-    let first_delta = ms.iter().position(|m| m.ty() == "input.transcript.delta").expect("transcript deltas");
+    let first_audio = ms
+        .iter()
+        .position(|m| matches!(m, In::Audio(f) if f.response_id == 1))
+        .expect("the reply's audio");
+    let first_delta =
+        ms.iter().position(|m| m.ty() == "input.transcript.delta").expect("transcript deltas");
     assert!(first_audio < first_delta, "the transcript waits for the reply's first audio");
     let ev = events(&ms);
-    let deltas: String = ev.iter().filter(|e| e["type"] == "input.transcript.delta").map(|e| e["delta"].as_str().unwrap().to_string()).collect();
+    let deltas: String = ev
+        .iter()
+        .filter(|e| e["type"] == "input.transcript.delta")
+        .map(|e| e["delta"].as_str().unwrap().to_string())
+        .collect();
     let done = ev.last().unwrap();
     assert_eq!(done["response_id"], 1);
     assert_eq!(done["transcript"].as_str().unwrap(), deltas);
     assert!(!deltas.is_empty());
     // a typed turn: nothing to transcribe
     c.send(json!({"type": "input.text", "seq": seq + 1, "text": "hello", "generation": g})).await;
-    let ms = c.until(|m| matches!(m, In::Event(v) if v["type"] == "response.done" && v["response_id"] == 2)).await;
+    let ms = c
+        .until(
+            |m| matches!(m, In::Event(v) if v["type"] == "response.done" && v["response_id"] == 2),
+        )
+        .await;
     assert!(!ms.iter().any(|m| m.ty().starts_with("input.transcript")));
     // turned off: a spoken turn gets no transcript
     c.send(json!({"type": "session.update", "input_transcription": false})).await;
     let seq = speak(&mut c, 1, seq + 2).await;
     c.send(json!({"type": "input.commit", "seq": seq, "generation": g})).await;
-    let ms = c.until(|m| matches!(m, In::Event(v) if v["type"] == "response.done" && v["response_id"] == 3)).await;
+    let ms = c
+        .until(
+            |m| matches!(m, In::Event(v) if v["type"] == "response.done" && v["response_id"] == 3),
+        )
+        .await;
     assert!(!ms.iter().any(|m| m.ty().starts_with("input.transcript")));
     s.shutdown().await.unwrap();
 }
@@ -306,14 +387,22 @@ async fn the_dialect_transcribes_a_committed_turn() {
     let u = oai_until(&mut c, "session.updated").await.pop().unwrap();
     assert_eq!(u["session"]["audio"]["input"]["transcription"]["model"], "gpt-4o-transcribe");
     use base64::Engine as _;
-    let pcm: Vec<u8> = (0..24_000).flat_map(|i| ((6000.0 * ((i as f32) * 0.04).sin()) as i16).to_le_bytes()).collect();
+    let pcm: Vec<u8> = (0..24_000)
+        .flat_map(|i| ((6000.0 * ((i as f32) * 0.04).sin()) as i16).to_le_bytes())
+        .collect();
     c.send(json!({"type": "input_audio_buffer.append", "audio": base64::engine::general_purpose::STANDARD.encode(&pcm)})).await;
     c.send(json!({"type": "input_audio_buffer.commit"})).await;
-    let item = oai_until(&mut c, "input_audio_buffer.committed").await.pop().unwrap()["item_id"].as_str().unwrap().to_string();
+    let item = oai_until(&mut c, "input_audio_buffer.committed").await.pop().unwrap()["item_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     c.send(json!({"type": "response.create"})).await;
     let evs = oai_until(&mut c, "conversation.item.input_audio_transcription.completed").await;
     let done = evs.last().unwrap();
-    assert_eq!((done["item_id"].as_str(), done["content_index"].as_u64()), (Some(item.as_str()), Some(0)));
+    assert_eq!(
+        (done["item_id"].as_str(), done["content_index"].as_u64()),
+        (Some(item.as_str()), Some(0))
+    );
     let deltas: String = evs
         .iter()
         .filter(|v| v["type"] == "conversation.item.input_audio_transcription.delta")
@@ -337,10 +426,14 @@ async fn the_dialect_transcribes_a_committed_turn() {
 async fn a_turn_not_remembered_leaves_no_trace() {
     let s = server(|_| {}).await;
     let g = |remember: bool| json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": 20, "max_audio_tokens": 20, "seed": 1, "remember": remember});
-    let input_tokens = |ms: &[In]| events(ms).last().unwrap()["usage"]["input_tokens"].as_u64().unwrap();
+    let input_tokens =
+        |ms: &[In]| events(ms).last().unwrap()["usage"]["input_tokens"].as_u64().unwrap();
     let mut a = Client::connect(&s).await;
     a.create(json!({})).await;
-    a.send(json!({"type": "input.text", "text": "An aside that is not kept.", "generation": g(false)})).await;
+    a.send(
+        json!({"type": "input.text", "text": "An aside that is not kept.", "generation": g(false)}),
+    )
+    .await;
     a.until(is_done).await;
     a.send(json!({"type": "input.text", "text": "What did I say?", "generation": g(true)})).await;
     let after_aside = input_tokens(&a.until(is_done).await);
@@ -363,8 +456,16 @@ async fn a_turn_not_remembered_leaves_no_trace() {
 async fn a_replayed_conversation_is_what_the_model_remembers() {
     let s = server(|c| c.engine.default_max_audio_tokens = 30).await;
     let create = |item: Value| json!({"type": "conversation.item.create", "item": item});
-    let user = |t: &str| create(json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]}));
-    let said = |t: &str| create(json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": t}]}));
+    let user = |t: &str| {
+        create(
+            json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]}),
+        )
+    };
+    let said = |t: &str| {
+        create(
+            json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": t}]}),
+        )
+    };
     let ask = |c: Client| async move {
         let mut c = c;
         c.send(user("And tomorrow?")).await;
@@ -386,8 +487,12 @@ async fn a_replayed_conversation_is_what_the_model_remembers() {
             let replay = [
                 user("What is the weather in Paris?"),
                 said("Let me check."),
-                create(json!({"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"})),
-                create(json!({"type": "function_call_output", "call_id": "call_1", "output": "{\"temperature_c\": 18}"})),
+                create(
+                    json!({"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}),
+                ),
+                create(
+                    json!({"type": "function_call_output", "call_id": "call_1", "output": "{\"temperature_c\": 18}"}),
+                ),
                 said(answer),
             ];
             for item in replay {
@@ -397,15 +502,21 @@ async fn a_replayed_conversation_is_what_the_model_remembers() {
             ask(c).await.1
         }
     };
-    let (short, long) = ("It is 18 degrees.", "It is 18 degrees in Paris, and sunny, with a light breeze.");
+    let (short, long) =
+        ("It is 18 degrees.", "It is 18 degrees in Paris, and sunny, with a light breeze.");
     let (a, b) = (replayed(short).await, replayed(long).await);
     assert!(a > alone + 60, "{a} input tokens after the replay, {alone} without it");
     // what the assistant said is in the prompt, word for word (the tiny tokenizer: a token a byte)
-    assert_eq!(b - a, (long.len() - short.len()) as u64, "the replayed answer is what the model remembers");
+    assert_eq!(
+        b - a,
+        (long.len() - short.len()) as u64,
+        "the replayed answer is what the model remembers"
+    );
 
     // over v1: the same turns appended, then the same question
     let g = json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": 20, "max_audio_tokens": 20, "seed": 1});
-    let input_tokens = |ms: &[In]| events(ms).last().unwrap()["usage"]["input_tokens"].as_u64().unwrap();
+    let input_tokens =
+        |ms: &[In]| events(ms).last().unwrap()["usage"]["input_tokens"].as_u64().unwrap();
     let mut v = Client::connect(&s).await;
     v.create(json!({})).await;
     v.send(json!({"type": "conversation.append", "turns": [
@@ -439,20 +550,36 @@ async fn measure_both(c: &mut Client) -> (u64, u64) {
     c.send(json!({"type": "response.create", "response": {"conversation": "none", "max_output_tokens": 2, "output_modalities": ["text"]}})).await;
     let done = oai_until(c, "response.done").await.pop().unwrap();
     let u = &done["response"]["usage"];
-    (u["input_tokens"].as_u64().unwrap(), u["input_token_details"]["cached_tokens"].as_u64().unwrap())
+    (
+        u["input_tokens"].as_u64().unwrap(),
+        u["input_token_details"]["cached_tokens"].as_u64().unwrap(),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_item_is_forgotten() {
     let s = server(|c| c.engine.default_max_audio_tokens = 30).await;
     let create = |item: Value| json!({"type": "conversation.item.create", "item": item});
-    let user = |t: &str| create(json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]}));
-    let said = |id: &str, t: &str| create(json!({"id": id, "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": t}]}));
+    let user = |t: &str| {
+        create(
+            json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]}),
+        )
+    };
+    let said = |id: &str, t: &str| {
+        create(
+            json!({"id": id, "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": t}]}),
+        )
+    };
     let session = |answer: &'static str| {
         let s = &s;
         async move {
             let mut c = oai_connect(s).await;
-            for item in [user("What is the weather in Paris?"), said("a1", answer), user("And in Oslo?"), said("a2", "Cold.")] {
+            for item in [
+                user("What is the weather in Paris?"),
+                said("a1", answer),
+                user("And in Oslo?"),
+                said("a2", "Cold."),
+            ] {
                 c.send(item).await;
                 oai_until(&mut c, "conversation.item.done").await;
             }
@@ -470,14 +597,19 @@ async fn a_deleted_item_is_forgotten() {
     assert!(l2 < l1);
     // v1: conversation.clear forgets every turn
     let g = json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": 20, "max_audio_tokens": 20, "seed": 1});
-    let input_tokens = |ms: &[In]| events(ms).last().unwrap()["usage"]["input_tokens"].as_u64().unwrap();
+    let input_tokens =
+        |ms: &[In]| events(ms).last().unwrap()["usage"]["input_tokens"].as_u64().unwrap();
     let mut v = Client::connect(&s).await;
     v.create(json!({})).await;
     v.send(json!({"type": "input.text", "text": "Remember this.", "generation": g})).await;
     let first = input_tokens(&v.until(is_done).await);
     v.send(json!({"type": "conversation.clear"})).await;
     v.send(json!({"type": "input.text", "text": "Remember this.", "generation": g})).await;
-    assert_eq!(input_tokens(&v.until(is_done).await), first, "after the clear the prompt is a first turn's");
+    assert_eq!(
+        input_tokens(&v.until(is_done).await),
+        first,
+        "after the clear the prompt is a first turn's"
+    );
     s.shutdown().await.unwrap();
 }
 
@@ -488,7 +620,10 @@ async fn previous_item_id_places_an_item() {
     let s = server(|c| c.engine.default_max_audio_tokens = 30).await;
     let mut c = oai_connect(&s).await;
     let item = |id: &str, role: &str, kind: &str, t: &str| json!({"id": id, "type": "message", "role": role, "content": [{"type": kind, "text": t}]});
-    for it in [item("q", "user", "input_text", "What is the weather in Paris?"), item("a1", "assistant", "output_text", "Mild.")] {
+    for it in [
+        item("q", "user", "input_text", "What is the weather in Paris?"),
+        item("a1", "assistant", "output_text", "Mild."),
+    ] {
         c.send(json!({"type": "conversation.item.create", "item": it})).await;
         oai_until(&mut c, "conversation.item.done").await;
     }
@@ -505,7 +640,10 @@ async fn previous_item_id_places_an_item() {
     assert!(reused + 40 < held, "{reused} positions reused after the insert, {held} before");
     // (the greeting and a turn's template around it: an empty user message, the assistant's)
     let grew = after - before;
-    assert!(grew >= greeting.len() as u64 && grew <= greeting.len() as u64 + 32, "the greeting is remembered: {before} -> {after}");
+    assert!(
+        grew >= greeting.len() as u64 && grew <= greeting.len() as u64 + 32,
+        "the greeting is remembered: {before} -> {after}"
+    );
     c.send(json!({"type": "conversation.item.create", "previous_item_id": "q", "item": item("n", "user", "input_text", "Note.")})).await;
     let added = oai_until(&mut c, "conversation.item.added").await.pop().unwrap();
     assert_eq!(added["previous_item_id"], "q");

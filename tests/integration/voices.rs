@@ -34,7 +34,13 @@ fn wav(seconds: f32, rate: u32) -> Vec<u8> {
 }
 
 /// One HTTP/1.1 request; the status and the body.
-async fn http(addr: std::net::SocketAddr, method: &str, path: &str, headers: &str, body: &[u8]) -> (u16, String) {
+async fn http(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &[u8],
+) -> (u16, String) {
     let mut t = TcpStream::connect(addr).await.unwrap();
     let head = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n{headers}\r\n", body.len());
     t.write_all(head.as_bytes()).await.unwrap();
@@ -43,7 +49,11 @@ async fn http(addr: std::net::SocketAddr, method: &str, path: &str, headers: &st
     let mut buf = Vec::new();
     let _ = t.read_to_end(&mut buf).await;
     let text = String::from_utf8_lossy(&buf).into_owned();
-    let status = text.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("no status in {text:?}"));
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {text:?}"));
     let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
     (status, body)
 }
@@ -52,7 +62,13 @@ async fn http(addr: std::net::SocketAddr, method: &str, path: &str, headers: &st
 async fn metric(addr: std::net::SocketAddr, series: &str) -> f64 {
     let (status, body) = http(addr, "GET", "/metrics", "", b"").await;
     assert_eq!(status, 200);
-    body.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
+    body.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|v| v.strip_prefix(' '))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or(0.0)
 }
 
 const PREPARATIONS: &str = "antiphon_voice_preparations_total";
@@ -79,22 +95,44 @@ async fn a_registered_voice_serves_sessions_survives_a_restart_and_can_be_delete
     let dir = tempfile::tempdir().unwrap();
     let voice_dir = dir.path().to_path_buf();
     let s = server(|c| c.server.voice_dir = voice_dir.clone()).await;
-    let (status, body) = http(s.addr, "POST", "/v1/voices?name=Alice", "Content-Type: audio/wav\r\n", &wav(2.0, 16_000)).await;
+    let (status, body) = http(
+        s.addr,
+        "POST",
+        "/v1/voices?name=Alice",
+        "Content-Type: audio/wav\r\n",
+        &wav(2.0, 16_000),
+    )
+    .await;
     assert_eq!(status, 201, "{body}");
     let v = json_of(&body);
     let id = v["id"].as_str().unwrap().to_string();
     assert!(id.starts_with("v_") && id.len() >= 18, "{id}");
-    assert_eq!((v["name"].as_str(), v["kind"].as_str(), v["sample_rate"].as_u64()), (Some("Alice"), Some("registered"), Some(16_000)));
+    assert_eq!(
+        (v["name"].as_str(), v["kind"].as_str(), v["sample_rate"].as_u64()),
+        (Some("Alice"), Some("registered"), Some(16_000))
+    );
     assert!((v["seconds"].as_f64().unwrap() - 2.0).abs() < 1e-3, "{v}");
-    assert!(voice_dir.join(format!("{id}.features.safetensors")).is_file(), "its prepared features are kept");
+    assert!(
+        voice_dir.join(format!("{id}.features.safetensors")).is_file(),
+        "its prepared features are kept"
+    );
     let (status, body) = http(s.addr, "GET", "/v1/voices", "", b"").await;
     assert_eq!(status, 200);
-    let ids: Vec<String> = json_of(&body)["voices"].as_array().unwrap().iter().map(|v| v["id"].as_str().unwrap().to_string()).collect();
+    let ids: Vec<String> = json_of(&body)["voices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["id"].as_str().unwrap().to_string())
+        .collect();
     assert_eq!(ids, vec!["default".to_string(), id.clone()], "the configured voice first");
     // prepared once, at its registration: the session finds its features kept
     let prepared = metric(s.addr, PREPARATIONS).await;
     speak_with(&s, &id).await;
-    assert_eq!(metric(s.addr, PREPARATIONS).await, prepared, "no new preparation for a registered voice");
+    assert_eq!(
+        metric(s.addr, PREPARATIONS).await,
+        prepared,
+        "no new preparation for a registered voice"
+    );
     assert!(metric(s.addr, REGISTERED_USES).await >= 1.0);
     s.shutdown().await.unwrap();
 
@@ -105,7 +143,11 @@ async fn a_registered_voice_serves_sessions_survives_a_restart_and_can_be_delete
     assert_eq!(json_of(&body), v, "the same voice after the restart");
     let prepared = metric(s.addr, PREPARATIONS).await;
     speak_with(&s, &id).await;
-    assert_eq!(metric(s.addr, PREPARATIONS).await, prepared, "the restarted server did not prepare it again");
+    assert_eq!(
+        metric(s.addr, PREPARATIONS).await,
+        prepared,
+        "the restarted server did not prepare it again"
+    );
     assert!(metric(s.addr, REGISTERED_USES).await >= 1.0, "served from the installed features");
     let (status, _) = http(s.addr, "DELETE", &format!("/v1/voices/{id}"), "", b"").await;
     assert_eq!(status, 204);
@@ -137,7 +179,13 @@ async fn bad_uploads_and_unknown_ids_get_clear_errors() {
         // (issue 42: a 0.05 s silent WAV was taken as a voice)
         ("/v1/voices?name=x", wav(0.05, 16_000), 400, "bad_audio", "at least 0.5 s"),
         ("/v1/voices?name=x", silent, 400, "bad_audio", "silent"),
-        ("/v1/voices?name=x", b"RIFF\x10\0\0\0WAVEjunk".to_vec(), 400, "bad_audio", "cannot be read"),
+        (
+            "/v1/voices?name=x",
+            b"RIFF\x10\0\0\0WAVEjunk".to_vec(),
+            400,
+            "bad_audio",
+            "cannot be read",
+        ),
         ("/v1/voices?name=x", wav(1.5, 8000), 400, "too_long", "server.max_voice_s"),
         ("/v1/voices?name=x", wav(3.0, 16_000), 413, "too_large", "server.max_voice_bytes"),
         ("/v1/voices", wav(0.5, 16_000), 400, "bad_field", "`name`"),
@@ -149,7 +197,8 @@ async fn bad_uploads_and_unknown_ids_get_clear_errors() {
     }
     let (status, _) = http(s.addr, "POST", "/v1/voices?name=first", "", &wav(0.5, 16_000)).await;
     assert_eq!(status, 201);
-    let (status, text) = http(s.addr, "POST", "/v1/voices?name=second", "", &wav(0.5, 16_000)).await;
+    let (status, text) =
+        http(s.addr, "POST", "/v1/voices?name=second", "", &wav(0.5, 16_000)).await;
     assert_eq!((status, code(&text).as_str()), (409, "too_many_voices"), "{text}");
     for (method, path, status, want) in [
         ("GET", "/v1/voices/v_nobody", 404, "not_found"),
@@ -169,9 +218,23 @@ async fn the_registry_takes_the_websockets_keys() {
     let s = server(|c| c.auth.api_keys = vec!["k1".into()]).await;
     let (status, text) = http(s.addr, "GET", "/v1/voices", "", b"").await;
     assert_eq!(status, 401, "{text}");
-    let (status, _) = http(s.addr, "POST", "/v1/voices?name=x", "Authorization: Bearer wrong\r\n", &wav(0.5, 16_000)).await;
+    let (status, _) = http(
+        s.addr,
+        "POST",
+        "/v1/voices?name=x",
+        "Authorization: Bearer wrong\r\n",
+        &wav(0.5, 16_000),
+    )
+    .await;
     assert_eq!(status, 401);
-    let (status, text) = http(s.addr, "POST", "/v1/voices?name=x", "Authorization: bearer k1\r\n", &wav(0.5, 16_000)).await;
+    let (status, text) = http(
+        s.addr,
+        "POST",
+        "/v1/voices?name=x",
+        "Authorization: bearer k1\r\n",
+        &wav(0.5, 16_000),
+    )
+    .await;
     assert_eq!(status, 201, "{text}");
     let (status, text) = http(s.addr, "GET", "/v1/voices?token=k1", "", b"").await;
     assert_eq!(status, 200, "{text}");

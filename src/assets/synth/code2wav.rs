@@ -32,9 +32,13 @@ impl Preset {
         use antiphon_models::code2wav::conformer::ConformerConfig;
         use antiphon_models::code2wav::dit::DitConfig;
         match self {
-            Preset::Full => {
-                Code2WavDims { flow: FlowConfig::default(), hift: HiftConfig::causal(), s3_state: 1280, s3_layers: 6, cam: CamConfig::real() }
-            }
+            Preset::Full => Code2WavDims {
+                flow: FlowConfig::default(),
+                hift: HiftConfig::causal(),
+                s3_state: 1280,
+                s3_layers: 6,
+                cam: CamConfig::real(),
+            },
             Preset::Tiny => Code2WavDims {
                 flow: FlowConfig {
                     input_size: 64,
@@ -47,7 +51,14 @@ impl Preset {
                         linear_units: 128,
                         ..ConformerConfig::default()
                     },
-                    estimator: DitConfig { hidden_size: 64, depth: 2, num_heads: 2, head_dim: 32, mlp_ratio: 2.0, ..DitConfig::default() },
+                    estimator: DitConfig {
+                        hidden_size: 64,
+                        depth: 2,
+                        num_heads: 2,
+                        head_dim: 32,
+                        mlp_ratio: 2.0,
+                        ..DitConfig::default()
+                    },
                     ..FlowConfig::default()
                 },
                 hift: HiftConfig { base_channels: 32, f0_channels: 32, ..HiftConfig::causal() },
@@ -72,12 +83,22 @@ impl LazySynthetic {
     }
 
     pub fn take(&self) -> Vec<(String, Tensor)> {
-        self.record.as_ref().map(|m| std::mem::take(&mut *m.lock().expect("not poisoned"))).unwrap_or_default()
+        self.record
+            .as_ref()
+            .map(|m| std::mem::take(&mut *m.lock().expect("not poisoned")))
+            .unwrap_or_default()
     }
 }
 
 impl SimpleBackend for LazySynthetic {
-    fn get(&self, s: Shape, name: &str, _: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
         let t = init_tensor(self.seed, name, s.dims(), dtype, dev)?;
         if let Some(r) = &self.record {
             r.lock().expect("not poisoned").push((name.to_string(), t.clone()));
@@ -103,7 +124,11 @@ fn synthesize<T>(
     build: impl FnOnce(VarBuilder<'static>) -> Result<T>,
 ) -> Result<(T, Vec<(String, Tensor)>)> {
     let lazy = std::sync::Arc::new(LazySynthetic::new(seed, record));
-    let vb = VarBuilder::from_backend(Box::new(crate::checkpoint::SharedBackend(lazy.clone())), dtype, dev.clone());
+    let vb = VarBuilder::from_backend(
+        Box::new(crate::checkpoint::SharedBackend(lazy.clone())),
+        dtype,
+        dev.clone(),
+    );
     let built = build(vb)?;
     Ok((built, lazy.take()))
 }
@@ -122,8 +147,12 @@ pub fn flow_yaml(c: &FlowConfig) -> String {
 
 /// `config.yaml` of the causal vocoder.
 pub fn hift_yaml(h: &HiftConfig) -> String {
-    let list = |v: &[usize]| format!("[{}]", v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", "));
-    let lists = |v: &[Vec<usize>]| format!("[{}]", v.iter().map(|x| list(x)).collect::<Vec<_>>().join(", "));
+    let list = |v: &[usize]| {
+        format!("[{}]", v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", "))
+    };
+    let lists = |v: &[Vec<usize>]| {
+        format!("[{}]", v.iter().map(|x| list(x)).collect::<Vec<_>>().join(", "))
+    };
     format!(
         "sample_rate: {sr}\nhift: !new:cosyvoice.hifigan.generator.CausalHiFTGenerator\n    in_channels: {}\n    base_channels: {}\n    nb_harmonics: {}\n    sampling_rate: !ref <sample_rate>\n    nsf_alpha: {:?}\n    nsf_sigma: {:?}\n    nsf_voiced_threshold: {:?}\n    upsample_rates: {}\n    upsample_kernel_sizes: {}\n    istft_params:\n        n_fft: {}\n        hop_len: {}\n    resblock_kernel_sizes: {}\n    resblock_dilation_sizes: {}\n    source_resblock_kernel_sizes: {}\n    source_resblock_dilation_sizes: {}\n    lrelu_slope: {:?}\n    audio_limit: {:?}\n    conv_pre_look_right: {}\n    f0_predictor: !new:cosyvoice.hifigan.f0_predictor.CausalConvRNNF0Predictor\n        num_class: 1\n        in_channels: {}\n        cond_channels: {}\nfeat_extractor: !name:matcha.utils.audio.mel_spectrogram\n    n_fft: 1920\n    num_mels: 80\n    sampling_rate: !ref <sample_rate>\n    hop_size: 480\n    win_size: 1920\n    fmin: 0\n    fmax: 8000\n    center: False\n",
         h.in_channels, h.base_channels, h.nb_harmonics, h.nsf_alpha, h.nsf_sigma, h.nsf_voiced_threshold,
@@ -133,23 +162,50 @@ pub fn hift_yaml(h: &HiftConfig) -> String {
     )
 }
 
-fn cam_weight(seed: u64, dtype: DType, dev: &Device) -> impl FnMut(&str, &[usize]) -> Result<Tensor> {
+fn cam_weight(
+    seed: u64,
+    dtype: DType,
+    dev: &Device,
+) -> impl FnMut(&str, &[usize]) -> Result<Tensor> {
     let dev = dev.clone();
-    move |name: &str, shape: &[usize]| Ok(init_tensor(seed, name, shape, dtype, &dev)?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)
+    move |name: &str, shape: &[usize]| {
+        Ok(init_tensor(seed, name, shape, dtype, &dev)?
+            .to_device(&Device::Cpu)?
+            .to_dtype(DType::F32)?)
+    }
 }
 
 /// Builds Stage 2 from synthetic weights without touching the disk (the full preset directly on a
 /// GPU for speed runs).
-pub fn code2wav_in_memory(preset: Preset, seed: u64, dtype: DType, dev: &Device) -> Result<Code2Wav> {
+pub fn code2wav_in_memory(
+    preset: Preset,
+    seed: u64,
+    dtype: DType,
+    dev: &Device,
+) -> Result<Code2Wav> {
     let d = preset.code2wav();
     let seeds = BufferSeeds { seed, ..BufferSeeds::default() };
     let noise = c2w::gaussian(d.flow.output_size, seeds.noise_frames, seeds.seed, dev)?;
-    let (flow, _) = synthesize(seed ^ 0xf10, dtype, dev, false, |vb| Ok(Flow::load(vb, &d.flow, noise)?))?;
-    let table = antiphon_models::code2wav::hift::noise_table(seeds.table_samples, d.hift.nb_harmonics + 1, seeds.seed ^ 0x5eed, &Device::Cpu)?;
-    let (hift, _) = synthesize(seed ^ 0x41f7, DType::F32, dev, false, |vb| Ok(HiftGenerator::load(vb, &d.hift, Some(&table))?))?;
+    let (flow, _) =
+        synthesize(seed ^ 0xf10, dtype, dev, false, |vb| Ok(Flow::load(vb, &d.flow, noise)?))?;
+    let table = antiphon_models::code2wav::hift::noise_table(
+        seeds.table_samples,
+        d.hift.nb_harmonics + 1,
+        seeds.seed ^ 0x5eed,
+        &Device::Cpu,
+    )?;
+    let (hift, _) = synthesize(seed ^ 0x41f7, DType::F32, dev, false, |vb| {
+        Ok(HiftGenerator::load(vb, &d.hift, Some(&table))?)
+    })?;
     // the S3 tokenizer rounds to codes: it runs in f32 whatever the flow's dtype
-    let (s3, _) = synthesize(seed ^ 0x53, DType::F32, dev, false, |vb| S3Tokenizer::load(vb, d.s3_state, 128, d.s3_layers))?;
-    let cam = CamPlusPlus::from_model(&build_graph(&d.cam, &mut cam_weight(seed ^ 0xca, DType::F32, &Device::Cpu))?)?.on(dev)?;
+    let (s3, _) = synthesize(seed ^ 0x53, DType::F32, dev, false, |vb| {
+        S3Tokenizer::load(vb, d.s3_state, 128, d.s3_layers)
+    })?;
+    let cam = CamPlusPlus::from_model(&build_graph(
+        &d.cam,
+        &mut cam_weight(seed ^ 0xca, DType::F32, &Device::Cpu),
+    )?)?
+    .on(dev)?;
     Ok(Code2Wav::new(flow, Vocoder::Causal(hift), s3, cam, dev))
 }
 
@@ -160,18 +216,30 @@ pub fn write_token2wav(dir: &Path, preset: Preset, seed: u64) -> Result<()> {
     let d = preset.code2wav();
     let cpu = Device::Cpu;
     let noise = Tensor::zeros((d.flow.output_size, 1), DType::F32, &cpu)?;
-    let (_, flow_t) = synthesize(seed ^ 0xf10, DType::F32, &cpu, true, |vb| Ok(Flow::load(vb, &d.flow, noise)?))?;
+    let (_, flow_t) =
+        synthesize(seed ^ 0xf10, DType::F32, &cpu, true, |vb| Ok(Flow::load(vb, &d.flow, noise)?))?;
     crate::torchsave::save_state_dict(&dir.join(c2w::FLOW_PT), "flow", &flow_t)?;
     std::fs::write(dir.join(c2w::FLOW_YAML), flow_yaml(&d.flow))?;
     let table = Tensor::zeros((1, d.hift.nb_harmonics + 1), DType::F32, &cpu)?;
-    let (_, hift_t) = synthesize(seed ^ 0x41f7, DType::F32, &cpu, true, |vb| Ok(HiftGenerator::load(vb, &d.hift, Some(&table))?))?;
+    let (_, hift_t) = synthesize(seed ^ 0x41f7, DType::F32, &cpu, true, |vb| {
+        Ok(HiftGenerator::load(vb, &d.hift, Some(&table))?)
+    })?;
     crate::torchsave::save_state_dict(&dir.join(c2w::HIFT_PT), "hift", &hift_t)?;
     std::fs::write(dir.join(c2w::HIFT_CONFIG), hift_yaml(&d.hift))?;
-    let orig_cfg = HiftConfig { base_channels: d.hift.base_channels, f0_channels: d.hift.f0_channels, ..HiftConfig::original() };
-    let (_, orig_t) = synthesize(seed ^ 0x0619, DType::F32, &cpu, true, |vb| Ok(HiftGenerator::load(vb, &orig_cfg, None)?))?;
-    let orig_t: Vec<(String, Tensor)> = orig_t.into_iter().map(|(k, v)| (format!("generator.{k}"), v)).collect();
+    let orig_cfg = HiftConfig {
+        base_channels: d.hift.base_channels,
+        f0_channels: d.hift.f0_channels,
+        ..HiftConfig::original()
+    };
+    let (_, orig_t) = synthesize(seed ^ 0x0619, DType::F32, &cpu, true, |vb| {
+        Ok(HiftGenerator::load(vb, &orig_cfg, None)?)
+    })?;
+    let orig_t: Vec<(String, Tensor)> =
+        orig_t.into_iter().map(|(k, v)| (format!("generator.{k}"), v)).collect();
     crate::torchsave::save_state_dict(&dir.join(c2w::HIFT_ORIGINAL_PT), "hift_original", &orig_t)?;
-    let (_, s3_t) = synthesize(seed ^ 0x53, DType::F32, &cpu, true, |vb| S3Tokenizer::load(vb, d.s3_state, 128, d.s3_layers))?;
+    let (_, s3_t) = synthesize(seed ^ 0x53, DType::F32, &cpu, true, |vb| {
+        S3Tokenizer::load(vb, d.s3_state, 128, d.s3_layers)
+    })?;
     let s3_map: HashMap<String, Tensor> = s3_t.into_iter().collect();
     crate::onnx::write_model(&dir.join(c2w::TOKENIZER_ONNX), &build_onnx(&s3_map, d.s3_layers)?)?;
     let cam = build_graph(&d.cam, &mut cam_weight(seed ^ 0xca, DType::F32, &cpu))?;
@@ -180,17 +248,28 @@ pub fn write_token2wav(dir: &Path, preset: Preset, seed: u64) -> Result<()> {
 }
 
 /// Every model of a preset from synthetic weights, in memory (the embedded default's models).
-pub fn models_in_memory(preset: Preset, seed: u64, dtype: DType, dev: &Device) -> Result<antiphon_models::Models> {
+pub fn models_in_memory(
+    preset: Preset,
+    seed: u64,
+    dtype: DType,
+    dev: &Device,
+) -> Result<antiphon_models::Models> {
     models_on(preset, seed, dtype, &antiphon_models::gpu::StageDevices::same(dev))
 }
 
 /// As [`models_in_memory`], each stage's model on its own device (stream).
-pub fn models_on(preset: Preset, seed: u64, dtype: DType, devs: &antiphon_models::gpu::StageDevices) -> Result<antiphon_models::Models> {
+pub fn models_on(
+    preset: Preset,
+    seed: u64,
+    dtype: DType,
+    devs: &antiphon_models::gpu::StageDevices,
+) -> Result<antiphon_models::Models> {
     let cfg = preset.config();
     let vb = SyntheticBackend::var_builder(&cfg, seed, dtype, &devs.thinker);
     let (thinker, talker) = crate::checkpoint::load_models_on(&vb, &cfg, &devs.talker)?;
-    let tokenizer =
-        antiphon_models::tokenizer::TextTokenizer::from_bytes(tokenizer_json(&preset.special_ids(), &preset.tool_ids()).to_string().as_bytes())?;
+    let tokenizer = antiphon_models::tokenizer::TextTokenizer::from_bytes(
+        tokenizer_json(&preset.special_ids(), &preset.tool_ids()).to_string().as_bytes(),
+    )?;
     let code2wav = code2wav_in_memory(preset, seed, dtype, &devs.code2wav)?;
     Ok(antiphon_models::Models { thinker, talker, code2wav, tokenizer })
 }
@@ -224,7 +303,16 @@ impl CamConfig {
     }
 
     pub fn tiny() -> Self {
-        Self { feat_dim: 80, m_channels: 8, init_channels: 16, growth: 8, bn_channels: 16, layers: [2, 2, 2], dilations: [1, 2, 2], embedding: 192 }
+        Self {
+            feat_dim: 80,
+            m_channels: 8,
+            init_channels: 16,
+            growth: 8,
+            bn_channels: 16,
+            layers: [2, 2, 2],
+            dilations: [1, 2, 2],
+            embedding: 192,
+        }
     }
 }
 
@@ -233,7 +321,10 @@ impl CamConfig {
 /// convolution, segment pooling through AveragePool / Expand / Reshape / Slice, statistics pooling
 /// through reductions). `weight(name, shape)` supplies every parameter; batch-norm statistics use
 /// the `.running_mean` / `.running_var` names.
-pub fn build_graph(cfg: &CamConfig, weight: &mut dyn FnMut(&str, &[usize]) -> Result<Tensor>) -> Result<ModelProto> {
+pub fn build_graph(
+    cfg: &CamConfig,
+    weight: &mut dyn FnMut(&str, &[usize]) -> Result<Tensor>,
+) -> Result<ModelProto> {
     let mut g = GraphBuilder::new("campplus");
     let c_i64 = |g: &mut GraphBuilder, name: &str, v: &[i64]| -> Result<String> {
         let n = v.len();
@@ -259,7 +350,9 @@ pub fn build_graph(cfg: &CamConfig, weight: &mut dyn FnMut(&str, &[usize]) -> Re
         let w = g.init(&format!("{name}.weight"), &weight(&format!("{name}.weight"), shape)?)?;
         let mut inputs = vec![x.to_string(), w];
         if bias {
-            inputs.push(g.init(&format!("{name}.bias"), &weight(&format!("{name}.bias"), &[shape[0]])?)?);
+            inputs.push(
+                g.init(&format!("{name}.bias"), &weight(&format!("{name}.bias"), &[shape[0]])?)?,
+            );
         }
         let spatial = shape.len() - 2;
         let k: Vec<i64> = shape[2..].iter().map(|&v| v as i64).collect();
@@ -277,7 +370,9 @@ pub fn build_graph(cfg: &CamConfig, weight: &mut dyn FnMut(&str, &[usize]) -> Re
             ],
         ))
     }
-    let relu = |g: &mut GraphBuilder, x: &str, name: &str| g.node("Relu", &format!("/{name}/Relu"), &[x], vec![]);
+    let relu = |g: &mut GraphBuilder, x: &str, name: &str| {
+        g.node("Relu", &format!("/{name}/Relu"), &[x], vec![])
+    };
     let m = cfg.m_channels;
     // FCM head: conv, two stages of two residual blocks (the first strides by 2 over frequency), conv
     x = conv(&mut g, weight, &x, "head.conv1", &[m, 1, 3, 3], &[1, 1], 1, 1, true)?;
@@ -286,10 +381,44 @@ pub fn build_graph(cfg: &CamConfig, weight: &mut dyn FnMut(&str, &[usize]) -> Re
         for blk in 0..2 {
             let p = format!("head.layer{layer}.{blk}");
             let s = if blk == 0 { 2 } else { 1 };
-            let h = conv(&mut g, weight, &x, &format!("{p}.conv1"), &[m, m, 3, 3], &[s, 1], 1, 1, true)?;
+            let h = conv(
+                &mut g,
+                weight,
+                &x,
+                &format!("{p}.conv1"),
+                &[m, m, 3, 3],
+                &[s, 1],
+                1,
+                1,
+                true,
+            )?;
             let h = relu(&mut g, &h, &format!("{p}.conv1"));
-            let h = conv(&mut g, weight, &h, &format!("{p}.conv2"), &[m, m, 3, 3], &[1, 1], 1, 1, true)?;
-            let sc = if s != 1 { conv(&mut g, weight, &x, &format!("{p}.shortcut.0"), &[m, m, 1, 1], &[s, 1], 0, 1, true)? } else { x.clone() };
+            let h = conv(
+                &mut g,
+                weight,
+                &h,
+                &format!("{p}.conv2"),
+                &[m, m, 3, 3],
+                &[1, 1],
+                1,
+                1,
+                true,
+            )?;
+            let sc = if s != 1 {
+                conv(
+                    &mut g,
+                    weight,
+                    &x,
+                    &format!("{p}.shortcut.0"),
+                    &[m, m, 1, 1],
+                    &[s, 1],
+                    0,
+                    1,
+                    true,
+                )?
+            } else {
+                x.clone()
+            };
             let sum = g.node("Add", &format!("/{p}/Add"), &[&h, &sc], vec![]);
             x = relu(&mut g, &sum, &p);
         }
@@ -300,7 +429,17 @@ pub fn build_graph(cfg: &CamConfig, weight: &mut dyn FnMut(&str, &[usize]) -> Re
     let shape = c_i64(&mut g, "head_shape", &[0, c0 as i64, -1])?;
     x = g.node("Reshape", "/head/Reshape", &[&x, &shape], vec![]);
     // TDNN
-    x = conv(&mut g, weight, &x, "xvector.tdnn.linear", &[cfg.init_channels, c0, 5], &[2], 2, 1, true)?;
+    x = conv(
+        &mut g,
+        weight,
+        &x,
+        "xvector.tdnn.linear",
+        &[cfg.init_channels, c0, 5],
+        &[2],
+        2,
+        1,
+        true,
+    )?;
     x = relu(&mut g, &x, "xvector.tdnn");
     let ax2 = c_i64(&mut g, "axes_2", &[2])?;
     let ax3 = c_i64(&mut g, "axes_3", &[3])?;
@@ -309,12 +448,27 @@ pub fn build_graph(cfg: &CamConfig, weight: &mut dyn FnMut(&str, &[usize]) -> Re
     let hundred = c_i64(&mut g, "seg_len", &[100])?;
     let flat = c_i64(&mut g, "seg_flat", &[0, 0, -1])?;
     let idx2 = g.init("index_2", &Tensor::new(2i64, &Device::Cpu)?)?;
-    fn bn(g: &mut GraphBuilder, weight: &mut dyn FnMut(&str, &[usize]) -> Result<Tensor>, x: &str, name: &str, c: usize) -> Result<String> {
+    fn bn(
+        g: &mut GraphBuilder,
+        weight: &mut dyn FnMut(&str, &[usize]) -> Result<Tensor>,
+        x: &str,
+        name: &str,
+        c: usize,
+    ) -> Result<String> {
         let s = g.init(&format!("{name}.weight"), &weight(&format!("{name}.weight"), &[c])?)?;
         let b = g.init(&format!("{name}.bias"), &weight(&format!("{name}.bias"), &[c])?)?;
-        let rm = g.init(&format!("{name}.running_mean"), &weight(&format!("{name}.running_mean"), &[c])?)?;
-        let rv = g.init(&format!("{name}.running_var"), &weight(&format!("{name}.running_var"), &[c])?)?;
-        Ok(g.node("BatchNormalization", &format!("/{name}/BatchNormalization"), &[x, &s, &b, &rm, &rv], vec![attr_float("epsilon", 1e-5)]))
+        let rm = g.init(
+            &format!("{name}.running_mean"),
+            &weight(&format!("{name}.running_mean"), &[c])?,
+        )?;
+        let rv =
+            g.init(&format!("{name}.running_var"), &weight(&format!("{name}.running_var"), &[c])?)?;
+        Ok(g.node(
+            "BatchNormalization",
+            &format!("/{name}/BatchNormalization"),
+            &[x, &s, &b, &rm, &rv],
+            vec![attr_float("epsilon", 1e-5)],
+        ))
     }
     let mut ch = cfg.init_channels;
     for (bi, (&nl, &dil)) in cfg.layers.iter().zip(&cfg.dilations).enumerate() {
@@ -322,7 +476,17 @@ pub fn build_graph(cfg: &CamConfig, weight: &mut dyn FnMut(&str, &[usize]) -> Re
             let p = format!("xvector.block{}.tdnnd{}", bi + 1, li + 1);
             let h = bn(&mut g, weight, &x, &format!("{p}.nonlinear1.batchnorm"), ch)?;
             let h = relu(&mut g, &h, &format!("{p}.nonlinear1"));
-            let h = conv(&mut g, weight, &h, &format!("{p}.linear1"), &[cfg.bn_channels, ch, 1], &[1], 0, 1, true)?;
+            let h = conv(
+                &mut g,
+                weight,
+                &h,
+                &format!("{p}.linear1"),
+                &[cfg.bn_channels, ch, 1],
+                &[1],
+                0,
+                1,
+                true,
+            )?;
             let h = relu(&mut g, &h, &format!("{p}.nonlinear2"));
             let y = conv(
                 &mut g,
@@ -336,27 +500,78 @@ pub fn build_graph(cfg: &CamConfig, weight: &mut dyn FnMut(&str, &[usize]) -> Re
                 false,
             )?;
             // context: global mean + segment means (100 frames, last segment partial)
-            let mean = g.node("ReduceMean", &format!("/{p}/cam_layer/ReduceMean"), &[&h], vec![attr_ints("axes", &[2]), attr_int("keepdims", 1)]);
+            let mean = g.node(
+                "ReduceMean",
+                &format!("/{p}/cam_layer/ReduceMean"),
+                &[&h],
+                vec![attr_ints("axes", &[2]), attr_int("keepdims", 1)],
+            );
             let seg = g.node(
                 "AveragePool",
                 &format!("/{p}/cam_layer/AveragePool"),
                 &[&h],
-                vec![attr_ints("kernel_shape", &[100]), attr_ints("strides", &[100]), attr_int("ceil_mode", 1)],
+                vec![
+                    attr_ints("kernel_shape", &[100]),
+                    attr_ints("strides", &[100]),
+                    attr_int("ceil_mode", 1),
+                ],
             );
-            let seg = g.node("Unsqueeze", &format!("/{p}/cam_layer/Unsqueeze"), &[&seg, &ax3], vec![]);
+            let seg =
+                g.node("Unsqueeze", &format!("/{p}/cam_layer/Unsqueeze"), &[&seg, &ax3], vec![]);
             let sshape = g.node("Shape", &format!("/{p}/cam_layer/Shape"), &[&seg], vec![]);
-            let sshape = g.node("Slice", &format!("/{p}/cam_layer/Slice"), &[&sshape, &zero, &three], vec![]);
-            let eshape = g.node("Concat", &format!("/{p}/cam_layer/Concat"), &[&sshape, &hundred], vec![attr_int("axis", 0)]);
+            let sshape = g.node(
+                "Slice",
+                &format!("/{p}/cam_layer/Slice"),
+                &[&sshape, &zero, &three],
+                vec![],
+            );
+            let eshape = g.node(
+                "Concat",
+                &format!("/{p}/cam_layer/Concat"),
+                &[&sshape, &hundred],
+                vec![attr_int("axis", 0)],
+            );
             let seg = g.node("Expand", &format!("/{p}/cam_layer/Expand"), &[&seg, &eshape], vec![]);
             let seg = g.node("Reshape", &format!("/{p}/cam_layer/Reshape"), &[&seg, &flat], vec![]);
             let hshape = g.node("Shape", &format!("/{p}/cam_layer/Shape_1"), &[&h], vec![]);
-            let t = g.node("Gather", &format!("/{p}/cam_layer/Gather"), &[&hshape, &idx2], vec![attr_int("axis", 0)]);
-            let t = g.node("Unsqueeze", &format!("/{p}/cam_layer/Unsqueeze_1"), &[&t, &zero], vec![]);
-            let seg = g.node("Slice", &format!("/{p}/cam_layer/Slice_1"), &[&seg, &zero, &t, &ax2], vec![]);
+            let t = g.node(
+                "Gather",
+                &format!("/{p}/cam_layer/Gather"),
+                &[&hshape, &idx2],
+                vec![attr_int("axis", 0)],
+            );
+            let t =
+                g.node("Unsqueeze", &format!("/{p}/cam_layer/Unsqueeze_1"), &[&t, &zero], vec![]);
+            let seg = g.node(
+                "Slice",
+                &format!("/{p}/cam_layer/Slice_1"),
+                &[&seg, &zero, &t, &ax2],
+                vec![],
+            );
             let ctx = g.node("Add", &format!("/{p}/cam_layer/Add"), &[&mean, &seg], vec![]);
-            let c = conv(&mut g, weight, &ctx, &format!("{p}.cam_layer.linear1"), &[cfg.bn_channels / 2, cfg.bn_channels, 1], &[1], 0, 1, true)?;
+            let c = conv(
+                &mut g,
+                weight,
+                &ctx,
+                &format!("{p}.cam_layer.linear1"),
+                &[cfg.bn_channels / 2, cfg.bn_channels, 1],
+                &[1],
+                0,
+                1,
+                true,
+            )?;
             let c = relu(&mut g, &c, &format!("{p}.cam_layer"));
-            let c = conv(&mut g, weight, &c, &format!("{p}.cam_layer.linear2"), &[cfg.growth, cfg.bn_channels / 2, 1], &[1], 0, 1, true)?;
+            let c = conv(
+                &mut g,
+                weight,
+                &c,
+                &format!("{p}.cam_layer.linear2"),
+                &[cfg.growth, cfg.bn_channels / 2, 1],
+                &[1],
+                0,
+                1,
+                true,
+            )?;
             let mk = g.node("Sigmoid", &format!("/{p}/cam_layer/Sigmoid"), &[&c], vec![]);
             let out = g.node("Mul", &format!("/{p}/cam_layer/Mul"), &[&y, &mk], vec![]);
             x = g.node("Concat", &format!("/{p}/Concat"), &[&x, &out], vec![attr_int("axis", 1)]);
@@ -371,10 +586,20 @@ pub fn build_graph(cfg: &CamConfig, weight: &mut dyn FnMut(&str, &[usize]) -> Re
     x = bn(&mut g, weight, &x, "xvector.out_nonlinear.batchnorm", ch)?;
     x = relu(&mut g, &x, "xvector.out_nonlinear");
     // statistics pooling: mean and unbiased standard deviation over time
-    let mean = g.node("ReduceMean", "/xvector/stats/ReduceMean", &[&x], vec![attr_ints("axes", &[2]), attr_int("keepdims", 1)]);
+    let mean = g.node(
+        "ReduceMean",
+        "/xvector/stats/ReduceMean",
+        &[&x],
+        vec![attr_ints("axes", &[2]), attr_int("keepdims", 1)],
+    );
     let cen = g.node("Sub", "/xvector/stats/Sub", &[&x, &mean], vec![]);
     let sq = g.node("Mul", "/xvector/stats/Mul", &[&cen, &cen], vec![]);
-    let ss = g.node("ReduceSum", "/xvector/stats/ReduceSum", &[&sq, &ax2], vec![attr_int("keepdims", 0)]);
+    let ss = g.node(
+        "ReduceSum",
+        "/xvector/stats/ReduceSum",
+        &[&sq, &ax2],
+        vec![attr_int("keepdims", 0)],
+    );
     let xs = g.node("Shape", "/xvector/stats/Shape", &[&x], vec![]);
     let t = g.node("Gather", "/xvector/stats/Gather", &[&xs, &idx2], vec![attr_int("axis", 0)]);
     let t = g.node("Cast", "/xvector/stats/Cast", &[&t], vec![attr_int("to", dtype::FLOAT as i64)]);
@@ -383,9 +608,20 @@ pub fn build_graph(cfg: &CamConfig, weight: &mut dyn FnMut(&str, &[usize]) -> Re
     let var = g.node("Div", "/xvector/stats/Div", &[&ss, &tm1], vec![]);
     let std = g.node("Sqrt", "/xvector/stats/Sqrt", &[&var], vec![]);
     let mean2 = g.node("Squeeze", "/xvector/stats/Squeeze", &[&mean, &ax2], vec![]);
-    let stats = g.node("Concat", "/xvector/stats/Concat", &[&mean2, &std], vec![attr_int("axis", 1)]);
+    let stats =
+        g.node("Concat", "/xvector/stats/Concat", &[&mean2, &std], vec![attr_int("axis", 1)]);
     let stats = g.node("Unsqueeze", "/xvector/dense/Unsqueeze", &[&stats, &ax2], vec![]);
-    let emb = conv(&mut g, weight, &stats, "xvector.dense.linear", &[cfg.embedding, 2 * ch, 1], &[1], 0, 1, true)?;
+    let emb = conv(
+        &mut g,
+        weight,
+        &stats,
+        "xvector.dense.linear",
+        &[cfg.embedding, 2 * ch, 1],
+        &[1],
+        0,
+        1,
+        true,
+    )?;
     let out = g.node("Squeeze", "/xvector/dense/Squeeze", &[&emb, &ax2], vec![]);
     g.output(&out, &[Some(1), Some(cfg.embedding as i64)]);
     Ok(g.finish(13))
@@ -396,10 +632,17 @@ pub fn build_graph(cfg: &CamConfig, weight: &mut dyn FnMut(&str, &[usize]) -> Re
 /// initializers, `/blocks.K/…/MatMul|Add|LayerNormalization|fsmn_block/Conv` nodes, and the
 /// quantizer's `onnx::MatMul_2536` / `quantizer.project_in.bias`.
 pub fn build_onnx(sd: &HashMap<String, Tensor>, n_layer: usize) -> Result<ModelProto> {
-    let get = |k: &str| sd.get(k).ok_or_else(|| anyhow::anyhow!("speech tokenizer weights lack {k}"));
+    let get =
+        |k: &str| sd.get(k).ok_or_else(|| anyhow::anyhow!("speech tokenizer weights lack {k}"));
     let mut g = GraphBuilder::new("speech_tokenizer_v2_25hz");
     g.input("mel", &[Some(1), Some(128), None]);
-    let conv_attrs = || vec![attr_ints("kernel_shape", &[3]), attr_ints("strides", &[2]), attr_ints("pads", &[1, 1])];
+    let conv_attrs = || {
+        vec![
+            attr_ints("kernel_shape", &[3]),
+            attr_ints("strides", &[2]),
+            attr_ints("pads", &[1, 1]),
+        ]
+    };
     let w1 = g.init("onnx::Conv_2216", get("encoder.conv1.weight")?)?;
     let b1 = g.init("onnx::Conv_2217", get("encoder.conv1.bias")?)?;
     let mut x = g.node("Conv", "/conv1/Conv", &["mel", &w1, &b1], conv_attrs());
@@ -411,11 +654,19 @@ pub fn build_onnx(sd: &HashMap<String, Tensor>, n_layer: usize) -> Result<ModelP
         let ln = |g: &mut GraphBuilder, x: &str, part: &str, eps: f32| -> Result<String> {
             let s = g.init(&format!("{q}.{part}.scale"), get(&format!("{q}.{part}.weight"))?)?;
             let b = g.init(&format!("{q}.{part}.b"), get(&format!("{q}.{part}.bias"))?)?;
-            Ok(g.node("LayerNormalization", &format!("{p}/{part}/LayerNormalization"), &[x, &s, &b], vec![attr_float("epsilon", eps)]))
+            Ok(g.node(
+                "LayerNormalization",
+                &format!("{p}/{part}/LayerNormalization"),
+                &[x, &s, &b],
+                vec![attr_float("epsilon", eps)],
+            ))
         };
         let h = ln(&mut g, &x, "attn_ln", 1e-6)?;
         for proj in ["query", "key", "value", "out"] {
-            let w = g.init(&format!("onnx::MatMul_{k}_{proj}"), &get(&format!("{q}.attn.{proj}.weight"))?.t()?.contiguous()?)?;
+            let w = g.init(
+                &format!("onnx::MatMul_{k}_{proj}"),
+                &get(&format!("{q}.attn.{proj}.weight"))?.t()?.contiguous()?,
+            )?;
             let m = g.node("MatMul", &format!("{p}/attn/{proj}/MatMul"), &[&h, &w], vec![]);
             if let Some(b) = sd.get(&format!("{q}.attn.{proj}.bias")) {
                 let b = g.init(&format!("{q}.attn.{proj}.bias_init"), b)?;
@@ -425,16 +676,28 @@ pub fn build_onnx(sd: &HashMap<String, Tensor>, n_layer: usize) -> Result<ModelP
         let fw = get(&format!("{q}.attn.fsmn_block.weight"))?;
         let groups = fw.dim(0)? as i64;
         let f = g.init(&format!("onnx::Conv_fsmn_{k}"), fw)?;
-        g.node("Conv", &format!("{p}/attn/fsmn_block/Conv"), &[&h, &f], vec![attr_int("group", groups), attr_ints("kernel_shape", &[31])]);
+        g.node(
+            "Conv",
+            &format!("{p}/attn/fsmn_block/Conv"),
+            &[&h, &f],
+            vec![attr_int("group", groups), attr_ints("kernel_shape", &[31])],
+        );
         let h = ln(&mut g, &x, "mlp_ln", 1e-5)?;
         for i in ["0", "2"] {
-            let w = g.init(&format!("onnx::MatMul_{k}_mlp{i}"), &get(&format!("{q}.mlp.{i}.weight"))?.t()?.contiguous()?)?;
+            let w = g.init(
+                &format!("onnx::MatMul_{k}_mlp{i}"),
+                &get(&format!("{q}.mlp.{i}.weight"))?.t()?.contiguous()?,
+            )?;
             let m = g.node("MatMul", &format!("{p}/mlp/mlp.{i}/MatMul"), &[&h, &w], vec![]);
-            let b = g.init(&format!("{q}.mlp.{i}.bias_init"), get(&format!("{q}.mlp.{i}.bias"))?)?;
+            let b =
+                g.init(&format!("{q}.mlp.{i}.bias_init"), get(&format!("{q}.mlp.{i}.bias"))?)?;
             x = g.node("Add", &format!("{p}/mlp/mlp.{i}/Add"), &[&m, &b], vec![]);
         }
     }
-    let w = g.init("onnx::MatMul_2536", &get("quantizer._codebook.project_down.weight")?.t()?.contiguous()?)?;
+    let w = g.init(
+        "onnx::MatMul_2536",
+        &get("quantizer._codebook.project_down.weight")?.t()?.contiguous()?,
+    )?;
     let m = g.node("MatMul", "/quantizer/project_down/MatMul", &[&x, &w], vec![]);
     let b = g.init("quantizer.project_in.bias", get("quantizer._codebook.project_down.bias")?)?;
     let y = g.node("Add", "/quantizer/project_down/Add", &[&m, &b], vec![]);

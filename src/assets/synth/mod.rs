@@ -36,8 +36,10 @@ pub enum Preset {
 }
 
 /// The real ids of the special tokens, in [`SpecialTokens::NAMES`] order.
-pub const REAL_SPECIAL_IDS: [u32; 18] =
-    [151643, 151644, 151645, 151667, 151668, 151697, 151699, 128244, 151683, 151684, 151703, 151704, 151705, 151706, 151717, 151718, 151721, 151722];
+pub const REAL_SPECIAL_IDS: [u32; 18] = [
+    151643, 151644, 151645, 151667, 151668, 151697, 151699, 128244, 151683, 151684, 151703, 151704,
+    151705, 151706, 151717, 151718, 151721, 151722,
+];
 
 /// The real ids of the tool template's tags, in [`ToolTokens::NAMES`] order.
 pub const REAL_TOOL_IDS: [u32; 4] = [151657, 151658, 151665, 151666];
@@ -169,7 +171,9 @@ impl Preset {
     /// (the tiny preset puts them after the special tokens).
     pub fn tool_ids(self) -> [u32; 4] {
         match self {
-            Preset::Tiny => std::array::from_fn(|i| BYTE_TOKENS + SpecialTokens::NAMES.len() as u32 + i as u32),
+            Preset::Tiny => {
+                std::array::from_fn(|i| BYTE_TOKENS + SpecialTokens::NAMES.len() as u32 + i as u32)
+            }
             Preset::Full => REAL_TOOL_IDS,
         }
     }
@@ -286,7 +290,9 @@ pub fn init_rule(name: &str, shape: &[usize]) -> InitRule {
         InitRule { mean: 1.0, std: 0.0 }
     } else if name.ends_with(".running_mean") {
         InitRule { mean: 0.0, std: 0.02 }
-    } else if name.contains("conv_post") && (name.ends_with(".original0") || name.ends_with(".weight_g")) {
+    } else if name.contains("conv_post")
+        && (name.ends_with(".original0") || name.ends_with(".weight_g"))
+    {
         // a quiet vocoder output layer: the spectrum magnitude is exp() of it
         InitRule { mean: 0.05, std: 0.0 }
     } else if name.ends_with(".original0") || name.ends_with(".weight_g") {
@@ -331,7 +337,13 @@ pub fn init_values(seed: u64, name: &str, shape: &[usize]) -> Vec<f32> {
 /// One synthetic tensor. On the CPU the values are [`init_values`]; on an accelerator they are
 /// drawn on the device from the same per-tensor seed (same distribution, other numbers), so that
 /// full-size weights never cross the host.
-pub fn init_tensor(seed: u64, name: &str, shape: &[usize], dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+pub fn init_tensor(
+    seed: u64,
+    name: &str,
+    shape: &[usize],
+    dtype: DType,
+    dev: &Device,
+) -> candle_core::Result<Tensor> {
     if dev.is_cpu() {
         return Tensor::from_vec(init_values(seed, name, shape), shape, dev)?.to_dtype(dtype);
     }
@@ -358,15 +370,31 @@ impl SyntheticBackend {
     }
 
     /// A `VarBuilder` over synthetic weights, checked like a checkpoint.
-    pub fn var_builder(cfg: &MiniCpmoConfig, seed: u64, dtype: DType, dev: &Device) -> VarBuilder<'static> {
+    pub fn var_builder(
+        cfg: &MiniCpmoConfig,
+        seed: u64,
+        dtype: DType,
+        dev: &Device,
+    ) -> VarBuilder<'static> {
         let inner = Box::new(Self::new(cfg, seed));
-        let checked = crate::checkpoint::Checked { inner, origin: format!("synthetic(seed {seed})"), seen: None };
+        let checked = crate::checkpoint::Checked {
+            inner,
+            origin: format!("synthetic(seed {seed})"),
+            seen: None,
+        };
         VarBuilder::from_backend(Box::new(checked), dtype, dev.clone())
     }
 }
 
 impl SimpleBackend for SyntheticBackend {
-    fn get(&self, s: Shape, name: &str, _: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
         init_tensor(self.seed, name, s.dims(), dtype, dev)
     }
 
@@ -389,7 +417,10 @@ pub fn config_json(cfg: &MiniCpmoConfig, dtype: DType) -> serde_json::Value {
     o.insert("model_type".into(), "minicpmo".into());
     o.insert("architectures".into(), serde_json::json!(["MiniCPMO"]));
     o.insert("version".into(), "4.5".into());
-    o.insert("torch_dtype".into(), if dtype == DType::BF16 { "bfloat16" } else { "float32" }.into());
+    o.insert(
+        "torch_dtype".into(),
+        if dtype == DType::BF16 { "bfloat16" } else { "float32" }.into(),
+    );
     o.insert("use_sliding_window".into(), false.into());
     o.insert("stream_input".into(), true.into());
     o.insert("synthetic".into(), true.into());
@@ -407,7 +438,8 @@ pub fn config_json(cfg: &MiniCpmoConfig, dtype: DType) -> serde_json::Value {
 
 /// GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies.
 fn byte_chars() -> Vec<char> {
-    let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut printable: Vec<u32> =
+        (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
     let mut chars: Vec<u32> = printable.clone();
     let mut extra = 0;
     for b in 0..256u32 {
@@ -436,13 +468,17 @@ pub fn tokenizer_json(special_ids: &[u32; 18], tool_ids: &[u32; 4]) -> serde_jso
     for (name, &id) in SpecialTokens::NAMES.iter().zip(special_ids) {
         // Added tokens keep their ids only if the model's vocabulary holds them too.
         vocab.insert(name.to_string(), id.into());
-        added.push(serde_json::json!({"id": id, "content": name, "single_word": false, "lstrip": false,
-            "rstrip": false, "normalized": false, "special": true}));
+        added.push(
+            serde_json::json!({"id": id, "content": name, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true}),
+        );
     }
     for (name, &id) in ToolTokens::NAMES.iter().zip(tool_ids) {
         vocab.insert(name.to_string(), id.into());
-        added.push(serde_json::json!({"id": id, "content": name, "single_word": false, "lstrip": false,
-            "rstrip": false, "normalized": false, "special": false}));
+        added.push(
+            serde_json::json!({"id": id, "content": name, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": false}),
+        );
     }
     let pattern = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     let bl = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
@@ -509,12 +545,25 @@ pub fn write_checkpoint(dir: &Path, opts: &SynthOptions) -> Result<()> {
             weight_map.insert(name.clone(), file.clone());
             tensors.insert(name.clone(), t);
         }
-        candle_core::safetensors::save(&tensors, dir.join(&file)).with_context(|| format!("writing {file}"))?;
+        candle_core::safetensors::save(&tensors, dir.join(&file))
+            .with_context(|| format!("writing {file}"))?;
     }
     let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)?)?;
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config_json(&cfg, opts.dtype))?)?;
-    std::fs::write(dir.join("tokenizer.json"), serde_json::to_string(&tokenizer_json(&opts.preset.special_ids(), &opts.preset.tool_ids()))?)?;
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_string_pretty(&index)?,
+    )?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config_json(&cfg, opts.dtype))?,
+    )?;
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        serde_json::to_string(&tokenizer_json(
+            &opts.preset.special_ids(),
+            &opts.preset.tool_ids(),
+        ))?,
+    )?;
     let ids = opts.preset.special_ids();
     let gen = serde_json::json!({"bos_token_id": ids[0], "eos_token_id": [ids[2], ids[0]], "pad_token_id": ids[0],
         "do_sample": true, "temperature": 0.6, "top_k": 20, "top_p": 0.95});

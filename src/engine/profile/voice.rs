@@ -53,7 +53,9 @@ pub(super) fn contended_preparation(
             let mut n = 0;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 let h = g.forward(&mut [StreamStep { cache: &mut c, embeds: tok.clone() }])?;
-                std::hint::black_box(g.logits(&h[0])?.argmax_keepdim(1)?.flatten_all()?.to_vec1::<u32>()?);
+                std::hint::black_box(
+                    g.logits(&h[0])?.argmax_keepdim(1)?.flatten_all()?.to_vec1::<u32>()?,
+                );
                 c.truncate(200);
                 n += 1;
                 if n == 3 {
@@ -89,7 +91,12 @@ pub(super) fn contended_preparation(
 }
 
 /// The parts of `code2wav prepare`, each alone (the row is their sum).
-pub(super) fn prepare_parts(rows: &mut Rows<'_>, c2w: &antiphon_models::code2wav::Code2Wav, r: &Reference, iters: usize) -> Result<()> {
+pub(super) fn prepare_parts(
+    rows: &mut Rows<'_>,
+    c2w: &antiphon_models::code2wav::Code2Wav,
+    r: &Reference,
+    iters: usize,
+) -> Result<()> {
     use antiphon_models::code2wav::prompt::{PROMPT_RATE, TOKENIZER_RATE};
     use antiphon_models::mel::{kaldi_fbank, mean_normalize, WhisperLogMel};
     let a16 = antiphon_audio::resample(&r.samples, PROMPT_RATE, TOKENIZER_RATE)?;

@@ -27,7 +27,10 @@ use candle_core::{DType, Tensor};
 
 use super::{to_host, Ctx, ThinkerStream};
 use crate::caches::StageCaches;
-use crate::{DuplexEnd, DuplexEvent, DuplexPolicy, DuplexSink, DuplexSpec, EngineEvent, Mode, RequestId, Stage1Msg, Status};
+use crate::{
+    DuplexEnd, DuplexEvent, DuplexPolicy, DuplexSink, DuplexSpec, EngineEvent, Mode, RequestId,
+    Stage1Msg, Status,
+};
 use antiphon_models::decoder::{KvCache, PooledCache};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::tokenizer::TextStream;
@@ -91,12 +94,19 @@ impl DuplexStream {
     /// Opens a duplex stream: the system prompt (with the reference voice's embeddings when the
     /// Thinker hears the reference) is queued for prefill. `None` when it could not be built (the
     /// session is told, with `Closed`).
-    pub fn open(ctx: &mut Ctx, caches: &StageCaches, spec: DuplexSpec, sink: DuplexSink) -> Option<Self> {
+    pub fn open(
+        ctx: &mut Ctx,
+        caches: &StageCaches,
+        spec: DuplexSpec,
+        sink: DuplexSink,
+    ) -> Option<Self> {
         let built: Result<(Vec<u32>, Tensor)> = (|| {
             let s = *ctx.tok.special();
-            let instructions = spec.instructions.clone().unwrap_or_else(|| "Streaming Omni Conversation.".into());
+            let instructions =
+                spec.instructions.clone().unwrap_or_else(|| "Streaming Omni Conversation.".into());
             let mut audio = Vec::new();
-            let mut parts: Vec<Result<&str, u32>> = vec![Err(s.im_start), Ok("system\n"), Ok(instructions.as_str())];
+            let mut parts: Vec<Result<&str, u32>> =
+                vec![Err(s.im_start), Ok("system\n"), Ok(instructions.as_str())];
             if ctx.cfg.thinker_hears_reference {
                 let emb = ctx.reference_embeddings(&spec.voice)?;
                 parts.push(Ok("\n"));
@@ -128,7 +138,9 @@ impl DuplexStream {
         let cache = match caches.take(ctx.thinker.llm.decoder(), ids.len() + 1) {
             Ok(c) => c,
             Err(e) => {
-                sink(DuplexEvent::Closed { reason: DuplexEnd::Failed(format!("thinker cache: {e:#}")) });
+                sink(DuplexEvent::Closed {
+                    reason: DuplexEnd::Failed(format!("thinker cache: {e:#}")),
+                });
                 return None;
             }
         };
@@ -170,7 +182,13 @@ impl DuplexStream {
     }
 
     /// The unit was decided: listen, or speak (opening a turn when none is open).
-    fn decide(&mut self, ctx: &mut Ctx, unit: u64, arrived: Instant, logits: &LogitsRow) -> Result<()> {
+    fn decide(
+        &mut self,
+        ctx: &mut Ctx,
+        unit: u64,
+        arrived: Instant,
+        logits: &LogitsRow,
+    ) -> Result<()> {
         let s = *ctx.tok.special();
         let specials = s.all();
         let lag_ms = arrived.elapsed().as_secs_f64() * 1000.0;
@@ -193,7 +211,12 @@ impl DuplexStream {
                 // listening closes the open turn: the Talker drains it
                 if ctx.registry.is_live(&t.id) {
                     ctx.registry.mark(&t.id, |x| x.handoff = Some(Instant::now()));
-                    let _ = ctx.to_talker.send(Stage1Msg::Segment { id: t.id, ids: vec![], hidden: None, turn_end: true });
+                    let _ = ctx.to_talker.send(Stage1Msg::Segment {
+                        id: t.id,
+                        ids: vec![],
+                        hidden: None,
+                        turn_end: true,
+                    });
                 }
             }
             (self.sink)(DuplexEvent::Listen { unit, context, lag_ms });
@@ -210,7 +233,9 @@ impl DuplexStream {
             let id = RequestId::duplex_turn(&self.spec.session, self.turns);
             let sink = self.sink.clone();
             let tid = id.clone();
-            let turn_sink: crate::EventSink = Arc::new(move |event: EngineEvent| sink(DuplexEvent::Response { turn: tid.clone(), event }));
+            let turn_sink: crate::EventSink = Arc::new(move |event: EngineEvent| {
+                sink(DuplexEvent::Response { turn: tid.clone(), event })
+            });
             if !ctx.registry.insert(id.clone(), turn_sink) {
                 anyhow::bail!("duplex turn {id} is already live");
             }
@@ -224,7 +249,13 @@ impl DuplexStream {
                 text_tokens: None,
                 seed: g.seed.unwrap_or(0).wrapping_add(self.turns),
             });
-            self.turn = Some(OpenTurn { id, text: TextStream::new(), seg_ids: vec![], seg_rows: vec![], turn_end: false });
+            self.turn = Some(OpenTurn {
+                id,
+                text: TextStream::new(),
+                seg_ids: vec![],
+                seg_rows: vec![],
+                turn_end: false,
+            });
         }
         let turn = self.turn.as_ref().expect("open").id.clone();
         (self.sink)(DuplexEvent::Speak { unit, turn: turn.clone(), new_turn, context, lag_ms });
@@ -232,13 +263,25 @@ impl DuplexStream {
         let first_is_text = !specials.contains(&first);
         self.length = match self.spec.policy {
             DuplexPolicy::SpeakEvery(_) => {
-                let n = g.min_text_tokens.or(g.max_text_tokens).unwrap_or(DEFAULT_FORCED_UNIT_TOKENS).min(MAX_UNIT_TEXT_TOKENS);
+                let n = g
+                    .min_text_tokens
+                    .or(g.max_text_tokens)
+                    .unwrap_or(DEFAULT_FORCED_UNIT_TOKENS)
+                    .min(MAX_UNIT_TEXT_TOKENS);
                 LengthPolicy::new(vec![s.chunk_eos], n, n)
             }
             DuplexPolicy::Model => {
-                let max = g.max_text_tokens.unwrap_or(MAX_UNIT_TEXT_TOKENS).min(MAX_UNIT_TEXT_TOKENS).saturating_sub(usize::from(first_is_text));
+                let max = g
+                    .max_text_tokens
+                    .unwrap_or(MAX_UNIT_TEXT_TOKENS)
+                    .min(MAX_UNIT_TEXT_TOKENS)
+                    .saturating_sub(usize::from(first_is_text));
                 let min = g.min_text_tokens.unwrap_or(0).min(max);
-                LengthPolicy::new(vec![s.chunk_eos, s.chunk_tts_eos, s.turn_eos, s.im_end], min, max)
+                LengthPolicy::new(
+                    vec![s.chunk_eos, s.chunk_tts_eos, s.turn_eos, s.im_end],
+                    min,
+                    max,
+                )
             }
         };
         if let Some(t) = self.turn.as_mut() {
@@ -417,13 +460,18 @@ impl ThinkerStream for DuplexStream {
                         let ids = std::mem::take(&mut t.seg_ids);
                         let rows = std::mem::take(&mut t.seg_rows);
                         let turn_end = t.turn_end;
-                        let hidden = if rows.is_empty() { None } else { Some(to_host(&Tensor::cat(&rows, 0)?)?) };
+                        let hidden = if rows.is_empty() {
+                            None
+                        } else {
+                            Some(to_host(&Tensor::cat(&rows, 0)?)?)
+                        };
                         let id = t.id.clone();
                         if turn_end {
                             self.turn = None;
                             ctx.registry.mark(&id, |t| t.handoff = Some(Instant::now()));
                         }
-                        let _ = ctx.to_talker.send(Stage1Msg::Segment { id, ids, hidden, turn_end });
+                        let _ =
+                            ctx.to_talker.send(Stage1Msg::Segment { id, ids, hidden, turn_end });
                     }
                 }
                 Ok(None)

@@ -21,7 +21,10 @@ use candle_core::Tensor;
 use super::caches::StageCaches;
 use super::gate::PrefillGate;
 use super::prefix::PrefixStore;
-use super::{Admission, EngineConfig, EngineMetrics, RefInput, Registry, RequestId, RequestSpec, Stage0Msg, Stage1Msg, StageLoop, Status};
+use super::{
+    Admission, EngineConfig, EngineMetrics, RefInput, Registry, RequestId, RequestSpec, Stage0Msg,
+    Stage1Msg, StageLoop, Status,
+};
 use antiphon_models::code2wav::prompt::PROMPT_SECONDS;
 use antiphon_models::decoder::{KvCache, StreamStep};
 use antiphon_models::thinker::Thinker;
@@ -90,7 +93,10 @@ impl Ctx {
         let mut todo: Vec<(u64, &RefInput)> = Vec::new();
         for v in voices {
             let key = v.content_key();
-            if !todo.iter().any(|(k, _)| *k == key) && !self.ref_embeds.contains(key) && todo.len() < REF_EMBED_CACHE / 2 {
+            if !todo.iter().any(|(k, _)| *k == key)
+                && !self.ref_embeds.contains(key)
+                && todo.len() < REF_EMBED_CACHE / 2
+            {
                 todo.push((key, v));
             }
         }
@@ -99,7 +105,10 @@ impl Ctx {
         }
         let t0 = Instant::now();
         let clips: Vec<(u64, Vec<f32>)> = std::thread::scope(|scope| {
-            let jobs: Vec<_> = todo.iter().map(|&(k, v)| scope.spawn(move || heard_clip(v).map(|c| (k, c)))).collect();
+            let jobs: Vec<_> = todo
+                .iter()
+                .map(|&(k, v)| scope.spawn(move || heard_clip(v).map(|c| (k, c))))
+                .collect();
             jobs.into_iter().filter_map(|j| j.join().ok().and_then(|r| r.ok())).collect()
         });
         let refs: Vec<&[f32]> = clips.iter().map(|(_, c)| c.as_slice()).collect();
@@ -109,9 +118,14 @@ impl Ctx {
                     self.ref_embeds.insert(*k, e);
                 }
             }
-            Err(e) => tracing::warn!("thinker: a burst of reference voices could not be encoded together: {e:#}"),
+            Err(e) => tracing::warn!(
+                "thinker: a burst of reference voices could not be encoded together: {e:#}"
+            ),
         }
-        self.metrics.step_seconds.with_label_values(&["thinker_hear"]).observe(t0.elapsed().as_secs_f64());
+        self.metrics
+            .step_seconds
+            .with_label_values(&["thinker_hear"])
+            .observe(t0.elapsed().as_secs_f64());
     }
 
     /// The Thinker's context, in positions.
@@ -250,7 +264,14 @@ impl Stage0 {
             gate: PrefillGate::new(false),
             step_streams: 0,
         };
-        Ok(Self { ctx, queue: VecDeque::new(), admission, turns: Vec::new(), duplex: Vec::new(), caches })
+        Ok(Self {
+            ctx,
+            queue: VecDeque::new(),
+            admission,
+            turns: Vec::new(),
+            duplex: Vec::new(),
+            caches,
+        })
     }
 
     /// The Thinker waits for the steps that hold `gate` (gate.rs).
@@ -266,7 +287,10 @@ impl Stage0 {
         let max_batch = ctx.cfg.thinker_max_batch;
         let mut budget = ctx.cfg.thinker_prefill_tokens;
         let mut picked: Vec<(&mut dyn ThinkerStream, Tensor)> = Vec::new();
-        let streams = duplex.iter_mut().map(|d| d as &mut dyn ThinkerStream).chain(turns.iter_mut().map(|t| t as &mut dyn ThinkerStream));
+        let streams = duplex
+            .iter_mut()
+            .map(|d| d as &mut dyn ThinkerStream)
+            .chain(turns.iter_mut().map(|t| t as &mut dyn ThinkerStream));
         for s in streams {
             if picked.len() >= max_batch {
                 break;
@@ -287,16 +311,27 @@ impl Stage0 {
         ctx.step_streams = n;
         // (a Talker prefill for a first code would wait behind this step's kernels: it goes first,
         // unless this step's own replies are before their hand-off and `gate_spares_new_replies`)
-        let spared = ctx.cfg.gate_spares_new_replies && picked.iter().any(|(s, _)| s.before_first_hand_off());
-        let waited = if spared { std::time::Duration::ZERO } else { ctx.gate.wait_open(crate::gate::MAX_WAIT) };
+        let spared = ctx.cfg.gate_spares_new_replies
+            && picked.iter().any(|(s, _)| s.before_first_hand_off());
+        let waited = if spared {
+            std::time::Duration::ZERO
+        } else {
+            ctx.gate.wait_open(crate::gate::MAX_WAIT)
+        };
         if waited > std::time::Duration::from_micros(200) {
-            tracing::debug!(ms = waited.as_secs_f64() * 1e3, "thinker step waited for a talker prefill");
+            tracing::debug!(
+                ms = waited.as_secs_f64() * 1e3,
+                "thinker step waited for a talker prefill"
+            );
         }
         let t0 = Instant::now();
         let rows: usize = picked.iter().map(|(_, e)| e.dim(0).unwrap_or(0)).sum();
         // (a batch that fails runs again stream by stream: one stream's error fails it alone)
         let outcomes = {
-            let mut steps: Vec<StreamStep> = picked.iter_mut().map(|(s, embeds)| StreamStep { cache: s.cache(), embeds: embeds.clone() }).collect();
+            let mut steps: Vec<StreamStep> = picked
+                .iter_mut()
+                .map(|(s, embeds)| StreamStep { cache: s.cache(), embeds: embeds.clone() })
+                .collect();
             crate::contain::forward_contained(&mut steps, |s| ctx.thinker.llm.forward(s))
         };
         let mut hidden: Vec<Option<Tensor>> = Vec::with_capacity(n);
@@ -357,7 +392,8 @@ impl Stage0 {
             s.after_hand_offs(ctx);
         }
         // steps that prefill (prompt rows, duplex units) apart from pure decode steps
-        let label = if budget < ctx.cfg.thinker_prefill_tokens { "thinker_prefill" } else { "thinker" };
+        let label =
+            if budget < ctx.cfg.thinker_prefill_tokens { "thinker_prefill" } else { "thinker" };
         tracing::debug!(
             streams = n,
             rows,
@@ -434,7 +470,13 @@ impl StageLoop for Stage0 {
         let room = self.ctx.cfg.thinker_max_batch.saturating_sub(self.turns.len());
         if self.ctx.cfg.thinker_hears_reference && room > 1 && self.queue.len() > 1 {
             let registry = &self.ctx.registry;
-            let voices: Vec<&RefInput> = self.queue.iter().take(room).filter(|s| registry.is_live(&s.id)).map(|s| &s.voice).collect();
+            let voices: Vec<&RefInput> = self
+                .queue
+                .iter()
+                .take(room)
+                .filter(|s| registry.is_live(&s.id))
+                .map(|s| &s.voice)
+                .collect();
             self.ctx.hear_references(&voices);
         }
         // (a request starts only with a stream place: beyond them it would slow every stream)
@@ -456,7 +498,11 @@ impl StageLoop for Stage0 {
         self.sweep();
         duplex::intake(&mut self.ctx, &mut self.duplex);
         self.sweep();
-        self.ctx.metrics.queue_depth.with_label_values(&["thinker"]).set((self.turns.len() + self.queue.len()) as i64);
+        self.ctx
+            .metrics
+            .queue_depth
+            .with_label_values(&["thinker"])
+            .set((self.turns.len() + self.queue.len()) as i64);
         if self.turns.is_empty() && !self.duplex.iter().any(|d| d.has_work()) {
             return false;
         }

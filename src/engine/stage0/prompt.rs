@@ -46,7 +46,14 @@ fn clip_key_id(clip: u64, at: usize) -> u32 {
 /// Token counts of each earlier turn (what the caller said, what the assistant said, and the
 /// template around them), each counted once.
 fn turn_sizes(ctx: &Ctx, history: &[Turn]) -> Vec<usize> {
-    history.iter().map(|t| input_size(ctx, &t.user) + count_tokens(ctx, &assistant_content(&t.assistant, &t.calls)) + 10).collect()
+    history
+        .iter()
+        .map(|t| {
+            input_size(ctx, &t.user)
+                + count_tokens(ctx, &assistant_content(&t.assistant, &t.calls))
+                + 10
+        })
+        .collect()
 }
 
 fn count_tokens(ctx: &Ctx, text: &str) -> usize {
@@ -69,13 +76,17 @@ fn user_message(ctx: &Ctx, input: &UserInput, audio: &mut Vec<PromptAudio>) -> M
         UserInput::ToolResults(outputs) => Message::text(Role::User, responses_content(outputs)),
         UserInput::Audio(clip) => {
             audio.push(PromptAudio::Clip(clip.clone()));
-            Message { role: Role::User, parts: vec![Part::Audio(ctx.thinker.clip_embeddings_for(clip.samples().len()))] }
+            Message {
+                role: Role::User,
+                parts: vec![Part::Audio(ctx.thinker.clip_embeddings_for(clip.samples().len()))],
+            }
         }
     }
 }
 
 /// What the authors' ASR task asks the model before the audio (MiniCPM-o's cookbook).
-const TRANSCRIBE_PROMPT: &str = "Please listen to the audio snippet carefully and transcribe the content.\n";
+const TRANSCRIBE_PROMPT: &str =
+    "Please listen to the audio snippet carefully and transcribe the content.\n";
 
 /// A request's prompt: for a reply, the voice-cloning system turn, the conversation's turns as
 /// they were (a spoken turn as its audio), and the input; for a transcript, the input alone
@@ -93,7 +104,8 @@ pub(super) fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<Prompt> 
     }
     let mut audio = Vec::new();
     let mut messages = Vec::new();
-    let mut instructions = spec.instructions.clone().unwrap_or_else(|| crate::DEFAULT_INSTRUCTIONS.into());
+    let mut instructions =
+        spec.instructions.clone().unwrap_or_else(|| crate::DEFAULT_INSTRUCTIONS.into());
     if let Some(tools) = &spec.tools.set {
         instructions.push_str(tools.block());
     }
@@ -116,8 +128,14 @@ pub(super) fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<Prompt> 
     // the oldest turns give way when the conversation outgrows the context: the history keeps at
     // most half of what the reply leaves, and never more than the system turn and the input leave
     // (so an input within `Engine::max_input_tokens` always fits)
-    let budget = crate::fit::prompt_budget(ctx.context(), spec.generation.max_text_tokens.unwrap_or(ctx.cfg.default_max_text_tokens));
-    let fixed = count_tokens(ctx, &instructions) + voice_rows + crate::SYSTEM_TURN_TOKENS + input_size(ctx, &spec.input);
+    let budget = crate::fit::prompt_budget(
+        ctx.context(),
+        spec.generation.max_text_tokens.unwrap_or(ctx.cfg.default_max_text_tokens),
+    );
+    let fixed = count_tokens(ctx, &instructions)
+        + voice_rows
+        + crate::SYSTEM_TURN_TOKENS
+        + input_size(ctx, &spec.input);
     let room = budget.saturating_sub(fixed).min(budget / 2);
     let sizes = turn_sizes(ctx, &spec.history);
     let mut kept: usize = sizes.iter().sum();

@@ -14,7 +14,9 @@ use candle_core::{DType, Tensor};
 use super::prompt::{build_prompt, embed_prompt, reply_opening};
 use super::{to_host, Ctx, ThinkerStream};
 use crate::caches::StageCaches;
-use crate::{EngineEvent, Mode, RequestId, RequestSpec, Stage1Msg, Status, Task, ToolCall, ToolSet};
+use crate::{
+    EngineEvent, Mode, RequestId, RequestSpec, Stage1Msg, Status, Task, ToolCall, ToolSet,
+};
 use antiphon_models::decoder::{KvCache, PooledCache};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::tokenizer::{handoff_range, TextStream};
@@ -105,7 +107,8 @@ impl TurnStream {
             }
         };
         if prompt.dropped > 0 {
-            ctx.registry.emit(&spec.id, crate::EngineEvent::HistoryTrimmed { turns: prompt.dropped });
+            ctx.registry
+                .emit(&spec.id, crate::EngineEvent::HistoryTrimmed { turns: prompt.dropped });
         }
         let ids = &prompt.ids;
         let context = ctx.context();
@@ -164,7 +167,11 @@ impl TurnStream {
         // this conversation up to its last turn, its spoken turns included, or another voice's
         // system turn up to the voice)
         let voice = if ctx.cfg.thinker_hears_reference { spec.voice.content_key() } else { 0 };
-        let system = ids.iter().position(|&t| t == s.im_end).map(|end| end + 1).filter(|&len| len < prompt_len);
+        let system = ids
+            .iter()
+            .position(|&t| t == s.im_end)
+            .map(|end| end + 1)
+            .filter(|&len| len < prompt_len);
         // a finished stream's cache (its buffers and captured decode step) when one fits
         let mut cache = match caches.take(ctx.thinker.llm.decoder(), prompt_len + max + 8) {
             Ok(c) => c,
@@ -178,7 +185,8 @@ impl TurnStream {
             // (at least one prompt position is prefilled: its logits start the reply)
             // (another voice's entry serves the head before this voice's rows: a new voice's
             // system turn starts from the template and text every system turn begins with)
-            let voice_free = ids.iter().position(|&t| t == s.audio_markers().placeholder).unwrap_or(ids.len());
+            let voice_free =
+                ids.iter().position(|&t| t == s.audio_markers().placeholder).unwrap_or(ids.len());
             match ctx.prefixes.lookup(voice, &prompt.key, prompt_len - 1, voice_free, MIN_SHARED) {
                 Some((hit, len)) => match cache.load_prefix(hit, len) {
                     Ok(()) => {
@@ -194,7 +202,10 @@ impl TurnStream {
             }
         }
         let embeds = embed_prompt(ctx, &prompt, prefill_pos).context("embedding the prompt");
-        ctx.metrics.step_seconds.with_label_values(&["thinker_prompt"]).observe(t0.elapsed().as_secs_f64());
+        ctx.metrics
+            .step_seconds
+            .with_label_values(&["thinker_prompt"])
+            .observe(t0.elapsed().as_secs_f64());
         let embeds = match embeds {
             Ok(e) => e,
             Err(e) => {
@@ -203,11 +214,20 @@ impl TurnStream {
             }
         };
         let audio_positions = prompt.ids.iter().filter(|&&t| t == s.unk).count();
-        ctx.registry.usage(&spec.id, |u| (u.input, u.input_audio, u.cached) = (prompt_len, audio_positions, prefill_pos));
+        ctx.registry.usage(&spec.id, |u| {
+            (u.input, u.input_audio, u.cached) = (prompt_len, audio_positions, prefill_pos)
+        });
         ctx.metrics.prompt_positions.with_label_values(&["reused"]).inc_by(prefill_pos as u64);
-        ctx.metrics.prompt_positions.with_label_values(&["prefilled"]).inc_by((prompt_len - prefill_pos) as u64);
-        let store_system = system
-            .filter(|&len| !transcript && ctx.cfg.thinker_prefix_cache > 0 && len > prefill_pos && !ctx.prefixes.covers(voice, &prompt.key[..len]));
+        ctx.metrics
+            .prompt_positions
+            .with_label_values(&["prefilled"])
+            .inc_by((prompt_len - prefill_pos) as u64);
+        let store_system = system.filter(|&len| {
+            !transcript
+                && ctx.cfg.thinker_prefix_cache > 0
+                && len > prefill_pos
+                && !ctx.prefixes.covers(voice, &prompt.key[..len])
+        });
         Some(TurnStream {
             id: spec.id,
             cache,
@@ -227,7 +247,12 @@ impl TurnStream {
             voice,
             store_system,
             forced,
-            calling: spec.tools.may_call().then(|| spec.tools.set.clone()).flatten().filter(|_| ctx.tok.tool_tokens().is_some() && !transcript),
+            calling: spec
+                .tools
+                .may_call()
+                .then(|| spec.tools.set.clone())
+                .flatten()
+                .filter(|_| ctx.tok.tool_tokens().is_some() && !transcript),
             call_at: None,
             text_only,
             kept: !transcript,
@@ -254,15 +279,26 @@ impl TurnStream {
         let ids = self.ids[self.prompt_len + self.streamed..self.prompt_len + upto].to_vec();
         let hidden = match upto > self.streamed {
             true => to_host(&Tensor::cat(&self.rows[self.streamed..upto], 0)?)?,
-            false => Tensor::zeros((0, ctx.thinker.llm.decoder().config().hidden_size), DType::F32, &candle_core::Device::Cpu)?,
+            false => Tensor::zeros(
+                (0, ctx.thinker.llm.decoder().config().hidden_size),
+                DType::F32,
+                &candle_core::Device::Cpu,
+            )?,
         };
         // (a lightly loaded Thinker launches nothing until the Talker has taken the first chunk)
         let first = self.streamed == 0;
-        let hold = (first && ctx.step_streams <= crate::gate::GATED_STREAMS).then(|| ctx.gate.hold());
+        let hold =
+            (first && ctx.step_streams <= crate::gate::GATED_STREAMS).then(|| ctx.gate.hold());
         if first {
             ctx.registry.mark(&self.id, |t| t.handoff = Some(Instant::now()));
         }
-        let _ = ctx.to_talker.send(Stage1Msg::TextChunk { id: self.id.clone(), ids, hidden, last, hold });
+        let _ = ctx.to_talker.send(Stage1Msg::TextChunk {
+            id: self.id.clone(),
+            ids,
+            hidden,
+            last,
+            hold,
+        });
         self.streamed = upto;
         Ok(())
     }
@@ -273,8 +309,12 @@ impl TurnStream {
     fn send_full_chunks(&mut self, ctx: &Ctx) -> Result<()> {
         let s = *ctx.tok.special();
         // (rows of generated tokens before a hand-off boundary; the newest token has none yet)
-        let upto = (handoff_range(&self.ids, self.prompt_len, &s).end - self.prompt_len).min(self.speech_rows());
-        while self.text_chunk > 0 && upto >= self.streamed + self.text_chunk && self.ids.len() > self.prompt_len + upto {
+        let upto = (handoff_range(&self.ids, self.prompt_len, &s).end - self.prompt_len)
+            .min(self.speech_rows());
+        while self.text_chunk > 0
+            && upto >= self.streamed + self.text_chunk
+            && self.ids.len() > self.prompt_len + upto
+        {
             self.send_chunk(ctx, self.streamed + self.text_chunk, false)?;
         }
         Ok(())
@@ -297,7 +337,12 @@ impl TurnStream {
         let range = handoff_range(&self.ids, self.prompt_len, &s);
         // (rows exist for every generated token fed back, i.e. all before the end)
         let upto = (range.end - self.prompt_len).min(self.speech_rows());
-        let silent_call = self.call_at.is_some() && ctx.tok.decode(&self.ids[self.prompt_len..self.prompt_len + upto])?.trim().is_empty();
+        let silent_call = self.call_at.is_some()
+            && ctx
+                .tok
+                .decode(&self.ids[self.prompt_len..self.prompt_len + upto])?
+                .trim()
+                .is_empty();
         if self.text_only || silent_call {
             let _ = ctx.to_talker.send(Stage1Msg::Cancel(self.id.clone()));
             ctx.registry.finish_counted(&self.id, Status::Completed, &ctx.metrics.requests);
@@ -320,7 +365,11 @@ impl TurnStream {
         let event = match closed {
             true => match ToolCall::parse(&text, tools) {
                 Ok(call) => EngineEvent::ToolCall(call),
-                Err(e) => EngineEvent::ToolCallInvalid { text, reason: call_problem(&e), message: e.to_string() },
+                Err(e) => EngineEvent::ToolCallInvalid {
+                    text,
+                    reason: call_problem(&e),
+                    message: e.to_string(),
+                },
             },
             false => EngineEvent::ToolCallInvalid {
                 text,
@@ -397,7 +446,11 @@ impl ThinkerStream for TurnStream {
                 t
             }
             _ => {
-                let forbid = if self.calling.is_some() { &ctx.forbidden.reply_calling } else { &ctx.forbidden.reply };
+                let forbid = if self.calling.is_some() {
+                    &ctx.forbidden.reply_calling
+                } else {
+                    &ctx.forbidden.reply
+                };
                 self.length.next_row(&mut self.sampler, logits, forbid)?
             }
         };
@@ -448,7 +501,8 @@ impl ThinkerStream for TurnStream {
         let len = self.cache.len().min(self.ids.len());
         if ctx.cfg.thinker_prefix_cache > 0 && len >= MIN_SHARED {
             // the prompt as the store knows it, then the reply as written
-            let key = self.key.iter().chain(&self.ids[self.prompt_len..]).take(len).copied().collect();
+            let key =
+                self.key.iter().chain(&self.ids[self.prompt_len..]).take(len).copied().collect();
             store_prefix(ctx, self.voice, key, &self.cache);
         }
     }
@@ -473,6 +527,8 @@ fn call_problem(e: &CallError) -> ToolCallProblem {
         CallError::NotJson(_) | CallError::NotAnObject => ToolCallProblem::NotJson,
         CallError::NoName => ToolCallProblem::NoName,
         CallError::Undeclared(_) => ToolCallProblem::UndeclaredTool,
-        CallError::ArgumentsNotAnObject | CallError::ArgumentsStringNotAnObject => ToolCallProblem::BadArguments,
+        CallError::ArgumentsNotAnObject | CallError::ArgumentsStringNotAnObject => {
+            ToolCallProblem::BadArguments
+        }
     }
 }

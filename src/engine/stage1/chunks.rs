@@ -16,14 +16,23 @@ use antiphon_models::talker::{ConditionMode, Talker};
 
 /// A text chunk's condition: its rows (`ids` and their Thinker hidden rows), then the text end
 /// when the text ends with it, then the audio start.
-pub fn chunk_condition(talker: &Talker, ids: &[u32], hidden: &Tensor, last: bool) -> candle_core::Result<Tensor> {
+pub fn chunk_condition(
+    talker: &Talker,
+    ids: &[u32],
+    hidden: &Tensor,
+    last: bool,
+) -> candle_core::Result<Tensor> {
     talker.condition(ids, hidden, if last { ConditionMode::Turn } else { ConditionMode::Duplex })
 }
 
 /// What a segment prefills, from position 0 of a cache started over: the previous chunk's
 /// condition and the codes it made, then this chunk's condition (`sliding_recompute` with one chunk
 /// of history, as the checkpoint's `tts_config` sets it).
-pub fn segment_window(talker: &Talker, previous: Option<(&Tensor, &[u32])>, condition: &Tensor) -> candle_core::Result<Tensor> {
+pub fn segment_window(
+    talker: &Talker,
+    previous: Option<(&Tensor, &[u32])>,
+    condition: &Tensor,
+) -> candle_core::Result<Tensor> {
     let mut parts = Vec::with_capacity(3);
     if let Some((c, codes)) = previous {
         parts.push(c.clone());
@@ -92,7 +101,17 @@ pub struct TextChunks {
 
 impl TextChunks {
     pub fn new(text_tokens: Option<usize>, min_codes: usize, max_codes: usize) -> Self {
-        Self { queue: VecDeque::new(), segment: None, active: false, rows: 0, chunks: 0, text_tokens, min_codes, max_codes, started: false }
+        Self {
+            queue: VecDeque::new(),
+            segment: None,
+            active: false,
+            rows: 0,
+            chunks: 0,
+            text_tokens,
+            min_codes,
+            max_codes,
+            started: false,
+        }
     }
 
     pub fn push(&mut self, chunk: TextChunk) {
@@ -107,7 +126,11 @@ impl TextChunks {
         let forced = self.min_codes == self.max_codes;
         match (forced, self.text_tokens, last) {
             (true, _, true) => Some(self.max_codes),
-            (true, Some(t), false) if t > 0 => Some((self.max_codes * rows / t).max(FORCED_CODES_PER_CHUNK * chunks).min(self.max_codes)),
+            (true, Some(t), false) if t > 0 => Some(
+                (self.max_codes * rows / t)
+                    .max(FORCED_CODES_PER_CHUNK * chunks)
+                    .min(self.max_codes),
+            ),
             _ => None,
         }
     }
@@ -129,12 +152,21 @@ impl TextChunks {
                 }
             };
             let previous = self.segment.take().map(|p| (p.condition, p.codes));
-            self.segment = Some(Segment { condition: chunk.condition.clone(), codes: Vec::new(), last: chunk.last });
+            self.segment = Some(Segment {
+                condition: chunk.condition.clone(),
+                codes: Vec::new(),
+                last: chunk.last,
+            });
             if max == 0 {
                 continue;
             }
             self.active = true;
-            return Some(SegmentStart { previous, condition: chunk.condition, min_codes: min, max_codes: max });
+            return Some(SegmentStart {
+                previous,
+                condition: chunk.condition,
+                min_codes: min,
+                max_codes: max,
+            });
         }
         None
     }
@@ -154,7 +186,8 @@ impl TextChunks {
     /// The reply is over: its last chunk's segment has ended (or had nothing to make), or the
     /// reply made all the codes it may.
     pub fn finished(&self, made: usize) -> bool {
-        let last_done = !self.active && self.queue.is_empty() && self.segment.as_ref().is_some_and(|s| s.last);
+        let last_done =
+            !self.active && self.queue.is_empty() && self.segment.as_ref().is_some_and(|s| s.last);
         last_done || made >= self.max_codes
     }
 }
@@ -162,7 +195,13 @@ impl TextChunks {
 impl Stage1 {
     /// The next text chunk of a turn stream: its condition joins the stream's queue. The first
     /// one settles the first Code2Wav chunk's size (as the whole text's end does without chunks).
-    pub(super) fn on_text_chunk(&mut self, id: &RequestId, ids: &[u32], hidden: &Tensor, last: bool) {
+    pub(super) fn on_text_chunk(
+        &mut self,
+        id: &RequestId,
+        ids: &[u32],
+        hidden: &Tensor,
+        last: bool,
+    ) {
         let busy = self.busy(0);
         let Some(r) = self.reqs.get_mut(id) else {
             return;
@@ -202,7 +241,8 @@ impl Stage1 {
             r.cache.truncate(0);
             r.pending = vec![window];
             r.decoding = true;
-            r.length = LengthPolicy::new(vec![self.talker.eos_code()], start.min_codes, start.max_codes);
+            r.length =
+                LengthPolicy::new(vec![self.talker.eos_code()], start.min_codes, start.max_codes);
         }
         for id in over {
             self.end_stream(&id);
@@ -217,7 +257,16 @@ mod tests {
     use candle_core::Device;
 
     fn chunk(rows: usize, last: bool) -> TextChunk {
-        TextChunk { condition: Tensor::zeros((rows + 1 + usize::from(last), 4), candle_core::DType::F32, &Device::Cpu).unwrap(), rows, last }
+        TextChunk {
+            condition: Tensor::zeros(
+                (rows + 1 + usize::from(last), 4),
+                candle_core::DType::F32,
+                &Device::Cpu,
+            )
+            .unwrap(),
+            rows,
+            last,
+        }
     }
 
     fn run(chunks: &mut TextChunks, made: &mut usize, codes: usize) {

@@ -7,18 +7,46 @@ use super::*;
 use crate::pace::StagePace;
 
 fn stage1(pace: &StagePace, slack: bool) -> Stage1 {
-    let models = antiphon_assets::synth::models_in_memory(antiphon_assets::synth::Preset::Tiny, 5, DType::F32, &candle_core::Device::Cpu).unwrap();
+    let models = antiphon_assets::synth::models_in_memory(
+        antiphon_assets::synth::Preset::Tiny,
+        5,
+        DType::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
     // (no stream is ever "few": every one finds the engine busy)
-    let cfg = EngineConfig { first_chunk_codes: 5, small_first_chunk_streams: 0, small_first_chunk_slack: slack, ..EngineConfig::default() };
+    let cfg = EngineConfig {
+        first_chunk_codes: 5,
+        small_first_chunk_streams: 0,
+        small_first_chunk_slack: slack,
+        ..EngineConfig::default()
+    };
     let (tx, _rx) = std::sync::mpsc::sync_channel(16);
     // (the receiver goes: nothing is sent before a code is made)
-    Stage1::new(models.talker, Arc::new(cfg), Registry::default(), EngineMetrics::new(), tx, PrefillGate::new(false)).unwrap().with_pace(pace.clone())
+    Stage1::new(
+        models.talker,
+        Arc::new(cfg),
+        Registry::default(),
+        EngineMetrics::new(),
+        tx,
+        PrefillGate::new(false),
+    )
+    .unwrap()
+    .with_pace(pace.clone())
 }
 
 fn begin(s: &mut Stage1, id: &str) -> usize {
     let voice = RefInput::new(vec![0.1; 16_000], 16_000);
     let id = RequestId(id.into());
-    s.on_message(Stage1Msg::Begin { id: id.clone(), mode: Mode::Turn, voice, min_codes: 100, max_codes: 100, text_tokens: None, seed: 1 });
+    s.on_message(Stage1Msg::Begin {
+        id: id.clone(),
+        mode: Mode::Turn,
+        voice,
+        min_codes: 100,
+        max_codes: 100,
+        text_tokens: None,
+        seed: 1,
+    });
     s.reqs[&id].chunker.first()
 }
 
@@ -32,7 +60,10 @@ fn a_busy_engine_sizes_a_first_chunk_by_the_paces() {
     pace.record_talker_step(MS(2));
     pace.record_code2wav(MS(40), Some(MS(2000)));
     assert_eq!(begin(&mut s, "quick"), 5, "25 × 2 ms + 2 × 40 ms within 5 codes' 200 ms");
-    assert!(!s.reqs[&RequestId("quick".into())].hold_first, "a busy engine's small chunk keeps its Talker lead");
+    assert!(
+        !s.reqs[&RequestId("quick".into())].hold_first,
+        "a busy engine's small chunk keeps its Talker lead"
+    );
     pace.record_code2wav(MS(100), Some(MS(2000)));
     assert_eq!(begin(&mut s, "slower"), 15, "25 × 2 ms + 2 × 100 ms: the halfway chunk");
     pace.record_code2wav(MS(100), Some(MS(150)));
@@ -44,19 +75,47 @@ fn a_busy_engine_sizes_a_first_chunk_by_the_paces() {
 
 #[test]
 fn a_first_text_chunks_hold_lasts_until_the_talkers_next_step() {
-    let models = antiphon_assets::synth::models_in_memory(antiphon_assets::synth::Preset::Tiny, 5, DType::F32, &candle_core::Device::Cpu).unwrap();
+    let models = antiphon_assets::synth::models_in_memory(
+        antiphon_assets::synth::Preset::Tiny,
+        5,
+        DType::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
     let llm_dim = models.thinker.llm.decoder().config().hidden_size;
     let cfg = EngineConfig { talker_text_chunk: 10, ..EngineConfig::default() };
     let (tx, _rx) = std::sync::mpsc::sync_channel(64);
     let gate = PrefillGate::new(true);
-    let mut s = Stage1::new(models.talker, Arc::new(cfg), Registry::default(), EngineMetrics::new(), tx, gate.clone()).unwrap();
+    let mut s = Stage1::new(
+        models.talker,
+        Arc::new(cfg),
+        Registry::default(),
+        EngineMetrics::new(),
+        tx,
+        gate.clone(),
+    )
+    .unwrap();
     let id = RequestId("held".into());
     let voice = RefInput::new(vec![0.1; 16_000], 16_000);
     assert!(s.registry.insert(id.clone(), Arc::new(|_| {})));
-    s.on_message(Stage1Msg::Begin { id: id.clone(), mode: Mode::Turn, voice, min_codes: 30, max_codes: 30, text_tokens: Some(20), seed: 1 });
+    s.on_message(Stage1Msg::Begin {
+        id: id.clone(),
+        mode: Mode::Turn,
+        voice,
+        min_codes: 30,
+        max_codes: 30,
+        text_tokens: Some(20),
+        seed: 1,
+    });
     let hidden = Tensor::zeros((10, llm_dim), DType::F32, &candle_core::Device::Cpu).unwrap();
     let hold = Some(gate.hold());
-    s.on_message(Stage1Msg::TextChunk { id: id.clone(), ids: vec![5; 10], hidden, last: false, hold });
+    s.on_message(Stage1Msg::TextChunk {
+        id: id.clone(),
+        ids: vec![5; 10],
+        hidden,
+        last: false,
+        hold,
+    });
     assert!(gate.is_held(), "the Thinker waits while the Talker makes the chunk's condition");
     assert!(s.step(), "the chunk's prefill is a step");
     assert!(!gate.is_held(), "after the Talker's step the Thinker goes on");

@@ -36,7 +36,12 @@ pub(super) fn due_within(dues: &[Instant], now: Instant, horizon: Duration, max:
 /// Which chunks of a step (`seqs` and `dues` in step order) go to the step right after: when the
 /// step holds a first chunk (seq 0), every later chunk not due within `horizon` of `now` (its
 /// stream has audio buffered beyond it); otherwise none.
-pub(super) fn first_chunks_apart(seqs: &[usize], dues: &[Instant], now: Instant, horizon: Duration) -> Vec<bool> {
+pub(super) fn first_chunks_apart(
+    seqs: &[usize],
+    dues: &[Instant],
+    now: Instant,
+    horizon: Duration,
+) -> Vec<bool> {
     let firsts = seqs.contains(&0);
     seqs.iter().zip(dues).map(|(&s, &d)| firsts && s > 0 && d > now + horizon).collect()
 }
@@ -50,7 +55,11 @@ pub(super) fn other_batches(shapes: &[(usize, bool)]) -> Vec<bool> {
 
 /// The chunks of `ready` not marked in `later` (in their order); the marked ones go back to the
 /// front of `rest`, in their order, for a later step.
-pub(super) fn put_back(ready: Vec<ChunkWork>, later: &[bool], rest: &mut VecDeque<ChunkWork>) -> Vec<ChunkWork> {
+pub(super) fn put_back(
+    ready: Vec<ChunkWork>,
+    later: &[bool],
+    rest: &mut VecDeque<ChunkWork>,
+) -> Vec<ChunkWork> {
     let (mut now_run, mut after) = (Vec::with_capacity(ready.len()), Vec::new());
     for (c, &l) in ready.into_iter().zip(later) {
         if l {
@@ -77,7 +86,8 @@ mod tests {
         let lead = Duration::from_millis(300);
         let chunk0_early = due(None, now, lead);
         let chunk0_late = due(None, now + Duration::from_millis(50), lead);
-        let dry_soon = due(Some(now + Duration::from_millis(200)), now - Duration::from_secs(1), lead);
+        let dry_soon =
+            due(Some(now + Duration::from_millis(200)), now - Duration::from_secs(1), lead);
         let dry_later = due(Some(now + Duration::from_secs(1)), now - Duration::from_secs(1), lead);
         assert!(dry_soon < chunk0_early && chunk0_early < chunk0_late && chunk0_late < dry_later);
     }
@@ -90,9 +100,20 @@ mod tests {
         let ms = |m: u64| now + Duration::from_millis(m);
         let h = Duration::from_millis(300);
         let dues = [ms(0), ms(100), ms(299), ms(301), ms(2000)];
-        assert_eq!(first_chunks_apart(&[1, 0, 2, 3, 1], &dues, now, h), [false, false, false, true, true]);
-        assert_eq!(first_chunks_apart(&[1, 4, 2, 3, 1], &dues, now, h), [false; 5], "no first chunk: one step");
-        assert_eq!(first_chunks_apart(&[0, 0], &dues[3..], now, h), [false, false], "first chunks never wait");
+        assert_eq!(
+            first_chunks_apart(&[1, 0, 2, 3, 1], &dues, now, h),
+            [false, false, false, true, true]
+        );
+        assert_eq!(
+            first_chunks_apart(&[1, 4, 2, 3, 1], &dues, now, h),
+            [false; 5],
+            "no first chunk: one step"
+        );
+        assert_eq!(
+            first_chunks_apart(&[0, 0], &dues[3..], now, h),
+            [false, false],
+            "first chunks never wait"
+        );
     }
 
     /// One batch a step: the earliest-due chunk's shape runs, every chunk of another shape waits
@@ -101,7 +122,11 @@ mod tests {
     fn one_batch_a_step_is_the_earliest_due_chunks_batch() {
         let shapes = [(28, false), (28, true), (28, false), (11, false), (28, false)];
         assert_eq!(other_batches(&shapes), [false, true, false, true, false]);
-        assert_eq!(other_batches(&[(28, true), (28, false)]), [false, true], "a last chunk due first runs first");
+        assert_eq!(
+            other_batches(&[(28, true), (28, false)]),
+            [false, true],
+            "a last chunk due first runs first"
+        );
         assert_eq!(other_batches(&[]), Vec::<bool>::new());
     }
 

@@ -21,7 +21,8 @@ impl Stage2 {
             return IdleOutcome::Nothing;
         }
         let with_setup = self.cfg.prefetch_setup;
-        let candidates: Vec<usize> = (0..self.waiting.len()).filter(|&i| self.waiting[i].needs_phase(with_setup)).collect();
+        let candidates: Vec<usize> =
+            (0..self.waiting.len()).filter(|&i| self.waiting[i].needs_phase(with_setup)).collect();
         if candidates.is_empty() {
             return IdleOutcome::Nothing;
         }
@@ -31,7 +32,8 @@ impl Stage2 {
         if !self.live.is_empty() || !self.duplex.is_empty() {
             return self.skip("busy");
         }
-        let (queued, prepared): (Vec<usize>, Vec<usize>) = candidates.iter().partition(|&&i| self.waiting[i].phase == Phase::Queued);
+        let (queued, prepared): (Vec<usize>, Vec<usize>) =
+            candidates.iter().partition(|&&i| self.waiting[i].phase == Phase::Queued);
         let room = self.cache.capacity().max(1).saturating_sub(self.cache.pin_count());
         if !queued.is_empty() && room > 0 {
             return self.phase_a(&queued[..queued.len().min(room)]);
@@ -66,8 +68,15 @@ impl Stage2 {
     /// kept features, one already in the cache, the rest prepared in one batch; each pinned.
     fn phase_a(&mut self, idx: &[usize]) -> IdleOutcome {
         let t0 = Instant::now();
-        let jobs: Vec<(RequestId, crate::RefInput)> =
-            idx.iter().map(|&i| (self.waiting[i].id.clone(), self.waiting[i].reference.clone().expect("a candidate has a reference"))).collect();
+        let jobs: Vec<(RequestId, crate::RefInput)> = idx
+            .iter()
+            .map(|&i| {
+                (
+                    self.waiting[i].id.clone(),
+                    self.waiting[i].reference.clone().expect("a candidate has a reference"),
+                )
+            })
+            .collect();
         let mut keyed: Vec<(RequestId, String)> = Vec::with_capacity(jobs.len());
         let mut failed: Vec<RequestId> = Vec::new();
         // (several references resampled and keyed side by side, off this thread)
@@ -75,8 +84,18 @@ impl Stage2 {
             vec![Reference::materialize(&jobs[0].1.samples, jobs[0].1.sample_rate)]
         } else {
             std::thread::scope(|scope| {
-                let handles: Vec<_> = jobs.iter().map(|(_, r)| scope.spawn(move || Reference::materialize(&r.samples, r.sample_rate))).collect();
-                handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a reference thread panicked")))).collect()
+                let handles: Vec<_> = jobs
+                    .iter()
+                    .map(|(_, r)| {
+                        scope.spawn(move || Reference::materialize(&r.samples, r.sample_rate))
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| Err(anyhow!("a reference thread panicked")))
+                    })
+                    .collect()
             })
         };
         let mut unprepared: Vec<String> = Vec::new();
@@ -98,7 +117,8 @@ impl Stage2 {
             keyed.push((id, k));
         }
         for (k, why) in self.prepare_entries(&unprepared, None) {
-            let lost: Vec<RequestId> = keyed.iter().filter(|(_, kk)| *kk == k).map(|(id, _)| id.clone()).collect();
+            let lost: Vec<RequestId> =
+                keyed.iter().filter(|(_, kk)| *kk == k).map(|(id, _)| id.clone()).collect();
             for id in lost {
                 self.fail_phase(&id, &why);
                 failed.push(id);
@@ -119,7 +139,10 @@ impl Stage2 {
             self.count("phase_a");
             ok.push(id);
         }
-        self.metrics.step_seconds.with_label_values(&["prefetch"]).observe(t0.elapsed().as_secs_f64());
+        self.metrics
+            .step_seconds
+            .with_label_values(&["prefetch"])
+            .observe(t0.elapsed().as_secs_f64());
         if ok.is_empty() {
             IdleOutcome::Failed(failed)
         } else {
@@ -132,8 +155,11 @@ impl Stage2 {
     /// that still wait.
     fn phase_b(&mut self, idx: &[usize]) -> IdleOutcome {
         // (states set up for requests still waiting are not pushed out by later ones)
-        let held: std::collections::HashSet<&String> =
-            self.waiting.iter().filter_map(|w| if let Phase::SetUp(k) = &w.phase { Some(k) } else { None }).collect();
+        let held: std::collections::HashSet<&String> = self
+            .waiting
+            .iter()
+            .filter_map(|w| if let Phase::SetUp(k) = &w.phase { Some(k) } else { None })
+            .collect();
         let room = self.setup.capacity().max(1).saturating_sub(held.len());
         if room == 0 {
             return self.skip("setup_cap");
@@ -154,10 +180,22 @@ impl Stage2 {
         }
         let features = keys
             .iter()
-            .map(|k| self.cache.get(k).and_then(|e| e.features.clone()).ok_or_else(|| anyhow!("prefetched entry gone")))
+            .map(|k| {
+                self.cache
+                    .get(k)
+                    .and_then(|e| e.features.clone())
+                    .ok_or_else(|| anyhow!("prefetched entry gone"))
+            })
             .collect::<anyhow::Result<Vec<_>>>();
-        let done = if keys.is_empty() { Ok(Vec::new()) } else { features.and_then(|fs| self.model.setup_batch(&fs.iter().collect::<Vec<_>>())) };
-        self.metrics.step_seconds.with_label_values(&["prefetch"]).observe(t0.elapsed().as_secs_f64());
+        let done = if keys.is_empty() {
+            Ok(Vec::new())
+        } else {
+            features.and_then(|fs| self.model.setup_batch(&fs.iter().collect::<Vec<_>>()))
+        };
+        self.metrics
+            .step_seconds
+            .with_label_values(&["prefetch"])
+            .observe(t0.elapsed().as_secs_f64());
         match done {
             Ok(states) => {
                 for (k, s) in keys.iter().zip(states) {

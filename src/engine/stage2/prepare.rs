@@ -35,8 +35,13 @@ impl Stage2 {
             self.prepared.insert(r.key.clone(), f.clone());
             PreparedVoice::from_features(&r.key, &f)
         })();
-        self.metrics.step_seconds.with_label_values(&["prepare"]).observe(t0.elapsed().as_secs_f64());
-        let _ = reply.try_send(done.map_err(|e| super::super::voices::PrepareRefused::Unusable(format!("{e:#}"))));
+        self.metrics
+            .step_seconds
+            .with_label_values(&["prepare"])
+            .observe(t0.elapsed().as_secs_f64());
+        let _ = reply.try_send(
+            done.map_err(|e| super::super::voices::PrepareRefused::Unusable(format!("{e:#}"))),
+        );
         true
     }
 }

@@ -31,12 +31,18 @@ impl Stage2 {
         }
         if !unprepared.is_empty() {
             let failed = self.prepare_entries(&unprepared, Some("inline"));
-            let (lost, kept): (Vec<_>, Vec<_>) = keyed.into_iter().partition(|(_, k)| failed.iter().any(|(f, _)| f == k));
+            let (lost, kept): (Vec<_>, Vec<_>) =
+                keyed.into_iter().partition(|(_, k)| failed.iter().any(|(f, _)| f == k));
             keyed = kept;
             for (c, k) in lost {
-                let why = failed.iter().find(|(f, _)| *f == k).map(|(_, why)| why.clone()).unwrap_or_default();
+                let why = failed
+                    .iter()
+                    .find(|(f, _)| *f == k)
+                    .map(|(_, why)| why.clone())
+                    .unwrap_or_default();
                 self.finish(&c.id, Status::Failed(format!("reference voice: {why}")));
-                if self.cache.get(&k).is_some_and(|e| e.features.is_none()) && self.cache.evict(&k) {
+                if self.cache.get(&k).is_some_and(|e| e.features.is_none()) && self.cache.evict(&k)
+                {
                     self.setup.remove(&k);
                 }
             }
@@ -58,12 +64,21 @@ impl Stage2 {
             let t0 = std::time::Instant::now();
             let done = todo
                 .iter()
-                .map(|k| self.cache.get(k).and_then(|e| e.features.clone()).ok_or_else(|| anyhow!("reference features vanished")))
+                .map(|k| {
+                    self.cache
+                        .get(k)
+                        .and_then(|e| e.features.clone())
+                        .ok_or_else(|| anyhow!("reference features vanished"))
+                })
                 .collect::<Result<Vec<_>>>()
                 .and_then(|fs| self.model.setup_batch(&fs.iter().collect::<Vec<_>>()));
             match done {
                 Ok(set) => {
-                    tracing::debug!(voices = todo.len(), ms = t0.elapsed().as_secs_f64() * 1e3, "code2wav: voices set up in one batch (ms: queued)");
+                    tracing::debug!(
+                        voices = todo.len(),
+                        ms = t0.elapsed().as_secs_f64() * 1e3,
+                        "code2wav: voices set up in one batch (ms: queued)"
+                    );
                     for (k, s) in todo.iter().zip(set) {
                         self.setup.put(k.clone(), s.clone());
                         states.insert(k.clone(), s);
@@ -71,7 +86,8 @@ impl Stage2 {
                 }
                 Err(e) => {
                     let why = format!("reference voice: setup: {e:#}");
-                    let (failed, kept): (Vec<_>, Vec<_>) = keyed.into_iter().partition(|(_, k)| todo.contains(k));
+                    let (failed, kept): (Vec<_>, Vec<_>) =
+                        keyed.into_iter().partition(|(_, k)| todo.contains(k));
                     keyed = kept;
                     for (c, _) in failed {
                         self.finish(&c.id, Status::Failed(why.clone()));
@@ -106,7 +122,10 @@ impl Stage2 {
         let mut key = None;
         if let Some(w) = &w {
             match (w.pinned_key(), &w.reference) {
-                (Some(k), Some(pre)) if pre.same_as(&reference) && self.cache.get(k).is_some_and(|e| e.features.is_some()) => {
+                (Some(k), Some(pre))
+                    if pre.same_as(&reference)
+                        && self.cache.get(k).is_some_and(|e| e.features.is_some()) =>
+                {
                     // claim: the pin becomes ownership
                     let k = k.to_string();
                     self.cache.unpin(&c.id);
@@ -152,7 +171,11 @@ impl Stage2 {
     /// kept ones, the others prepared in one batch, each preparation counted as `event` when
     /// given. Returns the keys that failed, with why. (Chunk 0s prepare inline with it; prefetch's
     /// phase A too.)
-    pub(super) fn prepare_entries(&mut self, keys: &[String], event: Option<&str>) -> Vec<(String, String)> {
+    pub(super) fn prepare_entries(
+        &mut self,
+        keys: &[String],
+        event: Option<&str>,
+    ) -> Vec<(String, String)> {
         let mut failed = Vec::new();
         let mut todo: Vec<(String, Reference)> = Vec::new();
         for k in keys {
@@ -194,12 +217,17 @@ impl Stage2 {
 
     /// A new stream for chunk 0 from its voice's features (in the cache under `key`) and setup state.
     fn open(&mut self, c: &ChunkWork, key: &str, state: &FlowState) -> Result<()> {
-        let features = self.cache.get(key).and_then(|e| e.features.clone()).ok_or_else(|| anyhow!("reference features vanished"))?;
+        let features = self
+            .cache
+            .get(key)
+            .and_then(|e| e.features.clone())
+            .ok_or_else(|| anyhow!("reference features vanished"))?;
         if !self.graphs_warm {
             // (the server's own warm-up request comes first: it pays this before `ready`)
             self.graphs_warm = true;
             let top = self.cfg.code2wav_max_batch.min(self.cfg.code2wav_slots).max(1);
-            let batches: Vec<usize> = (0..).map(|i| 1usize << i).take_while(|&b| b <= top).collect();
+            let batches: Vec<usize> =
+                (0..).map(|i| 1usize << i).take_while(|&b| b <= top).collect();
             let t0 = std::time::Instant::now();
             let sequences = super::super::chunker::warm_sequences(&self.cfg);
             match self.model.warm_graphs(&features, state, &batches, &sequences) {
@@ -210,12 +238,16 @@ impl Stage2 {
                 ),
                 Err(e) => tracing::warn!("code2wav graph warm-up failed (shapes are captured as they come): {e:#}"),
             }
-            if let Some(Err(e)) = self.cache.get(key).map(|e| self.model.warm_prepare(&e.reference)) {
+            if let Some(Err(e)) = self.cache.get(key).map(|e| self.model.warm_prepare(&e.reference))
+            {
                 tracing::warn!("reference preparation warm-up failed: {e:#}");
             }
         }
         let stream = self.model.start(&features, state)?;
-        self.live.insert(c.id.clone(), Live { stream, next_seq: 0, played: None, heard_gaps: Duration::ZERO });
+        self.live.insert(
+            c.id.clone(),
+            Live { stream, next_seq: 0, played: None, heard_gaps: Duration::ZERO },
+        );
         Ok(())
     }
 }

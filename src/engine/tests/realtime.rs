@@ -6,11 +6,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use antiphon_assets::synth::{models_in_memory, Preset};
-use antiphon_engine::{DuplexEvent, DuplexPolicy, DuplexSpec, Engine, EngineConfig, EngineEvent, GenerationParams, RefInput, Status};
+use antiphon_engine::{
+    DuplexEvent, DuplexPolicy, DuplexSpec, Engine, EngineConfig, EngineEvent, GenerationParams,
+    RefInput, Status,
+};
 use candle_core::{DType, Device};
 
 fn voice(f: f32) -> RefInput {
-    RefInput::new((0..16_000 * 3).map(|i| 0.3 * (i as f32 * f / 16_000.0 * std::f32::consts::TAU).sin()).collect(), 16_000)
+    RefInput::new(
+        (0..16_000 * 3)
+            .map(|i| 0.3 * (i as f32 * f / 16_000.0 * std::f32::consts::TAU).sin())
+            .collect(),
+        16_000,
+    )
 }
 
 fn unit(n: u64) -> Vec<f32> {
@@ -29,7 +37,13 @@ fn open(e: &Engine, session: &str) -> mpsc::Receiver<DuplexEvent> {
         seed: Some(3),
         prefix: None,
     };
-    let spec = DuplexSpec { session: session.into(), policy: DuplexPolicy::SpeakEvery(2), instructions: None, voice: voice(180.0), generation };
+    let spec = DuplexSpec {
+        session: session.into(),
+        policy: DuplexPolicy::SpeakEvery(2),
+        instructions: None,
+        voice: voice(180.0),
+        generation,
+    };
     e.open_duplex(
         spec,
         Arc::new(move |ev| {
@@ -45,7 +59,11 @@ fn open(e: &Engine, session: &str) -> mpsc::Receiver<DuplexEvent> {
 /// session's next turn starts.
 #[test]
 fn eight_sessions_in_real_time() {
-    let e = Engine::start(models_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap(), EngineConfig::default()).unwrap();
+    let e = Engine::start(
+        models_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap(),
+        EngineConfig::default(),
+    )
+    .unwrap();
     // units 1, 3, 5, 7 speak; unit 8 closes the last turn
     let units = 9u64;
     let rxs: Vec<_> = (0..8).map(|i| open(&e, &format!("rt{i}"))).collect();
@@ -88,7 +106,10 @@ fn eight_sessions_in_real_time() {
     // has ended 12.2–14.4 s after the first unit across runs of the same build, and 16.4-19.4 s in
     // a slow hour of the same machine: 14 s of slack keeps this a test of keeping up, not of the
     // machine's load that hour; the decisions above are the real-time bound)
-    assert!(wall < units as f64 + 14.0, "the speech fell behind: {wall:.1} s for {units} s of input");
+    assert!(
+        wall < units as f64 + 14.0,
+        "the speech fell behind: {wall:.1} s for {units} s of input"
+    );
     for i in 0..8 {
         e.close_duplex(&format!("rt{i}"));
     }

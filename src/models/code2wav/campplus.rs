@@ -26,18 +26,30 @@ pub struct CamPlusPlus {
 
 impl CamPlusPlus {
     pub fn from_model(m: &ModelProto) -> Result<Self> {
-        Ok(Self { graph: OnnxGraph::from_model(m, "campplus.onnx")?, graphs: crate::cuda_graph::GraphSlot::off(), batches: Default::default() })
+        Ok(Self {
+            graph: OnnxGraph::from_model(m, "campplus.onnx")?,
+            graphs: crate::cuda_graph::GraphSlot::off(),
+            batches: Default::default(),
+        })
     }
 
     /// The model with its arithmetic on `dev` (see [`OnnxGraph::on`]).
     pub fn on(self, dev: &Device) -> Result<Self> {
-        Ok(Self { graph: self.graph.on(dev)?, graphs: crate::cuda_graph::GraphSlot::off(), batches: Default::default() })
+        Ok(Self {
+            graph: self.graph.on(dev)?,
+            graphs: crate::cuda_graph::GraphSlot::off(),
+            batches: Default::default(),
+        })
     }
 
     /// Runs of a folded input shape replayed as a CUDA graph (from the shape's third run; where
     /// the device cannot capture, op by op over fixed buffers).
     pub fn set_graphs(&mut self, on: bool) {
-        self.graphs = if on { crate::cuda_graph::GraphSlot::on(MAX_FOLDS) } else { crate::cuda_graph::GraphSlot::off() };
+        self.graphs = if on {
+            crate::cuda_graph::GraphSlot::on(MAX_FOLDS)
+        } else {
+            crate::cuda_graph::GraphSlot::off()
+        };
     }
 
     /// Mean-normalized fbank `[frames, 80]` (on any device) -> `[192]` on the model's device.
@@ -49,10 +61,17 @@ impl CamPlusPlus {
     fn run_input(&self, x: &Tensor) -> Result<Tensor> {
         let x = x.to_device(self.graph.device())?.to_dtype(DType::F32)?;
         let run = |ins: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
-            Ok(vec![self.graph.run(&ins[0]).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?])
+            Ok(vec![self
+                .graph
+                .run(&ins[0])
+                .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?])
         };
         // (only a folded shape is captured: an unfolded run moves constants from the host)
-        let out = if self.graphs.is_on() && self.graph.is_folded(x.dims()) { self.graphs.run(0, &[&x], &run)? } else { vec![self.graph.run(&x)?] };
+        let out = if self.graphs.is_on() && self.graph.is_folded(x.dims()) {
+            self.graphs.run(0, &[&x], &run)?
+        } else {
+            vec![self.graph.run(&x)?]
+        };
         out.into_iter().next().ok_or_else(|| anyhow!("campplus.onnx gave no output"))
     }
 }

@@ -20,7 +20,8 @@ pub fn cosine_t_span(n: usize) -> Vec<f32> {
     (0..steps)
         .map(|i| {
             // torch.linspace: from the start in the first half, from the end in the second
-            let l = if i < steps / 2 { i as f32 * step } else { 1.0 - (steps - 1 - i) as f32 * step };
+            let l =
+                if i < steps / 2 { i as f32 * step } else { 1.0 - (steps - 1 - i) as f32 * step };
             1.0 - (l * 0.5 * std::f32::consts::PI).cos()
         })
         .collect()
@@ -96,7 +97,10 @@ impl Clone for Cfm {
 
 impl std::fmt::Debug for Cfm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Cfm").field("cfg_rate", &self.cfg_rate).field("graphs", &self.policy).finish_non_exhaustive()
+        f.debug_struct("Cfm")
+            .field("cfg_rate", &self.cfg_rate)
+            .field("graphs", &self.policy)
+            .finish_non_exhaustive()
     }
 }
 
@@ -152,10 +156,17 @@ impl Cfm {
 
     /// The noise each stream's chunk of `t` frames starts from (stream `i`'s cache holding
     /// `lens[i]` frames), `[pad, 80, t]` (rows past `lens` zero), in `dtype`.
-    pub fn noise_rows(&self, lens: &[usize], t: usize, pad: usize, dtype: candle_core::DType) -> Result<Tensor> {
+    pub fn noise_rows(
+        &self,
+        lens: &[usize],
+        t: usize,
+        pad: usize,
+        dtype: candle_core::DType,
+    ) -> Result<Tensor> {
         let mut rows = lens.iter().map(|&l| self.noise_at(l, t)).collect::<Result<Vec<_>>>()?;
         if pad > lens.len() {
-            let z = Tensor::zeros((self.noise.dim(0)?, t), self.noise.dtype(), self.noise.device())?;
+            let z =
+                Tensor::zeros((self.noise.dim(0)?, t), self.noise.dtype(), self.noise.device())?;
             rows.extend(std::iter::repeat_n(z, pad - lens.len()));
         }
         Tensor::stack(&rows, 0)?.to_dtype(dtype)?.contiguous()
@@ -187,7 +198,10 @@ impl Cfm {
     /// frames: `[80, t]`.
     fn noise_at(&self, offset: usize, t: usize) -> Result<Tensor> {
         if offset + t > self.noise.dim(1)? {
-            candle_core::bail!("noise buffer of {} frames is too short for offset {offset} + {t}", self.noise.dim(1)?);
+            candle_core::bail!(
+                "noise buffer of {} frames is too short for offset {offset} + {t}",
+                self.noise.dim(1)?
+            );
         }
         self.noise.narrow(1, offset, t)
     }
@@ -212,11 +226,21 @@ impl Cfm {
         // plain copy and attends without another
         let hd = self.estimator.config().head_dim;
         let kv = match cache {
-            Cache::Joined { att, .. } => Some((att.narrow(5, 0, hd)?.contiguous()?, att.narrow(5, hd, hd)?.contiguous()?)),
+            Cache::Joined { att, .. } => {
+                Some((att.narrow(5, 0, hd)?.contiguous()?, att.narrow(5, hd, hd)?.contiguous()?))
+            }
             _ => None,
         };
         let l = kv.as_ref().map(|(k, _)| k.dim(4)).transpose()?.unwrap_or(0);
-        let (cnn_out, att_out) = Sink::buffers(self.estimator.config(), n_timesteps, 2 * b, t, l, matches!(cache, Cache::Pool { .. }), mu)?;
+        let (cnn_out, att_out) = Sink::buffers(
+            self.estimator.config(),
+            n_timesteps,
+            2 * b,
+            t,
+            l,
+            matches!(cache, Cache::Pool { .. }),
+            mu,
+        )?;
         let span = cosine_t_span(n_timesteps);
         let mu_in = Tensor::cat(&[mu, &mu.zeros_like()?], 0)?;
         let spks_in = Tensor::cat(&[spks, &spks.zeros_like()?], 0)?;
@@ -236,18 +260,33 @@ impl Cfm {
             };
             let att = match (cache, &step_kv) {
                 (Cache::Joined { mask, .. }, Some((k, v))) => Att::Joined { k, v, mask },
-                (Cache::Pool { batch, .. }, Some((k, v))) => {
-                    Att::Pool { k, v, rows: &batch.rows, pos: &batch.pos, mask: &batch.mask, mode: self.pool_attention }
-                }
+                (Cache::Pool { batch, .. }, Some((k, v))) => Att::Pool {
+                    k,
+                    v,
+                    rows: &batch.rows,
+                    pos: &batch.pos,
+                    mask: &batch.mask,
+                    mode: self.pool_attention,
+                },
                 _ => Att::Empty,
             };
-            let (sink_cnn, sink_att) = (cnn_out.get(step - 1)?, att_out.as_ref().map(|a| a.get(step - 1)).transpose()?);
+            let (sink_cnn, sink_att) =
+                (cnn_out.get(step - 1)?, att_out.as_ref().map(|a| a.get(step - 1)).transpose()?);
             let ends = match cache {
                 Cache::Pool { batch, .. } => batch.ends.as_ref(),
                 _ => None,
             };
             let sink = Sink { cnn: &sink_cnn, att: sink_att.as_ref(), ends };
-            let v = self.estimator.forward_into(&x_in, &mu_in, &conds[step - 1], &spks_in, &cond_in, cc.as_ref(), att, &sink)?;
+            let v = self.estimator.forward_into(
+                &x_in,
+                &mu_in,
+                &conds[step - 1],
+                &spks_in,
+                &cond_in,
+                cc.as_ref(),
+                att,
+                &sink,
+            )?;
             let vc = v.narrow(0, 0, b)?;
             let vu = v.narrow(0, b, b)?;
             let v = ((vc * (1.0 + self.cfg_rate))? - (vu * self.cfg_rate)?)?;
@@ -278,21 +317,37 @@ impl Cfm {
         // inputs: mu, speakers, condition, then (with a cache) its attention and conv parts;
         // outputs: the solution, the new attention and conv caches
         let solve = |x: &[Tensor]| -> Result<Vec<Tensor>> {
-            let x0 = noise.unsqueeze(0)?.broadcast_as((b, ch, t))?.to_dtype(x[0].dtype())?.contiguous()?;
-            let cache = if x.len() == 5 { Cache::Joined { att: &x[3], cnn: &x[4], mask: None } } else { Cache::None };
+            let x0 = noise
+                .unsqueeze(0)?
+                .broadcast_as((b, ch, t))?
+                .to_dtype(x[0].dtype())?
+                .contiguous()?;
+            let cache = if x.len() == 5 {
+                Cache::Joined { att: &x[3], cnn: &x[4], mask: None }
+            } else {
+                Cache::None
+            };
             let (out, cnn, att) = self.euler(x0, &x[0], &x[1], &x[2], &conds, cache)?;
             Ok(vec![out, att.expect("caches held apart"), cnn])
         };
         let out = match (self.policy, cache) {
             // (the shape key holds the cache length, hence the noise offset)
-            (Some(p), Some(c)) if b <= p.max_batch => self.graphs.run(n_timesteps, &[mu, spks, cond, &c.att, &c.cnn], &solve)?,
-            (_, Some(c)) => solve(&[mu.clone(), spks.clone(), cond.clone(), c.att.clone(), c.cnn.clone()])?,
+            (Some(p), Some(c)) if b <= p.max_batch => {
+                self.graphs.run(n_timesteps, &[mu, spks, cond, &c.att, &c.cnn], &solve)?
+            }
+            (_, Some(c)) => {
+                solve(&[mu.clone(), spks.clone(), cond.clone(), c.att.clone(), c.cnn.clone()])?
+            }
             // a voice's setup (no cache yet): the reference is cut to a fixed length, so one
             // graph serves every voice
-            (Some(p), None) if b <= p.setup_batch => self.graphs.run(n_timesteps, &[mu, spks, cond], &solve)?,
+            (Some(p), None) if b <= p.setup_batch => {
+                self.graphs.run(n_timesteps, &[mu, spks, cond], &solve)?
+            }
             (_, None) => solve(&[mu.clone(), spks.clone(), cond.clone()])?,
         };
-        let [x, att, cnn]: [Tensor; 3] = out.try_into().map_err(|_| candle_core::Error::Msg("the chunk solve gives three outputs".into()))?;
+        let [x, att, cnn]: [Tensor; 3] = out
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("the chunk solve gives three outputs".into()))?;
         Ok((x, EstimatorCache { att, cnn }))
     }
 
@@ -316,8 +371,20 @@ impl Cfm {
     ) -> Result<(Tensor, Tensor)> {
         let conds = self.conditions(n_timesteps, mu.device())?;
         let solve = |x: &[Tensor]| -> Result<Vec<Tensor>> {
-            let batch = PoolBatch { rows: x[5].clone(), pos: x[6].clone(), mask: x[7].clone(), ends: x.get(8).cloned() };
-            let (out, cnn, _) = self.euler(x[0].clone(), &x[1], &x[2], &x[3], &conds, Cache::Pool { pool, cnn: &x[4], batch: &batch })?;
+            let batch = PoolBatch {
+                rows: x[5].clone(),
+                pos: x[6].clone(),
+                mask: x[7].clone(),
+                ends: x.get(8).cloned(),
+            };
+            let (out, cnn, _) = self.euler(
+                x[0].clone(),
+                &x[1],
+                &x[2],
+                &x[3],
+                &conds,
+                Cache::Pool { pool, cnn: &x[4], batch: &batch },
+            )?;
             Ok(vec![out, cnn])
         };
         // (the ends only when the rows' chunks may differ in length: a graph without them is the
@@ -325,10 +392,14 @@ impl Cfm {
         let mut inputs = vec![x0, mu, spks, cond, cnn, &batch.rows, &batch.pos, &batch.mask];
         inputs.extend(batch.ends.as_ref());
         let out = match self.policy {
-            Some(p) if mu.dim(0)? <= p.pool_batch => self.pool_graphs.run(n_timesteps, &inputs, &solve)?,
+            Some(p) if mu.dim(0)? <= p.pool_batch => {
+                self.pool_graphs.run(n_timesteps, &inputs, &solve)?
+            }
             _ => solve(&inputs.iter().map(|t| (*t).clone()).collect::<Vec<_>>())?,
         };
-        let [x, cnn]: [Tensor; 2] = out.try_into().map_err(|_| candle_core::Error::Msg("the pooled chunk solve gives two outputs".into()))?;
+        let [x, cnn]: [Tensor; 2] = out.try_into().map_err(|_| {
+            candle_core::Error::Msg("the pooled chunk solve gives two outputs".into())
+        })?;
         Ok((x, cnn))
     }
 
@@ -349,9 +420,17 @@ impl Cfm {
         let (b, _, t) = mu.dims3()?;
         let lmax = cache.len();
         if lens.len() != b || lens.iter().any(|&l| l > lmax) {
-            candle_core::bail!("solve_chunk_ragged: {} lengths for {b} streams, cache of {lmax}", lens.len());
+            candle_core::bail!(
+                "solve_chunk_ragged: {} lengths for {b} streams, cache of {lmax}",
+                lens.len()
+            );
         }
-        let x0 = Tensor::stack(&lens.iter().map(|&l| self.noise_at(l, t)).collect::<Result<Vec<_>>>()?, 0)?.to_dtype(mu.dtype())?.contiguous()?;
+        let x0 = Tensor::stack(
+            &lens.iter().map(|&l| self.noise_at(l, t)).collect::<Result<Vec<_>>>()?,
+            0,
+        )?
+        .to_dtype(mu.dtype())?
+        .contiguous()?;
         // keys are [new t; cache lmax]: a row sees its t new keys and its own cache length
         let mut m = Vec::with_capacity(2 * b * (t + lmax));
         for _ in 0..2 {
@@ -359,9 +438,17 @@ impl Cfm {
                 m.extend((0..t + lmax).map(|j| if j < t + l { 0f32 } else { f32::NEG_INFINITY }));
             }
         }
-        let mask = Tensor::from_vec(m, (2 * b, 1, 1, t + lmax), mu.device())?.to_dtype(mu.dtype())?;
+        let mask =
+            Tensor::from_vec(m, (2 * b, 1, 1, t + lmax), mu.device())?.to_dtype(mu.dtype())?;
         let conds = self.conditions(n_timesteps, mu.device())?;
-        let (x, cnn, att) = self.euler(x0, mu, spks, cond, &conds, Cache::Joined { att: &cache.att, cnn: &cache.cnn, mask: Some(&mask) })?;
+        let (x, cnn, att) = self.euler(
+            x0,
+            mu,
+            spks,
+            cond,
+            &conds,
+            Cache::Joined { att: &cache.att, cnn: &cache.cnn, mask: Some(&mask) },
+        )?;
         Ok((x, EstimatorCache { att: att.expect("caches held apart"), cnn }))
     }
 }

@@ -48,7 +48,14 @@ pub(crate) fn linear(vb: VarBuilder, i: usize, o: usize, bias: bool) -> Result<L
     Ok(Linear::new(w, b))
 }
 
-pub(crate) fn conv1d(vb: VarBuilder, i: usize, o: usize, k: usize, cfg: Conv1dConfig, bias: bool) -> Result<Conv1d> {
+pub(crate) fn conv1d(
+    vb: VarBuilder,
+    i: usize,
+    o: usize,
+    k: usize,
+    cfg: Conv1dConfig,
+    bias: bool,
+) -> Result<Conv1d> {
     let w = vb.get((o, i / cfg.groups, k), "weight")?;
     let b = if bias { Some(vb.get(o, "bias")?) } else { None };
     Ok(Conv1d::new(w, b, cfg))
@@ -80,7 +87,8 @@ impl LinearEmbed {
 /// `[2 size - 1, d]`, sin on even and cos on odd channels.
 pub fn rel_positions(size: usize, d: usize, dev: &Device) -> Result<Tensor> {
     let half = d / 2;
-    let div: Vec<f32> = (0..half).map(|i| ((2 * i) as f32 * -(10000f32.ln() / d as f32)).exp()).collect();
+    let div: Vec<f32> =
+        (0..half).map(|i| ((2 * i) as f32 * -(10000f32.ln() / d as f32)).exp()).collect();
     let rows = 2 * size - 1;
     let mut pe = vec![0f32; rows * d];
     for k in 0..rows {
@@ -125,7 +133,13 @@ impl RelSelfAttention {
 
     /// `x: [B, T, d]`, `cache: [B, h, L, 2 dk]` (K | V), `pos: [2 (L+T) - 1, d]`, `shift`: the
     /// relative shift's index `[1, 1, T, L+T]` ([`ConformerEncoder::shift`]).
-    fn forward(&self, x: &Tensor, cache: Option<&Tensor>, pos: &Tensor, shift: &Tensor) -> Result<(Tensor, Tensor)> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        cache: Option<&Tensor>,
+        pos: &Tensor,
+        shift: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
         let (b, t, d) = x.dims3()?;
         let heads = |y: Tensor| y.reshape((b, t, self.heads, self.dk))?.transpose(1, 2);
         let q = self.linear_q.forward(x)?.reshape((b, t, self.heads, self.dk))?;
@@ -139,13 +153,20 @@ impl RelSelfAttention {
         }
         let new_cache = Tensor::cat(&[&k, &v], 3)?;
         let s = k.dim(2)?;
-        let p = self.linear_pos.forward(pos)?.reshape((2 * s - 1, self.heads, self.dk))?.transpose(0, 1)?; // [h, 2S-1, dk]
+        let p = self
+            .linear_pos
+            .forward(pos)?
+            .reshape((2 * s - 1, self.heads, self.dk))?
+            .transpose(0, 1)?; // [h, 2S-1, dk]
         let qu = q.broadcast_add(&self.pos_bias_u)?.transpose(1, 2)?.contiguous()?; // [B, h, T, dk]
         let qv = q.broadcast_add(&self.pos_bias_v)?.transpose(1, 2)?.contiguous()?;
         let ac = qu.matmul(&k.transpose(2, 3)?.contiguous()?)?; // [B, h, T, S]
         let bd = qv.broadcast_matmul(&p.t()?.contiguous()?.unsqueeze(0)?)?; // [B, h, T, 2S-1]
         if shift.dims() != [1, 1, t, s] {
-            candle_core::bail!("relative shift index {:?} for {t} queries against {s} keys", shift.dims());
+            candle_core::bail!(
+                "relative shift index {:?} for {t} queries against {s} keys",
+                shift.dims()
+            );
         }
         let idx = shift.broadcast_as((b, self.heads, t, s))?.contiguous()?;
         let bd = bd.contiguous()?.gather(&idx, 3)?;
@@ -177,10 +198,19 @@ impl ConformerLayer {
         })
     }
 
-    fn forward(&self, x: &Tensor, cache: Option<&Tensor>, pos: &Tensor, shift: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (a, new_cache) = self.self_attn.forward(&self.norm_mha.forward(x)?, cache, pos, shift)?;
+    fn forward(
+        &self,
+        x: &Tensor,
+        cache: Option<&Tensor>,
+        pos: &Tensor,
+        shift: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let (a, new_cache) =
+            self.self_attn.forward(&self.norm_mha.forward(x)?, cache, pos, shift)?;
         let x = (x + a)?;
-        let h = self.w_2.forward(&candle_nn::ops::silu(&self.w_1.forward(&self.norm_ff.forward(&x)?)?)?)?;
+        let h = self
+            .w_2
+            .forward(&candle_nn::ops::silu(&self.w_1.forward(&self.norm_ff.forward(&x)?)?)?)?;
         Ok(((x + h)?, new_cache))
     }
 }
@@ -224,7 +254,9 @@ impl ConformerCache {
 
     /// Stacks equal-shaped caches of several streams along the batch dimension.
     pub fn stack(caches: &[&ConformerCache]) -> Result<ConformerCache> {
-        let cat = |f: &dyn Fn(&ConformerCache) -> &Tensor| -> Result<Tensor> { Tensor::cat(&caches.iter().map(|c| f(c)).collect::<Vec<_>>(), 0) };
+        let cat = |f: &dyn Fn(&ConformerCache) -> &Tensor| -> Result<Tensor> {
+            Tensor::cat(&caches.iter().map(|c| f(c)).collect::<Vec<_>>(), 0)
+        };
         let n1 = caches[0].att_token.len();
         let n2 = caches[0].att_mel.len();
         Ok(ConformerCache {
@@ -276,7 +308,10 @@ impl ConformerEncoder {
     pub fn load(vb: VarBuilder, cfg: &ConformerConfig) -> Result<Self> {
         let c = cfg.output_size;
         if cfg.input_size != c {
-            candle_core::bail!("flow encoder: input_size {} must equal output_size {c}", cfg.input_size);
+            candle_core::bail!(
+                "flow encoder: input_size {} must equal output_size {c}",
+                cfg.input_size
+            );
         }
         let nopad = Conv1dConfig::default();
         let p = vb.pp("pre_lookahead_layer");
@@ -284,10 +319,21 @@ impl ConformerEncoder {
             embed: LinearEmbed::load(vb.pp("embed"), cfg.input_size, c)?,
             pre_conv1: conv1d(p.pp("conv1"), c, c, cfg.pre_lookahead_len + 1, nopad, true)?,
             pre_conv2: conv1d(p.pp("conv2"), c, c, 3, nopad, true)?,
-            encoders: (0..cfg.num_blocks).map(|i| ConformerLayer::load(vb.pp("encoders").pp(i), cfg)).collect::<Result<_>>()?,
-            up_conv: conv1d(vb.pp("up_layer").pp("conv"), c, c, 2 * cfg.up_stride + 1, nopad, true)?,
+            encoders: (0..cfg.num_blocks)
+                .map(|i| ConformerLayer::load(vb.pp("encoders").pp(i), cfg))
+                .collect::<Result<_>>()?,
+            up_conv: conv1d(
+                vb.pp("up_layer").pp("conv"),
+                c,
+                c,
+                2 * cfg.up_stride + 1,
+                nopad,
+                true,
+            )?,
             up_embed: LinearEmbed::load(vb.pp("up_embed"), cfg.input_size, c)?,
-            up_encoders: (0..cfg.num_up_blocks).map(|i| ConformerLayer::load(vb.pp("up_encoders").pp(i), cfg)).collect::<Result<_>>()?,
+            up_encoders: (0..cfg.num_up_blocks)
+                .map(|i| ConformerLayer::load(vb.pp("up_encoders").pp(i), cfg))
+                .collect::<Result<_>>()?,
             after_norm: candle_nn::layer_norm(c, 1e-5, vb.pp("after_norm"))?,
             cfg: cfg.clone(),
             pos_table: rel_positions(POS_TABLE, c, vb.device())?.to_dtype(vb.dtype())?,
@@ -297,7 +343,10 @@ impl ConformerEncoder {
 
     /// Relative-position rows for `size` positions, `[2 size - 1, C]` in `dtype`.
     fn positions(&self, size: usize, dtype: candle_core::DType, dev: &Device) -> Result<Tensor> {
-        if size <= POS_TABLE && self.pos_table.dtype() == dtype && self.pos_table.device().same_device(dev) {
+        if size <= POS_TABLE
+            && self.pos_table.dtype() == dtype
+            && self.pos_table.device().same_device(dev)
+        {
             return self.pos_table.narrow(0, POS_TABLE - size, 2 * size - 1);
         }
         rel_positions(size, self.cfg.output_size, dev)?.to_dtype(dtype)
@@ -307,10 +356,13 @@ impl ConformerEncoder {
     /// `s - t + i`) against key `j` reads row `j + t - 1 - i`; `[1, 1, t, s]` u32.
     fn shift(&self, t: usize, s: usize, dev: &Device) -> Result<Tensor> {
         let mut shifts = self.shifts.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, idx)) = shifts.iter().find(|(k, idx)| *k == (t, s) && idx.device().same_device(dev)) {
+        if let Some((_, idx)) =
+            shifts.iter().find(|(k, idx)| *k == (t, s) && idx.device().same_device(dev))
+        {
             return Ok(idx.clone());
         }
-        let idx: Vec<u32> = (0..t).flat_map(|i| (0..s).map(move |j| (j + t - 1 - i) as u32)).collect();
+        let idx: Vec<u32> =
+            (0..t).flat_map(|i| (0..s).map(move |j| (j + t - 1 - i) as u32)).collect();
         let idx = Tensor::from_vec(idx, (1, 1, t, s), dev)?;
         if shifts.len() >= SHIFTS {
             shifts.remove(0);
@@ -325,7 +377,12 @@ impl ConformerEncoder {
 
     /// One chunk of token embeddings `xs: [B, T, input]` -> `[B, up_stride (T - L), C]` (without the
     /// look-ahead `L`; on the last chunk zeros stand in for it and every token is emitted).
-    pub fn forward_chunk(&self, xs: &Tensor, last_chunk: bool, cache: Option<&ConformerCache>) -> Result<(Tensor, ConformerCache)> {
+    pub fn forward_chunk(
+        &self,
+        xs: &Tensor,
+        last_chunk: bool,
+        cache: Option<&ConformerCache>,
+    ) -> Result<(Tensor, ConformerCache)> {
         let la = self.cfg.pre_lookahead_len;
         let stride = self.cfg.up_stride;
         let (b, _, _) = xs.dims3()?;
@@ -344,7 +401,11 @@ impl ConformerEncoder {
         let xt = x.transpose(1, 2)?.contiguous()?;
         let o = candle_nn::ops::leaky_relu(&self.pre_conv1.forward(&xt)?, 0.01)?; // [B, C, T-la]
         let t1 = t - la;
-        let new_cnn1 = if t1 >= 2 { o.narrow(2, t1 - 2, 2)? } else { candle_core::bail!("a chunk needs at least {} tokens", la + 2) };
+        let new_cnn1 = if t1 >= 2 {
+            o.narrow(2, t1 - 2, 2)?
+        } else {
+            candle_core::bail!("a chunk needs at least {} tokens", la + 2)
+        };
         let cache1 = match cache {
             Some(cc) => cc.cnn.narrow(2, 0, 2)?,
             None => Tensor::zeros((b, c, 2), o.dtype(), dev)?,

@@ -70,7 +70,16 @@ pub fn conv_cols_snake(x: &Tensor, p: Cols, alpha: Option<&Tensor>) -> Result<Te
     if x.device().is_cuda() {
         let (ints, grid, shape) = cuda::cols_launch(x.dims3()?, p, l);
         let alpha = alpha.map(|a| a.to_dtype(x.dtype())?.contiguous()).transpose()?;
-        return crate::code2wav::dit_ops::cuda::launch_shaped("conv_cols", x, &[alpha.as_ref()], &ints, &[], &[], grid, Some(shape));
+        return crate::code2wav::dit_ops::cuda::launch_shaped(
+            "conv_cols",
+            x,
+            &[alpha.as_ref()],
+            &ints,
+            &[],
+            &[],
+            grid,
+            Some(shape),
+        );
     }
     let (b, c, t) = x.dims3()?;
     let Cols { k, d, pad_l, pad_r, stride, up } = p;
@@ -79,10 +88,15 @@ pub fn conv_cols_snake(x: &Tensor, p: Cols, alpha: Option<&Tensor>) -> Result<Te
         None => x.clone(),
     };
     let t_up = t * up;
-    let x = if up > 1 { x.unsqueeze(3)?.broadcast_as((b, c, t, up))?.reshape((b, c, t_up))? } else { x.clone() };
+    let x = if up > 1 {
+        x.unsqueeze(3)?.broadcast_as((b, c, t, up))?.reshape((b, c, t_up))?
+    } else {
+        x.clone()
+    };
     let xp = x.pad_with_zeros(2, pad_l, pad_r)?;
     // every (j, t): the padded input's position t · stride + j d, gathered at once
-    let idx: Vec<u32> = (0..k).flat_map(|j| (0..l).map(move |t| (t * stride + j * d) as u32)).collect();
+    let idx: Vec<u32> =
+        (0..k).flat_map(|j| (0..l).map(move |t| (t * stride + j * d) as u32)).collect();
     let idx = Tensor::from_vec(idx, k * l, x.device())?;
     // [B, C, k L] -> [B, C k, L], then the ones row and the zero rows
     let cols = xp.contiguous()?.index_select(&idx, 2)?.reshape((b, c * k, l))?;
@@ -133,7 +147,13 @@ pub fn half_columns_product(w: &Tensor, cols: &Tensor) -> Result<Tensor> {
     let (_, r) = w.dims2()?;
     let (b, r2, _) = cols.dims3()?;
     if r != r2 || w.dtype() != DType::F16 || cols.dtype() != DType::F16 {
-        candle_core::bail!("half_columns_product: {:?} {:?} times {:?} {:?}", w.shape(), w.dtype(), cols.shape(), cols.dtype());
+        candle_core::bail!(
+            "half_columns_product: {:?} {:?} times {:?} {:?}",
+            w.shape(),
+            w.dtype(),
+            cols.shape(),
+            cols.dtype()
+        );
     }
     #[cfg(feature = "cuda")]
     if cols.device().is_cuda() {
@@ -147,7 +167,9 @@ pub fn half_columns_product(w: &Tensor, cols: &Tensor) -> Result<Tensor> {
 mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::cublas::{result::gemm_strided_batched_ex, sys};
-    use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{
+        DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    };
     use candle_core::cuda_backend::CudaStorage;
     use candle_core::{CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
     use half::f16;
@@ -158,7 +180,11 @@ mod cuda {
 
     /// The columns kernel's integer arguments, its grid and the columns' shape, for an input of
     /// `(B, C, T)`.
-    pub(super) fn cols_launch((b, c, t): (usize, usize, usize), p: Cols, l: usize) -> ([i32; 10], (u32, u32), Shape) {
+    pub(super) fn cols_launch(
+        (b, c, t): (usize, usize, usize),
+        p: Cols,
+        l: usize,
+    ) -> ([i32; 10], (u32, u32), Shape) {
         let per = cols_rows(c, p.k);
         let rows = b * per;
         let ints = [c, t, p.k, p.d, p.pad_l, l, p.stride, p.up, per, rows].map(|v| v as i32);
@@ -177,7 +203,11 @@ mod cuda {
             "conv_cols_half"
         }
 
-        fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> Result<(candle_core::CpuStorage, Shape)> {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> Result<(candle_core::CpuStorage, Shape)> {
             candle_core::bail!("conv_cols_half: the CUDA op ran on the CPU")
         }
 
@@ -189,7 +219,10 @@ mod cuda {
             let dev = s.device().clone();
             let input = s.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
             let guard = self.alpha.as_ref().map(|a| a.storage_and_layout());
-            let alpha = guard.as_ref().map(|(s, l)| crate::fused::cuda::view::<f32>(s, l, "conv_cols_half")).transpose()?;
+            let alpha = guard
+                .as_ref()
+                .map(|(s, l)| crate::fused::cuda::view::<f32>(s, l, "conv_cols_half"))
+                .transpose()?;
             // SAFETY: the kernel writes every element of the columns.
             let out = unsafe { dev.alloc::<f16>(shape.elem_count()) }?;
             let f = dev.get_or_load_custom_func("conv_cols_half_f32", MODULE, PTX)?;
@@ -204,7 +237,11 @@ mod cuda {
             for i in &ints {
                 b.arg(i);
             }
-            let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
+            let cfg = LaunchConfig {
+                grid_dim: (grid, 1, 1),
+                block_dim: (block, 1, 1),
+                shared_mem_bytes: 0,
+            };
             // SAFETY: the arguments are the kernel's, in its order; the grid strides over every row.
             unsafe { b.launch(cfg) }.map_err(err)?;
             Ok((CudaStorage::wrap_cuda_slice(out, dev), shape))
@@ -229,7 +266,13 @@ mod cuda {
             candle_core::bail!("half_columns_product: the CUDA op ran on the CPU")
         }
 
-        fn cuda_fwd(&self, ws: &CudaStorage, wl: &Layout, cs: &CudaStorage, cl: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn cuda_fwd(
+            &self,
+            ws: &CudaStorage,
+            wl: &Layout,
+            cs: &CudaStorage,
+            cl: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
             if !wl.is_contiguous() || !cl.is_contiguous() {
                 candle_core::bail!("half_columns_product: contiguous factors");
             }

@@ -41,7 +41,15 @@ pub struct DitConfig {
 
 impl Default for DitConfig {
     fn default() -> Self {
-        Self { in_channels: 320, out_channels: 80, hidden_size: 512, depth: 16, num_heads: 8, head_dim: 64, mlp_ratio: 4.0 }
+        Self {
+            in_channels: 320,
+            out_channels: 80,
+            hidden_size: 512,
+            depth: 16,
+            num_heads: 8,
+            head_dim: 64,
+            mlp_ratio: 4.0,
+        }
     }
 }
 
@@ -94,7 +102,10 @@ impl ConvBlock {
         let nopad = Conv1dConfig::default();
         let tap_major = |c: &Conv1d| -> Result<(Tensor, Tensor)> {
             let w = c.weight().permute((0, 2, 1))?.contiguous()?.reshape((h, 3 * h))?;
-            let b = c.bias().cloned().ok_or_else(|| candle_core::Error::Msg("DiT convs have biases".into()))?;
+            let b = c
+                .bias()
+                .cloned()
+                .ok_or_else(|| candle_core::Error::Msg("DiT convs have biases".into()))?;
             Ok((w, b))
         };
         let (w1, b1) = tap_major(&conv1d(vb.pp(1), h, h, 3, nopad, true)?)?;
@@ -106,14 +117,28 @@ impl ConvBlock {
     /// time-major) -> conv 2's output before its bias, `[N, T, C]`; the new cache is written into
     /// `dst` (`[N, 2, 2C]`, contiguous), taken where each row's frames end (`ends`, `[N]` u32, for
     /// chunks of different lengths padded to `T`; `None`: at `T`).
-    fn forward(&self, x: &Tensor, cache: Option<&Tensor>, dst: &Tensor, ends: Option<&Tensor>) -> Result<Tensor> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        cache: Option<&Tensor>,
+        dst: &Tensor,
+        ends: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let c = self.channels;
         let (t1, t2) = match cache {
-            Some(t) => (Some(t.narrow(2, 0, c)?.contiguous()?), Some(t.narrow(2, c, c)?.contiguous()?)),
+            Some(t) => {
+                (Some(t.narrow(2, 0, c)?.contiguous()?), Some(t.narrow(2, c, c)?.contiguous()?))
+            }
             None => (None, None),
         };
         let y = mm(&dit_ops::causal_im2col(x, t1.as_ref())?, &self.w1)?;
-        let y = dit_ops::bias_ln_mish(&y, &self.b1, self.norm.weight(), self.norm.bias().expect("layer_norm has a bias"), 1e-5)?;
+        let y = dit_ops::bias_ln_mish(
+            &y,
+            &self.b1,
+            self.norm.weight(),
+            self.norm.bias().expect("layer_norm has a bias"),
+            1e-5,
+        )?;
         let z = mm(&dit_ops::causal_im2col(&y, t2.as_ref())?, &self.w2)?;
         let t = x.dim(1)?;
         if t >= 2 {
@@ -129,7 +154,11 @@ impl ConvBlock {
                 };
                 Tensor::cat(&[&pre, x], 1)?.narrow(1, t, 2)
             };
-            dst.slice_set(&Tensor::cat(&[tail(x, t1.as_ref())?, tail(&y, t2.as_ref())?], 2)?.contiguous()?, 0, 0)?;
+            dst.slice_set(
+                &Tensor::cat(&[tail(x, t1.as_ref())?, tail(&y, t2.as_ref())?], 2)?.contiguous()?,
+                0,
+                0,
+            )?;
         }
         Ok(z)
     }
@@ -159,15 +188,25 @@ impl Block {
             linear(vb.pp("attn").pp("to_v"), h, inner, true)?,
         );
         let qn = candle_nn::layer_norm(cfg.head_dim, 1e-5, vb.pp("attn").pp("q_norm"))?;
-        let q_norm = LayerNorm::new((qn.weight() * scale)?, (qn.bias().expect("layer_norm has a bias") * scale)?, qn.eps());
+        let q_norm = LayerNorm::new(
+            (qn.weight() * scale)?,
+            (qn.bias().expect("layer_norm has a bias") * scale)?,
+            qn.eps(),
+        );
         let a = vb.pp("attn");
         let mlp = (h as f64 * cfg.mlp_ratio) as usize;
-        let (proj, fc1, fc2) =
-            (linear(a.pp("proj"), inner, h, true)?, linear(vb.pp("mlp").pp("fc1"), h, mlp, true)?, linear(vb.pp("mlp").pp("fc2"), mlp, h, true)?);
+        let (proj, fc1, fc2) = (
+            linear(a.pp("proj"), inner, h, true)?,
+            linear(vb.pp("mlp").pp("fc1"), h, mlp, true)?,
+            linear(vb.pp("mlp").pp("fc2"), mlp, h, true)?,
+        );
         let block = Self {
             attn: Attention {
                 w_qkv: Tensor::cat(&[q.weight(), k.weight(), v.weight()], 0)?,
-                b_qkv: Tensor::cat(&[bias_of(&q, "to_q")?, bias_of(&k, "to_k")?, bias_of(&v, "to_v")?], 0)?,
+                b_qkv: Tensor::cat(
+                    &[bias_of(&q, "to_q")?, bias_of(&k, "to_k")?, bias_of(&v, "to_v")?],
+                    0,
+                )?,
                 q_norm,
                 k_norm: candle_nn::layer_norm(cfg.head_dim, 1e-5, a.pp("k_norm"))?,
                 w_proj: proj.weight().clone(),
@@ -186,19 +225,45 @@ impl Block {
 
     /// `x: [N, T, H]`; `m`: this block's modulation, `[1, 9 H]`; `att`: this block's cached keys
     /// and values (a block's share of [`Att`]); the new caches go into `sink` (this block's share).
-    fn forward(&self, x: &Tensor, m: &Tensor, cnn: Option<&Tensor>, att: Att<'_>, sink: &BlockSink<'_>) -> Result<Tensor> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        m: &Tensor,
+        cnn: Option<&Tensor>,
+        att: Att<'_>,
+        sink: &BlockSink<'_>,
+    ) -> Result<Tensor> {
         let m = m.chunk(9, D::Minus1)?;
         let (shift_msa, scale_msa, gate_msa) = (&m[0], &m[1], &m[2]);
         let (shift_mlp, scale_mlp, gate_mlp) = (&m[3], &m[4], &m[5]);
         let (shift_conv, scale_conv, gate_conv) = (&m[6], &m[7], &m[8]);
         // attention
-        let o = self.attn_forward(&dit_ops::ln_modulate(x, shift_msa, scale_msa, 1e-6)?, att, sink.att)?;
+        let o = self.attn_forward(
+            &dit_ops::ln_modulate(x, shift_msa, scale_msa, 1e-6)?,
+            att,
+            sink.att,
+        )?;
         // (each residual and the next part's modulated input in one pass)
-        let (x, hc) =
-            dit_ops::gate_residual_ln_modulate(x, &mm(&o, &self.attn.w_proj)?, Some(&self.attn.b_proj), gate_msa, shift_conv, scale_conv, 1e-6)?;
+        let (x, hc) = dit_ops::gate_residual_ln_modulate(
+            x,
+            &mm(&o, &self.attn.w_proj)?,
+            Some(&self.attn.b_proj),
+            gate_msa,
+            shift_conv,
+            scale_conv,
+            1e-6,
+        )?;
         // conv
         let cv = self.conv.forward(&hc, cnn, sink.cnn, sink.ends)?;
-        let (x, hm) = dit_ops::gate_residual_ln_modulate(&x, &cv, Some(&self.conv.b2), gate_conv, shift_mlp, scale_mlp, 1e-6)?;
+        let (x, hm) = dit_ops::gate_residual_ln_modulate(
+            &x,
+            &cv,
+            Some(&self.conv.b2),
+            gate_conv,
+            shift_mlp,
+            scale_mlp,
+            1e-6,
+        )?;
         // mlp
         let h = dit_ops::bias_gelu(&mm(&hm, &self.w_fc1)?, &self.b_fc1)?;
         dit_ops::gate_residual(&x, &mm(&h, &self.w_fc2)?, Some(&self.b_fc2), gate_mlp)
@@ -209,9 +274,18 @@ impl Block {
     /// first) go into `dst` (`[N, h, T + L, 2 hd]`), a pool's slots are written in place.
     fn attn_forward(&self, x: &Tensor, cache: Att<'_>, dst: Option<&Tensor>) -> Result<Tensor> {
         let a = &self.attn;
-        let norm = |l: &LayerNorm| (l.weight().clone(), l.bias().expect("layer_norm has a bias").clone());
+        let norm =
+            |l: &LayerNorm| (l.weight().clone(), l.bias().expect("layer_norm has a bias").clone());
         let ((qw, qb), (kw, kb)) = (norm(&a.q_norm), norm(&a.k_norm));
-        let heads = dit_ops::qkv_heads(&mm(x, &a.w_qkv)?, &a.b_qkv, (&qw, &qb), (&kw, &kb), a.heads, a.hd, a.q_norm.eps())?;
+        let heads = dit_ops::qkv_heads(
+            &mm(x, &a.w_qkv)?,
+            &a.b_qkv,
+            (&qw, &qb),
+            (&kw, &kb),
+            a.heads,
+            a.hd,
+            a.q_norm.eps(),
+        )?;
         let (q, mut k, mut v) = (heads.get(0)?, heads.get(1)?, heads.get(2)?);
         // (contiguous pieces: one plain copy each, and the key matrix transposes for free)
         let mask = match cache {
@@ -225,11 +299,20 @@ impl Block {
             }
             Att::Pool { k: pk, v: pv, rows, pos, mask, mode } => {
                 // (the new keys into the rows' slots, then attention over the slots)
-                crate::fused::kv_rows_store(&pk.unsqueeze(0)?, &pv.unsqueeze(0)?, &k.unsqueeze(0)?, &v.unsqueeze(0)?, rows, pos)?;
+                crate::fused::kv_rows_store(
+                    &pk.unsqueeze(0)?,
+                    &pv.unsqueeze(0)?,
+                    &k.unsqueeze(0)?,
+                    &v.unsqueeze(0)?,
+                    rows,
+                    pos,
+                )?;
                 return super::dit_attention::attend_pool(mode, &q, pk, pv, rows, mask);
             }
         };
-        let Some(dst) = dst else { candle_core::bail!("DiT attention: no buffer for the new keys and values") };
+        let Some(dst) = dst else {
+            candle_core::bail!("DiT attention: no buffer for the new keys and values")
+        };
         dit_ops::kv_join_into(dst, &k, &v)?;
         super::dit_attention::attend(&q, &k, &v, mask)
     }
@@ -248,7 +331,14 @@ pub enum Att<'a> {
     /// stored at `pos` (`[N, T]`) of rows `rows` (`[N]`), then each row attends over its row
     /// under `mask` (`[N, 1, 1, cap]`), the way `mode` says
     /// ([`super::dit_attention::attend_pool`]).
-    Pool { k: &'a Tensor, v: &'a Tensor, rows: &'a Tensor, pos: &'a Tensor, mask: &'a Tensor, mode: PoolAttention },
+    Pool {
+        k: &'a Tensor,
+        v: &'a Tensor,
+        rows: &'a Tensor,
+        pos: &'a Tensor,
+        mask: &'a Tensor,
+        mode: PoolAttention,
+    },
 }
 
 impl<'a> Att<'a> {
@@ -257,7 +347,9 @@ impl<'a> Att<'a> {
         Ok(match *self {
             Att::Empty => BlockAtt::Empty,
             Att::Joined { k, v, mask } => BlockAtt::Joined { k: k.get(i)?, v: v.get(i)?, mask },
-            Att::Pool { k, v, rows, pos, mask, mode } => BlockAtt::Pool { k: k.get(i)?, v: v.get(i)?, rows, pos, mask, mode },
+            Att::Pool { k, v, rows, pos, mask, mode } => {
+                BlockAtt::Pool { k: k.get(i)?, v: v.get(i)?, rows, pos, mask, mode }
+            }
         })
     }
 }
@@ -265,8 +357,19 @@ impl<'a> Att<'a> {
 /// One block's share of an [`Att`] (owned views).
 enum BlockAtt<'a> {
     Empty,
-    Joined { k: Tensor, v: Tensor, mask: Option<&'a Tensor> },
-    Pool { k: Tensor, v: Tensor, rows: &'a Tensor, pos: &'a Tensor, mask: &'a Tensor, mode: PoolAttention },
+    Joined {
+        k: Tensor,
+        v: Tensor,
+        mask: Option<&'a Tensor>,
+    },
+    Pool {
+        k: Tensor,
+        v: Tensor,
+        rows: &'a Tensor,
+        pos: &'a Tensor,
+        mask: &'a Tensor,
+        mode: PoolAttention,
+    },
 }
 
 impl BlockAtt<'_> {
@@ -274,7 +377,9 @@ impl BlockAtt<'_> {
         match self {
             BlockAtt::Empty => Att::Empty,
             BlockAtt::Joined { k, v, mask } => Att::Joined { k, v, mask: *mask },
-            BlockAtt::Pool { k, v, rows, pos, mask, mode } => Att::Pool { k, v, rows, pos, mask, mode: *mode },
+            BlockAtt::Pool { k, v, rows, pos, mask, mode } => {
+                Att::Pool { k, v, rows, pos, mask, mode: *mode }
+            }
         }
     }
 }
@@ -302,14 +407,32 @@ struct BlockSink<'a> {
 impl Sink<'_> {
     /// Buffers for `steps` evaluations (a leading axis) over `n` rows of `t` frames with caches of
     /// `l` (no attention buffer with `pooled`), in `like`'s dtype and device.
-    pub fn buffers(cfg: &DitConfig, steps: usize, n: usize, t: usize, l: usize, pooled: bool, like: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+    pub fn buffers(
+        cfg: &DitConfig,
+        steps: usize,
+        n: usize,
+        t: usize,
+        l: usize,
+        pooled: bool,
+        like: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let (dt, dev) = (like.dtype(), like.device());
         // SAFETY: left uninitialised because the evaluations write every element before anything
         // reads it: block i of step s writes all of `cnn[s, i]` ([`dit_ops::conv_tails_into`] or a
         // whole-slice `slice_set`) and all of `att[s, i]` ([`dit_ops::kv_join_into`] over every
         // row and position); a solve that fails drops them unread.
         let cnn = unsafe { Tensor::empty((steps, cfg.depth, n, 2, 2 * cfg.hidden_size), dt, dev) }?;
-        let att = if pooled { None } else { Some(unsafe { Tensor::empty((steps, cfg.depth, n, cfg.num_heads, t + l, 2 * cfg.head_dim), dt, dev) }?) };
+        let att = if pooled {
+            None
+        } else {
+            Some(unsafe {
+                Tensor::empty(
+                    (steps, cfg.depth, n, cfg.num_heads, t + l, 2 * cfg.head_dim),
+                    dt,
+                    dev,
+                )
+            }?)
+        };
         Ok((cnn, att))
     }
 }
@@ -338,7 +461,13 @@ impl EstimatorCache {
     pub fn trim(&mut self, prompt_frames: usize, history: usize) -> Result<()> {
         let l = self.len();
         if l > prompt_frames + history {
-            self.att = Tensor::cat(&[&self.att.narrow(4, 0, prompt_frames)?, &self.att.narrow(4, l - history, history)?], 4)?;
+            self.att = Tensor::cat(
+                &[
+                    &self.att.narrow(4, 0, prompt_frames)?,
+                    &self.att.narrow(4, l - history, history)?,
+                ],
+                4,
+            )?;
         }
         Ok(())
     }
@@ -366,11 +495,18 @@ impl Dit {
             candle_core::bail!("DiT: num_heads × head_dim must equal hidden_size");
         }
         let t = vb.pp("t_embedder").pp("mlp");
-        let (blocks, adas): (Vec<Block>, Vec<Linear>) =
-            (0..cfg.depth).map(|i| Block::load(vb.pp("blocks").pp(i), cfg)).collect::<Result<Vec<_>>>()?.into_iter().unzip();
+        let (blocks, adas): (Vec<Block>, Vec<Linear>) = (0..cfg.depth)
+            .map(|i| Block::load(vb.pp("blocks").pp(i), cfg))
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .unzip();
         let ada_w: Vec<&Tensor> = adas.iter().map(|l| l.weight()).collect();
-        let ada_b: Vec<Tensor> =
-            adas.iter().map(|l| l.bias().cloned().ok_or_else(|| candle_core::Error::Msg("adaLN has a bias".into()))).collect::<Result<_>>()?;
+        let ada_b: Vec<Tensor> = adas
+            .iter()
+            .map(|l| {
+                l.bias().cloned().ok_or_else(|| candle_core::Error::Msg("adaLN has a bias".into()))
+            })
+            .collect::<Result<_>>()?;
         let ada_all = Linear::new(Tensor::cat(&ada_w, 0)?, Some(Tensor::cat(&ada_b, 0)?));
         Ok(Self {
             t_mlp0: linear(t.pp(0), FREQ_EMB, h, true)?,
@@ -457,7 +593,14 @@ impl Dit {
         mask: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let hd = self.cfg.head_dim;
-        let split = att.map(|a| Ok::<_, candle_core::Error>((a.narrow(4, 0, hd)?.contiguous()?, a.narrow(4, hd, hd)?.contiguous()?))).transpose()?;
+        let split = att
+            .map(|a| {
+                Ok::<_, candle_core::Error>((
+                    a.narrow(4, 0, hd)?.contiguous()?,
+                    a.narrow(4, hd, hd)?.contiguous()?,
+                ))
+            })
+            .transpose()?;
         let l = split.as_ref().map(|(k, _)| k.dim(3)).transpose()?.unwrap_or(0);
         let att = match &split {
             Some((k, v)) => Att::Joined { k, v, mask },
@@ -466,7 +609,16 @@ impl Dit {
         let (n, _, t) = x.dims3()?;
         let (cnn_out, att_out) = Sink::buffers(&self.cfg, 1, n, t, l, false, x)?;
         let (cnn_out, att_out) = (cnn_out.get(0)?, att_out.expect("caches held apart").get(0)?);
-        let out = self.forward_into(x, mu, sc, spks, cond, cnn, att, &Sink { cnn: &cnn_out, att: Some(&att_out), ends: None })?;
+        let out = self.forward_into(
+            x,
+            mu,
+            sc,
+            spks,
+            cond,
+            cnn,
+            att,
+            &Sink { cnn: &cnn_out, att: Some(&att_out), ends: None },
+        )?;
         Ok((out, cnn_out, att_out))
     }
 

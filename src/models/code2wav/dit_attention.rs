@@ -26,7 +26,14 @@ pub enum PoolAttention {
 }
 
 /// [`pool_attention_ops`]'s result the way `mode` asks.
-pub fn attend_pool(mode: PoolAttention, q: &Tensor, pk: &Tensor, pv: &Tensor, rows: &Tensor, mask: &Tensor) -> Result<Tensor> {
+pub fn attend_pool(
+    mode: PoolAttention,
+    q: &Tensor,
+    pk: &Tensor,
+    pv: &Tensor,
+    rows: &Tensor,
+    mask: &Tensor,
+) -> Result<Tensor> {
     match mode {
         PoolAttention::Gathered => pool_attention_ops(q, pk, pv, rows, mask),
         PoolAttention::InPlace => pool_attention_in_place(q, pk, pv, rows, mask),
@@ -37,11 +44,28 @@ pub fn attend_pool(mode: PoolAttention, q: &Tensor, pk: &Tensor, pv: &Tensor, ro
 /// `softmax(q kᵀ + mask) v` per row and head, over row `n`'s slot row `rows[n]` of the pool: `q:
 /// [N, h, T, d]`; `pk`, `pv`: one block's planes, `[R, h, cap, d]` (contiguous); `rows: [N]` u32;
 /// `mask: [N, 1, 1, cap]` (0 or -inf). Returns the heads side by side, `[N, T, h d]`.
-pub fn pool_attention(q: &Tensor, pk: &Tensor, pv: &Tensor, rows: &Tensor, mask: &Tensor) -> Result<Tensor> {
+pub fn pool_attention(
+    q: &Tensor,
+    pk: &Tensor,
+    pv: &Tensor,
+    rows: &Tensor,
+    mask: &Tensor,
+) -> Result<Tensor> {
     let (n, h, _, d) = q.dims4()?;
     let (_, ph, cap, pd) = pk.dims4()?;
-    if pv.shape() != pk.shape() || ph != h || pd != d || rows.dims1()? != n || mask.dims() != [n, 1, 1, cap] {
-        candle_core::bail!("pool_attention: q {:?} over pool {:?} with rows {:?}, mask {:?}", q.shape(), pk.shape(), rows.shape(), mask.shape());
+    if pv.shape() != pk.shape()
+        || ph != h
+        || pd != d
+        || rows.dims1()? != n
+        || mask.dims() != [n, 1, 1, cap]
+    {
+        candle_core::bail!(
+            "pool_attention: q {:?} over pool {:?} with rows {:?}, mask {:?}",
+            q.shape(),
+            pk.shape(),
+            rows.shape(),
+            mask.shape()
+        );
     }
     #[cfg(feature = "cuda")]
     if kernel_takes(q, pk, pv, rows, cap) {
@@ -52,7 +76,15 @@ pub fn pool_attention(q: &Tensor, pk: &Tensor, pv: &Tensor, rows: &Tensor, mask:
         let mask = mask.to_dtype(q.dtype())?.contiguous()?;
         let srcs = [&q.contiguous()?, pk, pv, &mask];
         let ints = [h as i32, t as i32, cap as i32];
-        dit_ops::cuda::launch_into("pool_attention", &out, &srcs, Some(&rows.contiguous()?), &ints, &[], ((n * h * t.div_ceil(16)) as u32, 128))?;
+        dit_ops::cuda::launch_into(
+            "pool_attention",
+            &out,
+            &srcs,
+            Some(&rows.contiguous()?),
+            &ints,
+            &[],
+            ((n * h * t.div_ceil(16)) as u32, 128),
+        )?;
         return Ok(out);
     }
     pool_attention_ops(q, pk, pv, rows, mask)
@@ -80,10 +112,21 @@ fn kernel_takes(q: &Tensor, pk: &Tensor, pv: &Tensor, rows: &Tensor, cap: usize)
 /// (one per row and head: the row's key plane times its queries, then the row's value plane times
 /// the probabilities, written straight into the heads-side-by-side output) around the masked
 /// softmax; elsewhere [`pool_attention_ops`] itself.
-pub fn pool_attention_in_place(q: &Tensor, pk: &Tensor, pv: &Tensor, rows: &Tensor, mask: &Tensor) -> Result<Tensor> {
+pub fn pool_attention_in_place(
+    q: &Tensor,
+    pk: &Tensor,
+    pv: &Tensor,
+    rows: &Tensor,
+    mask: &Tensor,
+) -> Result<Tensor> {
     let (n, h, _, d) = q.dims4()?;
     let (_, ph, cap, pd) = pk.dims4()?;
-    if pv.shape() != pk.shape() || ph != h || pd != d || rows.dims1()? != n || mask.dims() != [n, 1, 1, cap] {
+    if pv.shape() != pk.shape()
+        || ph != h
+        || pd != d
+        || rows.dims1()? != n
+        || mask.dims() != [n, 1, 1, cap]
+    {
         candle_core::bail!(
             "pool_attention_in_place: q {:?} over pool {:?} with rows {:?}, mask {:?}",
             q.shape(),
@@ -106,8 +149,19 @@ pub fn pool_attention_in_place(q: &Tensor, pk: &Tensor, pv: &Tensor, rows: &Tens
 }
 
 /// The op-by-op twin of [`pool_attention`]: the rows' planes gathered, then [`attend`].
-pub fn pool_attention_ops(q: &Tensor, pk: &Tensor, pv: &Tensor, rows: &Tensor, mask: &Tensor) -> Result<Tensor> {
-    attend(q, &crate::fused::rows_gather(pk, rows)?, &crate::fused::rows_gather(pv, rows)?, Some(mask))
+pub fn pool_attention_ops(
+    q: &Tensor,
+    pk: &Tensor,
+    pv: &Tensor,
+    rows: &Tensor,
+    mask: &Tensor,
+) -> Result<Tensor> {
+    attend(
+        q,
+        &crate::fused::rows_gather(pk, rows)?,
+        &crate::fused::rows_gather(pv, rows)?,
+        Some(mask),
+    )
 }
 
 /// Attention op by op over keys and values at hand (`q: [N, h, T, d]`, `k`, `v: [N, h, L, d]`,

@@ -7,7 +7,9 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cublas::sys;
-use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDType, CudaStorage};
 use candle_core::{CustomOp1, DType, Layout, Result, Shape, Tensor};
 
@@ -17,8 +19,19 @@ use crate::fused::cuda::{err, kernel, view};
 
 /// `q: [N, h, T, d]` (any layout) over the pool's planes `pk`, `pv: [R, h, cap, d]` (contiguous),
 /// `rows: [N]` u32, `mask: [N, 1, 1, cap]` -> `[N, T, h d]`; the caller checked the shapes.
-pub(super) fn attend(q: &Tensor, pk: &Tensor, pv: &Tensor, rows: &Tensor, mask: &Tensor) -> Result<Tensor> {
-    let op = InPlace { pk: pk.clone(), pv: pv.clone(), rows: rows.contiguous()?, mask: mask.to_dtype(q.dtype())?.contiguous()? };
+pub(super) fn attend(
+    q: &Tensor,
+    pk: &Tensor,
+    pv: &Tensor,
+    rows: &Tensor,
+    mask: &Tensor,
+) -> Result<Tensor> {
+    let op = InPlace {
+        pk: pk.clone(),
+        pv: pv.clone(),
+        rows: rows.contiguous()?,
+        mask: mask.to_dtype(q.dtype())?.contiguous()?,
+    };
     q.contiguous()?.apply_op1_no_bwd(&op)
 }
 
@@ -30,7 +43,12 @@ struct InPlace {
 }
 
 impl InPlace {
-    fn run<T: CudaDType + DeviceRepr>(&self, s: &CudaStorage, l: &Layout, ty: sys::cudaDataType_t) -> Result<(CudaStorage, Shape)> {
+    fn run<T: CudaDType + DeviceRepr>(
+        &self,
+        s: &CudaStorage,
+        l: &Layout,
+        ty: sys::cudaDataType_t,
+    ) -> Result<(CudaStorage, Shape)> {
         let (n, h, t, d) = l.shape().dims4()?;
         let cap = self.pk.dim(2)?;
         let (nh, es) = (n * h, std::mem::size_of::<T>());
@@ -40,11 +58,23 @@ impl InPlace {
         let (pvs, pvl) = self.pv.storage_and_layout();
         let (rs, rl) = self.rows.storage_and_layout();
         let (ms, ml) = self.mask.storage_and_layout();
-        let (pk, pv) = (view::<T>(&pks, pkl, "in-place attention")?, view::<T>(&pvs, pvl, "in-place attention")?);
-        let (rows, mask) = (view::<u32>(&rs, rl, "in-place attention")?, view::<T>(&ms, ml, "in-place attention")?);
+        let (pk, pv) = (
+            view::<T>(&pks, pkl, "in-place attention")?,
+            view::<T>(&pvs, pvl, "in-place attention")?,
+        );
+        let (rows, mask) = (
+            view::<u32>(&rs, rl, "in-place attention")?,
+            view::<T>(&ms, ml, "in-place attention")?,
+        );
         // SAFETY: the first product writes every score, the softmax every probability, the second
         // product every output element (each head its d columns of each of its rows' T positions).
-        let (scores, probs, out) = unsafe { (dev.alloc::<T>(nh * t * cap)?, dev.alloc::<T>(nh * t * cap)?, dev.alloc::<T>(n * t * h * d)?) };
+        let (scores, probs, out) = unsafe {
+            (
+                dev.alloc::<T>(nh * t * cap)?,
+                dev.alloc::<T>(nh * t * cap)?,
+                dev.alloc::<T>(n * t * h * d)?,
+            )
+        };
         // SAFETY: attention_pointers writes all 6 nh entries.
         let ptrs = unsafe { dev.alloc::<u64>(6 * nh) }?;
         let stream = dev.cuda_stream();
@@ -62,7 +92,11 @@ impl InPlace {
             for i in &ints {
                 b.arg(i);
             }
-            let cfg = LaunchConfig { grid_dim: (nh.div_ceil(128) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            let cfg = LaunchConfig {
+                grid_dim: (nh.div_ceil(128) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
             // SAFETY: the kernel's arguments in its order; rows index the pool's planes (the
             // caller's slots, as the gathered path would read them).
             unsafe { b.launch(cfg) }.map_err(err)?;
@@ -117,7 +151,14 @@ impl InPlace {
         // the masked softmax over each row of cap scores (the mask's row for every head and position)
         let rows_all = nh * t;
         let f = dev.get_or_load_custom_func(
-            &kernel(if cap <= MASKED_SOFTMAX_WARP_ROW { "masked_softmax_rows" } else { "masked_softmax" }, s.dtype())?,
+            &kernel(
+                if cap <= MASKED_SOFTMAX_WARP_ROW {
+                    "masked_softmax_rows"
+                } else {
+                    "masked_softmax"
+                },
+                s.dtype(),
+            )?,
             MODULE,
             PTX,
         )?;
@@ -130,7 +171,11 @@ impl InPlace {
         } else {
             rows_all
         };
-        let cfg = LaunchConfig { grid_dim: (grid as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (grid as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         // SAFETY: masked_softmax(_rows)'s arguments in its order over rows_all rows of cap.
         unsafe { b.launch(cfg) }.map_err(err)?;
         // output (column-major d x T at leading dimension h d, i.e. head h's columns of [T, h d]) =
@@ -146,7 +191,11 @@ impl CustomOp1 for InPlace {
         "pool-attention-in-place"
     }
 
-    fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> Result<(candle_core::CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CpuStorage, Shape)> {
         candle_core::bail!("pool_attention_in_place: the CUDA op ran on the CPU")
     }
 

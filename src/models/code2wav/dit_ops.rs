@@ -29,11 +29,20 @@ fn layer_norm_plain(x: &Tensor, eps: f64) -> Result<Tensor> {
 /// `LN(x) · (1 + scale) + shift` (LN without affine, over the last axis).
 pub fn ln_modulate(x: &Tensor, shift: &Tensor, scale: &Tensor, eps: f64) -> Result<Tensor> {
     let h = x.dim(D::Minus1)?;
-    let (shift, scale) = (vector(shift, h, "ln_modulate shift")?, vector(scale, h, "ln_modulate scale")?);
+    let (shift, scale) =
+        (vector(shift, h, "ln_modulate shift")?, vector(scale, h, "ln_modulate scale")?);
     #[cfg(feature = "cuda")]
     if on_cuda(x) {
         let rows = (x.elem_count() / h) as u32;
-        return cuda::launch("ln_modulate", x, &[Some(&shift), Some(&scale)], &[h as i32], &[], &[eps as f32], (rows, 256));
+        return cuda::launch(
+            "ln_modulate",
+            x,
+            &[Some(&shift), Some(&scale)],
+            &[h as i32],
+            &[],
+            &[eps as f32],
+            (rows, 256),
+        );
     }
     layer_norm_plain(x, eps)?.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(&shift)
 }
@@ -41,18 +50,35 @@ pub fn ln_modulate(x: &Tensor, shift: &Tensor, scale: &Tensor, eps: f64) -> Resu
 /// `mish(LN(x + bias) · w + b)` over the last axis.
 pub fn bias_ln_mish(x: &Tensor, bias: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
     let h = x.dim(D::Minus1)?;
-    let (bias, w, b) = (vector(bias, h, "bias_ln_mish bias")?, vector(w, h, "bias_ln_mish weight")?, vector(b, h, "bias_ln_mish bias")?);
+    let (bias, w, b) = (
+        vector(bias, h, "bias_ln_mish bias")?,
+        vector(w, h, "bias_ln_mish weight")?,
+        vector(b, h, "bias_ln_mish bias")?,
+    );
     #[cfg(feature = "cuda")]
     if on_cuda(x) {
         let rows = (x.elem_count() / h) as u32;
-        return cuda::launch("bias_ln_mish", x, &[Some(&bias), Some(&w), Some(&b)], &[h as i32], &[], &[eps as f32], (rows, 256));
+        return cuda::launch(
+            "bias_ln_mish",
+            x,
+            &[Some(&bias), Some(&w), Some(&b)],
+            &[h as i32],
+            &[],
+            &[eps as f32],
+            (rows, 256),
+        );
     }
     let y = candle_nn::ops::layer_norm(&x.broadcast_add(&bias)?.contiguous()?, &w, &b, eps as f32)?;
     super::conformer::mish(&y)
 }
 
 /// `x + (a + bias) · gate` (`bias` optional, `gate` per channel).
-pub fn gate_residual(x: &Tensor, a: &Tensor, bias: Option<&Tensor>, gate: &Tensor) -> Result<Tensor> {
+pub fn gate_residual(
+    x: &Tensor,
+    a: &Tensor,
+    bias: Option<&Tensor>,
+    gate: &Tensor,
+) -> Result<Tensor> {
     let h = x.dim(D::Minus1)?;
     if a.shape() != x.shape() {
         candle_core::bail!("gate_residual: {:?} and {:?}", x.shape(), a.shape());
@@ -98,7 +124,8 @@ pub fn gate_residual_ln_modulate(
             candle_core::bail!("gate_residual_ln_modulate: {:?} and {:?}", x.shape(), a.shape());
         }
         let bias = bias.map(|b| vector(b, h, "gate_residual bias")).transpose()?;
-        let vs = [(gate, "gate"), (shift, "shift"), (scale, "scale")].map(|(t, what)| vector(t, h, what));
+        let vs = [(gate, "gate"), (shift, "shift"), (scale, "scale")]
+            .map(|(t, what)| vector(t, h, what));
         let [gate, shift, scale] = vs;
         let (gate, shift, scale) = (gate?, shift?, scale?);
         let rows = x.elem_count() / h;
@@ -128,7 +155,15 @@ pub fn bias_gelu(a: &Tensor, bias: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if on_cuda(a) {
         let total = a.elem_count();
-        return cuda::launch("bias_gelu", a, &[Some(&bias)], &[h as i32], &[total as u64], &[], cuda::grid(total));
+        return cuda::launch(
+            "bias_gelu",
+            a,
+            &[Some(&bias)],
+            &[h as i32],
+            &[total as u64],
+            &[],
+            cuda::grid(total),
+        );
     }
     a.broadcast_add(&bias)?.gelu()
 }
@@ -207,7 +242,10 @@ pub fn qkv_heads(
     let q = candle_nn::ops::layer_norm(&part(0)?, &qw, &qb, eps as f32)?;
     let k = candle_nn::ops::layer_norm(&part(1)?, &kw, &kb, eps as f32)?;
     let v = part(2)?;
-    Tensor::stack(&[q, k, v].iter().map(|p| p.transpose(1, 2)?.contiguous()).collect::<Result<Vec<_>>>()?, 0)
+    Tensor::stack(
+        &[q, k, v].iter().map(|p| p.transpose(1, 2)?.contiguous()).collect::<Result<Vec<_>>>()?,
+        0,
+    )
 }
 
 /// The longest row `masked_softmax` gives a warp on CUDA (`SM_WARP_VALUES` × 32 in kernels/dit.cu:
@@ -229,9 +267,25 @@ pub fn masked_softmax(att: &Tensor, mask: &Tensor) -> Result<Tensor> {
             // a warp a row, 8 rows a block of 256 threads
             let all = n * rows;
             let ints = [l as i32, rows as i32, all as i32];
-            return cuda::launch("masked_softmax_rows", &att, &[Some(&mask)], &ints, &[], &[], (all.div_ceil(8) as u32, 256));
+            return cuda::launch(
+                "masked_softmax_rows",
+                &att,
+                &[Some(&mask)],
+                &ints,
+                &[],
+                &[],
+                (all.div_ceil(8) as u32, 256),
+            );
         }
-        return cuda::launch("masked_softmax", &att, &[Some(&mask)], &[l as i32, rows as i32], &[], &[], ((n * rows) as u32, 256));
+        return cuda::launch(
+            "masked_softmax",
+            &att,
+            &[Some(&mask)],
+            &[l as i32, rows as i32],
+            &[],
+            &[],
+            ((n * rows) as u32, 256),
+        );
     }
     candle_nn::ops::softmax_last_dim(&att.broadcast_add(mask)?)
 }
@@ -242,12 +296,26 @@ pub fn masked_softmax(att: &Tensor, mask: &Tensor) -> Result<Tensor> {
 /// `2 ..= T`) when the rows are chunks of different lengths padded to `T`.
 pub fn conv_tails_into(dst: &Tensor, x: &Tensor, y: &Tensor, ends: Option<&Tensor>) -> Result<()> {
     let (n, t, c) = x.dims3()?;
-    if t < 2 || y.dims() != x.dims() || dst.dims() != [n, 2, 2 * c] || !dst.is_contiguous() || dst.dtype() != x.dtype() {
-        candle_core::bail!("conv_tails_into: x {:?}, y {:?} into {:?}", x.shape(), y.shape(), dst.shape());
+    if t < 2
+        || y.dims() != x.dims()
+        || dst.dims() != [n, 2, 2 * c]
+        || !dst.is_contiguous()
+        || dst.dtype() != x.dtype()
+    {
+        candle_core::bail!(
+            "conv_tails_into: x {:?}, y {:?} into {:?}",
+            x.shape(),
+            y.shape(),
+            dst.shape()
+        );
     }
     if let Some(e) = ends {
         if e.dims() != [n] || e.dtype() != candle_core::DType::U32 {
-            candle_core::bail!("conv_tails_into: ends {:?} ({:?}) for {n} rows", e.shape(), e.dtype());
+            candle_core::bail!(
+                "conv_tails_into: ends {:?} ({:?}) for {n} rows",
+                e.shape(),
+                e.dtype()
+            );
         }
     }
     #[cfg(feature = "cuda")]
@@ -255,14 +323,32 @@ pub fn conv_tails_into(dst: &Tensor, x: &Tensor, y: &Tensor, ends: Option<&Tenso
         let total = n * 2 * 2 * c;
         let (x, y) = (x.contiguous()?, y.contiguous()?);
         return match ends {
-            Some(e) => {
-                cuda::launch_into("conv_tails_at", dst, &[&x, &y], Some(&e.contiguous()?), &[t as i32, c as i32], &[total as u64], cuda::grid(total))
-            }
-            None => cuda::launch_into("conv_tails", dst, &[&x, &y], None, &[t as i32, c as i32], &[total as u64], cuda::grid(total)),
+            Some(e) => cuda::launch_into(
+                "conv_tails_at",
+                dst,
+                &[&x, &y],
+                Some(&e.contiguous()?),
+                &[t as i32, c as i32],
+                &[total as u64],
+                cuda::grid(total),
+            ),
+            None => cuda::launch_into(
+                "conv_tails",
+                dst,
+                &[&x, &y],
+                None,
+                &[t as i32, c as i32],
+                &[total as u64],
+                cuda::grid(total),
+            ),
         };
     }
     let Some(ends) = ends else {
-        return dst.slice_set(&Tensor::cat(&[x.narrow(1, t - 2, 2)?, y.narrow(1, t - 2, 2)?], 2)?.contiguous()?, 0, 0);
+        return dst.slice_set(
+            &Tensor::cat(&[x.narrow(1, t - 2, 2)?, y.narrow(1, t - 2, 2)?], 2)?.contiguous()?,
+            0,
+            0,
+        );
     };
     let ends = ends.to_device(&candle_core::Device::Cpu)?.to_vec1::<u32>()?;
     let rows = ends
@@ -283,13 +369,30 @@ pub fn conv_tails_into(dst: &Tensor, x: &Tensor, y: &Tensor, ends: Option<&Tenso
 /// d]`, contiguous: a view of a solve's attention cache buffer) in place.
 pub fn kv_join_into(dst: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
     let (n, h, l, d) = k.dims4()?;
-    if v.dims() != k.dims() || dst.dims() != [n, h, l, 2 * d] || !dst.is_contiguous() || dst.dtype() != k.dtype() {
-        candle_core::bail!("kv_join_into: k {:?}, v {:?} into {:?}", k.shape(), v.shape(), dst.shape());
+    if v.dims() != k.dims()
+        || dst.dims() != [n, h, l, 2 * d]
+        || !dst.is_contiguous()
+        || dst.dtype() != k.dtype()
+    {
+        candle_core::bail!(
+            "kv_join_into: k {:?}, v {:?} into {:?}",
+            k.shape(),
+            v.shape(),
+            dst.shape()
+        );
     }
     #[cfg(feature = "cuda")]
     if on_cuda(k) {
         let total = n * h * l * 2 * d;
-        return cuda::launch_into("kv_join", dst, &[&k.contiguous()?, &v.contiguous()?], None, &[d as i32], &[total as u64], cuda::grid(total));
+        return cuda::launch_into(
+            "kv_join",
+            dst,
+            &[&k.contiguous()?, &v.contiguous()?],
+            None,
+            &[d as i32],
+            &[total as u64],
+            cuda::grid(total),
+        );
     }
     dst.slice_set(&k.contiguous()?, 3, 0)?;
     dst.slice_set(&v.contiguous()?, 3, d)
@@ -298,7 +401,9 @@ pub fn kv_join_into(dst: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
     use candle_core::cuda_backend::{CudaDType, CudaStorage};
     use candle_core::{CustomOp1, Layout, Result, Shape, Tensor};
 
@@ -346,7 +451,11 @@ pub(crate) mod cuda {
             ints: ints.to_vec(),
             u64s: u64s.to_vec(),
             floats: floats.to_vec(),
-            cfg: LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 },
+            cfg: LaunchConfig {
+                grid_dim: (grid, 1, 1),
+                block_dim: (block, 1, 1),
+                shared_mem_bytes: 0,
+            },
         };
         x.contiguous()?.apply_op1_no_bwd(&op)
     }
@@ -369,7 +478,11 @@ pub(crate) mod cuda {
             index: index.cloned(),
             ints: ints.to_vec(),
             u64s: u64s.to_vec(),
-            cfg: LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 },
+            cfg: LaunchConfig {
+                grid_dim: (grid, 1, 1),
+                block_dim: (block, 1, 1),
+                shared_mem_bytes: 0,
+            },
         };
         dst.inplace_op1(&op)
     }
@@ -388,9 +501,13 @@ pub(crate) mod cuda {
             let dev = s.device().clone();
             let dst = s.as_cuda_slice::<T>()?.slice(l.start_offset()..);
             let guards: Vec<_> = self.srcs.iter().map(|t| t.storage_and_layout()).collect();
-            let views = guards.iter().map(|(s, l)| view::<T>(s, l, self.name)).collect::<Result<Vec<CudaView<T>>>>()?;
+            let views = guards
+                .iter()
+                .map(|(s, l)| view::<T>(s, l, self.name))
+                .collect::<Result<Vec<CudaView<T>>>>()?;
             let index_guard = self.index.as_ref().map(|t| t.storage_and_layout());
-            let index = index_guard.as_ref().map(|(s, l)| view::<u32>(s, l, self.name)).transpose()?;
+            let index =
+                index_guard.as_ref().map(|(s, l)| view::<u32>(s, l, self.name)).transpose()?;
             let f = dev.get_or_load_custom_func(&kernel(self.name, s.dtype())?, MODULE, PTX)?;
             let mut b = f.builder();
             for v in &views {
@@ -441,10 +558,15 @@ pub(crate) mod cuda {
     }
 
     impl Launch {
-        fn run<T: CudaDType + DeviceRepr>(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            &self,
+            s: &CudaStorage,
+            l: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
             let dev = s.device().clone();
             let x = s.as_cuda_slice::<T>()?.slice(l.start_offset()..);
-            let guards: Vec<_> = self.others.iter().map(|t| t.as_ref().map(|t| t.storage_and_layout())).collect();
+            let guards: Vec<_> =
+                self.others.iter().map(|t| t.as_ref().map(|t| t.storage_and_layout())).collect();
             let views = guards
                 .iter()
                 .map(|g| g.as_ref().map(|(s, l)| view::<T>(s, l, self.name)).transpose())
@@ -484,7 +606,11 @@ pub(crate) mod cuda {
             self.name
         }
 
-        fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> Result<(candle_core::CpuStorage, Shape)> {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> Result<(candle_core::CpuStorage, Shape)> {
             candle_core::bail!("{}: the CUDA op ran on the CPU", self.name)
         }
 

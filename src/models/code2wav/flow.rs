@@ -84,8 +84,16 @@ impl Flow {
     pub fn load(vb: VarBuilder, cfg: &FlowConfig, noise: Tensor) -> Result<Self> {
         let c = cfg.encoder.output_size;
         Ok(Self {
-            input_embedding: Embedding::new(vb.pp("input_embedding").get((cfg.vocab_size, cfg.input_size), "weight")?, cfg.input_size),
-            spk_embed_affine_layer: linear(vb.pp("spk_embed_affine_layer"), cfg.spk_embed_dim, cfg.output_size, true)?,
+            input_embedding: Embedding::new(
+                vb.pp("input_embedding").get((cfg.vocab_size, cfg.input_size), "weight")?,
+                cfg.input_size,
+            ),
+            spk_embed_affine_layer: linear(
+                vb.pp("spk_embed_affine_layer"),
+                cfg.spk_embed_dim,
+                cfg.output_size,
+                true,
+            )?,
             encoder: ConformerEncoder::load(vb.pp("encoder"), &cfg.encoder)?,
             encoder_proj: linear(vb.pp("encoder_proj"), c, cfg.output_size, true)?,
             decoder: Cfm::new(
@@ -102,7 +110,11 @@ impl Flow {
     /// The setup's encoder pass as a CUDA graph per batch size (the solve's graphs follow the
     /// decoder's policy).
     pub fn set_setup_graphs(&mut self, on: bool) {
-        self.setup_graphs = if on { crate::cuda_graph::GraphSlot::on(4) } else { crate::cuda_graph::GraphSlot::off() };
+        self.setup_graphs = if on {
+            crate::cuda_graph::GraphSlot::on(4)
+        } else {
+            crate::cuda_graph::GraphSlot::off()
+        };
     }
 
     pub fn config(&self) -> &FlowConfig {
@@ -151,7 +163,10 @@ impl Flow {
             .iter()
             .map(|c| {
                 if let Some(&bad) = c.iter().find(|&&x| x as usize >= self.cfg.vocab_size) {
-                    candle_core::bail!("speech code {bad} is outside the flow's {} codes", self.cfg.vocab_size);
+                    candle_core::bail!(
+                        "speech code {bad} is outside the flow's {} codes",
+                        self.cfg.vocab_size
+                    );
                 }
                 self.input_embedding.forward(&Tensor::new(*c, self.device())?)
             })
@@ -170,7 +185,12 @@ impl Flow {
     /// Fills a stream's caches from its prompt: `prompt_codes` already ends with the look-ahead
     /// codes; `prompt_mel: [frames, 80]` with frames = up_rate × (codes - look-ahead);
     /// `spk: [192]`.
-    pub fn setup(&self, prompt_codes: &[u32], prompt_mel: &Tensor, spk: &Tensor) -> Result<FlowState> {
+    pub fn setup(
+        &self,
+        prompt_codes: &[u32],
+        prompt_mel: &Tensor,
+        spk: &Tensor,
+    ) -> Result<FlowState> {
         Ok(self.setup_batch(&[(prompt_codes, prompt_mel, spk)])?.remove(0))
     }
 
@@ -182,35 +202,59 @@ impl Flow {
         let frames = first_mel.dim(0)?;
         for &(codes, mel, _) in prompts {
             if codes.len() <= la || (codes.len() - la) * self.up_rate() != mel.dim(0)? {
-                candle_core::bail!("prompt of {} codes (with {la} look-ahead) does not match {} prompt mel frames", codes.len(), mel.dim(0)?);
+                candle_core::bail!(
+                    "prompt of {} codes (with {la} look-ahead) does not match {} prompt mel frames",
+                    codes.len(),
+                    mel.dim(0)?
+                );
             }
             if codes.len() != first.len() {
-                candle_core::bail!("a batched setup needs prompts of one length ({} and {} codes)", first.len(), codes.len());
+                candle_core::bail!(
+                    "a batched setup needs prompts of one length ({} and {} codes)",
+                    first.len(),
+                    codes.len()
+                );
             }
         }
         let b = prompts.len();
-        if let Some(&bad) = prompts.iter().flat_map(|p| p.0).find(|&&x| x as usize >= self.cfg.vocab_size) {
-            candle_core::bail!("speech code {bad} is outside the flow's {} codes", self.cfg.vocab_size);
+        if let Some(&bad) =
+            prompts.iter().flat_map(|p| p.0).find(|&&x| x as usize >= self.cfg.vocab_size)
+        {
+            candle_core::bail!(
+                "speech code {bad} is outside the flow's {} codes",
+                self.cfg.vocab_size
+            );
         }
-        let ids = Tensor::new(prompts.iter().flat_map(|p| p.0.iter().copied()).collect::<Vec<u32>>(), self.device())?.reshape((b, first.len()))?;
+        let ids = Tensor::new(
+            prompts.iter().flat_map(|p| p.0.iter().copied()).collect::<Vec<u32>>(),
+            self.device(),
+        )?
+        .reshape((b, first.len()))?;
         // the encoder over the prompts: mu, then the conformer's caches (conv, token-rate layers,
         // mel-rate layers), as one list of tensors for the graph
         let encode = |x: &[Tensor]| -> Result<Vec<Tensor>> {
-            let (h, c) = self.encoder.forward_chunk(&self.input_embedding.forward(&x[0])?, false, None)?;
-            let mut out = vec![self.encoder_proj.forward(&h)?.transpose(1, 2)?.contiguous()?, c.cnn];
+            let (h, c) =
+                self.encoder.forward_chunk(&self.input_embedding.forward(&x[0])?, false, None)?;
+            let mut out =
+                vec![self.encoder_proj.forward(&h)?.transpose(1, 2)?.contiguous()?, c.cnn];
             out.extend(c.att_token);
             out.extend(c.att_mel);
             Ok(out)
         };
         let mut outs = self.setup_graphs.run(0, &[&ids], &encode)?.into_iter();
-        let (Some(mu), Some(cnn)) = (outs.next(), outs.next()) else { candle_core::bail!("the setup's encoder gave no outputs") };
+        let (Some(mu), Some(cnn)) = (outs.next(), outs.next()) else {
+            candle_core::bail!("the setup's encoder gave no outputs")
+        };
         let mut att_token: Vec<Tensor> = outs.collect();
         let att_mel = att_token.split_off(self.cfg.encoder.num_blocks.min(att_token.len()));
         let conformer = ConformerCache { cnn, att_token, att_mel };
-        let spk = self.speaker(&Tensor::stack(&prompts.iter().map(|p| p.2).collect::<Vec<_>>(), 0)?)?;
-        let mels = prompts.iter().map(|p| p.1.to_dtype(self.dtype())?.t()).collect::<Result<Vec<_>>>()?;
+        let spk =
+            self.speaker(&Tensor::stack(&prompts.iter().map(|p| p.2).collect::<Vec<_>>(), 0)?)?;
+        let mels =
+            prompts.iter().map(|p| p.1.to_dtype(self.dtype())?.t()).collect::<Result<Vec<_>>>()?;
         let cond = Tensor::stack(&mels, 0)?.contiguous()?;
-        let (_, estimator) = self.decoder.solve_chunk(&mu, &spk, &cond, self.cfg.n_timesteps, None)?;
+        let (_, estimator) =
+            self.decoder.solve_chunk(&mu, &spk, &cond, self.cfg.n_timesteps, None)?;
         if b == 1 {
             return Ok(vec![FlowState { conformer, estimator, prompt_frames: frames, slot: None }]);
         }
@@ -218,7 +262,10 @@ impl Flow {
             .map(|i| {
                 Ok(FlowState {
                     conformer: conformer.row(i)?,
-                    estimator: EstimatorCache { att: pick_stream(&estimator.att, i, b)?, cnn: pick_stream(&estimator.cnn, i, b)? },
+                    estimator: EstimatorCache {
+                        att: pick_stream(&estimator.att, i, b)?,
+                        cnn: pick_stream(&estimator.cnn, i, b)?,
+                    },
                     prompt_frames: frames,
                     slot: None,
                 })
@@ -228,7 +275,13 @@ impl Flow {
 
     /// One chunk for a batch of streams whose chunks have equal lengths and the same `last` flag
     /// ([`Flow::chunk_mixed`] with one flag for all).
-    pub fn chunk_batch(&self, codes: &[&[u32]], spks: &[&Tensor], states: &mut [&mut FlowState], last: bool) -> Result<Vec<Tensor>> {
+    pub fn chunk_batch(
+        &self,
+        codes: &[&[u32]],
+        spks: &[&Tensor],
+        states: &mut [&mut FlowState],
+        last: bool,
+    ) -> Result<Vec<Tensor>> {
         self.chunk_mixed(codes, spks, states, &vec![last; codes.len()])
     }
 
@@ -239,13 +292,25 @@ impl Flow {
     /// their caches padded to the longest. `codes[i]` includes the leading context and (unless
     /// `lasts[i]`) the trailing look-ahead; `spks[i]: [192]`. Returns each stream's mel `[80,
     /// frames]` and advances (and trims) its state.
-    pub fn chunk_mixed(&self, codes: &[&[u32]], spks: &[&Tensor], states: &mut [&mut FlowState], lasts: &[bool]) -> Result<Vec<Tensor>> {
+    pub fn chunk_mixed(
+        &self,
+        codes: &[&[u32]],
+        spks: &[&Tensor],
+        states: &mut [&mut FlowState],
+        lasts: &[bool],
+    ) -> Result<Vec<Tensor>> {
         let b = codes.len();
         if b == 0 {
             return Ok(vec![]);
         }
         if spks.len() != b || states.len() != b || lasts.len() != b {
-            candle_core::bail!("chunk_mixed: {} codes, {} speakers, {} states, {} flags", b, spks.len(), states.len(), lasts.len());
+            candle_core::bail!(
+                "chunk_mixed: {} codes, {} speakers, {} states, {} flags",
+                b,
+                spks.len(),
+                states.len(),
+                lasts.len()
+            );
         }
         if let Some(i) = (0..b).find(|&i| !lasts[i] && codes[i].len() <= self.lookahead()) {
             candle_core::bail!("a chunk that is not the last needs new codes plus {} look-ahead codes (stream {i})", self.lookahead());
@@ -265,7 +330,9 @@ impl Flow {
             let conf = if idx.len() == 1 {
                 states[idx[0]].conformer.clone()
             } else {
-                ConformerCache::stack(&idx.iter().map(|&i| &states[i].conformer).collect::<Vec<_>>())?
+                ConformerCache::stack(
+                    &idx.iter().map(|&i| &states[i].conformer).collect::<Vec<_>>(),
+                )?
             };
             let xs = self.embed(&idx.iter().map(|&i| codes[i]).collect::<Vec<_>>())?;
             let (h, conf) = self.encoder.forward_chunk(&xs, *last, Some(&conf))?;
@@ -298,25 +365,50 @@ impl Flow {
         if !pooled.is_empty() {
             solves.push((pooled, true));
         }
-        let mut own_lengths: Vec<usize> = (0..b).filter(|&i| states[i].slot.is_none()).map(|i| frames[i]).collect();
+        let mut own_lengths: Vec<usize> =
+            (0..b).filter(|&i| states[i].slot.is_none()).map(|i| frames[i]).collect();
         own_lengths.sort_unstable();
         own_lengths.dedup();
         for f in own_lengths {
-            solves.push(((0..b).filter(|&i| states[i].slot.is_none() && frames[i] == f).collect(), false));
+            solves.push((
+                (0..b).filter(|&i| states[i].slot.is_none() && frames[i] == f).collect(),
+                false,
+            ));
         }
         let mut mels: Vec<Option<Tensor>> = vec![None; b];
         for (idx, in_pool) in solves {
             let tt = if in_pool { t } else { idx.iter().map(|&i| frames[i]).max().unwrap_or(0) };
-            let rows = idx.iter().map(|&i| if frames[i] < tt { mus[i].pad_with_zeros(2, 0, tt - frames[i]) } else { Ok(mus[i].clone()) });
+            let rows = idx.iter().map(|&i| {
+                if frames[i] < tt {
+                    mus[i].pad_with_zeros(2, 0, tt - frames[i])
+                } else {
+                    Ok(mus[i].clone())
+                }
+            });
             let mu_s = Tensor::cat(&rows.collect::<Result<Vec<_>>>()?, 0)?.contiguous()?;
             let spk_s = if idx.len() == b {
                 spk.clone()
             } else {
-                spk.index_select(&Tensor::new(idx.iter().map(|&i| i as u32).collect::<Vec<_>>().as_slice(), spk.device())?, 0)?
+                spk.index_select(
+                    &Tensor::new(
+                        idx.iter().map(|&i| i as u32).collect::<Vec<_>>().as_slice(),
+                        spk.device(),
+                    )?,
+                    0,
+                )?
             };
             let own_frames: Vec<usize> = idx.iter().map(|&i| frames[i]).collect();
-            let mut sub: Vec<&mut FlowState> = states.iter_mut().enumerate().filter(|(i, _)| idx.contains(i)).map(|(_, s)| &mut **s).collect();
-            let mel = if in_pool { self.estimate_pooled(&mu_s, &spk_s, &mut sub, &own_frames)? } else { self.estimate_own(&mu_s, &spk_s, &mut sub)? };
+            let mut sub: Vec<&mut FlowState> = states
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| idx.contains(i))
+                .map(|(_, s)| &mut **s)
+                .collect();
+            let mel = if in_pool {
+                self.estimate_pooled(&mu_s, &spk_s, &mut sub, &own_frames)?
+            } else {
+                self.estimate_own(&mu_s, &spk_s, &mut sub)?
+            };
             for (r, &i) in idx.iter().enumerate() {
                 let m = mel.get(r)?;
                 mels[i] = Some(if frames[i] < tt { m.narrow(1, 0, frames[i])? } else { m });
@@ -327,7 +419,12 @@ impl Flow {
 
     /// The CFM solve for streams with caches of their own (padded to the longest); advances and
     /// trims them. Returns the mel `[B, 80, T]`.
-    fn estimate_own(&self, mu: &Tensor, spk: &Tensor, states: &mut [&mut FlowState]) -> Result<Tensor> {
+    fn estimate_own(
+        &self,
+        mu: &Tensor,
+        spk: &Tensor,
+        states: &mut [&mut FlowState],
+    ) -> Result<Tensor> {
         let b = states.len();
         // estimator caches in the CFG layout [cond rows; uncond rows], padded to the longest
         let lens: Vec<usize> = states.iter().map(|s| s.estimator.len()).collect();
@@ -345,7 +442,8 @@ impl Flow {
                 }
             };
             let atts = states.iter().map(|s| att(s)).collect::<Result<Vec<_>>>()?;
-            let (ar, cr): (Vec<&Tensor>, Vec<&Tensor>) = (atts.iter().collect(), states.iter().map(|s| &s.estimator.cnn).collect());
+            let (ar, cr): (Vec<&Tensor>, Vec<&Tensor>) =
+                (atts.iter().collect(), states.iter().map(|s| &s.estimator.cnn).collect());
             EstimatorCache { att: cfg_rows(&ar, 0)?, cnn: cfg_rows(&cr, 0)? }
         };
         let cond = mu.zeros_like()?;
@@ -372,10 +470,17 @@ impl Flow {
     /// The CFM solve for streams in pool slots (one pool), padded to the solver's batch; stream
     /// `i`'s chunk is the first `frames[i]` of `mu`'s `T` frames (the rest padding, masked out of
     /// attention). The slots advance (and trim) in place. Returns the mel `[B, 80, T]`.
-    fn estimate_pooled(&self, mu: &Tensor, spk: &Tensor, states: &mut [&mut FlowState], frames: &[usize]) -> Result<Tensor> {
+    fn estimate_pooled(
+        &self,
+        mu: &Tensor,
+        spk: &Tensor,
+        states: &mut [&mut FlowState],
+        frames: &[usize],
+    ) -> Result<Tensor> {
         let (b, _, t) = mu.dims3()?;
         let pad = self.decoder.pool_pad(b);
-        let slots: Vec<&FlowSlot> = states.iter().map(|s| s.slot.as_ref().expect("a pooled stream has a slot")).collect();
+        let slots: Vec<&FlowSlot> =
+            states.iter().map(|s| s.slot.as_ref().expect("a pooled stream has a slot")).collect();
         let pool = slots[0].pool().clone();
         if slots.iter().any(|s| !std::sync::Arc::ptr_eq(s.pool(), &pool)) {
             candle_core::bail!("streams of one flow batch hold slots of different pools");
@@ -398,7 +503,16 @@ impl Flow {
         let (mu_p, spk_p) = (padded(mu)?, padded(spk)?);
         let cnns: Vec<&Tensor> = states.iter().map(|s| &s.estimator.cnn).collect();
         let cnn = cfg_rows(&cnns, pad - b)?;
-        let (mel, cnn) = self.decoder.solve_chunk_pool(&x0, &mu_p, &spk_p, &mu_p.zeros_like()?, self.cfg.n_timesteps, &pool, &cnn, &batch)?;
+        let (mel, cnn) = self.decoder.solve_chunk_pool(
+            &x0,
+            &mu_p,
+            &spk_p,
+            &mu_p.zeros_like()?,
+            self.cfg.n_timesteps,
+            &pool,
+            &cnn,
+            &batch,
+        )?;
         for (i, st) in states.iter_mut().enumerate() {
             st.estimator.cnn = pick_stream(&cnn, i, pad)?;
             st.slot.as_mut().expect("pooled").advance(frames[i], st.prompt_frames);
@@ -407,7 +521,13 @@ impl Flow {
     }
 
     /// One chunk of one stream.
-    pub fn chunk(&self, codes: &[u32], spk: &Tensor, state: &mut FlowState, last: bool) -> Result<Tensor> {
+    pub fn chunk(
+        &self,
+        codes: &[u32],
+        spk: &Tensor,
+        state: &mut FlowState,
+        last: bool,
+    ) -> Result<Tensor> {
         Ok(self.chunk_batch(&[codes], &[spk], &mut [state], last)?.pop().expect("one in, one out"))
     }
 }

@@ -152,14 +152,36 @@ impl HiftGenerator {
         let nfft2 = cfg.istft_n_fft + 2;
         let conv_pre = if cfg.causal {
             let k = cfg.conv_pre_look_right + 1;
-            Conv::load(vb.pp("conv_pre"), cfg.in_channels, base, k, ConvKind::Right { padding: causal_padding(k, 1) }, 1, true, true)?
+            Conv::load(
+                vb.pp("conv_pre"),
+                cfg.in_channels,
+                base,
+                k,
+                ConvKind::Right { padding: causal_padding(k, 1) },
+                1,
+                true,
+                true,
+            )?
         } else {
-            Conv::load(vb.pp("conv_pre"), cfg.in_channels, base, 7, ConvKind::Plain { padding: 3, stride: 1 }, 1, true, true)?
+            Conv::load(
+                vb.pp("conv_pre"),
+                cfg.in_channels,
+                base,
+                7,
+                ConvKind::Plain { padding: 3, stride: 1 },
+                1,
+                true,
+                true,
+            )?
         };
         let mut ups = Vec::with_capacity(n);
         for (i, (&u, &k)) in cfg.upsample_rates.iter().zip(&cfg.upsample_kernel_sizes).enumerate() {
             let (ci, co) = (base >> i, base >> (i + 1));
-            let kind = if cfg.causal { ConvKind::Up { scale: u } } else { ConvKind::Transpose { stride: u, padding: (k - u) / 2 } };
+            let kind = if cfg.causal {
+                ConvKind::Up { scale: u }
+            } else {
+                ConvKind::Transpose { stride: u, padding: (k - u) / 2 }
+            };
             ups.push(Conv::load(vb.pp("ups").pp(i), ci, co, k, kind, 1, true, true)?);
         }
         // downsampling of the source spectrum to each stage's rate
@@ -183,7 +205,16 @@ impl HiftGenerator {
                 (u, true) => (2 * u, ConvKind::Down { stride: u }),
                 (u, false) => (2 * u, ConvKind::Plain { padding: u / 2, stride: u }),
             };
-            source_downs.push(Conv::load(vb.pp("source_downs").pp(i), nfft2, co, k, kind, 1, false, true)?);
+            source_downs.push(Conv::load(
+                vb.pp("source_downs").pp(i),
+                nfft2,
+                co,
+                k,
+                kind,
+                1,
+                false,
+                true,
+            )?);
             source_resblocks.push(ResBlock::load(
                 vb.pp("source_resblocks").pp(i),
                 co,
@@ -195,13 +226,19 @@ impl HiftGenerator {
         let mut resblocks = Vec::new();
         for i in 0..n {
             let ch = base >> (i + 1);
-            for (j, (&k, d)) in cfg.resblock_kernel_sizes.iter().zip(&cfg.resblock_dilation_sizes).enumerate() {
+            for (j, (&k, d)) in
+                cfg.resblock_kernel_sizes.iter().zip(&cfg.resblock_dilation_sizes).enumerate()
+            {
                 let idx = i * cfg.resblock_kernel_sizes.len() + j;
                 resblocks.push(ResBlock::load(vb.pp("resblocks").pp(idx), ch, k, d, cfg.causal)?);
             }
         }
         let ch = base >> n;
-        let post_kind = if cfg.causal { ConvKind::Left { padding: causal_padding(7, 1) } } else { ConvKind::Plain { padding: 3, stride: 1 } };
+        let post_kind = if cfg.causal {
+            ConvKind::Left { padding: causal_padding(7, 1) }
+        } else {
+            ConvKind::Plain { padding: 3, stride: 1 }
+        };
         let conv_post = Conv::load(vb.pp("conv_post"), ch, nfft2, 7, post_kind, 1, true, true)?;
         let f0_predictor = F0Predictor::load(vb.pp("f0_predictor"), cfg)?;
         let h1 = cfg.nb_harmonics + 1;
@@ -224,9 +261,17 @@ impl HiftGenerator {
         };
         // the merge's weights on the host, and the noise table through them (in f64)
         let merge_w = l_linear.weight().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let merge_b = l_linear.bias().map(|b| b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()).transpose()?.map_or(0.0, |b| b[0]);
-        let noise_merged: Vec<f32> =
-            noise_table.chunks(h1).map(|row| row.iter().zip(&merge_w).map(|(&x, &w)| x as f64 * w as f64).sum::<f64>() as f32).collect();
+        let merge_b = l_linear
+            .bias()
+            .map(|b| b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>())
+            .transpose()?
+            .map_or(0.0, |b| b[0]);
+        let noise_merged: Vec<f32> = noise_table
+            .chunks(h1)
+            .map(|row| {
+                row.iter().zip(&merge_w).map(|(&x, &w)| x as f64 * w as f64).sum::<f64>() as f32
+            })
+            .collect();
         let mut g = Self {
             conv_pre,
             ups,
@@ -275,7 +320,11 @@ impl HiftGenerator {
             let source_history = transform
                 .add(Frac::new((down.kernel() as i128 - 1) * down.dilation as i128, rate))
                 .add(Frac::new(self.source_resblocks[stage].history() as i128, scale));
-            let res = self.resblocks[stage * nk..(stage + 1) * nk].iter().map(|r| r.history()).max().unwrap_or(0);
+            let res = self.resblocks[stage * nk..(stage + 1) * nk]
+                .iter()
+                .map(|r| r.history())
+                .max()
+                .unwrap_or(0);
             history = history.max(source_history).add(Frac::new(res as i128, scale));
         }
         let post = match self.conv_post.kind {
@@ -334,7 +383,8 @@ impl HiftGenerator {
                     x = x.pad_with_zeros(2, 0, pad)?;
                 }
             }
-            let si = self.source_resblocks[i].forward(&self.source_downs[i].forward(&st, None)?.pad_with_zeros(2, 0, pad)?)?;
+            let si = self.source_resblocks[i]
+                .forward(&self.source_downs[i].forward(&st, None)?.pad_with_zeros(2, 0, pad)?)?;
             x = (x + si)?;
             let mut xs = self.resblocks[i * nk].forward(&x)?;
             for j in 1..nk {
@@ -361,14 +411,21 @@ impl HiftGenerator {
     /// (hop, harmonics + 1, sample rate, sine amplitude, voicing threshold) of the source.
     fn source_params(&self) -> (usize, usize, f32, f32, f32) {
         let cfg = &self.cfg;
-        (cfg.hop(), cfg.nb_harmonics + 1, cfg.sampling_rate as f32, cfg.nsf_alpha as f32, cfg.nsf_voiced_threshold as f32)
+        (
+            cfg.hop(),
+            cfg.nb_harmonics + 1,
+            cfg.sampling_rate as f32,
+            cfg.nsf_alpha as f32,
+            cfg.nsf_voiced_threshold as f32,
+        )
     }
 
     /// Merges per-sample harmonic excitation `[samples × (harmonics + 1)]` into the source signal
     /// `[1, 1, samples]` (`m_source.l_linear`, tanh).
     fn merge_harmonics(&self, exc: Vec<f32>, samples: usize, h1: usize) -> Result<Tensor> {
         let dev = self.conv_pre.w.device();
-        let exc = Tensor::from_vec(exc, (1, samples, h1), dev)?.to_dtype(self.l_linear.weight().dtype())?;
+        let exc = Tensor::from_vec(exc, (1, samples, h1), dev)?
+            .to_dtype(self.l_linear.weight().dtype())?;
         self.l_linear.forward(&exc)?.tanh()?.transpose(1, 2)
     }
 

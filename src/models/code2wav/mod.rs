@@ -119,8 +119,22 @@ pub fn gaussian(rows: usize, cols: usize, seed: u64, dev: &Device) -> candle_cor
 
 impl Code2Wav {
     /// Assembles Stage 2 from loaded parts.
-    pub fn new(flow: Flow, vocoder: Vocoder, s3: S3Tokenizer, campplus: CamPlusPlus, device: &Device) -> Self {
-        Self { flow, vocoder, s3, campplus, flow_mel: std::sync::Arc::new(FlowMel::standard()), pool: None, device: device.clone() }
+    pub fn new(
+        flow: Flow,
+        vocoder: Vocoder,
+        s3: S3Tokenizer,
+        campplus: CamPlusPlus,
+        device: &Device,
+    ) -> Self {
+        Self {
+            flow,
+            vocoder,
+            s3,
+            campplus,
+            flow_mel: std::sync::Arc::new(FlowMel::standard()),
+            pool: None,
+            device: device.clone(),
+        }
     }
 
     pub fn device(&self) -> &Device {
@@ -164,7 +178,14 @@ impl Code2Wav {
             n => {
                 let max_chunk = (max_chunk_codes + self.flow.lookahead()) * self.flow.up_rate();
                 let dtype = self.flow.decoder.noise.dtype();
-                Some(slots::FlowPool::new(self.flow.config(), n, frames, max_chunk, dtype, &self.device)?)
+                Some(slots::FlowPool::new(
+                    self.flow.config(),
+                    n,
+                    frames,
+                    max_chunk,
+                    dtype,
+                    &self.device,
+                )?)
             }
         };
         Ok(())
@@ -179,7 +200,11 @@ impl Code2Wav {
     /// Pooled solves padded up to the lengths of these payloads (codes, last), as the warm-up runs
     /// them: a step's chunks then ride the graphs it captured whatever their lengths.
     pub fn set_solve_payloads(&mut self, payloads: &[(usize, bool)]) {
-        let frames = payloads.iter().map(|&(n, last)| self.flow.payload_frames(n, last)).filter(|&f| f > 0).collect();
+        let frames = payloads
+            .iter()
+            .map(|&(n, last)| self.flow.payload_frames(n, last))
+            .filter(|&f| f > 0)
+            .collect();
         self.flow.set_solve_frames(frames);
     }
 
@@ -215,8 +240,20 @@ impl Code2Wav {
     }
 
     pub fn prepare(&self, reference: &Reference) -> Result<PromptFeatures> {
-        let a16 = antiphon_audio::resample(&reference.samples, prompt::PROMPT_RATE, prompt::TOKENIZER_RATE)?;
-        prompt::prepare_features(&a16, &reference.samples, &self.s3, &self.campplus, &self.flow_mel, self.flow.up_rate(), &self.device)
+        let a16 = antiphon_audio::resample(
+            &reference.samples,
+            prompt::PROMPT_RATE,
+            prompt::TOKENIZER_RATE,
+        )?;
+        prompt::prepare_features(
+            &a16,
+            &reference.samples,
+            &self.s3,
+            &self.campplus,
+            &self.flow_mel,
+            self.flow.up_rate(),
+            &self.device,
+        )
     }
 
     /// [`Code2Wav::prepare`] for several references at once (a burst of new voices): their host
@@ -226,7 +263,14 @@ impl Code2Wav {
             return vec![self.prepare(references[0])];
         }
         let voices: Vec<&[f32]> = references.iter().map(|r| r.samples.as_slice()).collect();
-        prompt::prepare_features_batch(&voices, &self.s3, &self.campplus, &self.flow_mel, self.flow.up_rate(), &self.device)
+        prompt::prepare_features_batch(
+            &voices,
+            &self.s3,
+            &self.campplus,
+            &self.flow_mel,
+            self.flow.up_rate(),
+            &self.device,
+        )
     }
 
     /// With graphs on, a voice's preparation run until its graphs are captured (from its third
@@ -259,7 +303,10 @@ impl Code2Wav {
     /// few captured shapes serve every count). One state per voice, in order.
     pub fn setup_batch(&self, fs: &[&PromptFeatures]) -> Result<Vec<FlowState>> {
         let la = self.flow.lookahead();
-        let prompts: Vec<Vec<u32>> = fs.iter().map(|f| f.codes.iter().copied().chain(std::iter::repeat_n(SILENCE_CODE, la)).collect()).collect();
+        let prompts: Vec<Vec<u32>> = fs
+            .iter()
+            .map(|f| f.codes.iter().copied().chain(std::iter::repeat_n(SILENCE_CODE, la)).collect())
+            .collect();
         let cap = self.flow.decoder.policy().map(|p| p.setup_batch.max(1));
         let mut out: Vec<Option<FlowState>> = vec![None; fs.len()];
         let mut lengths: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
@@ -268,9 +315,12 @@ impl Code2Wav {
         for len in lengths {
             let idx: Vec<usize> = (0..fs.len()).filter(|&i| prompts[i].len() == len).collect();
             for part in idx.chunks(cap.unwrap_or(idx.len().max(1))) {
-                let padded = if cap.is_some() { part.len().next_power_of_two() } else { part.len() };
-                let args: Vec<(&[u32], &candle_core::Tensor, &candle_core::Tensor)> =
-                    (0..padded).map(|j| part[j.min(part.len() - 1)]).map(|i| (prompts[i].as_slice(), &fs[i].mel, &fs[i].speaker)).collect();
+                let padded =
+                    if cap.is_some() { part.len().next_power_of_two() } else { part.len() };
+                let args: Vec<(&[u32], &candle_core::Tensor, &candle_core::Tensor)> = (0..padded)
+                    .map(|j| part[j.min(part.len() - 1)])
+                    .map(|i| (prompts[i].as_slice(), &fs[i].mel, &fs[i].speaker))
+                    .collect();
                 for (&i, st) in part.iter().zip(self.flow.setup_batch(&args)?) {
                     out[i] = Some(st);
                 }
@@ -299,11 +349,19 @@ impl Code2Wav {
     /// flow solve, the vocoder's windows) are captured now rather than when a request first
     /// brings it (and the setup over a prompt likewise). A batch larger than the free slots is
     /// skipped. Returns the chunks run.
-    pub fn warm_graphs(&self, f: &PromptFeatures, setup: &FlowState, batches: &[usize], sequences: &[Vec<(usize, bool)>]) -> Result<usize> {
+    pub fn warm_graphs(
+        &self,
+        f: &PromptFeatures,
+        setup: &FlowState,
+        batches: &[usize],
+        sequences: &[Vec<(usize, bool)>],
+    ) -> Result<usize> {
         if self.flow.decoder.policy().is_none() {
             return Ok(0);
         }
-        let payload = |n: usize, salt: u32| -> Vec<u32> { (0..n as u32).map(|i| (i * 131 + salt * 17 + 7) % 6561).collect() };
+        let payload = |n: usize, salt: u32| -> Vec<u32> {
+            (0..n as u32).map(|i| (i * 131 + salt * 17 + 7) % 6561).collect()
+        };
         // the setup over prompts (every voice's has the same shape): a graph per batch size from
         // its second run
         let top = self.flow.decoder.policy().map(|p| p.setup_batch.max(1)).unwrap_or(1);
@@ -319,7 +377,8 @@ impl Code2Wav {
             }
             for seq in sequences {
                 for _ in 0..2 {
-                    let mut streams = (0..b).map(|_| self.start(f, setup)).collect::<Result<Vec<_>>>()?;
+                    let mut streams =
+                        (0..b).map(|_| self.start(f, setup)).collect::<Result<Vec<_>>>()?;
                     for (i, &(n, last)) in seq.iter().enumerate() {
                         let codes = payload(n, i as u32);
                         let refs: Vec<&[u32]> = (0..b).map(|_| codes.as_slice()).collect();
@@ -354,23 +413,40 @@ impl Code2Wav {
     /// One chunk for several streams with equal chunk lengths (any voices, any points in their
     /// histories): the flow and the (causal) vocoder run batched. `codes[i]` = left context + new codes + look-ahead (the
     /// last chunk may end without look-ahead). Returns each stream's new 24 kHz samples.
-    pub fn chunk_batch(&self, streams: &mut [&mut StreamState], codes: &[&[u32]], last: bool) -> Result<Vec<Tensor>> {
+    pub fn chunk_batch(
+        &self,
+        streams: &mut [&mut StreamState],
+        codes: &[&[u32]],
+        last: bool,
+    ) -> Result<Vec<Tensor>> {
         self.chunk_mixed(streams, codes, &vec![last; codes.len()])
     }
 
     /// One chunk for several streams whatever their chunks' lengths and `last` flags: one flow
     /// solve for every stream in a pool slot ([`Flow::chunk_mixed`]), the (causal) vocoder batched
     /// per group of equal mel length and flag. Returns each stream's new 24 kHz samples.
-    pub fn chunk_mixed(&self, streams: &mut [&mut StreamState], codes: &[&[u32]], lasts: &[bool]) -> Result<Vec<Tensor>> {
+    pub fn chunk_mixed(
+        &self,
+        streams: &mut [&mut StreamState],
+        codes: &[&[u32]],
+        lasts: &[bool],
+    ) -> Result<Vec<Tensor>> {
         let mels = self.flow_mixed(streams, codes, lasts)?;
-        let shapes: Vec<(usize, bool)> = mels.iter().zip(lasts).map(|(m, &l)| Ok((m.dim(1)?, l))).collect::<Result<_>>()?;
+        let shapes: Vec<(usize, bool)> =
+            mels.iter().zip(lasts).map(|(m, &l)| Ok((m.dim(1)?, l))).collect::<Result<_>>()?;
         let mut groups: Vec<(usize, bool)> = shapes.clone();
         groups.sort_unstable();
         groups.dedup();
         let mut out: Vec<Option<Tensor>> = vec![None; streams.len()];
         for (frames, last) in groups {
-            let idx: Vec<usize> = (0..shapes.len()).filter(|&i| shapes[i] == (frames, last)).collect();
-            let mut sub: Vec<&mut StreamState> = streams.iter_mut().enumerate().filter(|(i, _)| idx.contains(i)).map(|(_, s)| &mut **s).collect();
+            let idx: Vec<usize> =
+                (0..shapes.len()).filter(|&i| shapes[i] == (frames, last)).collect();
+            let mut sub: Vec<&mut StreamState> = streams
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| idx.contains(i))
+                .map(|(_, s)| &mut **s)
+                .collect();
             let sub_mels: Vec<Tensor> = idx.iter().map(|&i| mels[i].clone()).collect();
             for (&i, a) in idx.iter().zip(self.vocode_batch(&mut sub, &sub_mels, last)?) {
                 out[i] = Some(a);
@@ -383,12 +459,22 @@ impl Code2Wav {
     }
 
     /// The flow's share of [`Code2Wav::chunk_batch`]: each stream's mel `[80, frames]`.
-    pub fn flow_batch(&self, streams: &mut [&mut StreamState], codes: &[&[u32]], last: bool) -> Result<Vec<Tensor>> {
+    pub fn flow_batch(
+        &self,
+        streams: &mut [&mut StreamState],
+        codes: &[&[u32]],
+        last: bool,
+    ) -> Result<Vec<Tensor>> {
         self.flow_mixed(streams, codes, &vec![last; codes.len()])
     }
 
     /// The flow's share of [`Code2Wav::chunk_mixed`]: each stream's mel `[80, frames]`.
-    pub fn flow_mixed(&self, streams: &mut [&mut StreamState], codes: &[&[u32]], lasts: &[bool]) -> Result<Vec<Tensor>> {
+    pub fn flow_mixed(
+        &self,
+        streams: &mut [&mut StreamState],
+        codes: &[&[u32]],
+        lasts: &[bool],
+    ) -> Result<Vec<Tensor>> {
         if streams.iter().any(|s| s.finished) {
             bail!("a finished stream got another chunk");
         }
@@ -406,11 +492,23 @@ impl Code2Wav {
 
     /// The vocoder's share of [`Code2Wav::chunk_batch`] (`mels[i]`: `[80, frames]`): the causal
     /// vocoder runs batched, the original one stream by stream.
-    pub fn vocode_batch(&self, streams: &mut [&mut StreamState], mels: &[Tensor], last: bool) -> Result<Vec<Tensor>> {
+    pub fn vocode_batch(
+        &self,
+        streams: &mut [&mut StreamState],
+        mels: &[Tensor],
+        last: bool,
+    ) -> Result<Vec<Tensor>> {
         let Vocoder::Causal(h) = &self.vocoder else {
-            return streams.iter_mut().zip(mels).map(|(st, mel)| self.vocode_chunk(st, mel, last)).collect();
+            return streams
+                .iter_mut()
+                .zip(mels)
+                .map(|(st, mel)| self.vocode_chunk(st, mel, last))
+                .collect();
         };
-        let mels = mels.iter().map(|m| m.unsqueeze(0)?.to_dtype(DType::F32)).collect::<candle_core::Result<Vec<_>>>()?;
+        let mels = mels
+            .iter()
+            .map(|m| m.unsqueeze(0)?.to_dtype(DType::F32))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         let mut states = Vec::with_capacity(streams.len());
         for st in streams.iter_mut() {
             match &mut st.vocoder {
@@ -431,7 +529,9 @@ impl Code2Wav {
         let mel = mel.unsqueeze(0)?.to_dtype(DType::F32)?;
         match (&self.vocoder, &mut st.vocoder) {
             (Vocoder::Causal(h), VocoderState::Causal(vs)) => Ok(h.stream(vs, &mel, last)?),
-            (Vocoder::Original(h), VocoderState::Original(vs)) => Ok(h.stream_original(vs, &mel, last)?),
+            (Vocoder::Original(h), VocoderState::Original(vs)) => {
+                Ok(h.stream_original(vs, &mel, last)?)
+            }
             _ => Err(anyhow!("vocoder state does not match the vocoder")),
         }
     }

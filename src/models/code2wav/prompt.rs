@@ -96,14 +96,25 @@ pub fn prepare_features(
         let (fb, nf) = fbank.join().map_err(|_| anyhow::anyhow!("the fbank thread panicked"))?;
         let fb = Tensor::from_vec(fb, (nf, 80), &Device::Cpu)?;
         let speaker = campplus.embed(&fb)?.to_device(dev)?;
-        Ok((codes, speaker, prompt_mel.join().map_err(|_| anyhow::anyhow!("the prompt mel thread panicked"))?))
+        Ok((
+            codes,
+            speaker,
+            prompt_mel.join().map_err(|_| anyhow::anyhow!("the prompt mel thread panicked"))?,
+        ))
     })?;
     finish(codes, speaker, &pm, pf, up_rate, dev)
 }
 
 /// The prompt mel at 24 kHz (`pm`: `[n_mels, pf]` row-major) replicate-padded (or cut) to
 /// `up_rate` × the code count, and the features.
-fn finish(codes: Vec<u32>, speaker: Tensor, pm: &[f32], pf: usize, up_rate: usize, dev: &Device) -> Result<PromptFeatures> {
+fn finish(
+    codes: Vec<u32>,
+    speaker: Tensor,
+    pm: &[f32],
+    pf: usize,
+    up_rate: usize,
+    dev: &Device,
+) -> Result<PromptFeatures> {
     let n_mels = pm.len() / pf.max(1);
     let mut rows = vec![0f32; codes.len() * up_rate * n_mels];
     let want = codes.len() * up_rate;
@@ -129,7 +140,11 @@ fn host_parts(audio_24k: &[f32], s3_mels: usize, flow_mel: &FlowMel) -> Result<H
     let a16 = antiphon_audio::resample(audio_24k, PROMPT_RATE, TOKENIZER_RATE)?;
     let (mut fb, nf) = kaldi_fbank(&a16, TOKENIZER_RATE as usize, 80);
     mean_normalize(&mut fb, 80);
-    Ok(HostParts { s3_mel: WhisperLogMel::new(s3_mels).compute(&a16), fbank: (fb, nf), prompt_mel: flow_mel.compute(audio_24k) })
+    Ok(HostParts {
+        s3_mel: WhisperLogMel::new(s3_mels).compute(&a16),
+        fbank: (fb, nf),
+        prompt_mel: flow_mel.compute(audio_24k),
+    })
 }
 
 /// Step 2 for several voices (24 kHz, as materialized) at once: every voice's host front ends side
@@ -145,8 +160,16 @@ pub fn prepare_features_batch(
     dev: &Device,
 ) -> Vec<Result<PromptFeatures>> {
     let hosts: Vec<Result<HostParts>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = voices.iter().map(|&a| scope.spawn(move || host_parts(a, s3.n_mels(), flow_mel))).collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a preparation thread panicked")))).collect()
+        let handles: Vec<_> = voices
+            .iter()
+            .map(|&a| scope.spawn(move || host_parts(a, s3.n_mels(), flow_mel)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a preparation thread panicked")))
+            })
+            .collect()
     });
     // the device's work queued for every voice: S3 levels, then the speakers in one batch where
     // CAM++ takes one (else voice by voice)
@@ -156,7 +179,8 @@ pub fn prepare_features_batch(
     let mut fbanks: Vec<Tensor> = Vec::new();
     for h in hosts {
         let q = h.and_then(|HostParts { s3_mel, fbank, prompt_mel }| {
-            let levels = s3.levels_queued(&Tensor::from_vec(s3_mel.0, (s3.n_mels(), s3_mel.1), dev)?)?;
+            let levels =
+                s3.levels_queued(&Tensor::from_vec(s3_mel.0, (s3.n_mels(), s3_mel.1), dev)?)?;
             fbanks.push(Tensor::from_vec(fbank.0, (fbank.1, 80), &Device::Cpu)?);
             Ok((levels, prompt_mel))
         });
@@ -172,7 +196,9 @@ pub fn prepare_features_batch(
         .into_iter()
         .map(|q| {
             let (levels, (pm, pf)) = q?;
-            let speaker = speakers.next().ok_or_else(|| anyhow::anyhow!("a voice's speaker embedding went missing"))??;
+            let speaker = speakers
+                .next()
+                .ok_or_else(|| anyhow::anyhow!("a voice's speaker embedding went missing"))??;
             let codes = S3Tokenizer::codes_of(&levels)?;
             if codes.is_empty() {
                 bail!("reference audio is too short for speech codes");

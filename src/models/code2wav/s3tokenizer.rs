@@ -42,7 +42,13 @@ fn window_index(l: usize, k: usize, dev: &candle_core::Device) -> Result<Tensor>
 }
 
 /// [`depthwise_conv`] with its gather index made beforehand (nothing comes from the host).
-fn depthwise_conv_at(x: &Tensor, w: &Tensor, idx: &Tensor, pad_l: usize, pad_r: usize) -> Result<Tensor> {
+fn depthwise_conv_at(
+    x: &Tensor,
+    w: &Tensor,
+    idx: &Tensor,
+    pad_l: usize,
+    pad_r: usize,
+) -> Result<Tensor> {
     let c = x.dim(0)?;
     let k = w.dim(2)?;
     let l = idx.elem_count() / k.max(1);
@@ -55,7 +61,8 @@ fn depthwise_conv_at(x: &Tensor, w: &Tensor, idx: &Tensor, pad_l: usize, pad_r: 
 /// s3tokenizer's `onnx2torch` does (2-D weights of MatMul nodes transposed to `[out, in]`).
 pub fn state_dict_from_onnx(model: &ModelProto) -> Result<HashMap<String, Tensor>> {
     let g = model.graph.as_ref().expect("checked at read");
-    let inits: HashMap<&str, &crate::onnx::TensorProto> = g.initializer.iter().map(|t| (t.name.as_str(), t)).collect();
+    let inits: HashMap<&str, &crate::onnx::TensorProto> =
+        g.initializer.iter().map(|t| (t.name.as_str(), t)).collect();
     let mut raw: HashMap<String, Tensor> = HashMap::new();
     for node in &g.node {
         for input in &node.input {
@@ -63,10 +70,18 @@ pub fn state_dict_from_onnx(model: &ModelProto) -> Result<HashMap<String, Tensor
                 continue;
             };
             let fixed = match input.as_str() {
-                "onnx::Conv_1519" | "encoders.conv1.weight" | "onnx::Conv_2216" => Some("encoder.conv1.weight"),
-                "onnx::Conv_1520" | "encoders.conv1.bias" | "onnx::Conv_2217" => Some("encoder.conv1.bias"),
-                "onnx::Conv_1521" | "encoders.conv2.weight" | "onnx::Conv_2218" => Some("encoder.conv2.weight"),
-                "onnx::Conv_1522" | "encoders.conv2.bias" | "onnx::Conv_2219" => Some("encoder.conv2.bias"),
+                "onnx::Conv_1519" | "encoders.conv1.weight" | "onnx::Conv_2216" => {
+                    Some("encoder.conv1.weight")
+                }
+                "onnx::Conv_1520" | "encoders.conv1.bias" | "onnx::Conv_2217" => {
+                    Some("encoder.conv1.bias")
+                }
+                "onnx::Conv_1521" | "encoders.conv2.weight" | "onnx::Conv_2218" => {
+                    Some("encoder.conv2.weight")
+                }
+                "onnx::Conv_1522" | "encoders.conv2.bias" | "onnx::Conv_2219" => {
+                    Some("encoder.conv2.bias")
+                }
                 "encoders.positional_embedding" => Some("encoder.positional_embedding"),
                 "quantizer.project_in.bias" => Some("quantizer._codebook.project_down.bias"),
                 "onnx::MatMul_2536" => Some("quantizer._codebook.project_down.weight"),
@@ -83,7 +98,11 @@ pub fn state_dict_from_onnx(model: &ModelProto) -> Result<HashMap<String, Tensor
             }
             let name = fixed.map(str::to_string).unwrap_or_else(|| node.name.clone());
             let t = to_tensor(init)?;
-            let t = if t.rank() == 2 && name != "encoder.positional_embedding" { t.t()?.contiguous()? } else { t };
+            let t = if t.rank() == 2 && name != "encoder.positional_embedding" {
+                t.t()?.contiguous()?
+            } else {
+                t
+            };
             raw.insert(name, t);
         }
     }
@@ -178,7 +197,8 @@ impl S3Tokenizer {
                 mlp2: lin(&b.pp("mlp"), "2", 4 * n_state, n_state, true)?,
             });
         }
-        let project_down = lin(&vb.pp("quantizer").pp("_codebook"), "project_down", n_state, 8, true)?;
+        let project_down =
+            lin(&vb.pp("quantizer").pp("_codebook"), "project_down", n_state, 8, true)?;
         let rope = Rope::new(HEAD_DIM, 10000.0, 2048, vb.dtype(), vb.device())?;
         Ok(Self {
             conv1: c("conv1", n_mels)?,
@@ -194,14 +214,26 @@ impl S3Tokenizer {
     }
 
     /// Loads from the renamed ONNX state dict, reading the widths off its tensors.
-    pub fn from_state_dict(sd: HashMap<String, Tensor>, dtype: candle_core::DType, dev: &candle_core::Device) -> Result<Self> {
-        let conv1 = sd.get("encoder.conv1.weight").ok_or_else(|| anyhow::anyhow!("speech tokenizer: no encoder.conv1.weight"))?;
+    pub fn from_state_dict(
+        sd: HashMap<String, Tensor>,
+        dtype: candle_core::DType,
+        dev: &candle_core::Device,
+    ) -> Result<Self> {
+        let conv1 = sd
+            .get("encoder.conv1.weight")
+            .ok_or_else(|| anyhow::anyhow!("speech tokenizer: no encoder.conv1.weight"))?;
         let (n_state, n_mels, _) = conv1.dims3()?;
-        let n_layer = (0..).take_while(|k| sd.contains_key(&format!("encoder.blocks.{k}.attn.query.weight"))).count();
+        let n_layer = (0..)
+            .take_while(|k| sd.contains_key(&format!("encoder.blocks.{k}.attn.query.weight")))
+            .count();
         if n_layer == 0 {
             bail!("speech tokenizer: no encoder blocks found");
         }
-        let backend = crate::backend::Checked { inner: Box::new(sd), origin: "speech tokenizer".into(), seen: None };
+        let backend = crate::backend::Checked {
+            inner: Box::new(sd),
+            origin: "speech tokenizer".into(),
+            seen: None,
+        };
         let vb = VarBuilder::from_backend(Box::new(backend), dtype, dev.clone());
         Self::load(vb, n_state, n_mels, n_layer)
     }
@@ -222,7 +254,9 @@ impl S3Tokenizer {
         let t = mel.dim(1)?.div_ceil(2).div_ceil(2);
         let (pos, idx) = self.tables_for(t, mel.device())?;
         let levels = |x: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
-            Ok(vec![self.levels(&x[0], &pos, &idx).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?])
+            Ok(vec![self
+                .levels(&x[0], &pos, &idx)
+                .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?])
         };
         Ok(self.graphs.run(0, &[mel], &levels)?.remove(0))
     }
@@ -232,14 +266,25 @@ impl S3Tokenizer {
         let hq = levels.to_vec2::<f32>()?;
         Ok(hq
             .iter()
-            .map(|row| row.iter().enumerate().map(|(i, &v)| ((v + 1.0) * 2.0 / 2.0).round_ties_even() as u32 * 3u32.pow(i as u32)).sum())
+            .map(|row| {
+                row.iter()
+                    .enumerate()
+                    .map(|(i, &v)| {
+                        ((v + 1.0) * 2.0 / 2.0).round_ties_even() as u32 * 3u32.pow(i as u32)
+                    })
+                    .sum()
+            })
             .collect())
     }
 
     /// The device part of a run replayed as a CUDA graph per frame count (from a count's second
     /// run); off: op by op.
     pub fn set_graphs(&mut self, on: bool) {
-        self.graphs = if on { crate::cuda_graph::GraphSlot::on(2) } else { crate::cuda_graph::GraphSlot::off() };
+        self.graphs = if on {
+            crate::cuda_graph::GraphSlot::on(2)
+        } else {
+            crate::cuda_graph::GraphSlot::off()
+        };
     }
 
     fn tables_for(&self, t: usize, dev: &candle_core::Device) -> Result<(Tensor, Tensor)> {
@@ -277,7 +322,8 @@ impl S3Tokenizer {
             let k = Rope::apply(&k, &cos, &sin)?;
             // FSMN memory: depthwise conv over the values (zero padded both sides) plus the values
             let pad = (FSMN_KERNEL - 1) / 2;
-            let mem = (depthwise_conv_at(&v.t()?, &b.fsmn, idx, pad, FSMN_KERNEL - 1 - pad)?.t()? + &v)?;
+            let mem =
+                (depthwise_conv_at(&v.t()?, &b.fsmn, idx, pad, FSMN_KERNEL - 1 - pad)?.t()? + &v)?;
             let qh = (q * scale)?.transpose(0, 1)?.contiguous()?; // [H, T, d]
             let kh = (k * scale)?.transpose(0, 1)?.contiguous()?;
             let vh = v.reshape((t, heads, HEAD_DIM))?.transpose(0, 1)?.contiguous()?;
@@ -304,13 +350,34 @@ mod tests {
         let (c, t, k) = (6, 40, 31);
         let x = Tensor::randn(0f32, 1.0, (c, t), &dev).unwrap();
         let w = Tensor::randn(0f32, 1.0, (c, 1, k), &dev).unwrap();
-        let want = x.unsqueeze(0).unwrap().pad_with_zeros(2, 15, 15).unwrap().conv1d(&w, 0, 1, 1, c).unwrap().squeeze(0).unwrap();
+        let want = x
+            .unsqueeze(0)
+            .unwrap()
+            .pad_with_zeros(2, 15, 15)
+            .unwrap()
+            .conv1d(&w, 0, 1, 1, c)
+            .unwrap()
+            .squeeze(0)
+            .unwrap();
         let got = depthwise_conv(&x, &w, 15, 15).unwrap();
         assert_eq!(got.dims(), want.dims());
-        let diff = (got - &want).unwrap().abs().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let scale = want.abs().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().fold(0f32, |m, v| m.max(*v));
+        let diff =
+            (got - &want).unwrap().abs().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let scale = want
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .fold(0f32, |m, v| m.max(*v));
         // (a NaN fails: every comparison with it is false)
-        assert!(diff.iter().all(|d| *d <= 1e-5 * scale), "largest difference {:?}", diff.iter().fold(0f32, |m, v| m.max(*v)));
+        assert!(
+            diff.iter().all(|d| *d <= 1e-5 * scale),
+            "largest difference {:?}",
+            diff.iter().fold(0f32, |m, v| m.max(*v))
+        );
         assert!(depthwise_conv(&x, &w.narrow(0, 0, 2).unwrap(), 15, 15).is_err());
     }
 }

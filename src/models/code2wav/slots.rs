@@ -35,7 +35,10 @@ pub struct FlowPool {
 
 impl std::fmt::Debug for FlowPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FlowPool").field("slots", &self.slots).field("cap", &self.cap).finish_non_exhaustive()
+        f.debug_struct("FlowPool")
+            .field("slots", &self.slots)
+            .field("cap", &self.cap)
+            .finish_non_exhaustive()
     }
 }
 
@@ -54,7 +57,14 @@ impl FlowPool {
 
     /// `slots` slots of `cap` positions each; a stream takes a slot only if its prompt plus a chunk
     /// of `max_chunk` frames fits the ring.
-    pub fn new(cfg: &FlowConfig, slots: usize, cap: usize, max_chunk: usize, dtype: DType, dev: &Device) -> Result<Arc<Self>> {
+    pub fn new(
+        cfg: &FlowConfig,
+        slots: usize,
+        cap: usize,
+        max_chunk: usize,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Arc<Self>> {
         if slots == 0 || cap <= cfg.history_frames + max_chunk {
             candle_core::bail!(
                 "flow pool: {slots} slots of {cap} positions cannot hold {} history frames and a chunk of {max_chunk}",
@@ -109,12 +119,24 @@ impl FlowPool {
 
     /// A slot for a stream whose setup caches are `setup` with `prompt_frames` prompt frames,
     /// loaded with them; `None` if no slot is free or the prompt does not fit.
-    pub fn lease(self: &Arc<Self>, setup: &EstimatorCache, prompt_frames: usize) -> Result<Option<FlowSlot>> {
-        if prompt_frames + self.max_chunk > self.ring() || setup.len() > self.history + prompt_frames {
+    pub fn lease(
+        self: &Arc<Self>,
+        setup: &EstimatorCache,
+        prompt_frames: usize,
+    ) -> Result<Option<FlowSlot>> {
+        if prompt_frames + self.max_chunk > self.ring()
+            || setup.len() > self.history + prompt_frames
+        {
             return Ok(None);
         }
-        let Some(index) = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop() else { return Ok(None) };
-        let mut slot = FlowSlot { lease: Arc::new(Lease { pool: self.clone(), index }), appended: 0, keep_from: 0 };
+        let Some(index) = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop() else {
+            return Ok(None);
+        };
+        let mut slot = FlowSlot {
+            lease: Arc::new(Lease { pool: self.clone(), index }),
+            appended: 0,
+            keep_from: 0,
+        };
         slot.load(setup)?;
         Ok(Some(slot))
     }
@@ -124,14 +146,32 @@ impl FlowPool {
     /// streams with scratch rows (rows `[cond of each stream; uncond of each]`). A chunk's padding
     /// goes where the stream's next entries will (masked now, overwritten then), so a stream
     /// whose slot [fits](FlowSlot::fits) `t` loses nothing to it.
-    pub fn batch(&self, slots: &[&FlowSlot], frames: &[usize], t: usize, pad: usize, dtype: DType, dev: &Device) -> Result<PoolBatch> {
+    pub fn batch(
+        &self,
+        slots: &[&FlowSlot],
+        frames: &[usize],
+        t: usize,
+        pad: usize,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<PoolBatch> {
         let b = slots.len();
-        if pad < b || frames.len() != b || t > self.max_chunk.max(self.ring()) || frames.iter().any(|&f| f > t || f < 2) {
-            candle_core::bail!("flow pool batch: {b} streams of {frames:?} frames padded to {pad} streams of {t}");
+        if pad < b
+            || frames.len() != b
+            || t > self.max_chunk.max(self.ring())
+            || frames.iter().any(|&f| f > t || f < 2)
+        {
+            candle_core::bail!(
+                "flow pool batch: {b} streams of {frames:?} frames padded to {pad} streams of {t}"
+            );
         }
         let n = 2 * pad;
-        let (mut rows, mut pos, mut mask, mut ends) =
-            (Vec::with_capacity(n), Vec::with_capacity(n * t), Vec::with_capacity(n * self.cap), Vec::with_capacity(n));
+        let (mut rows, mut pos, mut mask, mut ends) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n * t),
+            Vec::with_capacity(n * self.cap),
+            Vec::with_capacity(n),
+        );
         for c in 0..2 {
             for i in 0..pad {
                 match slots.get(i).zip(frames.get(i)) {
@@ -144,7 +184,13 @@ impl FlowPool {
                     None => {
                         rows.push(self.row(self.slots, c));
                         pos.extend(0..t as u32);
-                        mask.extend((0..self.cap).map(|j| if j < t { 0f32 } else { f32::NEG_INFINITY }));
+                        mask.extend((0..self.cap).map(|j| {
+                            if j < t {
+                                0f32
+                            } else {
+                                f32::NEG_INFINITY
+                            }
+                        }));
                         ends.push(t as u32);
                     }
                 }
@@ -196,7 +242,11 @@ pub struct FlowSlot {
 
 impl std::fmt::Debug for FlowSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FlowSlot").field("index", &self.lease.index).field("appended", &self.appended).field("keep_from", &self.keep_from).finish()
+        f.debug_struct("FlowSlot")
+            .field("index", &self.lease.index)
+            .field("appended", &self.appended)
+            .field("keep_from", &self.keep_from)
+            .finish()
     }
 }
 
@@ -240,7 +290,9 @@ impl FlowSlot {
     /// Where a chunk's frames `0..t` go (entries appended last frame first), and the frames
     /// `t..padded` of its padding (where the entries after them will go: not valid until then).
     fn new_positions(&self, t: usize, padded: usize) -> Vec<u32> {
-        (0..padded).map(|i| self.pos_of(if i < t { self.appended + t - 1 - i } else { self.appended + i })).collect()
+        (0..padded)
+            .map(|i| self.pos_of(if i < t { self.appended + t - 1 - i } else { self.appended + i }))
+            .collect()
     }
 
     /// Valid entries, oldest appended first, once `t` more are appended.
@@ -275,7 +327,9 @@ impl FlowSlot {
             return Ok(());
         }
         let pool = &self.lease.pool;
-        let &[steps, depth, two, h, _, hd2] = est.att.dims() else { candle_core::bail!("flow cache of shape {:?}", est.att.shape()) };
+        let &[steps, depth, two, h, _, hd2] = est.att.dims() else {
+            candle_core::bail!("flow cache of shape {:?}", est.att.shape())
+        };
         let hd = hd2 / 2;
         let planes = steps * depth;
         let kp = pool.k.reshape((planes, 2 * (pool.slots + 1), h, pool.cap, hd))?;
@@ -300,7 +354,11 @@ impl FlowSlot {
         let idx = Tensor::new(order.as_slice(), pool.k.device())?;
         let part = |t: &Tensor| -> Result<Tensor> {
             let halves = (0..2)
-                .map(|c| t.narrow(2, pool.row(self.index(), c) as usize, 1)?.contiguous()?.index_select(&idx, 4))
+                .map(|c| {
+                    t.narrow(2, pool.row(self.index(), c) as usize, 1)?
+                        .contiguous()?
+                        .index_select(&idx, 4)
+                })
                 .collect::<Result<Vec<_>>>()?;
             Tensor::cat(&halves, 2)
         };

@@ -89,13 +89,27 @@ impl SlotPool {
     /// A free slot as an empty cache, or `None` when every slot is taken.
     pub fn take(&self) -> Result<Option<KvCache>> {
         let Some(index) = self.inner.free.lock().expect("slot pool").pop() else { return Ok(None) };
-        let layers = self.inner.layers.iter().map(|(k, v)| Ok(Some((k.get(index)?, v.get(index)?)))).collect::<Result<Vec<_>>>()?;
-        Ok(Some(KvCache { layers, len: 0, step: None, slot: Some(SlotLease { index, pool: self.inner.clone() }) }))
+        let layers = self
+            .inner
+            .layers
+            .iter()
+            .map(|(k, v)| Ok(Some((k.get(index)?, v.get(index)?))))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(KvCache {
+            layers,
+            len: 0,
+            step: None,
+            slot: Some(SlotLease { index, pool: self.inner.clone() }),
+        }))
     }
 
     /// Bytes held by the pool's buffers.
     pub fn bytes(&self) -> usize {
-        self.inner.layers.iter().map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()).sum()
+        self.inner
+            .layers
+            .iter()
+            .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
+            .sum()
     }
 }
 
@@ -111,7 +125,8 @@ pub(super) fn in_slots_of(s: &super::StreamStep<'_>, pool: &Arc<PoolInner>) -> b
 
 /// Whether the stream advances one position over a slot of `pool`.
 pub(super) fn in_pool(s: &super::StreamStep<'_>, pool: &Arc<PoolInner>) -> bool {
-    s.embeds.dim(0).ok() == Some(1) && s.cache.slot.as_ref().is_some_and(|l| Arc::ptr_eq(&l.pool, pool))
+    s.embeds.dim(0).ok() == Some(1)
+        && s.cache.slot.as_ref().is_some_and(|l| Arc::ptr_eq(&l.pool, pool))
 }
 
 /// The smallest bucket that holds `n` rows: a power of two, at most `max`.
@@ -123,7 +138,9 @@ impl Decoder {
     /// What one slot of `capacity` positions takes of the device's memory (keys and values of
     /// every layer), as [`Decoder::slot_pool`] allocates it.
     pub fn slot_bytes(&self, capacity: usize) -> usize {
-        2 * self.layers.len() * self.slot_shape(1, capacity).iter().product::<usize>() * self.dtype.size_in_bytes()
+        2 * self.layers.len()
+            * self.slot_shape(1, capacity).iter().product::<usize>()
+            * self.dtype.size_in_bytes()
     }
 
     /// A layer's keys' (and values') shape for `slots` slots of `capacity` positions.
@@ -134,7 +151,10 @@ impl Decoder {
     /// A pool of `slots` caches with room for `capacity` positions each (plus a scratch slot).
     pub fn slot_pool(&self, slots: usize, capacity: usize) -> Result<SlotPool> {
         if slots == 0 || capacity == 0 || capacity > self.rope.max_positions() {
-            candle_core::bail!("slot pool: {slots} slots of {capacity} positions (the context holds {})", self.rope.max_positions());
+            candle_core::bail!(
+                "slot pool: {slots} slots of {capacity} positions (the context holds {})",
+                self.rope.max_positions()
+            );
         }
         // (and the scratch slot)
         let shape = self.slot_shape(slots + 1, capacity);
@@ -146,7 +166,15 @@ impl Decoder {
             })
             .collect::<Result<Vec<_>>>()?;
         let free = Mutex::new((0..slots).rev().collect());
-        Ok(SlotPool { inner: Arc::new(PoolInner { layers, slots, cap: capacity, free, steps: Mutex::new(HashMap::new()) }) })
+        Ok(SlotPool {
+            inner: Arc::new(PoolInner {
+                layers,
+                slots,
+                cap: capacity,
+                free,
+                steps: Mutex::new(HashMap::new()),
+            }),
+        })
     }
 
     /// The pool every stream's cache is a slot of, when each stream advances one position and
@@ -198,11 +226,17 @@ impl Decoder {
 
     /// Runs (or replays, or records) the step over `st`'s buffers.
     fn run_batch_step(&self, pool: &PoolInner, st: &mut BatchStep) -> Result<()> {
-        if st.graph.is_none() && !st.no_graph && self.mode == DecodeMode::Graph && crate::cuda_graph::can_capture(&self.device) {
+        if st.graph.is_none()
+            && !st.no_graph
+            && self.mode == DecodeMode::Graph
+            && crate::cuda_graph::can_capture(&self.device)
+        {
             match crate::cuda_graph::record(&self.device, || self.batch_body(pool, st)) {
                 Ok(g) => st.graph = Some(g),
                 Err(e) => {
-                    tracing::warn!("batched decode step capture failed, running it uncaptured: {e}");
+                    tracing::warn!(
+                        "batched decode step capture failed, running it uncaptured: {e}"
+                    );
                     st.no_graph = true;
                     self.batch_body(pool, st)?;
                 }
@@ -218,19 +252,29 @@ impl Decoder {
     /// The batched step's kernels: reads only `st`'s buffers and the pool, writes the pool at
     /// each row's slot and position, and `st.out`.
     fn batch_body(&self, pool: &PoolInner, st: &BatchStep) -> Result<()> {
-        let h = self.run_layers(st.x_in.clone(), |li, attn, h| attn.forward_batch(h, &self.rope, &pool.layers[li], &st.slots, &st.pos, None))?;
+        let h = self.run_layers(st.x_in.clone(), |li, attn, h| {
+            attn.forward_batch(h, &self.rope, &pool.layers[li], &st.slots, &st.pos, None)
+        })?;
         st.out.slice_set(&h, 0, 0)
     }
 
     /// Every stream one position, batched over the pool's slots (see the module documentation).
-    pub(super) fn decode_batch(&self, pool: &PoolInner, streams: &mut [super::StreamStep<'_>]) -> Result<Vec<Tensor>> {
+    pub(super) fn decode_batch(
+        &self,
+        pool: &PoolInner,
+        streams: &mut [super::StreamStep<'_>],
+    ) -> Result<Vec<Tensor>> {
         let n = streams.len();
         let mut slots = Vec::with_capacity(n);
         let mut pos = Vec::with_capacity(n);
         for s in streams.iter() {
             let len = s.cache.len();
             if len + 1 > pool.cap {
-                candle_core::bail!("a stream's slot holds {} positions; position {} does not fit", pool.cap, len + 1);
+                candle_core::bail!(
+                    "a stream's slot holds {} positions; position {} does not fit",
+                    pool.cap,
+                    len + 1
+                );
             }
             slots.push(s.cache.slot.as_ref().expect("batchable").index as u32);
             pos.push(len as u32);
@@ -261,11 +305,16 @@ impl Decoder {
 impl Decoder {
     /// A step where some streams hold slots of `pool`: those in one batch (one-position steps, and
     /// with ragged prefill the prompt chunks too), the others op by op beside it.
-    pub(super) fn forward_slots(&self, pool: &Arc<PoolInner>, streams: &mut [super::StreamStep<'_>]) -> Result<Vec<Tensor>> {
+    pub(super) fn forward_slots(
+        &self,
+        pool: &Arc<PoolInner>,
+        streams: &mut [super::StreamStep<'_>],
+    ) -> Result<Vec<Tensor>> {
         use super::StreamStep;
         // (a lone stream in a slot prefilling runs op by op: measured no faster batched)
         let ragged = self.ragged && streams.iter().filter(|s| in_slots_of(s, pool)).count() > 1;
-        let joins = |s: &StreamStep<'_>| if ragged { in_slots_of(s, pool) } else { in_pool(s, pool) };
+        let joins =
+            |s: &StreamStep<'_>| if ragged { in_slots_of(s, pool) } else { in_pool(s, pool) };
         if !streams.iter().any(&joins) {
             return self.forward_eager(streams);
         }
@@ -282,10 +331,16 @@ impl Decoder {
                 rest.push(one);
             }
         }
-        let a =
-            if batched.iter().all(|s| in_pool(s, pool)) { self.decode_batch(pool, &mut batched)? } else { self.ragged_batch(pool, &mut batched)? };
+        let a = if batched.iter().all(|s| in_pool(s, pool)) {
+            self.decode_batch(pool, &mut batched)?
+        } else {
+            self.ragged_batch(pool, &mut batched)?
+        };
         let b = self.forward_eager(&mut rest)?;
-        Ok(order.into_iter().map(|(fast, i)| if fast { a[i].clone() } else { b[i].clone() }).collect())
+        Ok(order
+            .into_iter()
+            .map(|(fast, i)| if fast { a[i].clone() } else { b[i].clone() })
+            .collect())
     }
 
     /// Streams in slots of `pool` advancing by any number of positions (prompt chunks beside
@@ -294,7 +349,11 @@ impl Decoder {
     /// prompt chunk attends causally within itself. The same kernels as the decode step, run op by
     /// op over the step's rows (no bucket, no graph): one set of launches for every stream of the
     /// step, where the op-by-op path attended stream by stream.
-    pub(super) fn ragged_batch(&self, pool: &PoolInner, streams: &mut [super::StreamStep<'_>]) -> Result<Vec<Tensor>> {
+    pub(super) fn ragged_batch(
+        &self,
+        pool: &PoolInner,
+        streams: &mut [super::StreamStep<'_>],
+    ) -> Result<Vec<Tensor>> {
         let mut slots = Vec::new();
         let mut pos = Vec::new();
         let mut spans = Vec::with_capacity(streams.len());
@@ -304,7 +363,11 @@ impl Decoder {
                 candle_core::bail!("a stream step needs at least one new position");
             }
             if len + n > pool.cap {
-                candle_core::bail!("a stream's slot holds {} positions; {} do not fit", pool.cap, len + n);
+                candle_core::bail!(
+                    "a stream's slot holds {} positions; {} do not fit",
+                    pool.cap,
+                    len + n
+                );
             }
             let slot = s.cache.slot.as_ref().expect("in the pool").index as u32;
             spans.push((slots.len(), n));
@@ -312,11 +375,14 @@ impl Decoder {
             pos.extend((len..len + n).map(|p| p as u32));
         }
         let rows: Vec<&Tensor> = streams.iter().map(|s| &s.embeds).collect();
-        let x = if rows.len() == 1 { rows[0].contiguous()? } else { Tensor::cat(&rows, 0)? }.to_dtype(self.dtype)?;
+        let x = if rows.len() == 1 { rows[0].contiguous()? } else { Tensor::cat(&rows, 0)? }
+            .to_dtype(self.dtype)?;
         let max_pos = pos.iter().max().map(|&p| p as usize);
         let slots = Tensor::new(slots.as_slice(), &self.device)?;
         let pos = Tensor::new(pos.as_slice(), &self.device)?;
-        let h = self.run_layers(x, |li, attn, h| attn.forward_batch(h, &self.rope, &pool.layers[li], &slots, &pos, max_pos))?;
+        let h = self.run_layers(x, |li, attn, h| {
+            attn.forward_batch(h, &self.rope, &pool.layers[li], &slots, &pos, max_pos)
+        })?;
         for (s, &(_, n)) in streams.iter_mut().zip(&spans) {
             s.cache.advance(n);
         }
@@ -340,7 +406,18 @@ impl Attention {
         let (d, hq, hkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
         let b = x.dim(0)?;
         let qkv = self.qkv_proj.forward(x)?.reshape((b, hq + 2 * hkv, d))?;
-        let heads = qk_norm_rope_store_batch(&qkv, hq, hkv, self.qk_norm.as_ref(), self.eps, rope, slots, pos, &kv.0, &kv.1)?;
+        let heads = qk_norm_rope_store_batch(
+            &qkv,
+            hq,
+            hkv,
+            self.qk_norm.as_ref(),
+            self.eps,
+            rope,
+            slots,
+            pos,
+            &kv.0,
+            &kv.1,
+        )?;
         let o = decode_attention_batch(&heads, hq, hkv, &kv.0, &kv.1, slots, pos, max_pos)?;
         self.o_proj.forward(&o.reshape((b, hq * d))?)
     }

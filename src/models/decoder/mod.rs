@@ -138,12 +138,23 @@ impl KvCache {
 
     /// Bytes held by the buffers (capacity, not length).
     pub fn bytes(&self) -> usize {
-        self.layers.iter().flatten().map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()).sum()
+        self.layers
+            .iter()
+            .flatten()
+            .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
+            .sum()
     }
 
     /// Makes `layer`'s buffers hold at least `need` positions (growing by doubling, the held
     /// positions copied over).
-    fn reserve(&mut self, layer: usize, need: usize, shape: (usize, usize), dtype: DType, dev: &Device) -> Result<&(Tensor, Tensor)> {
+    fn reserve(
+        &mut self,
+        layer: usize,
+        need: usize,
+        shape: (usize, usize),
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<&(Tensor, Tensor)> {
         let (h, d) = shape;
         let slot = &mut self.layers[layer];
         let cap = slot.as_ref().map(|(k, _)| k.dim(1)).transpose()?.unwrap_or(0);
@@ -167,7 +178,12 @@ impl KvCache {
 
     /// Writes `k`, `v` (`[kv_heads, n, head_dim]`) of `layer` at position `self.len` and returns
     /// views of the whole history including them.
-    pub(crate) fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    pub(crate) fn append(
+        &mut self,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
         let (h, n, d) = k.dims3()?;
         let need = self.len + n;
         let at = self.len;
@@ -230,7 +246,10 @@ struct StaticStep {
 
 impl std::fmt::Debug for StaticStep {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StaticStep").field("cap", &self.cap).field("graph", &self.graph.is_some()).finish()
+        f.debug_struct("StaticStep")
+            .field("cap", &self.cap)
+            .field("graph", &self.graph.is_some())
+            .finish()
     }
 }
 
@@ -281,7 +300,10 @@ impl Attention {
         let qk_norm = if cfg.qk_norm {
             let qn = (vb.get(d, "q_norm.weight")? * scale)?;
             let kn = vb.get(d, "k_norm.weight")?;
-            Some(Tensor::cat(&[qn.unsqueeze(0)?.repeat((hq, 1))?, kn.unsqueeze(0)?.repeat((hkv, 1))?], 0)?)
+            Some(Tensor::cat(
+                &[qn.unsqueeze(0)?.repeat((hq, 1))?, kn.unsqueeze(0)?.repeat((hkv, 1))?],
+                0,
+            )?)
         } else {
             wq = (wq * scale)?;
             None
@@ -335,14 +357,27 @@ impl Attention {
         // 1. one projection for q, k and v
         let qkv = self.qkv_proj.forward(x)?.reshape((total, hq + 2 * hkv, d))?;
         // 2. q and k: per-head RMSNorm (Qwen3), then RoPE, in one pass over both
-        let qk = super::fused::qk_norm_rope(&qkv.narrow(1, 0, hq + hkv)?, self.qk_norm.as_ref().map(|w| (w, &self.ones)), self.eps, cos, sin)?;
+        let qk = super::fused::qk_norm_rope(
+            &qkv.narrow(1, 0, hq + hkv)?,
+            self.qk_norm.as_ref().map(|w| (w, &self.ones)),
+            self.eps,
+            cos,
+            sin,
+        )?;
         Ok((qk.narrow(1, 0, hq)?, qk.narrow(1, hq, hkv)?, qkv.narrow(1, hq + hkv, hkv)?))
     }
 
     /// One position of one stream over fixed-capacity buffers `kv` (`[hkv, cap, d]` each): the
     /// batched step's kernels over a pool of one slot (`slot0`: `[1]` u32 zero), the new K/V at
     /// the position in `pos` (`[1]` u32, on the device), attention over the positions up to it.
-    fn forward_static(&self, x: &Tensor, rope: &Rope, kv: &(Tensor, Tensor), slot0: &Tensor, pos: &Tensor) -> Result<Tensor> {
+    fn forward_static(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        kv: &(Tensor, Tensor),
+        slot0: &Tensor,
+        pos: &Tensor,
+    ) -> Result<Tensor> {
         let one = (kv.0.unsqueeze(0)?, kv.1.unsqueeze(0)?);
         self.forward_batch(x, rope, &one, slot0, pos, None)
     }
@@ -412,16 +447,34 @@ impl Decoder {
         for i in 0..cfg.num_layers {
             let lvb = vb.pp("layers").pp(i);
             layers.push(Layer {
-                input_layernorm: Norm::load(lvb.pp("input_layernorm"), cfg.hidden_size, cfg.rms_norm_eps)?,
+                input_layernorm: Norm::load(
+                    lvb.pp("input_layernorm"),
+                    cfg.hidden_size,
+                    cfg.rms_norm_eps,
+                )?,
                 self_attn: Attention::load(lvb.pp("self_attn"), cfg)?,
-                post_attention_layernorm: Norm::load(lvb.pp("post_attention_layernorm"), cfg.hidden_size, cfg.rms_norm_eps)?,
+                post_attention_layernorm: Norm::load(
+                    lvb.pp("post_attention_layernorm"),
+                    cfg.hidden_size,
+                    cfg.rms_norm_eps,
+                )?,
                 mlp: Mlp::load(lvb.pp("mlp"), cfg)?,
             });
         }
         let norm = Norm::load(vb.pp("norm"), cfg.hidden_size, cfg.rms_norm_eps)?;
-        let rope = Rope::new(cfg.head_dim, cfg.rope_theta, cfg.max_positions, vb.dtype(), vb.device())?;
+        let rope =
+            Rope::new(cfg.head_dim, cfg.rope_theta, cfg.max_positions, vb.dtype(), vb.device())?;
         let ragged = vb.device().is_cuda();
-        Ok(Self { layers, norm, rope, cfg: *cfg, device: vb.device().clone(), dtype: vb.dtype(), mode: DecodeMode::Eager, ragged })
+        Ok(Self {
+            layers,
+            norm,
+            rope,
+            cfg: *cfg,
+            device: vb.device().clone(),
+            dtype: vb.dtype(),
+            mode: DecodeMode::Eager,
+            ragged,
+        })
     }
 
     /// How one-stream, one-position steps run (see [`DecodeMode`]).
@@ -457,7 +510,13 @@ impl Decoder {
     pub fn cache_with_capacity(&self, cap: usize) -> Result<KvCache> {
         let mut c = self.new_cache();
         for li in 0..self.layers.len() {
-            c.reserve(li, cap, (self.cfg.num_kv_heads, self.cfg.head_dim), self.dtype, &self.device)?;
+            c.reserve(
+                li,
+                cap,
+                (self.cfg.num_kv_heads, self.cfg.head_dim),
+                self.dtype,
+                &self.device,
+            )?;
         }
         Ok(c)
     }
@@ -474,7 +533,9 @@ impl Decoder {
         if let Some(pool) = self.batchable(streams) {
             return self.decode_batch(&pool, streams);
         }
-        if let Some(pool) = self.mode.ne(&DecodeMode::Eager).then(|| batch::pool_of_slots(streams)).flatten() {
+        if let Some(pool) =
+            self.mode.ne(&DecodeMode::Eager).then(|| batch::pool_of_slots(streams)).flatten()
+        {
             return self.forward_slots(&pool, streams);
         }
         self.forward_eager(streams)
@@ -500,7 +561,11 @@ impl Decoder {
             }
             let offset = s.cache.len();
             if offset + n > self.rope.max_positions() {
-                candle_core::bail!("context of {} positions exceeds max_position_embeddings {}", offset + n, self.rope.max_positions());
+                candle_core::bail!(
+                    "context of {} positions exceeds max_position_embeddings {}",
+                    offset + n,
+                    self.rope.max_positions()
+                );
             }
             positions.extend((offset..offset + n).map(|p| p as u32));
             spans.push((start, n));
@@ -511,9 +576,14 @@ impl Decoder {
         let positions = Tensor::from_vec(positions, start, &self.device)?;
         let (cos, sin) = self.rope.tables_fused(&positions)?;
         let mut caches: Vec<&mut KvCache> = streams.iter_mut().map(|s| &mut *s.cache).collect();
-        let masks: Vec<Option<Tensor>> =
-            caches.iter().zip(&spans).map(|(c, &(_, n))| causal_mask(n, c.len() + n, x.dtype(), &self.device)).collect::<Result<_>>()?;
-        let h = self.run_layers(x, |li, attn, h| attn.forward(h, &cos, &sin, li, &mut caches, &spans, &masks))?;
+        let masks: Vec<Option<Tensor>> = caches
+            .iter()
+            .zip(&spans)
+            .map(|(c, &(_, n))| causal_mask(n, c.len() + n, x.dtype(), &self.device))
+            .collect::<Result<_>>()?;
+        let h = self.run_layers(x, |li, attn, h| {
+            attn.forward(h, &cos, &sin, li, &mut caches, &spans, &masks)
+        })?;
         for (cache, &(_, n)) in caches.iter_mut().zip(&spans) {
             cache.advance(n);
         }
@@ -525,7 +595,11 @@ impl Decoder {
     fn decode_static(&self, cache: &mut KvCache, embeds: &Tensor) -> Result<Tensor> {
         let len = cache.len();
         if len + 1 > self.rope.max_positions() {
-            candle_core::bail!("context of {} positions exceeds max_position_embeddings {}", len + 1, self.rope.max_positions());
+            candle_core::bail!(
+                "context of {} positions exceeds max_position_embeddings {}",
+                len + 1,
+                self.rope.max_positions()
+            );
         }
         let (hkv, d, dtype) = (self.cfg.num_kv_heads, self.cfg.head_dim, embeds.dtype());
         // 1. room for this position in every layer; new buffers (a larger capacity) need a new step
@@ -538,12 +612,17 @@ impl Decoder {
         }
         let KvCache { layers, step, .. } = cache;
         let st = step.as_mut().expect("made above");
-        let kv: Vec<&(Tensor, Tensor)> = layers.iter().map(|l| l.as_ref().expect("reserved")).collect();
+        let kv: Vec<&(Tensor, Tensor)> =
+            layers.iter().map(|l| l.as_ref().expect("reserved")).collect();
         // 2. this step's inputs into the fixed buffers
         st.x_in.slice_set(&embeds.contiguous()?, 0, 0)?;
         st.pos.slice_set(&Tensor::new(&[len as u32], &self.device)?, 0, 0)?;
         // 3. the step: replayed; or run once and recorded; or run op by op
-        if st.graph.is_none() && !st.no_graph && self.mode == DecodeMode::Graph && super::cuda_graph::can_capture(&self.device) {
+        if st.graph.is_none()
+            && !st.no_graph
+            && self.mode == DecodeMode::Graph
+            && super::cuda_graph::can_capture(&self.device)
+        {
             match super::cuda_graph::record(&self.device, || self.static_body(&kv, st)) {
                 Ok(g) => st.graph = Some(g),
                 Err(e) => {
@@ -566,14 +645,20 @@ impl Decoder {
     /// The static step's kernels: reads only `st`'s buffers and the caches, writes the caches at
     /// `st.pos` and `st.out`.
     fn static_body(&self, kv: &[&(Tensor, Tensor)], st: &StaticStep) -> Result<()> {
-        let h = self.run_layers(st.x_in.clone(), |li, attn, h| attn.forward_static(h, &self.rope, kv[li], &st.slot0, &st.pos))?;
+        let h = self.run_layers(st.x_in.clone(), |li, attn, h| {
+            attn.forward_static(h, &self.rope, kv[li], &st.slot0, &st.pos)
+        })?;
         st.out.slice_set(&h, 0, 0)
     }
 
     /// The layer stack over the rows `x`, `attend(layer index, attention, normed rows)` standing
     /// for each layer's attention; returns the rows after the final norm. Each residual add is
     /// fused with the norm after it (the next layer's input norm, or the final norm).
-    fn run_layers(&self, mut x: Tensor, mut attend: impl FnMut(usize, &Attention, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    fn run_layers(
+        &self,
+        mut x: Tensor,
+        mut attend: impl FnMut(usize, &Attention, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let mut h = self.layers.first().map_or(&self.norm, |l| &l.input_layernorm).forward(&x)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let a = attend(li, &layer.self_attn, &h)?;

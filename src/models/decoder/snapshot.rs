@@ -23,7 +23,11 @@ impl KvCache {
         let layers = self
             .layers
             .iter()
-            .map(|l| l.as_ref().map(|(k, v)| -> Result<(Tensor, Tensor)> { Ok((own(k)?, own(v)?)) }).transpose())
+            .map(|l| {
+                l.as_ref()
+                    .map(|(k, v)| -> Result<(Tensor, Tensor)> { Ok((own(k)?, own(v)?)) })
+                    .transpose()
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self { layers, len, step: None, slot: None })
     }
@@ -58,7 +62,15 @@ mod tests {
             assert_eq!(rows(sk), rows(&k.narrow(1, 0, len).unwrap()));
             assert_eq!(rows(sv), rows(&v.narrow(1, 0, len).unwrap()));
             let before = rows(sk);
-            k.slice_set(&Tensor::full(-1f32, (1, len, 2), &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap(), 1, 0).unwrap();
+            k.slice_set(
+                &Tensor::full(-1f32, (1, len, 2), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap(),
+                1,
+                0,
+            )
+            .unwrap();
             assert_eq!(rows(sk), before, "the snapshot moved with the cache (len {len})");
         }
     }

@@ -50,7 +50,11 @@ fn unify(a: Tensor, b: Tensor) -> Result<(Tensor, Tensor)> {
     Ok((a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?))
 }
 
-pub(super) fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>, ranges: &QuantRanges) -> Result<Tensor> {
+pub(super) fn eval(
+    n: &NodeProto,
+    get: &dyn Fn(usize) -> Result<Option<Tensor>>,
+    ranges: &QuantRanges,
+) -> Result<Tensor> {
     let x = || need(get(0), "0");
     let y = || need(get(1), "1");
     Ok(match n.op_type.as_str() {
@@ -73,7 +77,10 @@ pub(super) fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>,
             let r = dims.len() as i64;
             let s = n.attr("start").map(|a| a.i).unwrap_or(0);
             let e = n.attr("end").map(|a| a.i).unwrap_or(r);
-            let (s, e) = (if s < 0 { s + r } else { s }.clamp(0, r), if e < 0 { e + r } else { e }.clamp(0, r));
+            let (s, e) = (
+                if s < 0 { s + r } else { s }.clamp(0, r),
+                if e < 0 { e + r } else { e }.clamp(0, r),
+            );
             let v: Vec<i64> = dims[s as usize..e.max(s) as usize].to_vec();
             let len = v.len();
             Tensor::from_vec(v, len, &Device::Cpu)?
@@ -90,7 +97,8 @@ pub(super) fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>,
                 return Ok(data.index_select(&idx.flatten_all()?, ax)?.reshape(shape)?);
             }
             let size = data.dim(ax)? as i64;
-            let iv: Vec<u32> = ints(&idx)?.iter().map(|&i| if i < 0 { i + size } else { i } as u32).collect();
+            let iv: Vec<u32> =
+                ints(&idx)?.iter().map(|&i| if i < 0 { i + size } else { i } as u32).collect();
             let count = iv.len();
             let sel = data.index_select(&Tensor::from_vec(iv, count, data.device())?, ax)?;
             let mut shape: Vec<usize> = data.dims()[..ax].to_vec();
@@ -123,7 +131,12 @@ pub(super) fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>,
             let shape: Vec<usize> = match axes {
                 Some(ax) => {
                     let ax: Vec<usize> = ax.iter().map(|&a| axis(a, r)).collect();
-                    t.dims().iter().enumerate().filter(|(i, _)| !ax.contains(i)).map(|(_, &d)| d).collect()
+                    t.dims()
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, _)| !ax.contains(i))
+                        .map(|(_, &d)| d)
+                        .collect()
                 }
                 None => t.dims().iter().copied().filter(|&d| d != 1).collect(),
             };
@@ -138,10 +151,16 @@ pub(super) fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>,
             }
             let ax = axis(n.attr_i("axis", 0), parts[0].rank());
             if let Some(dev) = parts.iter().map(|p| p.device().clone()).find(|d| !d.is_cpu()) {
-                parts = parts.into_iter().map(|p| p.to_device(&dev)).collect::<candle_core::Result<_>>()?;
+                parts = parts
+                    .into_iter()
+                    .map(|p| p.to_device(&dev))
+                    .collect::<candle_core::Result<_>>()?;
             }
             if parts.iter().any(|p| p.dtype() != parts[0].dtype()) {
-                parts = parts.into_iter().map(|p| p.to_dtype(DType::F32)).collect::<candle_core::Result<_>>()?;
+                parts = parts
+                    .into_iter()
+                    .map(|p| p.to_dtype(DType::F32))
+                    .collect::<candle_core::Result<_>>()?;
             }
             Tensor::cat(&parts, ax)?
         }
@@ -163,7 +182,8 @@ pub(super) fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>,
                 })
                 .collect();
             if let Some(p) = spec.iter().position(|&s| s == -1) {
-                let known: usize = shape.iter().enumerate().filter(|(i, _)| *i != p).map(|(_, &d)| d).product();
+                let known: usize =
+                    shape.iter().enumerate().filter(|(i, _)| *i != p).map(|(_, &d)| d).product();
                 shape[p] = total / known.max(1);
             }
             t.reshape(shape)?
@@ -225,7 +245,8 @@ pub(super) fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>,
             let c = x()?.to_device(a.device())?;
             let shape = c.shape().broadcast_shape_binary_op(a.shape(), "where")?;
             let shape = shape.broadcast_shape_binary_op(b.shape(), "where")?;
-            c.broadcast_as(shape.clone())?.where_cond(&a.broadcast_as(shape.clone())?, &b.broadcast_as(shape)?)?
+            c.broadcast_as(shape.clone())?
+                .where_cond(&a.broadcast_as(shape.clone())?, &b.broadcast_as(shape)?)?
         }
         "Add" => {
             let (a, b) = unify(x()?, y()?)?;
@@ -290,7 +311,9 @@ pub(super) fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>,
             let range = zp_name.and_then(|s| ranges.get(s)).copied().unwrap_or((0.0, 255.0));
             quantize(x()?, need(get(1), "scale")?, get(2)?, n.attr_i("axis", 1), range)?
         }
-        "DequantizeLinear" => dequantize(x()?, need(get(1), "scale")?, get(2)?, n.attr_i("axis", 1))?,
+        "DequantizeLinear" => {
+            dequantize(x()?, need(get(1), "scale")?, get(2)?, n.attr_i("axis", 1))?
+        }
         "Cast" => {
             let to = n.attr_i("to", dtype::FLOAT as i64) as i32;
             match to {
@@ -322,7 +345,8 @@ pub(super) fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>,
                         // products of small integer shape values, on the host
                         let dims = out.dims().to_vec();
                         let v = out.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-                        let (outer, len, inner): (usize, usize, usize) = (dims[..a].iter().product(), dims[a], dims[a + 1..].iter().product());
+                        let (outer, len, inner): (usize, usize, usize) =
+                            (dims[..a].iter().product(), dims[a], dims[a + 1..].iter().product());
                         let mut res = vec![1f64; outer * inner];
                         for o in 0..outer {
                             for l in 0..len {
@@ -338,7 +362,13 @@ pub(super) fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>,
                 };
             }
             if !keep {
-                let shape: Vec<usize> = out.dims().iter().enumerate().filter(|(i, _)| !sorted.contains(i)).map(|(_, &d)| d).collect();
+                let shape: Vec<usize> = out
+                    .dims()
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| !sorted.contains(i))
+                    .map(|(_, &d)| d)
+                    .collect();
                 out = out.reshape(shape)?;
             }
             out
@@ -365,19 +395,28 @@ pub(super) fn eval(n: &NodeProto, get: &dyn Fn(usize) -> Result<Option<Tensor>>,
             }
             let mut out = (a.matmul(&b)? * n.attr_f("alpha", 1.0) as f64)?;
             if let Some(c) = get(2)? {
-                out = out.broadcast_add(&(c.to_device(out.device())? * n.attr_f("beta", 1.0) as f64)?)?;
+                out = out
+                    .broadcast_add(&(c.to_device(out.device())? * n.attr_f("beta", 1.0) as f64)?)?;
             }
             out
         }
         "BatchNormalization" => {
             let t = x()?;
-            let (scale, bias, mean, var) = (need(get(1), "scale")?, need(get(2), "B")?, need(get(3), "mean")?, need(get(4), "var")?);
+            let (scale, bias, mean, var) = (
+                need(get(1), "scale")?,
+                need(get(2), "B")?,
+                need(get(3), "mean")?,
+                need(get(4), "var")?,
+            );
             let eps = n.attr_f("epsilon", 1e-5) as f64;
             let mut shape = vec![1usize; t.rank()];
             shape[1] = t.dim(1)?;
             let r = |v: Tensor| v.to_device(t.device())?.reshape(shape.clone());
             let inv = (r(var)? + eps)?.sqrt()?.recip()?;
-            t.broadcast_sub(&r(mean)?)?.broadcast_mul(&inv)?.broadcast_mul(&r(scale)?)?.broadcast_add(&r(bias)?)?
+            t.broadcast_sub(&r(mean)?)?
+                .broadcast_mul(&inv)?
+                .broadcast_mul(&r(scale)?)?
+                .broadcast_add(&r(bias)?)?
         }
         "Conv" => {
             let (x, w) = colocate(x()?, y()?)?;

@@ -80,12 +80,19 @@ impl Fold {
                 let Some(v) = values.get(name).or_else(|| inits.get(name)) else { continue };
                 let placed = if n.op_type == "Gather" && k == 1 {
                     // the data's size on the gathered axis, from the evaluation that made the fold
-                    let Some(data) = n.input.first().and_then(|s| env.get(s.as_str())) else { continue };
+                    let Some(data) = n.input.first().and_then(|s| env.get(s.as_str())) else {
+                        continue;
+                    };
                     let ax = n.attr_i("axis", 0);
                     let ax = if ax < 0 { (ax + data.rank() as i64) as usize } else { ax as usize };
                     let size = data.dim(ax)? as i64;
-                    let idx: Vec<u32> =
-                        v.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?.iter().map(|&i| if i < 0 { i + size } else { i } as u32).collect();
+                    let idx: Vec<u32> = v
+                        .to_dtype(DType::I64)?
+                        .flatten_all()?
+                        .to_vec1::<i64>()?
+                        .iter()
+                        .map(|&i| if i < 0 { i + size } else { i } as u32)
+                        .collect();
                     Tensor::from_vec(idx, v.dims(), dev)?
                 } else if v.device().same_device(dev) {
                     continue;

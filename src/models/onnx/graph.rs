@@ -108,12 +108,31 @@ impl OnnxGraph {
                 dtype::INT8 => ranges.insert(t.name.clone(), (-128.0, 127.0)),
                 _ => None,
             };
-            inits.insert(t.name.clone(), to_tensor(t).with_context(|| format!("{what}: initializer {}", t.name))?);
+            inits.insert(
+                t.name.clone(),
+                to_tensor(t).with_context(|| format!("{what}: initializer {}", t.name))?,
+            );
         }
-        let input =
-            g.input.iter().map(|v| v.name.clone()).find(|n| !inits.contains_key(n)).ok_or_else(|| anyhow!("{what}: the graph has no data input"))?;
-        let output = g.output.first().map(|v| v.name.clone()).ok_or_else(|| anyhow!("{what}: the graph has no output"))?;
-        Ok(Self { nodes: g.node.clone(), inits, input, output, device: Device::Cpu, folds: Default::default(), ranges })
+        let input = g
+            .input
+            .iter()
+            .map(|v| v.name.clone())
+            .find(|n| !inits.contains_key(n))
+            .ok_or_else(|| anyhow!("{what}: the graph has no data input"))?;
+        let output = g
+            .output
+            .first()
+            .map(|v| v.name.clone())
+            .ok_or_else(|| anyhow!("{what}: the graph has no output"))?;
+        Ok(Self {
+            nodes: g.node.clone(),
+            inits,
+            input,
+            output,
+            device: Device::Cpu,
+            folds: Default::default(),
+            ranges,
+        })
     }
 
     /// The graph with its activations left in float: every `QuantizeLinear` of a computed value
@@ -126,18 +145,25 @@ impl OnnxGraph {
         let quantized: HashMap<String, String> = self
             .nodes
             .iter()
-            .filter(|n| n.op_type == "QuantizeLinear" && n.input.first().is_some_and(|x| !self.inits.contains_key(x)))
+            .filter(|n| {
+                n.op_type == "QuantizeLinear"
+                    && n.input.first().is_some_and(|x| !self.inits.contains_key(x))
+            })
             .filter_map(|n| Some((n.output.first()?.clone(), n.input.first()?.clone())))
             .collect();
         let mut same: HashMap<String, String> = HashMap::new();
         for n in &self.nodes {
-            if let (true, Some(x), Some(y)) = (n.op_type == "DequantizeLinear", n.input.first(), n.output.first()) {
+            if let (true, Some(x), Some(y)) =
+                (n.op_type == "DequantizeLinear", n.input.first(), n.output.first())
+            {
                 if let Some(original) = quantized.get(x) {
                     same.insert(y.clone(), original.clone());
                 }
             }
         }
-        let dropped = |n: &NodeProto| n.output.first().is_some_and(|o| quantized.contains_key(o) || same.contains_key(o));
+        let dropped = |n: &NodeProto| {
+            n.output.first().is_some_and(|o| quantized.contains_key(o) || same.contains_key(o))
+        };
         self.nodes.retain(|n| !dropped(n));
         for n in &mut self.nodes {
             for i in &mut n.input {
@@ -171,7 +197,13 @@ impl OnnxGraph {
     /// the nodes that depend on the input's data, with nothing moved between host and device.
     pub fn run(&self, x: &Tensor) -> Result<Tensor> {
         let x = x.to_device(&self.device)?.to_dtype(DType::F32)?;
-        let fold = self.folds.lock().unwrap_or_else(|e| e.into_inner()).iter().find(|f| f.dims == x.dims()).cloned();
+        let fold = self
+            .folds
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|f| f.dims == x.dims())
+            .cloned();
         let mut env: HashMap<&str, Tensor> = HashMap::new();
         env.insert(self.input.as_str(), x.clone());
         for (i, n) in self.nodes.iter().enumerate() {
@@ -189,19 +221,34 @@ impl OnnxGraph {
                         .or_else(|| self.inits.get(s))
                         .cloned()
                         .map(Some)
-                        .ok_or_else(|| anyhow!("node {} ({}) reads {s}, which nothing produced", n.name, n.op_type)),
+                        .ok_or_else(|| {
+                            anyhow!(
+                                "node {} ({}) reads {s}, which nothing produced",
+                                n.name,
+                                n.op_type
+                            )
+                        }),
                 }
             };
-            let out = eval(n, &get, &self.ranges).with_context(|| format!("evaluating node {} ({})", n.name, n.op_type))?;
+            let out = eval(n, &get, &self.ranges)
+                .with_context(|| format!("evaluating node {} ({})", n.name, n.op_type))?;
             let name = n.output.first().ok_or_else(|| anyhow!("node {} has no output", n.name))?;
             env.insert(name.as_str(), out);
         }
         let mut folds = self.folds.lock().unwrap_or_else(|e| e.into_inner());
         if fold.is_none() && folds.len() < MAX_FOLDS && !folds.iter().any(|f| f.dims == x.dims()) {
-            folds.push(std::sync::Arc::new(Fold::new(&self.nodes, &self.input, x.dims().to_vec(), &env, &self.inits, &self.device)?));
+            folds.push(std::sync::Arc::new(Fold::new(
+                &self.nodes,
+                &self.input,
+                x.dims().to_vec(),
+                &env,
+                &self.inits,
+                &self.device,
+            )?));
         }
         drop(folds);
-        env.remove(self.output.as_str()).ok_or_else(|| anyhow!("the graph never produced its output {}", self.output))
+        env.remove(self.output.as_str())
+            .ok_or_else(|| anyhow!("the graph never produced its output {}", self.output))
     }
 
     /// The device the graph's arithmetic runs on.

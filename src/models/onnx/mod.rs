@@ -192,7 +192,9 @@ pub fn to_tensor(t: &TensorProto) -> Result<Tensor> {
         }
         dtype::DOUBLE => {
             let v: Vec<f64> = if !raw.is_empty() {
-                raw.chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes"))).collect()
+                raw.chunks_exact(8)
+                    .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+                    .collect()
             } else {
                 t.double_data.clone()
             };
@@ -210,7 +212,9 @@ pub fn to_tensor(t: &TensorProto) -> Result<Tensor> {
         }
         dtype::INT64 => {
             let v: Vec<i64> = if !raw.is_empty() {
-                raw.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))).collect()
+                raw.chunks_exact(8)
+                    .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+                    .collect()
             } else {
                 t.int64_data.clone()
             };
@@ -220,7 +224,10 @@ pub fn to_tensor(t: &TensorProto) -> Result<Tensor> {
         dtype::INT32 | dtype::BOOL | dtype::UINT8 | dtype::INT8 => {
             let v: Vec<i64> = if !raw.is_empty() {
                 match t.data_type {
-                    dtype::INT32 => raw.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64).collect(),
+                    dtype::INT32 => raw
+                        .chunks_exact(4)
+                        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64)
+                        .collect(),
                     dtype::INT8 => raw.iter().map(|&b| b as i8 as i64).collect(),
                     _ => raw.iter().map(|&b| b as i64).collect(),
                 }

@@ -60,7 +60,8 @@ fn every_nth(x: &Tensor, dim: usize, s: usize) -> Result<Tensor> {
 /// 1-D average pooling (the CAM layer's segment pooling): windows past the end are clipped and
 /// averaged over the elements they hold.
 pub(super) fn avg_pool(n: &NodeProto, x: Tensor) -> Result<Tensor> {
-    let k = n.attr_ints("kernel_shape").ok_or_else(|| anyhow!("AveragePool without kernel_shape"))?;
+    let k =
+        n.attr_ints("kernel_shape").ok_or_else(|| anyhow!("AveragePool without kernel_shape"))?;
     if k.len() != 1 {
         bail!("AveragePool over {} dimensions", k.len());
     }
@@ -83,7 +84,13 @@ pub(super) fn avg_pool(n: &NodeProto, x: Tensor) -> Result<Tensor> {
 }
 
 /// `[.., axis..]` normalized over the dimensions from `axis` on, then scaled and shifted.
-pub(super) fn layer_norm(x: Tensor, axis: usize, scale: Tensor, bias: Option<Tensor>, eps: f64) -> Result<Tensor> {
+pub(super) fn layer_norm(
+    x: Tensor,
+    axis: usize,
+    scale: Tensor,
+    bias: Option<Tensor>,
+    eps: f64,
+) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     let inner: usize = dims[axis..].iter().product();
     let flat = x.to_dtype(candle_core::DType::F32)?.reshape(((), inner))?;
@@ -113,7 +120,12 @@ fn along(p: Tensor, x: &Tensor, axis: i64) -> Result<Tensor> {
 }
 
 /// `DequantizeLinear`: `(x - zero_point) * scale`, in f32.
-pub(super) fn dequantize(x: Tensor, scale: Tensor, zero_point: Option<Tensor>, axis: i64) -> Result<Tensor> {
+pub(super) fn dequantize(
+    x: Tensor,
+    scale: Tensor,
+    zero_point: Option<Tensor>,
+    axis: i64,
+) -> Result<Tensor> {
     let xf = x.to_dtype(candle_core::DType::F32)?;
     let s = along(scale, &xf, axis)?;
     let shifted = match zero_point {
@@ -126,7 +138,13 @@ pub(super) fn dequantize(x: Tensor, scale: Tensor, zero_point: Option<Tensor>, a
 /// `QuantizeLinear`: `x / scale` rounded half to even, plus the zero point, saturated to the
 /// quantized type's `range`. The result holds those integers as f32 (the `DequantizeLinear` that
 /// always follows reads them as they are).
-pub(super) fn quantize(x: Tensor, scale: Tensor, zero_point: Option<Tensor>, axis: i64, range: (f32, f32)) -> Result<Tensor> {
+pub(super) fn quantize(
+    x: Tensor,
+    scale: Tensor,
+    zero_point: Option<Tensor>,
+    axis: i64,
+    range: (f32, f32),
+) -> Result<Tensor> {
     let xf = x.to_dtype(candle_core::DType::F32)?;
     let v = xf.broadcast_div(&along(scale, &xf, axis)?)?;
     let r = round_half_even(&v)?;
@@ -158,7 +176,8 @@ mod tests {
 
     #[test]
     fn quantize_rounds_ties_to_even_and_saturates_to_the_type() {
-        let x = Tensor::new(&[0.5f32, 1.5, 2.5, -2.5, -0.5, 0.7, 300.0, -300.0], &Device::Cpu).unwrap();
+        let x =
+            Tensor::new(&[0.5f32, 1.5, 2.5, -2.5, -0.5, 0.7, 300.0, -300.0], &Device::Cpu).unwrap();
         let one = Tensor::new(1f32, &Device::Cpu).unwrap();
         let int8 = quantize(x.clone(), one.clone(), None, 1, (-128.0, 127.0)).unwrap();
         assert_eq!(v(&int8), [0.0, 2.0, 2.0, -2.0, 0.0, 1.0, 127.0, -128.0]);

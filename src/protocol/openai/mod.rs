@@ -158,7 +158,9 @@ pub enum Item {
 impl Item {
     pub fn id(&self) -> Option<&str> {
         match self {
-            Item::Message { id, .. } | Item::FunctionCall { id, .. } | Item::FunctionCallOutput { id, .. } => id.as_deref(),
+            Item::Message { id, .. }
+            | Item::FunctionCall { id, .. }
+            | Item::FunctionCallOutput { id, .. } => id.as_deref(),
             Item::Reference { id } => Some(id),
         }
     }
@@ -248,7 +250,12 @@ fn tool_choice(v: &Value, param: &str) -> Result<Value, OaiError> {
     match v {
         Value::String(s) if ["auto", "none", "required"].contains(&s.as_str()) => Ok(v.clone()),
         Value::Object(_) => Ok(v.clone()),
-        _ => Err(bad(param, format!("`{param}` must be \"auto\", \"none\", \"required\" or an object naming a tool"))),
+        _ => Err(bad(
+            param,
+            format!(
+                "`{param}` must be \"auto\", \"none\", \"required\" or an object naming a tool"
+            ),
+        )),
     }
 }
 
@@ -261,7 +268,9 @@ fn id_field(v: &Value, param: &str) -> Result<String, OaiError> {
 }
 
 fn required<'a>(o: &'a Map<String, Value>, key: &str, param: &str) -> Result<&'a Value, OaiError> {
-    o.get(key).filter(|v| !v.is_null()).ok_or_else(|| OaiError::param(OaiErrorCode::MissingRequiredParameter, param, format!("missing `{param}`")))
+    o.get(key).filter(|v| !v.is_null()).ok_or_else(|| {
+        OaiError::param(OaiErrorCode::MissingRequiredParameter, param, format!("missing `{param}`"))
+    })
 }
 
 fn object<'a>(v: &'a Value, param: &str) -> Result<&'a Map<String, Value>, OaiError> {
@@ -271,7 +280,9 @@ fn object<'a>(v: &'a Value, param: &str) -> Result<&'a Map<String, Value>, OaiEr
 /// Base64 audio, decoded (`param` names the field in errors).
 pub fn decode_audio(v: &Value, param: &str) -> Result<Vec<u8>, OaiError> {
     let s = string(v, param)?;
-    base64::engine::general_purpose::STANDARD.decode(s.as_bytes()).map_err(|e| bad(param, format!("`{param}` is not base64: {e}")))
+    base64::engine::general_purpose::STANDARD
+        .decode(s.as_bytes())
+        .map_err(|e| bad(param, format!("`{param}` is not base64: {e}")))
 }
 
 fn format(v: &Value, param: &str) -> Result<AudioFormat, OaiError> {
@@ -291,7 +302,8 @@ fn format(v: &Value, param: &str) -> Result<AudioFormat, OaiError> {
 }
 
 fn modalities(v: &Value, param: &str) -> Result<Modality, OaiError> {
-    let list: Vec<&str> = v.as_array().map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+    let list: Vec<&str> =
+        v.as_array().map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
     match () {
         _ if list.contains(&"audio") => Ok(Modality::Audio),
         _ if list == ["text"] => Ok(Modality::Text),
@@ -302,18 +314,25 @@ fn modalities(v: &Value, param: &str) -> Result<Modality, OaiError> {
 fn max_tokens(v: &Value, param: &str) -> Result<MaxTokens, OaiError> {
     match v {
         Value::String(s) if s == "inf" => Ok(MaxTokens::Inf),
-        Value::Number(n) if n.as_u64().is_some_and(|n| n >= 1) => Ok(MaxTokens::N(n.as_u64().unwrap_or(1))),
+        Value::Number(n) if n.as_u64().is_some_and(|n| n >= 1) => {
+            Ok(MaxTokens::N(n.as_u64().unwrap_or(1)))
+        }
         _ => Err(bad(param, format!("`{param}` must be a positive integer or \"inf\""))),
     }
 }
 
 fn temperature(v: &Value, param: &str) -> Result<f32, OaiError> {
-    v.as_f64().filter(|t| t.is_finite() && (0.0..=2.0).contains(t)).map(|t| t as f32).ok_or_else(|| bad(param, format!("`{param}` must be 0 to 2")))
+    v.as_f64()
+        .filter(|t| t.is_finite() && (0.0..=2.0).contains(t))
+        .map(|t| t as f32)
+        .ok_or_else(|| bad(param, format!("`{param}` must be 0 to 2")))
 }
 
 fn voice(v: &Value, param: &str) -> Result<String, OaiError> {
     match v {
-        Value::Object(o) => id_field(required(o, "id", &format!("{param}.id"))?, &format!("{param}.id")),
+        Value::Object(o) => {
+            id_field(required(o, "id", &format!("{param}.id"))?, &format!("{param}.id"))
+        }
         v => id_field(v, param),
     }
 }
@@ -327,26 +346,50 @@ fn turn_detection(v: &Value, param: &str) -> Result<Option<TurnDetection>, OaiEr
     match o.get("type").and_then(Value::as_str) {
         None | Some("server_vad") => {}
         Some("semantic_vad") => t.semantic = true,
-        Some(other) => return Err(bad(&format!("{param}.type"), format!("turn detection `{other}`: expected server_vad or semantic_vad"))),
+        Some(other) => {
+            return Err(bad(
+                &format!("{param}.type"),
+                format!("turn detection `{other}`: expected server_vad or semantic_vad"),
+            ))
+        }
     }
     let num = |k: &str| o.get(k).filter(|v| !v.is_null());
     if let Some(x) = num("threshold") {
-        t.threshold =
-            x.as_f64().filter(|x| (0.0..=1.0).contains(x)).ok_or_else(|| bad(&format!("{param}.threshold"), "threshold must be 0 to 1"))? as f32;
+        t.threshold = x
+            .as_f64()
+            .filter(|x| (0.0..=1.0).contains(x))
+            .ok_or_else(|| bad(&format!("{param}.threshold"), "threshold must be 0 to 1"))?
+            as f32;
     }
-    for (k, slot, max) in [("prefix_padding_ms", &mut t.prefix_padding_ms, 5_000u64), ("silence_duration_ms", &mut t.silence_duration_ms, 10_000)] {
+    for (k, slot, max) in [
+        ("prefix_padding_ms", &mut t.prefix_padding_ms, 5_000u64),
+        ("silence_duration_ms", &mut t.silence_duration_ms, 10_000),
+    ] {
         if let Some(x) = num(k) {
-            *slot = x.as_u64().filter(|x| *x <= max).ok_or_else(|| bad(&format!("{param}.{k}"), format!("{k} must be 0 to {max}")))? as u32;
+            *slot =
+                x.as_u64().filter(|x| *x <= max).ok_or_else(|| {
+                    bad(&format!("{param}.{k}"), format!("{k} must be 0 to {max}"))
+                })? as u32;
         }
     }
-    for (k, slot) in [("create_response", &mut t.create_response), ("interrupt_response", &mut t.interrupt_response)] {
+    for (k, slot) in [
+        ("create_response", &mut t.create_response),
+        ("interrupt_response", &mut t.interrupt_response),
+    ] {
         if let Some(x) = num(k) {
-            *slot = x.as_bool().ok_or_else(|| bad(&format!("{param}.{k}"), format!("{k} must be a boolean")))?;
+            *slot = x
+                .as_bool()
+                .ok_or_else(|| bad(&format!("{param}.{k}"), format!("{k} must be a boolean")))?;
         }
     }
     t.eagerness = match opt_string(o, "eagerness", &format!("{param}.eagerness"))? {
         Some(e) if ["low", "medium", "high", "auto"].contains(&e.as_str()) => Some(e),
-        Some(_) => return Err(bad(&format!("{param}.eagerness"), "eagerness must be low, medium, high or auto")),
+        Some(_) => {
+            return Err(bad(
+                &format!("{param}.eagerness"),
+                "eagerness must be low, medium, high or auto",
+            ))
+        }
         None => None,
     };
     Ok(Some(t))
@@ -357,7 +400,9 @@ fn turn_detection(v: &Value, param: &str) -> Result<Option<TurnDetection>, OaiEr
 fn transcription(v: &Value, param: &str) -> Result<Option<Value>, OaiError> {
     match v {
         Value::Null => Ok(None),
-        Value::Object(o) if serde_json::to_string(o).map_or(0, |s| s.len()) <= 4096 => Ok(Some(v.clone())),
+        Value::Object(o) if serde_json::to_string(o).map_or(0, |s| s.len()) <= 4096 => {
+            Ok(Some(v.clone()))
+        }
         _ => Err(bad(param, format!("`{param}` must be null or an object of at most 4 KiB"))),
     }
 }
@@ -375,7 +420,12 @@ pub fn session_patch(v: &Value) -> Result<SessionPatch, OaiError> {
     let o = object(v, "session")?;
     match o.get("type").and_then(Value::as_str) {
         None | Some("realtime") => {}
-        Some(t) => return Err(bad("session.type", format!("session type `{t}`: this server runs realtime sessions only"))),
+        Some(t) => {
+            return Err(bad(
+                "session.type",
+                format!("session type `{t}`: this server runs realtime sessions only"),
+            ))
+        }
     }
     let mut p = SessionPatch::default();
     let get = |k: &str| o.get(k).filter(|v| !v.is_null());
@@ -408,7 +458,10 @@ pub fn session_patch(v: &Value) -> Result<SessionPatch, OaiError> {
                 p.input_format = Some(format(f, "session.audio.input.format")?);
             }
             if i.contains_key("turn_detection") {
-                p.turn_detection = Some(turn_detection(&i["turn_detection"], "session.audio.input.turn_detection")?);
+                p.turn_detection = Some(turn_detection(
+                    &i["turn_detection"],
+                    "session.audio.input.turn_detection",
+                )?);
             }
             if let Some(t) = i.get("transcription") {
                 p.transcription = Some(transcription(t, "session.audio.input.transcription")?);
@@ -433,13 +486,16 @@ pub fn session_patch(v: &Value) -> Result<SessionPatch, OaiError> {
     if let Some(t) = get("tools") {
         p.tools = Some(tools(t, "session.tools")?);
     }
-    p.tool_choice = get("tool_choice").map(|t| tool_choice(t, "session.tool_choice")).transpose()?;
+    p.tool_choice =
+        get("tool_choice").map(|t| tool_choice(t, "session.tool_choice")).transpose()?;
     Ok(p)
 }
 
 fn part(v: &Value, param: &str) -> Result<Part, OaiError> {
     let o = object(v, param)?;
-    let text = |k: &str| required(o, k, &format!("{param}.{k}")).and_then(|t| string(t, &format!("{param}.{k}")));
+    let text = |k: &str| {
+        required(o, k, &format!("{param}.{k}")).and_then(|t| string(t, &format!("{param}.{k}")))
+    };
     let transcript = opt_string(o, "transcript", &format!("{param}.transcript"))?;
     match o.get("type").and_then(Value::as_str).unwrap_or("") {
         "input_text" => Ok(Part::InputText(text("text")?)),
@@ -459,7 +515,9 @@ pub fn item(v: &Value, param: &str) -> Result<Item, OaiError> {
         Some(i) => Some(id_field(i, &format!("{param}.id"))?),
         None => None,
     };
-    let s = |k: &str| required(o, k, &format!("{param}.{k}")).and_then(|t| string(t, &format!("{param}.{k}")));
+    let s = |k: &str| {
+        required(o, k, &format!("{param}.{k}")).and_then(|t| string(t, &format!("{param}.{k}")))
+    };
     let ty = opt_string(o, "type", &format!("{param}.type"))?;
     match ty.as_deref().unwrap_or("message") {
         "message" => {
@@ -467,12 +525,21 @@ pub fn item(v: &Value, param: &str) -> Result<Item, OaiError> {
                 Some("user") => Role::User,
                 Some("assistant") => Role::Assistant,
                 Some("system") => Role::System,
-                _ => return Err(bad(&format!("{param}.role"), "a message's role must be user, assistant or system")),
+                _ => {
+                    return Err(bad(
+                        &format!("{param}.role"),
+                        "a message's role must be user, assistant or system",
+                    ))
+                }
             };
             let parts = required(o, "content", &format!("{param}.content"))?
                 .as_array()
                 .ok_or_else(|| bad(&format!("{param}.content"), "content must be an array"))?;
-            let content = parts.iter().enumerate().map(|(i, p)| part(p, &format!("{param}.content[{i}]"))).collect::<Result<Vec<_>, _>>()?;
+            let content = parts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| part(p, &format!("{param}.content[{i}]")))
+                .collect::<Result<Vec<_>, _>>()?;
             let incomplete = o.get("status").and_then(Value::as_str) == Some("incomplete");
             Ok(Item::Message { id, role, content, incomplete })
         }
@@ -481,13 +548,25 @@ pub fn item(v: &Value, param: &str) -> Result<Item, OaiError> {
             call_id: opt_string(o, "call_id", &format!("{param}.call_id"))?,
             name: s("name")?,
             // (a JSON text, as the SDK's types say: an object is refused, not serialized for it)
-            arguments: opt_string(o, "arguments", &format!("{param}.arguments"))?.unwrap_or_else(|| "{}".to_string()),
+            arguments: opt_string(o, "arguments", &format!("{param}.arguments"))?
+                .unwrap_or_else(|| "{}".to_string()),
         }),
-        "function_call_output" => Ok(Item::FunctionCallOutput { id, call_id: s("call_id")?, output: s("output")? }),
+        "function_call_output" => {
+            Ok(Item::FunctionCallOutput { id, call_id: s("call_id")?, output: s("output")? })
+        }
         "item_reference" => Ok(Item::Reference {
-            id: id.ok_or_else(|| OaiError::param(OaiErrorCode::MissingRequiredParameter, &format!("{param}.id"), "an item_reference needs `id`"))?,
+            id: id.ok_or_else(|| {
+                OaiError::param(
+                    OaiErrorCode::MissingRequiredParameter,
+                    &format!("{param}.id"),
+                    "an item_reference needs `id`",
+                )
+            })?,
         }),
-        other => Err(bad(&format!("{param}.type"), format!("item type `{other}`: expected message, function_call or function_call_output"))),
+        other => Err(bad(
+            &format!("{param}.type"),
+            format!("item type `{other}`: expected message, function_call or function_call_output"),
+        )),
     }
 }
 
@@ -508,7 +587,12 @@ fn response_params(v: Option<&Value>) -> Result<ResponseParams, OaiError> {
     if let Some(f) = get("output_audio_format") {
         r.output_format = Some(format(f, "response.output_audio_format")?);
     }
-    if let Some(out) = get("audio").map(|a| object(a, "response.audio")).transpose()?.and_then(|a| a.get("output")).filter(|v| !v.is_null()) {
+    if let Some(out) = get("audio")
+        .map(|a| object(a, "response.audio"))
+        .transpose()?
+        .and_then(|a| a.get("output"))
+        .filter(|v| !v.is_null())
+    {
         let out = object(out, "response.audio.output")?;
         if let Some(f) = out.get("format").filter(|v| !v.is_null()) {
             r.output_format = Some(format(f, "response.audio.output.format")?);
@@ -523,10 +607,15 @@ fn response_params(v: Option<&Value>) -> Result<ResponseParams, OaiError> {
     if let Some(t) = get("temperature") {
         r.temperature = Some(temperature(t, "response.temperature")?);
     }
-    r.tool_choice = get("tool_choice").map(|t| tool_choice(t, "response.tool_choice")).transpose()?;
+    r.tool_choice =
+        get("tool_choice").map(|t| tool_choice(t, "response.tool_choice")).transpose()?;
     if let Some(m) = get("metadata") {
         let m = object(m, "response.metadata")?;
-        if m.len() > 16 || m.iter().any(|(k, v)| k.chars().count() > 64 || v.as_str().is_none_or(|s| s.chars().count() > 512)) {
+        if m.len() > 16
+            || m.iter().any(|(k, v)| {
+                k.chars().count() > 64 || v.as_str().is_none_or(|s| s.chars().count() > 512)
+            })
+        {
             return Err(bad("response.metadata", "metadata holds at most 16 string pairs (keys up to 64, values up to 512 characters)"));
         }
         r.metadata = Some(m.clone());
@@ -534,11 +623,19 @@ fn response_params(v: Option<&Value>) -> Result<ResponseParams, OaiError> {
     match get("conversation").map(|c| c.as_str()) {
         None | Some(Some("auto")) => {}
         Some(Some("none")) => r.out_of_band = true,
-        Some(_) => return Err(bad("response.conversation", "conversation must be \"auto\" or \"none\"")),
+        Some(_) => {
+            return Err(bad("response.conversation", "conversation must be \"auto\" or \"none\""))
+        }
     }
     if let Some(i) = get("input") {
-        let a = i.as_array().ok_or_else(|| bad("response.input", "input must be an array of items"))?;
-        r.input = Some(a.iter().enumerate().map(|(n, it)| item(it, &format!("response.input[{n}]"))).collect::<Result<_, _>>()?);
+        let a =
+            i.as_array().ok_or_else(|| bad("response.input", "input must be an array of items"))?;
+        r.input = Some(
+            a.iter()
+                .enumerate()
+                .map(|(n, it)| item(it, &format!("response.input[{n}]")))
+                .collect::<Result<_, _>>()?,
+        );
     }
     Ok(r)
 }
@@ -553,43 +650,68 @@ struct Truncate {
 
 /// Parses one text frame of the dialect.
 pub fn parse_client(text: &str) -> Result<OaiIncoming, (Option<String>, OaiError)> {
-    let v: Value = serde_json::from_str(text).map_err(|e| (None, OaiError::new(OaiErrorCode::InvalidJson, format!("not JSON: {e}"))))?;
+    let v: Value = serde_json::from_str(text)
+        .map_err(|e| (None, OaiError::new(OaiErrorCode::InvalidJson, format!("not JSON: {e}"))))?;
     let Value::Object(o) = &v else {
-        return Err((None, OaiError::new(OaiErrorCode::InvalidJson, "a text frame must hold one JSON object")));
+        return Err((
+            None,
+            OaiError::new(OaiErrorCode::InvalidJson, "a text frame must hold one JSON object"),
+        ));
     };
-    let event_id = o.get("event_id").and_then(Value::as_str).map(|s| s.chars().take(MAX_ID_CHARS).collect::<String>());
-    let fail = |e: OaiError| (event_id.clone(), e);
-    let ty = o
-        .get("type")
+    let event_id = o
+        .get("event_id")
         .and_then(Value::as_str)
-        .ok_or_else(|| fail(OaiError::param(OaiErrorCode::MissingRequiredParameter, "type", "missing `type`")))?;
+        .map(|s| s.chars().take(MAX_ID_CHARS).collect::<String>());
+    let fail = |e: OaiError| (event_id.clone(), e);
+    let ty = o.get("type").and_then(Value::as_str).ok_or_else(|| {
+        fail(OaiError::param(OaiErrorCode::MissingRequiredParameter, "type", "missing `type`"))
+    })?;
     let event = match ty {
-        "session.update" => OaiClientEvent::SessionUpdate(Box::new(session_patch(required(o, "session", "session").map_err(fail)?).map_err(fail)?)),
-        "input_audio_buffer.append" => OaiClientEvent::Append(decode_audio(required(o, "audio", "audio").map_err(fail)?, "audio").map_err(fail)?),
+        "session.update" => OaiClientEvent::SessionUpdate(Box::new(
+            session_patch(required(o, "session", "session").map_err(fail)?).map_err(fail)?,
+        )),
+        "input_audio_buffer.append" => OaiClientEvent::Append(
+            decode_audio(required(o, "audio", "audio").map_err(fail)?, "audio").map_err(fail)?,
+        ),
         "input_audio_buffer.commit" => OaiClientEvent::Commit,
         "input_audio_buffer.clear" => OaiClientEvent::Clear,
         "conversation.item.create" => OaiClientEvent::ItemCreate {
-            previous_item_id: opt_string(o, "previous_item_id", "previous_item_id").map_err(fail)?,
+            previous_item_id: opt_string(o, "previous_item_id", "previous_item_id")
+                .map_err(fail)?,
             item: item(required(o, "item", "item").map_err(fail)?, "item").map_err(fail)?,
         },
         "conversation.item.truncate" => {
-            let t: Truncate = serde_json::from_value(v.clone()).map_err(|e| fail(bad("item_id", format!("conversation.item.truncate: {e}"))))?;
-            OaiClientEvent::ItemTruncate { item_id: t.item_id, content_index: t.content_index, audio_end_ms: t.audio_end_ms }
+            let t: Truncate = serde_json::from_value(v.clone())
+                .map_err(|e| fail(bad("item_id", format!("conversation.item.truncate: {e}"))))?;
+            OaiClientEvent::ItemTruncate {
+                item_id: t.item_id,
+                content_index: t.content_index,
+                audio_end_ms: t.audio_end_ms,
+            }
         }
         "conversation.item.delete" | "conversation.item.retrieve" => {
-            let item_id = id_field(required(o, "item_id", "item_id").map_err(fail)?, "item_id").map_err(fail)?;
+            let item_id = id_field(required(o, "item_id", "item_id").map_err(fail)?, "item_id")
+                .map_err(fail)?;
             if ty.ends_with("delete") {
                 OaiClientEvent::ItemDelete { item_id }
             } else {
                 OaiClientEvent::ItemRetrieve { item_id }
             }
         }
-        "response.create" => OaiClientEvent::ResponseCreate(Box::new(response_params(o.get("response")).map_err(fail)?)),
-        "response.cancel" => OaiClientEvent::ResponseCancel { response_id: opt_string(o, "response_id", "response_id").map_err(fail)? },
+        "response.create" => OaiClientEvent::ResponseCreate(Box::new(
+            response_params(o.get("response")).map_err(fail)?,
+        )),
+        "response.cancel" => OaiClientEvent::ResponseCancel {
+            response_id: opt_string(o, "response_id", "response_id").map_err(fail)?,
+        },
         "output_audio_buffer.clear" => OaiClientEvent::OutputAudioClear,
         other => {
             let shown: String = other.chars().take(64).collect();
-            return Err(fail(OaiError::param(OaiErrorCode::InvalidEvent, "type", format!("unknown or unsupported event type `{shown}`"))));
+            return Err(fail(OaiError::param(
+                OaiErrorCode::InvalidEvent,
+                "type",
+                format!("unknown or unsupported event type `{shown}`"),
+            )));
         }
     };
     Ok(OaiIncoming { event_id, event })

@@ -5,7 +5,10 @@
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-use super::{AudioFormat, CancelReason, ItemStatus, MaxTokens, Modality, OaiErrorCode, ResponseStatus, TurnDetection};
+use super::{
+    AudioFormat, CancelReason, ItemStatus, MaxTokens, Modality, OaiErrorCode, ResponseStatus,
+    TurnDetection,
+};
 
 fn format_json(f: AudioFormat) -> Value {
     match f {
@@ -125,7 +128,13 @@ pub struct ItemView {
 
 impl ItemView {
     /// A `function_call` item (`arguments`: the call's JSON text).
-    pub fn function_call(id: &str, status: ItemStatus, call_id: &str, name: &str, arguments: &str) -> Self {
+    pub fn function_call(
+        id: &str,
+        status: ItemStatus,
+        call_id: &str,
+        name: &str,
+        arguments: &str,
+    ) -> Self {
         Self {
             id: id.to_string(),
             object: "realtime.item",
@@ -140,7 +149,12 @@ impl ItemView {
         }
     }
 
-    pub fn message(id: &str, role: &'static str, status: ItemStatus, content: Vec<PartView>) -> Self {
+    pub fn message(
+        id: &str,
+        role: &'static str,
+        status: ItemStatus,
+        content: Vec<PartView>,
+    ) -> Self {
         Self {
             id: id.to_string(),
             object: "realtime.item",
@@ -193,7 +207,14 @@ pub struct ErrorView {
 impl ErrorView {
     /// The server's error, with no param and no wait.
     pub fn server(code: OaiErrorCode, message: String) -> Self {
-        Self { code, message, param: None, client_event_id: None, server_side: true, retry_after_ms: None }
+        Self {
+            code,
+            message,
+            param: None,
+            client_event_id: None,
+            server_side: true,
+            retry_after_ms: None,
+        }
     }
 }
 
@@ -340,8 +361,12 @@ impl OaiServerEvent {
                 }
                 v
             }
-            E::SessionCreated(s) => serde_json::json!({"type": "session.created", "session": s.to_json()}),
-            E::SessionUpdated(s) => serde_json::json!({"type": "session.updated", "session": s.to_json()}),
+            E::SessionCreated(s) => {
+                serde_json::json!({"type": "session.created", "session": s.to_json()})
+            }
+            E::SessionUpdated(s) => {
+                serde_json::json!({"type": "session.updated", "session": s.to_json()})
+            }
             E::Committed { previous_item_id, item_id } => {
                 serde_json::json!({"type": "input_audio_buffer.committed", "previous_item_id": previous_item_id, "item_id": item_id})
             }
@@ -361,26 +386,50 @@ impl OaiServerEvent {
             E::ItemTruncated { item_id, content_index, audio_end_ms } => serde_json::json!({
                 "type": "conversation.item.truncated", "item_id": item_id, "content_index": content_index, "audio_end_ms": audio_end_ms,
             }),
-            E::ItemDeleted { item_id } => serde_json::json!({"type": "conversation.item.deleted", "item_id": item_id}),
-            E::ItemRetrieved { item } => serde_json::json!({"type": "conversation.item.retrieved", "item": item}),
-            E::ResponseCreated(r) => serde_json::json!({"type": "response.created", "response": r.to_json()}),
-            E::ResponseDone(r) => serde_json::json!({"type": "response.done", "response": r.to_json()}),
+            E::ItemDeleted { item_id } => {
+                serde_json::json!({"type": "conversation.item.deleted", "item_id": item_id})
+            }
+            E::ItemRetrieved { item } => {
+                serde_json::json!({"type": "conversation.item.retrieved", "item": item})
+            }
+            E::ResponseCreated(r) => {
+                serde_json::json!({"type": "response.created", "response": r.to_json()})
+            }
+            E::ResponseDone(r) => {
+                serde_json::json!({"type": "response.done", "response": r.to_json()})
+            }
             E::OutputItemAdded { response_id, output_index, item } => serde_json::json!({
                 "type": "response.output_item.added", "response_id": response_id, "output_index": output_index, "item": item,
             }),
             E::OutputItemDone { response_id, output_index, item } => serde_json::json!({
                 "type": "response.output_item.done", "response_id": response_id, "output_index": output_index, "item": item,
             }),
-            E::ContentPartAdded { at: a, part } => with(at("response.content_part.added", a), "part", serde_json::json!(part)),
-            E::ContentPartDone { at: a, part } => with(at("response.content_part.done", a), "part", serde_json::json!(part)),
-            E::AudioDelta { at: a, delta_b64 } => with(at("response.output_audio.delta", a), "delta", Value::from(delta_b64.as_str())),
-            E::AudioDone { at: a } => at("response.output_audio.done", a),
-            E::TranscriptDelta { at: a, delta } => with(at("response.output_audio_transcript.delta", a), "delta", Value::from(delta.as_str())),
-            E::TranscriptDone { at: a, transcript } => {
-                with(at("response.output_audio_transcript.done", a), "transcript", Value::from(transcript.as_str()))
+            E::ContentPartAdded { at: a, part } => {
+                with(at("response.content_part.added", a), "part", serde_json::json!(part))
             }
-            E::TextDelta { at: a, delta } => with(at("response.output_text.delta", a), "delta", Value::from(delta.as_str())),
-            E::TextDone { at: a, text } => with(at("response.output_text.done", a), "text", Value::from(text.as_str())),
+            E::ContentPartDone { at: a, part } => {
+                with(at("response.content_part.done", a), "part", serde_json::json!(part))
+            }
+            E::AudioDelta { at: a, delta_b64 } => {
+                with(at("response.output_audio.delta", a), "delta", Value::from(delta_b64.as_str()))
+            }
+            E::AudioDone { at: a } => at("response.output_audio.done", a),
+            E::TranscriptDelta { at: a, delta } => with(
+                at("response.output_audio_transcript.delta", a),
+                "delta",
+                Value::from(delta.as_str()),
+            ),
+            E::TranscriptDone { at: a, transcript } => with(
+                at("response.output_audio_transcript.done", a),
+                "transcript",
+                Value::from(transcript.as_str()),
+            ),
+            E::TextDelta { at: a, delta } => {
+                with(at("response.output_text.delta", a), "delta", Value::from(delta.as_str()))
+            }
+            E::TextDone { at: a, text } => {
+                with(at("response.output_text.done", a), "text", Value::from(text.as_str()))
+            }
             E::InputTranscriptionDelta { item_id, delta } => serde_json::json!({
                 "type": "conversation.item.input_audio_transcription.delta", "item_id": item_id, "content_index": 0, "delta": delta,
             }),

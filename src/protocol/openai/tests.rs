@@ -36,12 +36,21 @@ fn semantic_vad_is_served_and_bad_knobs_are_named() {
     let t = p.turn_detection.unwrap().unwrap();
     assert!(t.semantic && t.create_response && t.interrupt_response);
     for (session, param) in [
-        (serde_json::json!({"turn_detection": {"type": "server_vad", "threshold": 1.5}}), "session.turn_detection.threshold"),
-        (serde_json::json!({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}), "session.audio.input.format"),
+        (
+            serde_json::json!({"turn_detection": {"type": "server_vad", "threshold": 1.5}}),
+            "session.turn_detection.threshold",
+        ),
+        (
+            serde_json::json!({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}),
+            "session.audio.input.format",
+        ),
         (serde_json::json!({"type": "transcription"}), "session.type"),
         (serde_json::json!({"output_modalities": ["video"]}), "session.output_modalities"),
     ] {
-        let (id, err) = parse(serde_json::json!({"type": "session.update", "event_id": "x", "session": session})).unwrap_err();
+        let (id, err) = parse(
+            serde_json::json!({"type": "session.update", "event_id": "x", "session": session}),
+        )
+        .unwrap_err();
         assert_eq!(id.as_deref(), Some("x"));
         assert_eq!(err.param.as_deref(), Some(param), "{err:?}");
     }
@@ -49,9 +58,12 @@ fn semantic_vad_is_served_and_bad_knobs_are_named() {
 
 #[test]
 fn audio_and_items_decode() {
-    let e = parse(serde_json::json!({"type": "input_audio_buffer.append", "audio": "AAEC"})).unwrap();
+    let e =
+        parse(serde_json::json!({"type": "input_audio_buffer.append", "audio": "AAEC"})).unwrap();
     assert_eq!(e.event, OaiClientEvent::Append(vec![0, 1, 2]));
-    let (_, err) = parse(serde_json::json!({"type": "input_audio_buffer.append", "audio": "not base64!"})).unwrap_err();
+    let (_, err) =
+        parse(serde_json::json!({"type": "input_audio_buffer.append", "audio": "not base64!"}))
+            .unwrap_err();
     assert_eq!(err.param.as_deref(), Some("audio"));
     let (_, err) = parse(serde_json::json!({"type": "input_audio_buffer.append"})).unwrap_err();
     assert_eq!(err.code, OaiErrorCode::MissingRequiredParameter);
@@ -59,10 +71,21 @@ fn audio_and_items_decode() {
         "content": [{"type": "input_text", "text": "hi"}]}}))
     .unwrap();
     let OaiClientEvent::ItemCreate { item, .. } = e.event else { panic!() };
-    assert_eq!(item, Item::Message { id: Some("abc".into()), role: Role::User, content: vec![Part::InputText("hi".into())], incomplete: false });
+    assert_eq!(
+        item,
+        Item::Message {
+            id: Some("abc".into()),
+            role: Role::User,
+            content: vec![Part::InputText("hi".into())],
+            incomplete: false
+        }
+    );
     let e = parse(serde_json::json!({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "c1", "output": "42"}}))
         .unwrap();
-    assert!(matches!(e.event, OaiClientEvent::ItemCreate { item: Item::FunctionCallOutput { .. }, .. }));
+    assert!(matches!(
+        e.event,
+        OaiClientEvent::ItemCreate { item: Item::FunctionCallOutput { .. }, .. }
+    ));
     let (_, err) =
         parse(serde_json::json!({"type": "conversation.item.create", "item": {"type": "message", "role": "robot", "content": []}})).unwrap_err();
     assert_eq!(err.param.as_deref(), Some("item.role"));
@@ -77,7 +100,10 @@ fn response_create_overrides_and_unknown_events() {
     assert!(p.out_of_band);
     assert_eq!(p.metadata.unwrap()["client_event_id"], "q");
     assert_eq!(p.input, Some(vec![Item::Reference { id: "abc".into() }]));
-    assert_eq!(parse(serde_json::json!({"type": "response.create"})).unwrap().event, OaiClientEvent::ResponseCreate(Box::default()));
+    assert_eq!(
+        parse(serde_json::json!({"type": "response.create"})).unwrap().event,
+        OaiClientEvent::ResponseCreate(Box::default())
+    );
     let (_, err) = parse(serde_json::json!({"type": "transcription_session.update"})).unwrap_err();
     assert_eq!(err.code, OaiErrorCode::InvalidEvent);
     let (id, err) = parse_client("{not json").unwrap_err();
@@ -100,18 +126,33 @@ fn server_events_carry_event_id_and_the_ga_names() {
         tool_choice: "auto".into(),
         transcription: None,
     };
-    let v: serde_json::Value = serde_json::from_str(&OaiServerEvent::SessionCreated(s).to_json("event_1")).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&OaiServerEvent::SessionCreated(s).to_json("event_1")).unwrap();
     assert_eq!(v["type"], "session.created");
     assert_eq!(v["event_id"], "event_1");
     assert_eq!(v["session"]["type"], "realtime");
-    assert_eq!(v["session"]["audio"]["output"]["format"], serde_json::json!({"type": "audio/pcm", "rate": 24000}));
+    assert_eq!(
+        v["session"]["audio"]["output"]["format"],
+        serde_json::json!({"type": "audio/pcm", "rate": 24000})
+    );
     assert_eq!(v["session"]["audio"]["input"]["turn_detection"]["type"], "server_vad");
     assert_eq!(v["session"]["tool_choice"], "auto");
-    let item = ItemView::message("item_1", "assistant", ItemStatus::Completed, vec![PartView::of("output_audio", None, Some("hi".into()))]);
-    let v: serde_json::Value = serde_json::from_str(&OaiServerEvent::ItemAdded { previous_item_id: None, item }.to_json("e")).unwrap();
+    let item = ItemView::message(
+        "item_1",
+        "assistant",
+        ItemStatus::Completed,
+        vec![PartView::of("output_audio", None, Some("hi".into()))],
+    );
+    let v: serde_json::Value = serde_json::from_str(
+        &OaiServerEvent::ItemAdded { previous_item_id: None, item }.to_json("e"),
+    )
+    .unwrap();
     assert_eq!(v["type"], "conversation.item.added");
     assert_eq!(v["item"]["object"], "realtime.item");
-    assert_eq!(v["item"]["content"][0], serde_json::json!({"type": "output_audio", "transcript": "hi"}));
+    assert_eq!(
+        v["item"]["content"][0],
+        serde_json::json!({"type": "output_audio", "transcript": "hi"})
+    );
 }
 
 /// A field of the wrong type is refused naming its param, never read as absent or defaulted (issue
@@ -122,14 +163,26 @@ fn wrong_types_are_refused_naming_the_param() {
     use serde_json::json;
     let cases = [
         (json!({"type": "session.update", "session": {"tool_choice": 5}}), "session.tool_choice"),
-        (json!({"type": "session.update", "session": {"tool_choice": "sometimes"}}), "session.tool_choice"),
+        (
+            json!({"type": "session.update", "session": {"tool_choice": "sometimes"}}),
+            "session.tool_choice",
+        ),
         (
             json!({"type": "session.update", "session": {"turn_detection": {"type": "semantic_vad", "eagerness": 7}}}),
             "session.turn_detection.eagerness",
         ),
-        (json!({"type": "conversation.item.create", "item": {"type": 5, "role": "user", "content": []}}), "item.type"),
-        (json!({"type": "conversation.item.create", "item": {"type": "function_call", "name": "f", "arguments": {"a": 1}}}), "item.arguments"),
-        (json!({"type": "conversation.item.create", "item": {"type": "function_call", "name": "f", "call_id": 3}}), "item.call_id"),
+        (
+            json!({"type": "conversation.item.create", "item": {"type": 5, "role": "user", "content": []}}),
+            "item.type",
+        ),
+        (
+            json!({"type": "conversation.item.create", "item": {"type": "function_call", "name": "f", "arguments": {"a": 1}}}),
+            "item.arguments",
+        ),
+        (
+            json!({"type": "conversation.item.create", "item": {"type": "function_call", "name": "f", "call_id": 3}}),
+            "item.call_id",
+        ),
         (
             json!({"type": "conversation.item.create", "previous_item_id": 5, "item": {"role": "user", "content": [{"type": "input_text", "text": "x"}]}}),
             "previous_item_id",

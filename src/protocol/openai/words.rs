@@ -40,7 +40,9 @@ impl OaiErrorCode {
             OaiErrorCode::MissingRequiredParameter => "missing_required_parameter",
             OaiErrorCode::InputAudioBufferFull => "input_audio_buffer_full",
             OaiErrorCode::InputAudioBufferCommitEmpty => "input_audio_buffer_commit_empty",
-            OaiErrorCode::ConversationAlreadyHasActiveResponse => "conversation_already_has_active_response",
+            OaiErrorCode::ConversationAlreadyHasActiveResponse => {
+                "conversation_already_has_active_response"
+            }
             OaiErrorCode::ResponseCancelNotActive => "response_cancel_not_active",
             OaiErrorCode::ItemTruncateInvalidItemId => "item_truncate_invalid_item_id",
             OaiErrorCode::ItemRetrieveInvalidItemId => "item_retrieve_invalid_item_id",
@@ -99,9 +101,18 @@ mod tests {
 
     #[test]
     fn the_words_are_openais() {
-        assert_eq!(serde_json::to_value(OaiErrorCode::InputAudioBufferCommitEmpty).unwrap(), "input_audio_buffer_commit_empty");
-        assert_eq!(serde_json::to_value(OaiErrorCode::V1(ErrorCode::BadAudio)).unwrap(), "bad_audio");
-        assert_eq!(serde_json::to_value(OaiErrorCode::V1(ErrorCode::Other)).unwrap(), "server_error");
+        assert_eq!(
+            serde_json::to_value(OaiErrorCode::InputAudioBufferCommitEmpty).unwrap(),
+            "input_audio_buffer_commit_empty"
+        );
+        assert_eq!(
+            serde_json::to_value(OaiErrorCode::V1(ErrorCode::BadAudio)).unwrap(),
+            "bad_audio"
+        );
+        assert_eq!(
+            serde_json::to_value(OaiErrorCode::V1(ErrorCode::Other)).unwrap(),
+            "server_error"
+        );
         assert_eq!(serde_json::to_value(ItemStatus::InProgress).unwrap(), "in_progress");
         assert_eq!(serde_json::to_value(ResponseStatus::Cancelled).unwrap(), "cancelled");
         assert_eq!(serde_json::to_value(CancelReason::TurnDetected).unwrap(), "turn_detected");

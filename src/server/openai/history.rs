@@ -4,7 +4,10 @@
 //! the v1 conversation (`conversation.append`, text only) before a response starts; the user
 //! items after the last of them are the response's input, as before.
 
-use antiphon_protocol::{valid_tool_name, ClientEvent, PastCall, PastTurn, MAX_APPEND_TURNS, MAX_TOOL_OUTPUT_CHARS, MAX_TOOL_RESULTS};
+use antiphon_protocol::{
+    valid_tool_name, ClientEvent, PastCall, PastTurn, MAX_APPEND_TURNS, MAX_TOOL_OUTPUT_CHARS,
+    MAX_TOOL_RESULTS,
+};
 
 use super::items::{ConvItem, Pending};
 use super::translate::{new_id, Translator};
@@ -28,9 +31,16 @@ fn words(item: &ConvItem) -> String {
 fn past_call(item: &ConvItem) -> Option<PastCall> {
     let v = &item.view;
     let name = v.name.clone().filter(|n| valid_tool_name(n))?;
-    let arguments =
-        v.arguments.clone().filter(|a| serde_json::from_str::<serde_json::Value>(a).is_ok_and(|j| j.is_object())).unwrap_or_else(|| "{}".into());
-    let call_id = v.call_id.clone().filter(|c| !c.is_empty() && c.len() <= 64).unwrap_or_else(|| new_id("call"));
+    let arguments = v
+        .arguments
+        .clone()
+        .filter(|a| serde_json::from_str::<serde_json::Value>(a).is_ok_and(|j| j.is_object()))
+        .unwrap_or_else(|| "{}".into());
+    let call_id = v
+        .call_id
+        .clone()
+        .filter(|c| !c.is_empty() && c.len() <= 64)
+        .unwrap_or_else(|| new_id("call"));
     Some(PastCall { call_id, name, arguments })
 }
 
@@ -44,20 +54,24 @@ struct Gathered {
 
 impl Gathered {
     fn is_empty(&self) -> bool {
-        self.said.is_empty() && self.outputs.is_empty() && self.answer.is_empty() && self.calls.is_empty()
+        self.said.is_empty()
+            && self.outputs.is_empty()
+            && self.answer.is_empty()
+            && self.calls.is_empty()
     }
 
     /// As a v1 turn: the caller's words, or the tools' outputs (with words too, the outputs are
     /// said as text after them).
     fn turn(self) -> PastTurn {
-        let (user, tool_outputs) = match (self.said.is_empty() && self.outputs.len() <= MAX_TOOL_RESULTS, self.outputs) {
-            (true, outputs) => (String::new(), outputs),
-            (false, outputs) => {
-                let mut said = self.said;
-                said.extend(outputs.iter().map(|o| format!("[a function returned] {o}")));
-                (said.join("\n"), Vec::new())
-            }
-        };
+        let (user, tool_outputs) =
+            match (self.said.is_empty() && self.outputs.len() <= MAX_TOOL_RESULTS, self.outputs) {
+                (true, outputs) => (String::new(), outputs),
+                (false, outputs) => {
+                    let mut said = self.said;
+                    said.extend(outputs.iter().map(|o| format!("[a function returned] {o}")));
+                    (said.join("\n"), Vec::new())
+                }
+            };
         PastTurn { user, tool_outputs, assistant: self.answer.join("\n"), calls: self.calls }
     }
 }
@@ -75,8 +89,16 @@ impl Translator {
                 i.in_v1 = false;
             }
         }
-        let new: Vec<usize> = (0..self.items.len()).filter(|&i| !self.items[i].in_v1 && self.items[i].view.role != Some("system")).collect();
-        let Some(cut) = new.iter().enumerate().rposition(|(k, &i)| assistant_side(&self.items[i], k + 1 == new.len())) else { return };
+        let new: Vec<usize> = (0..self.items.len())
+            .filter(|&i| !self.items[i].in_v1 && self.items[i].view.role != Some("system"))
+            .collect();
+        let Some(cut) = new
+            .iter()
+            .enumerate()
+            .rposition(|(k, &i)| assistant_side(&self.items[i], k + 1 == new.len()))
+        else {
+            return;
+        };
         let mut turns = Vec::new();
         let mut g = Gathered::default();
         let mut answered = false;
@@ -94,9 +116,15 @@ impl Translator {
                     answered = false;
                 }
                 match item.view.kind {
-                    "function_call_output" => {
-                        g.outputs.push(item.view.output.clone().unwrap_or_default().chars().take(MAX_TOOL_OUTPUT_CHARS).collect())
-                    }
+                    "function_call_output" => g.outputs.push(
+                        item.view
+                            .output
+                            .clone()
+                            .unwrap_or_default()
+                            .chars()
+                            .take(MAX_TOOL_OUTPUT_CHARS)
+                            .collect(),
+                    ),
                     _ => g.said.push(words(item)),
                 }
             }

@@ -100,7 +100,14 @@ impl InputBuffer {
     /// A buffer holding at most `max_s` seconds; `semantic_served`: whether `semantic_vad` has
     /// a turn model.
     pub fn new(max_s: u64, semantic_served: bool) -> Self {
-        Self { samples: Vec::new(), base: 0, total: 0, max: (max_s * RATE) as usize, detection: None, semantic_served }
+        Self {
+            samples: Vec::new(),
+            base: 0,
+            total: 0,
+            max: (max_s * RATE) as usize,
+            detection: None,
+            semantic_served,
+        }
     }
 
     pub fn turn_detection(&self) -> Option<&TurnDetection> {
@@ -113,10 +120,19 @@ impl InputBuffer {
             None => None,
             Some(settings) => {
                 let semantic = settings.semantic && self.semantic_served;
-                let silence_duration_ms = if semantic { SEMANTIC_PAUSE_MS } else { settings.silence_duration_ms };
+                let silence_duration_ms =
+                    if semantic { SEMANTIC_PAUSE_MS } else { settings.silence_duration_ms };
                 let config = VadConfig { threshold: settings.threshold, silence_duration_ms };
                 let detector = TurnDetector::new(RATE as u32, config)?;
-                Some(Detection { detector, settings, origin: self.total, speech: None, skip_stop: false, semantic, pause: None })
+                Some(Detection {
+                    detector,
+                    settings,
+                    origin: self.total,
+                    speech: None,
+                    skip_stop: false,
+                    semantic,
+                    pause: None,
+                })
             }
         };
         // a manual buffer's audio is not a detected turn's prefix: it starts over
@@ -129,7 +145,10 @@ impl InputBuffer {
     /// that reaches the limit ends there.
     pub fn push(&mut self, x: &[i16]) -> Result<Vec<InputEvent>, String> {
         if self.detection.is_none() && self.samples.len() + x.len() > self.max {
-            return Err(format!("the input audio buffer holds at most {} s: commit or clear it", self.max as u64 / RATE));
+            return Err(format!(
+                "the input audio buffer holds at most {} s: commit or clear it",
+                self.max as u64 / RATE
+            ));
         }
         self.samples.extend_from_slice(x);
         self.total += x.len() as u64;
@@ -139,11 +158,15 @@ impl InputBuffer {
         for e in d.detector.push(&f) {
             match e {
                 // (semantic: speech again after a pause that was not the end: the turn goes on)
-                VadEvent::SpeechStarted { .. } if d.pause.is_some() && d.speech.is_some() => d.pause = None,
+                VadEvent::SpeechStarted { .. } if d.pause.is_some() && d.speech.is_some() => {
+                    d.pause = None
+                }
                 VadEvent::SpeechStarted { at_ms } => {
                     d.pause = None;
                     let at = d.origin + at_ms * PER_MS;
-                    let start = at.saturating_sub(d.settings.prefix_padding_ms as u64 * PER_MS).max(self.base);
+                    let start = at
+                        .saturating_sub(d.settings.prefix_padding_ms as u64 * PER_MS)
+                        .max(self.base);
                     d.speech = Some(start);
                     out.push(InputEvent::Started { audio_start_ms: start / PER_MS });
                 }
@@ -160,15 +183,23 @@ impl InputBuffer {
                 VadEvent::SpeechStopped { at_ms } => {
                     let end = (d.origin + at_ms * PER_MS).min(self.total);
                     let start = d.speech.take().unwrap_or(self.base);
-                    out.push(InputEvent::Stopped { audio_end_ms: end / PER_MS, audio: take(&mut self.samples, &mut self.base, start, end) });
+                    out.push(InputEvent::Stopped {
+                        audio_end_ms: end / PER_MS,
+                        audio: take(&mut self.samples, &mut self.base, start, end),
+                    });
                 }
             }
         }
         // (semantic: a pause the model did not call the end, as long as the eagerness waits)
-        if let Some(p) = d.pause.filter(|p| d.detector.audio_ms() >= p.at_ms + max_wait_ms(d.settings.eagerness.as_deref())) {
+        if let Some(p) = d.pause.filter(|p| {
+            d.detector.audio_ms() >= p.at_ms + max_wait_ms(d.settings.eagerness.as_deref())
+        }) {
             d.pause = None;
             let start = d.speech.take().unwrap_or(self.base);
-            out.push(InputEvent::Stopped { audio_end_ms: p.end / PER_MS, audio: take(&mut self.samples, &mut self.base, start, p.end) });
+            out.push(InputEvent::Stopped {
+                audio_end_ms: p.end / PER_MS,
+                audio: take(&mut self.samples, &mut self.base, start, p.end),
+            });
         }
         match d.speech {
             Some(start) if self.samples.len() > self.max => {
@@ -177,7 +208,10 @@ impl InputBuffer {
                 d.pause = None;
                 d.skip_stop = d.detector.in_speech();
                 let end = self.total;
-                out.push(InputEvent::Stopped { audio_end_ms: end / PER_MS, audio: take(&mut self.samples, &mut self.base, start, end) });
+                out.push(InputEvent::Stopped {
+                    audio_end_ms: end / PER_MS,
+                    audio: take(&mut self.samples, &mut self.base, start, end),
+                });
             }
             Some(_) => {}
             None => {
@@ -201,7 +235,10 @@ impl InputBuffer {
         let p = d.pause.filter(|p| p.end == at && complete)?;
         d.pause = None;
         let start = d.speech.take().unwrap_or(self.base);
-        Some(InputEvent::Stopped { audio_end_ms: p.end / PER_MS, audio: take(&mut self.samples, &mut self.base, start, p.end) })
+        Some(InputEvent::Stopped {
+            audio_end_ms: p.end / PER_MS,
+            audio: take(&mut self.samples, &mut self.base, start, p.end),
+        })
     }
 
     /// `input_audio_buffer.commit`: the audio of the turn so far (with turn detection: of the
@@ -290,18 +327,32 @@ impl Joined {
 }
 
 /// 24 kHz samples of audio in `format` (G.711 is 8 kHz: interpolated up).
-pub(super) fn decode_input(format: AudioFormat, bytes: &[u8], param: &str) -> Result<Vec<i16>, OaiError> {
+pub(super) fn decode_input(
+    format: AudioFormat,
+    bytes: &[u8],
+    param: &str,
+) -> Result<Vec<i16>, OaiError> {
     match format {
         AudioFormat::Pcm24k => {
             if !bytes.len().is_multiple_of(2) {
-                return Err(OaiError::param(OaiErrorCode::InvalidValue, param, "PCM16 audio of an odd number of bytes"));
+                return Err(OaiError::param(
+                    OaiErrorCode::InvalidValue,
+                    param,
+                    "PCM16 audio of an odd number of bytes",
+                ));
             }
             Ok(bytes.chunks_exact(2).map(|b| i16::from_le_bytes([b[0], b[1]])).collect())
         }
         AudioFormat::Pcmu | AudioFormat::Pcma => {
             let narrow: Vec<i16> = bytes
                 .iter()
-                .map(|&b| if format == AudioFormat::Pcmu { antiphon_audio::g711::ulaw_decode(b) } else { antiphon_audio::g711::alaw_decode(b) })
+                .map(|&b| {
+                    if format == AudioFormat::Pcmu {
+                        antiphon_audio::g711::ulaw_decode(b)
+                    } else {
+                        antiphon_audio::g711::alaw_decode(b)
+                    }
+                })
                 .collect();
             Ok(antiphon_audio::g711::upsample_8k_to_24k(&narrow))
         }

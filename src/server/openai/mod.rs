@@ -63,7 +63,12 @@ pub struct OpenAiQuery {
 /// `GET /openai/v1/realtime`: the key from `Authorization: Bearer`, the
 /// `openai-insecure-api-key.<key>` subprotocol, or `?token=`; the `realtime` subprotocol is
 /// answered when offered (browser-style clients fail without it).
-pub async fn realtime(State(shared): State<Arc<Shared>>, headers: HeaderMap, q: Query<OpenAiQuery>, ws: WebSocketUpgrade) -> Response {
+pub async fn realtime(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    q: Query<OpenAiQuery>,
+    ws: WebSocketUpgrade,
+) -> Response {
     let offered: Vec<String> = headers
         .get_all(axum::http::header::SEC_WEBSOCKET_PROTOCOL)
         .iter()
@@ -71,7 +76,9 @@ pub async fn realtime(State(shared): State<Arc<Shared>>, headers: HeaderMap, q: 
         .flat_map(|v| v.split(',').map(|p| p.trim().to_string()))
         .collect();
     let key = crate::auth::presented_key(&headers, None)
-        .or_else(|| offered.iter().find_map(|p| p.strip_prefix(KEY_SUBPROTOCOL).map(str::to_string)))
+        .or_else(|| {
+            offered.iter().find_map(|p| p.strip_prefix(KEY_SUBPROTOCOL).map(str::to_string))
+        })
         .or_else(|| q.token.clone());
     let permit = match crate::admit(&shared, &headers, key.as_deref()) {
         Ok(p) => p,
@@ -80,12 +87,19 @@ pub async fn realtime(State(shared): State<Arc<Shared>>, headers: HeaderMap, q: 
     let model: String = q.0.model.unwrap_or_else(|| "antiphon".into()).chars().take(64).collect();
     let limit = shared.config.server.max_text_frame;
     let ws = if offered.iter().any(|p| p == "realtime") { ws.protocols(["realtime"]) } else { ws };
-    ws.max_message_size(limit).max_frame_size(limit).on_upgrade(move |socket| handle_socket(socket, shared, model, permit))
+    ws.max_message_size(limit)
+        .max_frame_size(limit)
+        .on_upgrade(move |socket| handle_socket(socket, shared, model, permit))
 }
 
 /// `permit`: the connection's place under `server.max_connections`, held until the writer has
 /// closed the socket.
-async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, model: String, permit: tokio::sync::OwnedSemaphorePermit) {
+async fn handle_socket(
+    socket: WebSocket,
+    shared: Arc<Shared>,
+    model: String,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) {
     shared.metrics.connections.inc();
     shared.metrics.connections_open.inc();
     let still_open = shared.metrics.connections_open.clone();
@@ -93,7 +107,12 @@ async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, model: String, pe
     let limits = &shared.config.server;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Message>(limits.outbound_queue);
     let (overrun, mut overrun_rx) = tokio::sync::watch::channel(false);
-    let out = Out { tx, overrun: Arc::new(overrun), prefix: random_token(6).into(), next: Arc::new(AtomicU64::new(1)) };
+    let out = Out {
+        tx,
+        overrun: Arc::new(overrun),
+        prefix: random_token(6).into(),
+        next: Arc::new(AtomicU64::new(1)),
+    };
     let mut writer_overrun = overrun_rx.clone();
     let writer = tokio::spawn(async move {
         loop {
@@ -119,19 +138,32 @@ async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, model: String, pe
         drop(permit);
         still_open.dec();
     });
-    let close = |out: &Out, code: u16, why: &str| out.send(Message::Close(Some(CloseFrame { code, reason: why.to_string().into() })));
+    let close = |out: &Out, code: u16, why: &str| {
+        out.send(Message::Close(Some(CloseFrame { code, reason: why.to_string().into() })))
+    };
 
     // the v1 session behind this connection: its one connection is the translator
     let (v1_tx, mut v1_rx) = tokio::sync::mpsc::channel::<Outbound>(limits.outbound_queue);
     let (kick, mut kicked) = tokio::sync::watch::channel(false);
     let conn = Conn::new(v1_tx, Arc::new(kick));
-    let handle = match shared.sessions.create(&shared, translate::v1_create(antiphon_engine::DEFAULT_INSTRUCTIONS), conn) {
+    let handle = match shared.sessions.create(
+        &shared,
+        translate::v1_create(antiphon_engine::DEFAULT_INSTRUCTIONS),
+        conn,
+    ) {
         Ok(id) => shared.sessions.handle(&id),
         Err(e) => {
             shared.metrics.errors.with_label_values(&[e.code.as_str()]).inc();
-            let code = if e.code == antiphon_protocol::ErrorCode::Capacity { OaiErrorCode::Capacity } else { OaiErrorCode::ServerError };
+            let code = if e.code == antiphon_protocol::ErrorCode::Capacity {
+                OaiErrorCode::Capacity
+            } else {
+                OaiErrorCode::ServerError
+            };
             let retry_after_ms = e.retry_after_ms;
-            out.event(&OaiServerEvent::Error(ErrorView { retry_after_ms, ..ErrorView::server(code, e.message) }));
+            out.event(&OaiServerEvent::Error(ErrorView {
+                retry_after_ms,
+                ..ErrorView::server(code, e.message)
+            }));
             close(&out, 1013, "try again later");
             drop(out);
             let _ = writer.await;
@@ -139,11 +171,14 @@ async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, model: String, pe
         }
     };
     let Some(handle) = handle else { return };
-    let mut t = Translator::new(shared.clone(), handle.input.clone(), out.clone(), String::new(), model);
+    let mut t =
+        Translator::new(shared.clone(), handle.input.clone(), out.clone(), String::new(), model);
     // the dialect's first event is session.created: the client's events wait for it
     match v1_rx.recv().await {
         Some(Outbound::Text(s)) => {
-            if let Some(antiphon_protocol::Received::SessionCreated { session_id, .. }) = antiphon_protocol::parse_server(&s) {
+            if let Some(antiphon_protocol::Received::SessionCreated { session_id, .. }) =
+                antiphon_protocol::parse_server(&s)
+            {
                 t.session.id = format!("sess_{session_id}");
             }
             t.on_v1_text(&s).await;
@@ -172,14 +207,22 @@ async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, model: String, pe
                     // an oversized frame, invalid UTF-8, a protocol violation: said as v1 says it
                     // (an error event, then 1009 / 1007 / 1002), never a silent close
                     Some(Err(e)) => {
-                        let (code, close_with) = crate::ws::transport_error(&e, limits.max_text_frame);
+                        let (code, close_with) =
+                            crate::ws::transport_error(&e, limits.max_text_frame);
                         if let Some(code) = code {
                             shared.metrics.errors.with_label_values(&[code.as_str()]).inc();
                             let (code, why) = match code {
-                                antiphon_protocol::ErrorCode::MessageTooLarge => {
-                                    (OaiErrorCode::MessageTooLarge, format!("a frame is over the {} bytes this server takes", limits.max_text_frame))
-                                }
-                                _ => (OaiErrorCode::InvalidJson, "a text frame is not valid UTF-8".to_string()),
+                                antiphon_protocol::ErrorCode::MessageTooLarge => (
+                                    OaiErrorCode::MessageTooLarge,
+                                    format!(
+                                        "a frame is over the {} bytes this server takes",
+                                        limits.max_text_frame
+                                    ),
+                                ),
+                                _ => (
+                                    OaiErrorCode::InvalidJson,
+                                    "a text frame is not valid UTF-8".to_string(),
+                                ),
                             };
                             t.error(None, OaiError::new(code, why));
                         }
@@ -237,7 +280,10 @@ async fn handle_socket(socket: WebSocket, shared: Arc<Shared>, model: String, pe
     }
     if !ended {
         // no resume in this dialect: the session ends with its socket
-        let _ = handle.input.send(SessionMsg::Event { seq: None, event: ClientEvent::SessionClose }).await;
+        let _ = handle
+            .input
+            .send(SessionMsg::Event { seq: None, event: ClientEvent::SessionClose })
+            .await;
     }
     drop(t);
     drop(out);

@@ -8,9 +8,13 @@
 
 use antiphon_audio::g711::{alaw_encode, ulaw_encode, Downsample24kTo8k};
 use antiphon_protocol::openai::server::{
-    CallAt, ContentAt, ErrorView, Failure, ItemView, OaiServerEvent as S, PartView, ResponseView, StatusDetails, UsageView,
+    CallAt, ContentAt, ErrorView, Failure, ItemView, OaiServerEvent as S, PartView, ResponseView,
+    StatusDetails, UsageView,
 };
-use antiphon_protocol::openai::{AudioFormat, CancelReason, ItemStatus, MaxTokens, Modality, OaiErrorCode, ResponseParams, ResponseStatus};
+use antiphon_protocol::openai::{
+    AudioFormat, CancelReason, ItemStatus, MaxTokens, Modality, OaiErrorCode, ResponseParams,
+    ResponseStatus,
+};
 use antiphon_protocol::{parse_server, AudioFrame, ClientEvent, DoneStatus, Received};
 use base64::Engine as _;
 use serde_json::{Map, Value};
@@ -80,7 +84,12 @@ impl Active {
     }
 
     fn at(&self) -> ContentAt {
-        ContentAt { response_id: self.id.clone(), item_id: self.item_id.clone(), output_index: 0, content_index: 0 }
+        ContentAt {
+            response_id: self.id.clone(),
+            item_id: self.item_id.clone(),
+            output_index: 0,
+            content_index: 0,
+        }
     }
 
     fn part(&self) -> PartView {
@@ -93,20 +102,33 @@ impl Active {
     fn item(&self, status: ItemStatus) -> ItemView {
         let content = match (status, self.modality) {
             (ItemStatus::InProgress, _) => Vec::new(),
-            (_, Modality::Audio) => vec![PartView::of("output_audio", None, Some(self.transcript.clone()))],
-            (_, Modality::Text) => vec![PartView::of("output_text", Some(self.transcript.clone()), None)],
+            (_, Modality::Audio) => {
+                vec![PartView::of("output_audio", None, Some(self.transcript.clone()))]
+            }
+            (_, Modality::Text) => {
+                vec![PartView::of("output_text", Some(self.transcript.clone()), None)]
+            }
         };
         ItemView::message(&self.item_id, "assistant", status, content)
     }
 
-    fn view(&self, status: ResponseStatus, output: Vec<ItemView>, usage: Option<UsageView>) -> ResponseView {
+    fn view(
+        &self,
+        status: ResponseStatus,
+        output: Vec<ItemView>,
+        usage: Option<UsageView>,
+    ) -> ResponseView {
         let status_details = match status {
-            ResponseStatus::Cancelled => Some(StatusDetails::Cancelled(self.cancel_reason.unwrap_or(CancelReason::ClientCancelled))),
-            ResponseStatus::Failed => Some(StatusDetails::Failed(self.failure.clone().unwrap_or_else(|| Failure {
-                code: OaiErrorCode::ResponseFailed,
-                message: "the response failed".into(),
-                retry_after_ms: None,
-            }))),
+            ResponseStatus::Cancelled => Some(StatusDetails::Cancelled(
+                self.cancel_reason.unwrap_or(CancelReason::ClientCancelled),
+            )),
+            ResponseStatus::Failed => {
+                Some(StatusDetails::Failed(self.failure.clone().unwrap_or_else(|| Failure {
+                    code: OaiErrorCode::ResponseFailed,
+                    message: "the response failed".into(),
+                    retry_after_ms: None,
+                })))
+            }
             ResponseStatus::InProgress | ResponseStatus::Completed => None,
         };
         ResponseView {
@@ -146,7 +168,9 @@ impl Translator {
         self.flush_audio();
         let mut done = false;
         match r {
-            Received::SessionCreated { .. } => self.out.event(&S::SessionCreated(self.session.clone())),
+            Received::SessionCreated { .. } => {
+                self.out.event(&S::SessionCreated(self.session.clone()))
+            }
             Received::ResponseCreated { response_id, .. } => {
                 if let Some(a) = self.active.as_mut().filter(|a| a.v1.is_none()) {
                     a.v1 = Some(response_id);
@@ -169,11 +193,17 @@ impl Translator {
                     let (_, item_id, seconds) = self.heard.remove(k).expect("found");
                     // the transcript fills the item's audio part, as the service does
                     if let Some(i) = self.items.iter_mut().find(|i| i.view.id == item_id) {
-                        for part in i.view.content.iter_mut().flatten().filter(|p| p.kind == "input_audio") {
+                        for part in
+                            i.view.content.iter_mut().flatten().filter(|p| p.kind == "input_audio")
+                        {
                             part.transcript = Some(transcript.clone());
                         }
                     }
-                    self.out.event(&S::InputTranscriptionCompleted { item_id, transcript, seconds });
+                    self.out.event(&S::InputTranscriptionCompleted {
+                        item_id,
+                        transcript,
+                        seconds,
+                    });
                 }
             }
             Received::TranscriptFailed { response_id, message, .. } => {
@@ -211,17 +241,28 @@ impl Translator {
                 done = true;
             }
             Received::SessionClosing { reason, .. } => {
-                self.out.event(&S::Error(ErrorView::server(OaiErrorCode::SessionClosing, format!("the server is closing this session ({reason})"))));
+                self.out.event(&S::Error(ErrorView::server(
+                    OaiErrorCode::SessionClosing,
+                    format!("the server is closing this session ({reason})"),
+                )));
             }
             Received::Error { code, message, fatal, retry_after_ms, .. } => {
                 use antiphon_protocol::ErrorCode;
                 let unstarted = self.active.as_ref().is_some_and(|a| a.v1.is_none());
-                let ours = self.active.as_ref().and_then(|a| a.v1).is_some_and(|v| message.starts_with(&format!("response {v}")));
+                let ours = self
+                    .active
+                    .as_ref()
+                    .and_then(|a| a.v1)
+                    .is_some_and(|v| message.starts_with(&format!("response {v}")));
                 if (unstarted && !fatal) || ours {
                     // the response failed: its response.done says why (pipecat hangs up on any `error`)
                     if let Some(a) = self.active.as_mut() {
                         // (capacity says so, with its wait; any other failure is the response's)
-                        let code = if code == ErrorCode::Capacity { OaiErrorCode::Capacity } else { OaiErrorCode::ResponseFailed };
+                        let code = if code == ErrorCode::Capacity {
+                            OaiErrorCode::Capacity
+                        } else {
+                            OaiErrorCode::ResponseFailed
+                        };
                         a.failure = Some(Failure { code, message, retry_after_ms });
                     }
                     if unstarted {
@@ -230,7 +271,11 @@ impl Translator {
                 } else {
                     self.shared.metrics.errors.with_label_values(&["openai_forwarded"]).inc();
                     let server_side = code == ErrorCode::Internal || fatal;
-                    self.out.event(&S::Error(ErrorView { server_side, retry_after_ms, ..ErrorView::server(OaiErrorCode::V1(code), message) }));
+                    self.out.event(&S::Error(ErrorView {
+                        server_side,
+                        retry_after_ms,
+                        ..ErrorView::server(OaiErrorCode::V1(code), message)
+                    }));
                 }
             }
             Received::Other => {}
@@ -242,8 +287,13 @@ impl Translator {
     pub async fn on_v1_audio(&mut self, bytes: &[u8]) {
         let Some(f) = AudioFrame::decode(bytes) else { return };
         self.saw((f.seq != 0).then_some(f.seq as u64));
-        if let Some(a) = self.active.as_mut().filter(|a| a.v1 == Some(f.response_id) && a.modality == Modality::Audio) {
-            a.pending_audio.extend(f.payload.chunks_exact(2).map(|b| i16::from_le_bytes([b[0], b[1]])));
+        if let Some(a) = self
+            .active
+            .as_mut()
+            .filter(|a| a.v1 == Some(f.response_id) && a.modality == Modality::Audio)
+        {
+            a.pending_audio
+                .extend(f.payload.chunks_exact(2).map(|b| i16::from_le_bytes([b[0], b[1]])));
             if a.pending_audio.len() >= DELTA_SAMPLES {
                 self.flush_audio();
             }
@@ -263,7 +313,12 @@ impl Translator {
             law => {
                 let f: Vec<f32> = pcm.iter().map(|&s| antiphon_audio::i16_to_f32(s)).collect();
                 let narrow = a.narrow.push(&f);
-                narrow.iter().map(|&s| if law == AudioFormat::Pcmu { ulaw_encode(s) } else { alaw_encode(s) }).collect()
+                narrow
+                    .iter()
+                    .map(
+                        |&s| if law == AudioFormat::Pcmu { ulaw_encode(s) } else { alaw_encode(s) },
+                    )
+                    .collect()
             }
         };
         if bytes.is_empty() {
@@ -289,7 +344,11 @@ impl Translator {
         let Some(a) = self.active.as_mut().filter(|a| a.started && !a.message_open) else { return };
         a.message_open = true;
         let item = a.item(ItemStatus::InProgress);
-        self.out.event(&S::OutputItemAdded { response_id: a.id.clone(), output_index: 0, item: item.clone() });
+        self.out.event(&S::OutputItemAdded {
+            response_id: a.id.clone(),
+            output_index: 0,
+            item: item.clone(),
+        });
         if !a.out_of_band {
             let previous_item_id = self.items.last().map(|i| i.view.id.clone());
             self.out.event(&S::ItemAdded { previous_item_id, item });
@@ -299,7 +358,12 @@ impl Translator {
 
     /// The response's closing events (by its v1 status): its message item's (a response with
     /// neither speech nor a call still has one), then each call's item.
-    async fn finish(&mut self, v1_status: DoneStatus, audio_ms: u64, v1_usage: antiphon_protocol::Usage) {
+    async fn finish(
+        &mut self,
+        v1_status: DoneStatus,
+        audio_ms: u64,
+        v1_usage: antiphon_protocol::Usage,
+    ) {
         if self.active.as_ref().is_some_and(|a| !a.started) {
             self.begin();
         }
@@ -319,9 +383,14 @@ impl Translator {
             match a.modality {
                 Modality::Audio => {
                     self.out.event(&S::AudioDone { at: at.clone() });
-                    self.out.event(&S::TranscriptDone { at: at.clone(), transcript: a.transcript.clone() });
+                    self.out.event(&S::TranscriptDone {
+                        at: at.clone(),
+                        transcript: a.transcript.clone(),
+                    });
                 }
-                Modality::Text => self.out.event(&S::TextDone { at: at.clone(), text: a.transcript.clone() }),
+                Modality::Text => {
+                    self.out.event(&S::TextDone { at: at.clone(), text: a.transcript.clone() })
+                }
             }
             self.out.event(&S::ContentPartDone { at, part: a.part() });
             let item = a.item(item_status);
@@ -329,37 +398,83 @@ impl Translator {
                 let previous_item_id = self.items.last().map(|i| i.view.id.clone());
                 self.out.event(&S::ItemDone { previous_item_id, item: item.clone() });
             }
-            self.out.event(&S::OutputItemDone { response_id: a.id.clone(), output_index: 0, item: item.clone() });
+            self.out.event(&S::OutputItemDone {
+                response_id: a.id.clone(),
+                output_index: 0,
+                item: item.clone(),
+            });
             output.push(item.clone());
             if kept {
                 let mut view = item;
                 if let (Some(ms), Some(rid)) = (a.truncate_ms, a.v1) {
                     cut_transcript(&mut view, ms, audio_ms);
-                    self.to_v1_event(ClientEvent::Playback { response_id: rid, played_ms: ms.min(audio_ms) }).await;
+                    self.to_v1_event(ClientEvent::Playback {
+                        response_id: rid,
+                        played_ms: ms.min(audio_ms),
+                    })
+                    .await;
                 }
-                self.push_item(ConvItem { view, pending: None, v1_response: a.v1, audio_ms, in_v1: true });
+                self.push_item(ConvItem {
+                    view,
+                    pending: None,
+                    v1_response: a.v1,
+                    audio_ms,
+                    in_v1: true,
+                });
             }
         }
         self.v1_calls = a.calls.iter().map(|(call_id, ..)| call_id.clone()).collect();
         for (call_id, name, arguments) in &a.calls {
             let output_index = output.len() as u32;
             let item_id = new_id("item");
-            let at = CallAt { response_id: a.id.clone(), item_id: item_id.clone(), output_index, call_id: call_id.clone() };
-            let opening = ItemView::function_call(&item_id, ItemStatus::InProgress, call_id, name, "");
-            self.out.event(&S::OutputItemAdded { response_id: a.id.clone(), output_index, item: opening.clone() });
+            let at = CallAt {
+                response_id: a.id.clone(),
+                item_id: item_id.clone(),
+                output_index,
+                call_id: call_id.clone(),
+            };
+            let opening =
+                ItemView::function_call(&item_id, ItemStatus::InProgress, call_id, name, "");
+            self.out.event(&S::OutputItemAdded {
+                response_id: a.id.clone(),
+                output_index,
+                item: opening.clone(),
+            });
             if !a.out_of_band {
-                self.out.event(&S::ItemAdded { previous_item_id: self.items.last().map(|i| i.view.id.clone()), item: opening });
+                self.out.event(&S::ItemAdded {
+                    previous_item_id: self.items.last().map(|i| i.view.id.clone()),
+                    item: opening,
+                });
             }
-            self.out.event(&S::FunctionCallArgumentsDelta { at: at.clone(), delta: arguments.clone() });
-            self.out.event(&S::FunctionCallArgumentsDone { at, name: name.clone(), arguments: arguments.clone() });
-            let item = ItemView::function_call(&item_id, ItemStatus::Completed, call_id, name, arguments);
+            self.out
+                .event(&S::FunctionCallArgumentsDelta { at: at.clone(), delta: arguments.clone() });
+            self.out.event(&S::FunctionCallArgumentsDone {
+                at,
+                name: name.clone(),
+                arguments: arguments.clone(),
+            });
+            let item =
+                ItemView::function_call(&item_id, ItemStatus::Completed, call_id, name, arguments);
             if !a.out_of_band {
-                self.out.event(&S::ItemDone { previous_item_id: self.items.last().map(|i| i.view.id.clone()), item: item.clone() });
+                self.out.event(&S::ItemDone {
+                    previous_item_id: self.items.last().map(|i| i.view.id.clone()),
+                    item: item.clone(),
+                });
             }
-            self.out.event(&S::OutputItemDone { response_id: a.id.clone(), output_index, item: item.clone() });
+            self.out.event(&S::OutputItemDone {
+                response_id: a.id.clone(),
+                output_index,
+                item: item.clone(),
+            });
             output.push(item.clone());
             if kept {
-                self.push_item(ConvItem { view: item, pending: None, v1_response: None, audio_ms: 0, in_v1: true });
+                self.push_item(ConvItem {
+                    view: item,
+                    pending: None,
+                    v1_response: None,
+                    audio_ms: 0,
+                    in_v1: true,
+                });
             }
         }
         // (a response cancelled here ends before the engine reports its usage: its text is counted)

@@ -2,9 +2,12 @@
 //! the outputs of the latest response's calls), the v1 session brought to the instructions,
 //! voice and tools the response uses, and its input sent to v1.
 
-use antiphon_protocol::openai::{Item, MaxTokens, Modality, OaiError, OaiErrorCode, ResponseParams};
+use antiphon_protocol::openai::{
+    Item, MaxTokens, Modality, OaiError, OaiErrorCode, ResponseParams,
+};
 use antiphon_protocol::{
-    validate_tools, ClientEvent, Generation, SessionUpdate, ToolChoice, ToolDecl, ToolResult, Voice, KIND_AUDIO, MAX_TOOL_RESULTS,
+    validate_tools, ClientEvent, Generation, SessionUpdate, ToolChoice, ToolDecl, ToolResult,
+    Voice, KIND_AUDIO, MAX_TOOL_RESULTS,
 };
 use serde_json::Value;
 
@@ -33,23 +36,35 @@ pub(super) fn v1_tools(tools: &[Value], param: &str) -> Result<Vec<ToolDecl>, Oa
             parameters: t.get("parameters").filter(|p| !p.is_null()).cloned(),
         })
         .collect();
-    validate_tools(&decls).map_err(|e| OaiError::param(OaiErrorCode::InvalidValue, param, e.message))?;
+    validate_tools(&decls)
+        .map_err(|e| OaiError::param(OaiErrorCode::InvalidValue, param, e.message))?;
     Ok(decls)
 }
 
 /// The dialect's `tool_choice` (`"auto"`, `"none"`, `"required"`, `{type: "function", name}`) as
 /// v1's, honourable by the declared tools.
-pub(super) fn v1_tool_choice(choice: &Value, tools: &[ToolDecl], param: &str) -> Result<ToolChoice, OaiError> {
+pub(super) fn v1_tool_choice(
+    choice: &Value,
+    tools: &[ToolDecl],
+    param: &str,
+) -> Result<ToolChoice, OaiError> {
     let c = match choice {
         Value::String(s) if s == "none" => ToolChoice::None,
         Value::String(s) if s == "required" => ToolChoice::Required,
         Value::Object(o) => match o.get("name").and_then(Value::as_str) {
             Some(n) => ToolChoice::Function(n.to_string()),
-            None => return Err(OaiError::param(OaiErrorCode::InvalidValue, param, "a tool_choice object names a function (`name`)")),
+            None => {
+                return Err(OaiError::param(
+                    OaiErrorCode::InvalidValue,
+                    param,
+                    "a tool_choice object names a function (`name`)",
+                ))
+            }
         },
         _ => ToolChoice::Auto,
     };
-    antiphon_protocol::validate_tool_choice(&c, tools, param).map_err(|e| OaiError::param(OaiErrorCode::InvalidValue, param, e.message))?;
+    antiphon_protocol::validate_tool_choice(&c, tools, param)
+        .map_err(|e| OaiError::param(OaiErrorCode::InvalidValue, param, e.message))?;
     Ok(c)
 }
 
@@ -65,14 +80,19 @@ impl Translator {
             Some(items) => {
                 // counted before anything is copied: references repeat an item without growing the
                 // frame, so what they join is bounded by what one turn may hold
-                let mut joined = Joined::new(self.shared.config.server.max_text_frame, self.max_audio_samples());
+                let mut joined =
+                    Joined::new(self.shared.config.server.max_text_frame, self.max_audio_samples());
                 let mut v = Vec::new();
                 for it in items {
                     let add = match it {
                         Item::Reference { id } => {
-                            let i = self
-                                .find(id)
-                                .ok_or_else(|| OaiError::param(OaiErrorCode::InvalidValue, "response.input", format!("no item {id}")))?;
+                            let i = self.find(id).ok_or_else(|| {
+                                OaiError::param(
+                                    OaiErrorCode::InvalidValue,
+                                    "response.input",
+                                    format!("no item {id}"),
+                                )
+                            })?;
                             joined.count(self.items[i].pending.as_ref())?;
                             self.items[i].pending.clone()
                         }
@@ -88,19 +108,30 @@ impl Translator {
             }
             None => self.items.iter().filter_map(|i| i.pending.clone()).collect(),
         };
-        let instructions = self.joined_instructions(p.instructions.as_deref().unwrap_or(&self.session.instructions), &[]);
+        let instructions = self.joined_instructions(
+            p.instructions.as_deref().unwrap_or(&self.session.instructions),
+            &[],
+        );
         // (checked whole before anything is sent: a refused update is never taken as applied)
-        self.shared
-            .check_instructions(Some(&instructions))
-            .map_err(|e| OaiError::param(OaiErrorCode::InvalidValue, "response.instructions", e.message))?;
+        self.shared.check_instructions(Some(&instructions)).map_err(|e| {
+            OaiError::param(OaiErrorCode::InvalidValue, "response.instructions", e.message)
+        })?;
         if self.v1_instructions.as_deref() != Some(instructions.as_str()) {
-            self.to_v1_event(ClientEvent::SessionUpdate(Box::new(SessionUpdate { instructions: Some(instructions.clone()), ..update() }))).await;
+            self.to_v1_event(ClientEvent::SessionUpdate(Box::new(SessionUpdate {
+                instructions: Some(instructions.clone()),
+                ..update()
+            })))
+            .await;
             self.v1_instructions = Some(instructions);
         }
         let voice_name = p.voice.clone().unwrap_or_else(|| self.session.voice.clone());
         // a voice this server has (configured or registered) by its id; OpenAI's names ("alloy",
         // "marin", ...) are spoken in the default voice
-        let v1_voice = if self.shared.voices.get(&voice_name).is_some() { voice_name.clone() } else { self.shared.config.voices[0].id.clone() };
+        let v1_voice = if self.shared.voices.get(&voice_name).is_some() {
+            voice_name.clone()
+        } else {
+            self.shared.config.voices[0].id.clone()
+        };
         if v1_voice != self.v1_voice {
             self.to_v1_event(ClientEvent::SessionUpdate(Box::new(SessionUpdate {
                 voice: Some(Voice::Configured { id: v1_voice.clone() }),
@@ -111,12 +142,20 @@ impl Translator {
         }
         let transcription = self.session.transcription.is_some();
         if transcription != self.v1_transcription {
-            self.to_v1_event(ClientEvent::SessionUpdate(Box::new(SessionUpdate { input_transcription: Some(transcription), ..update() }))).await;
+            self.to_v1_event(ClientEvent::SessionUpdate(Box::new(SessionUpdate {
+                input_transcription: Some(transcription),
+                ..update()
+            })))
+            .await;
             self.v1_transcription = transcription;
         }
         let tools = v1_tools(&self.session.tools, "session.tools")?;
         if tools != self.v1_tools {
-            self.to_v1_event(ClientEvent::SessionUpdate(Box::new(SessionUpdate { tools: Some(tools.clone()), ..update() }))).await;
+            self.to_v1_event(ClientEvent::SessionUpdate(Box::new(SessionUpdate {
+                tools: Some(tools.clone()),
+                ..update()
+            })))
+            .await;
             self.v1_tools = tools;
         }
         let (choice, param) = match &p.tool_choice {
@@ -144,12 +183,20 @@ impl Translator {
             remember: p.out_of_band.then_some(false),
             ..Generation::default()
         };
-        let audio: Vec<i16> = inputs.iter().flat_map(|i| if let Pending::Audio(a) = i { a.clone() } else { Vec::new() }).collect();
-        let mut text: Vec<String> = inputs.iter().filter_map(|i| if let Pending::Text(t) = i { Some(t.clone()) } else { None }).collect();
+        let audio: Vec<i16> = inputs
+            .iter()
+            .flat_map(|i| if let Pending::Audio(a) = i { a.clone() } else { Vec::new() })
+            .collect();
+        let mut text: Vec<String> = inputs
+            .iter()
+            .filter_map(|i| if let Pending::Text(t) = i { Some(t.clone()) } else { None })
+            .collect();
         let results: Vec<ToolResult> = inputs
             .iter()
             .filter_map(|i| match i {
-                Pending::ToolResult { call_id, output } => Some(ToolResult { call_id: call_id.clone(), output: output.clone() }),
+                Pending::ToolResult { call_id, output } => {
+                    Some(ToolResult { call_id: call_id.clone(), output: output.clone() })
+                }
                 _ => None,
             })
             .collect();
@@ -161,17 +208,26 @@ impl Translator {
             && results.len() <= MAX_TOOL_RESULTS
             && results.iter().all(|r| self.v1_calls.contains(&r.call_id));
         if !answers_calls {
-            text.extend(results.iter().map(|r| format!("[the function call {} returned] {}", r.call_id, r.output)));
+            text.extend(
+                results
+                    .iter()
+                    .map(|r| format!("[the function call {} returned] {}", r.call_id, r.output)),
+            );
         }
         let max_audio = self.max_audio_samples();
         if audio.len() > max_audio {
-            return Err(err(OaiErrorCode::InputAudioBufferFull, format!("the new user audio is over the {} s a turn may hold", max_audio / 24_000)));
+            return Err(err(
+                OaiErrorCode::InputAudioBufferFull,
+                format!("the new user audio is over the {} s a turn may hold", max_audio / 24_000),
+            ));
         }
         check_text(&self.shared, &text.join("\n"), "response.input")?;
         // the spoken item this response answers, whose transcript v1 sends
         let heard = match &p.input {
             None => self.items.iter().rev().find_map(|i| match &i.pending {
-                Some(Pending::Audio(a)) => Some((i.view.id.clone(), a.len() as f64 / super::input::RATE as f64)),
+                Some(Pending::Audio(a)) => {
+                    Some((i.view.id.clone(), a.len() as f64 / super::input::RATE as f64))
+                }
                 _ => None,
             }),
             Some(_) => None,
@@ -189,13 +245,26 @@ impl Translator {
             a.heard = heard;
         }
         if answers_calls {
-            self.to_v1_event(ClientEvent::InputToolResult { results, generation: Some(generation) }).await;
+            self.to_v1_event(ClientEvent::InputToolResult {
+                results,
+                generation: Some(generation),
+            })
+            .await;
         } else if audio.is_empty() {
-            self.to_v1_event(ClientEvent::InputText { text: text.join("\n"), generation: Some(generation) }).await;
+            self.to_v1_event(ClientEvent::InputText {
+                text: text.join("\n"),
+                generation: Some(generation),
+            })
+            .await;
         } else {
             let bytes: Vec<u8> = audio.iter().flat_map(|s| s.to_le_bytes()).collect();
             for piece in bytes.chunks(AUDIO_PIECE) {
-                self.to_v1(SessionMsg::Audio { seq: None, kind: KIND_AUDIO, payload: piece.to_vec() }).await;
+                self.to_v1(SessionMsg::Audio {
+                    seq: None,
+                    kind: KIND_AUDIO,
+                    payload: piece.to_vec(),
+                })
+                .await;
             }
             self.to_v1_event(ClientEvent::InputCommit { generation: Some(generation) }).await;
         }

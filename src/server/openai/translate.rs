@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use antiphon_protocol::openai::server::{ErrorView, OaiServerEvent as S, SessionView};
 use antiphon_protocol::openai::{
-    AudioFormat, CancelReason, MaxTokens, Modality, OaiClientEvent, OaiError, OaiErrorCode, ResponseParams, SessionPatch,
+    AudioFormat, CancelReason, MaxTokens, Modality, OaiClientEvent, OaiError, OaiErrorCode,
+    ResponseParams, SessionPatch,
 };
 use antiphon_protocol::{ClientEvent, Codec, InputAudio, SessionUpdate};
 use tokio::sync::mpsc::Sender;
@@ -63,9 +64,16 @@ pub(super) fn err(code: OaiErrorCode, message: impl Into<String>) -> OaiError {
 }
 
 impl Translator {
-    pub fn new(shared: Arc<Shared>, v1: Sender<SessionMsg>, out: Out, session_id: String, model: String) -> Self {
+    pub fn new(
+        shared: Arc<Shared>,
+        v1: Sender<SessionMsg>,
+        out: Out,
+        session_id: String,
+        model: String,
+    ) -> Self {
         let default_voice = shared.config.voices[0].id.clone();
-        let mut input = InputBuffer::new(shared.config.server.max_input_audio_s, shared.turn_model.is_some());
+        let mut input =
+            InputBuffer::new(shared.config.server.max_input_audio_s, shared.turn_model.is_some());
         let td = antiphon_protocol::openai::TurnDetection::default();
         // (the detector is libfvad with fixed settings: it cannot fail to start)
         let vad_ok = input.set_turn_detection(Some(td.clone())).is_ok();
@@ -119,7 +127,14 @@ impl Translator {
     pub(super) fn error(&self, client_event: Option<String>, e: OaiError) {
         self.shared.metrics.errors.with_label_values(&[e.code.as_str()]).inc();
         let (code, message, param) = (e.code, e.message, e.param);
-        self.out.event(&S::Error(ErrorView { code, message, param, client_event_id: client_event, server_side: false, retry_after_ms: None }));
+        self.out.event(&S::Error(ErrorView {
+            code,
+            message,
+            param,
+            client_event_id: client_event,
+            server_side: false,
+            retry_after_ms: None,
+        }));
     }
 
     pub async fn on_client(&mut self, event_id: Option<String>, event: OaiClientEvent) {
@@ -137,7 +152,8 @@ impl Translator {
             OaiClientEvent::SessionUpdate(p) => self.update(*p),
             OaiClientEvent::Append(bytes) => {
                 let x = decode_input(self.session.input_format, &bytes, "audio")?;
-                let events = self.input.push(&x).map_err(|m| err(OaiErrorCode::InputAudioBufferFull, m))?;
+                let events =
+                    self.input.push(&x).map_err(|m| err(OaiErrorCode::InputAudioBufferFull, m))?;
                 for e in events {
                     self.turn_event(e).await;
                 }
@@ -161,12 +177,20 @@ impl Translator {
                 self.out.event(&S::Cleared);
                 Ok(())
             }
-            OaiClientEvent::ItemCreate { item, previous_item_id } => self.create_item(item, previous_item_id.as_deref()),
-            OaiClientEvent::ItemTruncate { item_id, content_index, audio_end_ms } => self.truncate(&item_id, content_index, audio_end_ms).await,
+            OaiClientEvent::ItemCreate { item, previous_item_id } => {
+                self.create_item(item, previous_item_id.as_deref())
+            }
+            OaiClientEvent::ItemTruncate { item_id, content_index, audio_end_ms } => {
+                self.truncate(&item_id, content_index, audio_end_ms).await
+            }
             OaiClientEvent::ItemDelete { item_id } => {
-                let i = self
-                    .find(&item_id)
-                    .ok_or_else(|| OaiError::param(OaiErrorCode::ItemDeleteInvalidItemId, "item_id", format!("no item {item_id}")))?;
+                let i = self.find(&item_id).ok_or_else(|| {
+                    OaiError::param(
+                        OaiErrorCode::ItemDeleteInvalidItemId,
+                        "item_id",
+                        format!("no item {item_id}"),
+                    )
+                })?;
                 // (the model remembers it: before the next response it is told the conversation
                 // again, without it)
                 self.forgotten |= self.items.remove(i).in_v1;
@@ -174,9 +198,13 @@ impl Translator {
                 Ok(())
             }
             OaiClientEvent::ItemRetrieve { item_id } => {
-                let i = self
-                    .find(&item_id)
-                    .ok_or_else(|| OaiError::param(OaiErrorCode::ItemRetrieveInvalidItemId, "item_id", format!("no item {item_id}")))?;
+                let i = self.find(&item_id).ok_or_else(|| {
+                    OaiError::param(
+                        OaiErrorCode::ItemRetrieveInvalidItemId,
+                        "item_id",
+                        format!("no item {item_id}"),
+                    )
+                })?;
                 self.out.event(&S::ItemRetrieved { item: self.items[i].view.clone() });
                 Ok(())
             }
@@ -190,9 +218,14 @@ impl Translator {
                 self.start_response(*p).await
             }
             OaiClientEvent::ResponseCancel { response_id } => {
-                let live = self.active.as_ref().is_some_and(|a| !a.cancelling && response_id.as_ref().is_none_or(|r| *r == a.id));
+                let live = self.active.as_ref().is_some_and(|a| {
+                    !a.cancelling && response_id.as_ref().is_none_or(|r| *r == a.id)
+                });
                 if !live {
-                    return Err(err(OaiErrorCode::ResponseCancelNotActive, "Cancellation failed: no active response found"));
+                    return Err(err(
+                        OaiErrorCode::ResponseCancelNotActive,
+                        "Cancellation failed: no active response found",
+                    ));
                 }
                 self.cancel(CancelReason::ClientCancelled).await;
                 Ok(())
@@ -209,19 +242,34 @@ impl Translator {
     fn update(&mut self, p: SessionPatch) -> Result<(), OaiError> {
         // checked before any part of the update applies
         if let Some(i) = &p.instructions {
-            self.shared
-                .check_instructions(Some(&self.joined_instructions(i, &[])))
-                .map_err(|e| OaiError::param(OaiErrorCode::InvalidValue, "session.instructions", e.message))?;
+            self.shared.check_instructions(Some(&self.joined_instructions(i, &[]))).map_err(
+                |e| OaiError::param(OaiErrorCode::InvalidValue, "session.instructions", e.message),
+            )?;
         }
-        let tools = super::start::v1_tools(p.tools.as_deref().unwrap_or(&self.session.tools), "session.tools")?;
+        let tools = super::start::v1_tools(
+            p.tools.as_deref().unwrap_or(&self.session.tools),
+            "session.tools",
+        )?;
         if !tools.is_empty() && !self.shared.engine.serves_tools() {
-            return Err(OaiError::param(OaiErrorCode::InvalidValue, "session.tools", "this model's tokenizer has no tool tokens"));
+            return Err(OaiError::param(
+                OaiErrorCode::InvalidValue,
+                "session.tools",
+                "this model's tokenizer has no tool tokens",
+            ));
         }
-        super::start::v1_tool_choice(p.tool_choice.as_ref().unwrap_or(&self.session.tool_choice), &tools, "session.tool_choice")?;
+        super::start::v1_tool_choice(
+            p.tool_choice.as_ref().unwrap_or(&self.session.tool_choice),
+            &tools,
+            "session.tool_choice",
+        )?;
         if let Some(t) = p.turn_detection {
-            self.input
-                .set_turn_detection(t.clone())
-                .map_err(|e| OaiError::param(OaiErrorCode::InvalidValue, "session.audio.input.turn_detection", e.to_string()))?;
+            self.input.set_turn_detection(t.clone()).map_err(|e| {
+                OaiError::param(
+                    OaiErrorCode::InvalidValue,
+                    "session.audio.input.turn_detection",
+                    e.to_string(),
+                )
+            })?;
             self.turn_item = None;
             self.session.turn_detection = t;
         }
@@ -277,16 +325,25 @@ impl Translator {
                 // (semantic_vad: the buffer asks only where the server has a turn model)
                 let Some(model) = self.shared.turn_model.as_ref() else { return };
                 let verdict = model.verdict(audio).await;
-                if let Some(InputEvent::Stopped { audio_end_ms, audio }) = self.input.pause_decided(at, verdict.ends_turn()) {
+                if let Some(InputEvent::Stopped { audio_end_ms, audio }) =
+                    self.input.pause_decided(at, verdict.ends_turn())
+                {
                     self.turn_stopped(td, audio_end_ms, audio).await;
                 }
             }
-            InputEvent::Stopped { audio_end_ms, audio } => self.turn_stopped(td, audio_end_ms, audio).await,
+            InputEvent::Stopped { audio_end_ms, audio } => {
+                self.turn_stopped(td, audio_end_ms, audio).await
+            }
         }
     }
 
     /// A turn's end: `speech_stopped`, its user item, and (as turn detection says) a response.
-    async fn turn_stopped(&mut self, td: antiphon_protocol::openai::TurnDetection, audio_end_ms: u64, audio: Vec<i16>) {
+    async fn turn_stopped(
+        &mut self,
+        td: antiphon_protocol::openai::TurnDetection,
+        audio_end_ms: u64,
+        audio: Vec<i16>,
+    ) {
         let item_id = self.turn_item.take().unwrap_or_else(|| new_id("item"));
         self.out.event(&S::SpeechStopped { audio_end_ms, item_id: item_id.clone() });
         if audio.is_empty() {
@@ -305,7 +362,11 @@ impl Translator {
     /// The instructions a response runs under: `base`, then every system item's text, then `more`.
     pub(super) fn joined_instructions(&self, base: &str, more: &[&str]) -> String {
         let mut joined = base.to_string();
-        let system = self.items.iter().filter(|i| i.view.role == Some("system")).flat_map(|i| i.view.content.iter().flatten());
+        let system = self
+            .items
+            .iter()
+            .filter(|i| i.view.role == Some("system"))
+            .flat_map(|i| i.view.content.iter().flatten());
         for text in system.map(|p| p.text.as_deref().unwrap_or("")).chain(more.iter().copied()) {
             joined.push('\n');
             joined.push_str(text);

@@ -34,14 +34,20 @@ static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
 pub const REPLAY_STALL: Duration = Duration::from_secs(10);
 
 impl Conn {
-    pub fn new(tx: tokio::sync::mpsc::Sender<Outbound>, kick: Arc<tokio::sync::watch::Sender<bool>>) -> Self {
+    pub fn new(
+        tx: tokio::sync::mpsc::Sender<Outbound>,
+        kick: Arc<tokio::sync::watch::Sender<bool>>,
+    ) -> Self {
         Self { id: NEXT_CONN.fetch_add(1, Ordering::Relaxed), tx, kick }
     }
 
     pub fn send(&self, m: Outbound) {
         if let Err(tokio::sync::mpsc::error::TrySendError::Full(_)) = self.tx.try_send(m) {
             if !*self.kick.borrow() {
-                tracing::warn!(conn = self.id, "outbound queue full: closing the slow reader's socket");
+                tracing::warn!(
+                    conn = self.id,
+                    "outbound queue full: closing the slow reader's socket"
+                );
             }
             self.kick.send_replace(true);
         }
@@ -70,7 +76,8 @@ impl Conn {
     /// a client that takes nothing from it for [`REPLAY_STALL`] is a reader that stopped reading,
     /// and its socket is closed as a full queue's is (the session parks, resumable).
     pub fn when_room(&self, places: usize, wake: impl FnOnce(ConnId) + Send + 'static) {
-        let (tx, id, n, kick) = (self.tx.clone(), self.id, places.clamp(1, self.tx.max_capacity()), self.kick.clone());
+        let (tx, id, n, kick) =
+            (self.tx.clone(), self.id, places.clamp(1, self.tx.max_capacity()), self.kick.clone());
         tokio::spawn(async move {
             match tokio::time::timeout(REPLAY_STALL, tx.reserve_many(n)).await {
                 Ok(Ok(permits)) => {
@@ -79,7 +86,10 @@ impl Conn {
                 }
                 Ok(Err(_)) => {}
                 Err(_) => {
-                    tracing::warn!(conn = id, "a resume's replay made no progress: closing the slow reader's socket");
+                    tracing::warn!(
+                        conn = id,
+                        "a resume's replay made no progress: closing the slow reader's socket"
+                    );
                     kick.send_replace(true);
                 }
             }

@@ -35,7 +35,11 @@ impl Session {
             let _ = me.send(SessionMsg::Duplex(e));
         });
         if let Err(e) = self.shared.engine.open_duplex(spec, sink) {
-            self.send_error(super::internal_error("opening the duplex stream", &format!("{e:#}"), true));
+            self.send_error(super::internal_error(
+                "opening the duplex stream",
+                &format!("{e:#}"),
+                true,
+            ));
         }
     }
 
@@ -43,9 +47,13 @@ impl Session {
     pub(super) fn feed_units(&mut self) {
         let Some(d) = &mut self.duplex else { return };
         while let Some(unit) = self.input.take_block_16k(d.unit_in) {
-            let sent = unit.map_err(|e| WireError::new(ErrorCode::BadAudio, format!("input audio: {e}"))).and_then(|x| {
-                self.shared.engine.duplex_unit(&self.id, x).map_err(|e| super::internal_error("duplex unit", &format!("{e:#}"), false))
-            });
+            let sent =
+                unit.map_err(|e| WireError::new(ErrorCode::BadAudio, format!("input audio: {e}")))
+                    .and_then(|x| {
+                        self.shared.engine.duplex_unit(&self.id, x).map_err(|e| {
+                            super::internal_error("duplex unit", &format!("{e:#}"), false)
+                        })
+                    });
             match sent {
                 Ok(()) => d.units_sent += 1,
                 Err(e) => {
@@ -58,7 +66,9 @@ impl Session {
 
     pub(super) fn on_duplex(&mut self, e: DuplexEvent) {
         match e {
-            DuplexEvent::Listen { unit, .. } => self.send_event(ServerEvent::DuplexListen { seq: 0, unit }),
+            DuplexEvent::Listen { unit, .. } => {
+                self.send_event(ServerEvent::DuplexListen { seq: 0, unit })
+            }
             DuplexEvent::Speak { unit, turn, new_turn, .. } => {
                 self.send_event(ServerEvent::DuplexSpeak { seq: 0, unit });
                 if !new_turn {
@@ -74,7 +84,11 @@ impl Session {
                 };
                 self.responses += 1;
                 let rid = self.responses;
-                self.send_event(ServerEvent::ResponseCreated { seq: 0, response_id: rid, trigger: Trigger::Duplex });
+                self.send_event(ServerEvent::ResponseCreated {
+                    seq: 0,
+                    response_id: rid,
+                    trigger: Trigger::Duplex,
+                });
                 let resp = Resp {
                     id: rid,
                     out,
@@ -113,11 +127,19 @@ impl Session {
                 let why = match &reason {
                     DuplexEnd::ContextFull => ClosingReason::ContextFull,
                     DuplexEnd::Closed | DuplexEnd::Failed(_) => {
-                        self.send_error(super::internal_error("the duplex stream ended", &reason.to_string(), false));
+                        self.send_error(super::internal_error(
+                            "the duplex stream ended",
+                            &reason.to_string(),
+                            false,
+                        ));
                         ClosingReason::Failed
                     }
                 };
-                self.send_event(ServerEvent::SessionClosing { seq: 0, reason: why, retry_after_ms: None });
+                self.send_event(ServerEvent::SessionClosing {
+                    seq: 0,
+                    reason: why,
+                    retry_after_ms: None,
+                });
                 self.end(false, Some((1000, why.as_str())));
             }
         }

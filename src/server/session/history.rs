@@ -45,12 +45,23 @@ fn spoken_samples(u: &UserInput) -> usize {
 impl History {
     /// A history for a Thinker with a context of `context` positions.
     pub(super) fn new(context: usize) -> Self {
-        Self { turns: Vec::new(), spoken: 0, max_spoken: context.saturating_mul(SAMPLES_PER_POSITION) }
+        Self {
+            turns: Vec::new(),
+            spoken: 0,
+            max_spoken: context.saturating_mul(SAMPLES_PER_POSITION),
+        }
     }
 
     /// A turn that happened (a failed one did not, as far as the conversation goes); the oldest
     /// turns go while the spoken audio held is beyond the bound.
-    pub(super) fn push(&mut self, response_id: u32, user: UserInput, assistant: String, calls: Vec<IdentifiedCall>, audio_ms: u64) {
+    pub(super) fn push(
+        &mut self,
+        response_id: u32,
+        user: UserInput,
+        assistant: String,
+        calls: Vec<IdentifiedCall>,
+        audio_ms: u64,
+    ) {
         self.spoken += spoken_samples(&user);
         self.turns.push(HistoryTurn { response_id, user, assistant, calls, audio_ms });
         let mut drop = self.turns.len().saturating_sub(MAX_TURNS);
@@ -98,7 +109,11 @@ impl History {
     pub(super) fn turns(&self) -> Vec<Turn> {
         self.turns
             .iter()
-            .map(|t| Turn { user: t.user.clone(), assistant: t.assistant.clone(), calls: t.calls.iter().map(|(_, c)| c.clone()).collect() })
+            .map(|t| Turn {
+                user: t.user.clone(),
+                assistant: t.assistant.clone(),
+                calls: t.calls.iter().map(|(_, c)| c.clone()).collect(),
+            })
             .collect()
     }
 }

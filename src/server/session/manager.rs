@@ -102,17 +102,29 @@ impl SessionManager {
         let m = self.inner.lock().expect("manager");
         match m.sessions.get(id) {
             Some(h) if crate::auth::secret_eq(&h.token, token) => Ok(h.clone()),
-            Some(_) => Err(WireError::new(ErrorCode::BadResumeToken, "the resume token does not match this session")),
-            None if m.expired.contains_key(id) => Err(WireError::new(ErrorCode::SessionExpired, "the session expired after its grace period")),
+            Some(_) => Err(WireError::new(
+                ErrorCode::BadResumeToken,
+                "the resume token does not match this session",
+            )),
+            None if m.expired.contains_key(id) => Err(WireError::new(
+                ErrorCode::SessionExpired,
+                "the session expired after its grace period",
+            )),
             None => Err(WireError::new(ErrorCode::SessionNotFound, format!("no session {id}"))),
         }
     }
 
     /// Creates a session attached to `conn` (its `session.created` is sent by the session task).
-    pub fn create(self: &Arc<Self>, shared: &Arc<Shared>, c: SessionCreate, conn: Conn) -> Result<String, WireError> {
+    pub fn create(
+        self: &Arc<Self>,
+        shared: &Arc<Shared>,
+        c: SessionCreate,
+        conn: Conn,
+    ) -> Result<String, WireError> {
         let cfg = &shared.config.server;
         if shared.is_shutting_down() {
-            return Err(WireError::fatal(ErrorCode::Capacity, "the server is shutting down").retry_after(cfg.retry_after_ms));
+            return Err(WireError::fatal(ErrorCode::Capacity, "the server is shutting down")
+                .retry_after(cfg.retry_after_ms));
         }
         let session = Session::new(shared.clone(), &c)?;
         let id = match cfg.replica_id.as_str() {
@@ -125,7 +137,11 @@ impl SessionManager {
         {
             let mut m = self.inner.lock().expect("manager");
             if m.sessions.len() >= cfg.max_sessions {
-                return Err(WireError::fatal(ErrorCode::Capacity, "the server has no free session").retry_after(cfg.retry_after_ms));
+                return Err(WireError::fatal(
+                    ErrorCode::Capacity,
+                    "the server has no free session",
+                )
+                .retry_after(cfg.retry_after_ms));
             }
             // admission by load: a call begins only when the engine has room for it (a duplex
             // session takes its place now, for its life)
@@ -134,7 +150,10 @@ impl SessionManager {
                 antiphon_protocol::Mode::Turn => shared.engine.accepts_call(),
             };
             if let Err(b) = admitted {
-                let e = WireError::fatal(ErrorCode::Capacity, "the server is at capacity: no room for another call now");
+                let e = WireError::fatal(
+                    ErrorCode::Capacity,
+                    "the server is at capacity: no room for another call now",
+                );
                 return Err(e.retry_after(b.retry_after_ms));
             }
             m.sessions.insert(id.clone(), Handle { token: token.clone(), tx: tx.clone(), input });

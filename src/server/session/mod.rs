@@ -31,11 +31,13 @@ use super::audio_edge::{InputAudio, OutputAudio};
 use super::journal::{Journal, WireMsg};
 use super::Shared;
 use antiphon_engine::{
-    DuplexEvent, DuplexPolicy as EnginePolicy, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, SpokenClip, Status, UserInput,
+    DuplexEvent, DuplexPolicy as EnginePolicy, EngineEvent, GenerationParams, Mode, RefInput,
+    RequestId, RequestSpec, SpokenClip, Status, UserInput,
 };
 use antiphon_protocol::{
-    AudioFrame, ClientEvent, ClosingReason, DoneStatus, DuplexPolicy, ErrorCode, Generation, Limits, Mode as WireMode, OutputAudio as OutputFormat,
-    ServerEvent, SessionCreate, SessionUpdate, Trigger, Voice, WireError, KIND_AUDIO, PROTOCOL_VERSION,
+    AudioFrame, ClientEvent, ClosingReason, DoneStatus, DuplexPolicy, ErrorCode, Generation,
+    Limits, Mode as WireMode, OutputAudio as OutputFormat, ServerEvent, SessionCreate,
+    SessionUpdate, Trigger, Voice, WireError, KIND_AUDIO, PROTOCOL_VERSION,
 };
 use duplex::DuplexState;
 use response::{resolve_voice, Resp};
@@ -158,27 +160,46 @@ impl Session {
         let history = History::new(shared.engine.thinker_context());
         let cfg = &shared.config.server;
         let input = InputAudio::new(c.input_audio.codec, c.input_audio.sample_rate)
-            .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `input_audio.sample_rate`: {e}")))?
+            .map_err(|e| {
+                WireError::new(ErrorCode::BadField, format!("field `input_audio.sample_rate`: {e}"))
+            })?
             .with_limit_s(cfg.max_input_audio_s);
-        OutputAudio::new(c.output_audio.codec, c.output_audio.frame_ms())
-            .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `output_audio.frame_ms`: {e}")))?;
+        OutputAudio::new(c.output_audio.codec, c.output_audio.frame_ms()).map_err(|e| {
+            WireError::new(ErrorCode::BadField, format!("field `output_audio.frame_ms`: {e}"))
+        })?;
         let duplex = match (c.mode, &c.duplex) {
-            (WireMode::Turn, Some(_)) => return Err(WireError::new(ErrorCode::BadField, "field `duplex`: only for mode \"duplex\"")),
+            (WireMode::Turn, Some(_)) => {
+                return Err(WireError::new(
+                    ErrorCode::BadField,
+                    "field `duplex`: only for mode \"duplex\"",
+                ))
+            }
             (WireMode::Turn, None) => None,
             (WireMode::Duplex, p) => {
                 let policy = match p {
                     None | Some(DuplexPolicy::Model) => EnginePolicy::Model,
-                    Some(DuplexPolicy::SpeakEvery { k: 0 }) => return Err(WireError::new(ErrorCode::BadField, "field `duplex.k`: at least 1")),
+                    Some(DuplexPolicy::SpeakEvery { k: 0 }) => {
+                        return Err(WireError::new(
+                            ErrorCode::BadField,
+                            "field `duplex.k`: at least 1",
+                        ))
+                    }
                     Some(DuplexPolicy::SpeakEvery { k }) => EnginePolicy::SpeakEvery(*k as u64),
                 };
-                let unit_in = (input.rate() as u64 * shared.config.engine.duplex_unit_ms as u64 / 1000) as usize;
+                let unit_in = (input.rate() as u64 * shared.config.engine.duplex_unit_ms as u64
+                    / 1000) as usize;
                 Some(DuplexState { policy, unit_in, units_sent: 0, turns: HashMap::new() })
             }
         };
         let voice = resolve_voice(&shared, c.voice.as_ref())?;
         let mut tools = SessionTools::default();
         match (&c.tools, c.mode) {
-            (Some(_), WireMode::Duplex) => return Err(WireError::new(ErrorCode::BadField, "field `tools`: only for mode \"turn\"")),
+            (Some(_), WireMode::Duplex) => {
+                return Err(WireError::new(
+                    ErrorCode::BadField,
+                    "field `tools`: only for mode \"turn\"",
+                ))
+            }
             (Some(t), _) => tools.declare(t.clone(), shared.engine.serves_tools())?,
             (None, _) => {}
         }
@@ -197,7 +218,10 @@ impl Session {
             me: None,
             mode: c.mode,
             input,
-            output_format: OutputFormat { codec: c.output_audio.codec, frame_ms: Some(c.output_audio.frame_ms()) },
+            output_format: OutputFormat {
+                codec: c.output_audio.codec,
+                frame_ms: Some(c.output_audio.frame_ms()),
+            },
             pending_output: None,
             voice,
             instructions: c.instructions.clone(),
@@ -225,7 +249,14 @@ impl Session {
         })
     }
 
-    fn start(mut self, id: String, token: String, me: UnboundedSender<SessionMsg>, conn: Conn, manager: Arc<SessionManager>) -> Self {
+    fn start(
+        mut self,
+        id: String,
+        token: String,
+        me: UnboundedSender<SessionMsg>,
+        conn: Conn,
+        manager: Arc<SessionManager>,
+    ) -> Self {
         self.id = id;
         self.token = token;
         self.me = Some(me);
@@ -234,7 +265,11 @@ impl Session {
         self
     }
 
-    async fn run(mut self, mut rx: UnboundedReceiver<SessionMsg>, mut input: tokio::sync::mpsc::Receiver<SessionMsg>) {
+    async fn run(
+        mut self,
+        mut rx: UnboundedReceiver<SessionMsg>,
+        mut input: tokio::sync::mpsc::Receiver<SessionMsg>,
+    ) {
         let cfg = &self.shared.config.server;
         let created = ServerEvent::SessionCreated {
             seq: 0,
@@ -277,11 +312,18 @@ impl Session {
     fn emit(&mut self, seq: u64, msg: WireMsg, audio_ms: u64) {
         if self.journal.push(seq, msg.clone(), audio_ms).is_err() {
             // the client stopped acknowledging: the session cannot promise replay any more
-            let e = ServerEvent::error(&WireError::fatal(ErrorCode::JournalOverflow, "the replay journal is full"));
+            let e = ServerEvent::error(&WireError::fatal(
+                ErrorCode::JournalOverflow,
+                "the replay journal is full",
+            ));
             if let Some(c) = &self.conn {
                 c.send_event(&e);
             }
-            self.shared.metrics.errors.with_label_values(&[ErrorCode::JournalOverflow.as_str()]).inc();
+            self.shared
+                .metrics
+                .errors
+                .with_label_values(&[ErrorCode::JournalOverflow.as_str()])
+                .inc();
             self.end(true, Some((1008, "journal overflow")));
             return;
         }
@@ -368,7 +410,10 @@ impl Session {
         }
         self.shared.check_instructions(u.instructions.as_deref())?;
         if self.duplex.is_some() && u.tools.is_some() {
-            return Err(WireError::new(ErrorCode::BadField, "field `tools`: only for mode \"turn\""));
+            return Err(WireError::new(
+                ErrorCode::BadField,
+                "field `tools`: only for mode \"turn\"",
+            ));
         }
         let mut tools = SessionTools::default();
         match &u.tools {
@@ -382,25 +427,41 @@ impl Session {
         checked?;
         if let Some(i) = &u.input_audio {
             self.input = InputAudio::new(i.codec, i.sample_rate)
-                .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `input_audio.sample_rate`: {e}")))?
+                .map_err(|e| {
+                    WireError::new(
+                        ErrorCode::BadField,
+                        format!("field `input_audio.sample_rate`: {e}"),
+                    )
+                })?
                 .with_limit_s(self.shared.config.server.max_input_audio_s);
             if let Some(d) = &mut self.duplex {
-                d.unit_in = (i.sample_rate as u64 * self.shared.config.engine.duplex_unit_ms as u64 / 1000) as usize;
+                d.unit_in = (i.sample_rate as u64 * self.shared.config.engine.duplex_unit_ms as u64
+                    / 1000) as usize;
             }
         }
         if let Some(o) = u.output_audio {
-            OutputAudio::new(o.codec, o.frame_ms())
-                .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `output_audio.frame_ms`: {e}")))?;
-            self.pending_output = Some(OutputFormat { codec: o.codec, frame_ms: Some(o.frame_ms()) });
+            OutputAudio::new(o.codec, o.frame_ms()).map_err(|e| {
+                WireError::new(ErrorCode::BadField, format!("field `output_audio.frame_ms`: {e}"))
+            })?;
+            self.pending_output =
+                Some(OutputFormat { codec: o.codec, frame_ms: Some(o.frame_ms()) });
         }
-        if self.duplex.is_some() && (u.voice.is_some() || u.instructions.is_some() || u.generation.is_some() || u.duplex.is_some()) {
+        if self.duplex.is_some()
+            && (u.voice.is_some()
+                || u.instructions.is_some()
+                || u.generation.is_some()
+                || u.duplex.is_some())
+        {
             return Err(WireError::new(
                 ErrorCode::BadField,
                 "session.update: a duplex session's voice, instructions, generation and policy are fixed at session.create",
             ));
         }
         if self.duplex.is_none() && u.duplex.is_some() {
-            return Err(WireError::new(ErrorCode::BadField, "field `duplex`: only for mode \"duplex\""));
+            return Err(WireError::new(
+                ErrorCode::BadField,
+                "field `duplex`: only for mode \"duplex\"",
+            ));
         }
         if let Some(v) = &u.voice {
             self.voice = resolve_voice(&self.shared, Some(v))?;
@@ -422,17 +483,22 @@ impl Session {
 
     fn on_event(&mut self, event: ClientEvent) {
         match event {
-            ClientEvent::SessionCreate(_) | ClientEvent::SessionResume(_) => {
-                self.send_error(WireError::new(ErrorCode::SessionInUse, "this connection already holds a session"))
-            }
+            ClientEvent::SessionCreate(_) | ClientEvent::SessionResume(_) => self.send_error(
+                WireError::new(ErrorCode::SessionInUse, "this connection already holds a session"),
+            ),
             ClientEvent::SessionUpdate(u) => {
                 if let Err(e) = self.apply_update(*u) {
                     self.send_error(e);
                 }
             }
-            ClientEvent::InputText { .. } | ClientEvent::InputCommit { .. } if self.duplex.is_some() => {
+            ClientEvent::InputText { .. } | ClientEvent::InputCommit { .. }
+                if self.duplex.is_some() =>
+            {
                 if matches!(event, ClientEvent::InputText { .. }) {
-                    return self.send_error(WireError::new(ErrorCode::BadField, "input.text: a duplex session listens to audio only"));
+                    return self.send_error(WireError::new(
+                        ErrorCode::BadField,
+                        "input.text: a duplex session listens to audio only",
+                    ));
                 }
                 // the end of the stream: the partial unit goes in, padded with silence
                 if let Some(d) = &self.duplex {
@@ -446,18 +512,31 @@ impl Session {
             }
             ClientEvent::InputCommit { generation } => {
                 if self.input.buffered_ms() == 0 {
-                    return self.send_error(WireError::new(ErrorCode::BadField, "input.commit: no input audio since the last turn"));
+                    return self.send_error(WireError::new(
+                        ErrorCode::BadField,
+                        "input.commit: no input audio since the last turn",
+                    ));
                 }
                 match self.input.take_16k().and_then(|a| Ok(SpokenClip::new(a)?)) {
-                    Ok(clip) => self.start_response(Trigger::Commit, UserInput::Audio(clip), generation),
-                    Err(e) => self.send_error(WireError::new(ErrorCode::BadAudio, format!("input audio: {e}"))),
+                    Ok(clip) => {
+                        self.start_response(Trigger::Commit, UserInput::Audio(clip), generation)
+                    }
+                    Err(e) => self.send_error(WireError::new(
+                        ErrorCode::BadAudio,
+                        format!("input audio: {e}"),
+                    )),
                 }
             }
-            ClientEvent::InputToolResult { results, generation } => self.on_tool_result(results, generation),
+            ClientEvent::InputToolResult { results, generation } => {
+                self.on_tool_result(results, generation)
+            }
             ClientEvent::InputClear => self.input.clear(),
             ClientEvent::ConversationAppend { turns } => self.on_append(turns),
             ClientEvent::ConversationClear if self.duplex.is_some() => {
-                self.send_error(WireError::new(ErrorCode::BadField, "conversation.clear: a duplex session's conversation is its stream"))
+                self.send_error(WireError::new(
+                    ErrorCode::BadField,
+                    "conversation.clear: a duplex session's conversation is its stream",
+                ))
             }
             ClientEvent::ConversationClear => self.history.clear(),
             ClientEvent::ResponseCancel { response_id } => self.cancel_response(response_id),
@@ -467,7 +546,10 @@ impl Session {
             ClientEvent::Ack { seq } if seq >= self.next_seq => {
                 // acking ahead would empty the journal of messages not yet sent (and lose them)
                 let sent = self.next_seq - 1;
-                self.send_error(WireError::new(ErrorCode::BadField, format!("ack.seq: {seq} is beyond the highest seq sent ({sent})")));
+                self.send_error(WireError::new(
+                    ErrorCode::BadField,
+                    format!("ack.seq: {seq} is beyond the highest seq sent ({sent})"),
+                ));
             }
             ClientEvent::Ack { seq } => {
                 self.journal.ack(seq);
@@ -514,7 +596,10 @@ impl Session {
                     return;
                 }
                 if let Err(e) = self.input.push(&payload) {
-                    self.send_error(WireError::new(ErrorCode::BadAudio, format!("packet dropped: {e}")));
+                    self.send_error(WireError::new(
+                        ErrorCode::BadAudio,
+                        format!("packet dropped: {e}"),
+                    ));
                 }
                 self.feed_units();
             }
@@ -545,7 +630,11 @@ impl Session {
             SessionMsg::Shutdown { retry_after_ms } => {
                 if !self.closing {
                     self.closing = true;
-                    self.send_event(ServerEvent::SessionClosing { seq: 0, reason: ClosingReason::Shutdown, retry_after_ms: Some(retry_after_ms) });
+                    self.send_event(ServerEvent::SessionClosing {
+                        seq: 0,
+                        reason: ClosingReason::Shutdown,
+                        retry_after_ms: Some(retry_after_ms),
+                    });
                     if self.live_responses() == 0 {
                         self.end(false, Some((1001, "server shutting down")));
                     }
@@ -578,9 +667,11 @@ impl Session {
             self.input_since_ack = false;
             self.last_ack = now;
         }
-        let idle =
-            cfg.idle_timeout_s > 0 && self.live_responses() == 0 && now.duration_since(self.last_activity) >= Duration::from_secs(cfg.idle_timeout_s);
-        let old = cfg.max_duration_s > 0 && now.duration_since(self.created) >= Duration::from_secs(cfg.max_duration_s);
+        let idle = cfg.idle_timeout_s > 0
+            && self.live_responses() == 0
+            && now.duration_since(self.last_activity) >= Duration::from_secs(cfg.idle_timeout_s);
+        let old = cfg.max_duration_s > 0
+            && now.duration_since(self.created) >= Duration::from_secs(cfg.max_duration_s);
         if idle || old {
             let reason = if idle { ClosingReason::Idle } else { ClosingReason::MaxDuration };
             self.send_event(ServerEvent::SessionClosing { seq: 0, reason, retry_after_ms: None });

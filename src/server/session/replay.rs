@@ -19,7 +19,11 @@ impl Session {
     pub(super) fn attach(&mut self, conn: Conn, last_seq: u64) {
         if let Some(old) = self.conn.take() {
             if old.id != conn.id {
-                old.send_event(&ServerEvent::SessionClosing { seq: 0, reason: ClosingReason::Replaced, retry_after_ms: None });
+                old.send_event(&ServerEvent::SessionClosing {
+                    seq: 0,
+                    reason: ClosingReason::Replaced,
+                    retry_after_ms: None,
+                });
                 old.send(Outbound::Close(1000, "replaced".into()));
             }
         }
@@ -27,7 +31,10 @@ impl Session {
         if let Some(m) = &self.manager {
             m.set_journal_bytes(&self.id, self.journal.bytes());
         }
-        conn.send_event(&ServerEvent::SessionResumed { session_id: self.id.clone(), input_seq: self.applied_input });
+        conn.send_event(&ServerEvent::SessionResumed {
+            session_id: self.id.clone(),
+            input_seq: self.applied_input,
+        });
         self.conn = Some(conn);
         self.replayed = Some(last_seq);
         self.pump();

@@ -44,9 +44,17 @@ impl Resp {
 }
 
 impl Session {
-    pub(super) fn start_response(&mut self, trigger: Trigger, input: UserInput, gen: Option<Generation>) {
+    pub(super) fn start_response(
+        &mut self,
+        trigger: Trigger,
+        input: UserInput,
+        gen: Option<Generation>,
+    ) {
         if self.closing {
-            self.send_error(WireError::new(ErrorCode::Capacity, "the server is shutting down; no new responses"));
+            self.send_error(WireError::new(
+                ErrorCode::Capacity,
+                "the server is shutting down; no new responses",
+            ));
             return;
         }
         if trigger != Trigger::ToolResult {
@@ -57,7 +65,9 @@ impl Session {
             // a new turn while answering: the old answer is cut short
             self.cancel_response(None);
         }
-        let checked = gen.as_ref().map(|g| merge(&self.generation, Some(g)).validate(&self.shared.engine.generation_limits()));
+        let checked = gen.as_ref().map(|g| {
+            merge(&self.generation, Some(g)).validate(&self.shared.engine.generation_limits())
+        });
         if let Some(Err(e)) = checked {
             self.send_error(e);
             return;
@@ -108,7 +118,9 @@ impl Session {
         tracing::info!(response = rid, trigger = trigger.as_str(), "response started");
         match self.shared.engine.submit(spec, sink) {
             Ok(()) => {}
-            Err(antiphon_engine::SubmitError::Busy(b)) => self.finish_response(rid, Status::Busy(b)),
+            Err(antiphon_engine::SubmitError::Busy(b)) => {
+                self.finish_response(rid, Status::Busy(b))
+            }
             Err(e) => self.finish_response(rid, Status::Failed(e.to_string())),
         }
     }
@@ -149,7 +161,13 @@ impl Session {
 
     /// Barge-in: the current response (or the one named) stops now.
     pub(super) fn cancel_response(&mut self, which: Option<u32>) {
-        let ids: Vec<u32> = self.current.iter().chain(&self.older).map(|r| r.id).filter(|id| which.is_none_or(|w| w == *id)).collect();
+        let ids: Vec<u32> = self
+            .current
+            .iter()
+            .chain(&self.older)
+            .map(|r| r.id)
+            .filter(|id| which.is_none_or(|w| w == *id))
+            .collect();
         let ids = if which.is_none() { ids.into_iter().take(1).collect::<Vec<_>>() } else { ids };
         for rid in ids {
             if let Some(r) = self.resp_mut(rid) {
@@ -184,19 +202,31 @@ impl Session {
         };
         let label = done.as_str();
         match &status {
-            Status::Failed(why) => self.send_error(super::internal_error(&format!("response {} failed", r.id), why, false)),
+            Status::Failed(why) => self.send_error(super::internal_error(
+                &format!("response {} failed", r.id),
+                why,
+                false,
+            )),
             // what the request asked for does not fit: the client's to change (not fatal)
-            Status::Refused(why) => self.send_error(WireError::new(ErrorCode::BadField, format!("response {}: {why}", r.id))),
+            Status::Refused(why) => self.send_error(WireError::new(
+                ErrorCode::BadField,
+                format!("response {}: {why}", r.id),
+            )),
             // no place in the engine and its queue full: busy, not the client's fault (not fatal)
             Status::Busy(b) => self.send_error(
-                WireError::new(ErrorCode::Capacity, format!("response {}: the server is at capacity; try again later", r.id))
-                    .retry_after(b.retry_after_ms),
+                WireError::new(
+                    ErrorCode::Capacity,
+                    format!("response {}: the server is at capacity; try again later", r.id),
+                )
+                .retry_after(b.retry_after_ms),
             ),
             _ => {}
         }
         let audio_ms = r.audio_samples * 1000 / crate::audio_edge::OUTPUT_RATE as u64;
         // (a reply that made no audio: its turn's transcript is asked for now)
-        if let Some(clip) = r.transcript_due(self.transcription).filter(|_| done != DoneStatus::Failed) {
+        if let Some(clip) =
+            r.transcript_due(self.transcription).filter(|_| done != DoneStatus::Failed)
+        {
             self.transcribe(r.id, clip);
         }
         let u = r.usage;
@@ -207,7 +237,15 @@ impl Session {
             output_text_tokens: u.output_text as u64,
             output_audio_tokens: audio_ms * 25 / 1000,
         };
-        self.send_event(ServerEvent::ResponseDone { seq: 0, response_id: r.id, status: done, audio_ms, packets: r.packets, chunks: r.chunks, usage });
+        self.send_event(ServerEvent::ResponseDone {
+            seq: 0,
+            response_id: r.id,
+            status: done,
+            audio_ms,
+            packets: r.packets,
+            chunks: r.chunks,
+            usage,
+        });
         self.shared.metrics.responses.with_label_values(&[label]).inc();
         tracing::info!(response = r.id, status = label, audio_ms, "response done");
         let _ = r.trigger;
@@ -253,7 +291,12 @@ impl Session {
                 })();
                 let packets = match encoded {
                     Ok(p) => p,
-                    Err(e) => return self.finish_response(response_id, Status::Failed(format!("encoding audio: {e}"))),
+                    Err(e) => {
+                        return self.finish_response(
+                            response_id,
+                            Status::Failed(format!("encoding audio: {e}")),
+                        )
+                    }
                 };
                 let n = packets.len();
                 r.packets += n as u64;
@@ -268,13 +311,21 @@ impl Session {
                 }
                 // (the reply's first audio is out: the turn's transcript may take the GPU now)
                 let on = self.transcription;
-                if let Some(clip) = self.resp_mut(response_id).filter(|_| first).and_then(|r| r.transcript_due(on)) {
+                if let Some(clip) =
+                    self.resp_mut(response_id).filter(|_| first).and_then(|r| r.transcript_due(on))
+                {
                     self.transcribe(response_id, clip);
                 }
             }
             EngineEvent::ToolCall(call) => self.on_tool_call(response_id, call),
             EngineEvent::ToolCallInvalid { text, reason, message } => {
-                self.send_event(ServerEvent::ResponseToolCallInvalid { seq: 0, response_id, text, reason, message });
+                self.send_event(ServerEvent::ResponseToolCallInvalid {
+                    seq: 0,
+                    response_id,
+                    text,
+                    reason,
+                    message,
+                });
             }
             EngineEvent::Done { status, usage, .. } => {
                 r.usage = usage;
@@ -317,29 +368,53 @@ pub(super) fn merge(base: &Generation, over: Option<&Generation>) -> Generation 
 pub(super) fn resolve_voice(shared: &Shared, v: Option<&Voice>) -> Result<RefInput, WireError> {
     match v {
         None => Ok(shared.voices.default_input()),
-        Some(Voice::Configured { id }) => {
-            shared.voices.get(id).ok_or_else(|| WireError::new(ErrorCode::BadField, format!("field `voice.id`: no voice {id:?}")))
-        }
+        Some(Voice::Configured { id }) => shared.voices.get(id).ok_or_else(|| {
+            WireError::new(ErrorCode::BadField, format!("field `voice.id`: no voice {id:?}"))
+        }),
         Some(Voice::Uploaded { ref_audio_b64, sample_rate }) => {
-            let bytes = base64::engine::general_purpose::STANDARD
-                .decode(ref_audio_b64)
-                .map_err(|e| WireError::new(ErrorCode::BadField, format!("field `voice.ref_audio_b64`: not base64 ({e})")))?;
+            let bytes =
+                base64::engine::general_purpose::STANDARD.decode(ref_audio_b64).map_err(|e| {
+                    WireError::new(
+                        ErrorCode::BadField,
+                        format!("field `voice.ref_audio_b64`: not base64 ({e})"),
+                    )
+                })?;
             let (samples, rate) = if bytes.starts_with(b"RIFF") {
-                antiphon_audio::decode_wav(&bytes).map_err(|e| WireError::new(ErrorCode::BadField, format!("field `voice.ref_audio_b64`: {e}")))?
+                antiphon_audio::decode_wav(&bytes).map_err(|e| {
+                    WireError::new(ErrorCode::BadField, format!("field `voice.ref_audio_b64`: {e}"))
+                })?
             } else {
                 if bytes.len() % 2 != 0 {
-                    return Err(WireError::new(ErrorCode::BadField, "field `voice.ref_audio_b64`: PCM16 of odd length"));
+                    return Err(WireError::new(
+                        ErrorCode::BadField,
+                        "field `voice.ref_audio_b64`: PCM16 of odd length",
+                    ));
                 }
-                (bytes.chunks_exact(2).map(|b| antiphon_audio::i16_to_f32(i16::from_le_bytes([b[0], b[1]]))).collect(), *sample_rate)
+                (
+                    bytes
+                        .chunks_exact(2)
+                        .map(|b| antiphon_audio::i16_to_f32(i16::from_le_bytes([b[0], b[1]])))
+                        .collect(),
+                    *sample_rate,
+                )
             };
             if !(8_000..=96_000).contains(&rate) {
-                return Err(WireError::new(ErrorCode::BadField, "field `voice.ref_audio_b64`: audio at 8-96 kHz"));
+                return Err(WireError::new(
+                    ErrorCode::BadField,
+                    "field `voice.ref_audio_b64`: audio at 8-96 kHz",
+                ));
             }
             if samples.iter().any(|s| !s.is_finite()) {
-                return Err(WireError::new(ErrorCode::BadField, "field `voice.ref_audio_b64`: non-finite samples"));
+                return Err(WireError::new(
+                    ErrorCode::BadField,
+                    "field `voice.ref_audio_b64`: non-finite samples",
+                ));
             }
             if let Some(why) = antiphon_audio::voice_fault(&samples, rate) {
-                return Err(WireError::new(ErrorCode::BadField, format!("field `voice.ref_audio_b64`: {why}")));
+                return Err(WireError::new(
+                    ErrorCode::BadField,
+                    format!("field `voice.ref_audio_b64`: {why}"),
+                ));
             }
             Ok(RefInput::new(samples, rate))
         }

@@ -4,7 +4,9 @@
 
 use std::sync::Arc;
 
-use antiphon_engine::{FunctionTool, ToolCall, ToolChoice as EngineChoice, ToolSet, Tools, UserInput};
+use antiphon_engine::{
+    FunctionTool, ToolCall, ToolChoice as EngineChoice, ToolSet, Tools, UserInput,
+};
 use antiphon_protocol::{validate_tool_choice, validate_tools, ToolChoice, ToolDecl, ToolResult};
 
 use super::history::IdentifiedCall;
@@ -23,12 +25,23 @@ pub(super) struct SessionTools {
 impl SessionTools {
     /// The declared tools, replaced (`[]`: none). Checked against the bounds, and refused when the
     /// model's tokenizer has no tool tokens.
-    pub(super) fn declare(&mut self, decls: Vec<ToolDecl>, model_serves_tools: bool) -> Result<(), WireError> {
+    pub(super) fn declare(
+        &mut self,
+        decls: Vec<ToolDecl>,
+        model_serves_tools: bool,
+    ) -> Result<(), WireError> {
         validate_tools(&decls)?;
         if !decls.is_empty() && !model_serves_tools {
-            return Err(WireError::new(ErrorCode::BadField, "field `tools`: this model's tokenizer has no tool tokens"));
+            return Err(WireError::new(
+                ErrorCode::BadField,
+                "field `tools`: this model's tokenizer has no tool tokens",
+            ));
         }
-        let tools = decls.iter().map(|d| FunctionTool { name: d.name.clone(), description: d.description.clone(), parameters: d.parameters.clone() });
+        let tools = decls.iter().map(|d| FunctionTool {
+            name: d.name.clone(),
+            description: d.description.clone(),
+            parameters: d.parameters.clone(),
+        });
         self.set = (!decls.is_empty()).then(|| Arc::new(ToolSet::new(tools.collect())));
         self.decls = decls;
         Ok(())
@@ -63,19 +76,36 @@ impl Session {
     /// `input.tool_result`: the outputs of calls of the latest response, put in the order of its
     /// calls (Qwen's template matches outputs to calls by position), answered now, or when the
     /// calling response is done if it still runs.
-    pub(super) fn on_tool_result(&mut self, results: Vec<ToolResult>, generation: Option<Generation>) {
+    pub(super) fn on_tool_result(
+        &mut self,
+        results: Vec<ToolResult>,
+        generation: Option<Generation>,
+    ) {
         if self.duplex.is_some() {
-            return self.send_error(WireError::new(ErrorCode::BadField, "input.tool_result: a duplex session has no tools"));
+            return self.send_error(WireError::new(
+                ErrorCode::BadField,
+                "input.tool_result: a duplex session has no tools",
+            ));
         }
         let open: Vec<IdentifiedCall> = match &self.current {
             Some(r) => r.calls.clone(),
             None => self.history.open_calls().to_vec(),
         };
-        if let Some((k, r)) = results.iter().enumerate().find(|(_, r)| !open.iter().any(|(id, _)| id == &r.call_id)) {
-            let why = format!("field `results[{k}].call_id`: `{}` is not a call of the latest response", r.call_id);
+        if let Some((k, r)) =
+            results.iter().enumerate().find(|(_, r)| !open.iter().any(|(id, _)| id == &r.call_id))
+        {
+            let why = format!(
+                "field `results[{k}].call_id`: `{}` is not a call of the latest response",
+                r.call_id
+            );
             return self.send_error(WireError::new(ErrorCode::BadField, why));
         }
-        let outputs: Vec<String> = open.iter().filter_map(|(id, _)| results.iter().find(|r| &r.call_id == id).map(|r| r.output.clone())).collect();
+        let outputs: Vec<String> = open
+            .iter()
+            .filter_map(|(id, _)| {
+                results.iter().find(|r| &r.call_id == id).map(|r| r.output.clone())
+            })
+            .collect();
         if self.current.is_some() {
             self.tools.waiting = Some((outputs, generation));
             return;
@@ -99,7 +129,10 @@ impl Session {
     /// arguments must be a JSON object; a response still running keeps its place after them.
     pub(super) fn on_append(&mut self, turns: Vec<antiphon_protocol::PastTurn>) {
         if self.duplex.is_some() {
-            return self.send_error(WireError::new(ErrorCode::BadField, "conversation.append: a duplex session's conversation is its stream"));
+            return self.send_error(WireError::new(
+                ErrorCode::BadField,
+                "conversation.append: a duplex session's conversation is its stream",
+            ));
         }
         let mut checked = Vec::with_capacity(turns.len());
         for (k, t) in turns.into_iter().enumerate() {
@@ -107,10 +140,19 @@ impl Session {
             for (j, c) in t.calls.iter().enumerate() {
                 match ToolCall::given(&c.name, &c.arguments) {
                     Ok(call) => calls.push((c.call_id.clone(), call)),
-                    Err(e) => return self.send_error(WireError::new(ErrorCode::BadField, format!("field `turns[{k}].calls[{j}].arguments`: {e:#}"))),
+                    Err(e) => {
+                        return self.send_error(WireError::new(
+                            ErrorCode::BadField,
+                            format!("field `turns[{k}].calls[{j}].arguments`: {e:#}"),
+                        ))
+                    }
                 }
             }
-            let user = if t.tool_outputs.is_empty() { UserInput::Text(t.user) } else { UserInput::ToolResults(t.tool_outputs) };
+            let user = if t.tool_outputs.is_empty() {
+                UserInput::Text(t.user)
+            } else {
+                UserInput::ToolResults(t.tool_outputs)
+            };
             checked.push((user, t.assistant, calls));
         }
         for (user, assistant, calls) in checked {
@@ -125,6 +167,12 @@ impl Session {
         if let Some(r) = self.resp_mut(response_id) {
             r.calls.push((call_id.clone(), call.clone()));
         }
-        self.send_event(ServerEvent::ResponseToolCall { seq: 0, response_id, call_id, name: call.name, arguments: call.arguments });
+        self.send_event(ServerEvent::ResponseToolCall {
+            seq: 0,
+            response_id,
+            call_id,
+            name: call.name,
+            arguments: call.arguments,
+        });
     }
 }

@@ -24,7 +24,12 @@ impl Session {
     /// Asks for the transcript of `clip`, the turn response `rid` answers.
     pub(super) fn transcribe(&mut self, rid: u32, clip: SpokenClip) {
         let id = RequestId::transcript(&self.id, rid);
-        let limit = self.shared.engine.generation_limits().max_text_tokens.min(transcript_tokens(clip.samples().len()));
+        let limit = self
+            .shared
+            .engine
+            .generation_limits()
+            .max_text_tokens
+            .min(transcript_tokens(clip.samples().len()));
         let spec = RequestSpec {
             id: id.clone(),
             mode: Mode::Turn,
@@ -33,7 +38,12 @@ impl Session {
             history: Vec::new(),
             voice: self.voice.clone(),
             // (greedy: a transcript is the likeliest reading, not a sample)
-            generation: GenerationParams { max_text_tokens: Some(limit), temperature: Some(0.0), seed: Some(0), ..Default::default() },
+            generation: GenerationParams {
+                max_text_tokens: Some(limit),
+                temperature: Some(0.0),
+                seed: Some(0),
+                ..Default::default()
+            },
             tools: Default::default(),
             text_only: true,
             task: Task::Transcribe,
@@ -49,7 +59,12 @@ impl Session {
                     antiphon_engine::SubmitError::Busy(_) => TranscriptFailure::Capacity,
                     _ => TranscriptFailure::Failed,
                 };
-                self.send_event(ServerEvent::InputTranscriptFailed { seq: 0, response_id: rid, reason, message: e.to_string() });
+                self.send_event(ServerEvent::InputTranscriptFailed {
+                    seq: 0,
+                    response_id: rid,
+                    reason,
+                    message: e.to_string(),
+                });
             }
         }
     }
@@ -57,16 +72,32 @@ impl Session {
     /// The transcript request's events, as the client's.
     pub(super) fn on_transcript(&mut self, response_id: u32, event: EngineEvent) {
         match event {
-            EngineEvent::TextDelta(delta) => self.send_event(ServerEvent::InputTranscriptDelta { seq: 0, response_id, delta }),
+            EngineEvent::TextDelta(delta) => {
+                self.send_event(ServerEvent::InputTranscriptDelta { seq: 0, response_id, delta })
+            }
             EngineEvent::Done { status, text, .. } => {
                 let id = RequestId::transcript(&self.id, response_id);
                 self.transcripts.retain(|t| *t != id);
-                let failed = |reason, message| ServerEvent::InputTranscriptFailed { seq: 0, response_id, reason, message };
+                let failed = |reason, message| ServerEvent::InputTranscriptFailed {
+                    seq: 0,
+                    response_id,
+                    reason,
+                    message,
+                };
                 let e = match status {
-                    Status::Completed => ServerEvent::InputTranscriptDone { seq: 0, response_id, transcript: text },
-                    Status::Cancelled => failed(TranscriptFailure::Cancelled, "the response was cancelled first".into()),
-                    Status::Failed(why) | Status::Refused(why) => failed(TranscriptFailure::Failed, why),
-                    Status::Busy(_) => failed(TranscriptFailure::Capacity, "the server is at capacity".into()),
+                    Status::Completed => {
+                        ServerEvent::InputTranscriptDone { seq: 0, response_id, transcript: text }
+                    }
+                    Status::Cancelled => failed(
+                        TranscriptFailure::Cancelled,
+                        "the response was cancelled first".into(),
+                    ),
+                    Status::Failed(why) | Status::Refused(why) => {
+                        failed(TranscriptFailure::Failed, why)
+                    }
+                    Status::Busy(_) => {
+                        failed(TranscriptFailure::Capacity, "the server is at capacity".into())
+                    }
                 };
                 self.send_event(e);
             }
@@ -82,6 +113,10 @@ mod tests {
         assert_eq!(super::transcript_tokens(0), 16);
         assert_eq!(super::transcript_tokens(16_000 * 2), 32, "2 s: 16 + 2 × 8");
         assert_eq!(super::transcript_tokens(16_000 * 2 + 1), 40, "a started second counts");
-        assert_eq!(super::transcript_tokens(16_000 * 60), super::TRANSCRIPT_MAX_TOKENS, "a minute: the cap");
+        assert_eq!(
+            super::transcript_tokens(16_000 * 60),
+            super::TRANSCRIPT_MAX_TOKENS,
+            "a minute: the cap"
+        );
     }
 }

@@ -6,15 +6,24 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use antiphon_assets::synth::{models_in_memory, Preset};
-use antiphon_engine::{Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, UserInput};
+use antiphon_engine::{
+    Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec,
+    Status, UserInput,
+};
 use candle_core::{DType, Device};
 
 pub fn engine(cfg: EngineConfig) -> Engine {
-    Engine::start(models_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap(), cfg).unwrap()
+    Engine::start(models_in_memory(Preset::Tiny, 5, DType::F32, &Device::Cpu).unwrap(), cfg)
+        .unwrap()
 }
 
 pub fn voice() -> RefInput {
-    RefInput::new((0..16_000 * 3).map(|i| 0.3 * (i as f32 * 0.07).sin() * (i as f32 * 0.0004).cos()).collect(), 16_000)
+    RefInput::new(
+        (0..16_000 * 3)
+            .map(|i| 0.3 * (i as f32 * 0.07).sin() * (i as f32 * 0.0004).cos())
+            .collect(),
+        16_000,
+    )
 }
 
 pub fn spec(id: &str, text: &str, text_tokens: usize, codes: usize, seed: u64) -> RequestSpec {
@@ -66,7 +75,9 @@ pub fn collect(rx: mpsc::Receiver<EngineEvent>) -> Outcome {
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut events = vec![];
     loop {
-        let ev = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("the request finishes");
+        let ev = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("the request finishes");
         let done = matches!(ev, EngineEvent::Done { .. });
         events.push(ev);
         if done {
@@ -76,7 +87,9 @@ pub fn collect(rx: mpsc::Receiver<EngineEvent>) -> Outcome {
     // nothing after Done: the engine lets go of the request's sink, so the channel ends
     match rx.recv_timeout(Duration::from_secs(60)) {
         Err(mpsc::RecvTimeoutError::Disconnected) => {}
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!("the engine still holds the sink of a finished request"),
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            panic!("the engine still holds the sink of a finished request")
+        }
         Ok(ev) => panic!("an event came after Done: {ev:?}"),
     }
     let mut text = String::new();
@@ -84,7 +97,9 @@ pub fn collect(rx: mpsc::Receiver<EngineEvent>) -> Outcome {
     let mut out = None;
     for ev in &events {
         match ev {
-            EngineEvent::HistoryTrimmed { .. } | EngineEvent::ToolCall(_) | EngineEvent::ToolCallInvalid { .. } => {}
+            EngineEvent::HistoryTrimmed { .. }
+            | EngineEvent::ToolCall(_)
+            | EngineEvent::ToolCallInvalid { .. } => {}
             EngineEvent::TextDelta(t) => text.push_str(t),
             EngineEvent::Audio { samples, .. } => audio.push(samples.clone()),
             EngineEvent::Done { status, codes, timings, text: t, .. } => {

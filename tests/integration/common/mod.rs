@@ -11,7 +11,9 @@ pub mod streams;
 
 /// The repository (`ANTIPHON_REPO` when the test binary runs elsewhere, as on the GPU machine).
 pub fn repo() -> PathBuf {
-    std::env::var("ANTIPHON_REPO").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+    std::env::var("ANTIPHON_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
 
 pub fn fixture_dir(name: &str) -> PathBuf {
@@ -23,19 +25,25 @@ pub fn device() -> Device {
     match std::env::var("ANTIPHON_TEST_DEVICE").as_deref() {
         Err(_) | Ok("cpu") | Ok("") => Device::Cpu,
         // as the server opens it (event tracking off, so decode steps can be captured as graphs)
-        Ok(d) => antiphon_models::gpu::open(d.parse().expect("ANTIPHON_TEST_DEVICE: cpu, cuda or cuda:N"))
-            .expect("ANTIPHON_TEST_DEVICE names a CUDA device this build cannot open"),
+        Ok(d) => antiphon_models::gpu::open(
+            d.parse().expect("ANTIPHON_TEST_DEVICE: cpu, cuda or cuda:N"),
+        )
+        .expect("ANTIPHON_TEST_DEVICE names a CUDA device this build cannot open"),
     }
 }
 
 /// Float arrays of a fixture's `io.safetensors`, on the test device.
 pub fn load_io(name: &str) -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(fixture_dir(name).join("io.safetensors"), &device()).expect("io.safetensors")
+    candle_core::safetensors::load(fixture_dir(name).join("io.safetensors"), &device())
+        .expect("io.safetensors")
 }
 
 /// Integer data of a fixture's `io.json`.
 pub fn load_meta(name: &str) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(fixture_dir(name).join("io.json")).expect("io.json")).expect("json")
+    serde_json::from_str(
+        &std::fs::read_to_string(fixture_dir(name).join("io.json")).expect("io.json"),
+    )
+    .expect("json")
 }
 
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
@@ -45,21 +53,40 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
 /// The largest of `v`, or +inf when any is a NaN or an infinity: no bound passes a non-finite
 /// value (`f32::max` alone would drop a NaN).
 pub fn finite_max(v: impl IntoIterator<Item = f32>) -> f32 {
-    v.into_iter().fold(0f32, |m, x| if x.is_finite() && m.is_finite() { m.max(x) } else { f32::INFINITY })
+    v.into_iter()
+        .fold(0f32, |m, x| if x.is_finite() && m.is_finite() { m.max(x) } else { f32::INFINITY })
 }
 
 /// max |a - b| over two equally long slices; +inf when either holds a NaN or an infinity.
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "lengths differ");
-    finite_max(a.iter().zip(b).map(|(x, y)| if x.is_finite() && y.is_finite() { (x - y).abs() } else { f32::INFINITY }))
+    finite_max(a.iter().zip(b).map(|(x, y)| {
+        if x.is_finite() && y.is_finite() {
+            (x - y).abs()
+        } else {
+            f32::INFINITY
+        }
+    }))
 }
 
 /// max |a - b| / max |b|: the error relative to the reference's magnitude; +inf when either side
 /// holds a NaN or an infinity.
 pub fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims(), "shapes differ");
-    let a = a.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let b = b.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let a = a
+        .to_dtype(candle_core::DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let b = b
+        .to_dtype(candle_core::DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
     let diff = max_abs_diff(&a, &b);
     let scale = finite_max(b.iter().map(|y| y.abs())).max(1e-12);
     if diff.is_finite() && scale.is_finite() {

@@ -10,7 +10,8 @@ pub fn reference() -> Reference {
     let x: Vec<f32> = (0..sr * 3)
         .map(|i| {
             let t = i as f32 / sr as f32;
-            0.3 * (2.0 * std::f32::consts::PI * (150.0 + 30.0 * t) * t).sin() * (0.5 + 0.5 * (6.0 * t).sin().abs())
+            0.3 * (2.0 * std::f32::consts::PI * (150.0 + 30.0 * t) * t).sin()
+                * (0.5 + 0.5 * (6.0 * t).sin().abs())
         })
         .collect();
     Reference::materialize(&x, sr as u32).unwrap()
@@ -42,5 +43,12 @@ pub fn samples(t: &Tensor) -> Vec<f32> {
 /// The streams (and their chunk index) due in `round`'s batch of `last` or not-last chunks, stream
 /// `s` starting `lag[s]` rounds late, every stream with `chunks` chunks.
 pub fn due(round: usize, last: bool, lag: &[usize], chunks: usize) -> Vec<(usize, usize)> {
-    (0..lag.len()).filter_map(|s| round.checked_sub(lag[s]).filter(|&i| i < chunks && (i == chunks - 1) == last).map(|i| (s, i))).collect()
+    (0..lag.len())
+        .filter_map(|s| {
+            round
+                .checked_sub(lag[s])
+                .filter(|&i| i < chunks && (i == chunks - 1) == last)
+                .map(|i| (s, i))
+        })
+        .collect()
 }

@@ -25,13 +25,20 @@ pub fn one_place(c: &mut Config) {
 }
 
 pub async fn server(edit: impl FnOnce(&mut Config)) -> Server {
-    let mut cfg =
-        Config::parse(antiphon_server::config::DEFAULT_TOML, std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs"))).unwrap();
+    let mut cfg = Config::parse(
+        antiphon_server::config::DEFAULT_TOML,
+        std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs")),
+    )
+    .unwrap();
     cfg.server.listen = "127.0.0.1:0".into();
     edit(&mut cfg);
-    let models =
-        antiphon_assets::synth::models_in_memory(antiphon_assets::synth::Preset::Tiny, 0, candle_core::DType::F32, &candle_core::Device::Cpu)
-            .unwrap();
+    let models = antiphon_assets::synth::models_in_memory(
+        antiphon_assets::synth::Preset::Tiny,
+        0,
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
     let s = antiphon_server::start(cfg, models).await.unwrap();
     // wait until warmed up
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -90,9 +97,14 @@ impl Client {
     }
 
     pub async fn recv(&mut self) -> In {
-        match tokio::time::timeout(Duration::from_secs(60), self.ws.next()).await.expect("a message in time") {
+        match tokio::time::timeout(Duration::from_secs(60), self.ws.next())
+            .await
+            .expect("a message in time")
+        {
             Some(Ok(Message::Text(t))) => In::Event(serde_json::from_str(&t).unwrap()),
-            Some(Ok(Message::Binary(b))) => In::Audio(AudioFrame::decode(&b).expect("a whole frame")),
+            Some(Ok(Message::Binary(b))) => {
+                In::Audio(AudioFrame::decode(&b).expect("a whole frame"))
+            }
             Some(Ok(Message::Close(c))) => In::Closed(c.map(|c| u16::from(c.code))),
             Some(Ok(_)) => Box::pin(self.recv()).await,
             Some(Err(_)) => In::Closed(None),
@@ -143,7 +155,9 @@ pub fn is_done(m: &In) -> bool {
 pub async fn reqwest_like_get(s: &Server, path: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut t = TcpStream::connect(s.addr).await.unwrap();
-    t.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes()).await.unwrap();
+    t.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
     let mut buf = String::new();
     t.read_to_string(&mut buf).await.unwrap();
     buf

@@ -17,7 +17,10 @@ impl CamPlusPlus {
     /// `[B, 192]`, or the first voice's row is not what that voice gets alone. That is checked on
     /// the first batch and kept, and then the caller embeds voice by voice.
     pub fn embed_batch(&self, fbanks: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
-        if fbanks.len() < 2 || fbanks.iter().any(|f| f.dims() != fbanks[0].dims()) || self.batches.get() == Some(&false) {
+        if fbanks.len() < 2
+            || fbanks.iter().any(|f| f.dims() != fbanks[0].dims())
+            || self.batches.get() == Some(&false)
+        {
             return Ok(None);
         }
         let mut out = Vec::with_capacity(fbanks.len());
@@ -25,7 +28,9 @@ impl CamPlusPlus {
             let mut xs: Vec<&Tensor> = part.to_vec();
             xs.resize(part.len().next_power_of_two(), part[part.len() - 1]);
             let rows = match self.run_input(&Tensor::stack(&xs, 0)?) {
-                Ok(y) if y.dim(0)? == xs.len() && y.elem_count() % xs.len() == 0 => y.reshape((xs.len(), ()))?,
+                Ok(y) if y.dim(0)? == xs.len() && y.elem_count() % xs.len() == 0 => {
+                    y.reshape((xs.len(), ()))?
+                }
                 other => {
                     if let Err(e) = other {
                         tracing::debug!("campplus.onnx over a batch: {e:#}");

@@ -46,12 +46,25 @@ pub(super) struct Conv {
 
 impl Conv {
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn load(vb: VarBuilder, i: usize, o: usize, k: usize, kind: ConvKind, dilation: usize, weight_norm: bool, bias: bool) -> Result<Self> {
+    pub(super) fn load(
+        vb: VarBuilder,
+        i: usize,
+        o: usize,
+        k: usize,
+        kind: ConvKind,
+        dilation: usize,
+        weight_norm: bool,
+        bias: bool,
+    ) -> Result<Self> {
         let shape = match kind {
             ConvKind::Transpose { .. } => [i, o, k],
             _ => [o, i, k],
         };
-        let w = if weight_norm { load_weight_norm(&vb, &shape)? } else { vb.get(&shape[..], "weight")? };
+        let w = if weight_norm {
+            load_weight_norm(&vb, &shape)?
+        } else {
+            vb.get(&shape[..], "weight")?
+        };
         let b = if bias { Some(vb.get(o, "bias")?) } else { None };
         let cols = match kind {
             ConvKind::Transpose { .. } => None,
@@ -76,13 +89,29 @@ impl Conv {
     /// of its input first, as its columns times the weight with the bias folded in: two kernels,
     /// no padded or upsampled copy, no transposed output, no broadcast bias add (candle's conv1d:
     /// im2col, the product, a transposing copy, then ours).
-    fn by_columns(&self, x: &Tensor, pad_l: usize, pad_r: usize, stride: usize, up: usize) -> Result<Option<Tensor>> {
-        self.by_columns_snake(x, Cols { k: self.kernel(), d: self.dilation, pad_l, pad_r, stride, up }, None)
+    fn by_columns(
+        &self,
+        x: &Tensor,
+        pad_l: usize,
+        pad_r: usize,
+        stride: usize,
+        up: usize,
+    ) -> Result<Option<Tensor>> {
+        self.by_columns_snake(
+            x,
+            Cols { k: self.kernel(), d: self.dilation, pad_l, pad_r, stride, up },
+            None,
+        )
     }
 
     /// [`Conv::by_columns`] of `snake(x, alpha)` when `alpha` is given (the Snake in the columns'
     /// kernel).
-    fn by_columns_snake(&self, x: &Tensor, p: Cols, alpha: Option<&Tensor>) -> Result<Option<Tensor>> {
+    fn by_columns_snake(
+        &self,
+        x: &Tensor,
+        p: Cols,
+        alpha: Option<&Tensor>,
+    ) -> Result<Option<Tensor>> {
         let Some(w) = &self.cols else { return Ok(None) };
         if let (Some(wh), DType::F32) = (&self.cols_half, x.dtype()) {
             let cols = conv_cols::conv_cols_half(x, p, alpha)?;
@@ -100,7 +129,14 @@ impl Conv {
     /// both (the residual blocks' every conv).
     pub(super) fn forward_snake(&self, x: &Tensor, alpha: &Tensor) -> Result<Tensor> {
         if let ConvKind::Left { padding } = self.kind {
-            let p = Cols { k: self.kernel(), d: self.dilation, pad_l: padding, pad_r: 0, stride: 1, up: 1 };
+            let p = Cols {
+                k: self.kernel(),
+                d: self.dilation,
+                pad_l: padding,
+                pad_r: 0,
+                stride: 1,
+                up: 1,
+            };
             if let Some(y) = self.by_columns_snake(x, p, Some(alpha))? {
                 return Ok(y);
             }
@@ -116,7 +152,9 @@ impl Conv {
     pub(super) fn forward(&self, x: &Tensor, right: Option<&Tensor>) -> Result<Tensor> {
         let (b, c, _) = x.dims3()?;
         let fast = match self.kind {
-            ConvKind::Plain { padding, stride } => self.by_columns(x, padding, padding, stride, 1)?,
+            ConvKind::Plain { padding, stride } => {
+                self.by_columns(x, padding, padding, stride, 1)?
+            }
             ConvKind::Left { padding } => self.by_columns(x, padding, 0, 1, 1)?,
             ConvKind::Right { padding } => match right {
                 Some(r) => self.by_columns(&Tensor::cat(&[x, r], 2)?, 0, 0, 1, 1)?,
@@ -131,8 +169,12 @@ impl Conv {
         }
         let zeros = |n: usize| Tensor::zeros((b, c, n), x.dtype(), x.device());
         let y = match self.kind {
-            ConvKind::Plain { padding, stride } => x.conv1d(&self.w, padding, stride, self.dilation, 1)?,
-            ConvKind::Left { padding } => Tensor::cat(&[&zeros(padding)?, x], 2)?.conv1d(&self.w, 0, 1, self.dilation, 1)?,
+            ConvKind::Plain { padding, stride } => {
+                x.conv1d(&self.w, padding, stride, self.dilation, 1)?
+            }
+            ConvKind::Left { padding } => {
+                Tensor::cat(&[&zeros(padding)?, x], 2)?.conv1d(&self.w, 0, 1, self.dilation, 1)?
+            }
             ConvKind::Right { padding } => {
                 let r = match right {
                     Some(r) => r.clone(),
@@ -140,14 +182,20 @@ impl Conv {
                 };
                 Tensor::cat(&[x, &r], 2)?.conv1d(&self.w, 0, 1, self.dilation, 1)?
             }
-            ConvKind::Down { stride } => Tensor::cat(&[&zeros(stride - 1)?, x], 2)?.conv1d(&self.w, 0, stride, 1, 1)?,
+            ConvKind::Down { stride } => {
+                Tensor::cat(&[&zeros(stride - 1)?, x], 2)?.conv1d(&self.w, 0, stride, 1, 1)?
+            }
             ConvKind::Up { scale } => {
                 let t = x.dim(2)?;
-                let up = x.unsqueeze(3)?.broadcast_as((b, c, t, scale))?.reshape((b, c, t * scale))?;
+                let up =
+                    x.unsqueeze(3)?.broadcast_as((b, c, t, scale))?.reshape((b, c, t * scale))?;
                 let k = self.kernel();
-                Tensor::cat(&[&Tensor::zeros((b, c, k - 1), x.dtype(), x.device())?, &up], 2)?.conv1d(&self.w, 0, 1, 1, 1)?
+                Tensor::cat(&[&Tensor::zeros((b, c, k - 1), x.dtype(), x.device())?, &up], 2)?
+                    .conv1d(&self.w, 0, 1, 1, 1)?
             }
-            ConvKind::Transpose { stride, padding } => x.conv_transpose1d(&self.w, padding, 0, stride, 1, 1)?,
+            ConvKind::Transpose { stride, padding } => {
+                x.conv_transpose1d(&self.w, padding, 0, stride, 1, 1)?
+            }
         };
         match &self.b {
             Some(bias) => y.broadcast_add(&bias.reshape((1, (), 1))?),
@@ -170,7 +218,13 @@ pub(super) struct ResBlock {
 }
 
 impl ResBlock {
-    pub(super) fn load(vb: VarBuilder, ch: usize, k: usize, dilations: &[usize], causal: bool) -> Result<Self> {
+    pub(super) fn load(
+        vb: VarBuilder,
+        ch: usize,
+        k: usize,
+        dilations: &[usize],
+        causal: bool,
+    ) -> Result<Self> {
         let mut s = Self { convs1: vec![], convs2: vec![], alpha1: vec![], alpha2: vec![] };
         for (i, &d) in dilations.iter().enumerate() {
             let kind = |d: usize| {
@@ -232,7 +286,10 @@ impl F0Predictor {
             };
             condnet.push(Conv::load(vb.pp("condnet").pp(2 * i), inp, c, k, kind, 1, true, true)?);
         }
-        let classifier = Linear::new(vb.pp("classifier").get((1, c), "weight")?, Some(vb.pp("classifier").get(1, "bias")?));
+        let classifier = Linear::new(
+            vb.pp("classifier").get((1, c), "weight")?,
+            Some(vb.pp("classifier").get(1, "bias")?),
+        );
         Ok(Self { condnet, classifier })
     }
 
@@ -381,7 +438,9 @@ impl Spectral {
     fn overlap_add(&self, frames: &Tensor) -> Result<Tensor> {
         let (b, n, t) = frames.dims3()?;
         if n % self.hop != 0 {
-            let rows = (0..b).map(|i| frames.narrow(0, i, 1)?.conv_transpose1d(&self.ola, 0, 0, self.hop, 1, 1)).collect::<Result<Vec<_>>>()?;
+            let rows = (0..b)
+                .map(|i| frames.narrow(0, i, 1)?.conv_transpose1d(&self.ola, 0, 0, self.hop, 1, 1))
+                .collect::<Result<Vec<_>>>()?;
             return Tensor::cat(&rows, 0)?.squeeze(1);
         }
         let pieces = n / self.hop;
@@ -389,7 +448,10 @@ impl Spectral {
         let mut y: Option<Tensor> = None;
         for k in 0..pieces {
             // piece k of frame f lands at (f + k) · hop
-            let p = frames.narrow(1, k * self.hop, self.hop)?.transpose(1, 2)?.reshape((b, t * self.hop))?;
+            let p = frames
+                .narrow(1, k * self.hop, self.hop)?
+                .transpose(1, 2)?
+                .reshape((b, t * self.hop))?;
             let p = p.pad_with_zeros(1, k * self.hop, total - t * self.hop - k * self.hop)?;
             y = Some(match y {
                 Some(acc) => (acc + p)?,
@@ -417,7 +479,10 @@ impl Spectral {
                     env[f * self.hop + n] += self.window[n] * self.window[n];
                 }
             }
-            let inv: Vec<f32> = env[p..p + out_len].iter().map(|&e| if e > 1e-11 { (1.0 / e) as f32 } else { 0.0 }).collect();
+            let inv: Vec<f32> = env[p..p + out_len]
+                .iter()
+                .map(|&e| if e > 1e-11 { (1.0 / e) as f32 } else { 0.0 })
+                .collect();
             Tensor::from_vec(inv, (1, out_len), y.device())?.to_dtype(y.dtype())
         })?;
         y.reshape((b, total))?.narrow(1, p, out_len)?.broadcast_mul(&inv)

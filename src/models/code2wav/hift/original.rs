@@ -25,7 +25,12 @@ impl OriginalStreamState {
 impl HiftGenerator {
     /// One chunk of mel `[1, 80, frames]` through the original generator with overlap and
     /// cross-fade; holds back the last 8 frames' worth of audio unless `last`.
-    pub fn stream_original(&self, st: &mut OriginalStreamState, mel: &Tensor, last: bool) -> Result<Tensor> {
+    pub fn stream_original(
+        &self,
+        st: &mut OriginalStreamState,
+        mel: &Tensor,
+        last: bool,
+    ) -> Result<Tensor> {
         const MEL_CACHE: usize = 8;
         let hop = self.cfg.hop();
         let hold = MEL_CACHE * hop;
@@ -45,8 +50,14 @@ impl HiftGenerator {
         let len = speech.dim(0)?;
         if let Some(prev) = &st.speech {
             let n = prev.dim(0)?.min(len).min(hold);
-            let w: Vec<f32> =
-                (0..2 * hold).map(|i| (0.54 - 0.46 * (2.0 * std::f64::consts::PI * i as f64 / (2 * hold - 1) as f64).cos()) as f32).collect();
+            let w: Vec<f32> = (0..2 * hold)
+                .map(|i| {
+                    (0.54
+                        - 0.46
+                            * (2.0 * std::f64::consts::PI * i as f64 / (2 * hold - 1) as f64).cos())
+                        as f32
+                })
+                .collect();
             let up = Tensor::from_vec(w[..n].to_vec(), n, speech.device())?;
             let down = Tensor::from_vec(w[hold..hold + n].to_vec(), n, speech.device())?;
             let head = ((speech.narrow(0, 0, n)? * up)? + (prev.narrow(0, 0, n)? * down)?)?;

@@ -113,7 +113,10 @@ impl HiftGenerator {
     /// several (a steady chunk is ~24k samples, each a tanh on the host: serially, a batch of 8
     /// held the GPU idle for milliseconds between the F0 and the decode).
     fn sources(&self, jobs: &mut [(&mut HiftState, &[f32])]) -> Result<Vec<Vec<f32>>> {
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(SOURCE_THREADS).min(jobs.len());
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(SOURCE_THREADS)
+            .min(jobs.len());
         if threads <= 1 {
             return Ok(jobs.iter_mut().map(|(st, f0)| self.source_blocks(st, f0)).collect());
         }
@@ -121,11 +124,19 @@ impl HiftGenerator {
         std::thread::scope(|s| {
             let handles: Vec<_> = jobs
                 .chunks_mut(per)
-                .map(|part| s.spawn(move || part.iter_mut().map(|(st, f0)| self.source_blocks(st, f0)).collect::<Vec<_>>()))
+                .map(|part| {
+                    s.spawn(move || {
+                        part.iter_mut()
+                            .map(|(st, f0)| self.source_blocks(st, f0))
+                            .collect::<Vec<_>>()
+                    })
+                })
                 .collect();
             let mut out = Vec::with_capacity(n);
             for h in handles {
-                out.extend(h.join().map_err(|_| candle_core::Error::Msg("the vocoder's source thread panicked".into()))?);
+                out.extend(h.join().map_err(|_| {
+                    candle_core::Error::Msg("the vocoder's source thread panicked".into())
+                })?);
             }
             Ok(out)
         })
@@ -164,7 +175,12 @@ impl HiftGenerator {
         let mut merged = vec![0f32; n * hop];
         let rows = self.noise_rows;
         for t in 0..n {
-            let sines: f32 = per_frame[t * h1..(t + 1) * h1].iter().zip(&self.merge_w).map(|(s, w)| s * w).sum::<f32>() + self.merge_b;
+            let sines: f32 = per_frame[t * h1..(t + 1) * h1]
+                .iter()
+                .zip(&self.merge_w)
+                .map(|(s, w)| s * w)
+                .sum::<f32>()
+                + self.merge_b;
             let mut pos = (frame_offset * hop + t * hop) % rows;
             for out in &mut merged[t * hop..(t + 1) * hop] {
                 *out = (sines + noise_amp[t] * self.noise_merged[pos]).tanh();
@@ -194,9 +210,14 @@ impl HiftGenerator {
             }
         }
         for (len, idx) in groups(need) {
-            let feats = idx.iter().map(|&i| sts[i].mel.narrow(2, f0_start(&*sts[i]) - sts[i].mel_offset, len)).collect::<Result<Vec<_>>>()?;
+            let feats = idx
+                .iter()
+                .map(|&i| sts[i].mel.narrow(2, f0_start(&*sts[i]) - sts[i].mel_offset, len))
+                .collect::<Result<Vec<_>>>()?;
             let x = self.stack_rows(&feats)?;
-            let f0 = self.graphs.run(GRAPH_F0 + usize::from(finalize), &[&x], &|x| Ok(vec![self.f0_predictor.forward(&x[0], finalize)?]))?;
+            let f0 = self.graphs.run(GRAPH_F0 + usize::from(finalize), &[&x], &|x| {
+                Ok(vec![self.f0_predictor.forward(&x[0], finalize)?])
+            })?;
             let f0 = f0[0].to_vec2::<f32>()?;
             // (idx ascends: the streams' rows in order)
             let mut rows = idx.iter().zip(&f0).peekable();
@@ -216,7 +237,9 @@ impl HiftGenerator {
             }
         }
         // 2. audio
-        let available = |st: &HiftState| st.source_end.saturating_sub(if finalize { 0 } else { lim.decoder_right });
+        let available = |st: &HiftState| {
+            st.source_end.saturating_sub(if finalize { 0 } else { lim.decoder_right })
+        };
         let start = |st: &HiftState| (st.speech_offset / hop).saturating_sub(lim.history);
         let mut need = Vec::new();
         for (i, st) in sts.iter().enumerate() {
@@ -235,7 +258,9 @@ impl HiftGenerator {
                 srcs.push(st.source.narrow(2, (start(st) - st.source_offset) * hop, src_len)?);
             }
             let (x, s) = (self.stack_rows(&feats)?, self.stack_rows(&srcs)?);
-            let y = self.graphs.run(GRAPH_DECODE + usize::from(finalize), &[&x, &s], &|x| Ok(vec![self.decode(&x[0], &x[1], finalize)?]))?;
+            let y = self.graphs.run(GRAPH_DECODE + usize::from(finalize), &[&x, &s], &|x| {
+                Ok(vec![self.decode(&x[0], &x[1], finalize)?])
+            })?;
             let y = &y[0];
             for (row, &i) in idx.iter().enumerate() {
                 let st = &mut *sts[i];
@@ -243,7 +268,11 @@ impl HiftGenerator {
                 let skip = (emitted - start(st)) * hop;
                 let want = (available(st) - emitted) * hop;
                 if y.dim(1)? != skip + want {
-                    candle_core::bail!("streaming vocoder: {} samples where {} were expected", y.dim(1)?, skip + want);
+                    candle_core::bail!(
+                        "streaming vocoder: {} samples where {} were expected",
+                        y.dim(1)?,
+                        skip + want
+                    );
                 }
                 speech[i] = Some(y.narrow(0, row, 1)?.narrow(1, skip, want)?);
                 st.speech_offset = available(st) * hop;
@@ -253,10 +282,14 @@ impl HiftGenerator {
         let mut out = Vec::with_capacity(sts.len());
         for (st, sp) in sts.iter_mut().zip(speech) {
             let emitted = st.speech_offset / hop;
-            let keep_mel = emitted.saturating_sub(lim.history).min(st.source_end.saturating_sub(lim.f0_left));
+            let keep_mel =
+                emitted.saturating_sub(lim.history).min(st.source_end.saturating_sub(lim.f0_left));
             let keep_source = emitted.saturating_sub(lim.history);
             let ml = st.mel.dim(2)?;
-            st.mel = st.mel.narrow(2, keep_mel - st.mel_offset, ml - (keep_mel - st.mel_offset))?.contiguous()?;
+            st.mel = st
+                .mel
+                .narrow(2, keep_mel - st.mel_offset, ml - (keep_mel - st.mel_offset))?
+                .contiguous()?;
             let sl = st.source.dim(2)?;
             let cut = (keep_source - st.source_offset) * hop;
             st.source = st.source.narrow(2, cut, sl - cut)?.contiguous()?;
@@ -280,8 +313,15 @@ impl HiftGenerator {
 
     /// [`HiftGenerator::stream`] for several streams at once (`mels[i]: [1, 80, frames_i]`, the
     /// same `last` for all): each stream gives what it would give alone.
-    pub fn stream_batch(&self, sts: &mut [&mut HiftState], mels: &[&Tensor], last: bool) -> Result<Vec<Tensor>> {
-        let Some(lim) = self.limits else { candle_core::bail!("the original HiFT has no streaming mode") };
+    pub fn stream_batch(
+        &self,
+        sts: &mut [&mut HiftState],
+        mels: &[&Tensor],
+        last: bool,
+    ) -> Result<Vec<Tensor>> {
+        let Some(lim) = self.limits else {
+            candle_core::bail!("the original HiFT has no streaming mode")
+        };
         if sts.iter().any(|s| s.finalized) {
             candle_core::bail!("vocoder stream already finalized");
         }
@@ -296,9 +336,17 @@ impl HiftGenerator {
             for &i in &active {
                 let n = ROUND_FRAMES.min(frames[i] - pos);
                 let st = &mut *sts[i];
-                st.mel = Tensor::cat(&[&st.mel, &mels[i].narrow(2, pos, n)?.to_dtype(st.mel.dtype())?], 2)?;
+                st.mel = Tensor::cat(
+                    &[&st.mel, &mels[i].narrow(2, pos, n)?.to_dtype(st.mel.dtype())?],
+                    2,
+                )?;
             }
-            let mut round: Vec<&mut HiftState> = sts.iter_mut().enumerate().filter(|(i, _)| frames[*i] > pos).map(|(_, s)| &mut **s).collect();
+            let mut round: Vec<&mut HiftState> = sts
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| frames[*i] > pos)
+                .map(|(_, s)| &mut **s)
+                .collect();
             for (i, sp) in active.into_iter().zip(self.process_batch(&mut round, false)?) {
                 chunks[i].push(sp);
             }
@@ -312,12 +360,20 @@ impl HiftGenerator {
         }
         let mut out = Vec::with_capacity(sts.len());
         for (st, parts) in sts.iter_mut().zip(chunks) {
-            let speech = if parts.is_empty() { Tensor::zeros((1, 0), st.mel.dtype(), st.mel.device())? } else { Tensor::cat(&parts, 1)? };
+            let speech = if parts.is_empty() {
+                Tensor::zeros((1, 0), st.mel.dtype(), st.mel.device())?
+            } else {
+                Tensor::cat(&parts, 1)?
+            };
             let mut speech = speech.squeeze(0)?;
             if speech.dim(0)? > 0 && st.first_chunk {
                 st.first_chunk = false;
                 if !last {
-                    let silence = Tensor::zeros(lim.delay() * self.cfg.hop(), speech.dtype(), speech.device())?;
+                    let silence = Tensor::zeros(
+                        lim.delay() * self.cfg.hop(),
+                        speech.dtype(),
+                        speech.device(),
+                    )?;
                     speech = Tensor::cat(&[&silence, &speech], 0)?;
                 }
             }
