@@ -78,7 +78,10 @@ fn main() {
         .split(',')
         .filter_map(|v| v.parse().ok())
         .collect();
-    println!("| config | C | requests | TTFA mean ms | p50 | p95 | TTFT p50 ms | prefetch phase A runs | claims | inline |");
+    println!(
+        "| config | C | requests | TTFA mean ms | p50 | p95 | TTFT p50 ms | prefetch phase A \
+        runs | claims | inline |"
+    );
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for set in sets.split(',') {
         let cfg = match set {

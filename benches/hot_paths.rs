@@ -108,7 +108,8 @@ fn decode_steps(c: &mut Criterion) {
 }
 
 /// Host-side sampling per step: the Talker's 6562 codes (top-k 25, top-p 0.85, penalty over 16)
-/// and the Thinker's greedy pick over Qwen3's 151,936 ids (presence penalty over a 1000-id history).
+/// and the Thinker's greedy pick over Qwen3's 151,936 ids (presence penalty over a 1000-id
+/// history).
 fn sampling(c: &mut Criterion) {
     use antiphon_models::sampling::{Sampler, SamplingParams};
     let mut g = c.benchmark_group("sampling");

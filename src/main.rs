@@ -86,7 +86,8 @@ enum Command {
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },
-    /// A/B: two configurations or server commands, interleaved blocks (A B B A …), a fresh server each.
+    /// A/B: two configurations or server commands, interleaved blocks (A B B A …), a fresh server
+    /// each.
     BenchAb {
         /// Side A: a configuration file served by this binary.
         #[arg(long, conflicts_with = "a_cmd", required_unless_present = "a_cmd")]
@@ -362,7 +363,8 @@ fn main() -> Result<()> {
 fn serve(cfg: Config) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
-        tracing::info!(source = ?cfg.model.source, preset = ?cfg.model.preset, device = %cfg.model.device, "loading models");
+        tracing::info!(source = ?cfg.model.source, preset = ?cfg.model.preset,
+            device = %cfg.model.device, "loading models");
         let models = tokio::task::spawn_blocking({
             let cfg = cfg.clone();
             move || antiphon_server::load_models(&cfg)

@@ -44,7 +44,10 @@ fn shard_header(path: &Path) -> Result<BTreeMap<String, TensorHeader>, String> {
         .map_err(|_| format!("{name}: {len} bytes, shorter than a safetensors header"))?;
     let n = u64::from_le_bytes(n);
     if n > MAX_HEADER || 8 + n > len {
-        return Err(format!("{name}: the header claims {n} bytes, the file holds {len}: not a safetensors file, or truncated"));
+        return Err(format!(
+            "{name}: the header claims {n} bytes, the file holds {len}: not a \
+            safetensors file, or truncated"
+        ));
     }
     let mut head = vec![0u8; n as usize];
     f.read_exact(&mut head).map_err(|e| format!("{name}: {e}"))?;
@@ -71,7 +74,11 @@ fn shard_header(path: &Path) -> Result<BTreeMap<String, TensorHeader>, String> {
         tensors.insert(k, t);
     }
     if len != 8 + n + end {
-        return Err(format!("{name}: {len} bytes, its header describes {} (truncated, or not the file the index names)", 8 + n + end));
+        return Err(format!(
+            "{name}: {len} bytes, its header describes {} (truncated, or not the \
+            file the index names)",
+            8 + n + end
+        ));
     }
     Ok(tensors)
 }

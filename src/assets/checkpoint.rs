@@ -107,8 +107,8 @@ pub fn load_models_on(
     Ok((thinker, talker))
 }
 
-/// A `VarBuilder` over a torch state dict (`.pt`, zip or legacy pickle), with an optional key prefix
-/// stripped (`generator.` in some HiFT files); tensors are checked like checkpoint tensors.
+/// A `VarBuilder` over a torch state dict (`.pt`, zip or legacy pickle), with an optional key
+/// prefix stripped (`generator.` in some HiFT files); tensors are checked like checkpoint tensors.
 pub fn pth_var_builder(
     path: &Path,
     strip_prefix: Option<&str>,

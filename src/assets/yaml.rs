@@ -1,6 +1,6 @@
 //! Hyper-parameters from the token2wav YAML files (`flow.yaml`, `config.yaml`), which are
-//! hyperpyyaml: object tags (`!new:…`) are ignored, `!ref <key>` is resolved against top-level keys,
-//! and a missing field takes the reference class's default.
+//! hyperpyyaml: object tags (`!new:…`) are ignored, `!ref <key>` is resolved against top-level
+//! keys, and a missing field takes the reference class's default.
 
 use anyhow::{anyhow, bail, Context, Result};
 use yaml_rust2::{Yaml, YamlLoader};

@@ -101,7 +101,8 @@ mod tests {
                 ("a", alaw_encode, alaw_decode),
             ] {
                 let back = dec(enc(s)) as i32;
-                // a segment's step is 1/16 of its range: the error is at most about 1/32 of |s| (+ the smallest step)
+                // a segment's step is 1/16 of its range: the error is at most about 1/32 of |s| (+
+                // the smallest step)
                 let bound = (s as i32).abs() / 16 + 40;
                 assert!((back - s as i32).abs() <= bound, "{name}-law: {s} came back {back}");
                 assert!(back.signum() * (s as i32).signum() >= 0, "{name}-law sign of {s}");
@@ -118,7 +119,8 @@ mod tests {
         assert_eq!(ulaw_decode(0x80), 32124);
         assert_eq!(alaw_decode(0xAA), 32256);
         assert_eq!(alaw_decode(0x2A), -32256);
-        // every byte decodes to a value that encodes back to the same byte (except mu-law's two zeros)
+        // every byte decodes to a value that encodes back to the same byte (except mu-law's two
+        // zeros)
         for b in 0..=255u8 {
             assert_eq!(alaw_encode(alaw_decode(b)), b, "A-law {b:#x}");
             if b != 0x7F {

@@ -90,7 +90,10 @@ pub fn voice_fault(samples: &[f32], rate: u32) -> Option<String> {
     let dbfs = 10.0 * power.log10();
     // (NaN, from a non-finite sample, is no voice either)
     if dbfs.is_nan() || dbfs < MIN_VOICE_DBFS {
-        return Some(format!("the audio is silent or nearly ({dbfs:.0} dBFS): a voice needs speech louder than {MIN_VOICE_DBFS} dBFS"));
+        return Some(format!(
+            "the audio is silent or nearly ({dbfs:.0} dBFS): a voice needs speech \
+            louder than {MIN_VOICE_DBFS} dBFS"
+        ));
     }
     None
 }
@@ -99,8 +102,8 @@ pub fn i16_to_f32(s: i16) -> f32 {
     s as f32 / 32768.0
 }
 
-/// Resamples a whole mono signal; the output has `round(len · to / from)` samples, aligned with the
-/// input (the resampler's delay removed).
+/// Resamples a whole mono signal; the output has `round(len · to / from)` samples, aligned with
+/// the input (the resampler's delay removed).
 pub fn resample(x: &[f32], from: u32, to: u32) -> Result<Vec<f32>> {
     if from == to || x.is_empty() {
         return Ok(x.to_vec());
@@ -221,7 +224,8 @@ mod tests {
             let mut w = hound::WavWriter::new(&mut out, spec).unwrap();
             for frame in 0..100 {
                 for c in 0..channels {
-                    // channel c of frame i: (c + 1) × i, so the mix is the mean of 1..=channels times i
+                    // channel c of frame i: (c + 1) × i, so the mix is the mean of 1..=channels
+                    // times i
                     w.write_sample(((c as i32 + 1) * frame) as i16).unwrap();
                 }
             }

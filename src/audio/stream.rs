@@ -10,9 +10,9 @@ use rubato::{FftFixedIn, Resampler};
 const CHUNK: usize = 1024;
 
 /// A streaming resampler whose output runs a fixed [`StreamResampler::lag`] behind its input:
-/// after `n` input samples have been pushed, `n · to / from` output samples can be taken (the first
-/// `lag` of them silence), and the concatenated output equals a whole-signal resample delayed by
-/// `lag` samples.
+/// after `n` input samples have been pushed, `n · to / from` output samples can be taken (the
+/// first `lag` of them silence), and the concatenated output equals a whole-signal resample delayed
+/// by `lag` samples.
 pub struct StreamResampler {
     r: Option<FftFixedIn<f32>>,
     pending: Vec<f32>,

@@ -1,9 +1,9 @@
 //! A/B mode: two server configurations (or two server commands) measured in interleaved blocks
 //! (A B B A A B B A …), a fresh server per block, the same prompts and seeds in every block.
 //!
-//! Each metric is reported per side as the mean over blocks and the min–max across blocks; the ratio
-//! is B / A of the means. When the two ranges overlap, the difference is inside the block-to-block
-//! spread and the report calls it noise.
+//! Each metric is reported per side as the mean over blocks and the min–max across blocks; the
+//! ratio is B / A of the means. When the two ranges overlap, the difference is inside the
+//! block-to-block spread and the report calls it noise.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -185,7 +185,9 @@ pub fn compare(a: &[Summary], b: &[Summary]) -> Vec<Comparison> {
 /// The report as a Markdown table.
 pub fn table(r: &AbReport) -> String {
     let mut s = format!(
-        "A/B · workload {} · {} blocks per side ({}) · {}\n\nA: `{}`\nB: `{}`\n\n| C | metric | A mean [min–max] | B mean [min–max] | B/A | verdict |\n|---|---|---|---|---|---|\n",
+        "A/B · workload {} · {} blocks per side ({}) · {}\n\nA: `{}`\nB: `{}`\n\n| C | metric \
+        | A mean [min–max] | B mean [min–max] | B/A | verdict \
+        |\n|---|---|---|---|---|---|\n",
         r.workload, r.blocks_per_side, r.order, r.date, r.a, r.b
     );
     for c in &r.comparisons {
@@ -388,7 +390,8 @@ mod tests {
             comparisons: c
         })
         .contains(
-            "| 1 | ttfa_p50_ms | 110.00 [100.00–120.00] | 120.00 [110.00–130.00] | 1.091 | noise |"
+            "| 1 | ttfa_p50_ms | 110.00 [100.00–120.00] | 120.00 [110.00–130.00] | 1.091 | \
+            noise |"
         ));
     }
 }

@@ -57,7 +57,10 @@ pub fn poisson_arrivals(rate: f64, n: usize, seed: u64) -> Vec<f64> {
 /// The workload's options, checked before anything runs.
 pub(super) fn check(cfg: &BenchConfig) -> Result<()> {
     if cfg.rates.is_empty() || cfg.rates.iter().any(|r| !r.is_finite() || *r <= 0.0) {
-        bail!("--rates: the conversations workload needs arrival rates above 0 (conversations per second), e.g. 2,4,8");
+        bail!(
+            "--rates: the conversations workload needs arrival rates above 0 (conversations per \
+            second), e.g. 2,4,8"
+        );
     }
     if cfg.conversations == 0 || cfg.turns == 0 {
         bail!("--conversations and --turns must be at least 1");

@@ -100,7 +100,8 @@ impl Client {
     pub(crate) async fn create(&mut self, cfg: &BenchConfig) -> Result<Value> {
         self.send(json!({"type": "session.create", "mode": "turn",
             "input_audio": {"codec": "opus", "sample_rate": 48000},
-            "output_audio": {"codec": "opus", "frame_ms": 20}, "input_transcription": cfg.transcribe}))
+            "output_audio": {"codec": "opus", "frame_ms": 20},
+                "input_transcription": cfg.transcribe}))
             .await?;
         loop {
             match self.recv(cfg.timeout).await? {
@@ -164,7 +165,11 @@ pub(crate) struct Capacity(pub(crate) Option<u64>);
 impl std::fmt::Display for Capacity {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.0 {
-            Some(ms) => write!(f, "session.create: \"capacity\" (the server has no free session; retry after {ms} ms)"),
+            Some(ms) => write!(
+                f,
+                "session.create: \"capacity\" (the server has no free session; \
+                retry after {ms} ms)"
+            ),
             None => write!(f, "session.create: \"capacity\" (the server has no free session)"),
         }
     }

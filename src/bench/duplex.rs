@@ -41,7 +41,8 @@ async fn duplex_session(
         "input_audio": {"codec": "opus", "sample_rate": 48000},
         "output_audio": {"codec": "opus", "frame_ms": 20},
         "duplex": {"policy": "speak_every", "k": k},
-        "generation": {"min_text_tokens": text, "max_text_tokens": text, "min_audio_tokens": drain, "max_audio_tokens": drain, "seed": worker as u64}}))
+        "generation": {"min_text_tokens": text, "max_text_tokens": text, "min_audio_tokens": drain,
+            "max_audio_tokens": drain, "seed": worker as u64}}))
         .await?;
     loop {
         match c.recv(cfg.timeout).await? {

@@ -84,7 +84,8 @@ pub fn of(workload: Workload, levels: &[LevelSummary]) -> Goodput {
     };
     Goodput {
         criterion: format!(
-            "TTFA p95 <= {TTFA_P95_MAX_MS:.0} ms, >= {:.0}% of completed responses without a stall (no pre-buffer), no call or reply refused, no request failed",
+            "TTFA p95 <= {TTFA_P95_MAX_MS:.0} ms, >= {:.0}% of completed responses without a \
+            stall (no pre-buffer), no call or reply refused, no request failed",
             WITHOUT_STALL_MIN_FRAC * 100.0
         ),
         level,

@@ -300,17 +300,26 @@ async fn request(
         level_start.elapsed().as_secs_f64(),
     );
     let gen = json!({"min_text_tokens": cfg.text_tokens, "max_text_tokens": cfg.text_tokens,
-        "min_audio_tokens": cfg.audio_tokens, "max_audio_tokens": cfg.audio_tokens, "seed": (worker * 1000 + index) as u64});
+        "min_audio_tokens": cfg.audio_tokens, "max_audio_tokens": cfg.audio_tokens,
+            "seed": (worker * 1000 + index) as u64});
     let mut refused = false;
     let result: Result<Option<Instant>> = async {
         let request_start = Instant::now();
         if matches!(cfg.workload, Workload::Clone | Workload::CloneTurns) {
-            let b64 = clone_voice(&sh.clone_base.0, sh.clone_base.1, level * 100_000 + worker * 1000 + index);
-            c.send(json!({"type": "session.update", "voice": {"ref_audio_b64": b64, "sample_rate": sh.clone_base.1}})).await?;
+            let b64 = clone_voice(
+                &sh.clone_base.0,
+                sh.clone_base.1,
+                level * 100_000 + worker * 1000 + index,
+            );
+            c.send(json!({"type": "session.update", "voice": {"ref_audio_b64": b64,
+                "sample_rate": sh.clone_base.1}}))
+                .await?;
         }
         let input_end = match cfg.workload {
             Workload::Tts | Workload::Clone | Workload::CloneTurns | Workload::Conversations => {
-                c.send(json!({"type": "input.text", "text": PROMPTS[prompt], "generation": gen})).await?;
+                c.send(json!({"type": "input.text", "text": PROMPTS[prompt],
+                    "generation": gen}))
+                    .await?;
                 Instant::now()
             }
             Workload::Voice => {
@@ -395,7 +404,8 @@ async fn request(
                 (p, e, t)
             })
             .collect();
-        Ok(played_ms(&rec.arrivals_ms, &durations).map(|p| input_end + Duration::from_secs_f64(p / 1000.0)))
+        Ok(played_ms(&rec.arrivals_ms, &durations)
+            .map(|p| input_end + Duration::from_secs_f64(p / 1000.0)))
     }
     .await;
     let played = match result {
@@ -494,7 +504,10 @@ pub async fn run(cfg: BenchConfig) -> Result<report::Summary> {
     let clone_base = match (cfg.workload, base) {
         (Workload::Clone | Workload::CloneTurns, Some(b)) => b,
         (Workload::Clone | Workload::CloneTurns, None) => {
-            bail!("the clone workloads derive its voices from assets/voices/default.wav (run from the repository root)")
+            bail!(
+                "the clone workloads derive its voices from assets/voices/default.wav (run from \
+                the repository root)"
+            )
         }
         (_, b) => b.unwrap_or((vec![0.0; 16_000], 16_000)),
     };

@@ -228,10 +228,14 @@ pub fn table(s: &Summary) -> String {
         s.workload, s.config, s.synthetic_weights, s.text_tokens, s.audio_tokens
     );
     if s.workload == "conversations" {
-        out.push_str("  rate  calls  refused  live  req  fail  rrep  TTFA p50   p95   TTFT p50  stalls(ms)  no-stall  audio s/s\n");
+        out.push_str(
+            "  rate  calls  refused  live  req  fail  rrep  TTFA p50   p95   TTFT p50  \
+            stalls(ms)  no-stall  audio s/s\n",
+        );
         for l in &s.levels {
             out.push_str(&format!(
-                "{:>6} {:>6} {:>8} {:>5} {:>4} {:>5} {:>5} {:>9.0} {:>5.0} {:>10.0} {:>4} ({:>5.0}) {:>8.1}% {:>10.2}\n",
+                "{:>6} {:>6} {:>8} {:>5} {:>4} {:>5} {:>5} {:>9.0} {:>5.0} {:>10.0} {:>4} \
+                ({:>5.0}) {:>8.1}% {:>10.2}\n",
                 level_label(l),
                 l.calls_offered.unwrap_or(0),
                 l.calls_refused.unwrap_or(0),
@@ -249,10 +253,14 @@ pub fn table(s: &Summary) -> String {
             ));
         }
     } else {
-        out.push_str("   C   req  fail  TTFA p50   p95   mean   TTFT p50   RTF  RTFc  stalls(ms)  audio s/s  req/s\n");
+        out.push_str(
+            "   C   req  fail  TTFA p50   p95   mean   TTFT p50   RTF  RTFc  stalls(ms)  \
+            audio s/s  req/s\n",
+        );
         for l in &s.levels {
             out.push_str(&format!(
-                "{:>4} {:>5} {:>5} {:>9.0} {:>5.0} {:>6.0} {:>10.0} {:>5.2} {:>5.2} {:>4} ({:>5.0}) {:>10.2} {:>6.2}\n",
+                "{:>4} {:>5} {:>5} {:>9.0} {:>5.0} {:>6.0} {:>10.0} {:>5.2} {:>5.2} {:>4} \
+                ({:>5.0}) {:>10.2} {:>6.2}\n",
                 l.concurrency,
                 l.requests,
                 l.failures,
@@ -285,7 +293,10 @@ pub fn table(s: &Summary) -> String {
             None => out.push_str(&format!("goodput: no level ({})\n", g.criterion)),
         }
         if let Some(n) = g.sessions_held {
-            out.push_str(&format!("duplex sessions held: {n} (the most live at once with no stall, none refused or failed)\n"));
+            out.push_str(&format!(
+                "duplex sessions held: {n} (the most live at once with no \
+                stall, none refused or failed)\n"
+            ));
         }
     }
     for l in &s.levels {
@@ -326,17 +337,32 @@ pub fn table(s: &Summary) -> String {
 /// The summary as CSV; the `conversations` workload adds its columns at the end.
 fn csv(s: &Summary) -> String {
     let rates = s.workload == "conversations";
-    let mut out = String::from(
-        "workload,concurrency,requests,failures,ttfa_mean,ttfa_p50,ttfa_p90,ttfa_p95,ttfa_p99,ttft_mean,ttft_p50,ttft_p90,ttft_p95,ttft_p99,rtf_mean,rtf_compute_mean,stall_events,stall_ms,stall_events_prebuffer_100ms,stall_ms_prebuffer_100ms,audio_throughput,codes_per_s,requests_per_s",
-    );
+    let mut out = String::from(concat!(
+        "workload,concurrency,requests,failures,",
+        "ttfa_mean,ttfa_p50,ttfa_p90,ttfa_p95,ttfa_p99,",
+        "ttft_mean,ttft_p50,ttft_p90,ttft_p95,ttft_p99,",
+        "rtf_mean,rtf_compute_mean,stall_events,stall_ms,",
+        "stall_events_prebuffer_100ms,stall_ms_prebuffer_100ms,",
+        "audio_throughput,codes_per_s,requests_per_s",
+    ));
     if rates {
-        out.push_str(",rate_per_s,calls_offered,calls_refused,replies_refused,live_sessions_peak,responses_without_stall_frac,retry_after_ms");
+        out.push_str(concat!(
+            ",rate_per_s,calls_offered,calls_refused,replies_refused,live_sessions_peak,",
+            "responses_without_stall_frac,retry_after_ms"
+        ));
     }
     out.push('\n');
     for l in &s.levels {
         let (a, t) = (&l.ttfa_ms, &l.ttft_ms);
         out.push_str(&format!(
-            "{},{},{},{},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.4},{:.4},{},{:.1},{},{:.1},{:.4},{:.2},{:.4}",
+            concat!(
+                "{},{},{},{},",
+                "{:.1},{:.1},{:.1},{:.1},{:.1},",
+                "{:.1},{:.1},{:.1},{:.1},{:.1},",
+                "{:.4},{:.4},{},{:.1},",
+                "{},{:.1},",
+                "{:.4},{:.2},{:.4}",
+            ),
             s.workload,
             l.concurrency,
             l.requests,

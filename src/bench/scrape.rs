@@ -117,12 +117,18 @@ pub fn breakdown(before: &Sums, after: &Sums) -> ServerBreakdown {
 mod tests {
     use super::*;
 
-    const A: &str = "# HELP x\nantiphon_stage_step_seconds_bucket{stage=\"thinker\",le=\"0.01\"} 3\n\
-antiphon_stage_step_seconds_sum{stage=\"thinker\"} 0.5\nantiphon_stage_step_seconds_count{stage=\"thinker\"} 10\n\
-antiphon_engine_phase_seconds_sum{phase=\"first_audio\"} 1\nantiphon_engine_phase_seconds_count{phase=\"first_audio\"} 2\n";
-    const B: &str = "antiphon_stage_step_seconds_sum{stage=\"thinker\"} 1.5\nantiphon_stage_step_seconds_count{stage=\"thinker\"} 30\n\
-antiphon_stage_batch_size_sum{stage=\"thinker\"} 40\nantiphon_stage_batch_size_count{stage=\"thinker\"} 20\n\
-antiphon_engine_phase_seconds_sum{phase=\"first_audio\"} 1.6\nantiphon_engine_phase_seconds_count{phase=\"first_audio\"} 4\n";
+    const A: &str = "# HELP x\nantiphon_stage_step_seconds_bucket{stage=\"thinker\",le=\"0.01\"} \
+    3\n\
+    antiphon_stage_step_seconds_sum{stage=\"thinker\"} \
+    0.5\nantiphon_stage_step_seconds_count{stage=\"thinker\"} 10\n\
+    antiphon_engine_phase_seconds_sum{phase=\"first_audio\"} \
+    1\nantiphon_engine_phase_seconds_count{phase=\"first_audio\"} 2\n";
+    const B: &str = "antiphon_stage_step_seconds_sum{stage=\"thinker\"} \
+    1.5\nantiphon_stage_step_seconds_count{stage=\"thinker\"} 30\n\
+    antiphon_stage_batch_size_sum{stage=\"thinker\"} \
+    40\nantiphon_stage_batch_size_count{stage=\"thinker\"} 20\n\
+    antiphon_engine_phase_seconds_sum{phase=\"first_audio\"} \
+    1.6\nantiphon_engine_phase_seconds_count{phase=\"first_audio\"} 4\n";
 
     #[test]
     fn level_deltas() {

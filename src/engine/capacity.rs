@@ -59,8 +59,9 @@ pub fn streams_that_fit(free: u64, reserve: u64, per_stream: u64, at_most: usize
 }
 
 /// Sizes every stage's slots (and the batches and the stream limit that follow them) to the
-/// streams that fit in `free` bytes; `call_headroom` keeps its share of the places. An error when not one fits: the engine cannot serve on this
-/// device with this configuration, and says what it would need.
+/// streams that fit in `free` bytes; `call_headroom` keeps its share of the places. An error when
+/// not one fits: the engine cannot serve on this device with this configuration, and says what it
+/// would need.
 pub fn size_streams(
     cfg: &mut EngineConfig,
     free: u64,
@@ -78,8 +79,10 @@ pub fn size_streams(
     let streams = streams_that_fit(free, reserve, per_stream.total(), asked);
     if streams == 0 {
         return Err(format!(
-            "engine.streams_from_memory: {} MiB free on the device hold no stream ({} MiB a stream beside {} MiB kept for the rest: \
-             engine.memory_headroom_mib, thinker_prefix_mib and idle_cache_mib twice); lower those, or the slots' context",
+            "engine.streams_from_memory: {} MiB free on the device hold no stream ({} MiB a \
+            stream beside {} MiB kept for the rest: \
+            engine.memory_headroom_mib, thinker_prefix_mib and idle_cache_mib twice); lower \
+            those, or the slots' context",
             free >> 20,
             per_stream.total() >> 20,
             reserve >> 20

@@ -20,9 +20,9 @@ pub struct EngineConfig {
     pub talker_max_batch: usize,
     pub code2wav_max_batch: usize,
     /// A Code2Wav step takes every chunk due within its horizon (two recent steps, at least
-    /// 300 ms); while it has fewer than this many, chunks not yet due join it, earliest first (audio
-    /// sent ahead covers a client's network jitter). A step of many streams with seconds buffered
-    /// would keep a new stream's first chunk waiting.
+    /// 300 ms); while it has fewer than this many, chunks not yet due join it, earliest first
+    /// (audio sent ahead covers a client's network jitter). A step of many streams with seconds
+    /// buffered would keep a new stream's first chunk waiting.
     pub code2wav_early_batch: usize,
     /// A Code2Wav step runs its chunks as one batch whatever their lengths and `last` flags (one
     /// flow solve over the pool, every chunk padded to the step's longest and masked to its own,
@@ -170,8 +170,8 @@ pub struct EngineConfig {
     pub duplex_max_context: Option<usize>,
     /// Streams (turn responses from the Thinker to their last audio, and open duplex sessions) the
     /// engine runs at once at most (admission.rs). Default: the fewest KV slots of a stage that
-    /// holds every stream (the Talker's and Code2Wav's, and the Thinker's for duplex sessions), so no
-    /// stream runs beside the batched step. In the file: 0 for that default.
+    /// holds every stream (the Talker's and Code2Wav's, and the Thinker's for duplex sessions), so
+    /// no stream runs beside the batched step. In the file: 0 for that default.
     #[serde(deserialize_with = "zero_is_none")]
     pub max_streams: Option<usize>,
     /// Responses that wait for a place at most; beyond, a response is refused (`capacity`).

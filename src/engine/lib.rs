@@ -1,11 +1,13 @@
-//! The engine: three stages, each one OS thread running a blocking loop — gather the ready work of
-//! all its streams, run one batched step, hand results on. Async code never runs model code: the
+//! The engine: three stages, each one OS thread running a blocking loop — gather the ready work
+//! of all its streams, run one batched step, hand results on. Async code never runs model code: the
 //! server calls [`Engine::submit`] / [`Engine::cancel`], which only send messages, and receives
 //! events through the request's sink.
 //!
 //! ```text
-//!  submit ──► Stage 0 Thinker ──handoff──► Stage 1 Talker ──chunks──► Stage 2 Code2Wav ──► audio
-//!    └──────────── placeholder (the reference voice, at admission) ─────────►┘
+//!  submit ──► Stage 0 Thinker ──handoff──► Stage 1 Talker ──chunks──►
+//!  Stage 2 Code2Wav ──► audio
+//!    └──────────── placeholder (the reference voice, at admission)
+//!    ─────────►┘
 //! ```
 //!
 //! Every hand-off carries the request id (unique per response); a stage drops work whose request
@@ -220,7 +222,10 @@ impl Engine {
                 if own_stream(d, others) {
                     match antiphon_models::cuda_graph::raise_priority(d) {
                         Some(p) => tracing::info!("{name}: graphs run at stream priority {p}"),
-                        None => tracing::warn!("{name}: no stream priorities on this device; its graphs keep the default one"),
+                        None => tracing::warn!(
+                            "{name}: no stream priorities on this device; its \
+                            graphs keep the default one"
+                        ),
                     }
                 }
             }
@@ -564,8 +569,8 @@ impl Engine {
         }
     }
 
-    /// Cancels a request at any point: `Done { Cancelled }` is its last event, and every stage frees
-    /// its state.
+    /// Cancels a request at any point: `Done { Cancelled }` is its last event, and every stage
+    /// frees its state.
     pub fn cancel(&self, id: &RequestId) -> bool {
         let ended =
             self.registry.finish_counted(id, Status::Cancelled, &self.metrics.requests).is_some();

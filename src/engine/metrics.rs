@@ -100,9 +100,15 @@ impl EngineMetrics {
         let phase_seconds = HistogramVec::new(
             HistogramOpts::new(
                 "antiphon_engine_phase_seconds",
-                "Time from admission to each milestone of a request: first_token (prompt in), first_text, handoff (Thinker done), first_code, chunk0_codes (the Talker sends chunk 0's codes to Code2Wav), first_chunk (Code2Wav starts chunk 0), first_audio",
+                "Time from admission to each milestone of a request: first_token (prompt in), \
+                first_text, handoff (Thinker done), first_code, chunk0_codes (the Talker \
+                sends chunk 0's codes to Code2Wav), first_chunk (Code2Wav starts chunk \
+                0), first_audio",
             )
-            .buckets(vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]),
+            .buckets(vec![
+                0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+                5.0, 10.0,
+            ]),
             &["phase"],
         )
         .expect("valid metric");
@@ -131,13 +137,15 @@ impl EngineMetrics {
         .expect("valid metric");
         let voice_preparations = IntCounter::new(
             "antiphon_voice_preparations_total",
-            "Reference voices prepared by Code2Wav (S3 codes, speaker embedding, prompt mel): inline, by prefetch or at registration",
+            "Reference voices prepared by Code2Wav (S3 codes, speaker embedding, prompt mel): \
+            inline, by prefetch or at registration",
         )
         .expect("valid metric");
         let admission = IntGaugeVec::new(
             Opts::new(
                 "antiphon_admission_streams",
-                "Admission by load: streams running, responses queued, the online limit, the slots (max), headroom",
+                "Admission by load: streams running, responses queued, the online limit, the \
+                slots (max), headroom",
             ),
             &["state"],
         )
@@ -151,7 +159,11 @@ impl EngineMetrics {
         )
         .expect("valid metric");
         let tool_calls = IntCounterVec::new(
-            Opts::new("antiphon_tool_calls_total", "Tool calls replies wrote: valid, invalid (not a declared tool's JSON), unterminated"),
+            Opts::new(
+                "antiphon_tool_calls_total",
+                "Tool calls replies wrote: valid, invalid (not \
+                a declared tool's JSON), unterminated",
+            ),
             &["outcome"],
         )
         .expect("valid metric");

@@ -1,6 +1,6 @@
-//! `antiphon profile`: each stage's step on its own, on the configured device and dimensions — the
-//! breakdown behind the bench's end-to-end figures. Every timing ends with a device synchronize;
-//! each is the median of `iters` runs after two warm-up runs.
+//! `antiphon profile`: each stage's step on its own, on the configured device and dimensions —
+//! the breakdown behind the bench's end-to-end figures. Every timing ends with a device
+//! synchronize; each is the median of `iters` runs after two warm-up runs.
 
 use std::time::Instant;
 

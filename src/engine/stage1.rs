@@ -138,10 +138,10 @@ impl Stage1 {
     }
 
     /// Codes a turn-mode stream whose first chunk holds `first` codes may have made once Code2Wav
-    /// delivered `delivered` chunks: the chunks up to the next one, plus `lead` more — none before
-    /// a small first chunk is delivered when `talker_hold_first_chunk` is on (that chunk 0 then
-    /// has the GPU to itself as far as this stream is concerned; a full first chunk's second of
-    /// audio would have to cover the next chunk's whole wait, so it keeps its lead).
+    /// delivered `delivered` chunks: the chunks up to the next one, plus `lead` more — none
+    /// before a small first chunk is delivered when `talker_hold_first_chunk` is on (that chunk 0
+    /// then has the GPU to itself as far as this stream is concerned; a full first chunk's second
+    /// of audio would have to cover the next chunk's whole wait, so it keeps its lead).
     fn pacing_limit(&self, first: usize, hold_first: bool, delivered: usize, lead: usize) -> usize {
         let size = self.cfg.chunk_codes.max(1);
         let lead =
@@ -420,7 +420,8 @@ impl Stage1 {
                     self.registry.add_codes(&id, 1);
                     if let Some(p) = r.chunker.push(code) {
                         let r = &self.reqs[&id];
-                        tracing::debug!(request = %id, seq = p.seq, codes = p.codes.len(), "talker chunk out");
+                        tracing::debug!(request = %id, seq = p.seq, codes = p.codes.len(),
+                            "talker chunk out");
                         self.send(&id, r, p);
                     }
                 }
@@ -506,7 +507,8 @@ impl StageLoop for Stage1 {
                 let context = self.talker.decoder().config().max_positions;
                 if need > context {
                     let why = format!(
-                        "field `generation.max_audio_tokens`: {max_codes}; the codes and the text do not fit the Talker's context ({context})"
+                        "field `generation.max_audio_tokens`: {max_codes}; the codes and the text \
+                        do not fit the Talker's context ({context})"
                     );
                     self.registry.finish_counted(&id, Status::Refused(why), &self.metrics.requests);
                     return;

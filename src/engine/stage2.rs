@@ -2,21 +2,23 @@
 //!
 //! Work: chunks of codes, in order per request, earliest playback deadline first, in one batch
 //! per step whatever their lengths, voices and cache lengths (one flow solve). Chunk 0
-//! of a request resolves its reference voice: it **claims** a prefetched cache entry, or **retires** a placeholder that was never prefetched and prepares the reference
-//! **inline**; a chunk 0 whose reference differs from the prefetched one prepares inline and
-//! **evicts** the prefetched entry. Setup caches are reused from the setup cache when present.
+//! of a request resolves its reference voice: it **claims** a prefetched cache entry, or
+//! **retires** a placeholder that was never prefetched and prepares the reference **inline**; a
+//! chunk 0 whose reference differs from the prefetched one prepares inline and **evicts** the
+//! prefetched entry. Setup caches are reused from the setup cache when present.
 //!
-//! Reference prefetch: at admission Stage 2 receives a placeholder carrying the reference (never for
-//! duplex requests). On its idle steps it runs one phase of preparation for a waiting reference:
-//! phase A = materialize + prepare (on by default), phase B = setup (off by default). A phase runs
-//! only on an idle step that follows an idle step, only while no stream is live in this stage (the
-//! busy gate; an open duplex session counts as a live stream), and only while pins stay below the
-//! reference cache's capacity (the pin cap). Several waiting references (a burst of new callers)
-//! go through a phase together: phase A prepares them in one batch, phase B sets them up in one
-//! (at most as many as the setup cache holds). A failed phase is dropped and its pin released
-//! (chunk 0 then prepares inline); a cancelled request releases its pins. Chunk 0 of a lone waiter
-//! is bit-identical with or without prefetch: the same deterministic computation, done earlier; a
-//! burst's differs only by rounding (CAM++ sums a batch in another order than one voice).
+//! Reference prefetch: at admission Stage 2 receives a placeholder carrying the reference (never
+//! for duplex requests). On its idle steps it runs one phase of preparation for a waiting
+//! reference: phase A = materialize + prepare (on by default), phase B = setup (off by default). A
+//! phase runs only on an idle step that follows an idle step, only while no stream is live in this
+//! stage (the busy gate; an open duplex session counts as a live stream), and only while pins stay
+//! below the reference cache's capacity (the pin cap). Several waiting references (a burst of new
+//! callers) go through a phase together: phase A prepares them in one batch, phase B sets them up
+//! in one (at most as many as the setup cache holds). A failed phase is dropped and its pin
+//! released (chunk 0 then prepares inline); a cancelled request releases its pins. Chunk 0 of a
+//! lone waiter is bit-identical with or without prefetch: the same deterministic computation, done
+//! earlier; a burst's differs only by rounding (CAM++ sums a batch in another order than one
+//! voice).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::SyncSender;
@@ -404,7 +406,8 @@ impl Stage2 {
                 })
                 .collect();
             let ms = tg.elapsed().as_secs_f64() * 1e3;
-            tracing::debug!(batch = group.len(), ms, chunks = %chunks.join(" "), "code2wav batch (ms: its flow and vocoder; chunks id#seq:codes, L = last)");
+            tracing::debug!(batch = group.len(), ms, chunks = %chunks.join(" "), "code2wav batch \
+            (ms: its flow and vocoder; chunks id#seq:codes, L = last)");
         }
         let audio = match out {
             Ok(audio) => audio,

@@ -24,7 +24,8 @@ impl RequestId {
         Self(format!("{session}/t{n}"))
     }
 
-    /// The transcript of what the caller said for a session's `n`th response: `{session}/{n}/heard`.
+    /// The transcript of what the caller said for a session's `n`th response:
+    /// `{session}/{n}/heard`.
     pub fn transcript(session: &str, n: u32) -> Self {
         Self(format!("{session}/{n}/heard"))
     }
@@ -257,7 +258,8 @@ pub struct DuplexSpec {
     pub session: String,
     pub policy: DuplexPolicy,
     pub instructions: Option<String>,
-    /// The Code2Wav reference of every spoken turn (and, if configured, the Thinker's voice prompt).
+    /// The Code2Wav reference of every spoken turn (and, if configured, the Thinker's voice
+    /// prompt).
     pub voice: RefInput,
     /// Per spoken unit: `max_text_tokens` (capped at the per-unit budget) and `min_text_tokens`;
     /// per turn: the drain's `min_audio_tokens` / `max_audio_tokens`; `temperature`, `seed`.

@@ -115,7 +115,11 @@ pub fn decode_attention_batch(
         );
     }
     if hq / hkv > 8 || d > 128 {
-        candle_core::bail!("decode_attention_batch: {} query heads per KV head (at most 8), head_dim {d} (at most 128)", hq / hkv);
+        candle_core::bail!(
+            "decode_attention_batch: {} query heads per KV head (at most 8), \
+            head_dim {d} (at most 128)",
+            hq / hkv
+        );
     }
     #[cfg(feature = "cuda")]
     if heads.device().is_cuda() {
@@ -221,7 +225,8 @@ mod cuda {
                 block_dim: (32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: arguments as the kernel declares them; one 32-thread block per head and stream.
+            // SAFETY: arguments as the kernel declares them; one 32-thread block per head and
+            // stream.
             unsafe { bl.launch(cfg) }.map_err(err)?;
             Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from((b, rows, d))))
         }
@@ -244,7 +249,8 @@ mod cuda {
             if !l.is_contiguous() {
                 candle_core::bail!("qk_norm_rope_store_batch: qkv is not contiguous");
             }
-            crate::fused::by_dtype!("qk_norm_rope_store_batch", qkv.dtype(), T => self.run::<T>(qkv, l))
+            crate::fused::by_dtype!("qk_norm_rope_store_batch", qkv.dtype(), T => self.run::<T>(qkv,
+                l))
         }
     }
 
@@ -302,7 +308,8 @@ mod cuda {
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: the arguments match the kernel's signature; shapes were checked by the caller.
+            // SAFETY: the arguments match the kernel's signature; shapes were checked by the
+            // caller.
             unsafe { bl.launch(cfg) }.map_err(err)?;
             let combine = dev.get_or_load_custom_func(
                 &kernel("batch_attn_combine", heads.dtype())?,
@@ -347,7 +354,8 @@ mod cuda {
             if !l.is_contiguous() {
                 candle_core::bail!("decode_attention_batch: heads are not contiguous");
             }
-            crate::fused::by_dtype!("decode_attention_batch", heads.dtype(), T => self.run::<T>(heads, l))
+            crate::fused::by_dtype!("decode_attention_batch", heads.dtype(),
+                T => self.run::<T>(heads, l))
         }
     }
 }

@@ -159,7 +159,8 @@ impl MiniCpmoConfig {
         // The reference sizes the audio projector's input as encoder_ffn_dim / 4.
         if a.encoder_ffn_dim / 4 != a.d_model {
             bail!(
-                "config.json: audio_config.encoder_ffn_dim / 4 = {} but d_model = {}; the audio projector input would not match",
+                "config.json: audio_config.encoder_ffn_dim / 4 = {} but d_model = {}; the audio \
+                projector input would not match",
                 a.encoder_ffn_dim / 4,
                 a.d_model
             );
@@ -192,7 +193,12 @@ impl MiniCpmoConfig {
             );
         }
         if self.vocab_size > t.num_text_tokens {
-            bail!("config.json: the Talker's emb_text has {} rows but the Thinker vocabulary has {} ids", t.num_text_tokens, self.vocab_size);
+            bail!(
+                "config.json: the Talker's emb_text has {} rows but the Thinker vocabulary has \
+                {} ids",
+                t.num_text_tokens,
+                self.vocab_size
+            );
         }
         Ok(())
     }

@@ -247,7 +247,8 @@ impl Graph {
             GraphKind::Cudarc(g) => g.launch().map_err(candle_core::Error::wrap),
             GraphKind::Raised(g) => {
                 g.stream.context().bind_to_thread().map_err(candle_core::Error::wrap)?;
-                // SAFETY: `exec` lives as long as `g`; it is launched into the stream it was made on.
+                // SAFETY: `exec` lives as long as `g`; it is launched into the stream it was made
+                // on.
                 let r = unsafe { sys::cuGraphLaunch(g.exec, g.stream.cu_stream()) };
                 if r != sys::CUresult::CUDA_SUCCESS {
                     candle_core::bail!("cuGraphLaunch: {r:?}");
@@ -397,7 +398,8 @@ impl GraphCache {
                 Ok(g) => {
                     h.graph = Some(g);
                     // (a capture outside warm-up costs its step this much more)
-                    tracing::debug!(tag, shape = ?&self.entries[i].key, held = held.len() + 1, ms = t0.elapsed().as_secs_f64() * 1e3, "graph captured");
+                    tracing::debug!(tag, shape = ?&self.entries[i].key, held = held.len() + 1,
+                        ms = t0.elapsed().as_secs_f64() * 1e3, "graph captured");
                 }
                 Err(err) => {
                     tracing::warn!("graph capture failed (tag {tag}), running op by op: {err}");

@@ -5,9 +5,9 @@
 //! - [`add_rmsnorm`]: the residual add and the next RMSNorm.
 //! - [`silu_mul`]: SwiGLU's `silu(gate) * up` over the fused gate/up projection.
 //! - [`snake`]: the vocoder's activation (`x + sin²(αx) / (α + 1e-9)`, six ops op by op).
-//! - [`qk_norm_rope_store_twin`]: one position's heads after the fused q/k/v projection — per-head
-//!   RMSNorm of q and k (Qwen3) and RoPE (the definition of the batched step's kernel, which also
-//!   writes K and V into the cache; see `batch_decode`).
+//! - [`qk_norm_rope_store_twin`]: one position's heads after the fused q/k/v projection —
+//!   per-head RMSNorm of q and k (Qwen3) and RoPE (the definition of the batched step's kernel,
+//!   which also writes K and V into the cache; see `batch_decode`).
 
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
@@ -60,7 +60,8 @@ pub fn silu_mul(gu: &Tensor, inter: usize) -> Result<Tensor> {
     candle_nn::ops::silu(&gu.narrow(1, 0, inter)?)? * gu.narrow(1, inter, inter)?
 }
 
-/// Snake, the vocoder's activation: `x + sin²(αx) / (α + 1e-9)` for `x: [B, C, T]`, `alpha: [C]`.
+/// Snake, the vocoder's activation: `x + sin²(αx) / (α + 1e-9)` for `x: [B, C, T]`, `alpha:
+/// [C]`.
 pub fn snake(x: &Tensor, alpha: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() && x.rank() == 3 && x.dtype() == alpha.dtype() {
@@ -323,7 +324,8 @@ pub(crate) mod cuda {
             let mut b = f.builder();
             let h_i = h as i32;
             b.arg(&xv).arg(&av).arg(&wv).arg(&xo).arg(&ho).arg(&h_i).arg(&self.eps);
-            // SAFETY: arguments as the kernel declares them; one block of 1024 per row (h <= NORM_MAX).
+            // SAFETY: arguments as the kernel declares them; one block of 1024 per row (h <=
+            // NORM_MAX).
             unsafe {
                 b.launch(LaunchConfig {
                     grid_dim: (n as u32, 1, 1),

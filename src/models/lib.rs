@@ -1,6 +1,6 @@
-//! Pure model code (candle only): no async, no sockets, no files, no knowledge of sessions. Every module
-//! mirrors the checkpoint's module tree so weights load by their checkpoint names; streaming state
-//! (KV caches, encoder caches) lives in explicit per-stream structs passed in, so one model
+//! Pure model code (candle only): no async, no sockets, no files, no knowledge of sessions. Every
+//! module mirrors the checkpoint's module tree so weights load by their checkpoint names; streaming
+//! state (KV caches, encoder caches) lives in explicit per-stream structs passed in, so one model
 //! instance serves a batch of streams.
 
 pub mod attention;

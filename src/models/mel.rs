@@ -301,8 +301,8 @@ pub fn mean_normalize(x: &mut [f32], dim: usize) {
 }
 
 /// The flow's mel (matcha `mel_spectrogram`: 24 kHz, n_fft 1920, hop 480, Hann, no centering but
-/// (n_fft − hop)/2 reflect padding, magnitude, Slaney mel filters 0–8 kHz, natural log floored at
-/// 1e-5). Returns `[n_mels][frames]` row-major and `frames` (50 per second).
+/// (n_fft − hop)/2 reflect padding, magnitude, Slaney mel filters 0–8 kHz, natural log floored
+/// at 1e-5). Returns `[n_mels][frames]` row-major and `frames` (50 per second).
 pub struct FlowMel {
     stft: Stft,
     filters: MelBank,

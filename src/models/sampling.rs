@@ -128,8 +128,8 @@ impl Sampler {
     }
 
     /// Picks the next token from a row whose best entries are on the host, never one in `forbid`,
-    /// and records it. Greedy with a penalty ≥ 1 picks from the candidates when they decide it (see
-    /// [`Sampler::greedy_from_top`]); otherwise the whole row comes from the device.
+    /// and records it. Greedy with a penalty ≥ 1 picks from the candidates when they decide it
+    /// (see [`Sampler::greedy_from_top`]); otherwise the whole row comes from the device.
     pub fn sample_row(&mut self, row: &LogitsRow, forbid: &[u32]) -> candle_core::Result<u32> {
         if let Some(id) = self.greedy_from_top(row.top(), row.vocab(), forbid) {
             self.history.push(id);

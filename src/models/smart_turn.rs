@@ -73,7 +73,10 @@ impl SmartTurn {
             .map(|s| s.dim.iter().map(|d| d.dim_value).collect())
             .unwrap_or_default();
         if dims.len() != 3 || dims[1] != Self::MELS as i64 || dims[2] != Self::FRAMES as i64 {
-            bail!("smart turn model: input_features is {dims:?}, expected [batch, 80, 800] (Smart Turn v3)");
+            bail!(
+                "smart turn model: input_features is {dims:?}, expected [batch, 80, 800] (Smart \
+                Turn v3)"
+            );
         }
         Ok(Self { graph, features: Self::feature_extractor() })
     }

@@ -136,8 +136,8 @@ impl Talker {
 
     /// Prefill embeddings for a hand-off:
     /// `emb_text(id_i) + L2normalize(projector_semantic(h_i))` per Thinker token, then
-    /// `emb_text(text_eos)` (turn mode) and `emb_text(audio_bos)`. `hidden: [n, llm_dim]` (any float
-    /// dtype).
+    /// `emb_text(text_eos)` (turn mode) and `emb_text(audio_bos)`. `hidden: [n, llm_dim]` (any
+    /// float dtype).
     pub fn condition(&self, ids: &[u32], hidden: &Tensor, mode: ConditionMode) -> Result<Tensor> {
         let tail = self.condition_tail(mode)?;
         if ids.is_empty() {
@@ -168,7 +168,8 @@ impl Talker {
         self.embed_text(ids)? + p
     }
 
-    /// The closing part of the condition: `emb_text(text_eos)` (turn mode) and `emb_text(audio_bos)`.
+    /// The closing part of the condition: `emb_text(text_eos)` (turn mode) and
+    /// `emb_text(audio_bos)`.
     pub fn condition_tail(&self, mode: ConditionMode) -> Result<Tensor> {
         let mut suffix = Vec::with_capacity(2);
         if mode == ConditionMode::Turn {

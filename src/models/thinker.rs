@@ -58,7 +58,10 @@ pub fn audio_spans(ids: &[u32], m: &AudioMarkers) -> Result<Vec<(usize, usize)>>
                 e += 1;
             }
             if e >= ids.len() || ids[e] != m.end {
-                candle_core::bail!("audio span opened at {i} is not closed by <|audio_end|> right after its placeholders");
+                candle_core::bail!(
+                    "audio span opened at {i} is not closed by <|audio_end|> right \
+                    after its placeholders"
+                );
             }
             spans.push((s, e - s));
             i = e + 1;
@@ -78,7 +81,8 @@ pub struct Thinker {
     mel: std::sync::Arc<WhisperLogMel>,
     pool_step: usize,
     /// Clips of at most this many samples (reference voices, cut to a fixed length; short
-    /// utterances) are encoded padded to it, as a replayed CUDA graph ([`Thinker::set_clip_graphs`]).
+    /// utterances) are encoded padded to it, as a replayed CUDA graph
+    /// ([`Thinker::set_clip_graphs`]).
     graph_clip: Option<usize>,
     clip_graphs: crate::cuda_graph::GraphSlot,
 }
@@ -175,9 +179,10 @@ impl Thinker {
     }
 
     /// Several whole clips of 16 kHz audio (a burst of reference voices) -> each one's LLM-width
-    /// embeddings, as [`Thinker::encode_clip`] gives them. With clip graphs on and every clip within
-    /// the graphed length, they are encoded together, up to [`CLIP_BATCH`] at a time: their log-mels
-    /// computed side by side on threads, one upload, one replayed graph per batch; else clip by clip.
+    /// embeddings, as [`Thinker::encode_clip`] gives them. With clip graphs on and every clip
+    /// within the graphed length, they are encoded together, up to [`CLIP_BATCH`] at a time: their
+    /// log-mels computed side by side on threads, one upload, one replayed graph per batch; else
+    /// clip by clip.
     pub fn encode_clips(&self, clips: &[&[f32]]) -> Result<Vec<Tensor>> {
         match self.graph_clip {
             Some(n)
@@ -196,8 +201,8 @@ impl Thinker {
 
     /// Clips of at most `n` samples (at least one mel frame each) encoded as clips of `n` samples,
     /// padded to a power-of-two batch, the padding masked out
-    /// ([`WhisperEncoder::forward_clips_padded`]), replayed as a CUDA graph per batch size: each the
-    /// same embeddings as the clip's own shapes give, for every length up to `n`.
+    /// ([`WhisperEncoder::forward_clips_padded`]), replayed as a CUDA graph per batch size: each
+    /// the same embeddings as the clip's own shapes give, for every length up to `n`.
     fn encode_padded(&self, clips: &[&[f32]], n: usize) -> Result<Vec<Tensor>> {
         let mels: Vec<(Vec<f32>, usize)> = if clips.len() == 1 {
             vec![self.mel.compute(clips[0])]

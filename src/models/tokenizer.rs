@@ -73,8 +73,11 @@ impl SpecialTokens {
         if !missing.is_empty() {
             return Err(anyhow!("tokenizer lacks special token(s) {}", missing.join(", ")));
         }
-        let [endoftext, im_start, im_end, think, think_end, audio_start, audio_end, unk, unit, unit_end, tts_bos, tts_eos, listen, speak, turn_eos, chunk_eos, chunk_tts_eos, tts_pad] =
-            ids;
+        let [
+            // in the order of `NAMES`
+            endoftext, im_start, im_end, think, think_end, audio_start, audio_end, unk, unit,
+            unit_end, tts_bos, tts_eos, listen, speak, turn_eos, chunk_eos, chunk_tts_eos, tts_pad,
+        ] = ids;
         Ok(Self {
             endoftext,
             im_start,

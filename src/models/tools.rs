@@ -72,7 +72,7 @@ impl ToolSet {
     pub fn new(tools: Vec<FunctionTool>) -> Self {
         let mut block = String::from(
             "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n\
-             You are provided with function signatures within <tools></tools> XML tags:\n<tools>",
+            You are provided with function signatures within <tools></tools> XML tags:\n<tools>",
         );
         for t in &tools {
             // (the shape Chat Completions servers hand the template, in its order: `type`, then
@@ -90,8 +90,10 @@ impl ToolSet {
             block.push_str("}}");
         }
         block.push_str(
-            "\n</tools>\n\nFor each function call, return a json object with function name and arguments within \
-             <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>",
+            "\n</tools>\n\nFor each function call, return a json object with function name and \
+            arguments within \
+            <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": \
+            <function-name>, \"arguments\": <args-json-object>}\n</tool_call>",
         );
         Self { tools, block }
     }

@@ -1,9 +1,9 @@
 //! A batch of logits rows where they were computed, with each row's best few entries on the host.
 //!
 //! A Thinker step used to copy every row's logits to the host (32 × 151 936 floats, ~19 MB at
-//! B = 32) and scan them there. Greedy decoding with a repetition penalty ≥ 1 only needs the row's
-//! best entries: the penalty and the forbidden tokens only lower a logit, so when the best of the
-//! candidates after them still beats the last candidate's raw logit, no token outside them can
+//! B = 32) and scan them there. Greedy decoding with a repetition penalty ≥ 1 only needs the
+//! row's best entries: the penalty and the forbidden tokens only lower a logit, so when the best of
+//! the candidates after them still beats the last candidate's raw logit, no token outside them can
 //! win ([`crate::sampling::Sampler::sample_row`]). On CUDA one kernel (`kernels/sample.cu`) finds
 //! each row's best [`TOP_K`]; only those come to the host. The whole row still comes on demand
 //! ([`LogitsRow::full`]) for sampling with a temperature, or when the candidates do not decide.

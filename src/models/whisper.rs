@@ -6,10 +6,10 @@
 //! self_attn.{q_proj,k_proj (no bias),v_proj,out_proj}, final_layer_norm, fc1, fc2}` (pre-LN),
 //! `apm.layer_norm`.
 //!
-//! Two entry points: a whole clip (positions from 0, no state kept), and streaming units where every
-//! position attends to the stream's earlier units through a per-stream attention cache (the duplex
-//! path). A stream's cache starts afresh when the next unit would reach the end of the position
-//! table.
+//! Two entry points: a whole clip (positions from 0, no state kept), and streaming units where
+//! every position attends to the stream's earlier units through a per-stream attention cache (the
+//! duplex path). A stream's cache starts afresh when the next unit would reach the end of the
+//! position table.
 
 use candle_core::{Module, Result, Tensor, D};
 use candle_nn::{Conv1d, Conv1dConfig, LayerNorm, Linear, VarBuilder};
@@ -75,10 +75,10 @@ pub struct EncoderStep<'a> {
 }
 
 /// Where whole clips padded to one length are real ([`WhisperEncoder::forward_clips_padded`]): for
-/// `B` clips padded to `frames` log-mel frames (zero past each clip), `conv` (`[B, 1, frames]`, 1 or
-/// 0) zeroes conv1's outputs past each clip (conv2 then sees the zeros the clip's own padding gives
-/// it) and `keys` (`[B, 1, 1, positions]`, 0 or -inf) hides each clip's padding from its attention,
-/// so every real position is computed from exactly what the unpadded clip gives it.
+/// `B` clips padded to `frames` log-mel frames (zero past each clip), `conv` (`[B, 1, frames]`, 1
+/// or 0) zeroes conv1's outputs past each clip (conv2 then sees the zeros the clip's own padding
+/// gives it) and `keys` (`[B, 1, 1, positions]`, 0 or -inf) hides each clip's padding from its
+/// attention, so every real position is computed from exactly what the unpadded clip gives it.
 pub struct ClipMask {
     pub conv: Tensor,
     pub keys: Tensor,

@@ -47,11 +47,17 @@ pub fn validate_turns(turns: &[PastTurn]) -> Result<(), WireError> {
         if t.tool_outputs.len() > MAX_TOOL_RESULTS
             || t.tool_outputs.iter().any(|o| o.chars().count() > MAX_TOOL_OUTPUT_CHARS)
         {
-            return bad(format!("field `turns[{k}].tool_outputs`: at most {MAX_TOOL_RESULTS} of at most {MAX_TOOL_OUTPUT_CHARS} characters"));
+            return bad(format!(
+                "field `turns[{k}].tool_outputs`: at most {MAX_TOOL_RESULTS} of at \
+                most {MAX_TOOL_OUTPUT_CHARS} characters"
+            ));
         }
         for (j, c) in t.calls.iter().enumerate() {
             if !valid_tool_name(&c.name) || c.call_id.is_empty() || c.call_id.len() > 64 {
-                return bad(format!("field `turns[{k}].calls[{j}]`: a name of 1-{MAX_TOOL_NAME} of A-Z a-z 0-9 _ - and a call_id of 1-64 bytes"));
+                return bad(format!(
+                    "field `turns[{k}].calls[{j}]`: a name of 1-{MAX_TOOL_NAME} of \
+                    A-Z a-z 0-9 _ - and a call_id of 1-64 bytes"
+                ));
             }
         }
     }

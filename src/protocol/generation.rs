@@ -49,7 +49,10 @@ pub fn validate_instructions(i: Option<&str>) -> Result<(), WireError> {
     match i.map(|i| i.chars().count()) {
         Some(n) if n > MAX_INSTRUCTIONS_CHARS => Err(WireError::new(
             ErrorCode::BadField,
-            format!("field `instructions`: {n} characters, more than this server takes (at most {MAX_INSTRUCTIONS_CHARS})"),
+            format!(
+                "field `instructions`: {n} characters, more than this server takes (at most \
+                {MAX_INSTRUCTIONS_CHARS})"
+            ),
         )),
         _ => Ok(()),
     }
@@ -72,7 +75,10 @@ impl Generation {
         ];
         for (name, v, limit) in counts {
             if let Some(v) = v.filter(|&v| v > limit) {
-                return bad(format!("field `generation.{name}`: {v} is more than this server holds (at most {limit})"));
+                return bad(format!(
+                    "field `generation.{name}`: {v} is more than this server holds \
+                    (at most {limit})"
+                ));
             }
         }
         for (what, min, max) in [
@@ -81,7 +87,10 @@ impl Generation {
         ] {
             if let (Some(lo), Some(hi)) = (min, max) {
                 if lo > hi {
-                    return bad(format!("field `generation.min_{what}_tokens`: {lo} is more than `max_{what}_tokens` ({hi})"));
+                    return bad(format!(
+                        "field `generation.min_{what}_tokens`: {lo} is more than \
+                        `max_{what}_tokens` ({hi})"
+                    ));
                 }
             }
         }
@@ -95,7 +104,10 @@ impl Generation {
         if let Some(n) =
             self.prefix.as_ref().map(|p| p.chars().count()).filter(|&n| n > MAX_PREFIX_CHARS)
         {
-            return bad(format!("field `generation.prefix`: {n} characters, more than this server takes (at most {MAX_PREFIX_CHARS})"));
+            return bad(format!(
+                "field `generation.prefix`: {n} characters, more than this server \
+                takes (at most {MAX_PREFIX_CHARS})"
+            ));
         }
         Ok(())
     }

@@ -1,6 +1,6 @@
-//! Wire protocol v1 (docs/protocol.md): the only crate that (de)serializes wire messages. Client events arrive
-//! as JSON text frames, server events leave as JSON with a `seq` (except connection-level ones),
-//! audio travels in binary frames with a 12-byte header.
+//! Wire protocol v1 (docs/protocol.md): the only crate that (de)serializes wire messages. Client
+//! events arrive as JSON text frames, server events leave as JSON with a `seq` (except
+//! connection-level ones), audio travels in binary frames with a 12-byte header.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -320,7 +320,8 @@ struct PingBody {
     id: Option<Value>,
 }
 
-/// The largest integer every JSON client holds exactly (2^53 - 1): no count a client sends exceeds it.
+/// The largest integer every JSON client holds exactly (2^53 - 1): no count a client sends exceeds
+/// it.
 pub const MAX_SAFE_INTEGER: u64 = (1 << 53) - 1;
 
 /// Parses one text frame.
@@ -532,13 +533,17 @@ mod tests {
         assert_eq!(parse_client("{nope").unwrap_err().code, ErrorCode::BadJson);
         assert_eq!(parse_client("[1]").unwrap_err().code, ErrorCode::BadJson);
         assert_eq!(parse_client(r#"{"type":"dance"}"#).unwrap_err().code, ErrorCode::UnknownEvent);
-        let e = parse_client(r#"{"type":"session.create","input_audio":{"codec":"pcm16","sample_rate":16000},"output_audio":{"codec":"opus"}}"#)
-            .unwrap_err();
+        let e = parse_client(concat!(
+            r#"{"type":"session.create","input_audio":{"codec":"pcm16","sample_rate":16000},"#,
+            r#""output_audio":{"codec":"opus"}}"#
+        ))
+        .unwrap_err();
         assert_eq!(e.code, ErrorCode::BadField);
         assert!(e.message.contains("mode"), "{}", e.message);
-        let e = parse_client(
-            r#"{"type":"session.create","mode":"turn","input_audio":{"codec":"mp3","sample_rate":16000},"output_audio":{"codec":"opus"}}"#,
-        )
+        let e = parse_client(concat!(
+            r#"{"type":"session.create","mode":"turn","#,
+            r#""input_audio":{"codec":"mp3","sample_rate":16000},"output_audio":{"codec":"opus"}}"#,
+        ))
         .unwrap_err();
         assert!(e.message.contains("input_audio.codec"), "{}", e.message);
         let e = parse_client(r#"{"type":"playback","response_id":"x","played_ms":3}"#).unwrap_err();
@@ -555,9 +560,12 @@ mod tests {
         let i = parse_client(r#"{"type":"ack","seq":9}"#).unwrap();
         assert_eq!(i.seq, None, "an ack's seq is the server seq it acknowledges");
         assert_eq!(i.event, ClientEvent::Ack { seq: 9 });
-        let i = parse_client(
-            r#"{"type":"session.create","mode":"duplex","input_audio":{"codec":"opus","sample_rate":48000},"output_audio":{"codec":"pcm16","frame_ms":40},"voice":{"id":"default"},"duplex":{"policy":"speak_every","k":2}}"#,
-        )
+        let i = parse_client(concat!(
+            r#"{"type":"session.create","mode":"duplex","#,
+            r#""input_audio":{"codec":"opus","sample_rate":48000},"#,
+            r#""output_audio":{"codec":"pcm16","frame_ms":40},"voice":{"id":"default"},"#,
+            r#""duplex":{"policy":"speak_every","k":2}}"#,
+        ))
         .unwrap();
         let ClientEvent::SessionCreate(c) = i.event else { panic!() };
         assert_eq!(c.duplex, Some(DuplexPolicy::SpeakEvery { k: 2 }));
@@ -612,7 +620,8 @@ mod tests {
             let json = ServerEvent::error(&WireError::new(code, "x").retry_after(7)).to_json();
             assert!(json.contains(&format!("\"code\":\"{}\"", code.as_str())), "{json}");
             assert!(
-                matches!(parse_server(&json), Some(Received::Error { code: c, retry_after_ms: Some(7), .. }) if c == code),
+                matches!(parse_server(&json), Some(Received::Error { code: c,
+                    retry_after_ms: Some(7), .. }) if c == code),
                 "{json}"
             );
         }
@@ -637,7 +646,14 @@ mod tests {
         assert!(json.contains(r#""reason":"undeclared_tool""#), "{json}");
         let back = parse_server(&json);
         assert!(
-            matches!(&back, Some(Received::ToolCallInvalid { reason: ToolCallProblem::UndeclaredTool, message, .. }) if message == "the call names `x`"),
+            matches!(
+                &back,
+                Some(Received::ToolCallInvalid {
+                    reason: ToolCallProblem::UndeclaredTool,
+                    message,
+                    ..
+                }) if message == "the call names `x`"
+            ),
             "{back:?}"
         );
         let failed = ServerEvent::InputTranscriptFailed {
@@ -652,7 +668,8 @@ mod tests {
             parse_server(&json),
             Some(Received::TranscriptFailed { reason: TranscriptFailure::Capacity, .. })
         ));
-        // a newer server's word is `other`, and an older server's event without a message still reads
+        // a newer server's word is `other`, and an older server's event without a message still
+        // reads
         let newer = r#"{"type":"input.transcript.failed","seq":5,"response_id":1,"reason":"moon"}"#;
         assert!(matches!(
             parse_server(newer),

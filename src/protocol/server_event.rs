@@ -191,7 +191,13 @@ pub enum ServerEvent {
     #[serde(rename = "input.transcript.done")]
     InputTranscriptDone { seq: u64, response_id: u32, transcript: String },
     #[serde(rename = "input.transcript.failed")]
-    InputTranscriptFailed { seq: u64, response_id: u32, reason: TranscriptFailure, message: String },
+    InputTranscriptFailed {
+        seq: u64,
+        response_id: u32,
+        /// Why no transcript came; `message` says it in words.
+        reason: TranscriptFailure,
+        message: String,
+    },
     #[serde(rename = "conversation.trimmed")]
     ConversationTrimmed { seq: u64, response_id: u32, turns: usize },
     #[serde(rename = "response.done")]

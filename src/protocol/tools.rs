@@ -58,7 +58,10 @@ impl<'de> Deserialize<'de> for ToolChoice {
                 }
                 _ => Err(D::Error::custom("an object must be {\"name\": \"<a declared tool>\"}")),
             },
-            _ => Err(D::Error::custom("must be \"auto\", \"none\", \"required\" or {\"name\": …}")),
+            _ => Err(D::Error::custom(
+                "must be \"auto\", \"none\", \"required\" or \
+                {\"name\": …}",
+            )),
         }
     }
 }
@@ -118,7 +121,10 @@ pub fn validate_tools(tools: &[ToolDecl]) -> Result<(), WireError> {
     }
     let bytes = serde_json::to_string(tools).map(|s| s.len()).unwrap_or(usize::MAX);
     if bytes > MAX_TOOLS_BYTES {
-        return Err(bad(format!("field `tools`: {bytes} bytes of JSON, more than this server takes (at most {MAX_TOOLS_BYTES})")));
+        return Err(bad(format!(
+            "field `tools`: {bytes} bytes of JSON, more than this server takes \
+            (at most {MAX_TOOLS_BYTES})"
+        )));
     }
     Ok(())
 }
@@ -152,7 +158,10 @@ pub fn validate_results(results: &[ToolResult]) -> Result<(), WireError> {
     for (k, r) in results.iter().enumerate() {
         let n = r.output.chars().count();
         if n > MAX_TOOL_OUTPUT_CHARS {
-            return Err(bad(format!("field `results[{k}].output`: {n} characters, more than this server takes (at most {MAX_TOOL_OUTPUT_CHARS})")));
+            return Err(bad(format!(
+                "field `results[{k}].output`: {n} characters, more than this \
+                server takes (at most {MAX_TOOL_OUTPUT_CHARS})"
+            )));
         }
         if results[..k].iter().any(|o| o.call_id == r.call_id) {
             return Err(bad(format!(

@@ -56,7 +56,8 @@ pub async fn serve(
             _ = &mut shutdown => break,
         };
         let Ok(permit) = permits.clone().try_acquire_owned() else {
-            tracing::warn!(%peer, "refused: {} TCP connections are open (server.max_tcp_connections)", limits.max_tcp_connections);
+            tracing::warn!(%peer, "refused: {} TCP connections are open \
+            (server.max_tcp_connections)", limits.max_tcp_connections);
             refuse(tcp);
             continue;
         };
@@ -74,7 +75,8 @@ pub async fn serve(
                         }
                         Ok(Err(e)) => tracing::debug!(%peer, "TLS handshake failed: {e}"),
                         Err(_) => {
-                            tracing::debug!(%peer, "TLS handshake took longer than server.header_timeout_s")
+                            tracing::debug!(%peer,
+                                "TLS handshake took longer than server.header_timeout_s")
                         }
                     }
                 }
@@ -121,6 +123,7 @@ async fn serve_connection<I>(
 /// Beyond the cap: a short plain answer, written without waiting (the request is not read), then
 /// close.
 fn refuse(tcp: TcpStream) {
-    let reply = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nRetry-After: 1\r\nConnection: close\r\nContent-Length: 28\r\n\r\ntoo many connections (TCP)\r\n";
+    let reply = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nRetry-After: \
+    1\r\nConnection: close\r\nContent-Length: 28\r\n\r\ntoo many connections (TCP)\r\n";
     let _ = tcp.try_write(reply);
 }

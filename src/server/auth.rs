@@ -76,7 +76,11 @@ pub async fn keyed(State(shared): State<Arc<Shared>>, req: Request, next: Next) 
     if !auth.api_keys.is_empty()
         && !key_ok(auth, presented_key(req.headers(), req.uri().query()).as_deref())
     {
-        return (StatusCode::UNAUTHORIZED, axum::Json(serde_json::json!({"error": {"code": "unauthorized", "message": "missing or wrong API key"}})))
+        return (
+            StatusCode::UNAUTHORIZED,
+            axum::Json(serde_json::json!({"error": {"code": "unauthorized",
+            "message": "missing or wrong API key"}})),
+        )
             .into_response();
     }
     next.run(req).await

@@ -265,7 +265,10 @@ impl Config {
             || s.first_event_timeout_s == 0
             || s.max_input_audio_s == 0
         {
-            bail!("server.outbound_queue, session_inbox, max_connections, first_event_timeout_s and max_input_audio_s must be at least 1");
+            bail!(
+                "server.outbound_queue, session_inbox, max_connections, first_event_timeout_s \
+                and max_input_audio_s must be at least 1"
+            );
         }
         if s.max_instructions_tokens == 0 {
             bail!("server.max_instructions_tokens must be at least 1");
@@ -274,7 +277,10 @@ impl Config {
             bail!("server.smart_turn_workers must be at least 1");
         }
         if s.header_timeout_s == 0 || s.max_tcp_connections < s.max_connections {
-            bail!("server.header_timeout_s must be at least 1, and server.max_tcp_connections at least server.max_connections");
+            bail!(
+                "server.header_timeout_s must be at least 1, and server.max_tcp_connections at \
+                least server.max_connections"
+            );
         }
         if let Err(e) = check_replica_id(&s.replica_id) {
             bail!("server.replica_id {:?}: {e}", s.replica_id);
@@ -332,7 +338,8 @@ impl Config {
         if let DeviceSpec::Cuda(_) = self.model.device {
             if !candle_core::utils::cuda_is_available() {
                 problems.push(format!(
-                    "model.device = \"{}\": this build has no CUDA (build it with `cargo build --release --features cuda`)",
+                    "model.device = \"{}\": this build has no CUDA (build it with `cargo build \
+                    --release --features cuda`)",
                     self.model.device
                 ));
             } else if let Err(e) = antiphon_models::gpu::open(self.model.device) {
@@ -342,7 +349,8 @@ impl Config {
         let web = &self.server.web_dir;
         if !web.join("index.html").is_file() {
             problems.push(format!(
-                "server.web_dir = {}: no index.html there, so the demo at / would answer 404 (a relative web_dir is read from the configuration file's directory)",
+                "server.web_dir = {}: no index.html there, so the demo at / would answer 404 (a \
+                relative web_dir is read from the configuration file's directory)",
                 web.display()
             ));
         }

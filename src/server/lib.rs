@@ -206,7 +206,10 @@ impl Shared {
         }
         let n = self.engine.count_tokens(text).map_err(|e| format!("{e:#}"))?;
         if n > max {
-            return Err(format!("{n} tokens of text, more than one turn holds beside the instructions and a reply (at most {max})"));
+            return Err(format!(
+                "{n} tokens of text, more than one turn holds beside the \
+                instructions and a reply (at most {max})"
+            ));
         }
         Ok(())
     }
@@ -271,7 +274,8 @@ impl Server {
 pub async fn start(cfg: Config, models: Models) -> Result<Server> {
     let cfg = Arc::new(cfg);
     if !cfg.server.web_dir.join("index.html").is_file() {
-        tracing::warn!(web_dir = %cfg.server.web_dir.display(), "no index.html in server.web_dir: the demo at / answers 404");
+        tracing::warn!(web_dir = %cfg.server.web_dir.display(),
+            "no index.html in server.web_dir: the demo at / answers 404");
     }
     let metrics = ServerMetrics::new();
     // model code (the stages' graphs and warm-up, the voices' files, the turn model) runs on a
@@ -286,8 +290,13 @@ pub async fn start(cfg: Config, models: Models) -> Result<Server> {
             let turn_model = if cfg.server.smart_turn_model.as_os_str().is_empty() {
                 None
             } else {
-                let m = turn_model::TurnModel::load(&cfg.server.smart_turn_model, cfg.server.smart_turn_workers, &registry)?;
-                tracing::info!(model = %cfg.server.smart_turn_model.display(), "semantic_vad: the turn model is loaded");
+                let m = turn_model::TurnModel::load(
+                    &cfg.server.smart_turn_model,
+                    cfg.server.smart_turn_workers,
+                    &registry,
+                )?;
+                tracing::info!(model = %cfg.server.smart_turn_model.display(),
+                    "semantic_vad: the turn model is loaded");
                 Some(m)
             };
             Ok((voices, engine, unprepared, turn_model))
@@ -570,7 +579,8 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
     let calls = a.accepts_call().is_ok();
     let body = Json(
         serde_json::json!({"ready": ready, "capacity_left": left, "sessions": shared.sessions.len(),
-        "headroom": a.headroom(), "streams": running, "queued": queued, "stream_limit": limit, "accepts_calls": calls}),
+        "headroom": a.headroom(), "streams": running, "queued": queued, "stream_limit": limit,
+            "accepts_calls": calls}),
     );
     if ready && left > 0 && calls {
         (StatusCode::OK, body).into_response()
@@ -630,7 +640,8 @@ async fn build_info(State(shared): State<Arc<Shared>>) -> Json<serde_json::Value
         "protocol": antiphon_protocol::PROTOCOL_VERSION,
         "replica": shared.config.server.replica_id,
         "model": {
-            "source": match c.source { ModelSource::Synthetic => "synthetic", ModelSource::Checkpoint => "checkpoint" },
+            "source": match c.source { ModelSource::Synthetic => "synthetic",
+                ModelSource::Checkpoint => "checkpoint" },
             "preset": format!("{:?}", c.preset).to_lowercase(),
             "path": c.path.as_ref().map(|p| p.display().to_string()),
             "device": c.device.to_string(),

@@ -63,7 +63,8 @@ impl TurnModel {
         let seconds = Histogram::with_opts(
             HistogramOpts::new(
                 "antiphon_turn_model_seconds",
-                "semantic_vad: from a pause to the turn model's verdict (waiting for a worker included)",
+                "semantic_vad: from a pause to the turn model's verdict (waiting for a worker \
+                included)",
             )
             .buckets(vec![0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0]),
         )?;

@@ -61,7 +61,8 @@ pub struct Voices {
     max_voices: usize,
     max_bytes: usize,
     max_seconds: f64,
-    /// The models' fingerprint that saved features must carry ([`voice_features::model_fingerprint`]).
+    /// The models' fingerprint that saved features must carry
+    /// ([`voice_features::model_fingerprint`]).
     fingerprint: String,
 }
 
@@ -212,7 +213,10 @@ impl Voices {
                 }
                 Ok(None) => missing.push(id.clone()),
                 Err(err) => {
-                    tracing::warn!("voice {id}: its saved features cannot be read, preparing it again: {err:#}");
+                    tracing::warn!(
+                        "voice {id}: its saved features cannot be read, preparing it \
+                        again: {err:#}"
+                    );
                     missing.push(id.clone());
                 }
             }
@@ -303,7 +307,12 @@ impl Voices {
             return Err(VoiceError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 VoiceErrorCode::TooLarge,
-                format!("the upload is {} bytes, more than this server takes (server.max_voice_bytes = {})", bytes.len(), self.max_bytes),
+                format!(
+                    "the upload is {} bytes, more than this server takes \
+                    (server.max_voice_bytes = {})",
+                    bytes.len(),
+                    self.max_bytes
+                ),
             ));
         }
         if !bytes.starts_with(b"RIFF") {
@@ -328,7 +337,11 @@ impl Voices {
         if seconds > self.max_seconds {
             return Err(bad(
                 VoiceErrorCode::TooLong,
-                format!("{seconds:.1} s of audio, more than this server takes (server.max_voice_s = {})", self.max_seconds),
+                format!(
+                    "{seconds:.1} s of audio, more than this server takes (server.max_voice_s \
+                    = {})",
+                    self.max_seconds
+                ),
             ));
         }
         let full = |m: &HashMap<String, Entry>| {
@@ -337,7 +350,10 @@ impl Voices {
                 VoiceError::new(
                     StatusCode::CONFLICT,
                     VoiceErrorCode::TooManyVoices,
-                    format!("{registered} voices are registered, the most this server keeps (server.max_voices); delete one first"),
+                    format!(
+                        "{registered} voices are registered, the most this server keeps \
+                        (server.max_voices); delete one first"
+                    ),
                 )
             })
         };

@@ -133,7 +133,13 @@ pub async fn handle_socket(
         let next = tokio::select! {
             f = stream.next() => f,
             _ = tokio::time::sleep_until(first_deadline), if session.is_none() => {
-                error(WireError::fatal(ErrorCode::NotInSession, format!("no session.create or session.resume within {} s", limits.first_event_timeout_s)));
+                error(WireError::fatal(
+                    ErrorCode::NotInSession,
+                    format!(
+                        "no session.create or session.resume within {} s",
+                        limits.first_event_timeout_s
+                    ),
+                ));
                 conn.send(Outbound::Close(1008, "no session".into()));
                 clean = true;
                 break;
@@ -151,7 +157,8 @@ pub async fn handle_socket(
         let frame = match frame {
             Ok(f) => f,
             Err(e) => {
-                // the transport refused the frame: say why, with the close code the protocol asks for
+                // the transport refused the frame: say why, with the close code the protocol asks
+                // for
                 let (code, close) =
                     transport_error(&e, limits.max_text_frame.max(limits.max_binary_frame));
                 match close {
@@ -197,34 +204,48 @@ pub async fn handle_socket(
                     }
                 };
                 match (&session, inc.event) {
-                    (None, ClientEvent::SessionCreate(c)) => match shared.sessions.create(&shared, *c, conn.clone()) {
-                        Ok(id) => {
-                            let h = shared.sessions.handle(&id);
-                            session = h.map(|h| h.input);
-                        }
-                        Err(e) => {
-                            let fatal = e.fatal;
-                            error(e);
-                            if fatal {
-                                conn.send(Outbound::Close(1013, "try again later".into()));
-                                clean = true;
-                                break;
+                    (None, ClientEvent::SessionCreate(c)) => {
+                        match shared.sessions.create(&shared, *c, conn.clone()) {
+                            Ok(id) => {
+                                let h = shared.sessions.handle(&id);
+                                session = h.map(|h| h.input);
+                            }
+                            Err(e) => {
+                                let fatal = e.fatal;
+                                error(e);
+                                if fatal {
+                                    conn.send(Outbound::Close(1013, "try again later".into()));
+                                    clean = true;
+                                    break;
+                                }
                             }
                         }
-                    },
-                    (None, ClientEvent::SessionResume(r)) if routed.as_ref().is_some_and(|q| *q != r.session_id) => error(WireError::new(
-                        ErrorCode::BadField,
-                        "field `session_id`: it differs from the session_id in the URL (the proxy routed on that one)",
-                    )),
-                    (None, ClientEvent::SessionResume(r)) => match shared.sessions.resume(&r.session_id, &r.resume_token) {
-                        Ok(h) => {
-                            let _ = h.input.send(SessionMsg::Attach { conn: conn.clone(), last_seq: r.last_seq }).await;
-                            session = Some(h.input);
+                    }
+                    (None, ClientEvent::SessionResume(r))
+                        if routed.as_ref().is_some_and(|q| *q != r.session_id) =>
+                    {
+                        error(WireError::new(
+                            ErrorCode::BadField,
+                            "field `session_id`: it differs from the session_id in the URL (the \
+                            proxy routed on that one)",
+                        ))
+                    }
+                    (None, ClientEvent::SessionResume(r)) => {
+                        match shared.sessions.resume(&r.session_id, &r.resume_token) {
+                            Ok(h) => {
+                                let attach =
+                                    SessionMsg::Attach { conn: conn.clone(), last_seq: r.last_seq };
+                                let _ = h.input.send(attach).await;
+                                session = Some(h.input);
+                            }
+                            Err(e) => error(e),
                         }
-                        Err(e) => error(e),
-                    },
+                    }
                     (None, ClientEvent::Ping { id }) => conn.send_event(&ServerEvent::Pong { id }),
-                    (None, _) => error(WireError::new(ErrorCode::NotInSession, "send session.create or session.resume first")),
+                    (None, _) => error(WireError::new(
+                        ErrorCode::NotInSession,
+                        "send session.create or session.resume first",
+                    )),
                     (Some(s), event) => {
                         let close = matches!(event, ClientEvent::SessionClose);
                         let _ = s.send(SessionMsg::Event { seq: inc.seq, event }).await;

@@ -91,7 +91,8 @@ fn the_crate_graph_keeps_the_layers() {
     };
     let server_side =
         ["tokio", "axum", "tower-http", "tokio-tungstenite", "opus", "prometheus", "hyper"];
-    // Architecture invariant: the models are pure computation (candle + serde), no runtime, no sockets.
+    // Architecture invariant: the models are pure computation (candle + serde), no runtime, no
+    // sockets.
     forbid("antiphon-models", &server_side);
     forbid(
         "antiphon-models",

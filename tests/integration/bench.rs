@@ -255,11 +255,10 @@ async fn conversations_arrive_at_a_rate() {
     let table = std::fs::read_to_string(dir.path().join("table.txt")).unwrap();
     assert!(table.contains("4/s") && table.contains("goodput"), "{table}");
     let csv = std::fs::read_to_string(dir.path().join("summary.csv")).unwrap();
-    assert!(csv
-        .lines()
-        .next()
-        .unwrap()
-        .ends_with(",rate_per_s,calls_offered,calls_refused,replies_refused,live_sessions_peak,responses_without_stall_frac,retry_after_ms"));
+    assert!(csv.lines().next().unwrap().ends_with(concat!(
+        ",rate_per_s,calls_offered,calls_refused,replies_refused,live_sessions_peak,",
+        "responses_without_stall_frac,retry_after_ms"
+    )));
     assert!(
         std::fs::read_to_string(dir.path().join("ttfa.svg")).unwrap().contains("\n4/s\n"),
         "the rate's tick"

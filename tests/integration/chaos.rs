@@ -37,7 +37,9 @@ impl Session {
     async fn resume(&mut self, s: &antiphon_server::Server) -> Client {
         let mut c = Client::connect(s).await;
         let last = self.seen.iter().copied().max().unwrap_or(0);
-        c.send(json!({"type": "session.resume", "session_id": self.id, "resume_token": self.token, "last_seq": last})).await;
+        c.send(json!({"type": "session.resume", "session_id": self.id, "resume_token": self.token,
+            "last_seq": last}))
+            .await;
         let resumed = c.event("session.resumed").await;
         let applied = resumed["input_seq"].as_u64().expect("input_seq");
         for (q, v) in &self.inputs {
@@ -66,7 +68,8 @@ async fn random_drops_across_many_responses_lose_and_double_nothing() {
     };
     let responses = 8;
     for k in 1..=responses {
-        let ev = json!({"type": "input.text", "text": format!("turn {k}"), "seq": k, "generation": short(30)});
+        let ev = json!({"type": "input.text", "text": format!("turn {k}"), "seq": k,
+            "generation": short(30)});
         sess.inputs.push((k, ev.clone()));
         c.send(ev).await;
         // sometimes cut at once, before the server may have seen the input

@@ -300,7 +300,8 @@ fn conv_columns_times_the_weight_are_the_convolution() {
 }
 
 /// The same with a stride and with a nearest upsampling of the input first (the causal vocoder's
-/// downsampling and upsampling convolutions), against candle's conv1d on the upsampled, padded input.
+/// downsampling and upsampling convolutions), against candle's conv1d on the upsampled, padded
+/// input.
 #[test]
 fn strided_and_upsampled_conv_columns_are_the_convolution() {
     use antiphon_models::code2wav::conv_cols::{conv_cols_with, Cols};

@@ -94,7 +94,8 @@ fn the_configuration_reference_states_the_real_defaults() {
         .split("\n## ")
         .next()
         .unwrap();
-    let base = "[model]\nsource = \"synthetic\"\n\n[[voices]]\nid = \"v\"\nwav = \"../assets/voices/default.wav\"\n";
+    let base = "[model]\nsource = \"synthetic\"\n\n[[voices]]\nid = \"v\"\nwav \
+    = \"../assets/voices/default.wav\"\n";
     let parse = |text: &str| {
         format!(
             "{:?}",
@@ -126,7 +127,12 @@ fn the_configuration_reference_states_the_real_defaults() {
             } else {
                 format!("{base}\n[{sec}]\n{key} = {value}\n")
             };
-            assert_eq!(parse(&text), plain, "docs/configuration.md says {sec}.{key} defaults to {v}, but the code's default differs");
+            assert_eq!(
+                parse(&text),
+                plain,
+                "docs/configuration.md says {sec}.{key} defaults to \
+                {v}, but the code's default differs"
+            );
             checked += 1;
         }
     }
@@ -179,7 +185,8 @@ fn check_config_finds_what_serve_would_meet() {
     antiphon_assets::synth::write_checkpoint(&ck, &opts).unwrap();
     let config = |extra: &str| {
         let text = format!(
-            "[server]\nweb_dir = {web:?}\n\n[model]\nsource = \"checkpoint\"\npath = {ck:?}\n{extra}\n\n[[voices]]\nid = \"default\"\nwav = {wav:?}\n",
+            "[server]\nweb_dir = {web:?}\n\n[model]\nsource = \"checkpoint\"\npath = \
+            {ck:?}\n{extra}\n\n[[voices]]\nid = \"default\"\nwav = {wav:?}\n",
             web = root().join("web"),
             ck = ck,
             wav = root().join("assets/voices/default.wav"),

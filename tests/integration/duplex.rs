@@ -146,7 +146,8 @@ fn speak_every_cadence_and_the_per_unit_token_budget() {
         summary(&ev)
     );
     // Thinker positions per unit: `</unit>` `<unit>` + 10 audio embeddings, plus what the
-    // previous unit fed back: `<|listen|>` (1), or `<|speak|>` + 5 text tokens + `<|chunk_eos|>` (7)
+    // previous unit fed back: `<|listen|>` (1), or `<|speak|>` + 5 text tokens + `<|chunk_eos|>`
+    // (7)
     for w in d.windows(2) {
         let fed = if w[0].1 { 1 + 5 + 1 } else { 1 };
         assert_eq!(w[1].2 - w[0].2, 12 + fed, "unit {} → {}", w[0].0, w[1].0);

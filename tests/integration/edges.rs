@@ -189,7 +189,8 @@ async fn oversized_instructions_are_refused_at_create_and_update() {
     let s = server(|_| {}).await;
     let long = "x".repeat(antiphon_protocol::MAX_INSTRUCTIONS_CHARS + 1);
     let mut c = Client::connect(&s).await;
-    c.send(json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16", "sample_rate": 16000},
+    c.send(json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16",
+        "sample_rate": 16000},
         "output_audio": {"codec": "pcm16"}, "instructions": long}))
         .await;
     let e = c.event("error").await;
@@ -230,7 +231,11 @@ async fn the_drain_deadline_cancels_what_runs_and_closes_1001() {
     c.until(|m| matches!(m, In::Audio(_))).await;
     let stop = tokio::spawn(s.shutdown());
     let ms = c.until(|m| matches!(m, In::Closed(_))).await;
-    assert!(ms.iter().any(|m| matches!(m, In::Event(v) if v["type"] == "response.done" && v["status"] == "cancelled")), "{ms:?}");
+    assert!(
+        ms.iter().any(|m| matches!(m,
+        In::Event(v) if v["type"] == "response.done" && v["status"] == "cancelled")),
+        "{ms:?}"
+    );
     assert!(matches!(ms.last(), Some(In::Closed(Some(1001)))), "{:?}", ms.last());
     stop.await.unwrap().unwrap();
 }
@@ -334,7 +339,9 @@ async fn a_response_beyond_the_places_is_refused_at_once_and_the_admitted_one_pl
     let (mut a, mut b) = (Client::connect(&s).await, Client::connect(&s).await);
     a.create(json!({})).await;
     b.create(json!({})).await;
-    a.send(json!({"type": "input.text", "text": "talk a while", "generation": {"min_audio_tokens": 2000, "max_audio_tokens": 2000}})).await;
+    a.send(json!({"type": "input.text", "text": "talk a while",
+        "generation": {"min_audio_tokens": 2000, "max_audio_tokens": 2000}}))
+        .await;
     // A plays: its place is taken
     a.until(|m| matches!(m, In::Audio(_))).await;
     b.send(json!({"type": "input.text", "text": "me too"})).await;
@@ -346,7 +353,8 @@ async fn a_response_beyond_the_places_is_refused_at_once_and_the_admitted_one_pl
     assert_eq!(done["status"], "failed", "{done}");
     // a new call while no place is free (one is kept for admitted calls): refused, fatal
     let mut c = Client::connect(&s).await;
-    c.send(json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16", "sample_rate": 16000},
+    c.send(json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16",
+        "sample_rate": 16000},
         "output_audio": {"codec": "opus"}}))
         .await;
     let e = c.event("error").await;
@@ -390,7 +398,8 @@ async fn a_reader_that_stops_reading_is_closed_and_counted_until_then() {
     let client_port = tcp.local_addr().unwrap().port();
     let (mut ws, _) =
         tokio_tungstenite::client_async(format!("ws://{}/v1/realtime", s.addr), tcp).await.unwrap();
-    let create = json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16", "sample_rate": 16000},
+    let create = json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16",
+        "sample_rate": 16000},
         "output_audio": {"codec": "pcm16"}});
     ws.send(Message::Text(create.to_string().into())).await.unwrap();
     ws.send(Message::Text(
@@ -414,7 +423,11 @@ async fn a_reader_that_stops_reading_is_closed_and_counted_until_then() {
         if !still && counted == 0 {
             break;
         }
-        assert!(Instant::now() < deadline, "the socket of a client that stopped reading was never let go (held: {still}, counted: {counted})");
+        assert!(
+            Instant::now() < deadline,
+            "the socket of a client that stopped reading was never \
+            let go (held: {still}, counted: {counted})"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let m = reqwest_like_get(&s, "/metrics").await;
@@ -462,7 +475,9 @@ async fn a_replay_longer_than_the_queue_resumes_at_the_sockets_pace() {
     }
     let mut r = Client::connect(&s).await;
     let last = created["seq"].as_u64().unwrap_or(0);
-    r.send(json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": last})).await;
+    r.send(json!({"type": "session.resume", "session_id": id, "resume_token": token,
+        "last_seq": last}))
+        .await;
     let got = r.until(is_done).await;
     assert!(
         matches!(got.first(), Some(In::Event(v)) if v["type"] == "session.resumed"),

@@ -491,7 +491,8 @@ fn a_history_longer_than_the_context_loses_its_oldest_turns() {
 }
 
 /// The GPU runs bf16 weights: the same pipeline in bf16 on the CPU finds dtype mismatches without a
-/// GPU (the S3 tokenizer and the vocoder run in f32 by design; everything else in the weights' dtype).
+/// GPU (the S3 tokenizer and the vocoder run in f32 by design; everything else in the weights'
+/// dtype).
 #[test]
 fn bf16_weights_run_end_to_end() {
     let e = Engine::start(

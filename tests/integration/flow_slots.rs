@@ -56,7 +56,8 @@ fn pooled_batches_match_own_caches(slots: usize, graphs: bool, mode: PoolAttenti
     pooled.set_pool_attention(mode);
     pooled.set_slots(slots, 512, 25).unwrap();
     if graphs {
-        // (no capture on the CPU: the graph path's fixed buffers and power-of-two padding, op by op)
+        // (no capture on the CPU: the graph path's fixed buffers and power-of-two padding, op by
+        // op)
         pooled.set_graphs(Some(GraphPolicy::default()), None);
     }
     let f = own.prepare(&reference()).unwrap();
@@ -362,7 +363,12 @@ fn the_warm_up_holds_every_shape_the_chunkers_make() {
                 c.chunk_batch(&mut [&mut st], &[p.codes.as_slice()], p.last).unwrap();
             }
         }
-        assert_eq!(c.graphs_held(), held, "a request (first {first}, turn {turn}, {n} codes) brought a shape the warm-up did not hold");
+        assert_eq!(
+            c.graphs_held(),
+            held,
+            "a request (first {first}, turn {turn}, {n} codes) \
+            brought a shape the warm-up did not hold"
+        );
     }
 }
 
@@ -388,7 +394,8 @@ fn attention_over_the_pool_is_the_masked_softmax_of_each_rows_slot() {
     };
     let (n, h, t, d, slots, cap) = (3usize, 2usize, 37usize, 64usize, 5usize, 176usize);
     let rows = [4u32, 0, 2];
-    // row 0 sees every position, row 1 the first 70 but every fifth, row 2 only 100.. (a prefix masked)
+    // row 0 sees every position, row 1 the first 70 but every fifth, row 2 only 100.. (a prefix
+    // masked)
     let open = |r: usize, j: usize| match r {
         0 => true,
         1 => j < 70 && !j.is_multiple_of(5),

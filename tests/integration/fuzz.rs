@@ -124,7 +124,8 @@ fn any_event() -> impl Strategy<Value = Value> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 512, failure_persistence: None,
+        ..ProptestConfig::default() })]
 
     /// Any text at all: an event or a documented error, never a panic.
     #[test]
@@ -148,7 +149,8 @@ proptest! {
     #[test]
     fn binary_frames_decode_without_panics_and_round_trip(
         bytes in prop::collection::vec(any::<u8>(), 0..64),
-        kind in any::<u8>(), last in any::<bool>(), seq in any::<u32>(), response_id in any::<u32>(),
+        kind in any::<u8>(), last in any::<bool>(), seq in any::<u32>(),
+            response_id in any::<u32>(),
         payload in prop::collection::vec(any::<u8>(), 0..64),
     ) {
         let _ = AudioFrame::decode(&bytes);
@@ -159,12 +161,15 @@ proptest! {
     /// Whatever the counts and temperature, what validates is within the limits.
     #[test]
     fn generation_that_validates_is_within_the_limits(
-        counts in prop::collection::vec(prop::option::of(prop_oneof![0usize..300, Just(usize::MAX), any::<usize>()]), 4),
-        temperature in prop::option::of(prop_oneof![any::<f32>(), Just(f32::NAN), Just(f32::INFINITY), -1.0f32..3.0]),
+        counts in prop::collection::vec(prop::option::of(prop_oneof![0usize..300, Just(usize::MAX),
+            any::<usize>()]), 4),
+        temperature in prop::option::of(prop_oneof![any::<f32>(), Just(f32::NAN),
+            Just(f32::INFINITY), -1.0f32..3.0]),
     ) {
         let limits = GenerationLimits { max_text_tokens: 100, max_audio_tokens: 200 };
         let g = Generation {
-            max_text_tokens: counts[0], min_text_tokens: counts[1], max_audio_tokens: counts[2], min_audio_tokens: counts[3],
+            max_text_tokens: counts[0], min_text_tokens: counts[1], max_audio_tokens: counts[2],
+                min_audio_tokens: counts[3],
             temperature, ..Generation::default()
         };
         if g.validate(&limits).is_ok() {
@@ -183,31 +188,81 @@ fn hostile(rng: &mut rand_chacha::ChaCha8Rng) -> Message {
     match rng.random_range(0..12) {
         0 => Message::Text("{not json".into()),
         1 => Message::Text(json!([1, 2, 3]).to_string().into()),
-        2 => Message::Text(json!({"type": EVENTS[rng.random_range(0..EVENTS.len())]}).to_string().into()),
+        2 => Message::Text(
+            json!({"type": EVENTS[rng.random_range(0..EVENTS.len())]}).to_string().into(),
+        ),
         3 => {
-            let field = ["max_text_tokens", "max_audio_tokens", "min_text_tokens", "min_audio_tokens"][rng.random_range(0..4)];
+            let field =
+                ["max_text_tokens", "max_audio_tokens", "min_text_tokens", "min_audio_tokens"]
+                    [rng.random_range(0..4)];
             let v = huge[rng.random_range(0..huge.len())];
             let mut generation = json!({});
             generation[field] = json!(v);
             let ty = ["input.text", "session.update"][rng.random_range(0..2)];
-            Message::Text(json!({"type": ty, "text": "hi", "generation": generation}).to_string().into())
+            Message::Text(
+                json!({"type": ty, "text": "hi",
+                "generation": generation})
+                .to_string()
+                .into(),
+            )
         }
-        4 => Message::Text(json!({"type": "session.update", "generation": {"temperature": -rng.random::<f64>() * 10.0}}).to_string().into()),
-        5 => Message::Text(json!({"type": "ack", "seq": rng.random::<u32>() as u64 + 1_000_000}).to_string().into()),
-        6 => Message::Text(json!({"type": "session.update", "instructions": "x".repeat(rng.random_range(8193..20_000))}).to_string().into()),
-        7 => Message::Text(json!({"type": "playback", "response_id": rng.random::<u32>(), "played_ms": -5}).to_string().into()),
-        8 => Message::Binary((0..rng.random_range(0..40)).map(|_| rng.random::<u8>()).collect::<Vec<u8>>().into()),
+        4 => Message::Text(
+            json!({"type": "session.update",
+            "generation": {"temperature": -rng.random::<f64>() * 10.0}})
+            .to_string()
+            .into(),
+        ),
+        5 => Message::Text(
+            json!({"type": "ack",
+            "seq": rng.random::<u32>() as u64 + 1_000_000})
+            .to_string()
+            .into(),
+        ),
+        6 => Message::Text(
+            json!({"type": "session.update",
+            "instructions": "x".repeat(rng.random_range(8193..20_000))})
+            .to_string()
+            .into(),
+        ),
+        7 => Message::Text(
+            json!({"type": "playback", "response_id": rng.random::<u32>(),
+            "played_ms": -5})
+            .to_string()
+            .into(),
+        ),
+        8 => Message::Binary(
+            (0..rng.random_range(0..40)).map(|_| rng.random::<u8>()).collect::<Vec<u8>>().into(),
+        ),
         9 => {
             // a well-framed audio packet whose payload is noise (not Opus, odd PCM16 lengths)
-            let payload: Vec<u8> = (0..rng.random_range(1..400)).map(|_| rng.random::<u8>()).collect();
-            Message::Binary(AudioFrame { kind: rng.random_range(0..3), last: false, seq: rng.random(), response_id: 0, payload }.encode().into())
+            let payload: Vec<u8> =
+                (0..rng.random_range(1..400)).map(|_| rng.random::<u8>()).collect();
+            Message::Binary(
+                AudioFrame {
+                    kind: rng.random_range(0..3),
+                    last: false,
+                    seq: rng.random(),
+                    response_id: 0,
+                    payload,
+                }
+                .encode()
+                .into(),
+            )
         }
-        10 => Message::Text(json!({"type": "session.resume", "session_id": "s_nope", "resume_token": "x", "last_seq": 0}).to_string().into()),
+        10 => Message::Text(
+            json!({"type": "session.resume", "session_id": "s_nope",
+            "resume_token": "x", "last_seq": 0})
+            .to_string()
+            .into(),
+        ),
         _ => {
             let mut o = serde_json::Map::new();
             o.insert("type".into(), json!("session.update"));
             for _ in 0..rng.random_range(1..5) {
-                o.insert(FIELDS[rng.random_range(0..FIELDS.len())].into(), json!({"deep": [[[[rng.random::<i64>()]]]]}));
+                o.insert(
+                    FIELDS[rng.random_range(0..FIELDS.len())].into(),
+                    json!({"deep": [[[[rng.random::<i64>()]]]]}),
+                );
             }
             Message::Text(Value::Object(o).to_string().into())
         }
@@ -299,7 +354,10 @@ async fn a_client_that_never_reads_cannot_grow_the_server_without_bound() {
         c.create(json!({})).await;
         for k in 0..40u64 {
             c.send_raw(Message::Text(
-                json!({"type": "input.text", "text": format!("round {round} turn {k}"), "generation": short(40)}).to_string().into(),
+                json!({"type": "input.text", "text": format!("round {round} turn {k}"),
+                    "generation": short(40)})
+                .to_string()
+                .into(),
             ))
             .await;
             c.send_raw(Message::Text(
@@ -314,7 +372,8 @@ async fn a_client_that_never_reads_cannot_grow_the_server_without_bound() {
     let mut extra = Client::connect(&s).await;
     extra
         .send(json!({"type": "session.create", "mode": "turn",
-            "input_audio": {"codec": "pcm16", "sample_rate": 16000}, "output_audio": {"codec": "opus"}}))
+            "input_audio": {"codec": "pcm16", "sample_rate": 16000},
+                "output_audio": {"codec": "opus"}}))
         .await;
     let e = extra.event("error").await;
     assert!(e["code"] == "capacity" && e["retry_after_ms"].as_u64().is_some(), "{e}");
@@ -369,17 +428,23 @@ fn oai_value(rng: &mut rand_chacha::ChaCha8Rng) -> Value {
         4 => json!("x".repeat(rng.random_range(0..300))),
         5 => json!([1, "two", null]),
         6 => {
-            json!({"type": "message", "role": (["user", "assistant", "system", "tool"][rng.random_range(0..4)]),
-            "content": [{"type": (["input_text", "input_audio", "text", "audio", "output_text"][rng.random_range(0..5)]),
+            json!({"type": "message", "role": (["user", "assistant", "system",
+                "tool"][rng.random_range(0..4)]),
+            "content": [{"type": (["input_text", "input_audio", "text", "audio",
+                "output_text"][rng.random_range(0..5)]),
                 "text": "hi", "audio": "!!notbase64", "transcript": 5}]})
         }
         7 => json!({"type": "realtime", "instructions": "x".repeat(rng.random_range(0..12_000)),
-            "audio": {"input": {"format": {"type": (["audio/pcm", "audio/pcmu", "audio/x"][rng.random_range(0..3)]), "rate": rng.random::<u32>()},
+            "audio": {"input": {"format": {"type": (["audio/pcm", "audio/pcmu",
+                "audio/x"][rng.random_range(0..3)]), "rate": rng.random::<u32>()},
                 "turn_detection": {"type": "semantic_vad", "eagerness": rng.random::<u8>()}}},
-            "tools": vec![json!({"type": "function", "name": "f"}); rng.random_range(0..200)], "max_output_tokens": rng.random::<i32>()}),
+            "tools": vec![json!({"type": "function", "name": "f"}); rng.random_range(0..200)],
+                "max_output_tokens": rng.random::<i32>()}),
         8 => {
-            json!({"input": vec![json!({"type": "item_reference", "id": "i0"}); rng.random_range(0..3000)],
-            "output_modalities": (["audio", "text", "video"][rng.random_range(0..3)]), "conversation": "none", "max_output_tokens": 4})
+            json!({"input": vec![json!({"type": "item_reference",
+                "id": "i0"}); rng.random_range(0..3000)],
+            "output_modalities": (["audio", "text", "video"][rng.random_range(0..3)]),
+                "conversation": "none", "max_output_tokens": 4})
         }
         _ => json!({"deep": [[[[[[[[rng.random::<u8>()]]]]]]]]}),
     }
@@ -392,13 +457,21 @@ fn oai_hostile(rng: &mut rand_chacha::ChaCha8Rng) -> Message {
         0 => Message::Text("{\"type\": \"response.create\"".into()),
         1 => Message::Binary(vec![0u8; rng.random_range(0..64)].into()),
         2 => {
-            let audio =
-                base64::engine::general_purpose::STANDARD.encode((0..rng.random_range(0..20_000)).map(|_| rng.random::<u8>()).collect::<Vec<u8>>());
-            Message::Text(json!({"type": "input_audio_buffer.append", "audio": audio}).to_string().into())
+            let audio = base64::engine::general_purpose::STANDARD.encode(
+                (0..rng.random_range(0..20_000)).map(|_| rng.random::<u8>()).collect::<Vec<u8>>(),
+            );
+            Message::Text(
+                json!({"type": "input_audio_buffer.append",
+                "audio": audio})
+                .to_string()
+                .into(),
+            )
         }
         3 => Message::Text(
-            json!({"type": "conversation.item.create", "item": {"id": format!("i{}", rng.random_range(0..4)), "type": "message", "role": "user",
-                "content": [{"type": "input_text", "text": "z".repeat(rng.random_range(1..30_000))}]}})
+            json!({"type": "conversation.item.create", "item": {"id": format!("i{}",
+                rng.random_range(0..4)), "type": "message", "role": "user",
+                "content": [{"type": "input_text",
+                    "text": "z".repeat(rng.random_range(1..30_000))}]}})
             .to_string()
             .into(),
         ),
@@ -419,7 +492,9 @@ fn oai_hostile(rng: &mut rand_chacha::ChaCha8Rng) -> Message {
 async fn oai_case(c: &mut Client, m: Message, n: u64) -> bool {
     c.send_raw(m.clone()).await;
     let probe = format!("probe-{n}");
-    c.send(json!({"type": "conversation.item.retrieve", "item_id": "never-created", "event_id": probe})).await;
+    c.send(json!({"type": "conversation.item.retrieve", "item_id": "never-created",
+        "event_id": probe}))
+        .await;
     loop {
         match c.recv().await {
             In::Event(v) if v["type"] == "error" => {
@@ -465,7 +540,8 @@ async fn oai_connect(s: &antiphon_server::Server) -> Client {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 512, failure_persistence: None,
+        ..ProptestConfig::default() })]
 
     /// Any text frame is an event of the dialect or an error with a code and a message.
     #[test]
@@ -504,10 +580,9 @@ async fn the_dialect_fed_hostile_messages_stays_up_and_answers_each() {
     // a new session of the dialect completes a response
     drop(c);
     let mut d = oai_connect(&s).await;
-    d.send(
-        json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}}),
-    )
-    .await;
+    d.send(json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "hi"}]}}))
+        .await;
     d.send(json!({"type": "response.create"})).await;
     let done = d.until(|m| m.ty() == "response.done").await.pop();
     assert!(
@@ -529,17 +604,22 @@ async fn dialect_floods_of_items_and_references_cannot_grow_the_server_without_b
     })
     .await;
     let mut warm = oai_connect(&s).await;
-    warm.send(json!({"type": "response.create", "response": {"input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}}))
+    warm.send(json!({"type": "response.create", "response": {"input": [{"type": "message",
+        "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}}))
         .await;
     warm.until(|m| m.ty() == "response.done").await;
     let before = rss_bytes();
     let second = base64::engine::general_purpose::STANDARD.encode(vec![0u8; 48_000]);
     for k in 0..4 {
         let mut c = oai_connect(&s).await;
-        let item = |id: String, content: Value| json!({"type": "conversation.item.create", "item": {"id": id, "type": "message", "role": "user", "content": [content]}});
+        let item = |id: String, content: Value| {
+            json!({"type": "conversation.item.create",
+            "item": {"id": id, "type": "message", "role": "user", "content": [content]}})
+        };
         // (assistant items: a user's text waiting for a response is held to what one turn takes)
         for i in 0..40 {
-            let said = json!({"type": "conversation.item.create", "item": {"id": format!("s{i}"), "type": "message", "role": "assistant",
+            let said = json!({"type": "conversation.item.create", "item": {"id": format!("s{i}"),
+                "type": "message", "role": "assistant",
                 "content": [{"type": "output_text", "text": "w".repeat(250_000)}]}});
             c.send(said).await;
         }
@@ -551,19 +631,28 @@ async fn dialect_floods_of_items_and_references_cannot_grow_the_server_without_b
         for i in 0..20 {
             let id = if i % 2 == 0 { "t39" } else { "a7" };
             let refs = vec![json!({"type": "item_reference", "id": id}); 7000];
-            c.send(json!({"type": "response.create", "event_id": format!("r{k}-{i}"), "response": {"input": refs}})).await;
+            c.send(json!({"type": "response.create", "event_id": format!("r{k}-{i}"),
+                "response": {"input": refs}}))
+                .await;
         }
         c.send(
             json!({"type": "conversation.item.retrieve", "item_id": "never", "event_id": "end"}),
         )
         .await;
         let got = c.until(|m| matches!(m, In::Event(v) if v["error"]["event_id"] == "end")).await;
-        let refused = got.iter().filter(|m| matches!(m, In::Event(v) if v["error"]["event_id"].as_str().is_some_and(|e| e.starts_with('r')))).count();
+        let refused = got
+            .iter()
+            .filter(|m| {
+                matches!(m,
+            In::Event(v) if v["error"]["event_id"].as_str().is_some_and(|e| e.starts_with('r')))
+            })
+            .count();
         assert_eq!(refused, 20, "every flood of references is refused");
         drop(c);
     }
     // the server still serves, and holds within a bound of what it held before
-    warm.send(json!({"type": "response.create", "response": {"input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "still there?"}]}]}}))
+    warm.send(json!({"type": "response.create", "response": {"input": [{"type": "message",
+        "role": "user", "content": [{"type": "input_text", "text": "still there?"}]}]}}))
         .await;
     let done = warm.until(|m| m.ty() == "response.done").await.pop();
     assert!(

@@ -65,15 +65,18 @@ async fn error(c: &mut Client) -> Value {
 async fn a_text_turn_in_g711_with_the_full_event_sequence() {
     let s = server(quick).await;
     let mut c = connect(&s).await;
-    c.send(json!({"type": "session.update", "session": {"type": "realtime", "instructions": "Be brief.",
-        "audio": {"input": {"turn_detection": null}, "output": {"format": {"type": "audio/pcmu"}, "voice": "marin"}}}}))
+    c.send(json!({"type": "session.update", "session": {"type": "realtime",
+        "instructions": "Be brief.",
+        "audio": {"input": {"turn_detection": null}, "output": {"format": {"type": "audio/pcmu"},
+            "voice": "marin"}}}}))
         .await;
     let u = event(&mut c).await;
     assert_eq!(u["type"], "session.updated");
     assert_eq!(u["session"]["audio"]["output"]["format"]["type"], "audio/pcmu");
     assert_eq!(u["session"]["audio"]["output"]["voice"], "marin");
     assert!(u["session"]["audio"]["input"]["turn_detection"].is_null());
-    c.send(json!({"type": "conversation.item.create", "item": {"id": "u1", "type": "message", "role": "user",
+    c.send(json!({"type": "conversation.item.create", "item": {"id": "u1", "type": "message",
+        "role": "user",
         "content": [{"type": "input_text", "text": "Hello"}]}}))
         .await;
     assert_eq!(event(&mut c).await["item"]["id"], "u1");
@@ -134,14 +137,18 @@ async fn a_text_turn_in_g711_with_the_full_event_sequence() {
     );
     // truncation of the answer's audio, beyond its length refused
     let item = done["output"][0]["id"].as_str().unwrap().to_string();
-    c.send(json!({"type": "conversation.item.truncate", "item_id": item, "content_index": 0, "audio_end_ms": 5000, "event_id": "t1"})).await;
+    c.send(json!({"type": "conversation.item.truncate", "item_id": item, "content_index": 0,
+        "audio_end_ms": 5000, "event_id": "t1"}))
+        .await;
     let e = error(&mut c).await;
     assert_eq!(
         (e["param"].as_str(), e["event_id"].as_str()),
         (Some("audio_end_ms"), Some("t1")),
         "{e}"
     );
-    c.send(json!({"type": "conversation.item.truncate", "item_id": item, "content_index": 0, "audio_end_ms": 500})).await;
+    c.send(json!({"type": "conversation.item.truncate", "item_id": item, "content_index": 0,
+        "audio_end_ms": 500}))
+        .await;
     assert_eq!(event(&mut c).await["type"], "conversation.item.truncated");
     c.send(json!({"type": "conversation.item.retrieve", "item_id": item})).await;
     let r = event(&mut c).await;
@@ -168,7 +175,9 @@ async fn bad_input_gets_errors_with_the_event_id_and_the_session_goes_on() {
     assert_eq!(error(&mut c).await["code"], "invalid_event");
     c.send(json!({"type": "input_audio_buffer.append", "audio": "AAEC", "event_id": "odd"})).await;
     assert_eq!(error(&mut c).await["event_id"], "odd");
-    c.send(json!({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": null}}}})).await;
+    c.send(json!({"type": "session.update", "session": {"type": "realtime",
+        "audio": {"input": {"turn_detection": null}}}}))
+        .await;
     assert_eq!(event(&mut c).await["type"], "session.updated");
     c.send(json!({"type": "input_audio_buffer.commit"})).await;
     assert_eq!(error(&mut c).await["code"], "input_audio_buffer_commit_empty");
@@ -201,7 +210,9 @@ async fn bad_input_gets_errors_with_the_event_id_and_the_session_goes_on() {
         (e["code"].as_str(), e["event_id"].as_str()),
         (Some("item_retrieve_invalid_item_id"), Some("rci_nope"))
     );
-    c.send(json!({"type": "session.update", "session": {"type": "realtime", "instructions": "x".repeat(9000)}})).await;
+    c.send(json!({"type": "session.update", "session": {"type": "realtime",
+        "instructions": "x".repeat(9000)}}))
+        .await;
     assert_eq!(error(&mut c).await["param"], "session.instructions");
     // a response while one runs is the benign conflict pipecat expects
     c.send(json!({"type": "response.create"})).await;
@@ -213,10 +224,9 @@ async fn bad_input_gets_errors_with_the_event_id_and_the_session_goes_on() {
     }
     assert!(conflict, "the second response.create is refused");
     // and the session still answers
-    c.send(
-        json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}}),
-    )
-    .await;
+    c.send(json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "Hi"}]}}))
+        .await;
     c.send(json!({"type": "response.create"})).await;
     let done = until(&mut c, "response.done").await;
     assert_eq!(done.last().unwrap()["response"]["status"], "completed");
@@ -278,7 +288,11 @@ async fn what_a_client_keeps_on_the_server_is_bounded() {
     })
     .await;
     let mut c = connect(&s).await;
-    let text_item = |id: String, text: String| json!({"type": "conversation.item.create", "item": {"id": id, "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}});
+    let text_item = |id: String, text: String| {
+        json!({"type": "conversation.item.create",
+        "item": {"id": id, "type": "message", "role": "user", "content": [{"type": "input_text",
+        "text": text}]}})
+    };
     // more items than the list keeps: the oldest give way
     for i in 0..1030 {
         c.send(text_item(format!("i{i}"), "x".into())).await;
@@ -295,7 +309,11 @@ async fn what_a_client_keeps_on_the_server_is_bounded() {
     assert_eq!(event(&mut c).await["type"], "conversation.item.retrieved");
     // more text than the list keeps: 6 assistant items of 200 KB hold over 1 MiB (a user's text
     // waiting for a response is held to what one turn takes, below)
-    let said = |id: String, text: String| json!({"type": "conversation.item.create", "item": {"id": id, "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}});
+    let said = |id: String, text: String| {
+        json!({"type": "conversation.item.create",
+        "item": {"id": id, "type": "message", "role": "assistant",
+        "content": [{"type": "output_text", "text": text}]}})
+    };
     for i in 0..6 {
         c.send(said(format!("big{i}"), "y".repeat(200_000))).await;
         assert_eq!(event(&mut c).await["type"], "conversation.item.added");
@@ -311,7 +329,8 @@ async fn what_a_client_keeps_on_the_server_is_bounded() {
     assert_eq!(event(&mut c).await["type"], "conversation.item.retrieved");
     // user audio waiting for a response: at most what a turn holds (2 s here)
     let second = base64::engine::general_purpose::STANDARD.encode(vec![0u8; 48_000]);
-    let audio_item = json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+    let audio_item = json!({"type": "conversation.item.create", "item": {"type": "message",
+        "role": "user",
         "content": [{"type": "input_audio", "audio": second}]}});
     c.send(audio_item.clone()).await;
     c.send(audio_item.clone()).await;
@@ -321,7 +340,9 @@ async fn what_a_client_keeps_on_the_server_is_bounded() {
     c.send(audio_item).await;
     assert_eq!(error(&mut c).await["code"], "input_audio_buffer_full");
     // and the input buffer without turn detection
-    c.send(json!({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": null}}}})).await;
+    c.send(json!({"type": "session.update", "session": {"type": "realtime",
+        "audio": {"input": {"turn_detection": null}}}}))
+        .await;
     assert_eq!(event(&mut c).await["type"], "session.updated");
     for _ in 0..2 {
         c.send(json!({"type": "input_audio_buffer.append", "audio": second})).await;
@@ -347,7 +368,10 @@ async fn references_are_counted_before_they_are_joined() {
     })
     .await;
     let mut c = connect(&s).await;
-    let user = |id: &str, content: Value| json!({"type": "conversation.item.create", "item": {"id": id, "type": "message", "role": "user", "content": [content]}});
+    let user = |id: &str, content: Value| {
+        json!({"type": "conversation.item.create",
+        "item": {"id": id, "type": "message", "role": "user", "content": [content]}})
+    };
     c.send(user("t", json!({"type": "input_text", "text": "z".repeat(4_000)}))).await;
     let second = base64::engine::general_purpose::STANDARD.encode(vec![0u8; 48_000]);
     c.send(user("a", json!({"type": "input_audio", "audio": second}))).await;
@@ -355,7 +379,11 @@ async fn references_are_counted_before_they_are_joined() {
     for _ in 0..6 {
         assert!(event(&mut c).await["type"].as_str().unwrap().starts_with("conversation.item."));
     }
-    let refs = |id: &str, n: usize| json!({"type": "response.create", "event_id": format!("{id}{n}"), "response": {"input": vec![json!({"type": "item_reference", "id": id}); n]}});
+    let refs = |id: &str, n: usize| {
+        json!({"type": "response.create",
+        "event_id": format!("{id}{n}"), "response": {"input": vec![json!({"type": "item_reference",
+        "id": id}); n]}})
+    };
     // 70 × 4 KB of text: over the 256 KiB a turn's text frame holds
     c.send(refs("t", 70)).await;
     let e = error(&mut c).await;
@@ -398,7 +426,8 @@ async fn a_users_text_beyond_a_turn_is_refused_when_it_arrives() {
     let s = server(quick).await;
     let mut c = connect(&s).await;
     let user = |id: &str, n: usize| {
-        json!({"type": "conversation.item.create", "event_id": id, "item": {"id": id, "type": "message", "role": "user",
+        json!({"type": "conversation.item.create", "event_id": id, "item": {"id": id,
+            "type": "message", "role": "user",
         "content": [{"type": "input_text", "text": "q ".repeat(n / 2)}]}})
     };
     c.send(user("huge", 20_000)).await;
@@ -446,7 +475,8 @@ async fn instructions_are_checked_with_the_system_items_they_join() {
     .await;
     let mut c = connect(&s).await;
     let system = |id: &str, n: usize| {
-        json!({"type": "conversation.item.create", "event_id": id, "item": {"id": id, "type": "message", "role": "system",
+        json!({"type": "conversation.item.create", "event_id": id, "item": {"id": id,
+            "type": "message", "role": "system",
         "content": [{"type": "input_text", "text": "s".repeat(n)}]}})
     };
     c.send(system("huge", 9000)).await;
@@ -460,14 +490,18 @@ async fn instructions_are_checked_with_the_system_items_they_join() {
     c.send(system("small", 600)).await;
     assert_eq!(event(&mut c).await["type"], "conversation.item.added");
     assert_eq!(event(&mut c).await["type"], "conversation.item.done");
-    c.send(json!({"type": "session.update", "event_id": "long", "session": {"type": "realtime", "instructions": "i".repeat(1600)}})).await;
+    c.send(json!({"type": "session.update", "event_id": "long", "session": {"type": "realtime",
+        "instructions": "i".repeat(1600)}}))
+        .await;
     let e = error(&mut c).await;
     assert_eq!(
         (e["param"].as_str(), e["event_id"].as_str()),
         (Some("session.instructions"), Some("long")),
         "{e}"
     );
-    c.send(json!({"type": "response.create", "event_id": "r", "response": {"instructions": "i".repeat(1600)}})).await;
+    c.send(json!({"type": "response.create", "event_id": "r",
+        "response": {"instructions": "i".repeat(1600)}}))
+        .await;
     let e = error(&mut c).await;
     assert_eq!(
         (e["param"].as_str(), e["event_id"].as_str()),
@@ -475,10 +509,9 @@ async fn instructions_are_checked_with_the_system_items_they_join() {
         "{e}"
     );
     // what was refused changed nothing: a response now runs with the 600-character item
-    c.send(
-        json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}}),
-    )
-    .await;
+    c.send(json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "hi"}]}}))
+        .await;
     event(&mut c).await;
     event(&mut c).await;
     c.send(json!({"type": "response.create"})).await;
@@ -522,7 +555,11 @@ async fn frames_over_the_limit_or_not_utf8_get_an_error_and_a_close_code() {
     )))
     .await;
     let ms = c.until(|m| matches!(m, In::Closed(_))).await;
-    assert!(ms.iter().any(|m| matches!(m, In::Event(v) if v["type"] == "error" && v["error"]["code"] == "invalid_json")), "{ms:?}");
+    assert!(
+        ms.iter().any(|m| matches!(m,
+        In::Event(v) if v["type"] == "error" && v["error"]["code"] == "invalid_json")),
+        "{ms:?}"
+    );
     assert!(matches!(ms.last(), Some(In::Closed(Some(1007)))), "{ms:?}");
     s.shutdown().await.unwrap();
 }
@@ -564,7 +601,9 @@ async fn capacity_says_when_to_try_again() {
     let mut b = connect(&s).await;
     let mut a = Client::connect(&s).await;
     a.create(json!({})).await;
-    a.send(json!({"type": "input.text", "text": "talk a while", "generation": {"min_audio_tokens": 2000, "max_audio_tokens": 2000}})).await;
+    a.send(json!({"type": "input.text", "text": "talk a while",
+        "generation": {"min_audio_tokens": 2000, "max_audio_tokens": 2000}}))
+        .await;
     a.until(|m| matches!(m, In::Audio(_))).await;
     b.send(json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
         "content": [{"type": "input_text", "text": "me too"}]}}))

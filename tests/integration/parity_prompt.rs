@@ -1,6 +1,6 @@
-//! Numerical parity of reference-voice preparation: kaldi fbank (torchaudio), the flow's prompt mel,
-//! the S3 tokenizer (its mel and exact codes, through the ONNX file), CAM++ (the ONNX graph against
-//! onnxruntime). Fixtures: `tests/parity/make_prompt_fixtures.py`.
+//! Numerical parity of reference-voice preparation: kaldi fbank (torchaudio), the flow's prompt
+//! mel, the S3 tokenizer (its mel and exact codes, through the ONNX file), CAM++ (the ONNX graph
+//! against onnxruntime). Fixtures: `tests/parity/make_prompt_fixtures.py`.
 
 use crate::common;
 

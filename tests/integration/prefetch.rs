@@ -1,7 +1,7 @@
 //! Reference prefetch in Stage 2, one rule per test, driving the stage step by step (no threads,
-//! no timing): the double-idle rule, the busy gate, a burst prefetched together, the pin cap, phase B off by
-//! default, claim / retire / inline / evict at chunk 0, failures, aborts, duplex, owner/pin
-//! separation, and bit-identical chunk 0.
+//! no timing): the double-idle rule, the busy gate, a burst prefetched together, the pin cap, phase
+//! B off by default, claim / retire / inline / evict at chunk 0, failures, aborts, duplex,
+//! owner/pin separation, and bit-identical chunk 0.
 
 use std::sync::{Arc, Mutex};
 

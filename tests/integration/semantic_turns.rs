@@ -26,7 +26,9 @@ fn silence(ms: usize) -> Vec<u8> {
 /// Every event up to the `session.updated` that answers a `session.update` sent after the audio:
 /// the session handles its events in order, so by then every append has been looked at.
 async fn turns_in(c: &mut Client, turn_detection: Value, audio: &[u8]) -> Vec<Value> {
-    c.send(json!({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": turn_detection}}}})).await;
+    c.send(json!({"type": "session.update", "session": {"type": "realtime",
+        "audio": {"input": {"turn_detection": turn_detection}}}}))
+        .await;
     let mut seen = Vec::new();
     loop {
         if let In::Event(v) = c.recv().await {
@@ -36,7 +38,9 @@ async fn turns_in(c: &mut Client, turn_detection: Value, audio: &[u8]) -> Vec<Va
         }
     }
     for piece in audio.chunks(9600) {
-        c.send(json!({"type": "input_audio_buffer.append", "audio": base64::engine::general_purpose::STANDARD.encode(piece)})).await;
+        c.send(json!({"type": "input_audio_buffer.append",
+            "audio": base64::engine::general_purpose::STANDARD.encode(piece)}))
+            .await;
     }
     c.send(json!({"type": "session.update", "session": {"type": "realtime"}})).await;
     loop {
@@ -96,7 +100,9 @@ async fn a_paused_sentence_is_one_semantic_turn_and_two_silence_turns() {
         turns_in(&mut c, json!({"type": "server_vad", "create_response": false}), &audio).await;
     assert_eq!(count(&events, "input_audio_buffer.speech_stopped"), 2, "{events:?}");
     // what was asked is echoed
-    c.send(json!({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": semantic}}}})).await;
+    c.send(json!({"type": "session.update", "session": {"type": "realtime",
+        "audio": {"input": {"turn_detection": semantic}}}}))
+        .await;
     let updated = loop {
         if let In::Event(v) = c.recv().await {
             if v["type"] == "session.updated" {

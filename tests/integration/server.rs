@@ -95,7 +95,9 @@ async fn drop_and_resume(s: &Server, cut: usize, codes: u64) {
     drop(c); // unclean: no close frame
     let last = *seen.iter().max().unwrap();
     let mut c = Client::connect(s).await;
-    c.send(json!({"type": "session.resume", "session_id": id, "resume_token": token, "last_seq": last})).await;
+    c.send(json!({"type": "session.resume", "session_id": id, "resume_token": token,
+        "last_seq": last}))
+        .await;
     let resumed = c.event("session.resumed").await;
     assert_eq!(resumed["input_seq"], 1, "the server applied input 1");
     assert!(resumed.get("seq").is_none());
@@ -187,7 +189,9 @@ async fn expiry_replacement_and_resume_errors() {
     )
     .await;
     assert_eq!(c.event("error").await["code"], "bad_resume_token");
-    c.send(json!({"type": "session.resume", "session_id": "s_nobody", "resume_token": "x", "last_seq": 0})).await;
+    c.send(json!({"type": "session.resume", "session_id": "s_nobody", "resume_token": "x",
+        "last_seq": 0}))
+        .await;
     assert_eq!(c.event("error").await["code"], "session_not_found");
     // drop b; after the 1 s grace the session is gone
     drop(b);
@@ -207,7 +211,8 @@ async fn capacity_is_answered_with_retry_after() {
     let mut a = Client::connect(&s).await;
     a.create(json!({})).await;
     let mut b = Client::connect(&s).await;
-    b.send(json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16", "sample_rate": 16000},
+    b.send(json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16",
+        "sample_rate": 16000},
         "output_audio": {"codec": "opus"}}))
         .await;
     let e = b.event("error").await;
@@ -232,12 +237,58 @@ async fn bad_input_never_ends_the_session() {
         (Message::Text("[1,2]".into()), "bad_json"),
         (Message::Text(json!({"type": "dance"}).to_string().into()), "unknown_event"),
         (Message::Text(json!({"type": "input.text"}).to_string().into()), "bad_field"),
-        (Message::Text(json!({"type": "playback", "response_id": "x", "played_ms": 1}).to_string().into()), "bad_field"),
-        (Message::Text(json!({"type": "session.update", "voice": {"id": "nobody"}}).to_string().into()), "bad_field"),
-        (Message::Text(json!({"type": "session.update", "output_audio": {"codec": "opus", "frame_ms": 7}}).to_string().into()), "bad_field"),
-        (Message::Text(json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16", "sample_rate": 16000}, "output_audio": {"codec": "opus"}}).to_string().into()), "session_in_use"),
+        (
+            Message::Text(
+                json!({"type": "playback", "response_id": "x",
+            "played_ms": 1})
+                .to_string()
+                .into(),
+            ),
+            "bad_field",
+        ),
+        (
+            Message::Text(
+                json!({"type": "session.update",
+            "voice": {"id": "nobody"}})
+                .to_string()
+                .into(),
+            ),
+            "bad_field",
+        ),
+        (
+            Message::Text(
+                json!({"type": "session.update", "output_audio": {"codec": "opus",
+            "frame_ms": 7}})
+                .to_string()
+                .into(),
+            ),
+            "bad_field",
+        ),
+        (
+            Message::Text(
+                json!({"type": "session.create", "mode": "turn",
+            "input_audio": {"codec": "pcm16", "sample_rate": 16000},
+            "output_audio": {"codec": "opus"}})
+                .to_string()
+                .into(),
+            ),
+            "session_in_use",
+        ),
         (Message::Binary(vec![1, 0, 0].into()), "bad_audio"),
-        (Message::Binary(AudioFrame { kind: 1, last: false, seq: 0, response_id: 0, payload: vec![0xff; 40] }.encode().into()), "bad_audio"),
+        (
+            Message::Binary(
+                AudioFrame {
+                    kind: 1,
+                    last: false,
+                    seq: 0,
+                    response_id: 0,
+                    payload: vec![0xff; 40],
+                }
+                .encode()
+                .into(),
+            ),
+            "bad_audio",
+        ),
         (Message::Text(json!({"type": "input.commit"}).to_string().into()), "bad_field"),
     ];
     for (m, code) in cases {
@@ -311,7 +362,8 @@ async fn absurd_generation_values_are_refused_and_the_server_stays_up() {
         .await;
     assert_eq!(c.event("error").await["code"], "bad_field");
     let mut d = Client::connect(&s).await;
-    d.send(json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16", "sample_rate": 16000},
+    d.send(json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16",
+        "sample_rate": 16000},
         "output_audio": {"codec": "opus"}, "generation": {"max_text_tokens": 1_000_000_000}}))
         .await;
     let e = d.event("error").await;
@@ -330,7 +382,9 @@ async fn absurd_generation_values_are_refused_and_the_server_stays_up() {
 async fn spoken_input_in_opus_and_pcm16_output() {
     let s = server(|_| {}).await;
     let mut c = Client::connect(&s).await;
-    c.create(json!({"input_audio": {"codec": "opus", "sample_rate": 48000}, "output_audio": {"codec": "pcm16", "frame_ms": 40}})).await;
+    c.create(json!({"input_audio": {"codec": "opus", "sample_rate": 48000},
+        "output_audio": {"codec": "pcm16", "frame_ms": 40}}))
+        .await;
     let mut enc =
         opus::Encoder::new(48_000, opus::Channels::Mono, opus::Application::Voip).unwrap();
     for k in 0..50u32 {
@@ -390,9 +444,8 @@ async fn cancel_stops_audio_quickly_and_playback_truncates() {
     // a new turn works
     c.send(json!({"type": "input.text", "text": "again", "generation": short(8)})).await;
     let ms = c.until(is_done).await;
-    assert!(
-        matches!(ms.last().unwrap(), In::Event(v) if v["status"] == "completed" && v["response_id"] == 2)
-    );
+    assert!(matches!(ms.last().unwrap(),
+            In::Event(v) if v["status"] == "completed" && v["response_id"] == 2));
     s.shutdown().await.unwrap();
 }
 
@@ -438,7 +491,11 @@ async fn shutdown_tells_sessions_and_drains() {
         _ => unreachable!(),
     }
     // the response in flight finished before the close
-    assert!(ms.iter().any(|m| matches!(m, In::Event(v) if v["type"] == "response.done" && v["status"] == "completed")), "{ms:?}");
+    assert!(
+        ms.iter().any(|m| matches!(m,
+        In::Event(v) if v["type"] == "response.done" && v["status"] == "completed")),
+        "{ms:?}"
+    );
     stop.await.unwrap().unwrap();
     assert_eq!(shared.sessions.len(), 0);
 }
@@ -555,7 +612,8 @@ async fn a_duplex_session_over_the_wire() {
     let s = server(|_| {}).await;
     // `duplex` belongs to duplex sessions only
     let mut t = Client::connect(&s).await;
-    t.send(json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16", "sample_rate": 16000},
+    t.send(json!({"type": "session.create", "mode": "turn", "input_audio": {"codec": "pcm16",
+        "sample_rate": 16000},
         "output_audio": {"codec": "opus"}, "duplex": {"policy": "speak_every", "k": 2}}))
         .await;
     assert_eq!(t.event("error").await["code"], "bad_field");

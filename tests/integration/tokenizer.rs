@@ -91,7 +91,12 @@ fn spoken_reply_prompt_follows_the_chat_template() {
     assert_eq!(ids, want);
     // a written reply (the ASR task's template): the same without <|tts_bos|>
     assert_eq!(t.written_reply_prompt(&msgs).unwrap(), want[..want.len() - 1]);
-    assert_eq!(t.decode(&ids).unwrap(), "system\nUse the voice in the audio prompt to synthesize new content.\n\nYou are a helpful assistant with the above voice style.\nuser\nHi\nassistant\n\n\n\n\n");
+    assert_eq!(
+        t.decode(&ids).unwrap(),
+        "system\nUse the voice in the audio prompt to synthesize \
+        new content.\n\nYou are a helpful assistant with the above voice \
+        style.\nuser\nHi\nassistant\n\n\n\n\n"
+    );
 }
 
 #[test]
@@ -199,7 +204,8 @@ fn tools_calls_and_results_render_as_the_qwen3_template_does() {
     use antiphon_models::tools::{
         assistant_content, responses_content, FunctionTool, ToolCall, ToolSet,
     };
-    let params = serde_json::json!({"type": "object", "properties": {"city": {"type": "string", "description": "Où"}}, "required": ["city"]});
+    let params = serde_json::json!({"type": "object", "properties": {"city": {"type": "string",
+        "description": "Où"}}, "required": ["city"]});
     let set = ToolSet::new(vec![
         FunctionTool {
             name: "get_weather".into(),
@@ -208,10 +214,17 @@ fn tools_calls_and_results_render_as_the_qwen3_template_does() {
         },
         FunctionTool { name: "hang_up".into(), description: None, parameters: None },
     ]);
-    let want = "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n\
-        {\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"The weather \\\"now\\\"\", \"parameters\": {\"properties\": {\"city\": {\"description\": \"Où\", \"type\": \"string\"}}, \"required\": [\"city\"], \"type\": \"object\"}}}\n\
-        {\"type\": \"function\", \"function\": {\"name\": \"hang_up\"}}\n</tools>\n\n\
-        For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>";
+    let want = "\n\n# Tools\n\nYou may call one or more functions to assist with the user \
+    query.\n\nYou are provided with function signatures within <tools></tools> XML \
+    tags:\n<tools>\n\
+    {\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"The \
+    weather \\\"now\\\"\", \"parameters\": {\"properties\": {\"city\": \
+    {\"description\": \"Où\", \"type\": \"string\"}}, \"required\": \
+    [\"city\"], \"type\": \"object\"}}}\n\
+    {\"type\": \"function\", \"function\": {\"name\": \"hang_up\"}}\n</tools>\n\n\
+    For each function call, return a json object with function name and arguments within \
+    <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": \
+    <function-name>, \"arguments\": <args-json-object>}\n</tool_call>";
     assert_eq!(set.block(), want);
     let call = ToolCall::parse(
         " \n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Paris\"}}\n",
@@ -226,7 +239,9 @@ fn tools_calls_and_results_render_as_the_qwen3_template_does() {
     assert_eq!(hang.arguments, "{}");
     assert_eq!(
         assistant_content("Let me look.", &[call.clone(), hang.clone()]),
-        "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"hang_up\", \"arguments\": {}}\n</tool_call>"
+        "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": \
+        {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"hang_up\", \
+        \"arguments\": {}}\n</tool_call>"
     );
     assert_eq!(
         assistant_content("", std::slice::from_ref(&hang)),

@@ -16,7 +16,8 @@ const CALL: &str =
 
 fn tools() -> Value {
     json!([{"name": "get_weather", "description": "The weather in a city now",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                "required": ["city"]}},
            {"name": "hang_up"}])
 }
 
@@ -33,8 +34,12 @@ async fn a_tool_loop_over_the_wire() {
     let s = server(|_| {}).await;
     let mut c = Client::connect(&s).await;
     c.create(json!({"tools": tools()})).await;
-    let ask = json!({"prefix": format!("Let me check.\n{CALL}"), "max_text_tokens": 200, "min_audio_tokens": 20, "max_audio_tokens": 20, "seed": 1});
-    c.send(json!({"type": "input.text", "text": "What is the weather in Paris?", "seq": 1, "generation": ask})).await;
+    let ask = json!({"prefix": format!("Let me check.\n{CALL}"), "max_text_tokens": 200,
+        "min_audio_tokens": 20, "max_audio_tokens": 20,
+            "seed": 1});
+    c.send(json!({"type": "input.text", "text": "What is the weather in Paris?", "seq": 1,
+        "generation": ask}))
+        .await;
     let before_call = c.until(|m| m.ty() == "response.tool_call").await;
     let said: String = events(&before_call)
         .iter()
@@ -51,11 +56,11 @@ async fn a_tool_loop_over_the_wire() {
     let call_id = call["call_id"].as_str().unwrap().to_string();
     assert!(call_id.starts_with("call_") && call_id.len() <= 32, "{call_id}");
     // the output comes back at once; the answer waits for the calling response to be done
-    let answer = json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": 20, "max_audio_tokens": 20, "seed": 2});
-    c.send(
-        json!({"type": "input.tool_result", "seq": 2, "results": [{"call_id": call_id, "output": "{\"temperature_c\": 18}"}], "generation": answer}),
-    )
-    .await;
+    let answer = json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": 20,
+        "max_audio_tokens": 20, "seed": 2});
+    c.send(json!({"type": "input.tool_result", "seq": 2, "results": [{"call_id": call_id,
+            "output": "{\"temperature_c\": 18}"}], "generation": answer}))
+        .await;
     let rest = c
         .until(
             |m| matches!(m, In::Event(v) if v["type"] == "response.done" && v["response_id"] == 2),
@@ -101,7 +106,8 @@ async fn a_tool_loop_over_the_wire() {
     );
 
     // a call that is not one says why, and the response ends
-    let bad = json!({"prefix": "<tool_call>\n{\"name\": \"get_time\"}\n</tool_call>", "max_text_tokens": 200, "seed": 4});
+    let bad = json!({"prefix": "<tool_call>\n{\"name\": \"get_time\"}\n</tool_call>",
+        "max_text_tokens": 200, "seed": 4});
     c.send(json!({"type": "input.text", "text": "What time is it?", "seq": 4, "generation": bad}))
         .await;
     let ms = c.until(is_done).await;
@@ -123,12 +129,14 @@ async fn bad_tool_input_is_refused_naming_the_field() {
     c.create(json!({"tools": tools()})).await;
     let cases = [
         (
-            json!({"type": "input.tool_result", "results": [{"call_id": "call_nope", "output": "x"}]}),
+            json!({"type": "input.tool_result", "results": [{"call_id": "call_nope",
+                "output": "x"}]}),
             "results[0].call_id",
         ),
         (json!({"type": "input.tool_result", "results": []}), "results"),
         (
-            json!({"type": "input.text", "text": "hi", "generation": {"tool_choice": {"name": "get_time"}}}),
+            json!({"type": "input.text", "text": "hi",
+                "generation": {"tool_choice": {"name": "get_time"}}}),
             "generation.tool_choice",
         ),
         (
@@ -141,7 +149,8 @@ async fn bad_tool_input_is_refused_naming_the_field() {
         ),
         (json!({"type": "session.update", "tools": [{"name": "a b"}]}), "tools[0].name"),
         (
-            json!({"type": "session.update", "tools": [], "generation": {"tool_choice": "required"}}),
+            json!({"type": "session.update", "tools": [],
+                "generation": {"tool_choice": "required"}}),
             "generation.tool_choice",
         ),
     ];
@@ -159,7 +168,8 @@ async fn bad_tool_input_is_refused_naming_the_field() {
     // tools are for turns: a duplex session refuses them
     let mut d = Client::connect(&s).await;
     d.send(json!({"type": "session.create", "mode": "duplex", "tools": tools(),
-        "input_audio": {"codec": "pcm16", "sample_rate": 16000}, "output_audio": {"codec": "opus"}}))
+        "input_audio": {"codec": "pcm16", "sample_rate": 16000},
+            "output_audio": {"codec": "opus"}}))
         .await;
     let e = d.event("error").await;
     assert!(e["message"].as_str().unwrap().contains("`tools`"), "{e}");
@@ -206,9 +216,11 @@ fn types(evs: &[Value]) -> Vec<&str> {
 async fn a_tool_loop_in_the_openai_dialect() {
     let s = server(|c| c.engine.default_max_audio_tokens = 30).await;
     let mut c = oai_connect(&s).await;
-    let weather = json!({"type": "function", "name": "get_weather", "description": "The weather in a city now",
+    let weather = json!({"type": "function", "name": "get_weather",
+        "description": "The weather in a city now",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}});
-    c.send(json!({"type": "session.update", "session": {"type": "realtime", "tools": [weather], "tool_choice": "auto",
+    c.send(json!({"type": "session.update", "session": {"type": "realtime", "tools": [weather],
+        "tool_choice": "auto",
         "audio": {"input": {"turn_detection": null}}}}))
         .await;
     let u = oai_until(&mut c, "session.updated").await.pop().unwrap();
@@ -216,8 +228,15 @@ async fn a_tool_loop_in_the_openai_dialect() {
         (u["session"]["tools"][0]["name"].as_str(), u["session"]["tool_choice"].as_str()),
         (Some("get_weather"), Some("auto"))
     );
-    let user = |text: &str| json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}});
-    let begun = |text: &str| json!({"type": "conversation.item.create", "item": {"type": "message", "role": "assistant", "status": "incomplete", "content": [{"type": "output_text", "text": text}]}});
+    let user = |text: &str| {
+        json!({"type": "conversation.item.create", "item": {"type": "message",
+        "role": "user", "content": [{"type": "input_text", "text": text}]}})
+    };
+    let begun = |text: &str| {
+        json!({"type": "conversation.item.create", "item": {"type": "message",
+        "role": "assistant", "status": "incomplete", "content": [{"type": "output_text",
+        "text": text}]}})
+    };
     c.send(user("What is the weather in Paris?")).await;
     oai_until(&mut c, "conversation.item.done").await;
     c.send(begun(CALL)).await;
@@ -256,7 +275,8 @@ async fn a_tool_loop_in_the_openai_dialect() {
     );
     assert_eq!(evs[1]["item"]["arguments"], "", "the call opens with no arguments");
     // the output goes back, and the next response answers with speech
-    c.send(json!({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": call_id, "output": "{\"temperature_c\": 18}"}}))
+    c.send(json!({"type": "conversation.item.create", "item": {"type": "function_call_output",
+        "call_id": call_id, "output": "{\"temperature_c\": 18}"}}))
         .await;
     oai_until(&mut c, "conversation.item.done").await;
     c.send(json!({"type": "response.create", "response": {"max_output_tokens": 6}})).await;
@@ -293,7 +313,9 @@ async fn a_tool_loop_in_the_openai_dialect() {
     // a text-only response is written, not spoken
     c.send(user("Say it in writing.")).await;
     oai_until(&mut c, "conversation.item.done").await;
-    c.send(json!({"type": "response.create", "response": {"output_modalities": ["text"], "tool_choice": "none", "max_output_tokens": 6}})).await;
+    c.send(json!({"type": "response.create", "response": {"output_modalities": ["text"],
+        "tool_choice": "none", "max_output_tokens": 6}}))
+        .await;
     let evs = oai_until(&mut c, "response.done").await;
     let done = &evs.last().unwrap()["response"];
     assert_eq!(done["status"], "completed");
@@ -301,7 +323,9 @@ async fn a_tool_loop_in_the_openai_dialect() {
     assert!(!evs.iter().any(|v| v["type"] == "response.output_audio.delta"));
     assert_eq!(done["usage"]["output_token_details"]["audio_tokens"], 0, "no audio was made");
     // tool_choice naming an undeclared function is refused, naming the param
-    c.send(json!({"type": "response.create", "response": {"tool_choice": {"type": "function", "name": "get_time"}}})).await;
+    c.send(json!({"type": "response.create", "response": {"tool_choice": {"type": "function",
+        "name": "get_time"}}}))
+        .await;
     let e = oai_until(&mut c, "error").await.pop().unwrap();
     assert_eq!(e["error"]["param"], "response.tool_choice", "{e}");
     s.shutdown().await.unwrap();
@@ -333,7 +357,8 @@ async fn spoken_turns_are_transcribed_after_the_replys_first_audio() {
     let mut c = Client::connect(&s).await;
     c.create(json!({"input_transcription": true})).await;
     let seq = speak(&mut c, 1, 1).await;
-    let g = json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": 20, "max_audio_tokens": 20, "seed": 1});
+    let g = json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": 20,
+        "max_audio_tokens": 20, "seed": 1});
     c.send(json!({"type": "input.commit", "seq": seq, "generation": g})).await;
     let ms = c.until(|m| m.ty() == "input.transcript.done").await;
     let first_audio = ms
@@ -382,7 +407,8 @@ async fn the_dialect_transcribes_a_committed_turn() {
     let s = server(|c| c.engine.default_max_audio_tokens = 30).await;
     let mut c = oai_connect(&s).await;
     c.send(json!({"type": "session.update", "session": {"type": "realtime",
-        "audio": {"input": {"turn_detection": null, "transcription": {"model": "gpt-4o-transcribe"}}}}}))
+        "audio": {"input": {"turn_detection": null,
+            "transcription": {"model": "gpt-4o-transcribe"}}}}}))
         .await;
     let u = oai_until(&mut c, "session.updated").await.pop().unwrap();
     assert_eq!(u["session"]["audio"]["input"]["transcription"]["model"], "gpt-4o-transcribe");
@@ -390,7 +416,9 @@ async fn the_dialect_transcribes_a_committed_turn() {
     let pcm: Vec<u8> = (0..24_000)
         .flat_map(|i| ((6000.0 * ((i as f32) * 0.04).sin()) as i16).to_le_bytes())
         .collect();
-    c.send(json!({"type": "input_audio_buffer.append", "audio": base64::engine::general_purpose::STANDARD.encode(&pcm)})).await;
+    c.send(json!({"type": "input_audio_buffer.append",
+        "audio": base64::engine::general_purpose::STANDARD.encode(&pcm)}))
+        .await;
     c.send(json!({"type": "input_audio_buffer.commit"})).await;
     let item = oai_until(&mut c, "input_audio_buffer.committed").await.pop().unwrap()["item_id"]
         .as_str()
@@ -425,7 +453,10 @@ async fn the_dialect_transcribes_a_committed_turn() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_not_remembered_leaves_no_trace() {
     let s = server(|_| {}).await;
-    let g = |remember: bool| json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": 20, "max_audio_tokens": 20, "seed": 1, "remember": remember});
+    let g = |remember: bool| {
+        json!({"min_text_tokens": 4, "max_text_tokens": 4,
+        "min_audio_tokens": 20, "max_audio_tokens": 20, "seed": 1, "remember": remember})
+    };
     let input_tokens =
         |ms: &[In]| events(ms).last().unwrap()["usage"]["input_tokens"].as_u64().unwrap();
     let mut a = Client::connect(&s).await;
@@ -457,14 +488,12 @@ async fn a_replayed_conversation_is_what_the_model_remembers() {
     let s = server(|c| c.engine.default_max_audio_tokens = 30).await;
     let create = |item: Value| json!({"type": "conversation.item.create", "item": item});
     let user = |t: &str| {
-        create(
-            json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]}),
-        )
+        create(json!({"type": "message", "role": "user", "content": [{"type": "input_text",
+                "text": t}]}))
     };
     let said = |t: &str| {
-        create(
-            json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": t}]}),
-        )
+        create(json!({"type": "message", "role": "assistant", "content": [{"type": "output_text",
+                "text": t}]}))
     };
     let ask = |c: Client| async move {
         let mut c = c;
@@ -482,17 +511,17 @@ async fn a_replayed_conversation_is_what_the_model_remembers() {
         let s = &s;
         async move {
             let mut c = oai_connect(s).await;
-            c.send(json!({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": null}}}})).await;
+            c.send(json!({"type": "session.update", "session": {"type": "realtime",
+                "audio": {"input": {"turn_detection": null}}}}))
+                .await;
             oai_until(&mut c, "session.updated").await;
             let replay = [
                 user("What is the weather in Paris?"),
                 said("Let me check."),
-                create(
-                    json!({"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}),
-                ),
-                create(
-                    json!({"type": "function_call_output", "call_id": "call_1", "output": "{\"temperature_c\": 18}"}),
-                ),
+                create(json!({"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                        "arguments": "{\"city\": \"Paris\"}"})),
+                create(json!({"type": "function_call_output", "call_id": "call_1",
+                        "output": "{\"temperature_c\": 18}"})),
                 said(answer),
             ];
             for item in replay {
@@ -514,15 +543,18 @@ async fn a_replayed_conversation_is_what_the_model_remembers() {
     );
 
     // over v1: the same turns appended, then the same question
-    let g = json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": 20, "max_audio_tokens": 20, "seed": 1});
+    let g = json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": 20,
+        "max_audio_tokens": 20, "seed": 1});
     let input_tokens =
         |ms: &[In]| events(ms).last().unwrap()["usage"]["input_tokens"].as_u64().unwrap();
     let mut v = Client::connect(&s).await;
     v.create(json!({})).await;
     v.send(json!({"type": "conversation.append", "turns": [
         {"user": "What is the weather in Paris?", "assistant": "Let me check.",
-         "calls": [{"call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}]},
-        {"tool_outputs": ["{\"temperature_c\": 18}"], "assistant": "It is eighteen degrees in Paris."}]}))
+         "calls": [{"call_id": "call_1", "name": "get_weather",
+             "arguments": "{\"city\": \"Paris\"}"}]},
+        {"tool_outputs": ["{\"temperature_c\": 18}"],
+            "assistant": "It is eighteen degrees in Paris."}]}))
         .await;
     v.send(json!({"type": "input.text", "text": "And tomorrow?", "generation": g})).await;
     let appended = input_tokens(&v.until(is_done).await);
@@ -532,7 +564,11 @@ async fn a_replayed_conversation_is_what_the_model_remembers() {
     let fresh = input_tokens(&w.until(is_done).await);
     assert!(appended > fresh + 60, "{appended} vs {fresh}");
     // a call whose arguments are not an object is refused, naming it, and nothing is appended
-    v.send(json!({"type": "conversation.append", "turns": [{"user": "x", "calls": [{"call_id": "c", "name": "f", "arguments": "[1]"}]}]})).await;
+    v.send(
+        json!({"type": "conversation.append", "turns": [{"user": "x", "calls": [{"call_id": "c",
+        "name": "f", "arguments": "[1]"}]}]}),
+    )
+    .await;
     let e = v.event("error").await;
     assert!(e["message"].as_str().unwrap().contains("`turns[0].calls[0].arguments`"), "{e}");
     s.shutdown().await.unwrap();
@@ -547,7 +583,9 @@ async fn measure(c: &mut Client) -> u64 {
 
 /// The prompt's input tokens and those reused from the prefix store.
 async fn measure_both(c: &mut Client) -> (u64, u64) {
-    c.send(json!({"type": "response.create", "response": {"conversation": "none", "max_output_tokens": 2, "output_modalities": ["text"]}})).await;
+    c.send(json!({"type": "response.create", "response": {"conversation": "none",
+        "max_output_tokens": 2, "output_modalities": ["text"]}}))
+        .await;
     let done = oai_until(c, "response.done").await.pop().unwrap();
     let u = &done["response"]["usage"];
     (
@@ -561,14 +599,12 @@ async fn a_deleted_item_is_forgotten() {
     let s = server(|c| c.engine.default_max_audio_tokens = 30).await;
     let create = |item: Value| json!({"type": "conversation.item.create", "item": item});
     let user = |t: &str| {
-        create(
-            json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]}),
-        )
+        create(json!({"type": "message", "role": "user", "content": [{"type": "input_text",
+                "text": t}]}))
     };
     let said = |id: &str, t: &str| {
-        create(
-            json!({"id": id, "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": t}]}),
-        )
+        create(json!({"id": id, "type": "message", "role": "assistant",
+                "content": [{"type": "output_text", "text": t}]}))
     };
     let session = |answer: &'static str| {
         let s = &s;
@@ -596,7 +632,8 @@ async fn a_deleted_item_is_forgotten() {
     assert_eq!(l2, s2, "the deleted answer is not in the prompt");
     assert!(l2 < l1);
     // v1: conversation.clear forgets every turn
-    let g = json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": 20, "max_audio_tokens": 20, "seed": 1});
+    let g = json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": 20,
+        "max_audio_tokens": 20, "seed": 1});
     let input_tokens =
         |ms: &[In]| events(ms).last().unwrap()["usage"]["input_tokens"].as_u64().unwrap();
     let mut v = Client::connect(&s).await;
@@ -619,7 +656,10 @@ async fn a_deleted_item_is_forgotten() {
 async fn previous_item_id_places_an_item() {
     let s = server(|c| c.engine.default_max_audio_tokens = 30).await;
     let mut c = oai_connect(&s).await;
-    let item = |id: &str, role: &str, kind: &str, t: &str| json!({"id": id, "type": "message", "role": role, "content": [{"type": kind, "text": t}]});
+    let item = |id: &str, role: &str, kind: &str, t: &str| {
+        json!({"id": id, "type": "message",
+        "role": role, "content": [{"type": kind, "text": t}]})
+    };
     for it in [
         item("q", "user", "input_text", "What is the weather in Paris?"),
         item("a1", "assistant", "output_text", "Mild."),
@@ -631,7 +671,11 @@ async fn previous_item_id_places_an_item() {
     // (measured twice: the second prompt is the first's, held by the prefix store)
     let (before, held) = measure_both(&mut c).await;
     let greeting = "Hello, I can tell you the weather anywhere.";
-    c.send(json!({"type": "conversation.item.create", "previous_item_id": "root", "item": item("a0", "assistant", "output_text", greeting)})).await;
+    c.send(
+        json!({"type": "conversation.item.create", "previous_item_id": "root", "item": item("a0",
+        "assistant", "output_text", greeting)}),
+    )
+    .await;
     let added = oai_until(&mut c, "conversation.item.added").await.pop().unwrap();
     assert!(added["previous_item_id"].is_null(), "{added}");
     oai_until(&mut c, "conversation.item.done").await;
@@ -644,11 +688,17 @@ async fn previous_item_id_places_an_item() {
         grew >= greeting.len() as u64 && grew <= greeting.len() as u64 + 32,
         "the greeting is remembered: {before} -> {after}"
     );
-    c.send(json!({"type": "conversation.item.create", "previous_item_id": "q", "item": item("n", "user", "input_text", "Note.")})).await;
+    c.send(json!({"type": "conversation.item.create", "previous_item_id": "q", "item": item("n",
+        "user", "input_text", "Note.")}))
+        .await;
     let added = oai_until(&mut c, "conversation.item.added").await.pop().unwrap();
     assert_eq!(added["previous_item_id"], "q");
     oai_until(&mut c, "conversation.item.done").await;
-    c.send(json!({"type": "conversation.item.create", "previous_item_id": "nope", "item": item("m", "user", "input_text", "x")})).await;
+    c.send(
+        json!({"type": "conversation.item.create", "previous_item_id": "nope", "item": item("m",
+        "user", "input_text", "x")}),
+    )
+    .await;
     let e = oai_until(&mut c, "error").await.pop().unwrap();
     assert_eq!(e["error"]["param"], "previous_item_id", "{e}");
     s.shutdown().await.unwrap();

@@ -42,7 +42,11 @@ async fn http(
     body: &[u8],
 ) -> (u16, String) {
     let mut t = TcpStream::connect(addr).await.unwrap();
-    let head = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n{headers}\r\n", body.len());
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: \
+        close\r\nContent-Length: {}\r\n{headers}\r\n",
+        body.len()
+    );
     t.write_all(head.as_bytes()).await.unwrap();
     // (a refused upload may be answered before all of it is read)
     let _ = t.write_all(body).await;

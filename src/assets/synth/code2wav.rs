@@ -138,10 +138,65 @@ pub fn flow_yaml(c: &FlowConfig) -> String {
     let e = &c.encoder;
     let d = &c.estimator;
     format!(
-        "flow: !new:cosyvoice2.flow.flow.CausalMaskedDiffWithXvec\n    input_size: {}\n    output_size: {}\n    spk_embed_dim: {}\n    output_type: 'mel'\n    vocab_size: {}\n    encoder: !new:cosyvoice2.transformer.upsample_encoder_v2.UpsampleConformerEncoderV2\n        input_size: {}\n        output_size: {}\n        input_layer: 'linear'\n        pre_lookahead_len: {}\n        num_blocks: {}\n        num_up_blocks: {}\n        up_stride: {}\n        up_scale_factor: {}\n        attention_heads: {}\n        pos_enc_layer_type: 'rel_pos_espnet'\n        selfattention_layer_type: 'rel_selfattn'\n        key_bias: {}\n        linear_units: {}\n        dropout_rate: 0.1\n        positional_dropout_rate: 0.1\n        attention_dropout_rate: 0.1\n        normalize_before: true\n    decoder: !new:cosyvoice2.flow.flow_matching.CausalConditionalCFM\n        inference_cfg_rate: {}\n        estimator: !new:cosyvoice2.flow.decoder_dit.DiT\n            in_channels: {}\n            out_channels: {}\n            mlp_ratio: {:?}\n            depth: {}\n            num_heads: {}\n            head_dim: {}\n            hidden_size: {}\n",
-        c.input_size, c.output_size, c.spk_embed_dim, c.vocab_size, e.input_size, e.output_size, e.pre_lookahead_len, e.num_blocks,
-        e.num_up_blocks, e.up_stride, e.up_stride, e.attention_heads, e.key_bias, e.linear_units, c.inference_cfg_rate, d.in_channels,
-        d.out_channels, d.mlp_ratio, d.depth, d.num_heads, d.head_dim, d.hidden_size
+        concat!(
+            "flow: !new:cosyvoice2.flow.flow.CausalMaskedDiffWithXvec\n",
+            "    input_size: {}\n",
+            "    output_size: {}\n",
+            "    spk_embed_dim: {}\n",
+            "    output_type: 'mel'\n",
+            "    vocab_size: {}\n",
+            "    encoder: !new:cosyvoice2.transformer.upsample_encoder_v2",
+            ".UpsampleConformerEncoderV2\n",
+            "        input_size: {}\n",
+            "        output_size: {}\n",
+            "        input_layer: 'linear'\n",
+            "        pre_lookahead_len: {}\n",
+            "        num_blocks: {}\n",
+            "        num_up_blocks: {}\n",
+            "        up_stride: {}\n",
+            "        up_scale_factor: {}\n",
+            "        attention_heads: {}\n",
+            "        pos_enc_layer_type: 'rel_pos_espnet'\n",
+            "        selfattention_layer_type: 'rel_selfattn'\n",
+            "        key_bias: {}\n",
+            "        linear_units: {}\n",
+            "        dropout_rate: 0.1\n",
+            "        positional_dropout_rate: 0.1\n",
+            "        attention_dropout_rate: 0.1\n",
+            "        normalize_before: true\n",
+            "    decoder: !new:cosyvoice2.flow.flow_matching.CausalConditionalCFM\n",
+            "        inference_cfg_rate: {}\n",
+            "        estimator: !new:cosyvoice2.flow.decoder_dit.DiT\n",
+            "            in_channels: {}\n",
+            "            out_channels: {}\n",
+            "            mlp_ratio: {:?}\n",
+            "            depth: {}\n",
+            "            num_heads: {}\n",
+            "            head_dim: {}\n",
+            "            hidden_size: {}\n",
+        ),
+        c.input_size,
+        c.output_size,
+        c.spk_embed_dim,
+        c.vocab_size,
+        e.input_size,
+        e.output_size,
+        e.pre_lookahead_len,
+        e.num_blocks,
+        e.num_up_blocks,
+        e.up_stride,
+        e.up_stride,
+        e.attention_heads,
+        e.key_bias,
+        e.linear_units,
+        c.inference_cfg_rate,
+        d.in_channels,
+        d.out_channels,
+        d.mlp_ratio,
+        d.depth,
+        d.num_heads,
+        d.head_dim,
+        d.hidden_size
     )
 }
 
@@ -154,11 +209,62 @@ pub fn hift_yaml(h: &HiftConfig) -> String {
         format!("[{}]", v.iter().map(|x| list(x)).collect::<Vec<_>>().join(", "))
     };
     format!(
-        "sample_rate: {sr}\nhift: !new:cosyvoice.hifigan.generator.CausalHiFTGenerator\n    in_channels: {}\n    base_channels: {}\n    nb_harmonics: {}\n    sampling_rate: !ref <sample_rate>\n    nsf_alpha: {:?}\n    nsf_sigma: {:?}\n    nsf_voiced_threshold: {:?}\n    upsample_rates: {}\n    upsample_kernel_sizes: {}\n    istft_params:\n        n_fft: {}\n        hop_len: {}\n    resblock_kernel_sizes: {}\n    resblock_dilation_sizes: {}\n    source_resblock_kernel_sizes: {}\n    source_resblock_dilation_sizes: {}\n    lrelu_slope: {:?}\n    audio_limit: {:?}\n    conv_pre_look_right: {}\n    f0_predictor: !new:cosyvoice.hifigan.f0_predictor.CausalConvRNNF0Predictor\n        num_class: 1\n        in_channels: {}\n        cond_channels: {}\nfeat_extractor: !name:matcha.utils.audio.mel_spectrogram\n    n_fft: 1920\n    num_mels: 80\n    sampling_rate: !ref <sample_rate>\n    hop_size: 480\n    win_size: 1920\n    fmin: 0\n    fmax: 8000\n    center: False\n",
-        h.in_channels, h.base_channels, h.nb_harmonics, h.nsf_alpha, h.nsf_sigma, h.nsf_voiced_threshold,
-        list(&h.upsample_rates), list(&h.upsample_kernel_sizes), h.istft_n_fft, h.istft_hop, list(&h.resblock_kernel_sizes),
-        lists(&h.resblock_dilation_sizes), list(&h.source_resblock_kernel_sizes), lists(&h.source_resblock_dilation_sizes),
-        h.lrelu_slope, h.audio_limit, h.conv_pre_look_right, h.in_channels, h.f0_channels, sr = h.sampling_rate
+        concat!(
+            "sample_rate: {sr}\n",
+            "hift: !new:cosyvoice.hifigan.generator.CausalHiFTGenerator\n",
+            "    in_channels: {}\n",
+            "    base_channels: {}\n",
+            "    nb_harmonics: {}\n",
+            "    sampling_rate: !ref <sample_rate>\n",
+            "    nsf_alpha: {:?}\n",
+            "    nsf_sigma: {:?}\n",
+            "    nsf_voiced_threshold: {:?}\n",
+            "    upsample_rates: {}\n",
+            "    upsample_kernel_sizes: {}\n",
+            "    istft_params:\n",
+            "        n_fft: {}\n",
+            "        hop_len: {}\n",
+            "    resblock_kernel_sizes: {}\n",
+            "    resblock_dilation_sizes: {}\n",
+            "    source_resblock_kernel_sizes: {}\n",
+            "    source_resblock_dilation_sizes: {}\n",
+            "    lrelu_slope: {:?}\n",
+            "    audio_limit: {:?}\n",
+            "    conv_pre_look_right: {}\n",
+            "    f0_predictor: !new:cosyvoice.hifigan.f0_predictor.CausalConvRNNF0Predictor\n",
+            "        num_class: 1\n",
+            "        in_channels: {}\n",
+            "        cond_channels: {}\n",
+            "feat_extractor: !name:matcha.utils.audio.mel_spectrogram\n",
+            "    n_fft: 1920\n",
+            "    num_mels: 80\n",
+            "    sampling_rate: !ref <sample_rate>\n",
+            "    hop_size: 480\n",
+            "    win_size: 1920\n",
+            "    fmin: 0\n",
+            "    fmax: 8000\n",
+            "    center: False\n",
+        ),
+        h.in_channels,
+        h.base_channels,
+        h.nb_harmonics,
+        h.nsf_alpha,
+        h.nsf_sigma,
+        h.nsf_voiced_threshold,
+        list(&h.upsample_rates),
+        list(&h.upsample_kernel_sizes),
+        h.istft_n_fft,
+        h.istft_hop,
+        list(&h.resblock_kernel_sizes),
+        lists(&h.resblock_dilation_sizes),
+        list(&h.source_resblock_kernel_sizes),
+        lists(&h.source_resblock_dilation_sizes),
+        h.lrelu_slope,
+        h.audio_limit,
+        h.conv_pre_look_right,
+        h.in_channels,
+        h.f0_channels,
+        sr = h.sampling_rate
     )
 }
 
@@ -374,7 +480,8 @@ pub fn build_graph(
         g.node("Relu", &format!("/{name}/Relu"), &[x], vec![])
     };
     let m = cfg.m_channels;
-    // FCM head: conv, two stages of two residual blocks (the first strides by 2 over frequency), conv
+    // FCM head: conv, two stages of two residual blocks (the first strides by 2 over frequency),
+    // conv
     x = conv(&mut g, weight, &x, "head.conv1", &[m, 1, 3, 3], &[1, 1], 1, 1, true)?;
     x = relu(&mut g, &x, "head.conv1");
     for layer in 1..=2 {

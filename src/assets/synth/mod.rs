@@ -6,8 +6,8 @@
 //!
 //! The same deterministic values come out of [`write_checkpoint`] (a directory with `config.json`,
 //! safetensors shards + index and a `tokenizer.json`, the layout a real checkpoint has) and of
-//! [`SyntheticBackend`] (tensors made directly on the device, no file: how full-size weights reach a
-//! GPU for speed runs). Synthetic weights babble; they exist to exercise every code path and to
+//! [`SyntheticBackend`] (tensors made directly on the device, no file: how full-size weights reach
+//! a GPU for speed runs). Synthetic weights babble; they exist to exercise every code path and to
 //! measure speed at true dimensions.
 
 use std::collections::{BTreeMap, HashMap};
@@ -480,8 +480,12 @@ pub fn tokenizer_json(special_ids: &[u32; 18], tool_ids: &[u32; 4]) -> serde_jso
             "rstrip": false, "normalized": false, "special": false}),
         );
     }
-    let pattern = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-    let bl = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
+    let pattern = concat!(
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}",
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    );
+    let bl = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false,
+        "trim_offsets": false, "use_regex": false});
     serde_json::json!({
         "version": "1.0",
         "truncation": null,
@@ -489,11 +493,14 @@ pub fn tokenizer_json(special_ids: &[u32; 18], tool_ids: &[u32; 4]) -> serde_jso
         "added_tokens": added,
         "normalizer": {"type": "NFC"},
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false}, bl]},
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
+                "invert": false}, bl]},
         "post_processor": bl,
         "decoder": bl,
-        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "",
-            "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": "",
+            "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false,
+                "ignore_merges": false,
             "vocab": vocab, "merges": []}
     })
 }
@@ -565,7 +572,8 @@ pub fn write_checkpoint(dir: &Path, opts: &SynthOptions) -> Result<()> {
         ))?,
     )?;
     let ids = opts.preset.special_ids();
-    let gen = serde_json::json!({"bos_token_id": ids[0], "eos_token_id": [ids[2], ids[0]], "pad_token_id": ids[0],
+    let gen = serde_json::json!({"bos_token_id": ids[0], "eos_token_id": [ids[2], ids[0]],
+        "pad_token_id": ids[0],
         "do_sample": true, "temperature": 0.6, "top_k": 20, "top_p": 0.95});
     std::fs::write(dir.join("generation_config.json"), serde_json::to_string_pretty(&gen)?)?;
     write_token2wav(&dir.join("assets").join("token2wav"), opts.preset, opts.seed)?;

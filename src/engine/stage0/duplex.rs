@@ -9,11 +9,11 @@
 //!    unit's audio embeddings (10 for 1 s);
 //! 3. decide: `<|listen|>` (silence) or speak — the model's own token, or forced by the
 //!    `speak_every` policy;
-//! 4. when speaking: decode at most [`MAX_UNIT_TEXT_TOKENS`] text tokens, ending with `<|chunk_eos|>`
-//!    (the turn goes on next unit) or `<|turn_eos|>` (the turn is over); every sampled token is fed
-//!    back, so the KV holds exactly what was said;
-//! 5. hand the unit's text (ids and last-layer hidden rows, `<|turn_eos|>` included, `<|speak|>` and
-//!    `<|chunk_eos|>` not) to the Talker as one segment. A listening unit closes an open turn.
+//! 4. when speaking: decode at most [`MAX_UNIT_TEXT_TOKENS`] text tokens, ending with
+//!    `<|chunk_eos|>` (the turn goes on next unit) or `<|turn_eos|>` (the turn is over); every
+//!    sampled token is fed back, so the KV holds exactly what was said;
+//! 5. hand the unit's text (ids and last-layer hidden rows, `<|turn_eos|>` included, `<|speak|>`
+//!    and `<|chunk_eos|>` not) to the Talker as one segment. A listening unit closes an open turn.
 //!
 //! A spoken turn is an ordinary engine request (`{session}/t{n}`) from the Talker on: its text
 //! deltas, audio and `Done` reach the session through [`DuplexEvent::Response`].

@@ -1,10 +1,10 @@
 //! Stage 0, the Thinker loop: a scheduler over streams. Two kinds of stream implement
 //! [`ThinkerStream`]: a turn-mode request ([`turn::TurnStream`]: prompt, reply, hand-off to the
-//! Talker at `<|tts_eos|>`) and a duplex session ([`duplex::DuplexStream`]: one long-lived stream fed
-//! a unit of audio at a time). Each step gathers what every stream feeds — chunked prefill within a
-//! token budget and one-token decode steps — into one batched forward, takes logits of the rows
-//! that need them in one batch, and gives each stream its rows back. A stream that fails ends
-//! alone; only a failure of the batched forward itself ends every stream in it.
+//! Talker at `<|tts_eos|>`) and a duplex session ([`duplex::DuplexStream`]: one long-lived stream
+//! fed a unit of audio at a time). Each step gathers what every stream feeds — chunked prefill
+//! within a token budget and one-token decode steps — into one batched forward, takes logits of
+//! the rows that need them in one batch, and gives each stream its rows back. A stream that fails
+//! ends alone; only a failure of the batched forward itself ends every stream in it.
 
 pub mod duplex;
 mod prompt;
@@ -400,7 +400,8 @@ impl Stage0 {
             issued_ms = issued.as_secs_f64() * 1e3,
             logits_ms = synced.as_secs_f64() * 1e3,
             total_ms = t0.elapsed().as_secs_f64() * 1e3,
-            "{label} step (ms since the step began: forward's kernels queued; logits on the host; sampled and sent)"
+            "{label} step (ms since the step began: forward's kernels queued; logits on the host; \
+            sampled and sent)"
         );
         ctx.metrics.step_seconds.with_label_values(&[label]).observe(t0.elapsed().as_secs_f64());
         ctx.metrics.batch_size.with_label_values(&["thinker"]).observe(n as f64);

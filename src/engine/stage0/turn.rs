@@ -113,7 +113,11 @@ impl TurnStream {
         let ids = &prompt.ids;
         let context = ctx.context();
         if ids.len() >= context {
-            let why = format!("the prompt (`instructions`, the conversation and `text`) has {} tokens; the context holds {context}", ids.len());
+            let why = format!(
+                "the prompt (`instructions`, the conversation and `text`) has {} \
+                tokens; the context holds {context}",
+                ids.len()
+            );
             ctx.refuse(&spec.id, why);
             return None;
         }
@@ -123,7 +127,8 @@ impl TurnStream {
         let min = g.min_text_tokens.unwrap_or(0);
         if !crate::fit::prompt_and_reply_fit(ids.len(), max, context) {
             let why = format!(
-                "field `generation.max_text_tokens`: {max}; the prompt ({} positions) and the reply do not fit the context ({context})",
+                "field `generation.max_text_tokens`: {max}; the prompt ({} positions) and the \
+                reply do not fit the context ({context})",
                 ids.len()
             );
             ctx.refuse(&spec.id, why);

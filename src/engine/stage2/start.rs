@@ -215,7 +215,8 @@ impl Stage2 {
         failed
     }
 
-    /// A new stream for chunk 0 from its voice's features (in the cache under `key`) and setup state.
+    /// A new stream for chunk 0 from its voice's features (in the cache under `key`) and setup
+    /// state.
     fn open(&mut self, c: &ChunkWork, key: &str, state: &FlowState) -> Result<()> {
         let features = self
             .cache
@@ -233,10 +234,14 @@ impl Stage2 {
             match self.model.warm_graphs(&features, state, &batches, &sequences) {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(
-                    "code2wav graphs warm: {n} chunks at batches {batches:?}, payloads {sequences:?}, in {:.0} ms",
+                    "code2wav graphs warm: {n} chunks at batches {batches:?}, payloads \
+                    {sequences:?}, in {:.0} ms",
                     t0.elapsed().as_secs_f64() * 1e3
                 ),
-                Err(e) => tracing::warn!("code2wav graph warm-up failed (shapes are captured as they come): {e:#}"),
+                Err(e) => tracing::warn!(
+                    "code2wav graph warm-up failed (shapes are captured as \
+                    they come): {e:#}"
+                ),
             }
             if let Some(Err(e)) = self.cache.get(key).map(|e| self.model.warm_prepare(&e.reference))
             {

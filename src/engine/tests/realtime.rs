@@ -100,11 +100,15 @@ fn eight_sessions_in_real_time() {
     let p50 = lags[lags.len() / 2];
     let p95 = lags[lags.len() * 95 / 100];
     let max = *lags.last().unwrap();
-    println!("8 duplex sessions × {units} units: decision lag p50 {p50:.0} ms, p95 {p95:.0} ms, max {max:.0} ms; all turns done {:.1} s after the first unit", wall);
+    println!(
+        "8 duplex sessions × {units} units: decision lag p50 {p50:.0} ms, p95 {p95:.0} ms, \
+        max {max:.0} ms; all turns done {:.1} s after the first unit",
+        wall
+    );
     assert!(p95 < 1000.0, "decisions fall behind real time: p95 {p95:.0} ms");
     // (the turns' speech follows the input by a few seconds; on the 2-core CI machine the last turn
-    // has ended 12.2–14.4 s after the first unit across runs of the same build, and 16.4-19.4 s in
-    // a slow hour of the same machine: 14 s of slack keeps this a test of keeping up, not of the
+    // has ended 12.2–14.4 s after the first unit across runs of the same build, and 16.4-19.4 s
+    // in a slow hour of the same machine: 14 s of slack keeps this a test of keeping up, not of the
     // machine's load that hour; the decisions above are the real-time bound)
     assert!(
         wall < units as f64 + 14.0,

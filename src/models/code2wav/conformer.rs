@@ -1,13 +1,13 @@
 //! The flow's token encoder: `UpsampleConformerEncoderV2` (`encoder.` in `flow.pt`).
 //!
-//! `embed.out.{0,1}` (Linear + LayerNorm, then ×√d), `pre_lookahead_layer.{conv1,conv2}` (the chunk's
-//! last `pre_lookahead_len` tokens are look-ahead only), `encoders.N` (Conformer blocks with
-//! relative-position self-attention: `norm_mha`, `self_attn.{linear_q,k,v,out,pos}`,
+//! `embed.out.{0,1}` (Linear + LayerNorm, then ×√d), `pre_lookahead_layer.{conv1,conv2}` (the
+//! chunk's last `pre_lookahead_len` tokens are look-ahead only), `encoders.N` (Conformer blocks
+//! with relative-position self-attention: `norm_mha`, `self_attn.{linear_q,k,v,out,pos}`,
 //! `pos_bias_{u,v}`, `norm_ff`, `feed_forward.{w_1,w_2}` with swish), `up_layer.conv` (nearest
 //! ×2 then a causal conv), `up_embed.out.{0,1}`, `up_encoders.N`, `after_norm`.
 //!
-//! Streaming only (`forward_chunk` of the reference): every position of a chunk attends to the whole
-//! cache and to every position of the chunk.
+//! Streaming only (`forward_chunk` of the reference): every position of a chunk attends to the
+//! whole cache and to every position of the chunk.
 
 use candle_core::{Device, Module, Result, Tensor};
 use candle_nn::{Conv1d, Conv1dConfig, LayerNorm, Linear, VarBuilder};
@@ -375,8 +375,8 @@ impl ConformerEncoder {
         &self.cfg
     }
 
-    /// One chunk of token embeddings `xs: [B, T, input]` -> `[B, up_stride (T - L), C]` (without the
-    /// look-ahead `L`; on the last chunk zeros stand in for it and every token is emitted).
+    /// One chunk of token embeddings `xs: [B, T, input]` -> `[B, up_stride (T - L), C]` (without
+    /// the look-ahead `L`; on the last chunk zeros stand in for it and every token is emitted).
     pub fn forward_chunk(
         &self,
         xs: &Tensor,

@@ -10,8 +10,8 @@ use candle_core::{DType, Result, Tensor};
 
 /// Rows of a convolution's columns: `C k`, the ones row, then zero rows up to a multiple of 8, so
 /// that the product's leading dimension is 16-byte aligned in f32 and in f16 (cuBLAS takes its
-/// vectorized kernels; with `C k + 1` rows every product of the vocoder ran an `align1` kernel, 46 %
-/// of its B8 time).
+/// vectorized kernels; with `C k + 1` rows every product of the vocoder ran an `align1` kernel, 46
+/// % of its B8 time).
 pub fn cols_rows(c: usize, k: usize) -> usize {
     (c * k + 1).next_multiple_of(8)
 }
@@ -56,8 +56,8 @@ pub struct Cols {
 }
 
 /// [`conv_cols`] for any stride and a nearest upsampling of the input first: row `c k + j`,
-/// column `t` is the upsampled, padded input at `t · stride + j d`; L = (T · up + pad_l + pad_r −
-/// d (k − 1) − 1) / stride + 1.
+/// column `t` is the upsampled, padded input at `t · stride + j d`; L = (T · up + pad_l + pad_r
+/// − d (k − 1) − 1) / stride + 1.
 pub fn conv_cols_with(x: &Tensor, p: Cols) -> Result<Tensor> {
     conv_cols_snake(x, p, None)
 }
@@ -135,7 +135,10 @@ fn cols_len(x: &Tensor, p: Cols, alpha: Option<&Tensor>) -> Result<usize> {
     let t_up = t * up;
     let span = d * k.saturating_sub(1);
     if k == 0 || stride == 0 || up == 0 || t_up + pad_l + pad_r <= span {
-        candle_core::bail!("conv_cols: {t} frames (× {up}, + {pad_l} + {pad_r}) for a kernel of {k} at dilation {d}, stride {stride}");
+        candle_core::bail!(
+            "conv_cols: {t} frames (× {up}, + {pad_l} + {pad_r}) for a kernel of \
+            {k} at dilation {d}, stride {stride}"
+        );
     }
     Ok((t_up + pad_l + pad_r - span - 1) / stride + 1)
 }
@@ -242,7 +245,8 @@ mod cuda {
                 block_dim: (block, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: the arguments are the kernel's, in its order; the grid strides over every row.
+            // SAFETY: the arguments are the kernel's, in its order; the grid strides over every
+            // row.
             unsafe { b.launch(cfg) }.map_err(err)?;
             Ok((CudaStorage::wrap_cuda_slice(out, dev), shape))
         }
@@ -290,9 +294,9 @@ mod cuda {
                 let (wp, _gw) = w.device_ptr(&stream);
                 let (cp, _gc) = c.device_ptr(&stream);
                 let (op, _go) = out.device_ptr_mut(&stream);
-                // Column-major: out[b]ᵀ (L × O) = cols[b]ᵀ (L × R) · wᵀ (R × O); the row-major
-                // buffers are those column-major matrices as they lie (leading dimensions L, R,
-                // L), the weight shared (stride 0).
+                // Column-major: out[b]ᵀ (L × O) = cols[b]ᵀ (L × R) · wᵀ (R × O); the
+                // row-major buffers are those column-major matrices as they lie (leading dimensions
+                // L, R, L), the weight shared (stride 0).
                 // SAFETY: the pointers hold b · R · L, O · R and b · O · L elements of the
                 // declared types, alive until the guards drop after the call is queued on the
                 // stream every operand belongs to.

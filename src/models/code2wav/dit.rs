@@ -15,7 +15,8 @@
 //! The block's position-wise work runs as fused ops ([`super::dit_ops`]), its matrix products as
 //! plain 2-D products with the biases folded into the op after them.
 //!
-//! The solver over the estimator (Euler steps with classifier-free guidance) is [`Cfm`] in `cfm.rs`.
+//! The solver over the estimator (Euler steps with classifier-free guidance) is [`Cfm`] in
+//! `cfm.rs`.
 
 pub use super::cfm::{cosine_t_span, Cfm, GraphPolicy};
 

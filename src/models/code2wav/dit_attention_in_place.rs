@@ -148,7 +148,8 @@ impl InPlace {
         };
         // scores (column-major cap x T, i.e. [T, cap]) = key plane (d x cap)ᵀ · queries (d x T)
         gemm(sys::cublasOperation_t::CUBLAS_OP_T, (cap, t, d), 1, d, 0, d, 3, cap)?;
-        // the masked softmax over each row of cap scores (the mask's row for every head and position)
+        // the masked softmax over each row of cap scores (the mask's row for every head and
+        // position)
         let rows_all = nh * t;
         let f = dev.get_or_load_custom_func(
             &kernel(

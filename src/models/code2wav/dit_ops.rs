@@ -417,9 +417,9 @@ pub(crate) mod cuda {
         (total.div_ceil(256).clamp(1, 8192) as u32, 256)
     }
 
-    /// Runs kernel `name` (`_` + dtype suffix) with arguments `(x, others… (null where None), out,
-    /// ints…, u64s…, floats…)`, the output shaped like `x`; every tensor of `x`'s dtype and
-    /// contiguous. `(grid, block)`: one-dimensional.
+    /// Runs kernel `name` (`_` + dtype suffix) with arguments `(x, others… (null where None),
+    /// out, ints…, u64s…, floats…)`, the output shaped like `x`; every tensor of `x`'s dtype
+    /// and contiguous. `(grid, block)`: one-dimensional.
     pub(crate) fn launch(
         name: &'static str,
         x: &Tensor,

@@ -313,7 +313,11 @@ impl Flow {
             );
         }
         if let Some(i) = (0..b).find(|&i| !lasts[i] && codes[i].len() <= self.lookahead()) {
-            candle_core::bail!("a chunk that is not the last needs new codes plus {} look-ahead codes (stream {i})", self.lookahead());
+            candle_core::bail!(
+                "a chunk that is not the last needs new codes plus {} look-ahead \
+                codes (stream {i})",
+                self.lookahead()
+            );
         }
         // 1. the encoder, once per group of equal encoder cache length, chunk length and flag
         let mut mus: Vec<Option<Tensor>> = vec![None; b];
@@ -533,8 +537,8 @@ impl Flow {
 }
 
 /// Streams' per-stream caches (`[steps, depth, 2, …]`, rows cond, uncond) in the CFG layout of a
-/// batch: `[steps, depth, 2 (B + pad), …]` = all cond rows, `pad` zero rows, all uncond rows, `pad`
-/// zero rows.
+/// batch: `[steps, depth, 2 (B + pad), …]` = all cond rows, `pad` zero rows, all uncond rows,
+/// `pad` zero rows.
 fn cfg_rows(ts: &[&Tensor], pad: usize) -> Result<Tensor> {
     let mut parts = Vec::with_capacity(2 * (ts.len() + 1));
     for c in 0..2 {

@@ -432,8 +432,8 @@ impl HiftGenerator {
     // ---------------------------------------------------------------- original generator
 
     /// The original generator's source for a whole utterance: harmonics of the F0 upsampled to the
-    /// sample rate, phase integrated per frame; `rng` draws the initial phases and the noise (`None`
-    /// = no randomness, for comparisons).
+    /// sample rate, phase integrated per frame; `rng` draws the initial phases and the noise
+    /// (`None` = no randomness, for comparisons).
     pub fn source_original(&self, f0: &[f32], rng: Option<u64>) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (hop, h1, sr, amp, thr) = self.source_params();

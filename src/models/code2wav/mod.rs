@@ -411,8 +411,9 @@ impl Code2Wav {
     }
 
     /// One chunk for several streams with equal chunk lengths (any voices, any points in their
-    /// histories): the flow and the (causal) vocoder run batched. `codes[i]` = left context + new codes + look-ahead (the
-    /// last chunk may end without look-ahead). Returns each stream's new 24 kHz samples.
+    /// histories): the flow and the (causal) vocoder run batched. `codes[i]` = left context + new
+    /// codes + look-ahead (the last chunk may end without look-ahead). Returns each stream's new 24
+    /// kHz samples.
     pub fn chunk_batch(
         &self,
         streams: &mut [&mut StreamState],

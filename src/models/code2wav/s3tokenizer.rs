@@ -1,6 +1,6 @@
-//! The S3 speech tokenizer v2 (`speech_tokenizer_v2_25hz.onnx`): 128-bin Whisper log-mel at 16 kHz ->
-//! conv1 + conv2 (stride 2 each: 25 positions/s) -> Transformer blocks whose attention adds an FSMN
-//! memory (a depthwise conv over the values) and uses RoPE -> FSQ: project to 8 dims, tanh, 3
+//! The S3 speech tokenizer v2 (`speech_tokenizer_v2_25hz.onnx`): 128-bin Whisper log-mel at 16 kHz
+//! -> conv1 + conv2 (stride 2 each: 25 positions/s) -> Transformer blocks whose attention adds an
+//! FSMN memory (a depthwise conv over the values) and uses RoPE -> FSQ: project to 8 dims, tanh, 3
 //! levels each, base-3 index (0..6560).
 //!
 //! Weights arrive as ONNX initializers and are renamed the way the s3tokenizer package's own

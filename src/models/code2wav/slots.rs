@@ -67,7 +67,8 @@ impl FlowPool {
     ) -> Result<Arc<Self>> {
         if slots == 0 || cap <= cfg.history_frames + max_chunk {
             candle_core::bail!(
-                "flow pool: {slots} slots of {cap} positions cannot hold {} history frames and a chunk of {max_chunk}",
+                "flow pool: {slots} slots of {cap} positions cannot hold {} history frames and a \
+                chunk of {max_chunk}",
                 cfg.history_frames
             );
         }

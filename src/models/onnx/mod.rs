@@ -1,7 +1,7 @@
 //! The parts of the ONNX format the exported graphs here use
-//! (`speech_tokenizer_v2_25hz.onnx`, `campplus.onnx`, Smart Turn): the model, its graph, nodes with their
-//! attributes, and initializers. The message types mirror `onnx.proto` (field numbers as there);
-//! fields this project never reads are skipped when decoding.
+//! (`speech_tokenizer_v2_25hz.onnx`, `campplus.onnx`, Smart Turn): the model, its graph, nodes with
+//! their attributes, and initializers. The message types mirror `onnx.proto` (field numbers as
+//! there); fields this project never reads are skipped when decoding.
 
 pub mod graph;
 

@@ -20,7 +20,8 @@ pub(super) fn conv(n: &NodeProto, x: Tensor, w: Tensor, b: Option<Tensor>) -> Re
         1 => x.conv1d(&w, 0, strides[0] as usize, dil[0] as usize, group)?,
         2 => {
             if strides[0] != strides[1] || dil[0] != dil[1] {
-                // candle's conv2d takes one stride / dilation for both axes: do rows via subsampling
+                // candle's conv2d takes one stride / dilation for both axes: do rows via
+                // subsampling
                 if dil[0] != 1 || dil[1] != 1 {
                     bail!("Conv2d with unequal dilations");
                 }

@@ -212,7 +212,8 @@ pub enum OaiClientEvent {
     ResponseCancel {
         response_id: Option<String>,
     },
-    /// `output_audio_buffer.clear` (WebRTC/SIP in OpenAI's API; here: cancels the playing response).
+    /// `output_audio_buffer.clear` (WebRTC/SIP in OpenAI's API; here: cancels the playing
+    /// response).
     OutputAudioClear,
 }
 
@@ -294,10 +295,18 @@ fn format(v: &Value, param: &str) -> Result<AudioFormat, OaiError> {
     };
     match (ty, rate.and_then(Value::as_u64)) {
         ("audio/pcm", None | Some(24_000)) | ("pcm16", _) => Ok(AudioFormat::Pcm24k),
-        ("audio/pcm", Some(r)) => Err(bad(param, format!("`{param}.rate` {r}: audio/pcm is 24000 Hz"))),
+        ("audio/pcm", Some(r)) => {
+            Err(bad(param, format!("`{param}.rate` {r}: audio/pcm is 24000 Hz")))
+        }
         ("audio/pcmu", _) | ("g711_ulaw", _) => Ok(AudioFormat::Pcmu),
         ("audio/pcma", _) | ("g711_alaw", _) => Ok(AudioFormat::Pcma),
-        _ => Err(bad(param, format!("`{param}`: expected audio/pcm (24000 Hz), audio/pcmu or audio/pcma (or pcm16, g711_ulaw, g711_alaw)"))),
+        _ => Err(bad(
+            param,
+            format!(
+                "`{param}`: expected audio/pcm (24000 Hz), audio/pcmu or \
+                audio/pcma (or pcm16, g711_ulaw, g711_alaw)"
+            ),
+        )),
     }
 }
 
@@ -499,12 +508,22 @@ fn part(v: &Value, param: &str) -> Result<Part, OaiError> {
     let transcript = opt_string(o, "transcript", &format!("{param}.transcript"))?;
     match o.get("type").and_then(Value::as_str).unwrap_or("") {
         "input_text" => Ok(Part::InputText(text("text")?)),
-        "input_audio" => {
-            Ok(Part::InputAudio { audio: decode_audio(required(o, "audio", &format!("{param}.audio"))?, &format!("{param}.audio"))?, transcript })
-        }
+        "input_audio" => Ok(Part::InputAudio {
+            audio: decode_audio(
+                required(o, "audio", &format!("{param}.audio"))?,
+                &format!("{param}.audio"),
+            )?,
+            transcript,
+        }),
         "output_text" | "text" => Ok(Part::Text(text("text")?)),
         "output_audio" | "audio" => Ok(Part::Audio { transcript }),
-        other => Err(bad(&format!("{param}.type"), format!("content part `{other}`: expected input_text, input_audio, output_text or output_audio"))),
+        other => Err(bad(
+            &format!("{param}.type"),
+            format!(
+                "content part `{other}`: expected \
+                input_text, input_audio, output_text or output_audio"
+            ),
+        )),
     }
 }
 
@@ -616,7 +635,11 @@ fn response_params(v: Option<&Value>) -> Result<ResponseParams, OaiError> {
                 k.chars().count() > 64 || v.as_str().is_none_or(|s| s.chars().count() > 512)
             })
         {
-            return Err(bad("response.metadata", "metadata holds at most 16 string pairs (keys up to 64, values up to 512 characters)"));
+            return Err(bad(
+                "response.metadata",
+                "metadata holds at most 16 string pairs (keys up \
+                to 64, values up to 512 characters)",
+            ));
         }
         r.metadata = Some(m.clone());
     }

@@ -76,8 +76,11 @@ impl SessionView {
             "output_modalities": modalities_json(self.output_modalities),
             "instructions": self.instructions,
             "audio": {
-                "input": {"format": format_json(self.input_format), "transcription": self.transcription, "noise_reduction": null, "turn_detection": td},
-                "output": {"format": format_json(self.output_format), "voice": self.voice, "speed": 1.0},
+                "input": {"format": format_json(self.input_format),
+                    "transcription": self.transcription, "noise_reduction": null,
+                    "turn_detection": td},
+                "output": {"format": format_json(self.output_format), "voice": self.voice,
+                    "speed": 1.0},
             },
             "tools": self.tools,
             "tool_choice": self.tool_choice,
@@ -245,10 +248,12 @@ pub enum StatusDetails {
 impl ResponseView {
     pub fn to_json(&self) -> Value {
         let details = self.status_details.as_ref().map(|d| match d {
-            StatusDetails::Cancelled(reason) => serde_json::json!({"type": "cancelled", "reason": reason}),
+            StatusDetails::Cancelled(reason) => serde_json::json!({"type": "cancelled",
+                "reason": reason}),
             StatusDetails::Failed(e) => {
                 let mut d = serde_json::json!({"type": "failed", "reason": null});
-                d["error"] = serde_json::json!({"type": "server_error", "code": e.code, "message": e.message});
+                d["error"] = serde_json::json!({"type": "server_error", "code": e.code,
+                    "message": e.message});
                 if let Some(ms) = e.retry_after_ms {
                     d["error"]["retry_after_ms"] = ms.into();
                 }
@@ -256,13 +261,16 @@ impl ResponseView {
             }
         });
         let usage = self.usage.map(|u| {
-            let (input, output) = (u.input_text_tokens + u.input_audio_tokens, u.text_tokens + u.audio_tokens);
+            let (input, output) =
+                (u.input_text_tokens + u.input_audio_tokens, u.text_tokens + u.audio_tokens);
             serde_json::json!({
                 "total_tokens": input + output,
                 "input_tokens": input,
                 "output_tokens": output,
-                "input_token_details": {"text_tokens": u.input_text_tokens, "audio_tokens": u.input_audio_tokens, "cached_tokens": u.cached_tokens},
-                "output_token_details": {"text_tokens": u.text_tokens, "audio_tokens": u.audio_tokens},
+                "input_token_details": {"text_tokens": u.input_text_tokens,
+                    "audio_tokens": u.input_audio_tokens, "cached_tokens": u.cached_tokens},
+                "output_token_details": {"text_tokens": u.text_tokens,
+                    "audio_tokens": u.audio_tokens},
             })
         });
         serde_json::json!({
@@ -352,8 +360,10 @@ impl OaiServerEvent {
                 let mut v = serde_json::json!({
                     "type": "error",
                     "error": {
-                        "type": if e.server_side { "server_error" } else { "invalid_request_error" },
-                        "code": e.code, "message": e.message, "param": e.param, "event_id": e.client_event_id,
+                        "type":
+                            if e.server_side { "server_error" } else { "invalid_request_error" },
+                        "code": e.code, "message": e.message, "param": e.param,
+                        "event_id": e.client_event_id,
                     },
                 });
                 if let Some(ms) = e.retry_after_ms {
@@ -368,23 +378,29 @@ impl OaiServerEvent {
                 serde_json::json!({"type": "session.updated", "session": s.to_json()})
             }
             E::Committed { previous_item_id, item_id } => {
-                serde_json::json!({"type": "input_audio_buffer.committed", "previous_item_id": previous_item_id, "item_id": item_id})
+                serde_json::json!({"type": "input_audio_buffer.committed",
+                    "previous_item_id": previous_item_id, "item_id": item_id})
             }
             E::Cleared => serde_json::json!({"type": "input_audio_buffer.cleared"}),
             E::SpeechStarted { audio_start_ms, item_id } => {
-                serde_json::json!({"type": "input_audio_buffer.speech_started", "audio_start_ms": audio_start_ms, "item_id": item_id})
+                serde_json::json!({"type": "input_audio_buffer.speech_started",
+                    "audio_start_ms": audio_start_ms, "item_id": item_id})
             }
             E::SpeechStopped { audio_end_ms, item_id } => {
-                serde_json::json!({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": audio_end_ms, "item_id": item_id})
+                serde_json::json!({"type": "input_audio_buffer.speech_stopped",
+                    "audio_end_ms": audio_end_ms, "item_id": item_id})
             }
             E::ItemAdded { previous_item_id, item } => {
-                serde_json::json!({"type": "conversation.item.added", "previous_item_id": previous_item_id, "item": item})
+                serde_json::json!({"type": "conversation.item.added",
+                    "previous_item_id": previous_item_id, "item": item})
             }
             E::ItemDone { previous_item_id, item } => {
-                serde_json::json!({"type": "conversation.item.done", "previous_item_id": previous_item_id, "item": item})
+                serde_json::json!({"type": "conversation.item.done",
+                    "previous_item_id": previous_item_id, "item": item})
             }
             E::ItemTruncated { item_id, content_index, audio_end_ms } => serde_json::json!({
-                "type": "conversation.item.truncated", "item_id": item_id, "content_index": content_index, "audio_end_ms": audio_end_ms,
+                "type": "conversation.item.truncated", "item_id": item_id,
+                    "content_index": content_index, "audio_end_ms": audio_end_ms,
             }),
             E::ItemDeleted { item_id } => {
                 serde_json::json!({"type": "conversation.item.deleted", "item_id": item_id})
@@ -399,10 +415,12 @@ impl OaiServerEvent {
                 serde_json::json!({"type": "response.done", "response": r.to_json()})
             }
             E::OutputItemAdded { response_id, output_index, item } => serde_json::json!({
-                "type": "response.output_item.added", "response_id": response_id, "output_index": output_index, "item": item,
+                "type": "response.output_item.added", "response_id": response_id,
+                    "output_index": output_index, "item": item,
             }),
             E::OutputItemDone { response_id, output_index, item } => serde_json::json!({
-                "type": "response.output_item.done", "response_id": response_id, "output_index": output_index, "item": item,
+                "type": "response.output_item.done", "response_id": response_id,
+                    "output_index": output_index, "item": item,
             }),
             E::ContentPartAdded { at: a, part } => {
                 with(at("response.content_part.added", a), "part", serde_json::json!(part))
@@ -431,23 +449,30 @@ impl OaiServerEvent {
                 with(at("response.output_text.done", a), "text", Value::from(text.as_str()))
             }
             E::InputTranscriptionDelta { item_id, delta } => serde_json::json!({
-                "type": "conversation.item.input_audio_transcription.delta", "item_id": item_id, "content_index": 0, "delta": delta,
+                "type": "conversation.item.input_audio_transcription.delta", "item_id": item_id,
+                    "content_index": 0, "delta": delta,
             }),
             E::InputTranscriptionCompleted { item_id, transcript, seconds } => serde_json::json!({
-                "type": "conversation.item.input_audio_transcription.completed", "item_id": item_id, "content_index": 0,
+                "type": "conversation.item.input_audio_transcription.completed", "item_id": item_id,
+                    "content_index": 0,
                 "transcript": transcript, "usage": {"type": "duration", "seconds": seconds},
             }),
             E::InputTranscriptionFailed { item_id, message } => serde_json::json!({
-                "type": "conversation.item.input_audio_transcription.failed", "item_id": item_id, "content_index": 0,
-                "error": {"type": "server_error", "code": "transcription_failed", "message": message},
+                "type": "conversation.item.input_audio_transcription.failed", "item_id": item_id,
+                    "content_index": 0,
+                "error": {"type": "server_error", "code": "transcription_failed",
+                    "message": message},
             }),
             E::FunctionCallArgumentsDelta { at: a, delta } => serde_json::json!({
-                "type": "response.function_call_arguments.delta", "response_id": a.response_id, "item_id": a.item_id,
+                "type": "response.function_call_arguments.delta", "response_id": a.response_id,
+                    "item_id": a.item_id,
                 "output_index": a.output_index, "call_id": a.call_id, "delta": delta,
             }),
             E::FunctionCallArgumentsDone { at: a, name, arguments } => serde_json::json!({
-                "type": "response.function_call_arguments.done", "response_id": a.response_id, "item_id": a.item_id,
-                "output_index": a.output_index, "call_id": a.call_id, "name": name, "arguments": arguments,
+                "type": "response.function_call_arguments.done", "response_id": a.response_id,
+                    "item_id": a.item_id,
+                "output_index": a.output_index, "call_id": a.call_id, "name": name,
+                    "arguments": arguments,
             }),
         };
         v["event_id"] = Value::from(event_id);

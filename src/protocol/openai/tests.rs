@@ -41,7 +41,8 @@ fn semantic_vad_is_served_and_bad_knobs_are_named() {
             "session.turn_detection.threshold",
         ),
         (
-            serde_json::json!({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}),
+            serde_json::json!({"audio": {"input": {"format": {"type": "audio/pcm",
+                "rate": 16000}}}}),
             "session.audio.input.format",
         ),
         (serde_json::json!({"type": "transcription"}), "session.type"),
@@ -67,7 +68,8 @@ fn audio_and_items_decode() {
     assert_eq!(err.param.as_deref(), Some("audio"));
     let (_, err) = parse(serde_json::json!({"type": "input_audio_buffer.append"})).unwrap_err();
     assert_eq!(err.code, OaiErrorCode::MissingRequiredParameter);
-    let e = parse(serde_json::json!({"type": "conversation.item.create", "item": {"id": "abc", "type": "message", "role": "user",
+    let e = parse(serde_json::json!({"type": "conversation.item.create", "item": {"id": "abc",
+        "type": "message", "role": "user",
         "content": [{"type": "input_text", "text": "hi"}]}}))
     .unwrap();
     let OaiClientEvent::ItemCreate { item, .. } = e.event else { panic!() };
@@ -80,21 +82,26 @@ fn audio_and_items_decode() {
             incomplete: false
         }
     );
-    let e = parse(serde_json::json!({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "c1", "output": "42"}}))
-        .unwrap();
+    let e = parse(serde_json::json!({"type": "conversation.item.create",
+        "item": {"type": "function_call_output", "call_id": "c1", "output": "42"}}))
+    .unwrap();
     assert!(matches!(
         e.event,
         OaiClientEvent::ItemCreate { item: Item::FunctionCallOutput { .. }, .. }
     ));
     let (_, err) =
-        parse(serde_json::json!({"type": "conversation.item.create", "item": {"type": "message", "role": "robot", "content": []}})).unwrap_err();
+        parse(serde_json::json!({"type": "conversation.item.create", "item": {"type": "message",
+            "role": "robot", "content": []}}))
+        .unwrap_err();
     assert_eq!(err.param.as_deref(), Some("item.role"));
 }
 
 #[test]
 fn response_create_overrides_and_unknown_events() {
-    let e = parse(serde_json::json!({"type": "response.create", "response": {"instructions": "shout", "metadata": {"client_event_id": "q"},
-        "conversation": "none", "output_modalities": ["audio"], "input": [{"type": "item_reference", "id": "abc"}]}}))
+    let e = parse(serde_json::json!({"type": "response.create",
+        "response": {"instructions": "shout", "metadata": {"client_event_id": "q"},
+        "conversation": "none", "output_modalities": ["audio"], "input": [{"type": "item_reference",
+            "id": "abc"}]}}))
     .unwrap();
     let OaiClientEvent::ResponseCreate(p) = e.event else { panic!() };
     assert!(p.out_of_band);
@@ -168,27 +175,33 @@ fn wrong_types_are_refused_naming_the_param() {
             "session.tool_choice",
         ),
         (
-            json!({"type": "session.update", "session": {"turn_detection": {"type": "semantic_vad", "eagerness": 7}}}),
+            json!({"type": "session.update", "session": {"turn_detection": {"type": "semantic_vad",
+                "eagerness": 7}}}),
             "session.turn_detection.eagerness",
         ),
         (
-            json!({"type": "conversation.item.create", "item": {"type": 5, "role": "user", "content": []}}),
+            json!({"type": "conversation.item.create", "item": {"type": 5, "role": "user",
+                "content": []}}),
             "item.type",
         ),
         (
-            json!({"type": "conversation.item.create", "item": {"type": "function_call", "name": "f", "arguments": {"a": 1}}}),
+            json!({"type": "conversation.item.create", "item": {"type": "function_call",
+                "name": "f", "arguments": {"a": 1}}}),
             "item.arguments",
         ),
         (
-            json!({"type": "conversation.item.create", "item": {"type": "function_call", "name": "f", "call_id": 3}}),
+            json!({"type": "conversation.item.create", "item": {"type": "function_call",
+                "name": "f", "call_id": 3}}),
             "item.call_id",
         ),
         (
-            json!({"type": "conversation.item.create", "previous_item_id": 5, "item": {"role": "user", "content": [{"type": "input_text", "text": "x"}]}}),
+            json!({"type": "conversation.item.create", "previous_item_id": 5,
+                "item": {"role": "user", "content": [{"type": "input_text", "text": "x"}]}}),
             "previous_item_id",
         ),
         (
-            json!({"type": "conversation.item.create", "item": {"role": "assistant", "content": [{"type": "output_audio", "transcript": 5}]}}),
+            json!({"type": "conversation.item.create", "item": {"role": "assistant",
+                "content": [{"type": "output_audio", "transcript": 5}]}}),
             "item.content[0].transcript",
         ),
         (json!({"type": "response.create", "response": {"audio": "x"}}), "response.audio"),
@@ -202,10 +215,12 @@ fn wrong_types_are_refused_naming_the_param() {
     // the right types still pass, absent and null alike
     for v in [
         json!({"type": "session.update", "session": {"tool_choice": "auto"}}),
-        json!({"type": "session.update", "session": {"tool_choice": {"type": "function", "name": "f"}}}),
+        json!({"type": "session.update", "session": {"tool_choice": {"type": "function",
+            "name": "f"}}}),
         json!({"type": "response.cancel"}),
         json!({"type": "response.cancel", "response_id": null}),
-        json!({"type": "conversation.item.create", "item": {"type": "function_call", "name": "f", "arguments": "{\"a\":1}"}}),
+        json!({"type": "conversation.item.create", "item": {"type": "function_call", "name": "f",
+            "arguments": "{\"a\":1}"}}),
     ] {
         assert!(parse(v.clone()).is_ok(), "{v}");
     }

@@ -284,7 +284,8 @@ fn take(samples: &mut Vec<i16>, base: &mut u64, start: u64, end: u64) -> Vec<i16
     audio
 }
 
-/// What a response's input joins so far (text bytes, audio samples), against what one turn may hold.
+/// What a response's input joins so far (text bytes, audio samples), against what one turn may
+/// hold.
 pub(super) struct Joined {
     text: usize,
     audio: usize,
@@ -307,7 +308,11 @@ impl Joined {
                     return Err(OaiError::param(
                         OaiErrorCode::InvalidValue,
                         "response.input",
-                        format!("the input's text, its references joined, is over the {} bytes a turn may hold", self.max_text),
+                        format!(
+                            "the input's text, its references joined, is over the {} bytes a \
+                            turn may hold",
+                            self.max_text
+                        ),
                     ));
                 }
             }
@@ -316,7 +321,11 @@ impl Joined {
                 if self.audio > self.max_audio {
                     return Err(OaiError::new(
                         OaiErrorCode::InputAudioBufferFull,
-                        format!("the input's audio, its references joined, is over the {} s a turn may hold", self.max_audio / 24_000),
+                        format!(
+                            "the input's audio, its references joined, is over the {} s a \
+                            turn may hold",
+                            self.max_audio / 24_000
+                        ),
                     ));
                 }
             }

@@ -259,7 +259,8 @@ fn semantic_turns_against_the_truth_of_the_clips() {
         let semantic_turns = turn_ends(&model, &rt, medium.clone(), &x);
         let silence_turns = turn_ends(&model, &rt, server_vad.clone(), &x);
         eprintln!(
-            "incomplete{i} + 1 s + complete{i}: semantic_vad {} turn(s) {semantic_turns:?}; server_vad {} {silence_turns:?}",
+            "incomplete{i} + 1 s + complete{i}: semantic_vad {} turn(s) {semantic_turns:?}; \
+            server_vad {} {silence_turns:?}",
             semantic_turns.len(),
             silence_turns.len()
         );
@@ -281,7 +282,11 @@ fn semantic_turns_against_the_truth_of_the_clips() {
         eprintln!("complete{i}: ended {after} ms after the speech");
         ended_early += usize::from(after < 1000);
     }
-    eprintln!("semantic_vad kept {kept_whole} of 6 paused sentences whole (server_vad split {split_by_silence}); ended {ended_early} of 6 complete ones at their pause, the rest after the 4 s wait");
+    eprintln!(
+        "semantic_vad kept {kept_whole} of 6 paused sentences whole (server_vad split \
+        {split_by_silence}); ended {ended_early} of 6 complete ones at their pause, the rest \
+        after the 4 s wait"
+    );
     assert_eq!(split_by_silence, 6, "the silence detector ends a turn at every second's pause");
     assert!(kept_whole >= 4, "the turn model kept {kept_whole} of 6 paused sentences whole");
     assert!(

@@ -170,7 +170,8 @@ impl Translator {
                         let n = text.chars().count();
                         if n > antiphon_protocol::MAX_PREFIX_CHARS {
                             let why = format!(
-                                "an incomplete assistant message begins the next response: {n} characters, at most {}",
+                                "an incomplete assistant message begins the next response: {n} \
+                                characters, at most {}",
                                 antiphon_protocol::MAX_PREFIX_CHARS
                             );
                             return Err(OaiError::param(
@@ -279,7 +280,8 @@ impl Translator {
             Some(Pending::Prefix(_)) | None => {}
         }
         if view.role == Some("system") {
-            // a system item joins every response's instructions: checked now, not at the next response
+            // a system item joins every response's instructions: checked now, not at the next
+            // response
             let text: Vec<&str> =
                 view.content.iter().flatten().map(|p| p.text.as_deref().unwrap_or("")).collect();
             let joined = self.joined_instructions(&self.session.instructions, &text);

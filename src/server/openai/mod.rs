@@ -240,7 +240,11 @@ async fn handle_socket(
                     },
                     Message::Binary(_) => t.error(
                         None,
-                        OaiError::new(OaiErrorCode::InvalidEvent, "binary frames are not part of this dialect: send input_audio_buffer.append"),
+                        OaiError::new(
+                            OaiErrorCode::InvalidEvent,
+                            "binary frames are not part of \
+                            this dialect: send input_audio_buffer.append",
+                        ),
                     ),
                     Message::Close(_) => break,
                     Message::Ping(_) | Message::Pong(_) => {}

@@ -3,8 +3,8 @@
 //! frames audio deltas (joined up to 100 ms, converted to the session's output format), its
 //! `response.done` the closing sequence of `*.done` events with usage. A response that may call
 //! opens its message item at its first text or audio (a call alone has none), and its calls
-//! become `function_call` items after the message, when the v1 response is done. Every v1 message is acked,
-//! so the v1 journal stays empty: this dialect has no resume.
+//! become `function_call` items after the message, when the v1 response is done. Every v1 message
+//! is acked, so the v1 journal stays empty: this dialect has no resume.
 
 use antiphon_audio::g711::{alaw_encode, ulaw_encode, Downsample24kTo8k};
 use antiphon_protocol::openai::server::{
@@ -255,7 +255,8 @@ impl Translator {
                     .and_then(|a| a.v1)
                     .is_some_and(|v| message.starts_with(&format!("response {v}")));
                 if (unstarted && !fatal) || ours {
-                    // the response failed: its response.done says why (pipecat hangs up on any `error`)
+                    // the response failed: its response.done says why (pipecat hangs up on any
+                    // `error`)
                     if let Some(a) = self.active.as_mut() {
                         // (capacity says so, with its wait; any other failure is the response's)
                         let code = if code == ErrorCode::Capacity {

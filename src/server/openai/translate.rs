@@ -164,7 +164,10 @@ impl Translator {
                     let least = super::input::MIN_COMMIT_MS;
                     err(
                         OaiErrorCode::InputAudioBufferCommitEmpty,
-                        format!("buffer too small: a commit takes at least {least} ms of audio; the buffer holds {ms} ms"),
+                        format!(
+                            "buffer too small: a commit takes at least {least} ms of audio; \
+                            the buffer holds {ms} ms"
+                        ),
                     )
                 })?;
                 let id = self.turn_item.take().unwrap_or_else(|| new_id("item"));

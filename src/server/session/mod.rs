@@ -299,7 +299,8 @@ impl Session {
                     Some(m) => self.handle(m),
                     None => break,
                 },
-                // (the manager holds a sender as long as the session exists: `None` only at the end)
+                // (the manager holds a sender as long as the session exists: `None` only at the
+                // end)
                 Some(m) = input.recv() => self.handle(m),
                 _ = tick.tick() => self.handle(SessionMsg::Tick),
             }
@@ -454,7 +455,8 @@ impl Session {
         {
             return Err(WireError::new(
                 ErrorCode::BadField,
-                "session.update: a duplex session's voice, instructions, generation and policy are fixed at session.create",
+                "session.update: a duplex session's voice, instructions, generation and policy \
+                are fixed at session.create",
             ));
         }
         if self.duplex.is_none() && u.duplex.is_some() {

@@ -118,7 +118,10 @@ impl Session {
     pub(super) fn answer_waiting_results(&mut self, calling: u32, failed: bool) {
         let Some((outputs, generation)) = self.tools.waiting.take() else { return };
         if failed {
-            let why = format!("input.tool_result: response {calling} failed, so its calls are not in the conversation");
+            let why = format!(
+                "input.tool_result: response {calling} failed, so its calls are not \
+                in the conversation"
+            );
             return self.send_error(WireError::new(ErrorCode::BadField, why));
         }
         self.start_response(Trigger::ToolResult, UserInput::ToolResults(outputs), generation);

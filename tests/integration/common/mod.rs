@@ -20,7 +20,8 @@ pub fn fixture_dir(name: &str) -> PathBuf {
     repo().join("tests").join("fixtures").join(name)
 }
 
-/// The device the parity tests run on: `ANTIPHON_TEST_DEVICE` (`cpu`, `cuda`, `cuda:N`), default CPU.
+/// The device the parity tests run on: `ANTIPHON_TEST_DEVICE` (`cpu`, `cuda`, `cuda:N`), default
+/// CPU.
 pub fn device() -> Device {
     match std::env::var("ANTIPHON_TEST_DEVICE").as_deref() {
         Err(_) | Ok("cpu") | Ok("") => Device::Cpu,

@@ -21,7 +21,8 @@ pub fn codes(n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32).map(|i| i.wrapping_mul(2654435761u32.wrapping_add(salt)) % 6561).collect()
 }
 
-/// Chunks of [3 context + n new] codes, the first context being silence; the last has no look-ahead.
+/// Chunks of [3 context + n new] codes, the first context being silence; the last has no
+/// look-ahead.
 pub fn payloads(all: &[u32], sizes: &[usize]) -> Vec<Vec<u32>> {
     let mut out = Vec::new();
     let mut prev = vec![SILENCE_CODE; 3];

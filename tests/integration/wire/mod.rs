@@ -15,8 +15,8 @@ use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 pub type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
 /// An engine with one stream place, no queue for replies, and that place kept for admitted calls:
-/// a second reply while one plays is refused at once, and so is a new call. (tests/integration/server.rs
-/// does not use it.)
+/// a second reply while one plays is refused at once, and so is a new call.
+/// (tests/integration/server.rs does not use it.)
 #[allow(dead_code)]
 pub fn one_place(c: &mut Config) {
     c.engine.max_streams = Some(1);
@@ -135,7 +135,8 @@ impl Client {
 
     pub async fn create(&mut self, extra: Value) -> Value {
         let mut v = json!({"type": "session.create", "mode": "turn",
-            "input_audio": {"codec": "pcm16", "sample_rate": 16000}, "output_audio": {"codec": "opus"}});
+            "input_audio": {"codec": "pcm16", "sample_rate": 16000},
+                "output_audio": {"codec": "opus"}});
         for (k, x) in extra.as_object().unwrap() {
             v[k] = x.clone();
         }
@@ -145,7 +146,8 @@ impl Client {
 }
 
 pub fn short(codes: u64) -> Value {
-    json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": codes, "max_audio_tokens": codes, "seed": 1})
+    json!({"min_text_tokens": 4, "max_text_tokens": 4, "min_audio_tokens": codes,
+        "max_audio_tokens": codes, "seed": 1})
 }
 
 pub fn is_done(m: &In) -> bool {

@@ -35,7 +35,10 @@ impl CamPlusPlus {
                     if let Err(e) = other {
                         tracing::debug!("campplus.onnx over a batch: {e:#}");
                     }
-                    tracing::info!("campplus.onnx does not take a batch of voices: each voice is embedded alone");
+                    tracing::info!(
+                        "campplus.onnx does not take a batch of voices: each voice is \
+                        embedded alone"
+                    );
                     let _ = self.batches.set(false);
                     return Ok(None);
                 }
@@ -44,7 +47,10 @@ impl CamPlusPlus {
                 let ok = agrees(&rows.get(0)?, &self.embed(part[0])?)?;
                 let _ = self.batches.set(ok);
                 if !ok {
-                    tracing::info!("campplus.onnx over a batch differs from one voice alone: each voice is embedded alone");
+                    tracing::info!(
+                        "campplus.onnx over a batch differs from one voice alone: each \
+                        voice is embedded alone"
+                    );
                     return Ok(None);
                 }
             }

@@ -324,7 +324,8 @@ impl F0Predictor {
         for c in &self.condnet[1..] {
             x = c.forward(&x, None)?.elu(1.0)?;
         }
-        // (contiguous: candle's CPU matmul gets a transposed batch against a broadcast weight wrong)
+        // (contiguous: candle's CPU matmul gets a transposed batch against a broadcast weight
+        // wrong)
         let y = self.classifier.forward(&x.transpose(1, 2)?.contiguous()?)?.abs()?; // [B, F', 1]
         y.squeeze(2)?.to_dtype(DType::F32)
     }
@@ -461,13 +462,15 @@ impl Spectral {
         y.ok_or_else(|| candle_core::Error::Msg("an n_fft of zero".into()))
     }
 
-    /// `torch.istft(center=True)` of `mag · e^{i·phase}`, `[B, n_freq, T]` -> `[B, hop (T − 1)]`.
+    /// `torch.istft(center=True)` of `mag · e^{i·phase}`, `[B, n_freq, T]` -> `[B, hop (T −
+    /// 1)]`.
     pub(super) fn istft(&self, mag: &Tensor, phase: &Tensor) -> Result<Tensor> {
         let (b, _, t) = mag.dims3()?;
         let mag = mag.clamp(f64::NEG_INFINITY, 1e2)?;
         let re = (&mag * phase.cos()?)?;
         let im = (&mag * phase.sin()?)?;
-        let frames = (self.inv_cos.broadcast_matmul(&re)? + self.inv_sin.broadcast_matmul(&im)?)?; // [B, n_fft, T]
+        // [B, n_fft, T]
+        let frames = (self.inv_cos.broadcast_matmul(&re)? + self.inv_sin.broadcast_matmul(&im)?)?;
         let y = self.overlap_add(&frames)?; // [B, n_fft + hop (T-1)]
         let total = self.n_fft + self.hop * (t - 1);
         let p = self.n_fft / 2;
