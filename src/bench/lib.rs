@@ -27,6 +27,7 @@ mod arrivals;
 mod client;
 mod duplex;
 pub mod goodput;
+mod playback;
 mod prompts;
 pub mod report;
 pub mod scrape;
@@ -34,6 +35,7 @@ pub mod scrape;
 pub use arrivals::poisson_arrivals;
 use client::{Client, Msg};
 use duplex::{duplex_drain, duplex_turns, run_duplex_level};
+pub use playback::{played_ms, stalls};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -194,41 +196,6 @@ impl RequestRecord {
         }
     }
 }
-
-/// The playback model: playback starts when the first packet arrives plus `prebuffer`, consumes
-/// in real time, and pauses whenever the buffer is empty before the response's last packet (one
-/// stall per pause). Returns (events, total ms).
-pub fn stalls(arrivals_ms: &[f64], durations_ms: &[f64], prebuffer_ms: f64) -> (usize, f64) {
-    let (events, total, _) = playback(arrivals_ms, durations_ms, prebuffer_ms);
-    (events, total)
-}
-
-/// When playback of a response ends under the playback model with no pre-buffer (the moment its
-/// buffer runs dry after the last packet: first arrival + audio + stalls), in the arrivals' time.
-pub fn played_ms(arrivals_ms: &[f64], durations_ms: &[f64]) -> Option<f64> {
-    (!arrivals_ms.is_empty()).then(|| playback(arrivals_ms, durations_ms, 0.0).2)
-}
-
-/// The playback model: (stall events, stall ms, the moment the buffer runs dry at the end).
-fn playback(arrivals_ms: &[f64], durations_ms: &[f64], prebuffer_ms: f64) -> (usize, f64, f64) {
-    let Some(&first) = arrivals_ms.first() else {
-        return (0, 0.0, 0.0);
-    };
-    // the moment the buffer runs dry if nothing more arrives
-    let mut dry = first + prebuffer_ms;
-    let mut events = 0;
-    let mut total = 0.0;
-    for (i, (&a, &d)) in arrivals_ms.iter().zip(durations_ms).enumerate() {
-        if i > 0 && a > dry + 1e-9 {
-            events += 1;
-            total += a - dry;
-            dry = a;
-        }
-        dry += d;
-    }
-    (events, total, dry)
-}
-
 /// A 16-bit PCM WAV of a reference voice, made different per request (a cold reference cache).
 fn clone_voice(base: &[f32], rate: u32, n: usize) -> String {
     // a per-request resampling ratio and gain: different content, different hash
@@ -605,32 +572,4 @@ fn done_status(v: &serde_json::Value) -> Option<DoneStatus> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn stall_model() {
-        let d = vec![20.0; 5];
-        // packets every 20 ms: no stall
-        assert_eq!(stalls(&[0.0, 20.0, 40.0, 60.0, 80.0], &d, 0.0), (0, 0.0));
-        // a 70 ms gap after the third packet: the buffer is dry at 60 ms, one stall of 50 ms
-        let a = [0.0, 20.0, 40.0, 110.0, 130.0];
-        let (e, t) = stalls(&a, &d, 0.0);
-        assert_eq!(e, 1);
-        assert!((t - 50.0).abs() < 1e-6, "{t}");
-        // a 100 ms pre-buffer absorbs it
-        assert_eq!(stalls(&a, &d, 100.0), (0, 0.0));
-        // a burst arriving all at once never stalls
-        assert_eq!(stalls(&[5.0; 5], &d, 0.0), (0, 0.0));
-    }
-
-    #[test]
-    fn a_reply_has_played_when_its_buffer_runs_dry() {
-        let d = vec![20.0; 5];
-        // first arrival + audio + stalls: 0 + 100 + 50
-        assert_eq!(played_ms(&[0.0, 20.0, 40.0, 110.0, 130.0], &d), Some(150.0));
-        // a burst: the audio's length after the first packet
-        assert_eq!(played_ms(&[5.0; 5], &d), Some(105.0));
-        assert_eq!(played_ms(&[], &[]), None);
-    }
-}
+mod tests;

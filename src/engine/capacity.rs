@@ -13,6 +13,9 @@
 //! setups), the prefix store's budget (`thinker_prefix_mib`), the idle caches' budget of the
 //! Thinker and of the Talker (`idle_cache_mib` each), and each pool's scratch slot.
 
+use antiphon_models::Models;
+use anyhow::Result;
+
 use super::EngineConfig;
 
 /// What one stream's slots take of the device's memory, per stage (0 for a stage without slots).
@@ -105,6 +108,51 @@ pub fn size_streams(
     // the places kept for admitted calls' next turns: the same share of fewer places
     cfg.call_headroom = (cfg.call_headroom * streams).div_ceil(asked);
     Ok(Sizing { free, reserve, per_stream, asked, streams })
+}
+
+/// `engine.streams_from_memory`: every stage's slots as many as the GPU's free memory holds now
+/// (capacity.rs), when the stages share one GPU; otherwise the slots as configured.
+pub(crate) fn size_streams_from_memory(models: &Models, cfg: &mut EngineConfig) -> Result<()> {
+    let (d0, d1, d2) = (
+        models.thinker.llm.decoder().device(),
+        models.talker.decoder().device(),
+        models.code2wav.device(),
+    );
+    let Some(free) = antiphon_models::gpu::free_memory(d0) else {
+        tracing::info!("engine.streams_from_memory: not on a GPU; the slots as configured");
+        return Ok(());
+    };
+    // (each stage may have a stream of its own on the one GPU: its own `Device`, the same card)
+    if !(d0.location() == d1.location() && d0.location() == d2.location()) {
+        tracing::warn!(
+            "engine.streams_from_memory: the stages are on different GPUs; the slots as configured"
+        );
+        return Ok(());
+    }
+    let bytes = |slots: usize, b: usize| if slots > 0 { b as u64 } else { 0 };
+    let thinker = models.thinker.llm.decoder();
+    let talker = models.talker.decoder();
+    let per_stream = StreamBytes {
+        thinker: bytes(
+            cfg.thinker_slots,
+            thinker.slot_bytes(cfg.thinker_slot_context.min(thinker.config().max_positions)),
+        ),
+        talker: bytes(
+            cfg.talker_slots,
+            talker.slot_bytes(cfg.talker_slot_context.min(talker.config().max_positions)),
+        ),
+        code2wav: bytes(cfg.code2wav_slots, models.code2wav.slot_bytes(cfg.code2wav_slot_frames)),
+    };
+    let s = size_streams(cfg, free, per_stream).map_err(anyhow::Error::msg)?;
+    tracing::info!(
+        free_mib = s.free >> 20,
+        kept_mib = s.reserve >> 20,
+        stream_mib = s.per_stream.total() >> 20,
+        asked = s.asked,
+        streams = s.streams,
+        "engine.streams_from_memory: the slots of every stage"
+    );
+    Ok(())
 }
 
 #[cfg(test)]

@@ -156,55 +156,10 @@ pub struct Engine {
     threads: Vec<JoinHandle<()>>,
 }
 
-/// `engine.streams_from_memory`: every stage's slots as many as the GPU's free memory holds now
-/// (capacity.rs), when the stages share one GPU; otherwise the slots as configured.
-fn size_streams_from_memory(models: &Models, cfg: &mut EngineConfig) -> Result<()> {
-    let (d0, d1, d2) = (
-        models.thinker.llm.decoder().device(),
-        models.talker.decoder().device(),
-        models.code2wav.device(),
-    );
-    let Some(free) = antiphon_models::gpu::free_memory(d0) else {
-        tracing::info!("engine.streams_from_memory: not on a GPU; the slots as configured");
-        return Ok(());
-    };
-    // (each stage may have a stream of its own on the one GPU: its own `Device`, the same card)
-    if !(d0.location() == d1.location() && d0.location() == d2.location()) {
-        tracing::warn!(
-            "engine.streams_from_memory: the stages are on different GPUs; the slots as configured"
-        );
-        return Ok(());
-    }
-    let bytes = |slots: usize, b: usize| if slots > 0 { b as u64 } else { 0 };
-    let thinker = models.thinker.llm.decoder();
-    let talker = models.talker.decoder();
-    let per_stream = capacity::StreamBytes {
-        thinker: bytes(
-            cfg.thinker_slots,
-            thinker.slot_bytes(cfg.thinker_slot_context.min(thinker.config().max_positions)),
-        ),
-        talker: bytes(
-            cfg.talker_slots,
-            talker.slot_bytes(cfg.talker_slot_context.min(talker.config().max_positions)),
-        ),
-        code2wav: bytes(cfg.code2wav_slots, models.code2wav.slot_bytes(cfg.code2wav_slot_frames)),
-    };
-    let s = capacity::size_streams(cfg, free, per_stream).map_err(anyhow::Error::msg)?;
-    tracing::info!(
-        free_mib = s.free >> 20,
-        kept_mib = s.reserve >> 20,
-        stream_mib = s.per_stream.total() >> 20,
-        asked = s.asked,
-        streams = s.streams,
-        "engine.streams_from_memory: the slots of every stage"
-    );
-    Ok(())
-}
-
 impl Engine {
     pub fn start(mut models: Models, mut cfg: EngineConfig) -> Result<Self> {
         if cfg.streams_from_memory {
-            size_streams_from_memory(&models, &mut cfg)?;
+            capacity::size_streams_from_memory(&models, &mut cfg)?;
         }
         // A capture records everything issued to its stream, from any thread: a stage may capture
         // only when no other stage issues work to the same stream (`streams = "per_stage"`).

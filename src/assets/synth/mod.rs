@@ -583,5 +583,7 @@ pub fn write_checkpoint(dir: &Path, opts: &SynthOptions) -> Result<()> {
 // ------------------------------------------------------------------------------------------------
 // token2wav assets (Code2Wav)
 
+mod campplus_graph;
 mod code2wav;
+pub use campplus_graph::*;
 pub use code2wav::*;
