@@ -175,6 +175,29 @@ fn no_source_file_is_over_600_lines() {
     assert!(long.is_empty(), "split these files: {long:?}");
 }
 
+/// Every line of every Rust file (the sources, tests, benches and build scripts of every crate) is
+/// at most 100 columns, counted in characters: rustfmt's `max_width`, and what it cannot break
+/// (strings, comments, macro bodies) broken by hand.
+#[test]
+fn no_line_is_over_100_columns() {
+    let mut files = Vec::new();
+    for d in ["src", "tests", "benches"] {
+        rust_files(&root().join(d), &mut files);
+    }
+    assert!(files.len() > 100, "found only {} files", files.len());
+    let mut wide = Vec::new();
+    for f in &files {
+        for (k, line) in std::fs::read_to_string(f).unwrap().lines().enumerate() {
+            let n = line.chars().count();
+            if n > 100 {
+                let path = f.strip_prefix(root()).unwrap().display();
+                wide.push(format!("{path}:{} ({n} columns)", k + 1));
+            }
+        }
+    }
+    assert!(wide.is_empty(), "break these lines: {wide:?}");
+}
+
 /// The crates of the workspace: the root and every `src/*` with a manifest.
 fn crate_dirs() -> Vec<PathBuf> {
     let mut dirs = vec![root()];
