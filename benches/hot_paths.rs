@@ -60,7 +60,7 @@ fn decode_steps(c: &mut Criterion) {
     let mut g = c.benchmark_group("stage_steps_tiny_cpu");
     let prefix: Vec<u32> = (0..64).map(|i| (i * 7) % 200).collect();
 
-    // Stage 0: one Thinker token after a 64-token prefix
+    // Thinker: one Thinker token after a 64-token prefix
     let llm = &m.thinker.llm;
     let prefilled = || -> KvCache {
         let mut cache = llm.new_cache();
@@ -82,7 +82,7 @@ fn decode_steps(c: &mut Criterion) {
         )
     });
 
-    // Stage 1: one Talker code after a 64-position condition
+    // Talker: one Talker code after a 64-position condition
     let talker = &m.talker;
     let hidden = talker.config().hidden_size;
     let cond = Tensor::randn(0f32, 1.0, (64, hidden), &Device::Cpu).unwrap();

@@ -3,7 +3,7 @@
 //! `tokenizer.json`.
 //!
 //! Tensors are reached through a `VarBuilder` whose prefixes route to the parts: `llm.` and `apm.`
-//! and `audio_projection_layer.` (Stage 0), `tts.` (Stage 1). Vision tensors (`vpm.`,
+//! and `audio_projection_layer.`, `tts.`. Vision tensors (`vpm.`,
 //! `resampler.`) are never read. Every tensor is checked against the shape the model expects and
 //! converted to the requested dtype; a missing or misshaped tensor is an error naming it and the
 //! expected shape.
@@ -83,7 +83,7 @@ impl Checkpoint {
         tokenizer_file(&self.dir.join("tokenizer.json"))
     }
 
-    /// Stage 0 and Stage 1 modules.
+    /// Thinker and Talker modules.
     pub fn load_models(&self, dtype: DType, device: &Device) -> Result<(Thinker, Talker)> {
         load_models(&self.var_builder(dtype, device)?, &self.config)
     }

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use prometheus::IntGaugeVec;
 
-use super::{RequestId, Stage0Msg};
+use super::{RequestId, ThinkerMsg};
 
 /// What holds a place.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -165,8 +165,8 @@ impl State {
 #[derive(Clone)]
 pub struct Admission {
     state: Arc<Mutex<State>>,
-    /// Stage 0 waits for a place with its queue; a place freed wakes it.
-    wake: Arc<Mutex<Option<SyncSender<Stage0Msg>>>>,
+    /// Thinker waits for a place with its queue; a place freed wakes it.
+    wake: Arc<Mutex<Option<SyncSender<ThinkerMsg>>>>,
     gauges: IntGaugeVec,
 }
 
@@ -185,11 +185,11 @@ impl Admission {
         a
     }
 
-    pub(crate) fn set_wake(&self, to0: SyncSender<Stage0Msg>) {
-        *self.wake.lock().expect("wake") = Some(to0);
+    pub(crate) fn set_wake(&self, to_thinker: SyncSender<ThinkerMsg>) {
+        *self.wake.lock().expect("wake") = Some(to_thinker);
     }
 
-    /// Lets go of Stage 0's sender (the engine is stopping: Stage 0 ends with its last sender).
+    /// Lets go of Thinker's sender (the engine is stopping: Thinker ends with its last sender).
     pub(crate) fn clear_wake(&self) {
         self.wake.lock().expect("wake").take();
     }
@@ -303,7 +303,7 @@ impl Admission {
         };
         if waiting {
             if let Some(w) = self.wake.lock().expect("wake").as_ref() {
-                let _ = w.try_send(Stage0Msg::Wake);
+                let _ = w.try_send(ThinkerMsg::Wake);
             }
         }
     }
@@ -330,7 +330,7 @@ impl Admission {
         self.publish(&s);
     }
 
-    /// Whether responses wait for a place (Stage 0 then looks again soon: the limit also rises
+    /// Whether responses wait for a place (Thinker then looks again soon: the limit also rises
     /// with time).
     pub fn has_queued(&self) -> bool {
         !self.state.lock().expect("admission").queued.is_empty()

@@ -9,7 +9,7 @@
 //! context alone, to flush the flow's look-ahead): a whole Code2Wav step for nothing, and one of
 //! the slowest shapes it runs.
 
-/// One hand-off to Stage 2.
+/// One hand-off to Code2Wav.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Payload {
     pub seq: usize,
@@ -43,7 +43,7 @@ impl Chunker {
         }
     }
 
-    /// A stream's chunker as Stage 1 makes it: `first` new codes in the first payload, the
+    /// A stream's chunker as Talker makes it: `first` new codes in the first payload, the
     /// configured size and context after; a turn's holds its chunks, a duplex turn's does not
     /// (its codes stop at each unit's end, so its chunks go out at once).
     pub fn for_stream(cfg: &crate::EngineConfig, first: usize, turn: bool) -> Self {
@@ -142,8 +142,8 @@ impl Chunker {
     }
 }
 
-/// The payloads (length in codes, context included; last or not) of the requests Stage 2 sees
-/// most, made by the chunkers Stage 1 makes: a turn that found the engine idle (the small first
+/// The payloads (length in codes, context included; last or not) of the requests Code2Wav sees
+/// most, made by the chunkers Talker makes: a turn that found the engine idle (the small first
 /// chunk), a turn that found it busy, and duplex turns of one and two units, each ending on a
 /// whole chunk. Code2Wav's graph warm-up takes streams through these, so that their shapes are
 /// captured before the first request (a last chunk of another length is captured as it comes).

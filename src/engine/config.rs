@@ -144,7 +144,7 @@ pub struct EngineConfig {
     pub prefetch: bool,
     /// Reference prefetch, phase B (setup), off by default.
     pub prefetch_setup: bool,
-    /// How long an idle Stage 2 with waiting references sleeps between idle steps.
+    /// How long an idle Code2Wav with waiting references sleeps between idle steps.
     #[serde(skip)]
     pub idle_tick: Duration,
     #[serde(skip)]

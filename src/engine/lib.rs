@@ -4,21 +4,21 @@
 //! events through the request's sink.
 //!
 //! ```text
-//!  submit ──► Stage 0 Thinker ──handoff──► Stage 1 Talker ──chunks──►
-//!  Stage 2 Code2Wav ──► audio
+//!  submit ──► Thinker ──handoff──► Talker ──chunks──► Code2Wav ──► audio
 //!    └──────────── placeholder (the reference voice, at admission)
 //!    ─────────►┘
 //! ```
 //!
 //! Every hand-off carries the request id (unique per response); a stage drops work whose request
-//! is no longer live. Stage 2 uses its idle steps to prepare a waiting request's reference voice
-//! (reference prefetch, see [`stage2`]).
+//! is no longer live. Code2Wav uses its idle steps to prepare a waiting request's reference voice
+//! (reference prefetch, see [`code2wav`]).
 
 pub mod admission;
 pub mod caches;
 pub mod capacity;
 pub mod chunker;
 pub mod clips;
+pub mod code2wav;
 pub mod config;
 pub mod contain;
 pub mod fit;
@@ -29,9 +29,8 @@ pub mod pace;
 pub mod prefix;
 pub mod profile;
 pub mod refcache;
-pub mod stage0;
-pub mod stage1;
-pub mod stage2;
+pub mod talker;
+pub mod thinker;
 pub mod types;
 pub mod voices;
 
@@ -44,7 +43,7 @@ use anyhow::{bail, Result};
 
 pub use admission::{Admission, Busy};
 pub use config::EngineConfig;
-pub use messages::{Stage0Msg, Stage1Msg, Stage2Msg};
+pub use messages::{Code2WavMsg, TalkerMsg, ThinkerMsg};
 pub use metrics::EngineMetrics;
 pub use types::*;
 
@@ -139,9 +138,9 @@ const VOCODER_GRAPHS: usize = 64;
 
 /// The running engine. Dropping it stops the stage threads.
 pub struct Engine {
-    to0: Option<SyncSender<Stage0Msg>>,
-    to1: Option<SyncSender<Stage1Msg>>,
-    to2: Option<SyncSender<Stage2Msg>>,
+    to_thinker: Option<SyncSender<ThinkerMsg>>,
+    to_talker: Option<SyncSender<TalkerMsg>>,
+    to_code2wav: Option<SyncSender<Code2WavMsg>>,
     registry: Registry,
     metrics: EngineMetrics,
     admission: Admission,
@@ -269,16 +268,16 @@ impl Engine {
             }))
         };
         let cap = cfg.channel_capacity;
-        let (tx0, rx0) = mpsc::sync_channel::<Stage0Msg>(cap);
+        let (tx0, rx0) = mpsc::sync_channel::<ThinkerMsg>(cap);
         admission.set_wake(tx0.clone());
-        let (tx1, rx1) = mpsc::sync_channel::<Stage1Msg>(cap);
-        let (tx2, rx2) = mpsc::sync_channel::<Stage2Msg>(cap);
+        let (tx1, rx1) = mpsc::sync_channel::<TalkerMsg>(cap);
+        let (tx2, rx2) = mpsc::sync_channel::<Code2WavMsg>(cap);
         let tokenizer = Arc::new(models.tokenizer.clone());
         // (on a GPU whose decode graphs run at a raised priority, see gate.rs)
         let gate = gate::PrefillGate::new(
             cfg.stage_priorities && models.thinker.llm.decoder().device().is_cuda(),
         );
-        let s0 = stage0::Stage0::new(
+        let s0 = thinker::ThinkerStage::new(
             models.thinker,
             models.tokenizer,
             cfg.clone(),
@@ -289,7 +288,7 @@ impl Engine {
         )?
         .with_gate(gate.clone());
         let pace = pace::StagePace::default();
-        let s1 = stage1::Stage1::new(
+        let s1 = talker::TalkerStage::new(
             models.talker,
             cfg.clone(),
             registry.clone(),
@@ -298,23 +297,27 @@ impl Engine {
             gate.clone(),
         )?
         .with_pace(pace.clone());
-        let s2 =
-            stage2::Stage2::new(models.code2wav, cfg.clone(), registry.clone(), metrics.clone())
-                .with_admission(admission.clone())
-                .with_gate(gate.clone())
-                .with_pace(pace);
+        let s2 = code2wav::Code2WavStage::new(
+            models.code2wav,
+            cfg.clone(),
+            registry.clone(),
+            metrics.clone(),
+        )
+        .with_admission(admission.clone())
+        .with_gate(gate.clone())
+        .with_pace(pace);
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new().name(name.to_string()).spawn(f)
         };
         let threads = vec![
-            spawn("stage0-thinker", Box::new(move || run_stage(s0, rx0)))?,
-            spawn("stage1-talker", Box::new(move || run_stage(s1, rx1)))?,
-            spawn("stage2-code2wav", Box::new(move || run_stage(s2, rx2)))?,
+            spawn("thinker", Box::new(move || run_stage(s0, rx0)))?,
+            spawn("talker", Box::new(move || run_stage(s1, rx1)))?,
+            spawn("code2wav", Box::new(move || run_stage(s2, rx2)))?,
         ];
         Ok(Self {
-            to0: Some(tx0),
-            to1: Some(tx1),
-            to2: Some(tx2),
+            to_thinker: Some(tx0),
+            to_talker: Some(tx1),
+            to_code2wav: Some(tx2),
             registry,
             metrics,
             admission,
@@ -383,9 +386,10 @@ impl Engine {
         self.registry.live_count()
     }
 
-    /// Admits a request; its events go to `sink`. Stage 2 learns of it at once (with its reference,
-    /// unless it is a duplex request). It starts when a place is free (admission.rs): until then it
-    /// waits in the queue, and with the queue full it is refused ([`SubmitError::Busy`]).
+    /// Admits a request; its events go to `sink`. Code2Wav learns of it at once (with its
+    /// reference, unless it is a duplex request). It starts when a place is free (admission.rs):
+    /// until then it waits in the queue, and with the queue full it is refused
+    /// ([`SubmitError::Busy`]).
     pub fn submit(&self, spec: RequestSpec, sink: EventSink) -> Result<(), SubmitError> {
         if let Some(why) = spec.voice.fault() {
             return Err(SubmitError::Invalid(why.into()));
@@ -402,10 +406,14 @@ impl Engine {
             return Err(SubmitError::Invalid(format!("request {} is already live", spec.id)));
         }
         let prefetch = (spec.mode == Mode::Turn).then(|| spec.voice.clone());
-        let placeholder = Stage2Msg::Placeholder { id: spec.id.clone(), prefetch };
+        let placeholder = Code2WavMsg::Placeholder { id: spec.id.clone(), prefetch };
         let id = spec.id.clone();
-        let sent = self.to2.as_ref().map(|t| t.send(placeholder).is_ok()).unwrap_or(false)
-            && self.to0.as_ref().map(|t| t.send(Stage0Msg::Admit(spec)).is_ok()).unwrap_or(false);
+        let sent = self.to_code2wav.as_ref().map(|t| t.send(placeholder).is_ok()).unwrap_or(false)
+            && self
+                .to_thinker
+                .as_ref()
+                .map(|t| t.send(ThinkerMsg::Admit(spec)).is_ok())
+                .unwrap_or(false);
         if !sent {
             self.registry.finish(&id, Status::Failed("engine stopped".into()));
             return Err(SubmitError::Stopped);
@@ -422,7 +430,7 @@ impl Engine {
     }
 
     /// Opens a duplex session: a long-lived Thinker stream fed with [`Engine::duplex_unit`]; its
-    /// decisions, spoken turns and end come through `sink`. Stage 2 counts it as a live duplex
+    /// decisions, spoken turns and end come through `sink`. Code2Wav counts it as a live duplex
     /// stream (no prefetch while any is open) until [`Engine::close_duplex`]. It holds a place
     /// (taken here unless [`Engine::reserve_duplex`] took it) until then.
     pub fn open_duplex(&self, spec: DuplexSpec, sink: DuplexSink) -> Result<()> {
@@ -436,14 +444,14 @@ impl Engine {
         let session = spec.session.clone();
         let spec_session = spec.session.clone();
         let sent = self
-            .to2
+            .to_code2wav
             .as_ref()
-            .map(|t| t.send(Stage2Msg::DuplexOpen(session)).is_ok())
+            .map(|t| t.send(Code2WavMsg::DuplexOpen(session)).is_ok())
             .unwrap_or(false)
             && self
-                .to0
+                .to_thinker
                 .as_ref()
-                .map(|t| t.send(Stage0Msg::DuplexOpen(spec, sink)).is_ok())
+                .map(|t| t.send(ThinkerMsg::DuplexOpen(spec, sink)).is_ok())
                 .unwrap_or(false);
         if !sent {
             self.admission.release(&admission::Holder::Duplex(spec_session));
@@ -463,30 +471,30 @@ impl Engine {
         if samples.iter().any(|s| !s.is_finite()) {
             bail!("input audio holds non-finite samples");
         }
-        let m = Stage0Msg::DuplexUnit {
+        let m = ThinkerMsg::DuplexUnit {
             session: session.to_string(),
             samples,
             arrived: std::time::Instant::now(),
         };
-        if !self.to0.as_ref().map(|t| t.send(m).is_ok()).unwrap_or(false) {
+        if !self.to_thinker.as_ref().map(|t| t.send(m).is_ok()).unwrap_or(false) {
             bail!("the engine has stopped");
         }
         Ok(())
     }
 
-    /// Ends a duplex session: its open turn is cancelled, `Closed` is its last event, and Stage 2
+    /// Ends a duplex session: its open turn is cancelled, `Closed` is its last event, and Code2Wav
     /// stops counting it.
     pub fn close_duplex(&self, session: &str) {
         self.admission.release(&admission::Holder::Duplex(session.to_string()));
-        if let Some(t) = &self.to0 {
-            let _ = t.send(Stage0Msg::DuplexClose(session.to_string()));
+        if let Some(t) = &self.to_thinker {
+            let _ = t.send(ThinkerMsg::DuplexClose(session.to_string()));
         }
-        if let Some(t) = &self.to2 {
-            let _ = t.send(Stage2Msg::DuplexClose(session.to_string()));
+        if let Some(t) = &self.to_code2wav {
+            let _ = t.send(Code2WavMsg::DuplexClose(session.to_string()));
         }
     }
 
-    /// Prepares a reference voice in Stage 2 (in a step when no chunk is due) and keeps its
+    /// Prepares a reference voice in Code2Wav (in a step when no chunk is due) and keeps its
     /// features there until [`Engine::forget_voice`]; the features (host copies, to be saved) come
     /// on the returned channel.
     pub fn prepare_voice(
@@ -498,9 +506,9 @@ impl Engine {
         }
         let (tx, rx) = mpsc::sync_channel(1);
         if !self
-            .to2
+            .to_code2wav
             .as_ref()
-            .map(|t| t.send(Stage2Msg::Prepare { voice, reply: tx }).is_ok())
+            .map(|t| t.send(Code2WavMsg::Prepare { voice, reply: tx }).is_ok())
             .unwrap_or(false)
         {
             bail!("the engine has stopped");
@@ -508,19 +516,24 @@ impl Engine {
         Ok(rx)
     }
 
-    /// Hands Stage 2 features prepared by an earlier run (see [`voices::PreparedVoice::tensors`]):
+    /// Hands Code2Wav features prepared by an earlier run (see [`voices::PreparedVoice::tensors`]):
     /// requests with that voice use them instead of preparing it.
     pub fn install_voice(&self, voice: voices::PreparedVoice) -> Result<()> {
-        if !self.to2.as_ref().map(|t| t.send(Stage2Msg::Install(voice)).is_ok()).unwrap_or(false) {
+        if !self
+            .to_code2wav
+            .as_ref()
+            .map(|t| t.send(Code2WavMsg::Install(voice)).is_ok())
+            .unwrap_or(false)
+        {
             bail!("the engine has stopped");
         }
         Ok(())
     }
 
-    /// Stage 2 drops the features it keeps for the voice of this reference key.
+    /// Code2Wav drops the features it keeps for the voice of this reference key.
     pub fn forget_voice(&self, key: &str) {
-        if let Some(t) = &self.to2 {
-            let _ = t.send(Stage2Msg::Forget(key.to_string()));
+        if let Some(t) = &self.to_code2wav {
+            let _ = t.send(Code2WavMsg::Forget(key.to_string()));
         }
     }
 
@@ -529,14 +542,14 @@ impl Engine {
     pub fn cancel(&self, id: &RequestId) -> bool {
         let ended =
             self.registry.finish_counted(id, Status::Cancelled, &self.metrics.requests).is_some();
-        if let Some(t) = &self.to0 {
-            let _ = t.send(Stage0Msg::Cancel(id.clone()));
+        if let Some(t) = &self.to_thinker {
+            let _ = t.send(ThinkerMsg::Cancel(id.clone()));
         }
-        if let Some(t) = &self.to1 {
-            let _ = t.send(Stage1Msg::Cancel(id.clone()));
+        if let Some(t) = &self.to_talker {
+            let _ = t.send(TalkerMsg::Cancel(id.clone()));
         }
-        if let Some(t) = &self.to2 {
-            let _ = t.send(Stage2Msg::Cancel(id.clone()));
+        if let Some(t) = &self.to_code2wav {
+            let _ = t.send(Code2WavMsg::Cancel(id.clone()));
         }
         ended
     }
@@ -544,11 +557,11 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        // (admission's wake-up sender too: Stage 0 ends when its last sender is gone)
+        // (admission's wake-up sender too: Thinker ends when its last sender is gone)
         self.admission.clear_wake();
-        self.to0.take();
-        self.to1.take();
-        self.to2.take();
+        self.to_thinker.take();
+        self.to_talker.take();
+        self.to_code2wav.take();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }

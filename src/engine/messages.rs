@@ -8,8 +8,8 @@ use candle_core::Tensor;
 
 use crate::{gate, voices, DuplexSink, DuplexSpec, Mode, RefInput, RequestId, RequestSpec};
 
-/// Messages to Stage 0.
-pub enum Stage0Msg {
+/// Messages to Thinker.
+pub enum ThinkerMsg {
     Admit(RequestSpec),
     Cancel(RequestId),
     DuplexOpen(DuplexSpec, DuplexSink),
@@ -23,8 +23,8 @@ pub enum Stage0Msg {
     Wake,
 }
 
-/// What Stage 0 hands Stage 1.
-pub enum Stage1Msg {
+/// What Thinker hands Talker.
+pub enum TalkerMsg {
     /// Start of a request (the Talker's parameters).
     Begin {
         id: RequestId,
@@ -71,8 +71,8 @@ pub enum Stage1Msg {
     Cancel(RequestId),
 }
 
-/// What reaches Stage 2.
-pub enum Stage2Msg {
+/// What reaches Code2Wav.
+pub enum Code2WavMsg {
     /// At admission: the request exists; `prefetch` carries its reference when it may be prefetched
     /// (never for duplex).
     Placeholder {

@@ -1,6 +1,6 @@
 //! What one stage knows of another's pace, for a decision it makes for a stream the other will
-//! serve: Stage 1 picks a new turn stream's first chunk from the Talker's step time, Code2Wav's
-//! step time, and how much audio the streams already speaking have buffered (written by Stage 2
+//! serve: Talker picks a new turn stream's first chunk from the Talker's step time, Code2Wav's
+//! step time, and how much audio the streams already speaking have buffered (written by Code2Wav
 //! after each step).
 //!
 //! A small first chunk brings first audio sooner, and costs an extra Code2Wav step before the

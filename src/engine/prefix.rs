@@ -9,7 +9,7 @@
 //! An entry is valid for a prompt only as far as each position's embedding is fixed by its id: the
 //! reference voice's audio sits in the system turn and is keyed by `voice`; a user's audio clip's
 //! placeholder ids say nothing of its content, so the caller keys those positions by the clip's
-//! content (ids above the vocabulary, see `stage0/turn.rs`), and a match crosses a clip only into
+//! content (ids above the vocabulary, see `thinker/turn.rs`), and a match crosses a clip only into
 //! an entry built from the same clip. Before the voice's audio every position is fixed by its id,
 //! so an entry of any voice serves a prompt up to where its voice's rows begin: a new voice's
 //! system turn takes its head (the template and the text before the audio) from another voice's.

@@ -1,4 +1,4 @@
-//! Stage 2's reference caches.
+//! Code2Wav's reference caches.
 //!
 //! [`RefCache`]: content-addressed LRU of prepared references (key = the normalized audio's hash).
 //! An entry has **owners** (live requests whose chunk 0 used it) and **pins** (requests whose

@@ -1,6 +1,6 @@
 //! Voices prepared ahead of their requests: a registered voice's features (S3 codes, speaker
 //! embedding, prompt mel) are made once when it is registered, or handed in as an earlier run
-//! saved them, and Stage 2 keeps them for as long as the voice is registered, so a request with
+//! saved them, and Code2Wav keeps them for as long as the voice is registered, so a request with
 //! that voice never prepares it (the `registered` prefetch event counts each use).
 
 use std::collections::HashMap;
@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor};
 
 use antiphon_models::code2wav::prompt::PromptFeatures;
 
-/// Why Stage 2 did not prepare a voice: busy is not bad audio.
+/// Why Code2Wav did not prepare a voice: busy is not bad audio.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PrepareRefused {
     /// This many registrations wait to be prepared already (try again later).
@@ -121,7 +121,7 @@ impl PreparedVoice {
     }
 }
 
-/// Stage 2's registered voices' features, by reference key, at most `max` (beyond, the least
+/// Code2Wav's registered voices' features, by reference key, at most `max` (beyond, the least
 /// recently installed goes: it is prepared again when a request needs it).
 pub struct PreparedStore {
     map: HashMap<String, (u64, PromptFeatures)>,

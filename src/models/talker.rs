@@ -1,4 +1,4 @@
-//! Stage 1, the Talker (`tts.` in the checkpoint, MiniCPMTTS): a Llama backbone fed with built
+//! Talker, the Talker (`tts.` in the checkpoint, MiniCPMTTS): a Llama backbone fed with built
 //! embeddings.
 //!
 //! - `tts.emb_text` indexed with the Thinker's token ids and the config's `text_eos_token_id` /

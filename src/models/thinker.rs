@@ -1,4 +1,4 @@
-//! Stage 0, the Thinker: the Qwen3 LLM (`llm.`), the Whisper encoder (`apm.`), the audio projector
+//! Thinker, the Thinker: the Qwen3 LLM (`llm.`), the Whisper encoder (`apm.`), the audio projector
 //! (`audio_projection_layer.`) with average pooling, and the splicing of audio embeddings into the
 //! LLM input at `<unk>` placeholder runs between `<|audio_start|>` and `<|audio_end|>`.
 
@@ -72,7 +72,7 @@ pub fn audio_spans(ids: &[u32], m: &AudioMarkers) -> Result<Vec<(usize, usize)>>
     Ok(spans)
 }
 
-/// Stage 0's modules.
+/// Thinker's modules.
 #[derive(Debug, Clone)]
 pub struct Thinker {
     pub llm: Qwen3,

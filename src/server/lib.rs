@@ -287,7 +287,7 @@ pub async fn start(cfg: Config, models: Models) -> Result<Server> {
         move || -> Result<_> {
             let voices = voices::Voices::load(&cfg)?;
             let engine = Arc::new(Engine::start(models, cfg.engine.clone())?);
-            // saved features into Stage 2 before any request; the rest prepared before ready
+            // saved features into Code2Wav before any request; the rest prepared before ready
             let unprepared = voices.install_saved(&engine);
             let turn_model = if cfg.server.smart_turn_model.as_os_str().is_empty() {
                 None

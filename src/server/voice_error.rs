@@ -51,7 +51,7 @@ impl VoiceError {
         Self { status, code, message: message.into(), retry_after_s: None }
     }
 
-    /// What Stage 2's refusal means for the caller: busy is 503 with `Retry-After`, audio that
+    /// What Code2Wav's refusal means for the caller: busy is 503 with `Retry-After`, audio that
     /// cannot make a voice is 400 `bad_audio`.
     pub fn from_refusal(r: antiphon_engine::voices::PrepareRefused) -> Self {
         use antiphon_engine::voices::PrepareRefused;

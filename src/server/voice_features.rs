@@ -1,6 +1,6 @@
 //! A registered voice's prepared features on disk: `<id>.features.safetensors` beside its audio
 //! and metadata in `server.voice_dir`. The file's metadata names the reference key the features
-//! were made from and the model that made them; a restart installs them into Stage 2 when the
+//! were made from and the model that made them; a restart installs them into Code2Wav when the
 //! model is the same, and prepares the voice again (then rewrites the file) when it is not.
 
 use std::collections::HashMap;

@@ -1,5 +1,5 @@
 //! The voice registry: the voices of `[[voices]]` plus voices registered over HTTP (`POST
-//! /v1/voices`). A registered voice is prepared once, when it is registered (Stage 2 keeps its
+//! /v1/voices`). A registered voice is prepared once, when it is registered (Code2Wav keeps its
 //! features), and kept in `server.voice_dir`: the uploaded file as it came, its metadata and its
 //! prepared features ([`super::voice_features`]), so a restart serves it again under the same id
 //! without preparing it again. Sessions pick either kind by `voice.id`.
@@ -48,7 +48,7 @@ pub enum VoiceKind {
 struct Entry {
     info: VoiceInfo,
     input: RefInput,
-    /// The reference key of the features Stage 2 keeps for it (registered voices).
+    /// The reference key of the features Code2Wav keeps for it (registered voices).
     key: Option<String>,
 }
 
@@ -66,10 +66,10 @@ pub struct Voices {
     fingerprint: String,
 }
 
-/// How long a registration or a start-up waits for Stage 2's preparation of a voice.
+/// How long a registration or a start-up waits for Code2Wav's preparation of a voice.
 const PREPARE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
-/// A voice prepared by the engine (on Stage 2's thread, in a step with no chunk due): its
+/// A voice prepared by the engine (on Code2Wav's thread, in a step with no chunk due): its
 /// features, or why not (`bad_audio` when the audio cannot make a voice, 503 when the engine is
 /// stopped or does not answer in time).
 pub fn prepare_with(engine: &Engine, input: RefInput) -> Result<PreparedVoice, VoiceError> {
@@ -190,7 +190,7 @@ impl Voices {
         Ok(Entry { info, input: RefInput::new(samples, rate), key: None })
     }
 
-    /// At start-up: hands Stage 2 the saved features of every registered voice made by this
+    /// At start-up: hands Code2Wav the saved features of every registered voice made by this
     /// model; returns the ids whose features are missing or stale ([`Voices::prepare_missing`]).
     pub fn install_saved(&self, engine: &Engine) -> Vec<String> {
         let Some(dir) = &self.dir else { return vec![] };
@@ -286,7 +286,7 @@ impl Voices {
     /// [`prepare_with`]); every limit is checked and the voice prepared before anything is kept.
     /// A voice prepared but then not kept (the registry filled meanwhile, or its files could not
     /// be written) leaves nothing: its files are removed and `forget` gets its reference key
-    /// (unless another voice has the same audio), for Stage 2 to drop its features.
+    /// (unless another voice has the same audio), for Code2Wav to drop its features.
     pub fn register(
         &self,
         name: &str,
@@ -360,7 +360,7 @@ impl Voices {
         if let Some(e) = full(&self.entries.read().unwrap_or_else(|e| e.into_inner())) {
             return Err(e);
         }
-        // (no lock held while Stage 2 prepares it)
+        // (no lock held while Code2Wav prepares it)
         let input = RefInput::new(samples, rate);
         let prepared = prepare(input.clone())?;
         let mut m = self.entries.write().unwrap_or_else(|e| e.into_inner());

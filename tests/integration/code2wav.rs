@@ -156,7 +156,7 @@ fn streams_with_different_histories_and_voices_share_a_batch() {
     assert!(ragged >= 2, "batches mixed cache lengths {ragged} times");
 }
 
-/// Voices set up together (one encoder pass and one solve over all their prompts, as Stage 2 sets
+/// Voices set up together (one encoder pass and one solve over all their prompts, as Code2Wav sets
 /// up the new voices of a step) give each the state it gets alone: the same first chunk.
 #[test]
 fn voices_set_up_in_one_batch_match_voices_set_up_alone() {

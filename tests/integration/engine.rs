@@ -192,7 +192,7 @@ fn batched_requests_match_requests_alone(cfg: EngineConfig) {
     }
 }
 
-/// New callers with new voices at once (the Thinker hears a burst's references together, Stage 2
+/// New callers with new voices at once (the Thinker hears a burst's references together, Code2Wav
 /// prefetches them together): each gets what it gets alone, on an engine that has heard none.
 #[test]
 fn a_burst_of_new_voices_gives_what_each_gives_alone() {

@@ -7,7 +7,7 @@
 use crate::common;
 
 use antiphon_assets::checkpoint::Checkpoint;
-use antiphon_engine::stage1::{chunk_condition, segment_window};
+use antiphon_engine::talker::{chunk_condition, segment_window};
 use antiphon_models::decoder::{DecodeMode, StreamStep};
 use antiphon_models::talker::Talker;
 use candle_core::{DType, Tensor};

@@ -1,4 +1,4 @@
-//! Reference prefetch in Stage 2, one rule per test, driving the stage step by step (no threads,
+//! Reference prefetch in Code2Wav, one rule per test, driving the stage step by step (no threads,
 //! no timing): the double-idle rule, the busy gate, a burst prefetched together, the pin cap, phase
 //! B off by default, claim / retire / inline / evict at chunk 0, failures, aborts, duplex,
 //! owner/pin separation, and bit-identical chunk 0.
@@ -7,9 +7,9 @@ use std::sync::{Arc, Mutex};
 
 use antiphon_assets::synth::{code2wav_in_memory, Preset};
 use antiphon_engine::chunker::Chunker;
-use antiphon_engine::stage2::{IdleOutcome, Stage2};
+use antiphon_engine::code2wav::{Code2WavStage, IdleOutcome};
 use antiphon_engine::{
-    EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId, Stage2Msg, StageLoop,
+    Code2WavMsg, EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId, StageLoop,
 };
 use antiphon_models::code2wav::prompt::Reference;
 use antiphon_models::code2wav::{Code2Wav, SILENCE_CODE};
@@ -33,7 +33,7 @@ fn voice(freq: f32) -> RefInput {
 type Log = Arc<Mutex<Vec<EngineEvent>>>;
 
 struct Rig {
-    stage: Stage2,
+    stage: Code2WavStage,
     registry: Registry,
     metrics: EngineMetrics,
 }
@@ -43,7 +43,7 @@ impl Rig {
         let registry = Registry::default();
         let metrics = EngineMetrics::new();
         Self {
-            stage: Stage2::new(model(), Arc::new(cfg), registry.clone(), metrics.clone()),
+            stage: Code2WavStage::new(model(), Arc::new(cfg), registry.clone(), metrics.clone()),
             registry,
             metrics,
         }
@@ -56,7 +56,7 @@ impl Rig {
             .registry
             .insert(RequestId(id.into()), Arc::new(move |e| l.lock().unwrap().push(e))));
         self.stage
-            .on_message(Stage2Msg::Placeholder { id: RequestId(id.into()), prefetch: reference });
+            .on_message(Code2WavMsg::Placeholder { id: RequestId(id.into()), prefetch: reference });
         log
     }
 
@@ -68,7 +68,7 @@ impl Rig {
         last: bool,
         reference: Option<RefInput>,
     ) {
-        self.stage.on_message(Stage2Msg::Chunk {
+        self.stage.on_message(Code2WavMsg::Chunk {
             id: RequestId(id.into()),
             seq,
             codes,
@@ -262,14 +262,14 @@ fn prefetch_never_runs_while_a_stream_is_live() {
 #[test]
 fn an_open_duplex_session_is_a_live_stream_for_the_busy_gate() {
     let mut r = Rig::new(EngineConfig::default());
-    r.stage.on_message(Stage2Msg::DuplexOpen("s1".into()));
-    r.stage.on_message(Stage2Msg::DuplexOpen("s2".into()));
+    r.stage.on_message(Code2WavMsg::DuplexOpen("s1".into()));
+    r.stage.on_message(Code2WavMsg::DuplexOpen("s2".into()));
     r.admit("a", Some(voice(180.0)));
     r.idle();
     assert_eq!(r.idle(), IdleOutcome::Skipped("busy"));
-    r.stage.on_message(Stage2Msg::DuplexClose("s1".into()));
+    r.stage.on_message(Code2WavMsg::DuplexClose("s1".into()));
     assert_eq!(r.idle(), IdleOutcome::Skipped("busy"));
-    r.stage.on_message(Stage2Msg::DuplexClose("s2".into()));
+    r.stage.on_message(Code2WavMsg::DuplexClose("s2".into()));
     assert_eq!(r.idle(), IdleOutcome::PhaseA(vec![id("a")]));
 }
 
@@ -355,7 +355,7 @@ fn prefetch_abort_releases_pins() {
     r.idle();
     assert_eq!(r.stage.ref_cache().pin_count(), 1);
     r.registry.finish(&id("a"), antiphon_engine::Status::Cancelled);
-    r.stage.on_message(Stage2Msg::Cancel(id("a")));
+    r.stage.on_message(Code2WavMsg::Cancel(id("a")));
     assert_eq!(r.stage.ref_cache().pin_count(), 0);
     assert!(r.stage.ref_cache().get(&key(&v)).unwrap().evictable());
 }
@@ -380,7 +380,7 @@ fn prefetch_owner_and_pin_cannot_alias() {
     assert!(e.pins.contains(&id("req-1")) && e.owners.contains(&id("pin:req-1")));
     // ending the pinning request leaves the owner; ending the owner leaves nothing
     r.registry.finish(&id("req-1"), antiphon_engine::Status::Cancelled);
-    r.stage.on_message(Stage2Msg::Cancel(id("req-1")));
+    r.stage.on_message(Code2WavMsg::Cancel(id("req-1")));
     let e = r.stage.ref_cache().get(&key(&v)).unwrap();
     assert!(e.pins.is_empty() && e.owners.contains(&id("pin:req-1")));
     assert!(!e.evictable());
@@ -424,7 +424,7 @@ fn prefetch_chunk0_output_is_bit_identical_on_and_off() {
 }
 
 /// A registration is prepared once, in a step with no chunk due, and its features survive a round
-/// trip through the tensors the server saves: a fresh Stage 2 handed them serves the voice with no
+/// trip through the tensors the server saves: a fresh Code2Wav handed them serves the voice with no
 /// new preparation (`registered`, no `inline`) and the same audio as a stage that prepared it
 /// itself; once forgotten, the voice is prepared again.
 #[test]
@@ -433,7 +433,7 @@ fn a_registered_voice_is_served_from_its_kept_features() {
     let v = voice(220.0);
     let mut a = Rig::new(EngineConfig::default());
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
-    a.stage.on_message(Stage2Msg::Prepare { voice: v.clone(), reply: tx });
+    a.stage.on_message(Code2WavMsg::Prepare { voice: v.clone(), reply: tx });
     assert!(a.stage.step(), "the preparation ran in a step with nothing due");
     let prepared = rx.try_recv().expect("a reply").expect("prepared");
     assert_eq!(prepared.key, key(&v));
@@ -452,7 +452,7 @@ fn a_registered_voice_is_served_from_its_kept_features() {
         audio(&log).remove(0)
     };
     let mut b = Rig::new(EngineConfig::default());
-    b.stage.on_message(Stage2Msg::Install(loaded));
+    b.stage.on_message(Code2WavMsg::Install(loaded));
     let served = run(&mut b, "b");
     assert_eq!(b.metrics.voice_preparations.get(), 0, "no new preparation");
     assert_eq!(b.metrics.prefetch_count("registered"), 1);
@@ -464,8 +464,8 @@ fn a_registered_voice_is_served_from_its_kept_features() {
     assert_eq!(served, prepared_here, "the kept features give the same audio");
 
     let mut d = Rig::new(EngineConfig::default());
-    d.stage.on_message(Stage2Msg::Install(prepared.clone()));
-    d.stage.on_message(Stage2Msg::Forget(prepared.key.clone()));
+    d.stage.on_message(Code2WavMsg::Install(prepared.clone()));
+    d.stage.on_message(Code2WavMsg::Forget(prepared.key.clone()));
     run(&mut d, "d");
     assert_eq!(d.metrics.voice_preparations.get(), 1, "forgotten: prepared again");
 }

@@ -281,7 +281,7 @@ fn cam_weight(
     }
 }
 
-/// Builds Stage 2 from synthetic weights without touching the disk (the full preset directly on a
+/// Builds Code2Wav from synthetic weights without touching the disk (the full preset directly on a
 /// GPU for speed runs).
 pub fn code2wav_in_memory(
     preset: Preset,

@@ -1,4 +1,4 @@
-//! Stage 2, Code2Wav: speech codes -> 24 kHz audio. The flow (Conformer encoder + DiT flow
+//! Code2Wav, Code2Wav: speech codes -> 24 kHz audio. The flow (Conformer encoder + DiT flow
 //! matching) makes mel, the HiFT vocoder makes audio; reference-voice preparation (S3 speech
 //! tokens, CAM++ speaker embedding, prompt mel) feeds the flow's prompt.
 //!
@@ -90,7 +90,7 @@ pub struct StreamState {
     pub finished: bool,
 }
 
-/// Stage 2's models.
+/// Code2Wav's models.
 #[derive(Debug, Clone)]
 pub struct Code2Wav {
     pub flow: Flow,
@@ -118,7 +118,7 @@ pub fn gaussian(rows: usize, cols: usize, seed: u64, dev: &Device) -> candle_cor
 }
 
 impl Code2Wav {
-    /// Assembles Stage 2 from loaded parts.
+    /// Assembles Code2Wav from loaded parts.
     pub fn new(
         flow: Flow,
         vocoder: Vocoder,

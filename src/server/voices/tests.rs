@@ -66,7 +66,7 @@ fn a_voice_that_cannot_be_kept_leaves_no_file_and_no_features() {
         e.message
     );
     assert_eq!(files(), 0, "the audio written before the failure is gone");
-    assert_eq!(forgotten, ["k1"], "Stage 2 is told to drop the features");
+    assert_eq!(forgotten, ["k1"], "Code2Wav is told to drop the features");
     assert!(v.list().iter().all(|i| i.kind != VoiceKind::Registered));
     // one that can be kept: its three files, nothing forgotten
     let info = v

@@ -46,7 +46,7 @@ fn a_small_first_chunk_only_for_a_lone_stream_and_holding_changes_no_audio() {
 
 /// With `small_first_chunk_slack`, a stream that finds the engine busy gets a first chunk of one
 /// of the three sizes (which one depends on this machine's paces: the choice itself is tested
-/// with set paces in `stage1/tests.rs`) and all of its audio; without it, a full one.
+/// with set paces in `talker/tests.rs`) and all of its audio; without it, a full one.
 #[test]
 fn a_busy_engine_sizes_the_first_chunk_and_every_code_is_heard() {
     let first_of_second = |slack: bool| {

@@ -1,4 +1,4 @@
-//! The Talker (Stage 1) against the reference: condition embeddings, prefill and decode logits in
+//! The Talker against the reference: condition embeddings, prefill and decode logits in
 //! every decode mode, weight-norm spellings, batched streams.
 
 use super::*;

@@ -1,4 +1,4 @@
-//! Stage 0, the Thinker loop: a scheduler over streams. Two kinds of stream implement
+//! Thinker, the Thinker loop: a scheduler over streams. Two kinds of stream implement
 //! [`ThinkerStream`]: a turn-mode request ([`turn::TurnStream`]: prompt, reply, hand-off to the
 //! Talker at `<|tts_eos|>`) and a duplex session ([`duplex::DuplexStream`]: one long-lived stream
 //! fed a unit of audio at a time). Each step gathers what every stream feeds — chunked prefill
@@ -22,8 +22,8 @@ use super::caches::StageCaches;
 use super::gate::PrefillGate;
 use super::prefix::PrefixStore;
 use super::{
-    Admission, EngineConfig, EngineMetrics, RefInput, Registry, RequestId, RequestSpec, Stage0Msg,
-    Stage1Msg, StageLoop, Status,
+    Admission, EngineConfig, EngineMetrics, RefInput, Registry, RequestId, RequestSpec, StageLoop,
+    Status, TalkerMsg, ThinkerMsg,
 };
 use antiphon_models::code2wav::prompt::PROMPT_SECONDS;
 use antiphon_models::decoder::{KvCache, StreamStep};
@@ -40,7 +40,7 @@ pub struct Ctx {
     pub cfg: Arc<EngineConfig>,
     pub registry: Registry,
     pub metrics: EngineMetrics,
-    pub to_talker: SyncSender<Stage1Msg>,
+    pub to_talker: SyncSender<TalkerMsg>,
     /// The tokens the sampler may not pick (built once from the tokenizer's special tokens).
     pub forbidden: Forbidden,
     /// The audio encoder's embeddings of recent reference voices, by content: the same voice in
@@ -165,7 +165,7 @@ pub trait ThinkerStream {
     }
 }
 
-pub struct Stage0 {
+pub struct ThinkerStage {
     ctx: Ctx,
     /// Requests waiting for the Thinker: for a free batch place and a free stream place
     /// (admission), in arrival order.
@@ -178,7 +178,7 @@ pub struct Stage0 {
     caches: StageCaches,
 }
 
-/// Reference voices whose embeddings Stage 0 keeps (each ~0.5 MB at full size: 60 rows of 4096).
+/// Reference voices whose embeddings Thinker keeps (each ~0.5 MB at full size: 60 rows of 4096).
 const REF_EMBED_CACHE: usize = 32;
 
 /// Thinker caches are made with room for a multiple of this many positions: a conversation
@@ -231,14 +231,14 @@ pub(crate) fn to_host(t: &Tensor) -> Result<Tensor> {
     Ok(t.to_device(&candle_core::Device::Cpu)?)
 }
 
-impl Stage0 {
+impl ThinkerStage {
     pub fn new(
         thinker: Thinker,
         tok: TextTokenizer,
         cfg: Arc<EngineConfig>,
         registry: Registry,
         metrics: EngineMetrics,
-        to_talker: SyncSender<Stage1Msg>,
+        to_talker: SyncSender<TalkerMsg>,
         admission: Admission,
     ) -> anyhow::Result<Self> {
         let forbidden = tok.forbidden();
@@ -283,7 +283,7 @@ impl Stage0 {
     /// One batched step over every stream with work (duplex units first: they are due in real
     /// time). Streams that fail are failed and dropped; `Err` only when the forward itself failed.
     fn run(&mut self) -> Result<()> {
-        let Stage0 { ctx, turns, duplex, .. } = self;
+        let ThinkerStage { ctx, turns, duplex, .. } = self;
         let max_batch = ctx.cfg.thinker_max_batch;
         let mut budget = ctx.cfg.thinker_prefill_tokens;
         let mut picked: Vec<(&mut dyn ThinkerStream, Tensor)> = Vec::new();
@@ -410,14 +410,14 @@ impl Stage0 {
 
     /// Drops the streams that ended (a turn's pooled cache goes back to the pool as it drops).
     fn sweep(&mut self) {
-        let Stage0 { ctx, turns, duplex, .. } = self;
+        let ThinkerStage { ctx, turns, duplex, .. } = self;
         duplex.retain(|d| !d.ended(ctx));
         turns.retain(|t| !t.ended(ctx));
     }
 }
 
-impl StageLoop for Stage0 {
-    type Msg = Stage0Msg;
+impl StageLoop for ThinkerStage {
+    type Msg = ThinkerMsg;
 
     fn fail_all(&mut self, why: &str) {
         let ctx = &mut self.ctx;
@@ -432,31 +432,31 @@ impl StageLoop for Stage0 {
         }
     }
 
-    fn on_message(&mut self, m: Stage0Msg) {
+    fn on_message(&mut self, m: ThinkerMsg) {
         match m {
-            Stage0Msg::Admit(spec) => self.queue.push_back(spec),
-            Stage0Msg::Cancel(id) => {
+            ThinkerMsg::Admit(spec) => self.queue.push_back(spec),
+            ThinkerMsg::Cancel(id) => {
                 self.queue.retain(|s| s.id != id);
                 self.turns.retain(|t| t.id() != &id);
             }
-            Stage0Msg::DuplexOpen(spec, sink) => {
+            ThinkerMsg::DuplexOpen(spec, sink) => {
                 if let Some(d) = DuplexStream::open(&mut self.ctx, &self.caches, spec, sink) {
                     self.duplex.retain(|o| o.session() != d.session());
                     self.duplex.push(d);
                 }
             }
-            Stage0Msg::DuplexUnit { session, samples, arrived } => {
+            ThinkerMsg::DuplexUnit { session, samples, arrived } => {
                 if let Some(d) = self.duplex.iter_mut().find(|d| d.session() == session) {
                     d.push_unit(samples, arrived);
                 }
             }
-            Stage0Msg::DuplexClose(session) => {
+            ThinkerMsg::DuplexClose(session) => {
                 if let Some(j) = self.duplex.iter().position(|d| d.session() == session) {
                     let mut d = self.duplex.remove(j);
                     d.end(&mut self.ctx, crate::DuplexEnd::Closed);
                 }
             }
-            Stage0Msg::Wake => {}
+            ThinkerMsg::Wake => {}
         }
     }
 

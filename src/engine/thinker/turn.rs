@@ -15,7 +15,7 @@ use super::prompt::{build_prompt, embed_prompt, reply_opening};
 use super::{to_host, Ctx, ThinkerStream};
 use crate::caches::StageCaches;
 use crate::{
-    EngineEvent, Mode, RequestId, RequestSpec, Stage1Msg, Status, Task, ToolCall, ToolSet,
+    EngineEvent, Mode, RequestId, RequestSpec, Status, TalkerMsg, Task, ToolCall, ToolSet,
 };
 use antiphon_models::decoder::{KvCache, PooledCache};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
@@ -154,7 +154,7 @@ impl TurnStream {
             }
         };
         if !text_only {
-            let _ = ctx.to_talker.send(Stage1Msg::Begin {
+            let _ = ctx.to_talker.send(TalkerMsg::Begin {
                 id: spec.id.clone(),
                 mode: spec.mode,
                 voice: spec.voice.clone(),
@@ -273,7 +273,7 @@ impl TurnStream {
         }
         let ids = self.ids[self.prompt_len + self.streamed..self.prompt_len + upto].to_vec();
         let hidden = to_host(&Tensor::cat(&self.rows[self.streamed..upto], 0)?)?;
-        let _ = ctx.to_talker.send(Stage1Msg::Rows { id: self.id.clone(), ids, hidden });
+        let _ = ctx.to_talker.send(TalkerMsg::Rows { id: self.id.clone(), ids, hidden });
         self.streamed = upto;
         Ok(())
     }
@@ -297,7 +297,7 @@ impl TurnStream {
         if first {
             ctx.registry.mark(&self.id, |t| t.handoff = Some(Instant::now()));
         }
-        let _ = ctx.to_talker.send(Stage1Msg::TextChunk {
+        let _ = ctx.to_talker.send(TalkerMsg::TextChunk {
             id: self.id.clone(),
             ids,
             hidden,
@@ -349,7 +349,7 @@ impl TurnStream {
                 .trim()
                 .is_empty();
         if self.text_only || silent_call {
-            let _ = ctx.to_talker.send(Stage1Msg::Cancel(self.id.clone()));
+            let _ = ctx.to_talker.send(TalkerMsg::Cancel(self.id.clone()));
             ctx.registry.finish_counted(&self.id, Status::Completed, &ctx.metrics.requests);
             return Ok(());
         }
@@ -358,7 +358,7 @@ impl TurnStream {
         } else {
             self.send_rows(ctx, upto)?;
             ctx.registry.mark(&self.id, |t| t.handoff = Some(Instant::now()));
-            let _ = ctx.to_talker.send(Stage1Msg::End { id: self.id.clone() });
+            let _ = ctx.to_talker.send(TalkerMsg::End { id: self.id.clone() });
         }
         Ok(())
     }

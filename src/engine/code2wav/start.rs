@@ -1,4 +1,4 @@
-//! Chunk 0s in Stage 2: each request's reference resolved (claimed from prefetch, found in the
+//! Chunk 0s in Code2Wav: each request's reference resolved (claimed from prefetch, found in the
 //! cache, or prepared now), the voices with no setup state yet set up together in one batch (one
 //! solve over all their prompts rather than one each), then the streams opened.
 
@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Result};
 
-use super::{ChunkWork, Live, Phase, Stage2, Status};
+use super::{ChunkWork, Code2WavStage, Live, Phase, Status};
 use antiphon_models::code2wav::flow::FlowState;
 use antiphon_models::code2wav::prompt::Reference;
 
-impl Stage2 {
+impl Code2WavStage {
     /// This step's chunk 0s, their streams opened. A chunk 0 whose reference cannot be resolved,
     /// set up or opened is finished as failed and left out of what comes back.
     pub(super) fn start_streams(&mut self, chunk0s: Vec<ChunkWork>) -> Vec<ChunkWork> {

@@ -1,9 +1,9 @@
-//! Stage 1 as a stage loop: the messages it takes (requests, hand-offs, cancels) and its step.
+//! Talker as a stage loop: the messages it takes (requests, hand-offs, cancels) and its step.
 
 use super::*;
 
-impl StageLoop for Stage1 {
-    type Msg = Stage1Msg;
+impl StageLoop for TalkerStage {
+    type Msg = TalkerMsg;
 
     fn fail_all(&mut self, why: &str) {
         for id in self.order.clone() {
@@ -11,9 +11,9 @@ impl StageLoop for Stage1 {
         }
     }
 
-    fn on_message(&mut self, m: Stage1Msg) {
+    fn on_message(&mut self, m: TalkerMsg) {
         match m {
-            Stage1Msg::Begin { id, mode, voice, min_codes, max_codes, text_tokens, seed } => {
+            TalkerMsg::Begin { id, mode, voice, min_codes, max_codes, text_tokens, seed } => {
                 // room for the longest text, its two closing embeddings and every code: the cache
                 // never grows (a growth would need a new decode graph); with text chunks, room for
                 // two chunks' conditions and every code (a window holds at most that)
@@ -76,7 +76,7 @@ impl StageLoop for Stage1 {
                 self.order.push(id.clone());
                 self.reqs.insert(id, r);
             }
-            Stage1Msg::Rows { id, ids, hidden } => {
+            TalkerMsg::Rows { id, ids, hidden } => {
                 let Some(r) = self.reqs.get_mut(&id) else {
                     return;
                 };
@@ -85,7 +85,7 @@ impl StageLoop for Stage1 {
                     Err(e) => self.fail(&id, format!("talker condition: {e:#}")),
                 }
             }
-            Stage1Msg::End { id } => {
+            TalkerMsg::End { id } => {
                 // (Begin comes when the Thinker takes a request: requests submitted while it
                 // thought count too, so the first of a wave keeps a full first chunk)
                 let busy = self.busy(0);
@@ -112,7 +112,7 @@ impl StageLoop for Stage1 {
                     Err(e) => self.fail(&id, format!("talker condition: {e:#}")),
                 }
             }
-            Stage1Msg::Segment { id, ids, hidden, turn_end } => {
+            TalkerMsg::Segment { id, ids, hidden, turn_end } => {
                 let Some(r) = self.reqs.get_mut(&id) else {
                     return;
                 };
@@ -139,11 +139,11 @@ impl StageLoop for Stage1 {
                     Err(e) => self.fail(&id, format!("talker condition: {e:#}")),
                 }
             }
-            Stage1Msg::TextChunk { id, ids, hidden, last, hold } => {
+            TalkerMsg::TextChunk { id, ids, hidden, last, hold } => {
                 self.on_text_chunk(&id, &ids, &hidden, last);
                 self.bridge.extend(hold);
             }
-            Stage1Msg::Cancel(id) => self.remove(&id),
+            TalkerMsg::Cancel(id) => self.remove(&id),
         }
     }
 

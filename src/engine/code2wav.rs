@@ -1,4 +1,4 @@
-//! Stage 2, the Code2Wav loop, and reference prefetch.
+//! Code2Wav, the Code2Wav loop, and reference prefetch.
 //!
 //! Work: chunks of codes, in order per request, earliest playback deadline first, in one batch
 //! per step whatever their lengths, voices and cache lengths (one flow solve). Chunk 0
@@ -7,7 +7,7 @@
 //! chunk 0 whose reference differs from the prefetched one prepares inline and **evicts** the
 //! prefetched entry. Setup caches are reused from the setup cache when present.
 //!
-//! Reference prefetch: at admission Stage 2 receives a placeholder carrying the reference (never
+//! Reference prefetch: at admission Code2Wav receives a placeholder carrying the reference (never
 //! for duplex requests). On its idle steps it runs one phase of preparation for a waiting
 //! reference: phase A = materialize + prepare (on by default), phase B = setup (off by default). A
 //! phase runs only on an idle step that follows an idle step, only while no stream is live in this
@@ -30,8 +30,8 @@ use anyhow::Result;
 use super::refcache::{RefCache, SetupCache};
 use super::voices::{PreparedStore, PreparedVoice};
 use super::{
-    EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId, Stage2Msg, StageLoop,
-    Status,
+    Code2WavMsg, EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId,
+    StageLoop, Status,
 };
 use antiphon_models::code2wav::{Code2Wav, StreamState};
 
@@ -99,7 +99,7 @@ struct ChunkWork {
     codes: Vec<u32>,
     last: bool,
     reference: Option<RefInput>,
-    /// When it reached Stage 2.
+    /// When it reached Code2Wav.
     queued: Instant,
 }
 
@@ -116,7 +116,7 @@ pub enum IdleOutcome {
     Failed(Vec<RequestId>),
 }
 
-pub struct Stage2 {
+pub struct Code2WavStage {
     model: Code2Wav,
     cfg: Arc<EngineConfig>,
     registry: Registry,
@@ -147,7 +147,7 @@ pub struct Stage2 {
     /// (`gate.rs`; Code2Wav's kernels run at the default priority, behind the Thinker's graphs).
     gate: super::gate::PrefillGate,
     /// Written after each step: its time and the least audio a speaking stream has buffered
-    /// (Stage 1 reads them for a new stream's first chunk, `pace.rs`).
+    /// (Talker reads them for a new stream's first chunk, `pace.rs`).
     pace: super::pace::StagePace,
 }
 
@@ -160,7 +160,7 @@ const PREPARE_QUEUE: usize = 16;
 /// Registered voices' features kept at most (each ~100 KB).
 const PREPARED_VOICES: usize = 1024;
 
-impl Stage2 {
+impl Code2WavStage {
     pub fn new(
         model: Code2Wav,
         cfg: Arc<EngineConfig>,
@@ -190,7 +190,7 @@ impl Stage2 {
         }
     }
 
-    /// The paces it shares with Stage 1 (it writes Code2Wav's).
+    /// The paces it shares with Talker (it writes Code2Wav's).
     pub fn with_pace(mut self, pace: super::pace::StagePace) -> Self {
         self.pace = pace;
         self
@@ -467,8 +467,8 @@ impl Stage2 {
     }
 }
 
-impl StageLoop for Stage2 {
-    type Msg = Stage2Msg;
+impl StageLoop for Code2WavStage {
+    type Msg = Code2WavMsg;
 
     fn fail_all(&mut self, why: &str) {
         let mut all: Vec<RequestId> = self.waiting.iter().map(|w| w.id.clone()).collect();
@@ -479,13 +479,13 @@ impl StageLoop for Stage2 {
         }
     }
 
-    fn on_message(&mut self, m: Stage2Msg) {
+    fn on_message(&mut self, m: Code2WavMsg) {
         match m {
-            Stage2Msg::Placeholder { id, prefetch } => {
+            Code2WavMsg::Placeholder { id, prefetch } => {
                 let reference = if self.cfg.prefetch { prefetch } else { None };
                 self.waiting.push(Waiting { id, reference, phase: Phase::Queued });
             }
-            Stage2Msg::Chunk { id, seq, codes, last, reference } => {
+            Code2WavMsg::Chunk { id, seq, codes, last, reference } => {
                 self.queue.push_back(ChunkWork {
                     id,
                     seq,
@@ -495,8 +495,8 @@ impl StageLoop for Stage2 {
                     queued: Instant::now(),
                 });
             }
-            Stage2Msg::Cancel(id) => self.abort(&id),
-            Stage2Msg::Prepare { voice, reply } => {
+            Code2WavMsg::Cancel(id) => self.abort(&id),
+            Code2WavMsg::Prepare { voice, reply } => {
                 if self.prepare_jobs.len() >= PREPARE_QUEUE {
                     let _ = reply.try_send(Err(super::voices::PrepareRefused::Busy {
                         waiting: PREPARE_QUEUE,
@@ -505,17 +505,17 @@ impl StageLoop for Stage2 {
                     self.prepare_jobs.push_back((voice, reply));
                 }
             }
-            Stage2Msg::Install(v) => match v.to_features(self.model.device()) {
+            Code2WavMsg::Install(v) => match v.to_features(self.model.device()) {
                 Ok(f) => self.prepared.insert(v.key, f),
                 Err(e) => tracing::warn!("a saved voice's features were not taken: {e:#}"),
             },
-            Stage2Msg::Forget(key) => {
+            Code2WavMsg::Forget(key) => {
                 self.prepared.remove(&key);
             }
-            Stage2Msg::DuplexOpen(s) => {
+            Code2WavMsg::DuplexOpen(s) => {
                 self.duplex.insert(s);
             }
-            Stage2Msg::DuplexClose(s) => {
+            Code2WavMsg::DuplexClose(s) => {
                 self.duplex.remove(&s);
             }
         }

@@ -1,4 +1,4 @@
-//! Reference prefetch in Stage 2's idle steps: phase A (materialize + prepare) and phase B (setup)
+//! Reference prefetch in Code2Wav's idle steps: phase A (materialize + prepare) and phase B (setup)
 //! for the references that wait, a burst of them together (one batched preparation, one batched
 //! setup), within the gates of the module's documentation.
 
@@ -6,11 +6,11 @@ use std::time::Instant;
 
 use anyhow::anyhow;
 
-use super::{IdleOutcome, Phase, Stage2};
+use super::{Code2WavStage, IdleOutcome, Phase};
 use crate::RequestId;
 use antiphon_models::code2wav::prompt::Reference;
 
-impl Stage2 {
+impl Code2WavStage {
     /// One phase of prefetch, if the gates allow it: phase A for every waiting reference not yet
     /// prepared (up to the pin cap), else phase B for every prepared one not yet set up (up to the
     /// setup cache's capacity).

@@ -1,4 +1,4 @@
-//! Stage 0's duplex streams (model-native full duplex).
+//! Thinker's duplex streams (model-native full duplex).
 //!
 //! A duplex session is one long-lived Thinker stream whose KV cache persists between units. The
 //! session feeds it units of 16 kHz audio (1 s by default). Per unit, in order:
@@ -29,7 +29,7 @@ use super::{to_host, Ctx, ThinkerStream};
 use crate::caches::StageCaches;
 use crate::{
     DuplexEnd, DuplexEvent, DuplexPolicy, DuplexSink, DuplexSpec, EngineEvent, Mode, RequestId,
-    Stage1Msg, Status,
+    Status, TalkerMsg,
 };
 use antiphon_models::decoder::{KvCache, PooledCache};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
@@ -211,7 +211,7 @@ impl DuplexStream {
                 // listening closes the open turn: the Talker drains it
                 if ctx.registry.is_live(&t.id) {
                     ctx.registry.mark(&t.id, |x| x.handoff = Some(Instant::now()));
-                    let _ = ctx.to_talker.send(Stage1Msg::Segment {
+                    let _ = ctx.to_talker.send(TalkerMsg::Segment {
                         id: t.id,
                         ids: vec![],
                         hidden: None,
@@ -240,7 +240,7 @@ impl DuplexStream {
                 anyhow::bail!("duplex turn {id} is already live");
             }
             let g = &self.spec.generation;
-            let _ = ctx.to_talker.send(Stage1Msg::Begin {
+            let _ = ctx.to_talker.send(TalkerMsg::Begin {
                 id: id.clone(),
                 mode: Mode::Duplex,
                 voice: self.spec.voice.clone(),
@@ -471,7 +471,7 @@ impl ThinkerStream for DuplexStream {
                             ctx.registry.mark(&id, |t| t.handoff = Some(Instant::now()));
                         }
                         let _ =
-                            ctx.to_talker.send(Stage1Msg::Segment { id, ids, hidden, turn_end });
+                            ctx.to_talker.send(TalkerMsg::Segment { id, ids, hidden, turn_end });
                     }
                 }
                 Ok(None)

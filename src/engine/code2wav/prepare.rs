@@ -1,4 +1,4 @@
-//! Registered voices in Stage 2: their kept features, and the preparation of a new registration
+//! Registered voices in Code2Wav: their kept features, and the preparation of a new registration
 //! in a step with no chunk due.
 
 use std::time::Instant;
@@ -6,10 +6,10 @@ use std::time::Instant;
 use anyhow::Result;
 
 use super::super::voices::PreparedVoice;
-use super::Stage2;
+use super::Code2WavStage;
 use antiphon_models::code2wav::prompt::{PromptFeatures, Reference};
 
-impl Stage2 {
+impl Code2WavStage {
     /// A reference's features from a registered voice's kept ones, else prepared now (true when
     /// they were kept).
     pub(super) fn features_for(&mut self, r: &Reference) -> Result<(PromptFeatures, bool)> {

@@ -1,4 +1,4 @@
-//! Stage 1's first-chunk choice on a busy engine, with the paces set by the test
+//! Talker's first-chunk choice on a busy engine, with the paces set by the test
 //! (`small_first_chunk_slack`, `pace.rs`): deterministic where the engine's own paces are not.
 
 use std::time::Duration;
@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::*;
 use crate::pace::StagePace;
 
-fn stage1(pace: &StagePace, slack: bool) -> Stage1 {
+fn talker_stage(pace: &StagePace, slack: bool) -> TalkerStage {
     let models = antiphon_assets::synth::models_in_memory(
         antiphon_assets::synth::Preset::Tiny,
         5,
@@ -23,7 +23,7 @@ fn stage1(pace: &StagePace, slack: bool) -> Stage1 {
     };
     let (tx, _rx) = std::sync::mpsc::sync_channel(16);
     // (the receiver goes: nothing is sent before a code is made)
-    Stage1::new(
+    TalkerStage::new(
         models.talker,
         Arc::new(cfg),
         Registry::default(),
@@ -35,10 +35,10 @@ fn stage1(pace: &StagePace, slack: bool) -> Stage1 {
     .with_pace(pace.clone())
 }
 
-fn begin(s: &mut Stage1, id: &str) -> usize {
+fn begin(s: &mut TalkerStage, id: &str) -> usize {
     let voice = RefInput::new(vec![0.1; 16_000], 16_000);
     let id = RequestId(id.into());
-    s.on_message(Stage1Msg::Begin {
+    s.on_message(TalkerMsg::Begin {
         id: id.clone(),
         mode: Mode::Turn,
         voice,
@@ -55,7 +55,7 @@ const MS: fn(u64) -> Duration = Duration::from_millis;
 #[test]
 fn a_busy_engine_sizes_a_first_chunk_by_the_paces() {
     let pace = StagePace::default();
-    let mut s = stage1(&pace, true);
+    let mut s = talker_stage(&pace, true);
     assert_eq!(begin(&mut s, "unmeasured"), 25, "no pace measured yet: a full chunk");
     pace.record_talker_step(MS(2));
     pace.record_code2wav(MS(40), Some(MS(2000)));
@@ -68,7 +68,7 @@ fn a_busy_engine_sizes_a_first_chunk_by_the_paces() {
     assert_eq!(begin(&mut s, "slower"), 15, "25 × 2 ms + 2 × 100 ms: the halfway chunk");
     pace.record_code2wav(MS(100), Some(MS(150)));
     assert_eq!(begin(&mut s, "short"), 25, "a speaking stream with less than two steps buffered");
-    let mut off = stage1(&pace, false);
+    let mut off = talker_stage(&pace, false);
     pace.record_code2wav(MS(40), Some(MS(2000)));
     assert_eq!(begin(&mut off, "off"), 25, "without slack a busy engine's first chunk is full");
 }
@@ -86,7 +86,7 @@ fn a_first_text_chunks_hold_lasts_until_the_talkers_next_step() {
     let cfg = EngineConfig { talker_text_chunk: 10, ..EngineConfig::default() };
     let (tx, _rx) = std::sync::mpsc::sync_channel(64);
     let gate = PrefillGate::new(true);
-    let mut s = Stage1::new(
+    let mut s = TalkerStage::new(
         models.talker,
         Arc::new(cfg),
         Registry::default(),
@@ -98,7 +98,7 @@ fn a_first_text_chunks_hold_lasts_until_the_talkers_next_step() {
     let id = RequestId("held".into());
     let voice = RefInput::new(vec![0.1; 16_000], 16_000);
     assert!(s.registry.insert(id.clone(), Arc::new(|_| {})));
-    s.on_message(Stage1Msg::Begin {
+    s.on_message(TalkerMsg::Begin {
         id: id.clone(),
         mode: Mode::Turn,
         voice,
@@ -109,7 +109,7 @@ fn a_first_text_chunks_hold_lasts_until_the_talkers_next_step() {
     });
     let hidden = Tensor::zeros((10, llm_dim), DType::F32, &candle_core::Device::Cpu).unwrap();
     let hold = Some(gate.hold());
-    s.on_message(Stage1Msg::TextChunk {
+    s.on_message(TalkerMsg::TextChunk {
         id: id.clone(),
         ids: vec![5; 10],
         hidden,

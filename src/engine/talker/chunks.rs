@@ -9,7 +9,7 @@ use std::collections::VecDeque;
 use anyhow::Result;
 use candle_core::Tensor;
 
-use super::Stage1;
+use super::TalkerStage;
 use crate::RequestId;
 use antiphon_models::sampling::LengthPolicy;
 use antiphon_models::talker::{ConditionMode, Talker};
@@ -192,7 +192,7 @@ impl TextChunks {
     }
 }
 
-impl Stage1 {
+impl TalkerStage {
     /// The next text chunk of a turn stream: its condition joins the stream's queue. The first
     /// one settles the first Code2Wav chunk's size (as the whole text's end does without chunks).
     pub(super) fn on_text_chunk(

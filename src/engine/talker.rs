@@ -1,4 +1,4 @@
-//! Stage 1, the Talker loop: per request, prefill the condition (the Thinker's text rows, then the
+//! Talker, the Talker loop: per request, prefill the condition (the Thinker's text rows, then the
 //! text-end and audio-start embeddings), then decode one code per step for every stream at once;
 //! codes are chunked and handed to Code2Wav (chunk 0 with the reference voice).
 
@@ -14,8 +14,8 @@ use super::caches::StageCaches;
 use super::chunker::{Chunker, Payload};
 use super::gate::PrefillGate;
 use super::{
-    EngineConfig, EngineMetrics, Mode, RefInput, Registry, RequestId, Stage1Msg, Stage2Msg,
-    StageLoop, Status,
+    Code2WavMsg, EngineConfig, EngineMetrics, Mode, RefInput, Registry, RequestId, StageLoop,
+    Status, TalkerMsg,
 };
 use antiphon_models::decoder::{KvCache, PooledCache, StreamStep};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
@@ -66,12 +66,12 @@ struct DuplexTalk {
     active: bool,
 }
 
-pub struct Stage1 {
+pub struct TalkerStage {
     talker: Talker,
     cfg: Arc<EngineConfig>,
     registry: Registry,
     metrics: EngineMetrics,
-    to_c2w: SyncSender<Stage2Msg>,
+    to_c2w: SyncSender<Code2WavMsg>,
     reqs: HashMap<RequestId, Req>,
     /// Admission order, for fair batching.
     order: Vec<RequestId>,
@@ -87,13 +87,13 @@ pub struct Stage1 {
     pace: crate::pace::StagePace,
 }
 
-impl Stage1 {
+impl TalkerStage {
     pub fn new(
         talker: Talker,
         cfg: Arc<EngineConfig>,
         registry: Registry,
         metrics: EngineMetrics,
-        to_c2w: SyncSender<Stage2Msg>,
+        to_c2w: SyncSender<Code2WavMsg>,
         gate: PrefillGate,
     ) -> anyhow::Result<Self> {
         let caches = StageCaches::new(
@@ -122,7 +122,7 @@ impl Stage1 {
         })
     }
 
-    /// The paces it shares with Stage 2 (it writes the Talker's).
+    /// The paces it shares with Code2Wav (it writes the Talker's).
     pub fn with_pace(mut self, pace: crate::pace::StagePace) -> Self {
         self.pace = pace;
         self
@@ -175,7 +175,7 @@ impl Stage1 {
                 t.chunk0_codes.get_or_insert_with(Instant::now);
             });
         }
-        let _ = self.to_c2w.send(Stage2Msg::Chunk {
+        let _ = self.to_c2w.send(Code2WavMsg::Chunk {
             id: id.clone(),
             seq: p.seq,
             codes: p.codes,
@@ -487,5 +487,5 @@ impl Stage1 {
 }
 
 #[cfg(test)]
-#[path = "stage1/tests.rs"]
+#[path = "talker/tests.rs"]
 mod tests;
