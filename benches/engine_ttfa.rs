@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use antiphon_assets::synth::{models_in_memory, Preset};
+use antiphon_engine::metric_labels::PrefetchEvent;
 use antiphon_engine::{
     Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, RequestSpec,
     Status, UserInput,
@@ -127,9 +128,9 @@ fn main() {
                 pct(&mut ttfa, 0.5),
                 pct(&mut ttfa, 0.95),
                 pct(&mut ttft, 0.5),
-                m.prefetch_count("phase_a"),
-                m.prefetch_count("claimed"),
-                m.prefetch_count("inline"),
+                m.prefetch_count(PrefetchEvent::PhaseA),
+                m.prefetch_count(PrefetchEvent::Claimed),
+                m.prefetch_count(PrefetchEvent::Inline),
             );
             eprintln!("  ({set}, C{c}: {:.1} s wall)", wall);
         }

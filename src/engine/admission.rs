@@ -21,9 +21,8 @@ use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use prometheus::IntGaugeVec;
-
 use super::{RequestId, ThinkerMsg};
+use crate::metric_labels::{AdmissionGauge, GaugeBy};
 
 /// What holds a place.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -167,11 +166,11 @@ pub struct Admission {
     state: Arc<Mutex<State>>,
     /// Thinker waits for a place with its queue; a place freed wakes it.
     wake: Arc<Mutex<Option<SyncSender<ThinkerMsg>>>>,
-    gauges: IntGaugeVec,
+    gauges: GaugeBy<AdmissionGauge>,
 }
 
 impl Admission {
-    pub fn new(limits: AdmissionLimits, gauges: IntGaugeVec) -> Self {
+    pub fn new(limits: AdmissionLimits, gauges: GaugeBy<AdmissionGauge>) -> Self {
         let state = State {
             load: LoadLimit::new(limits.max_streams),
             limits,
@@ -200,11 +199,11 @@ impl Admission {
 
     fn publish(&self, s: &State) {
         let g = &self.gauges;
-        g.with_label_values(&["running"]).set(s.running.len() as i64);
-        g.with_label_values(&["queued"]).set(s.queued.len() as i64);
-        g.with_label_values(&["limit"]).set(s.load.get() as i64);
-        g.with_label_values(&["max"]).set(s.limits.max_streams as i64);
-        g.with_label_values(&["headroom"]).set(Self::headroom_of(s) as i64);
+        g.at(AdmissionGauge::Running).set(s.running.len() as i64);
+        g.at(AdmissionGauge::Queued).set(s.queued.len() as i64);
+        g.at(AdmissionGauge::Limit).set(s.load.get() as i64);
+        g.at(AdmissionGauge::Max).set(s.limits.max_streams as i64);
+        g.at(AdmissionGauge::Headroom).set(Self::headroom_of(s) as i64);
     }
 
     fn headroom_of(s: &State) -> usize {
@@ -342,7 +341,9 @@ mod tests {
     use super::*;
 
     fn admission(max_streams: usize, max_queued: usize, call_headroom: usize) -> Admission {
-        let g = IntGaugeVec::new(prometheus::Opts::new("t", "t"), &["state"]).unwrap();
+        let g = crate::metric_labels::Labeled::new(
+            prometheus::IntGaugeVec::new(prometheus::Opts::new("t", "t"), &["state"]).unwrap(),
+        );
         Admission::new(
             AdmissionLimits { max_streams, max_queued, call_headroom, adaptive: true },
             g,

@@ -40,6 +40,7 @@ mod prefetch;
 mod prepare;
 mod start;
 
+use crate::metric_labels::{PrefetchEvent, PrefetchSkip, StageName, StepKind};
 use plan::{due, due_within, first_chunks_apart, horizon, other_batches, put_back};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -107,7 +108,7 @@ struct ChunkWork {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum IdleOutcome {
     Nothing,
-    Skipped(&'static str),
+    Skipped(PrefetchSkip),
     /// Phase A ran for these requests' references (a burst together).
     PhaseA(Vec<RequestId>),
     /// Phase B ran for these requests' references (a burst together).
@@ -221,8 +222,8 @@ impl Code2WavStage {
         self.live.len()
     }
 
-    fn count(&self, event: &str) {
-        self.metrics.prefetch.with_label_values(&[event]).inc();
+    fn count(&self, event: PrefetchEvent) {
+        self.metrics.prefetch.at(event).inc();
     }
 
     /// Frees everything a request holds in this stage.
@@ -262,7 +263,7 @@ impl Code2WavStage {
         }
         self.metrics
             .queue_depth
-            .with_label_values(&["code2wav"])
+            .at(StageName::Code2Wav)
             .set((self.live.len() + self.waiting.len()) as i64);
         // the chunks that are next in order, earliest playback deadline first: chunk 0s (no audio
         // yet) before all, then the streams whose listeners run dry soonest
@@ -380,8 +381,8 @@ impl Code2WavStage {
             .map(|d| d.saturating_duration_since(now))
             .min();
         self.pace.record_code2wav(self.step_estimate, least_buffered);
-        self.metrics.step_seconds.with_label_values(&["code2wav"]).observe(took.as_secs_f64());
-        self.metrics.batch_size.with_label_values(&["code2wav"]).observe(batch_total as f64);
+        self.metrics.step_seconds.at(StepKind::Code2Wav).observe(took.as_secs_f64());
+        self.metrics.batch_size.at(StageName::Code2Wav).observe(batch_total as f64);
         true
     }
 
@@ -454,7 +455,7 @@ impl Code2WavStage {
                         self.metrics.first_audio_seconds.observe(ms / 1000.0);
                     }
                     for (phase, ms) in t.phases_ms() {
-                        self.metrics.phase_seconds.with_label_values(&[phase]).observe(ms / 1000.0);
+                        self.metrics.phase_seconds.at(phase).observe(ms / 1000.0);
                     }
                 }
             }

@@ -24,6 +24,7 @@ pub mod contain;
 pub mod fit;
 pub mod gate;
 pub mod messages;
+pub mod metric_labels;
 pub mod metrics;
 pub mod pace;
 pub mod prefix;
@@ -47,6 +48,7 @@ pub use messages::{Code2WavMsg, TalkerMsg, ThinkerMsg};
 pub use metrics::EngineMetrics;
 pub use types::*;
 
+use crate::metric_labels::RefusedKind;
 use antiphon_models::decoder::DecodeMode;
 
 pub use antiphon_models::Models;
@@ -339,7 +341,7 @@ impl Engine {
     pub fn accepts_call(&self) -> Result<(), Busy> {
         self.admission
             .accepts_call()
-            .inspect_err(|_| self.metrics.admission_refused.with_label_values(&["call"]).inc())
+            .inspect_err(|_| self.metrics.admission_refused.at(RefusedKind::Call).inc())
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -398,7 +400,7 @@ impl Engine {
             return Err(SubmitError::Invalid(format!("request {} is already live", spec.id)));
         }
         if let Err(b) = self.admission.enqueue(&spec.id) {
-            self.metrics.admission_refused.with_label_values(&["response"]).inc();
+            self.metrics.admission_refused.at(RefusedKind::Response).inc();
             return Err(SubmitError::Busy(b));
         }
         if !self.registry.insert(spec.id.clone(), sink) {
@@ -426,7 +428,7 @@ impl Engine {
     pub fn reserve_duplex(&self, session: &str) -> Result<(), Busy> {
         self.admission
             .open_duplex(session)
-            .inspect_err(|_| self.metrics.admission_refused.with_label_values(&["duplex"]).inc())
+            .inspect_err(|_| self.metrics.admission_refused.at(RefusedKind::Duplex).inc())
     }
 
     /// Opens a duplex session: a long-lived Thinker stream fed with [`Engine::duplex_unit`]; its

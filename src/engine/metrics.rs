@@ -5,23 +5,29 @@ use prometheus::{
     Registry,
 };
 
+use crate::metric_labels::{
+    AdmissionGauge, CounterBy, GaugeBy, HistogramBy, Labeled, Milestone, PrefetchEvent,
+    PrefetchSkip, PrefixLookup, PromptSource, RefusedKind, RequestOutcome, StageName, StepKind,
+    ToolCallOutcome,
+};
+
 /// Every figure the stages report.
 #[derive(Clone)]
 pub struct EngineMetrics {
     pub registry: Registry,
-    pub step_seconds: HistogramVec,
-    pub batch_size: HistogramVec,
-    pub queue_depth: IntGaugeVec,
-    pub prefetch: IntCounterVec,
-    pub prefetch_skips: IntCounterVec,
-    pub requests: IntCounterVec,
+    pub step_seconds: HistogramBy<StepKind>,
+    pub batch_size: HistogramBy<StageName>,
+    pub queue_depth: GaugeBy<StageName>,
+    pub prefetch: CounterBy<PrefetchEvent>,
+    pub prefetch_skips: CounterBy<PrefetchSkip>,
+    pub requests: CounterBy<RequestOutcome>,
     pub first_audio_seconds: Histogram,
     /// Where the first-audio time goes: each milestone of a request, from its admission.
-    pub phase_seconds: HistogramVec,
+    pub phase_seconds: HistogramBy<Milestone>,
     /// Thinker prompt-prefix cache lookups (`hit`, `miss`).
-    pub prefix_cache: IntCounterVec,
+    pub prefix_cache: CounterBy<PrefixLookup>,
     /// Prompt positions taken from the prefix store (`reused`) or prefilled (`prefilled`).
-    pub prompt_positions: IntCounterVec,
+    pub prompt_positions: CounterBy<PromptSource>,
     /// Audio chunks that went out after the listener's buffer had run dry (a real-time listener
     /// from the first audio on), and the gaps they left, in seconds.
     pub playback_late: IntCounter,
@@ -30,11 +36,11 @@ pub struct EngineMetrics {
     pub voice_preparations: IntCounter,
     /// Admission (admission.rs): streams `running`, responses `queued`, the online `limit`, the
     /// slots' `max`, and `headroom` (places free beyond the queue).
-    pub admission: IntGaugeVec,
+    pub admission: GaugeBy<AdmissionGauge>,
     /// What admission refused: a `response` (its queue was full), a `call` or a `duplex` session.
-    pub admission_refused: IntCounterVec,
+    pub admission_refused: CounterBy<RefusedKind>,
     /// Tool calls replies made: `valid`, `invalid` (not a declared tool's JSON) or `unterminated`.
-    pub tool_calls: IntCounterVec,
+    pub tool_calls: CounterBy<ToolCallOutcome>,
 }
 
 impl Default for EngineMetrics {
@@ -167,39 +173,38 @@ impl EngineMetrics {
             &["outcome"],
         )
         .expect("valid metric");
+        let step_seconds = Labeled::new(step_seconds);
+        let batch_size = Labeled::new(batch_size);
+        let queue_depth = Labeled::new(queue_depth);
+        let prefetch = Labeled::new(prefetch);
+        let prefetch_skips = Labeled::new(prefetch_skips);
+        let phase_seconds = Labeled::new(phase_seconds);
+        let admission = Labeled::new(admission);
+        // every series a dashboard or an alert reads is there from the start, at 0
+        let requests = Labeled::with_every_series(requests);
+        let prefix_cache = Labeled::with_every_series(prefix_cache);
+        let prompt_positions = Labeled::with_every_series(prompt_positions);
+        let admission_refused = Labeled::with_every_series(admission_refused);
+        let tool_calls = Labeled::with_every_series(tool_calls);
         for c in [
-            Box::new(tool_calls.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(step_seconds.clone()),
-            Box::new(admission.clone()),
-            Box::new(admission_refused.clone()),
+            tool_calls.collector(),
+            step_seconds.collector(),
+            admission.collector(),
+            admission_refused.collector(),
             Box::new(voice_preparations.clone()),
             Box::new(playback_late.clone()),
             Box::new(playback_late_seconds.clone()),
-            Box::new(batch_size.clone()),
-            Box::new(queue_depth.clone()),
-            Box::new(prefetch.clone()),
-            Box::new(prefetch_skips.clone()),
-            Box::new(requests.clone()),
+            batch_size.collector(),
+            queue_depth.collector(),
+            prefetch.collector(),
+            prefetch_skips.collector(),
+            requests.collector(),
             Box::new(first_audio_seconds.clone()),
-            Box::new(phase_seconds.clone()),
-            Box::new(prefix_cache.clone()),
-            Box::new(prompt_positions.clone()),
+            phase_seconds.collector(),
+            prefix_cache.collector(),
+            prompt_positions.collector(),
         ] {
             registry.register(c).expect("unique metric");
-        }
-        // every series a dashboard or an alert reads is there from the start, at 0
-        for status in ["completed", "failed", "cancelled"] {
-            requests.with_label_values(&[status]);
-        }
-        for (v, labels) in [
-            (&prefix_cache, &["hit", "miss"][..]),
-            (&prompt_positions, &["reused", "prefilled"]),
-            (&admission_refused, &["response", "call", "duplex"]),
-            (&tool_calls, &["valid", "invalid", "unterminated"]),
-        ] {
-            for l in labels {
-                v.with_label_values(&[l]);
-            }
         }
         Self {
             registry,
@@ -222,17 +227,17 @@ impl EngineMetrics {
         }
     }
 
-    /// Steps a stage has run (`thinker`, `talker`, `code2wav`, ...).
-    pub fn step_count(&self, stage: &str) -> u64 {
-        self.step_seconds.with_label_values(&[stage]).get_sample_count()
+    /// Steps of one kind run so far.
+    pub fn step_count(&self, kind: StepKind) -> u64 {
+        self.step_seconds.at(kind).get_sample_count()
     }
 
-    pub fn prefetch_count(&self, event: &str) -> u64 {
-        self.prefetch.with_label_values(&[event]).get()
+    pub fn prefetch_count(&self, event: PrefetchEvent) -> u64 {
+        self.prefetch.at(event).get()
     }
 
-    pub fn skip_count(&self, reason: &str) -> u64 {
-        self.prefetch_skips.with_label_values(&[reason]).get()
+    pub fn skip_count(&self, reason: PrefetchSkip) -> u64 {
+        self.prefetch_skips.at(reason).get()
     }
 
     /// The registry in Prometheus text format.

@@ -25,6 +25,7 @@ use crate::gate::GATED_STREAMS;
 
 mod chunks;
 mod stage_loop;
+use crate::metric_labels::{StageName, StepKind};
 use chunks::TextChunks;
 pub use chunks::{chunk_condition, segment_window};
 
@@ -438,11 +439,8 @@ impl TalkerStage {
             "talker step"
         );
         self.pace.record_talker_step(t0.elapsed());
-        self.metrics
-            .step_seconds
-            .with_label_values(&["talker"])
-            .observe(t0.elapsed().as_secs_f64());
-        self.metrics.batch_size.with_label_values(&["talker"]).observe(n as f64);
+        self.metrics.step_seconds.at(StepKind::Talker).observe(t0.elapsed().as_secs_f64());
+        self.metrics.batch_size.at(StageName::Talker).observe(n as f64);
         Ok(true)
     }
 

@@ -2,6 +2,7 @@
 //! timestamps, and the shared registry through which every stage checks that a request is still
 //! live (not done, not cancelled) before it does work or emits output.
 
+use crate::metric_labels::{Milestone, RequestOutcome};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -174,15 +175,15 @@ impl Timings {
         self.ms(self.first_audio)
     }
     /// Every milestone reached so far, in order, as ms since admission.
-    pub fn phases_ms(&self) -> Vec<(&'static str, f64)> {
+    pub fn phases_ms(&self) -> Vec<(Milestone, f64)> {
         [
-            ("first_token", self.first_token),
-            ("first_text", self.first_text),
-            ("handoff", self.handoff),
-            ("first_code", self.first_code),
-            ("chunk0_codes", self.chunk0_codes),
-            ("first_chunk", self.first_chunk),
-            ("first_audio", self.first_audio),
+            (Milestone::FirstToken, self.first_token),
+            (Milestone::FirstText, self.first_text),
+            (Milestone::Handoff, self.handoff),
+            (Milestone::FirstCode, self.first_code),
+            (Milestone::Chunk0Codes, self.chunk0_codes),
+            (Milestone::FirstChunk, self.first_chunk),
+            (Milestone::FirstAudio, self.first_audio),
         ]
         .into_iter()
         .filter_map(|(name, t)| Some((name, self.ms(t)?)))
@@ -458,7 +459,7 @@ impl Registry {
         &self,
         id: &RequestId,
         status: Status,
-        counter: &prometheus::IntCounterVec,
+        counter: &crate::metric_labels::CounterBy<RequestOutcome>,
     ) -> Option<Timings> {
         self.end(id, status, Some(counter))
     }
@@ -467,7 +468,7 @@ impl Registry {
         &self,
         id: &RequestId,
         status: Status,
-        counter: Option<&prometheus::IntCounterVec>,
+        counter: Option<&crate::metric_labels::CounterBy<RequestOutcome>>,
     ) -> Option<Timings> {
         let e = self.get(id)?;
         let out = {
@@ -478,11 +479,13 @@ impl Registry {
             p.done = true;
             if let Some(c) = counter {
                 let label = match &status {
-                    Status::Completed => "completed",
-                    Status::Cancelled => "cancelled",
-                    Status::Failed(_) | Status::Refused(_) | Status::Busy(_) => "failed",
+                    Status::Completed => RequestOutcome::Completed,
+                    Status::Cancelled => RequestOutcome::Cancelled,
+                    Status::Failed(_) | Status::Refused(_) | Status::Busy(_) => {
+                        RequestOutcome::Failed
+                    }
                 };
-                c.with_label_values(&[label]).inc();
+                c.at(label).inc();
             }
             p.timings.done = Some(Instant::now());
             // (its place is free before its Done goes out: whoever sees the Done finds it free)

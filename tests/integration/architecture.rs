@@ -382,3 +382,21 @@ fn the_context_fit_rule_and_the_voice_check_are_defined_once() {
         assert!(again.is_empty(), "a second voice check ({check:?}): {again:?}");
     }
 }
+
+/// The engine's metric label values are types, spelled once in `src/engine/metric_labels.rs`:
+/// no other engine file picks a series by a string.
+#[test]
+fn the_engine_spells_its_metric_labels_once() {
+    let mut files = Vec::new();
+    rust_files(&root().join("src/engine"), &mut files);
+    assert!(files.iter().any(|f| f.ends_with("metric_labels.rs")));
+    let mut hits = Vec::new();
+    for f in files.iter().filter(|f| !f.ends_with("metric_labels.rs")) {
+        for (k, line) in std::fs::read_to_string(f).unwrap().lines().enumerate() {
+            if line.contains("with_label_values(") {
+                hits.push(format!("{}:{}", f.strip_prefix(root()).unwrap().display(), k + 1));
+            }
+        }
+    }
+    assert!(hits.is_empty(), "pick a series with `Labeled::at` and a label type: {hits:?}");
+}

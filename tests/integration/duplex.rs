@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use antiphon_assets::synth::{models_in_memory, Preset};
+use antiphon_engine::metric_labels::{PrefetchEvent, PrefetchSkip, StepKind};
 use antiphon_engine::{
     DuplexEvent, DuplexPolicy, DuplexSpec, Engine, EngineConfig, EngineEvent, GenerationParams,
     Mode, RefInput, RequestId, RequestSpec, Status, UserInput,
@@ -260,7 +261,7 @@ fn later_units_fed_by_rows_give_what_their_prefills_give() {
         e.close_duplex("r");
         let end = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
         let codes = dones(&end).iter().map(|d| d.2).sum::<usize>() as u64;
-        let steps = e.metrics().step_count("talker");
+        let steps = e.metrics().step_count(StepKind::Talker);
         // (every step samples a code but a row's that is not its segment's last: 4 units made
         // their conditions' rows by then)
         (audio(&ev)[..4].to_vec(), steps.saturating_sub(codes))
@@ -342,8 +343,13 @@ fn no_prefetch_while_a_duplex_session_is_live() {
     collect(&rx, |ev| !dones(ev).is_empty());
     let m = e.metrics();
     // the duplex turn carried no reference to prefetch: nothing was claimed, retired or evicted
-    for ev in ["phase_a", "claimed", "retired", "evicted"] {
-        assert_eq!(m.prefetch_count(ev), 0, "{ev}");
+    for ev in [
+        PrefetchEvent::PhaseA,
+        PrefetchEvent::Claimed,
+        PrefetchEvent::Retired,
+        PrefetchEvent::Evicted,
+    ] {
+        assert_eq!(m.prefetch_count(ev), 0, "{ev:?}");
     }
     // a turn-mode request admitted while the duplex session is live: no prefetch (busy gate)
     let turn = |id: &str, f: f32| {
@@ -378,14 +384,14 @@ fn no_prefetch_while_a_duplex_session_is_live() {
         }
     };
     turn("t1", 300.0);
-    assert_eq!(m.prefetch_count("phase_a"), 0);
-    assert!(m.skip_count("busy") > 0, "the busy gate said no");
+    assert_eq!(m.prefetch_count(PrefetchEvent::PhaseA), 0);
+    assert!(m.skip_count(PrefetchSkip::Busy) > 0, "the busy gate said no");
     // once the duplex session closes, prefetch runs again
     e.close_duplex("d");
     collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
     turn("t2", 410.0);
-    assert_eq!(m.prefetch_count("phase_a"), 1);
-    assert_eq!(m.prefetch_count("claimed"), 1);
+    assert_eq!(m.prefetch_count(PrefetchEvent::PhaseA), 1);
+    assert_eq!(m.prefetch_count(PrefetchEvent::Claimed), 1);
 }
 
 /// A session in a KV slot that outgrows it moves to a cache of its own and goes on: the same

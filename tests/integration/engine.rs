@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use antiphon_assets::synth::{models_in_memory, Preset};
+use antiphon_engine::metric_labels::{PrefetchEvent, StepKind};
 use antiphon_engine::{
     Engine, EngineConfig, EngineEvent, GenerationParams, Mode, RefInput, RequestId, SpokenClip,
     Status, UserInput,
@@ -104,7 +105,7 @@ fn requests_with_text_chunks_batched_together_match_requests_alone() {
 #[test]
 fn text_chunk_windows_fed_by_rows_give_what_their_prefill_gives() {
     let chunked = EngineConfig { talker_text_chunk: 3, ..EngineConfig::default() };
-    let talker_steps = |e: &Engine| e.metrics().step_count("talker");
+    let talker_steps = |e: &Engine| e.metrics().step_count(StepKind::Talker);
     let e = engine(chunked.clone());
     let prefilled = collect(submit(&e, spec("a", "say it", 12, 80, 5)));
     let prefill_steps = talker_steps(&e);
@@ -304,8 +305,11 @@ fn a_duplex_request_is_never_prefetched() {
     let o = collect(submit(&e, s));
     assert_eq!(o.status, Status::Completed);
     let m = e.metrics();
-    assert_eq!(m.prefetch_count("phase_a"), 0);
-    assert_eq!(m.prefetch_count("inline") + m.prefetch_count("cache_hit"), 1);
+    assert_eq!(m.prefetch_count(PrefetchEvent::PhaseA), 0);
+    assert_eq!(
+        m.prefetch_count(PrefetchEvent::Inline) + m.prefetch_count(PrefetchEvent::CacheHit),
+        1
+    );
 }
 
 #[test]

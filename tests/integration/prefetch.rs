@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use antiphon_assets::synth::{code2wav_in_memory, Preset};
 use antiphon_engine::chunker::Chunker;
 use antiphon_engine::code2wav::{Code2WavStage, IdleOutcome};
+use antiphon_engine::metric_labels::{PrefetchEvent, PrefetchSkip};
 use antiphon_engine::{
     Code2WavMsg, EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId, StageLoop,
 };
@@ -111,7 +112,7 @@ fn prefetch_runs_only_on_an_idle_step_after_an_idle_step() {
     let mut r = Rig::new(EngineConfig::default());
     let v = voice(180.0);
     r.admit("a", Some(v.clone()));
-    assert_eq!(r.idle(), IdleOutcome::Skipped("single_idle"));
+    assert_eq!(r.idle(), IdleOutcome::Skipped(PrefetchSkip::SingleIdle));
     assert_eq!(r.idle(), IdleOutcome::PhaseA(vec![id("a")]));
     let e = r.stage.ref_cache().get(&key(&v)).unwrap();
     assert!(e.features.is_some() && e.pins.contains(&id("a")) && e.owners.is_empty());
@@ -119,8 +120,8 @@ fn prefetch_runs_only_on_an_idle_step_after_an_idle_step() {
     r.chunk("a", 0, chunk0_codes(), false, Some(v));
     assert!(r.stage.step());
     r.admit("b", Some(voice(220.0)));
-    assert_eq!(r.idle(), IdleOutcome::Skipped("single_idle"));
-    assert_eq!(r.metrics.skip_count("single_idle"), 2);
+    assert_eq!(r.idle(), IdleOutcome::Skipped(PrefetchSkip::SingleIdle));
+    assert_eq!(r.metrics.skip_count(PrefetchSkip::SingleIdle), 2);
 }
 
 #[test]
@@ -143,9 +144,9 @@ fn prefetch_phase_b_is_off_by_default_and_on_when_asked() {
     // chunk 0 reuses both
     r.chunk("a", 0, chunk0_codes(), false, Some(v));
     assert!(r.stage.step());
-    assert_eq!(r.metrics.prefetch_count("claimed"), 1);
-    assert_eq!(r.metrics.prefetch_count("setup_hit"), 1);
-    assert_eq!(r.metrics.prefetch_count("inline"), 0);
+    assert_eq!(r.metrics.prefetch_count(PrefetchEvent::Claimed), 1);
+    assert_eq!(r.metrics.prefetch_count(PrefetchEvent::SetupHit), 1);
+    assert_eq!(r.metrics.prefetch_count(PrefetchEvent::Inline), 0);
 }
 
 /// A burst of waiting references goes through each phase together: phase A prepares them in one
@@ -174,17 +175,17 @@ fn a_burst_of_placeholders_is_prefetched_together() {
     assert_eq!(r.idle(), IdleOutcome::PhaseB(vec![id("a")]), "the setup cache holds one");
     assert_eq!(
         r.idle(),
-        IdleOutcome::Skipped("setup_cap"),
+        IdleOutcome::Skipped(PrefetchSkip::SetupCap),
         "a's state is not pushed out while a waits"
     );
     assert!(r.stage.setup_cache().contains(&key(&va)));
     r.chunk("a", 0, chunk0_codes(), false, Some(va.clone()));
     r.chunk("b", 0, chunk0_codes(), false, Some(vb.clone()));
     assert!(r.stage.step());
-    assert_eq!(r.metrics.prefetch_count("claimed"), 2);
-    assert_eq!(r.metrics.prefetch_count("setup_hit"), 1);
-    assert_eq!(r.metrics.prefetch_count("inline"), 0);
-    assert_eq!(r.metrics.skip_count("setup_cap"), 1);
+    assert_eq!(r.metrics.prefetch_count(PrefetchEvent::Claimed), 2);
+    assert_eq!(r.metrics.prefetch_count(PrefetchEvent::SetupHit), 1);
+    assert_eq!(r.metrics.prefetch_count(PrefetchEvent::Inline), 0);
+    assert_eq!(r.metrics.skip_count(PrefetchSkip::SetupCap), 1);
 
     // the same burst prepared at its chunk 0s (no prefetch) gives the same first audio
     let mut q = Rig::new(EngineConfig { prefetch: false, ..EngineConfig::default() });
@@ -192,7 +193,7 @@ fn a_burst_of_placeholders_is_prefetched_together() {
     q.chunk("a", 0, chunk0_codes(), false, Some(va));
     q.chunk("b", 0, chunk0_codes(), false, Some(vb));
     assert!(q.stage.step());
-    assert_eq!(q.metrics.prefetch_count("inline"), 2);
+    assert_eq!(q.metrics.prefetch_count(PrefetchEvent::Inline), 2);
     // (a setup batch of one or of two: equal to rounding)
     for (got, want) in [(audio(&la), audio(&qa)), (audio(&lb), audio(&qb))] {
         assert_eq!((got.len(), want.len()), (1, 1));
@@ -219,7 +220,7 @@ fn a_burst_of_chunk0s_prepares_its_references_together() {
     r.chunk("b", 0, chunk0_codes(), false, Some(vb.clone()));
     assert!(r.stage.step());
     assert_eq!(r.stage.live_streams(), 2);
-    assert_eq!(r.metrics.prefetch_count("inline"), 2);
+    assert_eq!(r.metrics.prefetch_count(PrefetchEvent::Inline), 2);
     assert_eq!(r.metrics.voice_preparations.get(), 2);
     let alone = |v: &RefInput| {
         let mut r = Rig::new(EngineConfig::default());
@@ -254,8 +255,8 @@ fn prefetch_never_runs_while_a_stream_is_live() {
     assert_eq!(r.stage.live_streams(), 1);
     r.admit("b", Some(voice(200.0)));
     r.idle();
-    assert_eq!(r.idle(), IdleOutcome::Skipped("busy"));
-    assert_eq!(r.idle(), IdleOutcome::Skipped("busy"));
+    assert_eq!(r.idle(), IdleOutcome::Skipped(PrefetchSkip::Busy));
+    assert_eq!(r.idle(), IdleOutcome::Skipped(PrefetchSkip::Busy));
     assert!(r.stage.ref_cache().pinned_by(&id("b")).is_none());
 }
 
@@ -266,9 +267,9 @@ fn an_open_duplex_session_is_a_live_stream_for_the_busy_gate() {
     r.stage.on_message(Code2WavMsg::DuplexOpen("s2".into()));
     r.admit("a", Some(voice(180.0)));
     r.idle();
-    assert_eq!(r.idle(), IdleOutcome::Skipped("busy"));
+    assert_eq!(r.idle(), IdleOutcome::Skipped(PrefetchSkip::Busy));
     r.stage.on_message(Code2WavMsg::DuplexClose("s1".into()));
-    assert_eq!(r.idle(), IdleOutcome::Skipped("busy"));
+    assert_eq!(r.idle(), IdleOutcome::Skipped(PrefetchSkip::Busy));
     r.stage.on_message(Code2WavMsg::DuplexClose("s2".into()));
     assert_eq!(r.idle(), IdleOutcome::PhaseA(vec![id("a")]));
 }
@@ -280,7 +281,7 @@ fn prefetch_pins_never_exceed_the_cache_capacity() {
     r.idle();
     assert_eq!(r.idle(), IdleOutcome::PhaseA(vec![id("a")]));
     r.admit("b", Some(voice(200.0)));
-    assert_eq!(r.idle(), IdleOutcome::Skipped("pin_cap"));
+    assert_eq!(r.idle(), IdleOutcome::Skipped(PrefetchSkip::PinCap));
     assert_eq!(r.stage.ref_cache().pin_count(), 1);
 }
 
@@ -293,8 +294,8 @@ fn prefetch_chunk0_claims_the_prefetched_entry() {
     r.idle();
     r.chunk("a", 0, chunk0_codes(), false, Some(v.clone()));
     assert!(r.stage.step());
-    assert_eq!(r.metrics.prefetch_count("claimed"), 1);
-    assert_eq!(r.metrics.prefetch_count("inline"), 0);
+    assert_eq!(r.metrics.prefetch_count(PrefetchEvent::Claimed), 1);
+    assert_eq!(r.metrics.prefetch_count(PrefetchEvent::Inline), 0);
     let e = r.stage.ref_cache().get(&key(&v)).unwrap();
     assert!(e.pins.is_empty() && e.owners.contains(&id("a")), "the pin became ownership");
     assert_eq!(audio(&log).len(), 1);
@@ -307,9 +308,9 @@ fn prefetch_chunk0_retires_a_pending_placeholder_and_runs_inline() {
     r.admit("a", Some(v.clone()));
     r.chunk("a", 0, chunk0_codes(), false, Some(v));
     assert!(r.stage.step());
-    assert_eq!(r.metrics.prefetch_count("retired"), 1);
-    assert_eq!(r.metrics.prefetch_count("inline"), 1);
-    assert_eq!(r.metrics.prefetch_count("phase_a"), 0);
+    assert_eq!(r.metrics.prefetch_count(PrefetchEvent::Retired), 1);
+    assert_eq!(r.metrics.prefetch_count(PrefetchEvent::Inline), 1);
+    assert_eq!(r.metrics.prefetch_count(PrefetchEvent::PhaseA), 0);
     assert_eq!(r.idle(), IdleOutcome::Nothing, "nothing is left to prefetch");
 }
 
@@ -323,8 +324,8 @@ fn prefetch_a_different_reference_at_chunk0_runs_inline_and_evicts_the_prefetche
     assert!(r.stage.ref_cache().get(&key(&x)).is_some());
     r.chunk("a", 0, chunk0_codes(), false, Some(y.clone()));
     assert!(r.stage.step());
-    assert_eq!(r.metrics.prefetch_count("evicted"), 1);
-    assert_eq!(r.metrics.prefetch_count("inline"), 1);
+    assert_eq!(r.metrics.prefetch_count(PrefetchEvent::Evicted), 1);
+    assert_eq!(r.metrics.prefetch_count(PrefetchEvent::Inline), 1);
     assert!(r.stage.ref_cache().get(&key(&x)).is_none(), "the prefetched reference is gone");
     assert!(r.stage.ref_cache().get(&key(&y)).unwrap().owners.contains(&id("a")));
 }
@@ -337,12 +338,12 @@ fn prefetch_a_failed_phase_is_dropped_and_unpinned() {
     r.idle();
     assert_eq!(r.idle(), IdleOutcome::Failed(vec![id("a")]));
     assert_eq!(r.stage.ref_cache().pin_count(), 0);
-    assert_eq!(r.metrics.prefetch_count("failed"), 1);
+    assert_eq!(r.metrics.prefetch_count(PrefetchEvent::Failed), 1);
     assert_eq!(r.idle(), IdleOutcome::Nothing, "a failed phase is not retried");
     // chunk 0 with a usable reference prepares inline
     r.chunk("a", 0, chunk0_codes(), false, Some(voice(180.0)));
     assert!(r.stage.step());
-    assert_eq!(r.metrics.prefetch_count("inline"), 1);
+    assert_eq!(r.metrics.prefetch_count(PrefetchEvent::Inline), 1);
     assert_eq!(audio(&log).len(), 1);
 }
 
@@ -372,7 +373,7 @@ fn prefetch_owner_and_pin_cannot_alias() {
     r.chunk("pin:req-1", 0, chunk0_codes(), false, Some(v.clone()));
     assert!(r.stage.step());
     assert_eq!(
-        r.metrics.prefetch_count("cache_hit"),
+        r.metrics.prefetch_count(PrefetchEvent::CacheHit),
         1,
         "the second request found the prepared entry"
     );
@@ -395,11 +396,11 @@ fn prefetch_duplex_requests_carry_no_reference_and_block_others() {
     assert_eq!(r.idle(), IdleOutcome::Nothing, "nothing to prefetch for duplex");
     r.chunk("duplex", 0, chunk0_codes(), false, Some(voice(150.0)));
     assert!(r.stage.step());
-    assert_eq!(r.metrics.prefetch_count("inline"), 1);
+    assert_eq!(r.metrics.prefetch_count(PrefetchEvent::Inline), 1);
     // its live stream blocks a turn-mode request's prefetch
     r.admit("turn", Some(voice(200.0)));
     r.idle();
-    assert_eq!(r.idle(), IdleOutcome::Skipped("busy"));
+    assert_eq!(r.idle(), IdleOutcome::Skipped(PrefetchSkip::Busy));
 }
 
 #[test]
@@ -455,11 +456,11 @@ fn a_registered_voice_is_served_from_its_kept_features() {
     b.stage.on_message(Code2WavMsg::Install(loaded));
     let served = run(&mut b, "b");
     assert_eq!(b.metrics.voice_preparations.get(), 0, "no new preparation");
-    assert_eq!(b.metrics.prefetch_count("registered"), 1);
-    assert_eq!(b.metrics.prefetch_count("inline"), 0);
+    assert_eq!(b.metrics.prefetch_count(PrefetchEvent::Registered), 1);
+    assert_eq!(b.metrics.prefetch_count(PrefetchEvent::Inline), 0);
     let mut c = Rig::new(EngineConfig::default());
     let prepared_here = run(&mut c, "c");
-    assert_eq!(c.metrics.prefetch_count("inline"), 1);
+    assert_eq!(c.metrics.prefetch_count(PrefetchEvent::Inline), 1);
     assert!(!served.is_empty() && served.iter().all(|s| s.is_finite()));
     assert_eq!(served, prepared_here, "the kept features give the same audio");
 

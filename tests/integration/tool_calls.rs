@@ -7,6 +7,7 @@ use crate::common;
 
 use std::sync::Arc;
 
+use antiphon_engine::metric_labels::{PromptSource, StepKind, ToolCallOutcome};
 use antiphon_engine::{
     Engine, EngineConfig, EngineEvent, FunctionTool, RequestSpec, Status, ToolCall, ToolChoice,
     ToolSet, Tools, Turn, UserInput,
@@ -58,8 +59,8 @@ fn invalid(o: &Outcome) -> Vec<(&str, ToolCallProblem, &str)> {
         .collect()
 }
 
-fn tool_calls_counted(e: &Engine, outcome: &str) -> u64 {
-    e.metrics().tool_calls.with_label_values(&[outcome]).get()
+fn tool_calls_counted(e: &Engine, outcome: ToolCallOutcome) -> u64 {
+    e.metrics().tool_calls.at(outcome).get()
 }
 
 #[test]
@@ -73,7 +74,7 @@ fn a_reply_that_only_calls_makes_no_audio() {
     );
     assert_eq!(o.text, "", "a call is written, not said");
     assert!(o.audio.is_empty() && o.codes == 0, "{} chunks, {} codes", o.audio.len(), o.codes);
-    assert_eq!(tool_calls_counted(&e, "valid"), 1);
+    assert_eq!(tool_calls_counted(&e, ToolCallOutcome::Valid), 1);
     assert_eq!(e.active(), 0);
     // the engine goes on serving: a spoken reply after it
     let next = collect(submit(&e, spec("after", "And tomorrow?", 6, 30, 2)));
@@ -139,7 +140,7 @@ fn a_call_that_is_not_one_says_why_and_ends_the_reply() {
         assert!(bad[0].2.contains(says), "{}", bad[0].2);
         assert!(o.audio.is_empty());
     }
-    assert_eq!(tool_calls_counted(&e, "invalid"), 2);
+    assert_eq!(tool_calls_counted(&e, ToolCallOutcome::Invalid), 2);
     // a reply that ends inside its call (here: at its most tokens, right after the prefix; the
     // tag is one token, every other byte one)
     let open = "<tool_call>\n{\"name\": \"get_weather\", \"arg";
@@ -153,7 +154,7 @@ fn a_call_that_is_not_one_says_why_and_ends_the_reply() {
     assert_eq!(bad[0].0, "\n{\"name\": \"get_weather\", \"arg");
     assert_eq!(bad[0].1, ToolCallProblem::Unclosed);
     assert!(bad[0].2.contains("no `</tool_call>`"), "{}", bad[0].2);
-    assert_eq!(tool_calls_counted(&e, "unterminated"), 1);
+    assert_eq!(tool_calls_counted(&e, ToolCallOutcome::Unterminated), 1);
 }
 
 /// `tool_choice` naming a function begins the reply with that call, whatever the model would
@@ -188,7 +189,7 @@ fn tool_choice_begins_the_call_or_forbids_it() {
 #[test]
 fn a_tools_output_comes_back_as_the_next_turn() {
     let e = engine(EngineConfig::default());
-    let reused = |e: &Engine| e.metrics().prompt_positions.with_label_values(&["reused"]).get();
+    let reused = |e: &Engine| e.metrics().prompt_positions.at(PromptSource::Reused).get();
     let first = collect(submit(&e, reply("ask", CALL, 200, ToolChoice::Auto)));
     let call = calls(&first)[0].clone();
     let before = reused(&e);
@@ -214,7 +215,7 @@ fn a_tools_output_comes_back_as_the_next_turn() {
 fn a_text_only_reply_is_written_not_spoken() {
     let e = engine(EngineConfig::default());
     let spoken = collect(submit(&e, spec("spoken", "Tell me a story.", 12, 30, 9)));
-    let talker_steps = e.metrics().step_count("talker");
+    let talker_steps = e.metrics().step_count(StepKind::Talker);
     assert!(talker_steps > 0);
     let mut s = spec("written", "Tell me a story.", 12, 30, 9);
     s.text_only = true;
@@ -224,7 +225,7 @@ fn a_text_only_reply_is_written_not_spoken() {
     assert!(!written.text.is_empty());
     assert!(written.audio.is_empty() && written.codes == 0);
     assert_eq!(
-        e.metrics().step_count("talker"),
+        e.metrics().step_count(StepKind::Talker),
         talker_steps,
         "the Talker stepped for the spoken reply only"
     );
@@ -247,7 +248,7 @@ fn a_spoken_input_is_transcribed_by_the_thinker_without_speech() {
     assert_eq!(t.status, Status::Completed);
     assert!(!t.text.is_empty());
     assert!(t.audio.is_empty() && t.codes == 0);
-    assert_eq!(e.metrics().step_count("talker"), 0, "nothing went to the Talker");
+    assert_eq!(e.metrics().step_count(StepKind::Talker), 0, "nothing went to the Talker");
     // the same request gives the same transcript (seeded), and a reply to the same input is spoken
     s.id = antiphon_engine::RequestId("heard-again".into());
     assert_eq!(collect(submit(&e, s)).text, t.text);

@@ -7,6 +7,7 @@ use std::time::Instant;
 use anyhow::anyhow;
 
 use super::{Code2WavStage, IdleOutcome, Phase};
+use crate::metric_labels::{PrefetchEvent, PrefetchSkip, StepKind};
 use crate::RequestId;
 use antiphon_models::code2wav::prompt::Reference;
 
@@ -27,10 +28,10 @@ impl Code2WavStage {
             return IdleOutcome::Nothing;
         }
         if !double {
-            return self.skip("single_idle");
+            return self.skip(PrefetchSkip::SingleIdle);
         }
         if !self.live.is_empty() || !self.duplex.is_empty() {
-            return self.skip("busy");
+            return self.skip(PrefetchSkip::Busy);
         }
         let (queued, prepared): (Vec<usize>, Vec<usize>) =
             candidates.iter().partition(|&&i| self.waiting[i].phase == Phase::Queued);
@@ -40,13 +41,13 @@ impl Code2WavStage {
         }
         // (the references beyond the pin cap wait for pins to go; those prepared go on)
         if prepared.is_empty() {
-            return self.skip("pin_cap");
+            return self.skip(PrefetchSkip::PinCap);
         }
         self.phase_b(&prepared)
     }
 
-    fn skip(&self, reason: &'static str) -> IdleOutcome {
-        self.metrics.prefetch_skips.with_label_values(&[reason]).inc();
+    fn skip(&self, reason: PrefetchSkip) -> IdleOutcome {
+        self.metrics.prefetch_skips.at(reason).inc();
         IdleOutcome::Skipped(reason)
     }
 
@@ -61,7 +62,7 @@ impl Code2WavStage {
         if let Some(w) = self.waiter(id) {
             w.phase = Phase::Failed;
         }
-        self.count("failed");
+        self.count(PrefetchEvent::Failed);
     }
 
     /// Materializes and prepares the references of `waiting[i]` for each `i`: a registered voice's
@@ -136,13 +137,10 @@ impl Code2WavStage {
             if let Some(w) = self.waiter(&id) {
                 w.phase = Phase::Prepared(k);
             }
-            self.count("phase_a");
+            self.count(PrefetchEvent::PhaseA);
             ok.push(id);
         }
-        self.metrics
-            .step_seconds
-            .with_label_values(&["prefetch"])
-            .observe(t0.elapsed().as_secs_f64());
+        self.metrics.step_seconds.at(StepKind::Prefetch).observe(t0.elapsed().as_secs_f64());
         if ok.is_empty() {
             IdleOutcome::Failed(failed)
         } else {
@@ -162,7 +160,7 @@ impl Code2WavStage {
             .collect();
         let room = self.setup.capacity().max(1).saturating_sub(held.len());
         if room == 0 {
-            return self.skip("setup_cap");
+            return self.skip(PrefetchSkip::SetupCap);
         }
         let t0 = Instant::now();
         let mut keys: Vec<String> = Vec::new();
@@ -192,10 +190,7 @@ impl Code2WavStage {
         } else {
             features.and_then(|fs| self.model.setup_batch(&fs.iter().collect::<Vec<_>>()))
         };
-        self.metrics
-            .step_seconds
-            .with_label_values(&["prefetch"])
-            .observe(t0.elapsed().as_secs_f64());
+        self.metrics.step_seconds.at(StepKind::Prefetch).observe(t0.elapsed().as_secs_f64());
         match done {
             Ok(states) => {
                 for (k, s) in keys.iter().zip(states) {
@@ -206,7 +201,7 @@ impl Code2WavStage {
                     if let Some(w) = self.waiter(&id) {
                         w.phase = Phase::SetUp(k);
                     }
-                    self.count("phase_b");
+                    self.count(PrefetchEvent::PhaseB);
                     out.push(id);
                 }
                 IdleOutcome::PhaseB(out)

@@ -7,6 +7,7 @@ use anyhow::Result;
 
 use super::super::voices::PreparedVoice;
 use super::Code2WavStage;
+use crate::metric_labels::{PrefetchEvent, StepKind};
 use antiphon_models::code2wav::prompt::{PromptFeatures, Reference};
 
 impl Code2WavStage {
@@ -14,7 +15,7 @@ impl Code2WavStage {
     /// they were kept).
     pub(super) fn features_for(&mut self, r: &Reference) -> Result<(PromptFeatures, bool)> {
         if let Some(f) = self.prepared.get(&r.key) {
-            self.count("registered");
+            self.count(PrefetchEvent::Registered);
             return Ok((f.clone(), true));
         }
         self.metrics.voice_preparations.inc();
@@ -35,10 +36,7 @@ impl Code2WavStage {
             self.prepared.insert(r.key.clone(), f.clone());
             PreparedVoice::from_features(&r.key, &f)
         })();
-        self.metrics
-            .step_seconds
-            .with_label_values(&["prepare"])
-            .observe(t0.elapsed().as_secs_f64());
+        self.metrics.step_seconds.at(StepKind::Prepare).observe(t0.elapsed().as_secs_f64());
         let _ = reply.try_send(
             done.map_err(|e| super::super::voices::PrepareRefused::Unusable(format!("{e:#}"))),
         );

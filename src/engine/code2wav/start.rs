@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{anyhow, Result};
 
 use super::{ChunkWork, Code2WavStage, Live, Phase, Status};
+use crate::metric_labels::PrefetchEvent;
 use antiphon_models::code2wav::flow::FlowState;
 use antiphon_models::code2wav::prompt::Reference;
 
@@ -30,7 +31,7 @@ impl Code2WavStage {
             }
         }
         if !unprepared.is_empty() {
-            let failed = self.prepare_entries(&unprepared, Some("inline"));
+            let failed = self.prepare_entries(&unprepared, Some(PrefetchEvent::Inline));
             let (lost, kept): (Vec<_>, Vec<_>) =
                 keyed.into_iter().partition(|(_, k)| failed.iter().any(|(f, _)| f == k));
             keyed = kept;
@@ -52,9 +53,9 @@ impl Code2WavStage {
         let mut todo: Vec<String> = Vec::new();
         for (_, k) in &keyed {
             if states.contains_key(k) || todo.contains(k) {
-                self.count("setup_hit");
+                self.count(PrefetchEvent::SetupHit);
             } else if let Some(s) = self.setup.get(k) {
-                self.count("setup_hit");
+                self.count(PrefetchEvent::SetupHit);
                 states.insert(k.clone(), s);
             } else {
                 todo.push(k.clone());
@@ -130,7 +131,7 @@ impl Code2WavStage {
                     let k = k.to_string();
                     self.cache.unpin(&c.id);
                     self.cache.own(&k, &c.id);
-                    self.count("claimed");
+                    self.count(PrefetchEvent::Claimed);
                     key = Some(k);
                 }
                 (Some(k), _) => {
@@ -140,11 +141,11 @@ impl Code2WavStage {
                     if self.cache.evict(&k) {
                         self.setup.remove(&k);
                     }
-                    self.count("evicted");
+                    self.count(PrefetchEvent::Evicted);
                 }
                 (None, _) => {
                     if w.phase == Phase::Queued && w.reference.is_some() {
-                        self.count("retired");
+                        self.count(PrefetchEvent::Retired);
                     }
                 }
             }
@@ -156,7 +157,7 @@ impl Code2WavStage {
                 let r = Reference::materialize(&reference.samples, reference.sample_rate)?;
                 let k = r.key.clone();
                 if self.cache.entry(r).features.is_some() {
-                    self.count("cache_hit");
+                    self.count(PrefetchEvent::CacheHit);
                 }
                 self.cache.own(&k, &c.id);
                 for gone in self.cache.trim() {
@@ -174,7 +175,7 @@ impl Code2WavStage {
     pub(super) fn prepare_entries(
         &mut self,
         keys: &[String],
-        event: Option<&str>,
+        event: Option<PrefetchEvent>,
     ) -> Vec<(String, String)> {
         let mut failed = Vec::new();
         let mut todo: Vec<(String, Reference)> = Vec::new();
@@ -185,7 +186,7 @@ impl Code2WavStage {
             };
             match self.prepared.get(k) {
                 Some(f) => {
-                    self.count("registered");
+                    self.count(PrefetchEvent::Registered);
                     let f = f.clone();
                     self.cache.entry_mut(k).expect("present").features = Some(f);
                 }

@@ -1,6 +1,7 @@
 //! Talker as a stage loop: the messages it takes (requests, hand-offs, cancels) and its step.
 
 use super::*;
+use crate::metric_labels::StageName;
 
 impl StageLoop for TalkerStage {
     type Msg = TalkerMsg;
@@ -158,7 +159,7 @@ impl StageLoop for TalkerStage {
         for id in gone {
             self.remove(&id);
         }
-        self.metrics.queue_depth.with_label_values(&["talker"]).set(self.reqs.len() as i64);
+        self.metrics.queue_depth.at(StageName::Talker).set(self.reqs.len() as i64);
         match self.run() {
             Ok(worked) => worked,
             Err(e) => {

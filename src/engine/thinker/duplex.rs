@@ -27,6 +27,7 @@ use candle_core::{DType, Tensor};
 
 use super::{to_host, Ctx, ThinkerStream};
 use crate::caches::StageCaches;
+use crate::metric_labels::RequestOutcome;
 use crate::{
     DuplexEnd, DuplexEvent, DuplexPolicy, DuplexSink, DuplexSpec, EngineEvent, Mode, RequestId,
     Status, TalkerMsg,
@@ -175,7 +176,7 @@ impl DuplexStream {
         self.gone = true;
         if let Some(t) = self.turn.take() {
             if ctx.registry.finish(&t.id, Status::Cancelled).is_some() {
-                ctx.metrics.requests.with_label_values(&["cancelled"]).inc();
+                ctx.metrics.requests.at(RequestOutcome::Cancelled).inc();
             }
         }
         (self.sink)(DuplexEvent::Closed { reason });

@@ -25,6 +25,7 @@ use super::{
     Admission, EngineConfig, EngineMetrics, RefInput, Registry, RequestId, RequestSpec, StageLoop,
     Status, TalkerMsg, ThinkerMsg,
 };
+use crate::metric_labels::{MetricLabel, RequestOutcome, StageName, StepKind};
 use antiphon_models::code2wav::prompt::PROMPT_SECONDS;
 use antiphon_models::decoder::{KvCache, StreamStep};
 use antiphon_models::thinker::Thinker;
@@ -60,7 +61,7 @@ impl Ctx {
     pub fn fail(&self, id: &RequestId, why: String) {
         tracing::warn!(request = %id, "thinker failed: {why}");
         if self.registry.finish(id, Status::Failed(why)).is_some() {
-            self.metrics.requests.with_label_values(&["failed"]).inc();
+            self.metrics.requests.at(RequestOutcome::Failed).inc();
         }
     }
 
@@ -68,7 +69,7 @@ impl Ctx {
     pub fn refuse(&self, id: &RequestId, why: String) {
         tracing::info!(request = %id, "thinker refused: {why}");
         if self.registry.finish(id, Status::Refused(why)).is_some() {
-            self.metrics.requests.with_label_values(&["failed"]).inc();
+            self.metrics.requests.at(RequestOutcome::Failed).inc();
         }
     }
 
@@ -122,10 +123,7 @@ impl Ctx {
                 "thinker: a burst of reference voices could not be encoded together: {e:#}"
             ),
         }
-        self.metrics
-            .step_seconds
-            .with_label_values(&["thinker_hear"])
-            .observe(t0.elapsed().as_secs_f64());
+        self.metrics.step_seconds.at(StepKind::ThinkerHear).observe(t0.elapsed().as_secs_f64());
     }
 
     /// The Thinker's context, in positions.
@@ -392,19 +390,23 @@ impl ThinkerStage {
             s.after_hand_offs(ctx);
         }
         // steps that prefill (prompt rows, duplex units) apart from pure decode steps
-        let label =
-            if budget < ctx.cfg.thinker_prefill_tokens { "thinker_prefill" } else { "thinker" };
+        let label = if budget < ctx.cfg.thinker_prefill_tokens {
+            StepKind::ThinkerPrefill
+        } else {
+            StepKind::Thinker
+        };
         tracing::debug!(
             streams = n,
             rows,
             issued_ms = issued.as_secs_f64() * 1e3,
             logits_ms = synced.as_secs_f64() * 1e3,
             total_ms = t0.elapsed().as_secs_f64() * 1e3,
-            "{label} step (ms since the step began: forward's kernels queued; logits on the host; \
-            sampled and sent)"
+            "{} step (ms since the step began: forward's kernels queued; logits on the host; \
+            sampled and sent)",
+            label.label()
         );
-        ctx.metrics.step_seconds.with_label_values(&[label]).observe(t0.elapsed().as_secs_f64());
-        ctx.metrics.batch_size.with_label_values(&["thinker"]).observe(n as f64);
+        ctx.metrics.step_seconds.at(label).observe(t0.elapsed().as_secs_f64());
+        ctx.metrics.batch_size.at(StageName::Thinker).observe(n as f64);
         Ok(())
     }
 
@@ -502,7 +504,7 @@ impl StageLoop for ThinkerStage {
         self.ctx
             .metrics
             .queue_depth
-            .with_label_values(&["thinker"])
+            .at(StageName::Thinker)
             .set((self.turns.len() + self.queue.len()) as i64);
         if self.turns.is_empty() && !self.duplex.iter().any(|d| d.has_work()) {
             return false;

@@ -14,6 +14,7 @@ use candle_core::{DType, Tensor};
 use super::prompt::{build_prompt, embed_prompt, reply_opening};
 use super::{to_host, Ctx, ThinkerStream};
 use crate::caches::StageCaches;
+use crate::metric_labels::{PrefixLookup, PromptSource, StepKind, ToolCallOutcome};
 use crate::{
     EngineEvent, Mode, RequestId, RequestSpec, Status, TalkerMsg, Task, ToolCall, ToolSet,
 };
@@ -196,21 +197,18 @@ impl TurnStream {
                 Some((hit, len)) => match cache.load_prefix(hit, len) {
                     Ok(()) => {
                         prefill_pos = len;
-                        ctx.metrics.prefix_cache.with_label_values(&["hit"]).inc();
+                        ctx.metrics.prefix_cache.at(PrefixLookup::Hit).inc();
                     }
                     Err(e) => {
                         tracing::warn!("prefix cache copy failed: {e:#}");
                         cache.truncate(0);
                     }
                 },
-                None => ctx.metrics.prefix_cache.with_label_values(&["miss"]).inc(),
+                None => ctx.metrics.prefix_cache.at(PrefixLookup::Miss).inc(),
             }
         }
         let embeds = embed_prompt(ctx, &prompt, prefill_pos).context("embedding the prompt");
-        ctx.metrics
-            .step_seconds
-            .with_label_values(&["thinker_prompt"])
-            .observe(t0.elapsed().as_secs_f64());
+        ctx.metrics.step_seconds.at(StepKind::ThinkerPrompt).observe(t0.elapsed().as_secs_f64());
         let embeds = match embeds {
             Ok(e) => e,
             Err(e) => {
@@ -222,10 +220,10 @@ impl TurnStream {
         ctx.registry.usage(&spec.id, |u| {
             (u.input, u.input_audio, u.cached) = (prompt_len, audio_positions, prefill_pos)
         });
-        ctx.metrics.prompt_positions.with_label_values(&["reused"]).inc_by(prefill_pos as u64);
+        ctx.metrics.prompt_positions.at(PromptSource::Reused).inc_by(prefill_pos as u64);
         ctx.metrics
             .prompt_positions
-            .with_label_values(&["prefilled"])
+            .at(PromptSource::Prefilled)
             .inc_by((prompt_len - prefill_pos) as u64);
         let store_system = system.filter(|&len| {
             !transcript
@@ -383,11 +381,11 @@ impl TurnStream {
             },
         };
         let outcome = match &event {
-            EngineEvent::ToolCall(_) => "valid",
-            _ if closed => "invalid",
-            _ => "unterminated",
+            EngineEvent::ToolCall(_) => ToolCallOutcome::Valid,
+            _ if closed => ToolCallOutcome::Invalid,
+            _ => ToolCallOutcome::Unterminated,
         };
-        ctx.metrics.tool_calls.with_label_values(&[outcome]).inc();
+        ctx.metrics.tool_calls.at(outcome).inc();
         ctx.registry.emit(&self.id, event);
         Ok(())
     }
