@@ -83,7 +83,7 @@ impl Checkpoint {
         tokenizer_file(&self.dir.join("tokenizer.json"))
     }
 
-    /// Thinker and Talker modules.
+    /// The Thinker's and the Talker's modules.
     pub fn load_models(&self, dtype: DType, device: &Device) -> Result<(Thinker, Talker)> {
         load_models(&self.var_builder(dtype, device)?, &self.config)
     }

@@ -164,7 +164,7 @@ impl State {
 #[derive(Clone)]
 pub struct Admission {
     state: Arc<Mutex<State>>,
-    /// Thinker waits for a place with its queue; a place freed wakes it.
+    /// The Thinker waits for a place with its queue; a place freed wakes it.
     wake: Arc<Mutex<Option<SyncSender<ThinkerMsg>>>>,
     gauges: GaugeBy<AdmissionGauge>,
 }
@@ -188,7 +188,8 @@ impl Admission {
         *self.wake.lock().expect("wake") = Some(to_thinker);
     }
 
-    /// Lets go of Thinker's sender (the engine is stopping: Thinker ends with its last sender).
+    /// Lets go of the Thinker's sender (the engine is stopping: the Thinker ends with its last
+    /// sender).
     pub(crate) fn clear_wake(&self) {
         self.wake.lock().expect("wake").take();
     }
@@ -329,7 +330,7 @@ impl Admission {
         self.publish(&s);
     }
 
-    /// Whether responses wait for a place (Thinker then looks again soon: the limit also rises
+    /// Whether responses wait for a place (the Thinker then looks again soon: the limit also rises
     /// with time).
     pub fn has_queued(&self) -> bool {
         !self.state.lock().expect("admission").queued.is_empty()

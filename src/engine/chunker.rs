@@ -43,7 +43,7 @@ impl Chunker {
         }
     }
 
-    /// A stream's chunker as Talker makes it: `first` new codes in the first payload, the
+    /// A stream's chunker as the Talker makes it: `first` new codes in the first payload, the
     /// configured size and context after; a turn's holds its chunks, a duplex turn's does not
     /// (its codes stop at each unit's end, so its chunks go out at once).
     pub fn for_stream(cfg: &crate::EngineConfig, first: usize, turn: bool) -> Self {
@@ -143,7 +143,7 @@ impl Chunker {
 }
 
 /// The payloads (length in codes, context included; last or not) of the requests Code2Wav sees
-/// most, made by the chunkers Talker makes: a turn that found the engine idle (the small first
+/// most, made by the chunkers the Talker makes: a turn that found the engine idle (the small first
 /// chunk), a turn that found it busy, and duplex turns of one and two units, each ending on a
 /// whole chunk. Code2Wav's graph warm-up takes streams through these, so that their shapes are
 /// captured before the first request (a last chunk of another length is captured as it comes).

@@ -148,7 +148,7 @@ pub struct Code2WavStage {
     /// (`gate.rs`; Code2Wav's kernels run at the default priority, behind the Thinker's graphs).
     gate: super::gate::PrefillGate,
     /// Written after each step: its time and the least audio a speaking stream has buffered
-    /// (Talker reads them for a new stream's first chunk, `pace.rs`).
+    /// (the Talker reads them for a new stream's first chunk, `pace.rs`).
     pace: super::pace::StagePace,
 }
 
@@ -191,7 +191,7 @@ impl Code2WavStage {
         }
     }
 
-    /// The paces it shares with Talker (it writes Code2Wav's).
+    /// The paces it shares with the Talker (it writes Code2Wav's).
     pub fn with_pace(mut self, pace: super::pace::StagePace) -> Self {
         self.pace = pace;
         self

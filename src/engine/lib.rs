@@ -559,7 +559,7 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        // (admission's wake-up sender too: Thinker ends when its last sender is gone)
+        // (admission's wake-up sender too: the Thinker ends when its last sender is gone)
         self.admission.clear_wake();
         self.to_thinker.take();
         self.to_talker.take();

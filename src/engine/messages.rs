@@ -8,7 +8,7 @@ use candle_core::Tensor;
 
 use crate::{gate, voices, DuplexSink, DuplexSpec, Mode, RefInput, RequestId, RequestSpec};
 
-/// Messages to Thinker.
+/// Messages to the Thinker.
 pub enum ThinkerMsg {
     Admit(RequestSpec),
     Cancel(RequestId),
@@ -23,7 +23,7 @@ pub enum ThinkerMsg {
     Wake,
 }
 
-/// What Thinker hands Talker.
+/// What the Thinker hands the Talker.
 pub enum TalkerMsg {
     /// Start of a request (the Talker's parameters).
     Begin {

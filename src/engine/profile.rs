@@ -43,7 +43,7 @@ pub fn run(
         m.code2wav.device().clone(),
     ];
     let mut rows = Rows { only, devs: &devs, out: Vec::new() };
-    // ---- Thinker: Thinker
+    // ---- the Thinker
     let llm = &m.thinker.llm;
     let vocab = m.tokenizer.vocab_size().min(llm.embed(&[0])?.dim(1)?.max(1));
     let prompt: Vec<u32> = (0..200u32).map(|i| (i * 7919) % vocab.max(300) as u32 % 250).collect();
@@ -297,7 +297,7 @@ pub fn run(
             )?;
         }
     }
-    // ---- Talker: Talker
+    // ---- the Talker
     let talker = &m.talker;
     let hidden = talker.config().hidden_size;
     let cond = Tensor::randn(0f32, 1.0, (40, hidden), talker.decoder().device())?
@@ -368,7 +368,7 @@ pub fn run(
             })?;
         }
     }
-    // ---- Code2Wav: Code2Wav
+    // ---- Code2Wav
     let mut half = m.code2wav.clone();
     half.set_vocoder_half_columns(ecfg.vocoder_half_columns)?;
     let c2w = &half;

@@ -8,7 +8,7 @@
 //! Streams: a candle CUDA device is one stream. By default each stage gets its own device on the
 //! same GPU (its own stream, same context and memory pool), so one stage's kernels never queue
 //! behind another's: a Thinker decode step no longer waits for a Code2Wav chunk's kernels ahead
-//! of it in a shared queue. Tensors cross stages only through the host (Thinker sends the
+//! of it in a shared queue. Tensors cross stages only through the host (the Thinker sends the
 //! Talker its hidden rows as host memory), so no tensor is ever used on two streams.
 //!
 //! Architecture invariant: a tensor is used only on the stream (candle device) that made it.

@@ -72,7 +72,7 @@ pub fn audio_spans(ids: &[u32], m: &AudioMarkers) -> Result<Vec<(usize, usize)>>
     Ok(spans)
 }
 
-/// Thinker's modules.
+/// The Thinker's modules.
 #[derive(Debug, Clone)]
 pub struct Thinker {
     pub llm: Qwen3,

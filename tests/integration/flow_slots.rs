@@ -331,7 +331,7 @@ fn graph_warm_up_runs_each_batch_size_and_frees_its_slots() {
     assert!(flow >= 2 && vocoder >= 1, "shapes held: flow {flow}, vocoder {vocoder}");
 }
 
-/// After the warm-up Code2Wav runs (the engine's payload sequences), the requests Talker's
+/// After the warm-up Code2Wav runs (the engine's payload sequences), the requests the Talker's
 /// chunkers make, an idle turn, a busy one and a duplex one, bring no shape that is not held
 /// already: running each twice (a shape is captured at its second sighting) captures nothing.
 /// (The warm-up once ran payloads three codes longer than any chunker makes, so every real

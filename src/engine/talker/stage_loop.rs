@@ -1,4 +1,4 @@
-//! Talker as a stage loop: the messages it takes (requests, hand-offs, cancels) and its step.
+//! The Talker as a stage loop: the messages it takes (requests, hand-offs, cancels) and its step.
 
 use super::*;
 use crate::metric_labels::StageName;

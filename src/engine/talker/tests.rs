@@ -1,4 +1,4 @@
-//! Talker's first-chunk choice on a busy engine, with the paces set by the test
+//! The Talker's first-chunk choice on a busy engine, with the paces set by the test
 //! (`small_first_chunk_slack`, `pace.rs`): deterministic where the engine's own paces are not.
 
 use std::time::Duration;

@@ -1,4 +1,4 @@
-//! Thinker's duplex streams (model-native full duplex).
+//! The Thinker's duplex streams (model-native full duplex).
 //!
 //! A duplex session is one long-lived Thinker stream whose KV cache persists between units. The
 //! session feeds it units of 16 kHz audio (1 s by default). Per unit, in order:

@@ -176,7 +176,8 @@ pub struct ThinkerStage {
     caches: StageCaches,
 }
 
-/// Reference voices whose embeddings Thinker keeps (each ~0.5 MB at full size: 60 rows of 4096).
+/// Reference voices whose embeddings the Thinker keeps (each ~0.5 MB at full size: 60 rows of
+/// 4096).
 const REF_EMBED_CACHE: usize = 32;
 
 /// Thinker caches are made with room for a multiple of this many positions: a conversation

@@ -1,4 +1,4 @@
-//! Code2Wav, Code2Wav: speech codes -> 24 kHz audio. The flow (Conformer encoder + DiT flow
+//! Code2Wav: speech codes -> 24 kHz audio. The flow (Conformer encoder + DiT flow
 //! matching) makes mel, the HiFT vocoder makes audio; reference-voice preparation (S3 speech
 //! tokens, CAM++ speaker embedding, prompt mel) feeds the flow's prompt.
 //!
