@@ -14,6 +14,7 @@ use antiphon_models::thinker::{AudioMarkers, Thinker};
 use candle_core::{DType, Tensor};
 use common::{assert_close, ids, load_io, load_meta};
 
+mod attention;
 mod talker;
 
 const TOL: f32 = 1e-4;

@@ -1,0 +1,74 @@
+//! The batched decode attention on the test device (on CUDA our kernel) against attention
+//! written out with tensor ops, row by row: a prompt chunk at the end of a long conversation, whose
+//! splits span several chunks of positions, beside single rows of other streams.
+
+use super::*;
+use antiphon_models::attention::attend;
+use antiphon_models::batch_decode::{attention_splits, decode_attention_batch};
+use candle_core::Device;
+
+/// One row's attention over positions `0..p` of its slot and its own K and V, on the host in f32.
+fn row_attention(heads: &Tensor, kc: &Tensor, vc: &Tensor, slot: usize, p: usize) -> Tensor {
+    let (hq, hkv) = (8, 2);
+    let d = heads.dim(1).unwrap();
+    let (q, k_new, v_new) = (
+        heads.narrow(0, 0, hq).unwrap(),
+        heads.narrow(0, hq, hkv).unwrap(),
+        heads.narrow(0, hq + hkv, hkv).unwrap(),
+    );
+    let k = Tensor::cat(
+        &[kc.get(slot).unwrap().narrow(1, 0, p).unwrap(), k_new.unsqueeze(1).unwrap()],
+        1,
+    )
+    .unwrap();
+    let v = Tensor::cat(
+        &[vc.get(slot).unwrap().narrow(1, 0, p).unwrap(), v_new.unsqueeze(1).unwrap()],
+        1,
+    )
+    .unwrap();
+    attend(&q.reshape((hq, 1, d)).unwrap(), &k, &v, None).unwrap().reshape((hq, d)).unwrap()
+}
+
+#[test]
+fn batched_attention_over_a_long_prompt_chunk_matches_attention_row_by_row() {
+    let dev = common::device();
+    let (hq, hkv, cap, d) = (8, 2, 4096, 128);
+    // slot 1: a prompt chunk of 40 rows at positions 3000..3040; slot 0 a row at 17; slot 2 the
+    // slot's last position
+    let mut rows: Vec<(u32, u32)> = (3000..3040).map(|p| (1, p)).collect();
+    rows.extend([(0, 17), (2, cap as u32 - 1)]);
+    let b = rows.len();
+    let max_pos = cap - 1;
+    let plan = attention_splits(b, hkv, cap, Some(max_pos));
+    assert!(plan.span > 1 && plan.rows_first, "the rows need a longer span: {plan:?}");
+    let host = Device::Cpu;
+    let kc = Tensor::randn(0f32, 1.0, (3, hkv, cap, d), &host).unwrap();
+    let vc = Tensor::randn(0f32, 1.0, (3, hkv, cap, d), &host).unwrap();
+    let heads = Tensor::randn(0f32, 0.3, (b, hq + 2 * hkv, d), &host).unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        // (the reference reads the inputs as the device does: rounded to the dtype)
+        let round = |t: &Tensor| t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
+        let (kc, vc, heads) = (round(&kc), round(&vc), round(&heads));
+        let want: Vec<Tensor> = rows
+            .iter()
+            .enumerate()
+            .map(|(i, &(s, p))| {
+                row_attention(&heads.get(i).unwrap(), &kc, &vc, s as usize, p as usize)
+            })
+            .collect();
+        let want = Tensor::stack(&want, 0).unwrap();
+        let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
+        let slots: Vec<u32> = rows.iter().map(|r| r.0).collect();
+        let pos: Vec<u32> = rows.iter().map(|r| r.1).collect();
+        let slots = Tensor::new(slots.as_slice(), &dev).unwrap();
+        let pos = Tensor::new(pos.as_slice(), &dev).unwrap();
+        let tol = if dtype == DType::F32 { 1e-4 } else { 2e-2 };
+        // the prompt chunk's plan (`max_pos` known), and a graph's (the whole capacity)
+        for (what, m) in [("prompt chunk", Some(max_pos)), ("graph", None)] {
+            let got =
+                decode_attention_batch(&on(&heads), hq, hkv, &on(&kc), &on(&vc), &slots, &pos, m)
+                    .unwrap();
+            assert_close(&format!("{dtype:?} {what}"), &got, &want, tol);
+        }
+    }
+}
