@@ -89,6 +89,10 @@ const CHUNK: usize = 16;
 const FEW_SPLITS: usize = 32;
 /// ...or more while the grid would hold fewer blocks than this (a few waves of the GPU's SMs).
 const ENOUGH_BLOCKS: usize = 4096;
+/// A graph's step splits the capacity into this many splits at most (a 4096-position slot one
+/// chunk a split; a longer slot's splits span more chunks, so that the blocks past a short
+/// conversation's positions, which return at once, do not grow with the slot).
+const GRAPH_SPLITS: usize = 256;
 
 /// How the first attention pass divides the positions: `splits` blocks for each KV head and row,
 /// each over `span` runs of `CHUNK` positions (an online softmax across them), and whether the
@@ -101,8 +105,8 @@ pub struct AttentionSplits {
     pub rows_first: bool,
 }
 
-/// A graph's step (`max_pos` unknown on the host): one chunk a split over the whole capacity, as
-/// every decode step has run. Rows whose highest position is known (a ragged step with prompt
+/// A graph's step (`max_pos` unknown on the host): the whole capacity, one chunk a split up to
+/// 4096 positions (as every decode step has run) and `GRAPH_SPLITS` splits beyond. Rows whose highest position is known (a ragged step with prompt
 /// chunks): the positions up to it, in few enough splits that a long conversation's prompt chunk
 /// does not write and read back a partial sum per row for every 16 positions, and its rows first.
 pub fn attention_splits(
@@ -112,7 +116,10 @@ pub fn attention_splits(
     max_pos: Option<usize>,
 ) -> AttentionSplits {
     match max_pos {
-        None => AttentionSplits { splits: cap.div_ceil(CHUNK), span: 1, rows_first: false },
+        None => {
+            let span = cap.div_ceil(CHUNK).div_ceil(GRAPH_SPLITS).max(1);
+            AttentionSplits { splits: cap.div_ceil(CHUNK).div_ceil(span), span, rows_first: false }
+        }
         Some(m) => {
             let needed = m.min(cap.saturating_sub(1)) / CHUNK + 1;
             let most = FEW_SPLITS.max(ENOUGH_BLOCKS.div_ceil((rows * hkv).max(1)));
@@ -407,9 +414,14 @@ mod tests {
     }
 
     #[test]
-    fn a_graph_step_splits_the_whole_capacity_a_chunk_at_a_time() {
+    fn a_graph_step_splits_the_whole_capacity_in_at_most_256_splits() {
         let p = attention_splits(64, 8, 4096, None);
         assert_eq!(p, AttentionSplits { splits: 256, span: 1, rows_first: false });
+        assert_eq!(attention_splits(1, 8, 1000, None).splits, 63);
+        // a longer slot: as many splits, each three chunks long
+        let long = attention_splits(64, 8, 12288, None);
+        assert_eq!(long, AttentionSplits { splits: 256, span: 3, rows_first: false });
+        assert!(covers(long, 12287));
     }
 
     #[test]

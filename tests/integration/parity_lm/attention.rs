@@ -31,11 +31,19 @@ fn row_attention(heads: &Tensor, kc: &Tensor, vc: &Tensor, slot: usize, p: usize
 
 #[test]
 fn batched_attention_over_a_long_prompt_chunk_matches_attention_row_by_row() {
+    // a 4096-position slot (a graph's step: a chunk a split), and a 12288-position one (three)
+    for cap in [4096, 12288] {
+        attention_in_slots_of(cap);
+    }
+}
+
+fn attention_in_slots_of(cap: usize) {
     let dev = common::device();
-    let (hq, hkv, cap, d) = (8, 2, 4096, 128);
-    // slot 1: a prompt chunk of 40 rows at positions 3000..3040; slot 0 a row at 17; slot 2 the
-    // slot's last position
-    let mut rows: Vec<(u32, u32)> = (3000..3040).map(|p| (1, p)).collect();
+    let (hq, hkv, d) = (8, 2, 128);
+    // slot 1: a prompt chunk of 40 rows ~1100 positions before the end; slot 0 a row at 17;
+    // slot 2 the slot's last position
+    let at = cap as u32 - 1096;
+    let mut rows: Vec<(u32, u32)> = (at..at + 40).map(|p| (1, p)).collect();
     rows.extend([(0, 17), (2, cap as u32 - 1)]);
     let b = rows.len();
     let max_pos = cap - 1;
@@ -68,7 +76,7 @@ fn batched_attention_over_a_long_prompt_chunk_matches_attention_row_by_row() {
             let got =
                 decode_attention_batch(&on(&heads), hq, hkv, &on(&kc), &on(&vc), &slots, &pos, m)
                     .unwrap();
-            assert_close(&format!("{dtype:?} {what}"), &got, &want, tol);
+            assert_close(&format!("{cap}: {dtype:?} {what}"), &got, &want, tol);
         }
     }
 }
