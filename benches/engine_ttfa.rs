@@ -87,11 +87,9 @@ fn main() {
     for set in sets.split(',') {
         let cfg = match set {
             "prefetch_on" => EngineConfig::default(),
-            "prefetch_off" => EngineConfig { prefetch: false, ..EngineConfig::default() },
-            "prefetch_ab" => EngineConfig { prefetch_setup: true, ..EngineConfig::default() },
-            "stream_prefill" => {
-                EngineConfig { talker_streaming_prefill: true, ..EngineConfig::default() }
-            }
+            "prefetch_off" => EngineConfig::default().with(|c| c.prefetch.enabled = false),
+            "prefetch_ab" => EngineConfig::default().with(|c| c.prefetch.setup = true),
+            "stream_prefill" => EngineConfig::default().with(|c| c.talker.streaming_prefill = true),
             other => panic!("unknown set {other}"),
         };
         for &c in &levels {

@@ -2,7 +2,7 @@
 # Several engine configurations measured in one GPU call, one server each (scripts/gpu-measure.sh
 # per variant, the same workloads): the A/B of a change that ships behind an [engine] key.
 #
-#   OUT=/some/dir VARIANTS="base mixed:code2wav_mixed_steps=true apart:code2wav_mixed_steps=true,code2wav_first_chunks_apart=true" \
+#   OUT=/some/dir VARIANTS="base mixed:code2wav.mixed_steps=true apart:code2wav.mixed_steps=true,code2wav.first_chunks_apart=true" \
 #     WORKLOADS=" " RATES=4,8 PARITY=0 PROFILE=0 scripts/gpu-ab.sh
 #
 # A variant is `name` (the configuration as it is) or `name:key=value,key=value` ([engine] keys:
@@ -19,7 +19,7 @@ for v in ${VARIANTS:-base}; do
   sets=""
   [ "$v" = "$name" ] || sets=${v#*:}
   scripts/engine-variant.sh "$BASE" "$cfg" "$sets"
-  echo "=== variant $name: $(grep -E "^($(echo "${v#*:}" | sed 's/=[^,]*//g; s/,/|/g')) = " "$cfg" | tr '\n' ' ')"
+  echo "=== variant $name: $(grep -E "^($(echo "${v#*:}" | sed 's/=[^,]*//g; s/[a-z0-9_]*\.//g; s/,/|/g')) = " "$cfg" | tr '\n' ' ')"
   OUT=$OUT/$name CONFIG=$cfg scripts/gpu-measure.sh
   rm -f "$cfg"
   export PARITY=0

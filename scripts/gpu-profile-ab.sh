@@ -3,7 +3,7 @@
 # one GPU call: the A/B of a kernel change that has no [engine] key (two builds), or of one that
 # has (one build, two configurations).
 #
-#   OUT=/some/dir RUNS="base:.device/antiphon-base.xz new:.device/antiphon.xz inplace:.device/antiphon.xz:code2wav_pool_attention=\"in_place\"" \
+#   OUT=/some/dir RUNS="base:.device/antiphon-base.xz new:.device/antiphon.xz inplace:.device/antiphon.xz:code2wav.pool_attention=\"in_place\"" \
 #     PROFILE_ONLY="steady chunk, graphs (server config)" PROFILE_BATCH=1,8,32 scripts/gpu-profile-ab.sh
 #
 # A run is `name:binary.xz` or `name:binary.xz:key=value,key=value` ([engine] keys, as in

@@ -10,7 +10,7 @@
 //! starts on a card with half its memory, with fewer places.
 //!
 //! What is kept beside the slots: `memory_headroom_mib` (activations, CUDA graphs, the voices'
-//! setups), the prefix store's budget (`thinker_prefix_mib`), the idle caches' budget of the
+//! setups), the prefix store's budget (`thinker.prefix_mib`), the idle caches' budget of the
 //! Thinker and of the Talker (`idle_cache_mib` each), and each pool's scratch slot.
 
 use antiphon_models::Models;
@@ -48,7 +48,7 @@ pub struct Sizing {
 
 /// The memory kept beside the slots, in bytes (each pool's scratch slot included).
 pub fn reserve_bytes(cfg: &EngineConfig, per_stream: &StreamBytes) -> u64 {
-    let mib = cfg.memory_headroom_mib + cfg.thinker_prefix_mib + 2 * cfg.idle_cache_mib;
+    let mib = cfg.memory_headroom_mib + cfg.thinker.prefix_mib + 2 * cfg.idle_cache_mib;
     ((mib as u64) << 20) + per_stream.total()
 }
 
@@ -70,7 +70,7 @@ pub fn size_streams(
     free: u64,
     per_stream: StreamBytes,
 ) -> Result<Sizing, String> {
-    let asked = [cfg.thinker_slots, cfg.talker_slots, cfg.code2wav_slots]
+    let asked = [cfg.thinker.slots, cfg.talker.slots, cfg.code2wav.slots]
         .into_iter()
         .filter(|&n| n > 0)
         .min()
@@ -91,17 +91,17 @@ pub fn size_streams(
             reserve >> 20
         ));
     }
-    for slots in [&mut cfg.thinker_slots, &mut cfg.talker_slots, &mut cfg.code2wav_slots] {
+    for slots in [&mut cfg.thinker.slots, &mut cfg.talker.slots, &mut cfg.code2wav.slots] {
         if *slots > 0 {
             *slots = streams;
         }
     }
     for batch in
-        [&mut cfg.thinker_max_batch, &mut cfg.talker_max_batch, &mut cfg.code2wav_max_batch]
+        [&mut cfg.thinker.max_batch, &mut cfg.talker.max_batch, &mut cfg.code2wav.max_batch]
     {
         *batch = (*batch).min(streams);
     }
-    cfg.code2wav_early_batch = cfg.code2wav_early_batch.min(streams);
+    cfg.code2wav.early_batch = cfg.code2wav.early_batch.min(streams);
     if let Some(m) = cfg.max_streams.as_mut() {
         *m = (*m).min(streams);
     }
@@ -134,14 +134,14 @@ pub(crate) fn size_streams_from_memory(models: &Models, cfg: &mut EngineConfig) 
     let talker = models.talker.decoder();
     let per_stream = StreamBytes {
         thinker: bytes(
-            cfg.thinker_slots,
-            thinker.slot_bytes(cfg.thinker_slot_context.min(thinker.config().max_positions)),
+            cfg.thinker.slots,
+            thinker.slot_bytes(cfg.thinker.slot_context.min(thinker.config().max_positions)),
         ),
         talker: bytes(
-            cfg.talker_slots,
-            talker.slot_bytes(cfg.talker_slot_context.min(talker.config().max_positions)),
+            cfg.talker.slots,
+            talker.slot_bytes(cfg.talker.slot_context.min(talker.config().max_positions)),
         ),
-        code2wav: bytes(cfg.code2wav_slots, models.code2wav.slot_bytes(cfg.code2wav_slot_frames)),
+        code2wav: bytes(cfg.code2wav.slots, models.code2wav.slot_bytes(cfg.code2wav.slot_frames)),
     };
     let s = size_streams(cfg, free, per_stream).map_err(anyhow::Error::msg)?;
     tracing::info!(
@@ -162,21 +162,20 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     fn gpu_config() -> EngineConfig {
-        EngineConfig {
-            thinker_slots: 64,
-            talker_slots: 64,
-            code2wav_slots: 64,
-            thinker_max_batch: 64,
-            talker_max_batch: 64,
-            code2wav_max_batch: 64,
-            code2wav_early_batch: 64,
-            thinker_prefix_mib: 8192,
-            idle_cache_mib: 8192,
-            memory_headroom_mib: 16384,
-            streams_from_memory: true,
-            call_headroom: 4,
-            ..EngineConfig::default()
-        }
+        EngineConfig::default().with(|c| {
+            c.thinker.slots = 64;
+            c.talker.slots = 64;
+            c.code2wav.slots = 64;
+            c.thinker.max_batch = 64;
+            c.talker.max_batch = 64;
+            c.code2wav.max_batch = 64;
+            c.code2wav.early_batch = 64;
+            c.thinker.prefix_mib = 8192;
+            c.idle_cache_mib = 8192;
+            c.memory_headroom_mib = 16384;
+            c.streams_from_memory = true;
+            c.call_headroom = 4;
+        })
     }
 
     /// The full-size model's slots (the H200's log: 37440 and 15600 MiB for 64 slots and a
@@ -192,7 +191,7 @@ mod tests {
         let s = size_streams(&mut big, 120 * 1024 * MIB, full_size()).unwrap();
         assert_eq!((s.asked, s.streams), (64, 64));
         assert_eq!(
-            (big.thinker_slots, big.talker_slots, big.code2wav_slots, big.thinker_max_batch),
+            (big.thinker.slots, big.talker.slots, big.code2wav.slots, big.thinker.max_batch),
             (64, 64, 64, 64)
         );
         // an H100 after the weights: ~60 GiB free; kept: 16 GiB of headroom, the prefix store's
@@ -204,15 +203,15 @@ mod tests {
         assert_eq!(s.streams, expect);
         assert!((10..64).contains(&s.streams), "{s:?}");
         assert_eq!(
-            (small.thinker_slots, small.talker_slots, small.code2wav_slots),
+            (small.thinker.slots, small.talker.slots, small.code2wav.slots),
             (expect, expect, expect)
         );
         assert_eq!(
             (
-                small.thinker_max_batch,
-                small.talker_max_batch,
-                small.code2wav_max_batch,
-                small.code2wav_early_batch
+                small.thinker.max_batch,
+                small.talker.max_batch,
+                small.code2wav.max_batch,
+                small.code2wav.early_batch
             ),
             (expect, expect, expect, expect)
         );
@@ -226,21 +225,24 @@ mod tests {
 
     #[test]
     fn a_stage_without_slots_stays_without_and_a_set_stream_limit_is_never_raised() {
-        let mut cfg = EngineConfig { code2wav_slots: 0, max_streams: Some(40), ..gpu_config() };
+        let mut cfg = gpu_config().with(|c| {
+            c.code2wav.slots = 0;
+            c.max_streams = Some(40);
+        });
         let s = size_streams(&mut cfg, 80 * 1024 * MIB, StreamBytes { code2wav: 0, ..full_size() })
             .unwrap();
-        assert_eq!(cfg.code2wav_slots, 0);
-        assert_eq!(cfg.thinker_slots, s.streams);
+        assert_eq!(cfg.code2wav.slots, 0);
+        assert_eq!(cfg.thinker.slots, s.streams);
         assert_eq!(cfg.max_streams, Some(40.min(s.streams)));
     }
 
     #[test]
     fn a_device_that_holds_no_stream_is_an_error_that_names_the_keys() {
         let mut cfg = gpu_config();
-        let before = cfg.thinker_slots;
+        let before = cfg.thinker.slots;
         let e = size_streams(&mut cfg, 20 * 1024 * MIB, full_size()).unwrap_err();
         assert!(e.contains("memory_headroom_mib") && e.contains("20480 MiB free"), "{e}");
-        assert_eq!(cfg.thinker_slots, before, "nothing changed");
+        assert_eq!(cfg.thinker.slots, before, "nothing changed");
     }
 
     #[test]

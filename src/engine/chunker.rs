@@ -49,8 +49,8 @@ impl Chunker {
     pub fn for_stream(cfg: &crate::EngineConfig, first: usize, turn: bool) -> Self {
         let c = Self::new(
             first,
-            cfg.chunk_codes,
-            cfg.context_codes,
+            cfg.code2wav.chunk_codes,
+            cfg.code2wav.context_codes,
             antiphon_models::code2wav::SILENCE_CODE,
         );
         if turn {
@@ -148,7 +148,7 @@ impl Chunker {
 /// whole chunk. Code2Wav's graph warm-up takes streams through these, so that their shapes are
 /// captured before the first request (a last chunk of another length is captured as it comes).
 pub fn warm_sequences(cfg: &crate::EngineConfig) -> Vec<Vec<(usize, bool)>> {
-    let size = cfg.chunk_codes.max(1);
+    let size = cfg.code2wav.chunk_codes.max(1);
     let run = |first: usize, turn: bool, codes: usize| -> Vec<(usize, bool)> {
         let mut c = Chunker::for_stream(cfg, first, turn);
         let mut out: Vec<(usize, bool)> =
@@ -156,12 +156,12 @@ pub fn warm_sequences(cfg: &crate::EngineConfig) -> Vec<Vec<(usize, bool)>> {
         out.extend(c.flush().map(|p| (p.codes.len(), p.last)));
         out
     };
-    let unit = cfg.duplex_codes_per_unit();
+    let unit = cfg.duplex.codes_per_unit();
     let mut seqs = Vec::new();
-    let small = Chunker::new(cfg.first_chunk_codes, size, 0, 0).first();
+    let small = Chunker::new(cfg.code2wav.first_chunk_codes, size, 0, 0).first();
     if small < size {
         seqs.push(run(small, true, small + 3 * size));
-        if cfg.small_first_chunk_slack {
+        if cfg.code2wav.small_first_chunk_slack {
             // (a busy engine's first chunk halfway to a full one, `pace.rs`)
             let mid = crate::pace::halfway(small, size);
             seqs.push(run(mid, true, mid + 3 * size));

@@ -169,8 +169,8 @@ impl Code2WavStage {
         metrics: EngineMetrics,
     ) -> Self {
         Self {
-            cache: RefCache::new(cfg.ref_cache_capacity),
-            setup: SetupCache::new(cfg.setup_cache_capacity),
+            cache: RefCache::new(cfg.prefetch.ref_cache_capacity),
+            setup: SetupCache::new(cfg.prefetch.setup_cache_capacity),
             model,
             cfg,
             registry,
@@ -302,22 +302,22 @@ impl Code2WavStage {
             }
         }
         let dues: Vec<Instant> = next.iter().map(due_of).collect();
-        let cut = due_within(&dues, now, horizon(self.step_estimate), self.cfg.code2wav_max_batch)
+        let cut = due_within(&dues, now, horizon(self.step_estimate), self.cfg.code2wav.max_batch)
             // (a small step may run ahead: audio sent early covers a client's network jitter)
-            .max(dues.len().min(self.cfg.code2wav_early_batch).min(self.cfg.code2wav_max_batch));
+            .max(dues.len().min(self.cfg.code2wav.early_batch).min(self.cfg.code2wav.max_batch));
         let keep = next.split_off(cut);
         self.next_due = dues.get(cut).copied();
         let mut ready = next;
         for c in keep.into_iter().rev() {
             rest.push_front(c);
         }
-        if self.cfg.code2wav_first_chunks_apart {
+        if self.cfg.code2wav.first_chunks_apart {
             let seqs: Vec<usize> = ready.iter().map(|c| c.seq).collect();
             let later =
                 first_chunks_apart(&seqs, &dues[..ready.len()], now, horizon(self.step_estimate));
             ready = put_back(ready, &later, &mut rest);
         }
-        if self.cfg.code2wav_one_batch_per_step && !self.cfg.code2wav_mixed_steps {
+        if self.cfg.code2wav.one_batch_per_step && !self.cfg.code2wav.mixed_steps {
             let shapes: Vec<(usize, bool)> =
                 ready.iter().map(|c| (c.codes.len(), c.last)).collect();
             ready = put_back(ready, &other_batches(&shapes), &mut rest);
@@ -350,7 +350,7 @@ impl Code2WavStage {
             }
         }
         let batch_total = group.len();
-        if self.cfg.code2wav_mixed_steps {
+        if self.cfg.code2wav.mixed_steps {
             if !group.is_empty() {
                 self.run_batch(group);
             }
@@ -483,7 +483,7 @@ impl StageLoop for Code2WavStage {
     fn on_message(&mut self, m: Code2WavMsg) {
         match m {
             Code2WavMsg::Placeholder { id, prefetch } => {
-                let reference = if self.cfg.prefetch { prefetch } else { None };
+                let reference = if self.cfg.prefetch.enabled { prefetch } else { None };
                 self.waiting.push(Waiting { id, reference, phase: Phase::Queued });
             }
             Code2WavMsg::Chunk { id, seq, codes, last, reference } => {
@@ -528,10 +528,10 @@ impl StageLoop for Code2WavStage {
     }
 
     fn idle_wait(&self) -> Option<Duration> {
-        let with_setup = self.cfg.prefetch_setup;
-        let prefetch = (self.cfg.prefetch
+        let with_setup = self.cfg.prefetch.setup;
+        let prefetch = (self.cfg.prefetch.enabled
             && self.waiting.iter().any(|w| w.needs_phase(with_setup)))
-        .then_some(self.cfg.idle_tick);
+        .then_some(self.cfg.code2wav.idle_tick);
         // a chunk left for later is woken for a horizon before it is due
         let chunk = self.next_due.filter(|_| !self.queue.is_empty()).map(|d| {
             let wake = d.checked_sub(horizon(self.step_estimate)).unwrap_or(d);

@@ -43,7 +43,10 @@ use std::time::Duration;
 use anyhow::{bail, Result};
 
 pub use admission::{Admission, Busy};
-pub use config::EngineConfig;
+pub use config::{
+    legacy_key, Code2WavConfig, DuplexConfig, EngineConfig, PrefetchConfig, TalkerConfig,
+    ThinkerConfig,
+};
 pub use messages::{Code2WavMsg, TalkerMsg, ThinkerMsg};
 pub use metrics::EngineMetrics;
 pub use types::*;
@@ -213,26 +216,26 @@ impl Engine {
         if cfg.gpu_tf32 && [&d0, &d1, &d2].iter().any(|d| d.is_cuda()) {
             candle_core::cuda::set_gemm_reduced_precision_f32(true);
         }
-        if cfg.code2wav_graphs && own_stream(&d2, [&d0, &d1]) {
+        if cfg.code2wav.graphs && own_stream(&d2, [&d0, &d1]) {
             let policy = antiphon_models::code2wav::dit::GraphPolicy {
-                max_batch: cfg.code2wav_graph_batch,
-                max_graphs: cfg.code2wav_graph_count,
-                pool_batch: cfg.code2wav_max_batch.next_power_of_two(),
-                pool_graphs: cfg.code2wav_pool_graphs,
+                max_batch: cfg.code2wav.graph_batch,
+                max_graphs: cfg.code2wav.graph_count,
+                pool_batch: cfg.code2wav.max_batch.next_power_of_two(),
+                pool_graphs: cfg.code2wav.pool_graphs,
                 ..Default::default()
             };
             models.code2wav.set_graphs(Some(policy), Some(VOCODER_GRAPHS));
             // mixed steps: a step's one solve padded up to a length the warm-up captures (a last
             // chunk of any length rides a held graph)
-            if cfg.code2wav_mixed_steps && antiphon_models::cuda_graph::can_capture(&d2) {
+            if cfg.code2wav.mixed_steps && antiphon_models::cuda_graph::can_capture(&d2) {
                 models.code2wav.set_solve_payloads(&chunker::warm_sequences(&cfg).concat());
             }
         }
-        models.code2wav.set_pool_attention(cfg.code2wav_pool_attention);
-        models.code2wav.set_vocoder_half_columns(cfg.vocoder_half_columns)?;
+        models.code2wav.set_pool_attention(cfg.code2wav.pool_attention);
+        models.code2wav.set_vocoder_half_columns(cfg.code2wav.vocoder_half_columns)?;
         models.code2wav.set_slots(
-            cfg.code2wav_slots,
-            cfg.code2wav_slot_frames,
+            cfg.code2wav.slots,
+            cfg.code2wav.slot_frames,
             cfg.max_chunk_codes(),
         )?;
         // what a request may ask for: a reply (with room for a prompt) that fits the Thinker's
@@ -241,7 +244,7 @@ impl Engine {
             models.thinker.llm.decoder().config().max_positions,
             models.talker.decoder().config().max_positions,
         );
-        let voice_rows = if cfg.thinker_hears_reference {
+        let voice_rows = if cfg.thinker.hears_reference {
             models.thinker.clip_embeddings_for(
                 (16_000.0 * antiphon_models::code2wav::prompt::PROMPT_SECONDS) as usize,
             )

@@ -47,7 +47,7 @@ pub enum TalkerMsg {
     End {
         id: RequestId,
     },
-    /// Turn mode with `talker_text_chunk`: the next chunk of the reply's text (its tokens and their
+    /// Turn mode with `talker.text_chunk`: the next chunk of the reply's text (its tokens and their
     /// hidden rows, `[n, llm_dim]`); `last` when the text ends with it.
     TextChunk {
         id: RequestId,

@@ -5,7 +5,7 @@
 //!
 //! A small first chunk brings first audio sooner, and costs an extra Code2Wav step before the
 //! stream's next chunk; on a busy engine it is used only when that step fits
-//! (`engine.small_first_chunk_slack`, [`first_chunk_under_load`]).
+//! (`engine.code2wav.small_first_chunk_slack`, [`first_chunk_under_load`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

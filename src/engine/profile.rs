@@ -370,7 +370,7 @@ pub fn run(
     }
     // ---- Code2Wav
     let mut half = m.code2wav.clone();
-    half.set_vocoder_half_columns(ecfg.vocoder_half_columns)?;
+    half.set_vocoder_half_columns(ecfg.code2wav.vocoder_half_columns)?;
     let c2w = &half;
     let r = Reference::materialize(reference.0, reference.1)?;
     rows.time("code2wav prepare (S3 codes, CAM++, prompt mel)", 1, iters.min(5), || {
@@ -391,18 +391,18 @@ pub fn run(
     // on a GPU)
     // (graphs and flow slots as the server sets them, with room for the largest batch)
     let slots =
-        ecfg.code2wav_slots.max(batches.iter().copied().filter(|&b| b <= 32).max().unwrap_or(1));
+        ecfg.code2wav.slots.max(batches.iter().copied().filter(|&b| b <= 32).max().unwrap_or(1));
     let mut g2w = c2w.clone();
     g2w.set_graphs(Some(GraphPolicy { pool_batch: 32, ..GraphPolicy::default() }), Some(32));
-    g2w.set_pool_attention(ecfg.code2wav_pool_attention);
-    g2w.set_slots(slots, ecfg.code2wav_slot_frames, ecfg.max_chunk_codes())?;
+    g2w.set_pool_attention(ecfg.code2wav.pool_attention);
+    g2w.set_slots(slots, ecfg.code2wav.slot_frames, ecfg.max_chunk_codes())?;
     rows.time("code2wav setup, graph (server config)", 1, iters.min(5), || {
         drop(g2w.setup(&f)?);
         Ok(())
     })?;
     let mut p2w = c2w.clone();
-    p2w.set_pool_attention(ecfg.code2wav_pool_attention);
-    p2w.set_slots(slots, ecfg.code2wav_slot_frames, ecfg.max_chunk_codes())?;
+    p2w.set_pool_attention(ecfg.code2wav.pool_attention);
+    p2w.set_slots(slots, ecfg.code2wav.slot_frames, ecfg.max_chunk_codes())?;
     let variants = [
         (
             c2w,

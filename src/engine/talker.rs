@@ -48,7 +48,7 @@ struct Req {
     duplex: Option<DuplexTalk>,
     /// Turn mode with text chunks: a segment per chunk.
     chunks: Option<TextChunks>,
-    /// The small first chunk was given on an idle engine: with `talker_hold_first_chunk`, no
+    /// The small first chunk was given on an idle engine: with `talker.hold_first_chunk`, no
     /// codes beyond it until it is delivered (a small first chunk given on a busy engine keeps
     /// its lead: its next chunk is what it waits for).
     hold_first: bool,
@@ -84,7 +84,7 @@ pub struct TalkerStage {
     gate: PrefillGate,
     /// The holds first text chunks came with, dropped once the next step has taken its own.
     bridge: Vec<crate::gate::Held>,
-    /// The stages' paces, for a first chunk on a busy engine (`small_first_chunk_slack`).
+    /// The stages' paces, for a first chunk on a busy engine (`code2wav.small_first_chunk_slack`).
     pace: crate::pace::StagePace,
 }
 
@@ -99,11 +99,11 @@ impl TalkerStage {
     ) -> anyhow::Result<Self> {
         let caches = StageCaches::new(
             talker.decoder(),
-            cfg.talker_max_batch,
+            cfg.talker.max_batch,
             256,
             cfg.idle_cache_mib << 20,
-            cfg.talker_slots,
-            cfg.talker_slot_context,
+            cfg.talker.slots,
+            cfg.talker.slot_context,
         )?;
         let pace = crate::pace::StagePace::default();
         let (reqs, order, bridge) = (HashMap::new(), Vec::new(), Vec::new());
@@ -130,24 +130,25 @@ impl TalkerStage {
     }
 
     /// New codes in the first chunk of a turn stream that finds the engine busy: a full chunk,
-    /// or with `small_first_chunk_slack` the smallest the paces allow ([`crate::pace`]).
+    /// or with `code2wav.small_first_chunk_slack` the smallest the paces allow ([`crate::pace`]).
     fn busy_first_chunk(&self) -> usize {
-        if self.cfg.small_first_chunk_slack {
-            self.pace.first_chunk(self.cfg.first_chunk_codes, self.cfg.chunk_codes)
+        if self.cfg.code2wav.small_first_chunk_slack {
+            self.pace
+                .first_chunk(self.cfg.code2wav.first_chunk_codes, self.cfg.code2wav.chunk_codes)
         } else {
-            self.cfg.chunk_codes
+            self.cfg.code2wav.chunk_codes
         }
     }
 
     /// Codes a turn-mode stream whose first chunk holds `first` codes may have made once Code2Wav
     /// delivered `delivered` chunks: the chunks up to the next one, plus `lead` more — none
-    /// before a small first chunk is delivered when `talker_hold_first_chunk` is on (that chunk 0
+    /// before a small first chunk is delivered when `talker.hold_first_chunk` is on (that chunk 0
     /// then has the GPU to itself as far as this stream is concerned; a full first chunk's second
     /// of audio would have to cover the next chunk's whole wait, so it keeps its lead).
     fn pacing_limit(&self, first: usize, hold_first: bool, delivered: usize, lead: usize) -> usize {
-        let size = self.cfg.chunk_codes.max(1);
+        let size = self.cfg.code2wav.chunk_codes.max(1);
         let lead =
-            if delivered == 0 && first < size && hold_first && self.cfg.talker_hold_first_chunk {
+            if delivered == 0 && first < size && hold_first && self.cfg.talker.hold_first_chunk {
                 0
             } else {
                 lead
@@ -222,7 +223,7 @@ impl TalkerStage {
             r.pending = parts;
             r.decoding = true;
             dx.active = true;
-            dx.left = (!turn_end).then_some(self.cfg.duplex_codes_per_unit());
+            dx.left = (!turn_end).then_some(self.cfg.duplex.codes_per_unit());
             if turn_end {
                 r.length =
                     LengthPolicy::new(vec![self.talker.eos_code()], r.length.min, r.length.max);
@@ -245,7 +246,7 @@ impl TalkerStage {
         let mut rests: Vec<Option<Tensor>> = Vec::new();
         self.paced = false;
         for id in &self.order {
-            if ids.len() >= self.cfg.talker_max_batch {
+            if ids.len() >= self.cfg.talker.max_batch {
                 break;
             }
             let r = &self.reqs[id];
@@ -258,7 +259,7 @@ impl TalkerStage {
                     Tensor::cat(&r.pending, 0)?
                 };
                 let rows = all.dim(0)?;
-                if self.cfg.talker_segment_rows
+                if self.cfg.talker.segment_rows
                     && (r.chunks.is_some() || r.duplex.is_some())
                     && r.chunker.sent() > 0
                     && rows > 1
@@ -269,7 +270,7 @@ impl TalkerStage {
                     all
                 }
             } else if let (true, Some(c)) = (r.decoding, r.last_code) {
-                if let (Some(lead), None) = (self.cfg.talker_lead_chunks, &r.duplex) {
+                if let (Some(lead), None) = (self.cfg.talker.lead_chunks, &r.duplex) {
                     // (a request that just ended is dropped by the next step's sweep)
                     let Some(delivered) = self.registry.chunks_if_live(id) else { continue };
                     if r.codes
@@ -476,11 +477,11 @@ impl TalkerStage {
             .collect()
     }
 
-    /// Whether more than `small_first_chunk_streams` requests are in the engine (in any stage),
-    /// counting `joining` more streams in the Talker than it holds now.
+    /// Whether more than `code2wav.small_first_chunk_streams` requests are in the engine (in any
+    /// stage), counting `joining` more streams in the Talker than it holds now.
     fn busy(&self, joining: usize) -> bool {
         let engaged = (self.reqs.len() + joining).max(self.registry.live_count());
-        engaged > self.cfg.small_first_chunk_streams
+        !self.cfg.code2wav.small_first_chunk_for(engaged)
     }
 }
 

@@ -105,10 +105,11 @@ pub struct AttentionSplits {
     pub rows_first: bool,
 }
 
-/// A graph's step (`max_pos` unknown on the host): the whole capacity, one chunk a split up to
-/// 4096 positions (as every decode step has run) and `GRAPH_SPLITS` splits beyond. Rows whose highest position is known (a ragged step with prompt
-/// chunks): the positions up to it, in few enough splits that a long conversation's prompt chunk
-/// does not write and read back a partial sum per row for every 16 positions, and its rows first.
+/// A graph's step (`max_pos` unknown on the host): the whole capacity, one chunk a split up to 4096
+/// positions (as every decode step has run) and `GRAPH_SPLITS` splits beyond. Rows whose highest
+/// position is known (a ragged step with prompt chunks): the positions up to it, in few enough
+/// splits that a long conversation's prompt chunk does not write and read back a partial sum per
+/// row for every 16 positions, and its rows first.
 pub fn attention_splits(
     rows: usize,
     hkv: usize,

@@ -200,12 +200,34 @@ pub struct VoiceEntry {
     pub wav: PathBuf,
 }
 
+/// A key of the flat `[engine]` table from before the stages' sections is refused with the place
+/// it moved to (`antiphon_engine::legacy_key`), rather than as an unknown key.
+fn refuse_moved_engine_keys(text: &str) -> Result<()> {
+    let Ok(table) = text.parse::<toml::Table>() else {
+        return Ok(()); // (the parse below says what is wrong)
+    };
+    let Some(engine) = table.get("engine").and_then(|e| e.as_table()) else {
+        return Ok(());
+    };
+    for (key, value) in engine {
+        if let Some(new) = antiphon_engine::legacy_key(key, value.is_table()) {
+            let (section, leaf) = new.split_once('.').unwrap_or(("", new));
+            bail!(
+                "engine.{key} has moved to engine.{new}: write `{leaf} = ...` under \
+                [engine.{section}]"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The embedded default (`configs/default.toml`).
 pub const DEFAULT_TOML: &str = include_str!("../../configs/default.toml");
 
 impl Config {
     /// Parses and validates; relative paths are resolved against `base`.
     pub fn parse(text: &str, base: &Path) -> Result<Self> {
+        refuse_moved_engine_keys(text)?;
         let de = toml::Deserializer::parse(text).context("parsing the configuration")?;
         // errors name the key (`model.dtype: unknown variant ...`)
         let mut c: Config = serde_path_to_error::deserialize(de)

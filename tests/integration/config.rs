@@ -20,17 +20,17 @@ fn shipped_configs_parse() {
     // the GPU config sizes its streams from the card's memory, at most its 64 slots
     assert!(
         s.engine.streams_from_memory
-            && s.engine.thinker_slots == 64
+            && s.engine.thinker.slots == 64
             && s.engine.memory_headroom_mib == 16384
     );
     // ...and ships run 54's Code2Wav scheduling and kernels (keys the reference defaults to off)
     assert!(
-        s.engine.code2wav_first_chunks_apart
-            && s.engine.code2wav_one_batch_per_step
-            && s.engine.vocoder_half_columns
+        s.engine.code2wav.first_chunks_apart
+            && s.engine.code2wav.one_batch_per_step
+            && s.engine.code2wav.vocoder_half_columns
     );
     assert_eq!(
-        s.engine.code2wav_pool_attention,
+        s.engine.code2wav.pool_attention,
         antiphon_models::code2wav::dit_attention::PoolAttention::InPlace
     );
     // the real-checkpoint file names a directory this machine does not have
@@ -61,6 +61,45 @@ fn mistakes_are_named() {
     for bad in ["a.b", "-a", "a b", &"x".repeat(64)] {
         assert!(err(&with_replica(bad)).contains("server.replica_id"), "{bad:?} is refused");
     }
+}
+
+/// Each stage's keys in its section; a count that may be absent is a number or `"none"`; a key of
+/// the flat `[engine]` table from before the sections is refused with its new place.
+#[test]
+fn engine_sections_and_moved_keys() {
+    let base = std::fs::read_to_string(root().join("configs/default.toml")).unwrap();
+    let cfgdir = root().join("configs");
+    let with = |extra: &str| format!("{base}\n{extra}\n");
+    let c = Config::parse(
+        &with(
+            "[engine.talker]\ntext_chunk = 10\nlead_chunks = \"none\"\n\
+            [engine.duplex]\nmax_context = 900",
+        ),
+        &cfgdir,
+    )
+    .unwrap();
+    assert_eq!(
+        (c.engine.talker.text_chunk, c.engine.talker.lead_chunks, c.engine.duplex.max_context),
+        (10, None, Some(900))
+    );
+    let d = Config::parse(&base, &cfgdir).unwrap();
+    assert_eq!(d.engine.talker.lead_chunks, Some(1), "absent: the default");
+    assert_eq!(d.engine.code2wav.small_first_chunk_streams, None, "absent: every stream");
+    let err = |text: &str| format!("{:#}", Config::parse(text, &cfgdir).unwrap_err());
+    let e = err(&base.replace("[engine]\n", "[engine]\ntalker_text_chunk = 10\n"));
+    assert!(e.contains("engine.talker.text_chunk") && e.contains("[engine.talker]"), "{e}");
+    assert!(e.contains("text_chunk = "), "{e}");
+    let flat = base
+        .replace("[engine.prefetch]\nenabled = true\nsetup = false\n", "")
+        .replace("[engine]\n", "[engine]\nprefetch = true\n");
+    let e = err(&flat);
+    assert!(e.contains("engine.prefetch.enabled"), "{e}");
+    let e = err(&with("[engine.talker]\nlead_chunks = -1"));
+    assert!(e.contains("engine.talker.lead_chunks") && e.contains("\"none\""), "{e}");
+    let e = err(&with("[engine.talker]\nlead_chunks = \"never\""));
+    assert!(e.contains("engine.talker.lead_chunks"), "{e}");
+    let e = err(&with("[engine.thinker]\nslotz = 3"));
+    assert!(e.contains("slotz"), "unknown keys in a section are refused: {e}");
 }
 
 #[test]
@@ -116,9 +155,10 @@ fn the_configuration_reference_states_the_real_defaults() {
         let keys: Vec<String> = keys.split(sep).map(strip).collect();
         let values: Vec<String> = defaults.split(sep).map(strip).collect();
         assert_eq!(keys.len(), values.len(), "README row {row:?}: as many defaults as keys");
-        let section = keys[0].split('.').next().unwrap().to_string();
+        // (`engine.thinker.slots`, `slot_context`: the later keys in the first one's table)
+        let section = keys[0].rsplit_once('.').unwrap().0.to_string();
         for (k, v) in keys.iter().zip(&values) {
-            let (sec, key) = k.split_once('.').unwrap_or((section.as_str(), k.as_str()));
+            let (sec, key) = k.rsplit_once('.').unwrap_or((section.as_str(), k.as_str()));
             let literal =
                 v.parse::<f64>().is_ok() || v == "true" || v == "false" || v.starts_with('[');
             let value = if literal { v.clone() } else { format!("{v:?}") };

@@ -237,7 +237,7 @@ fn consecutive_speaking_units_are_one_turn_and_closing_cancels_it() {
     assert!(matches!(ev.last(), Some(DuplexEvent::Closed { .. })));
 }
 
-/// A speaking turn's later units fed to the Talker a row a step (`talker_segment_rows`, the way a
+/// A speaking turn's later units fed to the Talker a row a step (`talker.segment_rows`, the way a
 /// GPU keeps them on its priority graph) give the audio their prefills give.
 #[test]
 fn later_units_fed_by_rows_give_what_their_prefills_give() {
@@ -267,7 +267,7 @@ fn later_units_fed_by_rows_give_what_their_prefills_give() {
         (audio(&ev)[..4].to_vec(), steps.saturating_sub(codes))
     };
     let (prefilled, prefill_rows) = run(EngineConfig::default());
-    let (rows, row_steps) = run(EngineConfig { talker_segment_rows: true, ..Default::default() });
+    let (rows, row_steps) = run(EngineConfig::default().with(|c| c.talker.segment_rows = true));
     assert!(
         prefill_rows <= 3 && row_steps >= 10,
         "Talker steps without a code: {row_steps} by rows, {prefill_rows} with prefills"
@@ -309,7 +309,7 @@ fn the_model_decides_within_the_unit_budget() {
 
 #[test]
 fn a_full_context_closes_the_session_with_its_reason() {
-    let e = engine(EngineConfig { duplex_max_context: Some(200), ..Default::default() });
+    let e = engine(EngineConfig::default().with(|c| c.duplex.max_context = Some(200)));
     let rx = open(&e, "c", DuplexPolicy::SpeakEvery(1000), GenerationParams::default());
     for n in 0..30 {
         e.duplex_unit("c", unit(n)).unwrap();
@@ -408,9 +408,11 @@ fn a_session_that_outgrows_its_slot_goes_on_unchanged() {
         e.close_duplex("g");
         (decisions(&ev), dones(&ev))
     };
-    let (slot_d, slot_t) =
-        run(EngineConfig { thinker_slots: 2, thinker_slot_context: 96, ..Default::default() });
-    let (own_d, own_t) = run(EngineConfig { thinker_slots: 0, ..Default::default() });
+    let (slot_d, slot_t) = run(EngineConfig::default().with(|c| {
+        c.thinker.slots = 2;
+        c.thinker.slot_context = 96;
+    }));
+    let (own_d, own_t) = run(EngineConfig::default().with(|c| c.thinker.slots = 0));
     assert!(
         slot_d.first().unwrap().2 < 96 && slot_d.last().unwrap().2 > 96,
         "the session outgrew its 96-position slot: {slot_d:?}"

@@ -74,42 +74,39 @@ fn requests_batched_together_match_requests_alone() {
 /// lengths (their last chunks: 5, 10 and 15 new codes) and flags: each still gets its audio alone.
 #[test]
 fn requests_in_mixed_code2wav_steps_match_requests_alone() {
-    batched_requests_match_requests_alone(EngineConfig {
-        code2wav_mixed_steps: true,
-        ..EngineConfig::default()
-    });
+    batched_requests_match_requests_alone(
+        EngineConfig::default().with(|c| c.code2wav.mixed_steps = true),
+    );
 }
 
 /// One batch a Code2Wav step: the replies' chunks of other lengths and flags (their last chunks:
 /// 5, 10 and 15 new codes) wait for later steps, and each still gets its audio alone.
 #[test]
 fn requests_in_one_batch_code2wav_steps_match_requests_alone() {
-    batched_requests_match_requests_alone(EngineConfig {
-        code2wav_one_batch_per_step: true,
-        ..EngineConfig::default()
-    });
+    batched_requests_match_requests_alone(
+        EngineConfig::default().with(|c| c.code2wav.one_batch_per_step = true),
+    );
 }
 
 /// Text chunks of 3 tokens (so every reply has several): replies batched together get what each
 /// gets alone, though every chunk starts its stream's Talker cache over with a window.
 #[test]
 fn requests_with_text_chunks_batched_together_match_requests_alone() {
-    batched_requests_match_requests_alone(EngineConfig {
-        talker_text_chunk: 3,
-        ..EngineConfig::default()
-    });
+    batched_requests_match_requests_alone(
+        EngineConfig::default().with(|c| c.talker.text_chunk = 3),
+    );
 }
 
 /// A later chunk's window fed a row a step through the decode step (the GPU config's way) gives the
 /// codes and audio its prefill gives, alone and batched with other replies.
 #[test]
 fn text_chunk_windows_fed_by_rows_give_what_their_prefill_gives() {
-    let chunked = EngineConfig { talker_text_chunk: 3, ..EngineConfig::default() };
+    let chunked = EngineConfig::default().with(|c| c.talker.text_chunk = 3);
     let talker_steps = |e: &Engine| e.metrics().step_count(StepKind::Talker);
     let e = engine(chunked.clone());
     let prefilled = collect(submit(&e, spec("a", "say it", 12, 80, 5)));
     let prefill_steps = talker_steps(&e);
-    let by_rows = EngineConfig { talker_segment_rows: true, ..chunked };
+    let by_rows = chunked.with(|c| c.talker.segment_rows = true);
     let e = engine(by_rows.clone());
     let rows = collect(submit(&e, spec("a", "say it", 12, 80, 5)));
     assert!(
@@ -134,7 +131,7 @@ fn text_chunk_windows_fed_by_rows_give_what_their_prefill_gives() {
 #[test]
 fn text_chunks_give_the_forced_codes_and_the_same_text() {
     let whole = collect(submit(&engine(EngineConfig::default()), spec("a", "say it", 32, 100, 5)));
-    let e = engine(EngineConfig { talker_text_chunk: 10, ..EngineConfig::default() });
+    let e = engine(EngineConfig::default().with(|c| c.talker.text_chunk = 10));
     let chunked = collect(submit(&e, spec("a", "say it", 32, 100, 5)));
     assert_eq!(chunked.status, Status::Completed);
     assert_eq!(chunked.text, whole.text);
@@ -207,7 +204,7 @@ fn a_burst_of_new_voices_gives_what_each_gives_alone() {
     };
     let alone: Vec<Outcome> =
         (0..3).map(|i| collect(submit(&engine(EngineConfig::default()), voiced(i)))).collect();
-    let e = engine(EngineConfig { prefetch_setup: true, ..EngineConfig::default() });
+    let e = engine(EngineConfig::default().with(|c| c.prefetch.setup = true));
     let rxs: Vec<_> = (0..3).map(|i| submit(&e, voiced(i))).collect();
     let together: Vec<Outcome> = rxs.into_iter().map(collect).collect();
     assert_ne!(alone[0].audio, alone[1].audio, "two voices, two sounds");
@@ -272,7 +269,7 @@ fn cancel_before_any_output() {
 fn streaming_prefill_gives_the_same_response() {
     let a = collect(submit(&engine(EngineConfig::default()), spec("a", "same input", 16, 30, 11)));
     let b = collect(submit(
-        &engine(EngineConfig { talker_streaming_prefill: true, ..EngineConfig::default() }),
+        &engine(EngineConfig::default().with(|c| c.talker.streaming_prefill = true)),
         spec("a", "same input", 16, 30, 11),
     ));
     assert_eq!(a.text, b.text);
@@ -478,12 +475,11 @@ fn bf16_weights_run_end_to_end() {
 fn requests_beyond_the_places_wait_and_beyond_the_queue_are_refused() {
     use antiphon_engine::SubmitError;
     // (the limit stays at the places: the CPU's tiny engine is no real-time measure)
-    let e = engine(EngineConfig {
-        max_streams: Some(2),
-        max_queued: 2,
-        adaptive_stream_limit: false,
-        ..EngineConfig::default()
-    });
+    let e = engine(EngineConfig::default().with(|c| {
+        c.max_streams = Some(2);
+        c.max_queued = 2;
+        c.adaptive_stream_limit = false;
+    }));
     let (tx, rx) = mpsc::channel::<(usize, Instant, EngineEvent)>();
     let tx = Arc::new(std::sync::Mutex::new(tx));
     for i in 0..4 {

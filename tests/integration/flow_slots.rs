@@ -340,11 +340,10 @@ fn graph_warm_up_runs_each_batch_size_and_frees_its_slots() {
 fn the_warm_up_holds_every_shape_the_chunkers_make() {
     use antiphon_engine::chunker::{warm_sequences, Chunker};
     use antiphon_engine::EngineConfig;
-    let cfg = EngineConfig {
-        first_chunk_codes: 8,
-        small_first_chunk_streams: 1,
-        ..EngineConfig::default()
-    };
+    let cfg = EngineConfig::default().with(|c| {
+        c.code2wav.first_chunk_codes = 8;
+        c.code2wav.small_first_chunk_streams = Some(1);
+    });
     let mut c = tiny();
     c.set_slots(2, 512, 25).unwrap();
     c.set_graphs(Some(GraphPolicy::default()), Some(64));

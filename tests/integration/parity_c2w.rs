@@ -458,10 +458,11 @@ fn snake_columns_are_the_convolution_of_snake() {
 }
 
 /// The f16 columns times the f16 weight into f32 sums (`conv_cols_half` and `half_columns_product`:
-/// the vocoder's convolutions with `engine.vocoder_half_columns`, a kernel and one cuBLAS product
-/// on CUDA) are the f32 convolution up to rounding its operands to f16, and exactly the product of
-/// the rounded operands up to the order of the sums: Snake in the columns, a dilation, a stride
-/// with an upsampling, output lengths that are not multiples of 8, a batch sharing the weight.
+/// the vocoder's convolutions with `engine.code2wav.vocoder_half_columns`, a kernel and one cuBLAS
+/// product on CUDA) are the f32 convolution up to rounding its operands to f16, and exactly the
+/// product of the rounded operands up to the order of the sums: Snake in the columns, a dilation, a
+/// stride with an upsampling, output lengths that are not multiples of 8, a batch sharing the
+/// weight.
 #[test]
 fn half_columns_are_the_convolution_to_f16_rounding() {
     use antiphon_models::code2wav::conv_cols::{

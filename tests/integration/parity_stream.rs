@@ -1,4 +1,4 @@
-//! Numerical parity of the Talker's turn-mode streaming (text chunks, `engine.talker_text_chunk`)
+//! Numerical parity of the Talker's turn-mode streaming (text chunks, `engine.talker.text_chunk`)
 //! with the model authors' own streaming generator (`TTSStreamingGenerator` in
 //! minicpm-o-4_5-pytorch-simple-demo, `sliding_recompute`): every chunk's condition and window,
 //! the positions, and the logits of every step with the codes the reference sampled fed back.

@@ -133,7 +133,7 @@ fn prefetch_phase_b_is_off_by_default_and_on_when_asked() {
     assert_eq!(r.idle(), IdleOutcome::Nothing, "phase B is off by default");
     assert!(r.stage.setup_cache().is_empty());
 
-    let mut r = Rig::new(EngineConfig { prefetch_setup: true, ..EngineConfig::default() });
+    let mut r = Rig::new(EngineConfig::default().with(|c| c.prefetch.setup = true));
     let v = voice(180.0);
     r.admit("a", Some(v.clone()));
     r.idle();
@@ -155,12 +155,11 @@ fn prefetch_phase_b_is_off_by_default_and_on_when_asked() {
 #[test]
 fn a_burst_of_placeholders_is_prefetched_together() {
     let (va, vb, vc) = (voice(180.0), voice(200.0), voice(240.0));
-    let cfg = EngineConfig {
-        ref_cache_capacity: 2,
-        setup_cache_capacity: 1,
-        prefetch_setup: true,
-        ..EngineConfig::default()
-    };
+    let cfg = EngineConfig::default().with(|c| {
+        c.prefetch.ref_cache_capacity = 2;
+        c.prefetch.setup_cache_capacity = 1;
+        c.prefetch.setup = true;
+    });
     let mut r = Rig::new(cfg);
     let (la, lb) = (r.admit("a", Some(va.clone())), r.admit("b", Some(vb.clone())));
     r.admit("c", Some(vc.clone()));
@@ -188,7 +187,7 @@ fn a_burst_of_placeholders_is_prefetched_together() {
     assert_eq!(r.metrics.skip_count(PrefetchSkip::SetupCap), 1);
 
     // the same burst prepared at its chunk 0s (no prefetch) gives the same first audio
-    let mut q = Rig::new(EngineConfig { prefetch: false, ..EngineConfig::default() });
+    let mut q = Rig::new(EngineConfig::default().with(|c| c.prefetch.enabled = false));
     let (qa, qb) = (q.admit("a", Some(va.clone())), q.admit("b", Some(vb.clone())));
     q.chunk("a", 0, chunk0_codes(), false, Some(va));
     q.chunk("b", 0, chunk0_codes(), false, Some(vb));
@@ -276,7 +275,7 @@ fn an_open_duplex_session_is_a_live_stream_for_the_busy_gate() {
 
 #[test]
 fn prefetch_pins_never_exceed_the_cache_capacity() {
-    let mut r = Rig::new(EngineConfig { ref_cache_capacity: 1, ..EngineConfig::default() });
+    let mut r = Rig::new(EngineConfig::default().with(|c| c.prefetch.ref_cache_capacity = 1));
     r.admit("a", Some(voice(180.0)));
     r.idle();
     assert_eq!(r.idle(), IdleOutcome::PhaseA(vec![id("a")]));
@@ -416,9 +415,9 @@ fn prefetch_chunk0_output_is_bit_identical_on_and_off() {
         assert!(r.stage.step());
         audio(&log).remove(0)
     };
-    let off = run(EngineConfig { prefetch: false, ..EngineConfig::default() }, 3);
+    let off = run(EngineConfig::default().with(|c| c.prefetch.enabled = false), 3);
     let on_a = run(EngineConfig::default(), 3);
-    let on_ab = run(EngineConfig { prefetch_setup: true, ..EngineConfig::default() }, 3);
+    let on_ab = run(EngineConfig::default().with(|c| c.prefetch.setup = true), 3);
     assert!(!off.is_empty());
     assert_eq!(on_a, off);
     assert_eq!(on_ab, off);

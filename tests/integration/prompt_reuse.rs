@@ -11,7 +11,7 @@ use common::engine::{collect, engine, spec, submit, Outcome};
 /// not from the system turn alone, and answers exactly as without any prefix cache.
 #[test]
 fn a_conversations_next_turn_reuses_its_previous_turn() {
-    let off = engine(EngineConfig { thinker_prefix_cache: 0, ..EngineConfig::default() });
+    let off = engine(EngineConfig::default().with(|c| c.thinker.prefix_cache = 0));
     let on = engine(EngineConfig::default());
     let reused = |e: &Engine| -> u64 {
         let m = e.metrics().render();
@@ -88,7 +88,7 @@ fn a_spoken_conversation_keeps_every_turns_audio() {
         }
         turns
     };
-    let off = run(&engine(EngineConfig { thinker_prefix_cache: 0, ..EngineConfig::default() }));
+    let off = run(&engine(EngineConfig::default().with(|c| c.thinker.prefix_cache = 0)));
     let on = run(&engine(EngineConfig::default()));
     for k in 1..4 {
         let (_, reused, _) = on[k];
@@ -111,7 +111,7 @@ fn a_spoken_conversation_keeps_every_turns_audio() {
 /// from another voice's, and gives what it gives with the store off.
 #[test]
 fn a_new_voice_reuses_the_head_of_another_voices_system_turn() {
-    let off = engine(EngineConfig { thinker_prefix_cache: 0, ..EngineConfig::default() });
+    let off = engine(EngineConfig::default().with(|c| c.thinker.prefix_cache = 0));
     let on = engine(EngineConfig::default());
     let run = |e: &Engine| {
         let a = collect(submit(e, spec("a", "the first question", 10, 30, 3)));
@@ -148,7 +148,7 @@ fn assert_same_response(x: &Outcome, y: &Outcome, what: &str) {
 
 #[test]
 fn a_cached_prompt_prefix_gives_the_same_response() {
-    let off = engine(EngineConfig { thinker_prefix_cache: 0, ..EngineConfig::default() });
+    let off = engine(EngineConfig::default().with(|c| c.thinker.prefix_cache = 0));
     let on = engine(EngineConfig::default());
     let run = |e: &Engine| {
         let a = collect(submit(e, spec("a", "the first question", 10, 30, 3)));

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Parity fixtures for the Talker's turn-mode streaming (text chunks, `engine.talker_text_chunk`).
+"""Parity fixtures for the Talker's turn-mode streaming (text chunks, `engine.talker.text_chunk`).
 
 The reference is the model authors' own streaming generator: `TTSStreamingGenerator` in
 `MiniCPMO45/utils.py` of OpenBMB's minicpm-o-4_5-pytorch-simple-demo (not on PyPI: point

@@ -18,10 +18,10 @@ impl Code2WavStage {
     pub fn idle_step(&mut self) -> IdleOutcome {
         let double = self.prev_idle;
         self.prev_idle = true;
-        if !self.cfg.prefetch {
+        if !self.cfg.prefetch.enabled {
             return IdleOutcome::Nothing;
         }
-        let with_setup = self.cfg.prefetch_setup;
+        let with_setup = self.cfg.prefetch.setup;
         let candidates: Vec<usize> =
             (0..self.waiting.len()).filter(|&i| self.waiting[i].needs_phase(with_setup)).collect();
         if candidates.is_empty() {

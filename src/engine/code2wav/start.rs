@@ -227,7 +227,7 @@ impl Code2WavStage {
         if !self.graphs_warm {
             // (the server's own warm-up request comes first: it pays this before `ready`)
             self.graphs_warm = true;
-            let top = self.cfg.code2wav_max_batch.min(self.cfg.code2wav_slots).max(1);
+            let top = self.cfg.code2wav.max_batch.min(self.cfg.code2wav.slots).max(1);
             let batches: Vec<usize> =
                 (0..).map(|i| 1usize << i).take_while(|&b| b <= top).collect();
             let t0 = std::time::Instant::now();

@@ -1,4 +1,4 @@
-//! Turn mode with the reply's text in chunks (`engine.talker_text_chunk`), conditioned as the
+//! Turn mode with the reply's text in chunks (`engine.talker.text_chunk`), conditioned as the
 //! model's own streaming mode conditions its Talker (docs/design/turn-streaming.md): every text
 //! chunk is a segment of codes, decoded until the end code; a segment's prefill starts the cache
 //! over with a window of the previous segment (its condition and its codes) followed by this
@@ -209,7 +209,7 @@ impl TalkerStage {
         let Some(chunks) = r.chunks.as_mut() else {
             return self.fail(id, "a text chunk for a stream that takes its text whole".into());
         };
-        if !chunks.started && busy && r.chunker.first() < self.cfg.chunk_codes {
+        if !chunks.started && busy && r.chunker.first() < self.cfg.code2wav.chunk_codes {
             r.chunker.widen_first();
         }
         match chunk_condition(&self.talker, ids, hidden, last) {

@@ -18,8 +18,8 @@ impl StageLoop for TalkerStage {
                 // room for the longest text, its two closing embeddings and every code: the cache
                 // never grows (a growth would need a new decode graph); with text chunks, room for
                 // two chunks' conditions and every code (a window holds at most that)
-                let chunk = (mode == Mode::Turn && self.cfg.talker_text_chunk > 0)
-                    .then_some(self.cfg.talker_text_chunk);
+                let chunk = (mode == Mode::Turn && self.cfg.talker.text_chunk > 0)
+                    .then_some(self.cfg.talker.text_chunk);
                 let need =
                     crate::fit::talker_rows(self.cfg.default_max_text_tokens, max_codes, chunk);
                 let context = self.talker.decoder().config().max_positions;
@@ -40,9 +40,9 @@ impl StageLoop for TalkerStage {
                 // codes fill the next chunk.
                 let busy = self.busy(1);
                 let first = match (mode, busy) {
-                    (Mode::Duplex, _) => self.cfg.chunk_codes,
+                    (Mode::Duplex, _) => self.cfg.code2wav.chunk_codes,
                     (Mode::Turn, true) => self.busy_first_chunk(),
-                    (Mode::Turn, false) => self.cfg.first_chunk_codes,
+                    (Mode::Turn, false) => self.cfg.code2wav.first_chunk_codes,
                 };
                 let cache = match self.caches.take(self.talker.decoder(), need) {
                     Ok(c) => c,
@@ -63,7 +63,7 @@ impl StageLoop for TalkerStage {
                     ended: false,
                     decoding: false,
                     last_code: None,
-                    sampler: Sampler::new(self.cfg.talker_sampling.clone(), seed),
+                    sampler: Sampler::new(self.cfg.talker.sampling.clone(), seed),
                     length: LengthPolicy::new(vec![self.talker.eos_code()], min_codes, max_codes),
                     chunker: Chunker::for_stream(&self.cfg, first, mode == Mode::Turn),
                     codes: 0,

@@ -1,5 +1,6 @@
 //! The Talker's first-chunk choice on a busy engine, with the paces set by the test
-//! (`small_first_chunk_slack`, `pace.rs`): deterministic where the engine's own paces are not.
+//! (`code2wav.small_first_chunk_slack`, `pace.rs`): deterministic where the engine's own paces are
+//! not.
 
 use std::time::Duration;
 
@@ -15,12 +16,11 @@ fn talker_stage(pace: &StagePace, slack: bool) -> TalkerStage {
     )
     .unwrap();
     // (no stream is ever "few": every one finds the engine busy)
-    let cfg = EngineConfig {
-        first_chunk_codes: 5,
-        small_first_chunk_streams: 0,
-        small_first_chunk_slack: slack,
-        ..EngineConfig::default()
-    };
+    let cfg = EngineConfig::default().with(|c| {
+        c.code2wav.first_chunk_codes = 5;
+        c.code2wav.small_first_chunk_streams = Some(0);
+        c.code2wav.small_first_chunk_slack = slack;
+    });
     let (tx, _rx) = std::sync::mpsc::sync_channel(16);
     // (the receiver goes: nothing is sent before a code is made)
     TalkerStage::new(
@@ -83,7 +83,7 @@ fn a_first_text_chunks_hold_lasts_until_the_talkers_next_step() {
     )
     .unwrap();
     let llm_dim = models.thinker.llm.decoder().config().hidden_size;
-    let cfg = EngineConfig { talker_text_chunk: 10, ..EngineConfig::default() };
+    let cfg = EngineConfig::default().with(|c| c.talker.text_chunk = 10);
     let (tx, _rx) = std::sync::mpsc::sync_channel(64);
     let gate = PrefillGate::new(true);
     let mut s = TalkerStage::new(

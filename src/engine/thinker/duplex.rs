@@ -108,7 +108,7 @@ impl DuplexStream {
             let mut audio = Vec::new();
             let mut parts: Vec<Result<&str, u32>> =
                 vec![Err(s.im_start), Ok("system\n"), Ok(instructions.as_str())];
-            if ctx.cfg.thinker_hears_reference {
+            if ctx.cfg.thinker.hears_reference {
                 let emb = ctx.reference_embeddings(&spec.voice)?;
                 parts.push(Ok("\n"));
                 parts.push(Err(s.audio_start));
@@ -129,7 +129,7 @@ impl DuplexStream {
                 return None;
             }
         };
-        let mut params = ctx.cfg.thinker_sampling.clone();
+        let mut params = ctx.cfg.thinker.sampling.clone();
         if let Some(t) = spec.generation.temperature {
             params.temperature = t;
         }
@@ -246,7 +246,7 @@ impl DuplexStream {
                 mode: Mode::Duplex,
                 voice: self.spec.voice.clone(),
                 min_codes: g.min_audio_tokens.unwrap_or(0),
-                max_codes: g.max_audio_tokens.unwrap_or(ctx.cfg.duplex_drain_codes),
+                max_codes: g.max_audio_tokens.unwrap_or(ctx.cfg.duplex.drain_codes),
                 text_tokens: None,
                 seed: g.seed.unwrap_or(0).wrapping_add(self.turns),
             });
@@ -329,7 +329,7 @@ impl DuplexStream {
 /// then queued for prefill.
 pub fn intake(ctx: &mut Ctx, streams: &mut [DuplexStream]) {
     let context = ctx.context();
-    let limit = ctx.cfg.duplex_max_context.map_or(context, |c| c.min(context));
+    let limit = ctx.cfg.duplex.max_context.map_or(context, |c| c.min(context));
     let mut picked: Vec<(usize, Vec<f32>, Instant, u64)> = Vec::new();
     for (j, d) in streams.iter_mut().enumerate() {
         if !matches!(d.phase, Phase::Idle) || d.gone {

@@ -241,14 +241,14 @@ impl ThinkerStage {
         admission: Admission,
     ) -> anyhow::Result<Self> {
         let forbidden = tok.forbidden();
-        let prefixes = PrefixStore::new(cfg.thinker_prefix_cache, cfg.thinker_prefix_mib << 20);
+        let prefixes = PrefixStore::new(cfg.thinker.prefix_cache, cfg.thinker.prefix_mib << 20);
         let caches = StageCaches::new(
             thinker.llm.decoder(),
-            cfg.thinker_max_batch,
+            cfg.thinker.max_batch,
             THINKER_CACHE_QUANTUM,
             cfg.idle_cache_mib << 20,
-            cfg.thinker_slots,
-            cfg.thinker_slot_context,
+            cfg.thinker.slots,
+            cfg.thinker.slot_context,
         )?;
         let ctx = Ctx {
             thinker,
@@ -283,8 +283,8 @@ impl ThinkerStage {
     /// time). Streams that fail are failed and dropped; `Err` only when the forward itself failed.
     fn run(&mut self) -> Result<()> {
         let ThinkerStage { ctx, turns, duplex, .. } = self;
-        let max_batch = ctx.cfg.thinker_max_batch;
-        let mut budget = ctx.cfg.thinker_prefill_tokens;
+        let max_batch = ctx.cfg.thinker.max_batch;
+        let mut budget = ctx.cfg.thinker.prefill_tokens;
         let mut picked: Vec<(&mut dyn ThinkerStream, Tensor)> = Vec::new();
         let streams = duplex
             .iter_mut()
@@ -309,8 +309,9 @@ impl ThinkerStage {
         let n = picked.len();
         ctx.step_streams = n;
         // (a Talker prefill for a first code would wait behind this step's kernels: it goes first,
-        // unless this step's own replies are before their hand-off and `gate_spares_new_replies`)
-        let spared = ctx.cfg.gate_spares_new_replies
+        // unless this step's own replies are before their hand-off and
+        // `thinker.gate_spares_new_replies`)
+        let spared = ctx.cfg.thinker.gate_spares_new_replies
             && picked.iter().any(|(s, _)| s.before_first_hand_off());
         let waited = if spared {
             std::time::Duration::ZERO
@@ -391,7 +392,7 @@ impl ThinkerStage {
             s.after_hand_offs(ctx);
         }
         // steps that prefill (prompt rows, duplex units) apart from pure decode steps
-        let label = if budget < ctx.cfg.thinker_prefill_tokens {
+        let label = if budget < ctx.cfg.thinker.prefill_tokens {
             StepKind::ThinkerPrefill
         } else {
             StepKind::Thinker
@@ -471,8 +472,8 @@ impl StageLoop for ThinkerStage {
 
     fn step(&mut self) -> bool {
         // admission: prompts are built and queued for prefill (a burst's new voices heard together)
-        let room = self.ctx.cfg.thinker_max_batch.saturating_sub(self.turns.len());
-        if self.ctx.cfg.thinker_hears_reference && room > 1 && self.queue.len() > 1 {
+        let room = self.ctx.cfg.thinker.max_batch.saturating_sub(self.turns.len());
+        if self.ctx.cfg.thinker.hears_reference && room > 1 && self.queue.len() > 1 {
             let registry = &self.ctx.registry;
             let voices: Vec<&RefInput> = self
                 .queue
@@ -484,7 +485,7 @@ impl StageLoop for ThinkerStage {
             self.ctx.hear_references(&voices);
         }
         // (a request starts only with a stream place: beyond them it would slow every stream)
-        while self.turns.len() < self.ctx.cfg.thinker_max_batch {
+        while self.turns.len() < self.ctx.cfg.thinker.max_batch {
             let Some(front) = self.queue.front() else { break };
             if !self.ctx.registry.is_live(&front.id) {
                 self.queue.pop_front();

@@ -110,7 +110,7 @@ pub(super) fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<Prompt> 
         instructions.push_str(tools.block());
     }
     let mut voice_rows = 0;
-    if ctx.cfg.thinker_hears_reference {
+    if ctx.cfg.thinker.hears_reference {
         let emb = ctx.reference_embeddings(&spec.voice)?;
         voice_rows = emb.dim(0)?;
         messages.push(Message {

@@ -135,7 +135,7 @@ impl TurnStream {
             ctx.refuse(&spec.id, why);
             return None;
         }
-        let mut params = ctx.cfg.thinker_sampling.clone();
+        let mut params = ctx.cfg.thinker.sampling.clone();
         if let Some(t) = g.temperature {
             params.temperature = t;
         }
@@ -172,7 +172,7 @@ impl TurnStream {
         // the KV of the longest prompt prefix seen before (the system turn with the voice, or
         // this conversation up to its last turn, its spoken turns included, or another voice's
         // system turn up to the voice)
-        let voice = if ctx.cfg.thinker_hears_reference { spec.voice.content_key() } else { 0 };
+        let voice = if ctx.cfg.thinker.hears_reference { spec.voice.content_key() } else { 0 };
         let system = ids
             .iter()
             .position(|&t| t == s.im_end)
@@ -187,7 +187,7 @@ impl TurnStream {
             }
         };
         let mut prefill_pos = 0;
-        if ctx.cfg.thinker_prefix_cache > 0 {
+        if ctx.cfg.thinker.prefix_cache > 0 {
             // (at least one prompt position is prefilled: its logits start the reply)
             // (another voice's entry serves the head before this voice's rows: a new voice's
             // system turn starts from the template and text every system turn begins with)
@@ -227,7 +227,7 @@ impl TurnStream {
             .inc_by((prompt_len - prefill_pos) as u64);
         let store_system = system.filter(|&len| {
             !transcript
-                && ctx.cfg.thinker_prefix_cache > 0
+                && ctx.cfg.thinker.prefix_cache > 0
                 && len > prefill_pos
                 && !ctx.prefixes.covers(voice, &prompt.key[..len])
         });
@@ -246,7 +246,7 @@ impl TurnStream {
             text: TextStream::new(),
             rows: Vec::new(),
             streamed: 0,
-            text_chunk: if spec.mode == Mode::Turn { ctx.cfg.talker_text_chunk } else { 0 },
+            text_chunk: if spec.mode == Mode::Turn { ctx.cfg.talker.text_chunk } else { 0 },
             voice,
             store_system,
             forced,
@@ -491,7 +491,7 @@ impl ThinkerStream for TurnStream {
 
     /// Streaming prefill: the Talker gets every row written so far.
     fn after_step(&mut self, ctx: &mut Ctx) -> Result<()> {
-        if ctx.cfg.talker_streaming_prefill && self.text_chunk == 0 && !self.text_only {
+        if ctx.cfg.talker.streaming_prefill && self.text_chunk == 0 && !self.text_only {
             self.send_rows(ctx, self.speech_rows())?;
         }
         Ok(())
@@ -502,7 +502,7 @@ impl ThinkerStream for TurnStream {
             return;
         }
         let len = self.cache.len().min(self.ids.len());
-        if ctx.cfg.thinker_prefix_cache > 0 && len >= MIN_SHARED {
+        if ctx.cfg.thinker.prefix_cache > 0 && len >= MIN_SHARED {
             // the prompt as the store knows it, then the reply as written
             let key =
                 self.key.iter().chain(&self.ids[self.prompt_len..]).take(len).copied().collect();

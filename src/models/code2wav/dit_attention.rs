@@ -1,6 +1,6 @@
 //! The DiT's attention over a slot pool ([`super::slots`]): a chunk's queries attend over the keys
 //! and values its rows hold in the pool. Three ways ([`PoolAttention`],
-//! `engine.code2wav_pool_attention`):
+//! `engine.code2wav.pool_attention`):
 //! - gathered (the definition, and the only way off CUDA): every row's planes gathered out of the
 //!   pool, the score product, the masked softmax, the value product, the heads' transpose (at B32
 //!   those took ~40 % of a DiT block's kernel time, run 49);

@@ -125,11 +125,12 @@ impl HiftGenerator {
     }
 
     /// The f32 generator's main path (`conv_pre`, the upsampling convs and the residual blocks)
-    /// multiplies f16 columns by f16 weights into f32 sums (`engine.vocoder_half_columns`); off,
-    /// its columns stay f32. The source's path (`source_downs`, `source_resblocks`) and
-    /// `conv_post` (the log-magnitudes and phases) stay f32 either way: in f16 they carried most
-    /// of the error (on the parity fixtures, 3.8e-3 of the peak and 1.18 dB of log-spectral
-    /// distance with them, 7.0e-4 and 0.14 dB without). Set before the graphs' warm-up captures.
+    /// multiplies f16 columns by f16 weights into f32 sums
+    /// (`engine.code2wav.vocoder_half_columns`); off, its columns stay f32. The source's path
+    /// (`source_downs`, `source_resblocks`) and `conv_post` (the log-magnitudes and phases) stay
+    /// f32 either way: in f16 they carried most of the error (on the parity fixtures, 3.8e-3 of the
+    /// peak and 1.18 dB of log-spectral distance with them, 7.0e-4 and 0.14 dB without). Set before
+    /// the graphs' warm-up captures.
     pub fn set_half_columns(&mut self, on: bool) -> Result<()> {
         self.conv_pre.set_half_columns(on)?;
         self.conv_post.set_half_columns(false)?;

@@ -36,7 +36,7 @@ impl Session {
                 })?
                 .with_limit_s(self.shared.config.server.max_input_audio_s);
             if let Some(d) = &mut self.duplex {
-                d.unit_in = (i.sample_rate as u64 * self.shared.config.engine.duplex_unit_ms as u64
+                d.unit_in = (i.sample_rate as u64 * self.shared.config.engine.duplex.unit_ms as u64
                     / 1000) as usize;
             }
         }

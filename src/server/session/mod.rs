@@ -187,7 +187,7 @@ impl Session {
                     }
                     Some(DuplexPolicy::SpeakEvery { k }) => EnginePolicy::SpeakEvery(*k as u64),
                 };
-                let unit_in = (input.rate() as u64 * shared.config.engine.duplex_unit_ms as u64
+                let unit_in = (input.rate() as u64 * shared.config.engine.duplex.unit_ms as u64
                     / 1000) as usize;
                 Some(DuplexState { policy, unit_in, units_sent: 0, turns: HashMap::new() })
             }

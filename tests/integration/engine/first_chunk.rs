@@ -5,7 +5,7 @@ use super::*;
 
 #[test]
 fn a_smaller_first_chunk_comes_first() {
-    let e = engine(EngineConfig { first_chunk_codes: 5, ..EngineConfig::default() });
+    let e = engine(EngineConfig::default().with(|c| c.code2wav.first_chunk_codes = 5));
     let o = collect(submit(&e, spec("small", "hi", 6, 40, 2)));
     assert_eq!(o.status, Status::Completed);
     // chunks of 5, 25 and the remaining 10 new codes
@@ -21,12 +21,11 @@ fn a_smaller_first_chunk_comes_first() {
 /// only, never the audio.
 #[test]
 fn a_small_first_chunk_only_for_a_lone_stream_and_holding_changes_no_audio() {
-    let cfg = EngineConfig {
-        first_chunk_codes: 5,
-        small_first_chunk_streams: 1,
-        talker_hold_first_chunk: true,
-        ..EngineConfig::default()
-    };
+    let cfg = EngineConfig::default().with(|c| {
+        c.code2wav.first_chunk_codes = 5;
+        c.code2wav.small_first_chunk_streams = Some(1);
+        c.talker.hold_first_chunk = true;
+    });
     let e = engine(cfg);
     let a = collect(submit(&e, spec("lone", "hi", 6, 40, 2)));
     assert_eq!(a.status, Status::Completed);
@@ -39,25 +38,24 @@ fn a_small_first_chunk_only_for_a_lone_stream_and_holding_changes_no_audio() {
     assert_eq!((b.audio.len(), c.audio.len()), (2, 2), "25 + 15 new codes each");
     assert!(a.audio[0].len() < b.audio[0].len());
     // the same request alone, without the hold: the same audio
-    let free = engine(EngineConfig { first_chunk_codes: 5, ..EngineConfig::default() });
+    let free = engine(EngineConfig::default().with(|c| c.code2wav.first_chunk_codes = 5));
     let a2 = collect(submit(&free, spec("lone", "hi", 6, 40, 2)));
     assert_eq!(a.audio.concat(), a2.audio.concat());
 }
 
-/// With `small_first_chunk_slack`, a stream that finds the engine busy gets a first chunk of one
-/// of the three sizes (which one depends on this machine's paces: the choice itself is tested
-/// with set paces in `talker/tests.rs`) and all of its audio; without it, a full one.
+/// With `code2wav.small_first_chunk_slack`, a stream that finds the engine busy gets a first chunk
+/// of one of the three sizes (which one depends on this machine's paces: the choice itself is
+/// tested with set paces in `talker/tests.rs`) and all of its audio; without it, a full one.
 #[test]
 fn a_busy_engine_sizes_the_first_chunk_and_every_code_is_heard() {
     let first_of_second = |slack: bool| {
         // (chunks of 50 codes: on an unloaded 2-core machine the halfway chunk, 28 codes)
-        let cfg = EngineConfig {
-            first_chunk_codes: 5,
-            chunk_codes: 50,
-            small_first_chunk_streams: 1,
-            small_first_chunk_slack: slack,
-            ..EngineConfig::default()
-        };
+        let cfg = EngineConfig::default().with(|c| {
+            c.code2wav.first_chunk_codes = 5;
+            c.code2wav.chunk_codes = 50;
+            c.code2wav.small_first_chunk_streams = Some(1);
+            c.code2wav.small_first_chunk_slack = slack;
+        });
         let e = engine(cfg);
         // a long reply speaking (generated faster than it plays, so its listener has seconds
         // buffered), then a second request once it has delivered four chunks

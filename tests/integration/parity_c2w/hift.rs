@@ -152,9 +152,9 @@ fn parity_hift_original_whole_utterance() {
     assert!(e < 2e-2, "deterministic source differs by {e}");
 }
 
-/// The streaming vocoder with `engine.vocoder_half_columns` (f16 columns and products into f32
-/// sums: a kernel and cuBLAS on CUDA, the same rounding through tensor ops on the CPU) against the
-/// reference's audio, chunk by chunk through graphs as the server runs it, beside the f32 path:
+/// The streaming vocoder with `engine.code2wav.vocoder_half_columns` (f16 columns and products into
+/// f32 sums: a kernel and cuBLAS on CUDA, the same rounding through tensor ops on the CPU) against
+/// the reference's audio, chunk by chunk through graphs as the server runs it, beside the f32 path:
 /// each chunk's relative error, and the log-spectral distance of the whole utterance (the figures
 /// an opt-in precision change records, issue 41).
 #[test]
