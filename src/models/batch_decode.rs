@@ -83,53 +83,6 @@ pub fn qk_norm_rope_store_batch(
     Tensor::stack(&out, 0)
 }
 
-/// Positions per block of the first attention pass (`CHUNK` in the kernel).
-const CHUNK: usize = 16;
-/// A prompt chunk's attention runs at least this many splits (blocks a KV head and row)...
-const FEW_SPLITS: usize = 32;
-/// ...or more while the grid would hold fewer blocks than this (a few waves of the GPU's SMs).
-const ENOUGH_BLOCKS: usize = 4096;
-/// A graph's step splits the capacity into this many splits at most (a 4096-position slot one
-/// chunk a split; a longer slot's splits span more chunks, so that the blocks past a short
-/// conversation's positions, which return at once, do not grow with the slot).
-const GRAPH_SPLITS: usize = 256;
-
-/// How the first attention pass divides the positions: `splits` blocks for each KV head and row,
-/// each over `span` runs of `CHUNK` positions (an online softmax across them), and whether the
-/// rows come first in the grid (a prompt chunk's rows, which read the same K and V, run side by
-/// side and find them in L2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AttentionSplits {
-    pub splits: usize,
-    pub span: usize,
-    pub rows_first: bool,
-}
-
-/// A graph's step (`max_pos` unknown on the host): the whole capacity, one chunk a split up to 4096
-/// positions (as every decode step has run) and `GRAPH_SPLITS` splits beyond. Rows whose highest
-/// position is known (a ragged step with prompt chunks): the positions up to it, in few enough
-/// splits that a long conversation's prompt chunk does not write and read back a partial sum per
-/// row for every 16 positions, and its rows first.
-pub fn attention_splits(
-    rows: usize,
-    hkv: usize,
-    cap: usize,
-    max_pos: Option<usize>,
-) -> AttentionSplits {
-    match max_pos {
-        None => {
-            let span = cap.div_ceil(CHUNK).div_ceil(GRAPH_SPLITS).max(1);
-            AttentionSplits { splits: cap.div_ceil(CHUNK).div_ceil(span), span, rows_first: false }
-        }
-        Some(m) => {
-            let needed = m.min(cap.saturating_sub(1)) / CHUNK + 1;
-            let most = FEW_SPLITS.max(ENOUGH_BLOCKS.div_ceil((rows * hkv).max(1)));
-            let span = needed.div_ceil(most);
-            AttentionSplits { splits: needed.div_ceil(span), span, rows_first: true }
-        }
-    }
-}
-
 /// Attention of each stream's new position (its q, k, v heads in `heads`) against the positions
 /// `0..pos[b]` of its slot and itself. Returns `[B, hq, d]` in `heads`' dtype. `max_pos`, when the
 /// caller knows every `pos[b]` is at most it: the work is split over those positions only, not
@@ -213,6 +166,8 @@ mod cuda {
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/batch_decode.ptx"));
     const MODULE: &str = "antiphon_batch_decode";
+    /// Positions per block of the first attention pass (`CHUNK` in the kernel).
+    const CHUNK: usize = 16;
 
     pub(super) struct QkStoreBatch {
         pub w: Option<Tensor>,
@@ -327,8 +282,12 @@ mod cuda {
             let slots = view::<u32>(&ss, sl, "slots")?;
             let (ps, pl) = self.pos.storage_and_layout();
             let pos = view::<u32>(&ps, pl, "positions")?;
-            let plan = super::attention_splits(b, hkv, cap, self.max_pos);
-            let s = plan.splits;
+            // splits over the capacity, or over the positions up to `max_pos` (every row's
+            // position is below `s * CHUNK` either way)
+            let s = match self.max_pos {
+                Some(m) => (m.min(cap - 1) / CHUNK + 1).min(cap.div_ceil(CHUNK)),
+                None => cap.div_ceil(CHUNK),
+            };
             // SAFETY: the combine kernel reads only the splits that hold positions, each written
             // whole by the partial kernel; `out` is written whole by the combine kernel.
             let part_acc = unsafe { dev.alloc::<f32>(b * hq * s * d) }?;
@@ -336,7 +295,6 @@ mod cuda {
             let out = unsafe { dev.alloc::<T>(b * hq * d) }?;
             let (hq_i, hkv_i, cap_i, d_i, s_i) =
                 (hq as i32, hkv as i32, cap as i32, d as i32, s as i32);
-            let (span_i, rows_first_i) = (plan.span as i32, i32::from(plan.rows_first));
             let partial = dev.get_or_load_custom_func(
                 &kernel("batch_attn_partial", heads.dtype())?,
                 MODULE,
@@ -344,13 +302,12 @@ mod cuda {
             )?;
             let mut bl = partial.builder();
             bl.arg(&hv).arg(&kc).arg(&vc).arg(&slots).arg(&pos).arg(&part_acc).arg(&part_ml);
-            bl.arg(&hq_i).arg(&hkv_i).arg(&cap_i).arg(&d_i).arg(&span_i).arg(&rows_first_i);
-            let grid_dim = if plan.rows_first {
-                (b as u32, hkv as u32, s as u32)
-            } else {
-                (hkv as u32, s as u32, b as u32)
+            bl.arg(&hq_i).arg(&hkv_i).arg(&cap_i).arg(&d_i);
+            let cfg = LaunchConfig {
+                grid_dim: (hkv as u32, s as u32, b as u32),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
             };
-            let cfg = LaunchConfig { grid_dim, block_dim: (128, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: the arguments match the kernel's signature; shapes were checked by the
             // caller.
             unsafe { bl.launch(cfg) }.map_err(err)?;
@@ -367,8 +324,7 @@ mod cuda {
                 .arg(&hq_i)
                 .arg(&d_i)
                 .arg(&s_i)
-                .arg(&cap_i)
-                .arg(&span_i);
+                .arg(&cap_i);
             let cfg = LaunchConfig {
                 grid_dim: (hq as u32, b as u32, 1),
                 block_dim: (128, 1, 1),
@@ -400,48 +356,6 @@ mod cuda {
             }
             crate::fused::by_dtype!("decode_attention_batch", heads.dtype(),
                 T => self.run::<T>(heads, l))
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Every row's position falls in a split the grid has, and the combine's `used` splits
-    /// (`pos / (CHUNK * span) + 1`) never pass it.
-    fn covers(p: AttentionSplits, max_pos: usize) -> bool {
-        max_pos / (CHUNK * p.span) < p.splits
-    }
-
-    #[test]
-    fn a_graph_step_splits_the_whole_capacity_in_at_most_256_splits() {
-        let p = attention_splits(64, 8, 4096, None);
-        assert_eq!(p, AttentionSplits { splits: 256, span: 1, rows_first: false });
-        assert_eq!(attention_splits(1, 8, 1000, None).splits, 63);
-        // a longer slot: as many splits, each three chunks long
-        let long = attention_splits(64, 8, 12288, None);
-        assert_eq!(long, AttentionSplits { splits: 256, span: 3, rows_first: false });
-        assert!(covers(long, 12287));
-    }
-
-    #[test]
-    fn a_long_prompt_chunk_runs_few_splits_and_a_short_one_a_chunk_each() {
-        // a prompt chunk of 95 rows at the end of a 12k-position conversation (run 62)
-        let long = attention_splits(95, 8, 12288, Some(12000));
-        assert!(long.rows_first && long.splits <= FEW_SPLITS && long.span > 1, "{long:?}");
-        assert!(covers(long, 12000));
-        // a short conversation, or few rows: one chunk a split, as before
-        let short = attention_splits(95, 8, 4096, Some(400));
-        assert_eq!((short.splits, short.span), (26, 1));
-        let few = attention_splits(2, 8, 4096, Some(4095));
-        assert_eq!((few.splits, few.span), (256, 1));
-        for rows in [1, 3, 40, 95, 400, 1100] {
-            for m in [0, 15, 16, 17, 1000, 4095, 5000, 12287] {
-                let p = attention_splits(rows, 8, 12288, Some(m));
-                assert!(covers(p, m) && p.span >= 1 && p.splits >= 1, "{rows} rows to {m}: {p:?}");
-                assert!((p.splits - 1) * p.span * CHUNK <= m, "{rows} rows to {m}: an empty split");
-            }
         }
     }
 }

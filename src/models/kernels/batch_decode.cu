@@ -64,36 +64,26 @@ __device__ void qk_store(const T* __restrict__ qkv, const T* __restrict__ w, con
   }
 }
 
-// Attention (split-KV, "flash decoding"), pass 1, 128 threads a block: block (j, y, b) covers KV
-// head j's query heads of row b (K and V read once for all of them) over positions
-// [y*span*CHUNK, (y+1)*span*CHUNK) of 0..=pos[b] in the row's slot, CHUNK positions at a time
-// (an online softmax across them); for each head it writes the split's max m, its sum of
-// exp(s - m) and its unnormalised weighted sum of V rows (f32) to part_ml / part_acc. Blocks past
-// pos[b] return at once, so the work grows with the position, not the capacity. This position's K
-// and V come from heads, never from the cache (which the q/k kernel has written before, but need
-// not have). Query head h reads KV head h / (hq / hkv).
-// The grid is (hkv, splits, B), or with rows_first (B, hkv, splits): consecutive blocks are then
-// the rows of one split, and the rows of a prompt chunk, which read the same K and V, find them in
-// L2. A decode step (a graph) runs span 1 and the first order; a prompt chunk over a long
-// conversation runs a longer span, so its splits and their partial sums stay few.
+// Attention (split-KV, "flash decoding"), pass 1, grid (hkv, cap / CHUNK, B), 128 threads: block
+// (j, y, b) covers KV head j's query heads of stream b (K and V read once for all of them) over
+// positions [y*CHUNK, (y+1)*CHUNK) of 0..=pos[b] in the stream's slot; for each head it writes the
+// split's max m, its sum of exp(s - m) and its unnormalised weighted sum of V rows (f32) to
+// part_ml / part_acc. Blocks past pos[b] return at once, so the work grows with the position, not
+// the capacity. This position's K and V come from heads, never from the cache (which the q/k
+// kernel has written before, but need not have). Query head h reads KV head h / (hq / hkv).
 template <typename T>
 __device__ void attn_partial(const T* __restrict__ heads, const T* __restrict__ kc, const T* __restrict__ vc,
                              const uint32_t* __restrict__ slots, const uint32_t* __restrict__ pos_p,
                              float* __restrict__ part_acc, float* __restrict__ part_ml, int hq, int hkv, int cap,
-                             int d, int span, int rows_first) {
+                             int d) {
   __shared__ float sc[MAX_GROUP][CHUNK];
-  __shared__ float ml_sh[MAX_GROUP][2];  // the running max and sum of each head
-  __shared__ float alpha_sh[MAX_GROUP];  // what the last chunk's new max scales the sums by
-  const int j = rows_first ? blockIdx.y : blockIdx.x;
-  const int y = rows_first ? blockIdx.z : blockIdx.y;
-  const int b = rows_first ? blockIdx.x : blockIdx.z;
-  const int splits = rows_first ? gridDim.z : gridDim.y;
-  const int group = hq / hkv;
+  __shared__ float ml_sh[MAX_GROUP][2];
+  const int j = blockIdx.x, y = blockIdx.y, b = blockIdx.z, group = hq / hkv, splits = gridDim.y;
   const int rows = hq + 2 * hkv;
   const int pos = min((int)pos_p[b], cap - 1);
-  const int first = y * span * CHUNK;
-  if (first > pos) return;  // beyond the held positions: the combine never reads this split
-  const int last = min(first + span * CHUNK, pos + 1);
+  const int start = y * CHUNK;
+  if (start > pos) return;  // beyond the held positions: the combine never reads this split
+  const int end = min(start + CHUNK, pos + 1);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   constexpr int PER = CHUNK / WARPS;
   const T* q = heads + (size_t)b * rows * d;
@@ -104,87 +94,66 @@ __device__ void attn_partial(const T* __restrict__ heads, const T* __restrict__ 
   vc += slot;
   part_acc += (size_t)b * hq * splits * d;
   part_ml += (size_t)b * hq * splits * 2;
-  float qv[MAX_GROUP][4], kv[PER][4], vv[CHUNK], acc[MAX_GROUP];
+  float qv[MAX_GROUP][4], kv[PER][4], vv[CHUNK];
 #pragma unroll
-  for (int r = 0; r < MAX_GROUP; ++r) {
-    acc[r] = 0.f;
+  for (int r = 0; r < MAX_GROUP; ++r)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = lane + 32 * e;
       qv[r][e] = r < group && i < d ? to_f(q[((size_t)j * group + r) * d + i]) : 0.f;
     }
-  }
-  if (threadIdx.x < group) {
-    ml_sh[threadIdx.x][0] = -INFINITY;
-    ml_sh[threadIdx.x][1] = 0.f;
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int t = start + warp + WARPS * k;
+    const T* row = t == pos ? k_new + (size_t)j * d : kc + ((size_t)j * cap + t) * d;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = lane + 32 * e;
+      kv[k][e] = t < end && i < d ? to_f(row[i]) : 0.f;
+    }
   }
   const int di = threadIdx.x;
-  for (int start = first; start < last; start += CHUNK) {
-    const int end = min(start + CHUNK, last);
 #pragma unroll
-    for (int k = 0; k < PER; ++k) {
-      const int t = start + warp + WARPS * k;
-      const T* row = t == pos ? k_new + (size_t)j * d : kc + ((size_t)j * cap + t) * d;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = lane + 32 * e;
-        kv[k][e] = t < end && i < d ? to_f(row[i]) : 0.f;
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < CHUNK; ++k) {
-      const int t = start + k;
-      const T* row = t == pos ? v_new + (size_t)j * d : vc + ((size_t)j * cap + t) * d;
-      vv[k] = t < end && di < d ? to_f(row[di]) : 0.f;
-    }
-#pragma unroll
-    for (int k = 0; k < PER; ++k) {
-      const int t = start + warp + WARPS * k;
-#pragma unroll
-      for (int r = 0; r < MAX_GROUP; ++r) {
-        if (r >= group) break;
-        float s = 0.f;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s += qv[r][e] * kv[k][e];
-        s = warp_sum(s);
-        if (lane == 0 && t < end) sc[r][t - start] = s;
-      }
-    }
-    __syncthreads();
-    const int n = end - start;
-    for (int r = warp; r < group; r += WARPS) {
-      const float v = lane < n ? sc[r][lane] : -INFINITY;
-      const float m_old = ml_sh[r][0];
-      const float m = fmaxf(m_old, warp_max(v));
-      const float p = lane < n ? expf(v - m) : 0.f;
-      const float l = warp_sum(p);
-      if (lane < CHUNK) sc[r][lane] = p;  // (0 past the chunk's end)
-      if (lane == 0) {
-        // (the first chunk: exp(-inf) = 0, so m and l are the chunk's own, bit for bit)
-        const float alpha = expf(m_old - m);
-        ml_sh[r][0] = m;
-        ml_sh[r][1] = ml_sh[r][1] * alpha + l;
-        alpha_sh[r] = alpha;
-      }
-    }
-    __syncthreads();
-    if (di < d) {
-#pragma unroll
-      for (int r = 0; r < MAX_GROUP; ++r) {
-        if (r >= group) break;
-        float s = 0.f;
-#pragma unroll
-        for (int k = 0; k < CHUNK; ++k) s += sc[r][k] * vv[k];
-        acc[r] = acc[r] * alpha_sh[r] + s;
-      }
-    }
-    __syncthreads();  // (the next chunk writes sc and alpha_sh again)
+  for (int k = 0; k < CHUNK; ++k) {
+    const int t = start + k;
+    const T* row = t == pos ? v_new + (size_t)j * d : vc + ((size_t)j * cap + t) * d;
+    vv[k] = t < end && di < d ? to_f(row[di]) : 0.f;
   }
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int t = start + warp + WARPS * k;
+#pragma unroll
+    for (int r = 0; r < MAX_GROUP; ++r) {
+      if (r >= group) break;
+      float s = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s += qv[r][e] * kv[k][e];
+      s = warp_sum(s);
+      if (lane == 0 && t < end) sc[r][t - start] = s;
+    }
+  }
+  __syncthreads();
+  const int n = end - start;
+  for (int r = warp; r < group; r += WARPS) {
+    const float v = lane < n ? sc[r][lane] : -INFINITY;
+    const float m = warp_max(v);
+    const float p = lane < n ? expf(v - m) : 0.f;
+    const float l = warp_sum(p);
+    if (lane < n) sc[r][lane] = p;
+    if (lane == 0) {
+      ml_sh[r][0] = m;
+      ml_sh[r][1] = l;
+    }
+  }
+  __syncthreads();
   if (di < d) {
 #pragma unroll
     for (int r = 0; r < MAX_GROUP; ++r) {
       if (r >= group) break;
-      part_acc[((size_t)(j * group + r) * splits + y) * d + di] = acc[r];
+      float acc = 0.f;
+#pragma unroll
+      for (int k = 0; k < CHUNK; ++k) acc += sc[r][k] * vv[k];
+      part_acc[((size_t)(j * group + r) * splits + y) * d + di] = acc;
     }
   }
   if (threadIdx.x < group) {
@@ -194,16 +163,16 @@ __device__ void attn_partial(const T* __restrict__ heads, const T* __restrict__ 
   }
 }
 
-// Attention pass 2, grid (hq, B), 128 threads: row b's splits (of span CHUNKs each) that hold
-// positions combined into out [B, hq, d].
+// Attention pass 2, grid (hq, B), 128 threads: stream b's splits that hold positions combined
+// into out [B, hq, d].
 template <typename T>
 __device__ void attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                              const uint32_t* __restrict__ pos_p, T* __restrict__ out, int hq, int d, int splits,
-                             int cap, int span) {
+                             int cap) {
   extern __shared__ float w[];  // [splits]: each split's weight
   __shared__ float red[32];
   const int h = blockIdx.x, b = blockIdx.y;
-  const int used = min((int)pos_p[b], cap - 1) / (CHUNK * span) + 1;
+  const int used = min((int)pos_p[b], cap - 1) / CHUNK + 1;
   const float* ml = part_ml + ((size_t)b * hq + h) * splits * 2;
   float m = -INFINITY;
   for (int y = threadIdx.x; y < used; y += blockDim.x) m = fmaxf(m, ml[2 * y]);
@@ -234,13 +203,13 @@ __device__ void attn_combine(const float* __restrict__ part_acc, const float* __
   extern "C" __global__ void batch_attn_partial_##SUFFIX(const T* heads, const T* kc, const T* vc,                 \
                                                          const uint32_t* slots, const uint32_t* pos,               \
                                                          float* part_acc, float* part_ml, int hq, int hkv,         \
-                                                         int cap, int d, int span, int rows_first) {               \
-    attn_partial<T>(heads, kc, vc, slots, pos, part_acc, part_ml, hq, hkv, cap, d, span, rows_first);              \
+                                                         int cap, int d) {                                         \
+    attn_partial<T>(heads, kc, vc, slots, pos, part_acc, part_ml, hq, hkv, cap, d);                                \
   }                                                                                                                \
   extern "C" __global__ void batch_attn_combine_##SUFFIX(const float* part_acc, const float* part_ml,              \
                                                          const uint32_t* pos, T* out, int hq, int d, int splits,   \
-                                                         int cap, int span) {                                      \
-    attn_combine<T>(part_acc, part_ml, pos, out, hq, d, splits, cap, span);                                        \
+                                                         int cap) {                                                \
+    attn_combine<T>(part_acc, part_ml, pos, out, hq, d, splits, cap);                                              \
   }
 
 BATCH_DECODE(f32, float)
