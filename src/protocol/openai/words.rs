@@ -32,6 +32,16 @@ pub enum OaiErrorCode {
 }
 
 impl OaiErrorCode {
+    /// A v1 session's failure as the dialect names it: `capacity` stays `capacity` (the caller
+    /// retries after the wait it is given), any other code is `otherwise`.
+    pub fn from_v1_failure(code: ErrorCode, otherwise: OaiErrorCode) -> OaiErrorCode {
+        if code == ErrorCode::Capacity {
+            OaiErrorCode::Capacity
+        } else {
+            otherwise
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             OaiErrorCode::InvalidJson => "invalid_json",

@@ -154,11 +154,7 @@ async fn handle_socket(
         Ok(id) => shared.sessions.handle(&id),
         Err(e) => {
             shared.metrics.errors.with_label_values(&[e.code.as_str()]).inc();
-            let code = if e.code == antiphon_protocol::ErrorCode::Capacity {
-                OaiErrorCode::Capacity
-            } else {
-                OaiErrorCode::ServerError
-            };
+            let code = OaiErrorCode::from_v1_failure(e.code, OaiErrorCode::ServerError);
             let retry_after_ms = e.retry_after_ms;
             out.event(&OaiServerEvent::Error(ErrorView {
                 retry_after_ms,

@@ -259,11 +259,8 @@ impl Translator {
                     // `error`)
                     if let Some(a) = self.active.as_mut() {
                         // (capacity says so, with its wait; any other failure is the response's)
-                        let code = if code == ErrorCode::Capacity {
-                            OaiErrorCode::Capacity
-                        } else {
-                            OaiErrorCode::ResponseFailed
-                        };
+                        let code =
+                            OaiErrorCode::from_v1_failure(code, OaiErrorCode::ResponseFailed);
                         a.failure = Some(Failure { code, message, retry_after_ms });
                     }
                     if unstarted {

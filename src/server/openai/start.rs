@@ -14,15 +14,11 @@ use serde_json::Value;
 use super::input::{check_text, Joined};
 use super::items::Pending;
 use super::respond::Active;
-use super::translate::{update, Translator};
+use super::translate::{err, update, Translator};
 use crate::session::SessionMsg;
 
 /// v1 audio messages are sent in pieces of at most this many bytes.
 const AUDIO_PIECE: usize = 32 * 1024;
-
-fn err(code: OaiErrorCode, message: impl Into<String>) -> OaiError {
-    OaiError::new(code, message)
-}
 
 /// The session's function tools as v1 declares them (`{type: "function", name, description,
 /// parameters}`; other kinds, such as MCP servers, are not called), checked against v1's bounds.
