@@ -201,6 +201,16 @@ impl EngineConfig {
                 self.talker.text_chunk
             ));
         }
+        // (0 once meant "none" for these two: a file from then would ask for no stream, or for a
+        // duplex session that ends at its first unit)
+        if self.max_streams == Some(0) {
+            return Err("engine.max_streams 0: at least 1, or \"none\" for the fewest slots".into());
+        }
+        if self.duplex.max_context == Some(0) {
+            return Err("engine.duplex.max_context 0: at least 1, or \"none\" for the model's \
+                context"
+                .into());
+        }
         let unit = self.duplex.unit_ms;
         if unit == 0 || !unit.is_multiple_of(100) || unit > 10_000 {
             return Err(format!("engine.duplex.unit_ms {unit}: a multiple of 100 ms up to 10000"));

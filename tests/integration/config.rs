@@ -98,6 +98,10 @@ fn engine_sections_and_moved_keys() {
     assert!(e.contains("engine.talker.lead_chunks") && e.contains("\"none\""), "{e}");
     let e = err(&with("[engine.talker]\nlead_chunks = \"never\""));
     assert!(e.contains("engine.talker.lead_chunks"), "{e}");
+    let e = err(&with("[engine.duplex]\nmax_context = 0"));
+    assert!(e.contains("engine.duplex.max_context 0") && e.contains("\"none\""), "{e}");
+    let e = err(&base.replace("[engine]\n", "[engine]\nmax_streams = 0\n"));
+    assert!(e.contains("engine.max_streams 0"), "0 once meant none: {e}");
     let e = err(&with("[engine.thinker]\nslotz = 3"));
     assert!(e.contains("slotz"), "unknown keys in a section are refused: {e}");
 }
