@@ -14,6 +14,8 @@ pub trait MetricLabel: Copy + 'static {
     fn label(self) -> &'static str;
 }
 
+/// An enum of label values and its [`MetricLabel`] impl (the server's labels use it too).
+#[macro_export]
 macro_rules! metric_label {
     ($(#[$doc:meta])* $name:ident { $($variant:ident => $text:literal),+ $(,)? }) => {
         $(#[$doc])*
@@ -22,7 +24,7 @@ macro_rules! metric_label {
             $($variant),+
         }
 
-        impl MetricLabel for $name {
+        impl $crate::metric_labels::MetricLabel for $name {
             const ALL: &'static [Self] = &[$(Self::$variant),+];
             fn label(self) -> &'static str {
                 match self {
@@ -195,13 +197,13 @@ impl<V: Clone, L> Clone for Labeled<V, L> {
 
 impl<V: LabelVec, L: MetricLabel> Labeled<V, L> {
     /// `vec`, each series made when first used.
-    pub(crate) fn new(vec: V) -> Self {
+    pub fn new(vec: V) -> Self {
         Self { vec, label: PhantomData }
     }
 
     /// `vec` with the series of every value of `L` there from the start (at 0): those a
     /// dashboard or an alert reads.
-    pub(crate) fn with_every_series(vec: V) -> Self {
+    pub fn with_every_series(vec: V) -> Self {
         for l in L::ALL {
             vec.series(l.label());
         }
@@ -214,7 +216,7 @@ impl<V: LabelVec, L: MetricLabel> Labeled<V, L> {
     }
 
     /// The vector, to register.
-    pub(crate) fn collector(&self) -> Box<dyn Collector> {
+    pub fn collector(&self) -> Box<dyn Collector> {
         Box::new(self.vec.clone())
     }
 }

@@ -7,6 +7,7 @@ pub mod audio_edge;
 pub mod auth;
 pub mod config;
 pub mod journal;
+mod metrics;
 pub mod openai;
 mod operations;
 pub mod session;
@@ -27,134 +28,15 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
-use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-};
 use tokio::net::TcpListener;
 
 use antiphon_engine::{
     Engine, EngineEvent, GenerationParams, Mode, Models, RequestId, RequestSpec, Status, UserInput,
 };
 use config::{Config, ModelSource};
+pub use metrics::{DeviceMemory, ErrorLabel, ResponseLabel, ServerMetrics};
 use operations::{build_info, metrics, readyz};
 use session::SessionManager;
-
-/// Server-side metrics (the engine's are rendered beside them).
-#[derive(Clone)]
-pub struct ServerMetrics {
-    pub registry: Registry,
-    pub sessions: IntGauge,
-    pub parked: IntGauge,
-    pub journal_bytes: IntGauge,
-    pub sessions_created: IntCounter,
-    pub connections: IntCounter,
-    /// WebSockets open now: from the upgrade until the socket is closed (a kicked slow reader's
-    /// too, until its close is done or given up), as they count against `server.max_connections`.
-    pub connections_open: IntGauge,
-    pub errors: IntCounterVec,
-    pub responses: IntCounterVec,
-    pub ttfa: Histogram,
-    pub resumes: IntCounter,
-    /// 1 for this replica's id (the label), so dashboards can tell replicas apart.
-    pub replica: IntGaugeVec,
-    pub draining: IntGauge,
-    /// The model device's memory (`used`, `total`): the GPU's, or on the CPU the process's resident
-    /// set and the host's memory; read at each scrape.
-    pub device_memory: IntGaugeVec,
-}
-
-impl ServerMetrics {
-    fn new() -> Self {
-        let registry = Registry::new();
-        let sessions = IntGauge::new("antiphon_sessions", "Live sessions (attached or parked)")
-            .expect("metric");
-        let parked = IntGauge::new("antiphon_sessions_parked", "Sessions waiting for a resume")
-            .expect("metric");
-        let journal_bytes =
-            IntGauge::new("antiphon_journal_bytes", "Bytes held by all replay journals")
-                .expect("metric");
-        let sessions_created =
-            IntCounter::new("antiphon_sessions_created_total", "Sessions created").expect("metric");
-        let connections =
-            IntCounter::new("antiphon_connections_total", "WebSocket connections accepted")
-                .expect("metric");
-        let connections_open = IntGauge::new(
-            "antiphon_connections_open",
-            "WebSockets open now (each holds a place of server.max_connections)",
-        )
-        .expect("metric");
-        let errors = IntCounterVec::new(
-            Opts::new("antiphon_errors_total", "Protocol errors sent, by code"),
-            &["code"],
-        )
-        .expect("metric");
-        let responses = IntCounterVec::new(
-            Opts::new("antiphon_responses_total", "Responses by final status"),
-            &["status"],
-        )
-        .expect("metric");
-        let ttfa = Histogram::with_opts(
-            HistogramOpts::new(
-                "antiphon_ttfa_seconds",
-                "Server-side time from a turn's input to its first audio packet",
-            )
-            .buckets(vec![
-                0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
-            ]),
-        )
-        .expect("metric");
-        let resumes = IntCounter::new("antiphon_resumes_total", "Sessions resumed on a new socket")
-            .expect("metric");
-        let replica = IntGaugeVec::new(
-            Opts::new("antiphon_replica_info", "This replica (its id in the label)"),
-            &["replica"],
-        )
-        .expect("metric");
-        let draining = IntGauge::new("antiphon_draining", "1 while the server drains for shutdown")
-            .expect("metric");
-        let device_memory = IntGaugeVec::new(
-            Opts::new("antiphon_device_memory_bytes", "Memory of the model's device (used, total)"),
-            &["state"],
-        )
-        .expect("metric");
-        for c in [
-            Box::new(sessions.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(resumes.clone()),
-            Box::new(replica.clone()),
-            Box::new(draining.clone()),
-            Box::new(device_memory.clone()),
-            Box::new(parked.clone()),
-            Box::new(journal_bytes.clone()),
-            Box::new(sessions_created.clone()),
-            Box::new(connections.clone()),
-            Box::new(connections_open.clone()),
-            Box::new(errors.clone()),
-            Box::new(responses.clone()),
-            Box::new(ttfa.clone()),
-        ] {
-            registry.register(c).expect("unique metric");
-        }
-        for code in antiphon_protocol::ErrorCode::ALL {
-            errors.with_label_values(&[code.as_str()]);
-        }
-        Self {
-            registry,
-            sessions,
-            parked,
-            journal_bytes,
-            sessions_created,
-            connections,
-            connections_open,
-            errors,
-            responses,
-            ttfa,
-            resumes,
-            replica,
-            draining,
-            device_memory,
-        }
-    }
-}
 
 /// What every connection and session shares.
 pub struct Shared {
@@ -319,7 +201,7 @@ pub async fn start(cfg: Config, models: Models) -> Result<Server> {
         connection_permits: Arc::new(tokio::sync::Semaphore::new(cfg.server.max_connections)),
         turn_model,
     });
-    shared.metrics.replica.with_label_values(&[cfg.server.replica_id.as_str()]).set(1);
+    shared.metrics.mark_replica(&cfg.server.replica_id);
     let listener = TcpListener::bind(&cfg.server.listen)
         .await
         .with_context(|| format!("binding {}", cfg.server.listen))?;

@@ -39,8 +39,8 @@ pub(crate) async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
     m.journal_bytes.set(shared.sessions.journal_bytes() as i64);
     m.draining.set(shared.is_shutting_down() as i64);
     if let Some((used, total)) = device_memory(shared.config.model.device) {
-        m.device_memory.with_label_values(&["used"]).set(used as i64);
-        m.device_memory.with_label_values(&["total"]).set(total as i64);
+        m.device_memory.at(crate::DeviceMemory::Used).set(used as i64);
+        m.device_memory.at(crate::DeviceMemory::Total).set(total as i64);
     }
     let mut buf = Vec::new();
     let _ = prometheus::TextEncoder::new().encode(&m.registry.gather(), &mut buf);

@@ -7,6 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+use antiphon_engine::metric_labels::{CounterBy, Labeled, MetricLabel};
 use antiphon_models::smart_turn::SmartTurn;
 use anyhow::{Context, Result};
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts, Registry};
@@ -18,7 +19,7 @@ const COMPLETE: f32 = 0.5;
 pub struct TurnModel {
     model: Arc<SmartTurn>,
     workers: Arc<Semaphore>,
-    verdicts: IntCounterVec,
+    verdicts: CounterBy<Verdict>,
     seconds: Histogram,
 }
 
@@ -32,7 +33,9 @@ pub enum Verdict {
     Failed,
 }
 
-impl Verdict {
+/// `antiphon_turn_model_verdicts_total`'s `verdict` label.
+impl MetricLabel for Verdict {
+    const ALL: &'static [Self] = &[Verdict::Complete, Verdict::Incomplete, Verdict::Failed];
     fn label(self) -> &'static str {
         match self {
             Verdict::Complete => "complete",
@@ -40,7 +43,9 @@ impl Verdict {
             Verdict::Failed => "failed",
         }
     }
+}
 
+impl Verdict {
     /// Whether the turn ends at the pause.
     pub fn ends_turn(self) -> bool {
         self != Verdict::Incomplete
@@ -70,9 +75,7 @@ impl TurnModel {
         )?;
         registry.register(Box::new(verdicts.clone()))?;
         registry.register(Box::new(seconds.clone()))?;
-        for v in [Verdict::Complete, Verdict::Incomplete, Verdict::Failed] {
-            verdicts.with_label_values(&[v.label()]);
-        }
+        let verdicts = Labeled::with_every_series(verdicts);
         Ok(Self {
             model: Arc::new(model),
             workers: Arc::new(Semaphore::new(workers)),
@@ -111,7 +114,7 @@ impl TurnModel {
             }
         };
         self.seconds.observe(t0.elapsed().as_secs_f64());
-        self.verdicts.with_label_values(&[v.label()]).inc();
+        self.verdicts.at(v).inc();
         v
     }
 }

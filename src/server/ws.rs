@@ -100,7 +100,7 @@ pub async fn handle_socket(
     // can swallow the close frame, so the socket stays open a moment after the writer is done
     let mut linger = false;
     let error = |e: WireError| {
-        shared.metrics.errors.with_label_values(&[e.code.as_str()]).inc();
+        shared.metrics.errors.at(e.code.into()).inc();
         conn.send_event(&ServerEvent::error(&e));
     };
     // a refused frame: its error (in the session's order when there is one), then the close frame
@@ -117,7 +117,7 @@ pub async fn handle_socket(
                 }
                 (_, e) => {
                     if let Some(e) = e {
-                        shared.metrics.errors.with_label_values(&[e.code.as_str()]).inc();
+                        shared.metrics.errors.at(e.code.into()).inc();
                         conn.send_event(&ServerEvent::error(&e));
                     }
                     conn.send(Outbound::Close(close.0, close.1));
@@ -145,7 +145,7 @@ pub async fn handle_socket(
                 break;
             }
             Ok(_) = kicked.wait_for(|k| *k) => {
-                shared.metrics.errors.with_label_values(&["slow_reader"]).inc();
+                shared.metrics.errors.at(crate::ErrorLabel::SlowReader).inc();
                 break;
             }
             Ok(_) = written.wait_for(|d| *d) => {

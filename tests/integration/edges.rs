@@ -467,7 +467,8 @@ async fn a_replay_longer_than_the_queue_resumes_at_the_sockets_pace() {
     );
     c.send(json!({"type": "input.text", "text": "a long answer", "generation": short(150)})).await;
     drop(c); // parked: the reply goes to the journal alone
-    let completed = || s.shared.metrics.responses.with_label_values(&["completed"]).get();
+    let completed =
+        || s.shared.metrics.responses.at(antiphon_server::ResponseLabel::Completed).get();
     let deadline = Instant::now() + Duration::from_secs(120);
     while completed() < 1 {
         assert!(Instant::now() < deadline, "the reply never completed");

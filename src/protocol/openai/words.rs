@@ -7,7 +7,7 @@ use serde::{Serialize, Serializer};
 use crate::ErrorCode;
 
 /// An `error`'s `code` (and a failed response's `status_details.error.code`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum OaiErrorCode {
     InvalidJson,
     InvalidEvent,
@@ -32,6 +32,26 @@ pub enum OaiErrorCode {
 }
 
 impl OaiErrorCode {
+    /// The dialect's own codes (every one but [`OaiErrorCode::V1`]).
+    pub const OWN: [OaiErrorCode; 16] = [
+        OaiErrorCode::InvalidJson,
+        OaiErrorCode::InvalidEvent,
+        OaiErrorCode::InvalidValue,
+        OaiErrorCode::MissingRequiredParameter,
+        OaiErrorCode::InputAudioBufferFull,
+        OaiErrorCode::InputAudioBufferCommitEmpty,
+        OaiErrorCode::ConversationAlreadyHasActiveResponse,
+        OaiErrorCode::ResponseCancelNotActive,
+        OaiErrorCode::ItemTruncateInvalidItemId,
+        OaiErrorCode::ItemRetrieveInvalidItemId,
+        OaiErrorCode::ItemDeleteInvalidItemId,
+        OaiErrorCode::MessageTooLarge,
+        OaiErrorCode::SessionClosing,
+        OaiErrorCode::Capacity,
+        OaiErrorCode::ResponseFailed,
+        OaiErrorCode::ServerError,
+    ];
+
     /// A v1 session's failure as the dialect names it: `capacity` stays `capacity` (the caller
     /// retries after the wait it is given), any other code is `otherwise`.
     pub fn from_v1_failure(code: ErrorCode, otherwise: OaiErrorCode) -> OaiErrorCode {

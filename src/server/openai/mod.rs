@@ -153,7 +153,7 @@ async fn handle_socket(
     ) {
         Ok(id) => shared.sessions.handle(&id),
         Err(e) => {
-            shared.metrics.errors.with_label_values(&[e.code.as_str()]).inc();
+            shared.metrics.errors.at(e.code.into()).inc();
             let code = OaiErrorCode::from_v1_failure(e.code, OaiErrorCode::ServerError);
             let retry_after_ms = e.retry_after_ms;
             out.event(&OaiServerEvent::Error(ErrorView {
@@ -206,7 +206,7 @@ async fn handle_socket(
                         let (code, close_with) =
                             crate::ws::transport_error(&e, limits.max_text_frame);
                         if let Some(code) = code {
-                            shared.metrics.errors.with_label_values(&[code.as_str()]).inc();
+                            shared.metrics.errors.at(code.into()).inc();
                             let (code, why) = match code {
                                 antiphon_protocol::ErrorCode::MessageTooLarge => (
                                     OaiErrorCode::MessageTooLarge,
@@ -273,7 +273,7 @@ async fn handle_socket(
             }
             Next::Kicked => break,
             Next::Overrun => {
-                shared.metrics.errors.with_label_values(&["slow_reader"]).inc();
+                shared.metrics.errors.at(crate::ErrorLabel::SlowReader).inc();
                 break;
             }
         }

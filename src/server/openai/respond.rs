@@ -267,7 +267,7 @@ impl Translator {
                         self.finish(DoneStatus::Failed, 0, Default::default()).await;
                     }
                 } else {
-                    self.shared.metrics.errors.with_label_values(&["openai_forwarded"]).inc();
+                    self.shared.metrics.errors.at(crate::ErrorLabel::OpenAiForwarded).inc();
                     let server_side = code == ErrorCode::Internal || fatal;
                     self.out.event(&S::Error(ErrorView {
                         server_side,

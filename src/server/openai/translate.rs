@@ -125,7 +125,7 @@ impl Translator {
     }
 
     pub(super) fn error(&self, client_event: Option<String>, e: OaiError) {
-        self.shared.metrics.errors.with_label_values(&[e.code.as_str()]).inc();
+        self.shared.metrics.errors.at(e.code.into()).inc();
         let (code, message, param) = (e.code, e.message, e.param);
         self.out.event(&S::Error(ErrorView {
             code,

@@ -321,11 +321,7 @@ impl Session {
             if let Some(c) = &self.conn {
                 c.send_event(&e);
             }
-            self.shared
-                .metrics
-                .errors
-                .with_label_values(&[ErrorCode::JournalOverflow.as_str()])
-                .inc();
+            self.shared.metrics.errors.at(ErrorCode::JournalOverflow.into()).inc();
             self.end(true, Some((1008, "journal overflow")));
             return;
         }
@@ -357,7 +353,7 @@ impl Session {
     }
 
     fn send_error(&mut self, e: WireError) {
-        self.shared.metrics.errors.with_label_values(&[e.code.as_str()]).inc();
+        self.shared.metrics.errors.at(e.code.into()).inc();
         let fatal = e.fatal;
         self.send_event(ServerEvent::error(&e).with_seq(0));
         if fatal {
@@ -429,7 +425,7 @@ impl Session {
             }
             SessionMsg::Invalid(e) => self.send_error(e),
             SessionMsg::Refused { error, close } => {
-                self.shared.metrics.errors.with_label_values(&[error.code.as_str()]).inc();
+                self.shared.metrics.errors.at(error.code.into()).inc();
                 self.send_event(ServerEvent::error(&error).with_seq(0));
                 if let Some(c) = &self.conn {
                     c.send(Outbound::Close(close.0, close.1));

@@ -246,7 +246,7 @@ impl Session {
             chunks: r.chunks,
             usage,
         });
-        self.shared.metrics.responses.with_label_values(&[label]).inc();
+        self.shared.metrics.responses.at(done.into()).inc();
         tracing::info!(response = r.id, status = label, audio_ms, "response done");
         let _ = r.trigger;
         // a failed turn did not happen as far as the conversation goes
