@@ -30,12 +30,19 @@ impl Client {
     /// A new connection. An upgrade the server answers `503` (too many connections) is a
     /// [`Capacity`] refusal, its `Retry-After` (seconds) kept.
     pub(crate) async fn connect(cfg: &BenchConfig) -> Result<Self> {
+        Self::connect_to(&cfg.url, cfg.api_key.as_deref()).await
+    }
+
+    async fn connect_to(url: &str, api_key: Option<&str>) -> Result<Self> {
         use tokio_tungstenite::tungstenite::Error;
-        let mut req = cfg.url.as_str().into_client_request()?;
-        if let Some(k) = &cfg.api_key {
+        let mut req = url.into_client_request()?;
+        if let Some(k) = api_key {
             req.headers_mut().insert("authorization", format!("Bearer {k}").parse()?);
         }
-        let ws = match tokio_tungstenite::connect_async(req).await {
+        // Nagle's algorithm off, as browsers have it for a WebSocket: with it on, an `input.text`
+        // written right after an `ack` waits for the server's delayed ACK (up to 40 ms), which the
+        // measured first audio would include
+        let ws = match tokio_tungstenite::connect_async_with_config(req, None, true).await {
             Ok((ws, _)) => ws,
             Err(Error::Http(r)) if r.status().as_u16() == 503 => {
                 let after = r
@@ -44,7 +51,7 @@ impl Client {
                     .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok());
                 return Err(anyhow::Error::new(Capacity(after.map(|s| s * 1000))));
             }
-            Err(e) => return Err(e).with_context(|| format!("connecting to {}", cfg.url)),
+            Err(e) => return Err(e).with_context(|| format!("connecting to {url}")),
         };
         Ok(Self { ws, last_seq: 0, input_seq: 0, frame_ms: 20.0 })
     }
@@ -176,3 +183,26 @@ impl std::fmt::Display for Capacity {
 }
 
 impl std::error::Error for Capacity {}
+
+#[cfg(test)]
+mod tests {
+    use tokio_tungstenite::MaybeTlsStream;
+
+    /// The client's socket has Nagle's algorithm off (as a browser's WebSocket has), so no
+    /// message it writes waits for the server's delayed ACK.
+    #[tokio::test]
+    async fn the_client_socket_has_nagle_off() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("ws://{}/", listener.local_addr().unwrap());
+        let server = tokio::spawn(async move {
+            let (tcp, _) = listener.accept().await.unwrap();
+            tokio_tungstenite::accept_async(tcp).await.unwrap()
+        });
+        let c = super::Client::connect_to(&url, None).await.unwrap();
+        let _server_side = server.await.unwrap();
+        match c.ws.get_ref() {
+            MaybeTlsStream::Plain(tcp) => assert!(tcp.nodelay().unwrap(), "Nagle is on"),
+            _ => panic!("a plain TCP socket expected"),
+        }
+    }
+}
