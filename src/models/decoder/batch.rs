@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Module, Result, Tensor};
 
+use super::ragged_attention::{RaggedPlan, StreamRows};
 use super::{Attention, DecodeMode, Decoder, KvCache};
 use crate::attention::Rope;
 use crate::batch_decode::{decode_attention_batch, qk_norm_rope_store_batch};
@@ -357,6 +358,7 @@ impl Decoder {
         let mut slots = Vec::new();
         let mut pos = Vec::new();
         let mut spans = Vec::with_capacity(streams.len());
+        let mut rows_of = Vec::with_capacity(streams.len());
         for s in streams.iter() {
             let (len, n) = (s.cache.len(), s.embeds.dim(0)?);
             if n == 0 {
@@ -370,6 +372,7 @@ impl Decoder {
                 );
             }
             let slot = s.cache.slot.as_ref().expect("in the pool").index as u32;
+            rows_of.push(StreamRows { start: slots.len(), n, slot: slot as usize, first: len });
             spans.push((slots.len(), n));
             slots.extend(std::iter::repeat_n(slot, n));
             pos.extend((len..len + n).map(|p| p as u32));
@@ -380,8 +383,13 @@ impl Decoder {
         let max_pos = pos.iter().max().map(|&p| p as usize);
         let slots = Tensor::new(slots.as_slice(), &self.device)?;
         let pos = Tensor::new(pos.as_slice(), &self.device)?;
+        let plan = RaggedPlan::new(&rows_of, self.cfg.num_heads, self.dtype, &self.device)?;
         let h = self.run_layers(x, |li, attn, h| {
-            attn.forward_batch(h, &self.rope, &pool.layers[li], &slots, &pos, max_pos)
+            let kv = &pool.layers[li];
+            match &plan {
+                Some(plan) => attn.forward_batch_by(h, &self.rope, kv, &slots, &pos, plan),
+                None => attn.forward_batch(h, &self.rope, kv, &slots, &pos, max_pos),
+            }
         })?;
         for (s, &(_, n)) in streams.iter_mut().zip(&spans) {
             s.cache.advance(n);
@@ -403,10 +411,42 @@ impl Attention {
         pos: &Tensor,
         max_pos: Option<usize>,
     ) -> Result<Tensor> {
+        let (hq, hkv) = (self.num_heads, self.num_kv_heads);
+        let heads = self.heads_stored(x, rope, kv, slots, pos)?;
+        let o = decode_attention_batch(&heads, hq, hkv, &kv.0, &kv.1, slots, pos, max_pos)?;
+        self.o_proj.forward(&o.reshape((x.dim(0)?, hq * self.head_dim))?)
+    }
+
+    /// [`Attention::forward_batch`] for a ragged step whose prompt chunks attend by matrix
+    /// products (`ragged_attention.rs`).
+    pub(super) fn forward_batch_by(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        kv: &(Tensor, Tensor),
+        slots: &Tensor,
+        pos: &Tensor,
+        plan: &RaggedPlan,
+    ) -> Result<Tensor> {
+        let (hq, hkv) = (self.num_heads, self.num_kv_heads);
+        let heads = self.heads_stored(x, rope, kv, slots, pos)?;
+        let o = plan.attend(&heads, hq, hkv, &kv.0, &kv.1, slots, pos)?;
+        self.o_proj.forward(&o.reshape((x.dim(0)?, hq * self.head_dim))?)
+    }
+
+    /// The rows' q, k and v heads (`[rows, hq + 2 hkv, d]`), k and v written to each row's slot
+    /// at its position.
+    fn heads_stored(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        kv: &(Tensor, Tensor),
+        slots: &Tensor,
+        pos: &Tensor,
+    ) -> Result<Tensor> {
         let (d, hq, hkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
-        let b = x.dim(0)?;
-        let qkv = self.qkv_proj.forward(x)?.reshape((b, hq + 2 * hkv, d))?;
-        let heads = qk_norm_rope_store_batch(
+        let qkv = self.qkv_proj.forward(x)?.reshape((x.dim(0)?, hq + 2 * hkv, d))?;
+        qk_norm_rope_store_batch(
             &qkv,
             hq,
             hkv,
@@ -417,8 +457,6 @@ impl Attention {
             pos,
             &kv.0,
             &kv.1,
-        )?;
-        let o = decode_attention_batch(&heads, hq, hkv, &kv.0, &kv.1, slots, pos, max_pos)?;
-        self.o_proj.forward(&o.reshape((b, hq * d))?)
+        )
     }
 }

@@ -14,6 +14,7 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 
 mod batch;
 mod kv_cache;
+mod ragged_attention;
 mod snapshot;
 
 pub use super::cache_pool::{CachePool, PooledCache};
