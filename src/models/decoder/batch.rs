@@ -254,7 +254,8 @@ impl Decoder {
     /// each row's slot and position, and `st.out`.
     fn batch_body(&self, pool: &PoolInner, st: &BatchStep) -> Result<()> {
         let h = self.run_layers(st.x_in.clone(), |li, attn, h| {
-            attn.forward_batch(h, &self.rope, &pool.layers[li], &st.slots, &st.pos, None)
+            let none = RowAttention::Kernel { max_pos: None };
+            attn.forward_batch(h, &self.rope, &pool.layers[li], &st.slots, &st.pos, none)
         })?;
         st.out.slice_set(&h, 0, 0)
     }
@@ -385,11 +386,11 @@ impl Decoder {
         let pos = Tensor::new(pos.as_slice(), &self.device)?;
         let plan = RaggedPlan::new(&rows_of, self.cfg.num_heads, self.dtype, &self.device)?;
         let h = self.run_layers(x, |li, attn, h| {
-            let kv = &pool.layers[li];
-            match &plan {
-                Some(plan) => attn.forward_batch_by(h, &self.rope, kv, &slots, &pos, plan),
-                None => attn.forward_batch(h, &self.rope, kv, &slots, &pos, max_pos),
-            }
+            let attention = match &plan {
+                Some(plan) => RowAttention::Plan(plan),
+                None => RowAttention::Kernel { max_pos },
+            };
+            attn.forward_batch(h, &self.rope, &pool.layers[li], &slots, &pos, attention)
         })?;
         for (s, &(_, n)) in streams.iter_mut().zip(&spans) {
             s.cache.advance(n);
@@ -398,10 +399,17 @@ impl Decoder {
     }
 }
 
+/// How a batched step's rows attend: all through the decode kernel (`max_pos`: the highest
+/// position of any row, when known on the host, not in a graph), or by a ragged step's plan.
+pub(super) enum RowAttention<'a> {
+    Kernel { max_pos: Option<usize> },
+    Plan(&'a RaggedPlan),
+}
+
 impl Attention {
     /// One position of each row's stream over its slot of the pool `kv` (`[slots + 1, hkv, cap,
-    /// d]` each): the new K/V go to the row's position, attention reads the positions up to it.
-    /// `max_pos`: the highest position of any row, when known on the host (not in a graph).
+    /// d]` each), or a ragged step's rows: the new K/V go to the rows' positions, attention reads
+    /// the positions up to each row.
     pub(super) fn forward_batch(
         &self,
         x: &Tensor,
@@ -409,44 +417,12 @@ impl Attention {
         kv: &(Tensor, Tensor),
         slots: &Tensor,
         pos: &Tensor,
-        max_pos: Option<usize>,
-    ) -> Result<Tensor> {
-        let (hq, hkv) = (self.num_heads, self.num_kv_heads);
-        let heads = self.heads_stored(x, rope, kv, slots, pos)?;
-        let o = decode_attention_batch(&heads, hq, hkv, &kv.0, &kv.1, slots, pos, max_pos)?;
-        self.o_proj.forward(&o.reshape((x.dim(0)?, hq * self.head_dim))?)
-    }
-
-    /// [`Attention::forward_batch`] for a ragged step whose prompt chunks attend by matrix
-    /// products (`ragged_attention.rs`).
-    pub(super) fn forward_batch_by(
-        &self,
-        x: &Tensor,
-        rope: &Rope,
-        kv: &(Tensor, Tensor),
-        slots: &Tensor,
-        pos: &Tensor,
-        plan: &RaggedPlan,
-    ) -> Result<Tensor> {
-        let (hq, hkv) = (self.num_heads, self.num_kv_heads);
-        let heads = self.heads_stored(x, rope, kv, slots, pos)?;
-        let o = plan.attend(&heads, hq, hkv, &kv.0, &kv.1, slots, pos)?;
-        self.o_proj.forward(&o.reshape((x.dim(0)?, hq * self.head_dim))?)
-    }
-
-    /// The rows' q, k and v heads (`[rows, hq + 2 hkv, d]`), k and v written to each row's slot
-    /// at its position.
-    fn heads_stored(
-        &self,
-        x: &Tensor,
-        rope: &Rope,
-        kv: &(Tensor, Tensor),
-        slots: &Tensor,
-        pos: &Tensor,
+        attention: RowAttention<'_>,
     ) -> Result<Tensor> {
         let (d, hq, hkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
-        let qkv = self.qkv_proj.forward(x)?.reshape((x.dim(0)?, hq + 2 * hkv, d))?;
-        qk_norm_rope_store_batch(
+        let b = x.dim(0)?;
+        let qkv = self.qkv_proj.forward(x)?.reshape((b, hq + 2 * hkv, d))?;
+        let heads = qk_norm_rope_store_batch(
             &qkv,
             hq,
             hkv,
@@ -457,6 +433,13 @@ impl Attention {
             pos,
             &kv.0,
             &kv.1,
-        )
+        )?;
+        let o = match attention {
+            RowAttention::Kernel { max_pos } => {
+                decode_attention_batch(&heads, hq, hkv, &kv.0, &kv.1, slots, pos, max_pos)?
+            }
+            RowAttention::Plan(plan) => plan.attend(&heads, hq, hkv, &kv.0, &kv.1, slots, pos)?,
+        };
+        self.o_proj.forward(&o.reshape((b, hq * d))?)
     }
 }

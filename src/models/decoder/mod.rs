@@ -210,7 +210,7 @@ impl Attention {
         pos: &Tensor,
     ) -> Result<Tensor> {
         let one = (kv.0.unsqueeze(0)?, kv.1.unsqueeze(0)?);
-        self.forward_batch(x, rope, &one, slot0, pos, None)
+        self.forward_batch(x, rope, &one, slot0, pos, batch::RowAttention::Kernel { max_pos: None })
     }
 }
 

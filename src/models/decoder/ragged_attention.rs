@@ -218,6 +218,8 @@ mod tests {
             let plan = RaggedPlan::new(&streams, block_heads, DType::F32, &dev)?.expect("a plan");
             let got = plan.attend(&heads, hq, hkv, &kc, &vc, &slots, &pos)?;
             assert_eq!(got.dims(), want.dims());
+            let values = got.flatten_all()?.to_vec1::<f32>()?;
+            assert!(values.iter().all(|x| x.is_finite()), "a NaN or Inf in the plan's attention");
             let diff = (&got - &want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
             assert!(diff.is_finite() && diff < 1e-5, "{} parts: {diff}", plan.parts.len());
         }
