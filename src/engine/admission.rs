@@ -222,6 +222,18 @@ impl Admission {
         (s.running.len(), s.queued.len(), s.load.get())
     }
 
+    /// When a caller refused now may ask again (the queue ahead served at the rate streams end).
+    pub fn retry_after(&self) -> Busy {
+        self.state.lock().expect("admission").retry_after()
+    }
+
+    /// Whether this duplex session holds its place (it has not closed): a stage forgets the
+    /// session's stream once it does not.
+    pub fn holds_duplex(&self, session: &str) -> bool {
+        let s = self.state.lock().expect("admission");
+        s.running.contains(&Holder::Duplex(session.to_string()))
+    }
+
     /// A response asks for a place: queued (it starts when the Thinker finds one free), or
     /// refused when the queue is full.
     pub fn enqueue(&self, id: &RequestId) -> Result<(), Busy> {

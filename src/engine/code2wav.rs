@@ -261,6 +261,11 @@ impl Code2WavStage {
         for id in stale {
             self.abort(&id);
         }
+        // a duplex session that holds no place has closed (its close may have found the inbox
+        // full)
+        if let Some(a) = &self.admission {
+            self.duplex.retain(|s| a.holds_duplex(s));
+        }
         self.metrics
             .queue_depth
             .at(StageName::Code2Wav)

@@ -1,7 +1,8 @@
 //! The engine: three stages, each one OS thread running a blocking loop — gather the ready work
-//! of all its streams, run one batched step, hand results on. Async code never runs model code: the
-//! server calls [`Engine::submit`] / [`Engine::cancel`], which only send messages, and receives
-//! events through the request's sink.
+//! of all its streams, run one batched step, hand results on. Async code never runs model code and
+//! never waits on a stage: the server calls [`Engine::submit`] / [`Engine::cancel`], which only
+//! offer messages to the stages' bounded inboxes ([`inbox`]), and receives events through the
+//! request's sink.
 //!
 //! ```text
 //!  submit ──► Thinker ──handoff──► Talker ──chunks──► Code2Wav ──► audio
@@ -24,6 +25,7 @@ pub mod contain;
 pub mod device_setup;
 pub mod fit;
 pub mod gate;
+pub mod inbox;
 pub mod messages;
 pub mod metric_labels;
 pub mod metrics;
@@ -52,6 +54,7 @@ pub use messages::{Code2WavMsg, TalkerMsg, ThinkerMsg};
 pub use metrics::EngineMetrics;
 pub use types::*;
 
+use crate::inbox::{offer, Offer};
 use crate::metric_labels::RefusedKind;
 
 pub use antiphon_models::Models;
@@ -80,6 +83,29 @@ impl std::fmt::Display for SubmitError {
             SubmitError::Busy(b) => b.fmt(f),
             SubmitError::Invalid(why) => f.write_str(why),
             SubmitError::Stopped => f.write_str("the engine has stopped"),
+        }
+    }
+}
+
+/// Why [`Engine::duplex_unit`] did not take a unit.
+#[derive(Debug)]
+pub enum UnitRefused {
+    /// Not audio the Thinker can hear as a unit (the message says why).
+    Invalid(String),
+    /// The Thinker is a whole inbox behind: the unit comes back, to be offered again.
+    Full(Vec<f32>),
+    /// The engine's stages have stopped.
+    Stopped,
+}
+
+impl std::fmt::Display for UnitRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            UnitRefused::Invalid(why) => f.write_str(why),
+            UnitRefused::Full(_) => {
+                f.write_str("the engine is behind (the Thinker's inbox is full)")
+            }
+            UnitRefused::Stopped => f.write_str("the engine has stopped"),
         }
     }
 }
@@ -336,17 +362,26 @@ impl Engine {
         let prefetch = (spec.mode == Mode::Turn).then(|| spec.voice.clone());
         let placeholder = Code2WavMsg::Placeholder { id: spec.id.clone(), prefetch };
         let id = spec.id.clone();
-        let sent = self.to_code2wav.as_ref().map(|t| t.send(placeholder).is_ok()).unwrap_or(false)
-            && self
-                .to_thinker
-                .as_ref()
-                .map(|t| t.send(ThinkerMsg::Admit(spec)).is_ok())
-                .unwrap_or(false);
-        if !sent {
-            self.registry.finish(&id, Status::Failed("engine stopped".into()));
-            return Err(SubmitError::Stopped);
+        let offered = match offer(self.to_code2wav.as_ref(), placeholder) {
+            Offer::Taken => offer(self.to_thinker.as_ref(), ThinkerMsg::Admit(spec)),
+            Offer::Full(_) => Offer::Full(ThinkerMsg::Admit(spec)),
+            Offer::Stopped => Offer::Stopped,
+        };
+        match offered {
+            Offer::Taken => Ok(()),
+            Offer::Full(_) => {
+                // a stage is a whole inbox behind: as at capacity (Code2Wav's step sweeps the
+                // placeholder of a request that is not live)
+                self.registry.withdraw(&id);
+                self.admission.release(&admission::Holder::Response(id));
+                self.metrics.admission_refused.at(RefusedKind::Response).inc();
+                Err(SubmitError::Busy(self.admission.retry_after()))
+            }
+            Offer::Stopped => {
+                self.registry.finish(&id, Status::Failed("engine stopped".into()));
+                Err(SubmitError::Stopped)
+            }
         }
-        Ok(())
     }
 
     /// Takes a place for a duplex session (admission.rs) until [`Engine::close_duplex`]: a session
@@ -370,56 +405,55 @@ impl Engine {
         }
         self.reserve_duplex(&spec.session)?;
         let session = spec.session.clone();
-        let spec_session = spec.session.clone();
-        let sent = self
-            .to_code2wav
-            .as_ref()
-            .map(|t| t.send(Code2WavMsg::DuplexOpen(session)).is_ok())
-            .unwrap_or(false)
-            && self
-                .to_thinker
-                .as_ref()
-                .map(|t| t.send(ThinkerMsg::DuplexOpen(spec, sink)).is_ok())
-                .unwrap_or(false);
-        if !sent {
-            self.admission.release(&admission::Holder::Duplex(spec_session));
-            bail!("the engine has stopped");
+        let to_code2wav = Code2WavMsg::DuplexOpen(session.clone());
+        let offered = match offer(self.to_code2wav.as_ref(), to_code2wav) {
+            Offer::Taken => offer(self.to_thinker.as_ref(), ThinkerMsg::DuplexOpen(spec, sink)),
+            Offer::Full(_) => Offer::Full(ThinkerMsg::DuplexOpen(spec, sink)),
+            Offer::Stopped => Offer::Stopped,
+        };
+        if offered.taken() {
+            return Ok(());
         }
-        Ok(())
+        // (Code2Wav's step forgets a session that holds no place)
+        self.admission.release(&admission::Holder::Duplex(session));
+        match offered {
+            Offer::Full(_) => bail!("the engine is behind (a stage's inbox is full); try again"),
+            _ => bail!("the engine has stopped"),
+        }
     }
 
     /// The next unit of a duplex session: 16 kHz mono, a whole number of 100 ms (1 s by default).
-    pub fn duplex_unit(&self, session: &str, samples: Vec<f32>) -> Result<()> {
+    /// A unit the Thinker has no room for now comes back ([`UnitRefused::Full`]), to be offered
+    /// again once it has decided one of the session's earlier units.
+    pub fn duplex_unit(&self, session: &str, samples: Vec<f32>) -> Result<(), UnitRefused> {
         if samples.is_empty() || !samples.len().is_multiple_of(fit::UNIT_SAMPLES_PER_POSITION) {
-            bail!(
+            return Err(UnitRefused::Invalid(format!(
                 "a duplex unit is a whole number of 100 ms at 16 kHz, not {} samples",
                 samples.len()
-            );
+            )));
         }
         if samples.iter().any(|s| !s.is_finite()) {
-            bail!("input audio holds non-finite samples");
+            return Err(UnitRefused::Invalid("input audio holds non-finite samples".into()));
         }
         let m = ThinkerMsg::DuplexUnit {
             session: session.to_string(),
             samples,
             arrived: std::time::Instant::now(),
         };
-        if !self.to_thinker.as_ref().map(|t| t.send(m).is_ok()).unwrap_or(false) {
-            bail!("the engine has stopped");
+        match offer(self.to_thinker.as_ref(), m) {
+            Offer::Taken => Ok(()),
+            Offer::Full(ThinkerMsg::DuplexUnit { samples, .. }) => Err(UnitRefused::Full(samples)),
+            Offer::Full(_) | Offer::Stopped => Err(UnitRefused::Stopped),
         }
-        Ok(())
     }
 
     /// Ends a duplex session: its open turn is cancelled, `Closed` is its last event, and Code2Wav
-    /// stops counting it.
+    /// stops counting it. (Its place is the authority: a stage whose inbox is full drops the
+    /// message and its step forgets a session that holds no place.)
     pub fn close_duplex(&self, session: &str) {
         self.admission.release(&admission::Holder::Duplex(session.to_string()));
-        if let Some(t) = &self.to_thinker {
-            let _ = t.send(ThinkerMsg::DuplexClose(session.to_string()));
-        }
-        if let Some(t) = &self.to_code2wav {
-            let _ = t.send(Code2WavMsg::DuplexClose(session.to_string()));
-        }
+        let _ = offer(self.to_thinker.as_ref(), ThinkerMsg::DuplexClose(session.to_string()));
+        let _ = offer(self.to_code2wav.as_ref(), Code2WavMsg::DuplexClose(session.to_string()));
     }
 
     /// Prepares a reference voice in Code2Wav (in a step when no chunk is due) and keeps its
@@ -433,52 +467,39 @@ impl Engine {
             bail!(why);
         }
         let (tx, rx) = mpsc::sync_channel(1);
-        if !self
-            .to_code2wav
-            .as_ref()
-            .map(|t| t.send(Code2WavMsg::Prepare { voice, reply: tx }).is_ok())
-            .unwrap_or(false)
-        {
-            bail!("the engine has stopped");
+        match offer(self.to_code2wav.as_ref(), Code2WavMsg::Prepare { voice, reply: tx }) {
+            Offer::Taken => Ok(rx),
+            Offer::Full(_) => bail!("the engine is behind (Code2Wav's inbox is full); try again"),
+            Offer::Stopped => bail!("the engine has stopped"),
         }
-        Ok(rx)
     }
 
     /// Hands Code2Wav features prepared by an earlier run (see [`voices::PreparedVoice::tensors`]):
     /// requests with that voice use them instead of preparing it.
     pub fn install_voice(&self, voice: voices::PreparedVoice) -> Result<()> {
-        if !self
-            .to_code2wav
-            .as_ref()
-            .map(|t| t.send(Code2WavMsg::Install(voice)).is_ok())
-            .unwrap_or(false)
-        {
-            bail!("the engine has stopped");
+        match offer(self.to_code2wav.as_ref(), Code2WavMsg::Install(voice)) {
+            Offer::Taken => Ok(()),
+            Offer::Full(_) => bail!("the engine is behind (Code2Wav's inbox is full); try again"),
+            Offer::Stopped => bail!("the engine has stopped"),
         }
-        Ok(())
     }
 
-    /// Code2Wav drops the features it keeps for the voice of this reference key.
+    /// Code2Wav drops the features it keeps for the voice of this reference key. (With its inbox
+    /// full the message is dropped: the features stay among the prepared voices Code2Wav keeps,
+    /// a bounded store that lets the oldest go.)
     pub fn forget_voice(&self, key: &str) {
-        if let Some(t) = &self.to_code2wav {
-            let _ = t.send(Code2WavMsg::Forget(key.to_string()));
-        }
+        let _ = offer(self.to_code2wav.as_ref(), Code2WavMsg::Forget(key.to_string()));
     }
 
     /// Cancels a request at any point: `Done { Cancelled }` is its last event, and every stage
-    /// frees its state.
+    /// frees its state. (The registry is the authority: a stage whose inbox is full drops the
+    /// message, and its next step sweeps the request away.)
     pub fn cancel(&self, id: &RequestId) -> bool {
         let ended =
             self.registry.finish_counted(id, Status::Cancelled, &self.metrics.requests).is_some();
-        if let Some(t) = &self.to_thinker {
-            let _ = t.send(ThinkerMsg::Cancel(id.clone()));
-        }
-        if let Some(t) = &self.to_talker {
-            let _ = t.send(TalkerMsg::Cancel(id.clone()));
-        }
-        if let Some(t) = &self.to_code2wav {
-            let _ = t.send(Code2WavMsg::Cancel(id.clone()));
-        }
+        let _ = offer(self.to_thinker.as_ref(), ThinkerMsg::Cancel(id.clone()));
+        let _ = offer(self.to_talker.as_ref(), TalkerMsg::Cancel(id.clone()));
+        let _ = offer(self.to_code2wav.as_ref(), Code2WavMsg::Cancel(id.clone()));
         ended
     }
 }

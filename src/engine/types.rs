@@ -447,6 +447,13 @@ impl Registry {
         self.get(id).map(|e| e.progress.lock().expect("progress").timings.clone())
     }
 
+    /// Forgets a request that never reached the stages (the engine could not hand it on): no event
+    /// is emitted and the end hook is not called; the caller frees its place. The stages drop
+    /// whatever of it they got (it is not live).
+    pub fn withdraw(&self, id: &RequestId) {
+        self.inner.lock().expect("registry").remove(id);
+    }
+
     /// Ends a request: emits `Done` once and forgets it. Returns the
     /// timings when this call ended it.
     pub fn finish(&self, id: &RequestId, status: Status) -> Option<Timings> {

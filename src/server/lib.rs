@@ -56,7 +56,25 @@ pub struct Shared {
     pub turn_model: Option<turn_model::TurnModel>,
 }
 
+/// Text longer than this is counted in tokens with the worker handed over
+/// ([`Shared::count_tokens`]): the Thinker's tokenizer takes milliseconds over tens of KiB.
+const LONG_TEXT_BYTES: usize = 4096;
+
 impl Shared {
+    /// The Thinker's tokens in `text`. A session's task counts on a tokio worker: a long text is
+    /// counted with `block_in_place` (on the multi-threaded runtime the server runs), so the
+    /// worker's other tasks move to another worker instead of waiting for the tokenizer.
+    pub fn count_tokens(&self, text: &str) -> anyhow::Result<usize> {
+        use tokio::runtime::{Handle, RuntimeFlavor};
+        let multi =
+            Handle::try_current().is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread);
+        if multi && text.len() > LONG_TEXT_BYTES {
+            tokio::task::block_in_place(|| self.engine.count_tokens(text))
+        } else {
+            self.engine.count_tokens(text)
+        }
+    }
+
     /// `instructions` within the protocol's cap in characters, then within
     /// `server.max_instructions_tokens` of the Thinker's tokens (`bad_field` naming the limit).
     pub fn check_instructions(&self, i: Option<&str>) -> Result<(), antiphon_protocol::WireError> {
@@ -64,7 +82,7 @@ impl Shared {
         antiphon_protocol::validate_instructions(i)?;
         let Some(i) = i else { return Ok(()) };
         let max = self.config.server.max_instructions_tokens;
-        let n = self.engine.count_tokens(i).map_err(|e| {
+        let n = self.count_tokens(i).map_err(|e| {
             WireError::new(ErrorCode::BadField, format!("field `instructions`: {e}"))
         })?;
         if n > max {
@@ -88,7 +106,7 @@ impl Shared {
         if text.len().saturating_mul(3) <= max {
             return Ok(());
         }
-        let n = self.engine.count_tokens(text).map_err(|e| format!("{e:#}"))?;
+        let n = self.count_tokens(text).map_err(|e| format!("{e:#}"))?;
         if n > max {
             return Err(format!(
                 "{n} tokens of text, more than one turn holds beside the \

@@ -405,3 +405,19 @@ fn metric_labels_are_types() {
     }
     assert!(hits.is_empty(), "pick a series with `Labeled::at` and a label type: {hits:?}");
 }
+
+/// Async code never waits on a stage: the engine's API (`src/engine/lib.rs`, what the server's
+/// tasks call) and admission (which the server's tasks also reach) only offer messages to the
+/// stages' bounded inboxes (`src/engine/inbox.rs`), never a blocking `send`.
+#[test]
+fn the_engine_api_never_waits_on_a_stage_inbox() {
+    let mut hits = Vec::new();
+    for f in ["src/engine/lib.rs", "src/engine/admission.rs"] {
+        for (k, line) in std::fs::read_to_string(root().join(f)).unwrap().lines().enumerate() {
+            if line.contains(".send(") {
+                hits.push(format!("{f}:{}", k + 1));
+            }
+        }
+    }
+    assert!(hits.is_empty(), "offer to a stage with `inbox::offer`: {hits:?}");
+}

@@ -333,6 +333,52 @@ fn a_full_context_closes_the_session_with_its_reason() {
     assert!(rx.try_recv().is_err());
 }
 
+/// The engine's own bound on a stream's queued input (the server paces its clients well before
+/// it): a session whose units run more than 30 s ahead of the decisions fails, saying why, and
+/// nothing follows its `Closed`.
+#[test]
+fn a_stream_whose_input_runs_far_ahead_of_the_model_fails_saying_why() {
+    let e = engine(EngineConfig::default());
+    let rx = open(&e, "f", DuplexPolicy::SpeakEvery(1000), GenerationParams::default());
+    let units: Vec<Vec<f32>> = (0..45).map(unit).collect();
+    // (45 s offered at once: the tiny Thinker decides a unit in milliseconds, not microseconds)
+    for u in units {
+        e.duplex_unit("f", u).unwrap();
+    }
+    let ev = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
+    match ev.last() {
+        Some(DuplexEvent::Closed { reason: antiphon_engine::DuplexEnd::Failed(why) }) => {
+            assert!(why.contains("30 s ahead"), "{why}")
+        }
+        other => panic!("not failed for running ahead: {other:?} after {}", summary(&ev)),
+    }
+    assert!(decisions(&ev).len() < 45, "{}", summary(&ev));
+    e.close_duplex("f");
+}
+
+/// A closed session's stream goes even when its close message is lost (an inbox full): its place
+/// is the authority, and the Thinker's step forgets a stream whose session holds none.
+#[test]
+fn a_duplex_stream_goes_with_its_place() {
+    let e = engine(EngineConfig::default());
+    let rx = open(&e, "p", DuplexPolicy::SpeakEvery(1000), GenerationParams::default());
+    e.duplex_unit("p", unit(0)).unwrap();
+    collect(&rx, |ev| !decisions(ev).is_empty());
+    // the place alone, as a close whose messages found the inboxes full leaves it
+    e.admission().release(&antiphon_engine::admission::Holder::Duplex("p".into()));
+    e.duplex_unit("p", unit(1)).unwrap();
+    let ev = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
+    assert!(
+        matches!(
+            ev.last(),
+            Some(DuplexEvent::Closed { reason: antiphon_engine::DuplexEnd::Closed })
+        ),
+        "{}",
+        summary(&ev)
+    );
+    assert_eq!(e.admission().counts().0, 0, "no place held");
+}
+
 #[test]
 fn no_prefetch_while_a_duplex_session_is_live() {
     let e = engine(EngineConfig::default());

@@ -63,6 +63,9 @@ struct OpenTurn {
     turn_end: bool,
 }
 
+/// Input audio a duplex stream holds queued before its units are decided, at most (16 kHz).
+pub const MAX_UNITS_AHEAD_MS: usize = 30_000;
+
 pub struct DuplexStream {
     spec: DuplexSpec,
     sink: DuplexSink,
@@ -163,8 +166,19 @@ impl DuplexStream {
         })
     }
 
-    /// Queues a unit of 16 kHz audio.
-    pub fn push_unit(&mut self, samples: Vec<f32>, arrived: Instant) {
+    /// Queues a unit of 16 kHz audio. A session whose audio runs more than
+    /// [`MAX_UNITS_AHEAD_MS`] ahead of the units decided fails (the server holds its units back
+    /// well before: this is the bound of the stream's queue, not flow control).
+    pub fn push_unit(&mut self, ctx: &mut Ctx, samples: Vec<f32>, arrived: Instant) {
+        let queued: usize = self.units.iter().map(|(u, _)| u.len()).sum::<usize>() + samples.len();
+        if queued > MAX_UNITS_AHEAD_MS * 16 {
+            let why = format!(
+                "its input audio ran more than {} s ahead of the units decided",
+                MAX_UNITS_AHEAD_MS / 1000
+            );
+            self.end(ctx, DuplexEnd::Failed(why));
+            return;
+        }
         self.units.push_back((samples, arrived));
     }
 

@@ -414,7 +414,11 @@ impl ThinkerStage {
 
     /// Drops the streams that ended (a turn's pooled cache goes back to the pool as it drops).
     fn sweep(&mut self) {
-        let ThinkerStage { ctx, turns, duplex, .. } = self;
+        let ThinkerStage { ctx, turns, duplex, admission, .. } = self;
+        // a session that holds no place has closed (its close may have found the inbox full)
+        for d in duplex.iter_mut().filter(|d| !admission.holds_duplex(d.session())) {
+            d.end(ctx, crate::DuplexEnd::Closed);
+        }
         duplex.retain(|d| !d.ended(ctx));
         turns.retain(|t| !t.ended(ctx));
     }
@@ -451,7 +455,7 @@ impl StageLoop for ThinkerStage {
             }
             ThinkerMsg::DuplexUnit { session, samples, arrived } => {
                 if let Some(d) = self.duplex.iter_mut().find(|d| d.session() == session) {
-                    d.push_unit(samples, arrived);
+                    d.push_unit(&mut self.ctx, samples, arrived);
                 }
             }
             ThinkerMsg::DuplexClose(session) => {

@@ -477,7 +477,7 @@ impl Translator {
         }
         // (a response cancelled here ends before the engine reports its usage: its text is counted)
         let written = match v1_usage.output_text_tokens {
-            0 => self.shared.engine.count_tokens(&a.transcript).map(|n| n as u64).unwrap_or(0),
+            0 => self.shared.count_tokens(&a.transcript).map(|n| n as u64).unwrap_or(0),
             n => n,
         };
         let usage = UsageView {

@@ -6,7 +6,6 @@
 //! socket if there is one. A socket that drops parks the session for the grace period; a resume
 //! re-attaches and replays what the client lacks.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -187,9 +186,9 @@ impl Session {
                     }
                     Some(DuplexPolicy::SpeakEvery { k }) => EnginePolicy::SpeakEvery(*k as u64),
                 };
-                let unit_in = (input.rate() as u64 * shared.config.engine.duplex.unit_ms as u64
-                    / 1000) as usize;
-                Some(DuplexState { policy, unit_in, units_sent: 0, turns: HashMap::new() })
+                let unit_ms = shared.config.engine.duplex.unit_ms;
+                let unit_in = (input.rate() as u64 * unit_ms as u64 / 1000) as usize;
+                Some(DuplexState::new(policy, unit_in, unit_ms))
             }
         };
         let voice = resolve_voice(&shared, c.voice.as_ref())?;
@@ -302,7 +301,9 @@ impl Session {
                 },
                 // (the manager holds a sender as long as the session exists: `None` only at the
                 // end)
-                Some(m) = input.recv() => self.handle(m),
+                // (a duplex session whose units run ahead of the model waits for it: the socket's
+                // reader then waits too, and so does the client)
+                Some(m) = input.recv(), if self.takes_input() => self.handle(m),
                 _ = tick.tick() => self.handle(SessionMsg::Tick),
             }
         }
@@ -470,7 +471,13 @@ impl Session {
         }
     }
 
+    fn takes_input(&self) -> bool {
+        self.duplex.as_ref().is_none_or(DuplexState::takes_input)
+    }
+
     fn tick(&mut self) {
+        // (a unit the engine had no room for is offered again)
+        self.feed_units();
         let cfg = &self.shared.config.server;
         let now = Instant::now();
         if let Some(t) = self.parked_at {

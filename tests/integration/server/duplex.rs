@@ -126,3 +126,46 @@ async fn a_duplex_session_over_the_wire() {
     }
     s.shutdown().await.unwrap();
 }
+
+/// A duplex client that sends faster than real time is paced by the model: the session takes its
+/// audio only as far as 3 s (three 1 s units) ahead of the units decided (its `ack`s show what it
+/// took), and nothing is dropped: every unit is decided, in order, with no error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplex_client_faster_than_real_time_is_paced_by_the_model() {
+    let s = server(|c| c.engine.duplex.unit_ms = 1000).await;
+    let mut c = Client::connect(&s).await;
+    c.create(json!({"mode": "duplex", "duplex": {"policy": "speak_every", "k": 1000}})).await;
+    // 90 s of 16 kHz PCM16 in 100 ms frames (seq 1..=900), sent at once (the tiny model decides a
+    // unit in tens of milliseconds: an unpaced session would have taken it all by its first ack)
+    let frames = 900u32;
+    for k in 0..frames {
+        let payload: Vec<u8> = (0..1600)
+            .map(|i| (((k * 1600 + i) as f32 * 0.03).sin() * 6000.0) as i16)
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let f = AudioFrame { kind: 1, last: false, seq: k + 1, response_id: 0, payload };
+        c.send_raw(Message::Binary(f.encode().into())).await;
+    }
+    let (mut decided, mut taken) = (0u64, 0u64);
+    while decided < 90 || taken < frames as u64 {
+        match c.recv().await {
+            In::Event(v) if v["type"] == "duplex.listen" || v["type"] == "duplex.speak" => {
+                assert_eq!(v["unit"], decided, "units decided in order: {v}");
+                decided += 1;
+            }
+            In::Event(v) if v["type"] == "ack" => {
+                taken = v["input_seq"].as_u64().unwrap();
+                // what the session took: the units decided, three more in flight, the unit being
+                // cut and the frame that completed it
+                assert!(
+                    taken <= (decided + 3 + 1) * 10 + 1,
+                    "took {taken} frames of 100 ms with {decided} units decided"
+                );
+            }
+            In::Event(v) if v["type"] == "error" => panic!("{v}"),
+            In::Closed(c) => panic!("closed: {c:?}"),
+            _ => {}
+        }
+    }
+    assert_eq!(decided, 90);
+}
