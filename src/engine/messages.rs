@@ -35,6 +35,10 @@ pub enum TalkerMsg {
         /// The reply's text length when the request forces it (`min_text_tokens` =
         /// `max_text_tokens`): with text chunks, forced codes are spread over the chunks by it.
         text_tokens: Option<usize>,
+        /// Turn mode: the reply comes in text chunks of this many tokens (`TextChunk`); 0: the
+        /// whole reply (`Rows`, then `End`). The Thinker decides it for the reply
+        /// (`talker.text_chunk_streams`).
+        text_chunk: usize,
         seed: u64,
     },
     /// Thinker tokens after `<|tts_bos|>` and their last-layer hidden rows `[n, llm_dim]`.

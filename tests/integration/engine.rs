@@ -155,6 +155,31 @@ fn text_chunks_give_the_forced_codes_and_the_same_text() {
     assert_eq!(e.active(), 0);
 }
 
+/// `talker.text_chunk_streams`: a reply that finds more requests in the engine than that (itself
+/// included) is handed off whole, and its audio is the whole reply's; one that finds no more gets
+/// text chunks, and the chunked audio.
+#[test]
+fn text_chunks_only_for_a_reply_that_finds_the_engine_light() {
+    let run = |cfg: EngineConfig| collect(submit(&engine(cfg), spec("a", "say it", 32, 100, 5)));
+    let chunks = |streams: Option<usize>| {
+        EngineConfig::default().with(|c| {
+            c.talker.text_chunk = 10;
+            c.talker.text_chunk_streams = streams;
+        })
+    };
+    let whole = run(EngineConfig::default());
+    let chunked = run(chunks(None));
+    assert_ne!(chunked.audio.concat(), whole.audio.concat(), "text chunks condition otherwise");
+    for (name, got, want) in
+        [("busy", run(chunks(Some(0))), &whole), ("light", run(chunks(Some(1))), &chunked)]
+    {
+        assert_eq!(got.status, Status::Completed, "{name}");
+        assert_eq!(got.text, want.text, "{name}");
+        let err = common::max_abs_diff(&got.audio.concat(), &want.audio.concat());
+        assert!(err < 1e-6, "{name}: the audio differs by {err}");
+    }
+}
+
 fn batched_requests_match_requests_alone(cfg: EngineConfig) {
     let e = engine(cfg);
     let alone: Vec<Outcome> = (0..3)

@@ -70,6 +70,12 @@ pub struct TalkerConfig {
     /// each chunk's codes over a window of the previous chunk (docs/design/turn-streaming.md).
     /// 0: the whole reply at once (the vLLM-Omni reference's hand-off).
     pub text_chunk: usize,
+    /// Text chunks only for a reply that finds at most this many requests in the engine (itself
+    /// included) when the Thinker takes it; busier, the whole reply: text chunks bring first audio
+    /// sooner, but their windows cost the batched steps throughput under load. `"none"` (the
+    /// default): every reply.
+    #[serde(deserialize_with = "count_or_none")]
+    pub text_chunk_streams: Option<usize>,
     /// A stream's later segments (a text chunk's window, a duplex unit's condition), once its first
     /// chunk is out, go through the batched decode step a row a step rather than as a prefill
     /// beside it. On a GPU with stage priorities the decode step is a graph at the Talker's raised
@@ -89,6 +95,18 @@ pub struct TalkerConfig {
     pub sampling: SamplingParams,
 }
 
+impl TalkerConfig {
+    /// Text tokens a chunk of a turn reply that finds `engaged` requests in the engine
+    /// (`text_chunk_streams`); 0: the whole reply.
+    pub fn text_chunk_for(&self, engaged: usize) -> usize {
+        if self.text_chunk_streams.is_none_or(|n| engaged <= n) {
+            self.text_chunk
+        } else {
+            0
+        }
+    }
+}
+
 impl Default for TalkerConfig {
     fn default() -> Self {
         Self {
@@ -97,6 +115,7 @@ impl Default for TalkerConfig {
             slot_context: 4096,
             streaming_prefill: false,
             text_chunk: 0,
+            text_chunk_streams: None,
             segment_rows: false,
             lead_chunks: Some(1),
             hold_first_chunk: false,

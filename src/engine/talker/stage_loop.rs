@@ -14,12 +14,20 @@ impl StageLoop for TalkerStage {
 
     fn on_message(&mut self, m: TalkerMsg) {
         match m {
-            TalkerMsg::Begin { id, mode, voice, min_codes, max_codes, text_tokens, seed } => {
+            TalkerMsg::Begin {
+                id,
+                mode,
+                voice,
+                min_codes,
+                max_codes,
+                text_tokens,
+                text_chunk,
+                seed,
+            } => {
                 // room for the longest text, its two closing embeddings and every code: the cache
                 // never grows (a growth would need a new decode graph); with text chunks, room for
                 // two chunks' conditions and every code (a window holds at most that)
-                let chunk = (mode == Mode::Turn && self.cfg.talker.text_chunk > 0)
-                    .then_some(self.cfg.talker.text_chunk);
+                let chunk = (mode == Mode::Turn && text_chunk > 0).then_some(text_chunk);
                 let need =
                     crate::fit::talker_rows(self.cfg.default_max_text_tokens, max_codes, chunk);
                 let context = self.talker.decoder().config().max_positions;

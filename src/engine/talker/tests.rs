@@ -45,6 +45,7 @@ fn begin(s: &mut TalkerStage, id: &str) -> usize {
         min_codes: 100,
         max_codes: 100,
         text_tokens: None,
+        text_chunk: 0,
         seed: 1,
     });
     s.reqs[&id].chunker.first()
@@ -105,6 +106,7 @@ fn a_first_text_chunks_hold_lasts_until_the_talkers_next_step() {
         min_codes: 30,
         max_codes: 30,
         text_tokens: Some(20),
+        text_chunk: 10,
         seed: 1,
     });
     let hidden = Tensor::zeros((10, llm_dim), DType::F32, &candle_core::Device::Cpu).unwrap();

@@ -262,6 +262,7 @@ impl DuplexStream {
                 min_codes: g.min_audio_tokens.unwrap_or(0),
                 max_codes: g.max_audio_tokens.unwrap_or(ctx.cfg.duplex.drain_codes),
                 text_tokens: None,
+                text_chunk: 0,
                 seed: g.seed.unwrap_or(0).wrapping_add(self.turns),
             });
             self.turn = Some(OpenTurn {

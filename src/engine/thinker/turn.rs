@@ -154,6 +154,11 @@ impl TurnStream {
                 return None;
             }
         };
+        // (text chunks only on an engine that holds few requests: `talker.text_chunk_streams`)
+        let text_chunk = match spec.mode {
+            Mode::Turn => ctx.cfg.talker.text_chunk_for(ctx.registry.live_count()),
+            Mode::Duplex => 0,
+        };
         if !text_only {
             let _ = ctx.to_talker.send(TalkerMsg::Begin {
                 id: spec.id.clone(),
@@ -165,6 +170,7 @@ impl TurnStream {
                 }),
                 max_codes: g.max_audio_tokens.unwrap_or(ctx.cfg.default_max_audio_tokens),
                 text_tokens: (min == max).then_some(max),
+                text_chunk,
                 seed: seed.wrapping_add(1),
             });
         }
@@ -246,7 +252,7 @@ impl TurnStream {
             text: TextStream::new(),
             rows: Vec::new(),
             streamed: 0,
-            text_chunk: if spec.mode == Mode::Turn { ctx.cfg.talker.text_chunk } else { 0 },
+            text_chunk,
             voice,
             store_system,
             forced,
