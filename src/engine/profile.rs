@@ -27,6 +27,26 @@ fn greedy_ids(logits: &Tensor) -> candle_core::Result<Vec<u32>> {
     logits.argmax_keepdim(1)?.flatten_all()?.to_vec1::<u32>()
 }
 
+/// One prefill step of `chunk` for every cache, the last row's hidden state brought to the host
+/// (as the server's step reads its logits), then every cache cut back to `prefix` positions for
+/// the next iteration.
+fn prefill_chunk_step(
+    g: &antiphon_models::qwen3::Qwen3,
+    caches: &mut [KvCache],
+    chunk: &Tensor,
+    prefix: usize,
+) -> Result<()> {
+    let mut steps: Vec<StreamStep> =
+        caches.iter_mut().map(|c| StreamStep { cache: c, embeds: chunk.clone() }).collect();
+    let h = g.forward(&mut steps)?;
+    let last = chunk.dim(0)? - 1;
+    std::hint::black_box(h[0].narrow(0, last, 1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+    for c in caches.iter_mut() {
+        c.truncate(prefix);
+    }
+    Ok(())
+}
+
 /// Runs every measurement; `batches` are the decode batch sizes.
 /// Only the rows whose names contain one of `only`'s strings run (all when it is empty).
 pub fn run(
@@ -207,39 +227,13 @@ pub fn run(
                 "thinker prefill step in slots: b prompts x 30 positions (one batch when b > 1)",
                 b,
                 iters,
-                || {
-                    let mut steps: Vec<StreamStep> = caches
-                        .iter_mut()
-                        .map(|c| StreamStep { cache: c, embeds: chunk.clone() })
-                        .collect();
-                    let h = g.forward(&mut steps)?;
-                    std::hint::black_box(
-                        h[0].narrow(0, 29, 1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?,
-                    );
-                    for c in caches.iter_mut() {
-                        c.truncate(170);
-                    }
-                    Ok(())
-                },
+                || prefill_chunk_step(&g, &mut caches, &chunk, 170),
             )?;
             rows.time(
                 "thinker prefill step, own caches: b prompts x 30 positions (op by op)",
                 b,
                 iters,
-                || {
-                    let mut steps: Vec<StreamStep> = own
-                        .iter_mut()
-                        .map(|c| StreamStep { cache: c, embeds: chunk.clone() })
-                        .collect();
-                    let h = g.forward(&mut steps)?;
-                    std::hint::black_box(
-                        h[0].narrow(0, 29, 1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?,
-                    );
-                    for c in own.iter_mut() {
-                        c.truncate(170);
-                    }
-                    Ok(())
-                },
+                || prefill_chunk_step(&g, &mut own, &chunk, 170),
             )?;
             for c in caches.iter_mut() {
                 g.forward(&mut [StreamStep { cache: c, embeds: chunk.clone() }])?;
