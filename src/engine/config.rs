@@ -32,6 +32,11 @@ pub struct EngineConfig {
     /// starts theirs first (a decode step is a few ms; Code2Wav's chunks are hundreds). Off by
     /// default; on in the GPU configuration (docs/performance.md).
     pub stage_priorities: bool,
+    /// With stage priorities, a step of at most this many streams is a lightly loaded stage's:
+    /// a Talker step this small holds the gate while one of its streams makes its first chunk's
+    /// codes (or a text chunk's window), and a Thinker step this small sends a reply's first text
+    /// chunk with it held (`gate.rs`). Larger steps leave the Thinker its priority.
+    pub gated_streams: usize,
     /// On a GPU, f32 matrix products (the vocoder's convolutions, reference preparation) run on
     /// tensor cores in TF32 (10-bit mantissa products, f32 sums); off: full f32. Process-wide.
     pub gpu_tf32: bool,
@@ -85,6 +90,7 @@ impl Default for EngineConfig {
             idle_cache_mib: 1024,
             decode_graphs: true,
             stage_priorities: false,
+            gated_streams: 4,
             gpu_tf32: true,
             default_max_text_tokens: 512,
             default_min_audio_tokens: 50,

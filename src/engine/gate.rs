@@ -14,7 +14,10 @@
 //! busy stage never stops the Thinker for long). Held by a Talker step that makes some reply's
 //! first chunk of codes (a prefill, whatever the step's size; a decode step of a few streams), by a
 //! Talker step of a few streams with a prefill in it (a text chunk's window), and by a Code2Wav
-//! step of a few chunk 0s and nothing else. Later chunks have audio buffered to wait
+//! step of a few chunk 0s and nothing else; "a few" is `engine.gated_streams` (4): a Talker step
+//! that small holds it while a stream makes its first chunk's codes or prefills (a prefill for a
+//! first chunk holds it whatever the step's size), and a Thinker step that small sends a reply's
+//! first text chunk with it. Later chunks have audio buffered to wait
 //! on, and under load the Thinker keeps its priority. Off on a CPU.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -23,12 +26,6 @@ use std::time::{Duration, Instant};
 
 /// The longest the Thinker waits for the gate before it steps anyway.
 pub const MAX_WAIT: Duration = Duration::from_millis(30);
-
-/// A step of at most this many streams is a lightly loaded stage's: its first-audio work holds the
-/// gate (under load the Thinker keeps its priority). A Talker step this small holds it when one
-/// of its streams makes its first chunk's codes or prefills (a prefill for a first chunk holds it
-/// whatever the step's size); a Thinker step this small sends a reply's first text chunk with it.
-pub const GATED_STREAMS: usize = 4;
 
 #[derive(Clone)]
 pub struct PrefillGate {

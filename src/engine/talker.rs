@@ -21,8 +21,6 @@ use antiphon_models::decoder::{KvCache, PooledCache, StreamStep};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
 use antiphon_models::talker::{ConditionMode, Talker};
 
-use crate::gate::GATED_STREAMS;
-
 mod chunks;
 mod stage_loop;
 use crate::metric_labels::{StageName, StepKind};
@@ -301,7 +299,7 @@ impl TalkerStage {
         // priority
         // (a segment fed by rows counts as its prefill: in a step of a few streams each of its
         // rows would otherwise wait behind the Thinker's graph at the same priority)
-        let small = ids.len() <= GATED_STREAMS;
+        let small = ids.len() <= self.cfg.gated_streams;
         let gated = ids.iter().zip(&embeds).zip(&rests).any(|((id, e), rest)| {
             let prefill = e.dim(0).unwrap_or(1) > 1 || rest.is_some();
             (self.reqs[id].chunker.sent() == 0 && (prefill || small)) || (prefill && small)

@@ -51,7 +51,7 @@ pub struct Ctx {
     pub prefixes: PrefixStore<KvCache>,
     /// Open unless a Talker prefill for a reply's first code is on the GPU (`gate.rs`).
     pub gate: PrefillGate,
-    /// Streams in the step running now: at most [`crate::gate::GATED_STREAMS`], a reply's first
+    /// Streams in the step running now: at most `engine.gated_streams`, a reply's first
     /// text chunk goes to the Talker with the gate held.
     pub step_streams: usize,
 }

@@ -296,8 +296,7 @@ impl TurnStream {
         };
         // (a lightly loaded Thinker launches nothing until the Talker has taken the first chunk)
         let first = self.streamed == 0;
-        let hold =
-            (first && ctx.step_streams <= crate::gate::GATED_STREAMS).then(|| ctx.gate.hold());
+        let hold = (first && ctx.step_streams <= ctx.cfg.gated_streams).then(|| ctx.gate.hold());
         if first {
             ctx.registry.mark(&self.id, |t| t.handoff = Some(Instant::now()));
         }
