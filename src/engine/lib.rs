@@ -54,8 +54,8 @@ pub use messages::{Code2WavMsg, TalkerMsg, ThinkerMsg};
 pub use metrics::EngineMetrics;
 pub use types::*;
 
-use crate::inbox::{offer, Offer};
-use crate::metric_labels::RefusedKind;
+use crate::inbox::Offer;
+use crate::metric_labels::{RefusedKind, StageName};
 
 pub use antiphon_models::Models;
 
@@ -362,8 +362,10 @@ impl Engine {
         let prefetch = (spec.mode == Mode::Turn).then(|| spec.voice.clone());
         let placeholder = Code2WavMsg::Placeholder { id: spec.id.clone(), prefetch };
         let id = spec.id.clone();
-        let offered = match offer(self.to_code2wav.as_ref(), placeholder) {
-            Offer::Taken => offer(self.to_thinker.as_ref(), ThinkerMsg::Admit(spec)),
+        let offered = match self.offer(StageName::Code2Wav, &self.to_code2wav, placeholder) {
+            Offer::Taken => {
+                self.offer(StageName::Thinker, &self.to_thinker, ThinkerMsg::Admit(spec))
+            }
             Offer::Full(_) => Offer::Full(ThinkerMsg::Admit(spec)),
             Offer::Stopped => Offer::Stopped,
         };
@@ -406,8 +408,10 @@ impl Engine {
         self.reserve_duplex(&spec.session)?;
         let session = spec.session.clone();
         let to_code2wav = Code2WavMsg::DuplexOpen(session.clone());
-        let offered = match offer(self.to_code2wav.as_ref(), to_code2wav) {
-            Offer::Taken => offer(self.to_thinker.as_ref(), ThinkerMsg::DuplexOpen(spec, sink)),
+        let offered = match self.offer(StageName::Code2Wav, &self.to_code2wav, to_code2wav) {
+            Offer::Taken => {
+                self.offer(StageName::Thinker, &self.to_thinker, ThinkerMsg::DuplexOpen(spec, sink))
+            }
             Offer::Full(_) => Offer::Full(ThinkerMsg::DuplexOpen(spec, sink)),
             Offer::Stopped => Offer::Stopped,
         };
@@ -440,7 +444,7 @@ impl Engine {
             samples,
             arrived: std::time::Instant::now(),
         };
-        match offer(self.to_thinker.as_ref(), m) {
+        match self.offer(StageName::Thinker, &self.to_thinker, m) {
             Offer::Taken => Ok(()),
             Offer::Full(ThinkerMsg::DuplexUnit { samples, .. }) => Err(UnitRefused::Full(samples)),
             Offer::Full(_) | Offer::Stopped => Err(UnitRefused::Stopped),
@@ -452,8 +456,16 @@ impl Engine {
     /// message and its step forgets a session that holds no place.)
     pub fn close_duplex(&self, session: &str) {
         self.admission.release(&admission::Holder::Duplex(session.to_string()));
-        let _ = offer(self.to_thinker.as_ref(), ThinkerMsg::DuplexClose(session.to_string()));
-        let _ = offer(self.to_code2wav.as_ref(), Code2WavMsg::DuplexClose(session.to_string()));
+        let _ = self.offer(
+            StageName::Thinker,
+            &self.to_thinker,
+            ThinkerMsg::DuplexClose(session.to_string()),
+        );
+        let _ = self.offer(
+            StageName::Code2Wav,
+            &self.to_code2wav,
+            Code2WavMsg::DuplexClose(session.to_string()),
+        );
     }
 
     /// Prepares a reference voice in Code2Wav (in a step when no chunk is due) and keeps its
@@ -467,7 +479,11 @@ impl Engine {
             bail!(why);
         }
         let (tx, rx) = mpsc::sync_channel(1);
-        match offer(self.to_code2wav.as_ref(), Code2WavMsg::Prepare { voice, reply: tx }) {
+        match self.offer(
+            StageName::Code2Wav,
+            &self.to_code2wav,
+            Code2WavMsg::Prepare { voice, reply: tx },
+        ) {
             Offer::Taken => Ok(rx),
             Offer::Full(_) => bail!("the engine is behind (Code2Wav's inbox is full); try again"),
             Offer::Stopped => bail!("the engine has stopped"),
@@ -477,7 +493,7 @@ impl Engine {
     /// Hands Code2Wav features prepared by an earlier run (see [`voices::PreparedVoice::tensors`]):
     /// requests with that voice use them instead of preparing it.
     pub fn install_voice(&self, voice: voices::PreparedVoice) -> Result<()> {
-        match offer(self.to_code2wav.as_ref(), Code2WavMsg::Install(voice)) {
+        match self.offer(StageName::Code2Wav, &self.to_code2wav, Code2WavMsg::Install(voice)) {
             Offer::Taken => Ok(()),
             Offer::Full(_) => bail!("the engine is behind (Code2Wav's inbox is full); try again"),
             Offer::Stopped => bail!("the engine has stopped"),
@@ -488,7 +504,21 @@ impl Engine {
     /// full the message is dropped: the features stay among the prepared voices Code2Wav keeps,
     /// a bounded store that lets the oldest go.)
     pub fn forget_voice(&self, key: &str) {
-        let _ = offer(self.to_code2wav.as_ref(), Code2WavMsg::Forget(key.to_string()));
+        let _ = self.offer(
+            StageName::Code2Wav,
+            &self.to_code2wav,
+            Code2WavMsg::Forget(key.to_string()),
+        );
+    }
+
+    /// Offers `m` to a stage's inbox without waiting ([`inbox::offer`]), counting a full one
+    /// (`antiphon_engine_inbox_full_total`).
+    fn offer<M>(&self, stage: StageName, to: &Option<SyncSender<M>>, m: M) -> Offer<M> {
+        let offered = inbox::offer(to.as_ref(), m);
+        if matches!(offered, Offer::Full(_)) {
+            self.metrics.inbox_full.at(stage).inc();
+        }
+        offered
     }
 
     /// Cancels a request at any point: `Done { Cancelled }` is its last event, and every stage
@@ -497,9 +527,9 @@ impl Engine {
     pub fn cancel(&self, id: &RequestId) -> bool {
         let ended =
             self.registry.finish_counted(id, Status::Cancelled, &self.metrics.requests).is_some();
-        let _ = offer(self.to_thinker.as_ref(), ThinkerMsg::Cancel(id.clone()));
-        let _ = offer(self.to_talker.as_ref(), TalkerMsg::Cancel(id.clone()));
-        let _ = offer(self.to_code2wav.as_ref(), Code2WavMsg::Cancel(id.clone()));
+        let _ = self.offer(StageName::Thinker, &self.to_thinker, ThinkerMsg::Cancel(id.clone()));
+        let _ = self.offer(StageName::Talker, &self.to_talker, TalkerMsg::Cancel(id.clone()));
+        let _ = self.offer(StageName::Code2Wav, &self.to_code2wav, Code2WavMsg::Cancel(id.clone()));
         ended
     }
 }

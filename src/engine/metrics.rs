@@ -41,6 +41,9 @@ pub struct EngineMetrics {
     pub admission_refused: CounterBy<RefusedKind>,
     /// Tool calls replies made: `valid`, `invalid` (not a declared tool's JSON) or `unterminated`.
     pub tool_calls: CounterBy<ToolCallOutcome>,
+    /// Messages the server offered a stage whose inbox was full (`inbox.rs`), by stage: a stage a
+    /// whole inbox behind, which should stay at 0.
+    pub inbox_full: CounterBy<StageName>,
 }
 
 impl Default for EngineMetrics {
@@ -173,6 +176,15 @@ impl EngineMetrics {
             &["outcome"],
         )
         .expect("valid metric");
+        let inbox_full = IntCounterVec::new(
+            Opts::new(
+                "antiphon_engine_inbox_full_total",
+                "Messages offered to a stage whose inbox was full (a response refused, a duplex \
+                unit handed back, a cancel left to the stage's sweep)",
+            ),
+            &["stage"],
+        )
+        .expect("valid metric");
         let step_seconds = Labeled::new(step_seconds);
         let batch_size = Labeled::new(batch_size);
         let queue_depth = Labeled::new(queue_depth);
@@ -186,7 +198,9 @@ impl EngineMetrics {
         let prompt_positions = Labeled::with_every_series(prompt_positions);
         let admission_refused = Labeled::with_every_series(admission_refused);
         let tool_calls = Labeled::with_every_series(tool_calls);
+        let inbox_full = Labeled::with_every_series(inbox_full);
         for c in [
+            inbox_full.collector(),
             tool_calls.collector(),
             step_seconds.collector(),
             admission.collector(),
@@ -224,6 +238,7 @@ impl EngineMetrics {
             admission,
             admission_refused,
             tool_calls,
+            inbox_full,
         }
     }
 

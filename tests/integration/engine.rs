@@ -17,6 +17,7 @@ use candle_core::{DType, Device};
 use common::engine::{collect, engine, spec, submit, voice, Outcome};
 
 mod first_chunk;
+mod inbox;
 
 #[test]
 fn a_turn_request_gives_text_then_audio_of_the_forced_length() {
