@@ -23,8 +23,15 @@ pub(crate) enum Offer<M> {
 }
 
 impl<M> Offer<M> {
-    pub(crate) fn taken(&self) -> bool {
-        matches!(self, Offer::Taken)
+    /// Taken, or why not (for the callers that answer with an error; `stage` names the inbox).
+    pub(crate) fn or_refused(self, stage: &str) -> anyhow::Result<()> {
+        match self {
+            Offer::Taken => Ok(()),
+            Offer::Full(_) => {
+                anyhow::bail!("the engine is behind ({stage}'s inbox is full); try again")
+            }
+            Offer::Stopped => anyhow::bail!("the engine has stopped"),
+        }
     }
 }
 
@@ -45,13 +52,13 @@ mod tests {
     #[test]
     fn a_full_inbox_hands_the_message_back_without_waiting() {
         let (tx, rx) = std::sync::mpsc::sync_channel::<u32>(1);
-        assert!(offer(Some(&tx), 1).taken());
+        assert!(matches!(offer(Some(&tx), 1), Offer::Taken));
         match offer(Some(&tx), 2) {
             Offer::Full(m) => assert_eq!(m, 2),
             other => panic!("a full inbox took the message: {other:?}"),
         }
         assert_eq!(rx.recv().unwrap(), 1);
-        assert!(offer(Some(&tx), 3).taken(), "room again once the stage took one");
+        assert!(matches!(offer(Some(&tx), 3), Offer::Taken), "room again once the stage took one");
         drop(rx);
         assert!(matches!(offer(Some(&tx), 4), Offer::Stopped));
         assert!(matches!(offer::<u32>(None, 5), Offer::Stopped));

@@ -362,14 +362,7 @@ impl Engine {
         let prefetch = (spec.mode == Mode::Turn).then(|| spec.voice.clone());
         let placeholder = Code2WavMsg::Placeholder { id: spec.id.clone(), prefetch };
         let id = spec.id.clone();
-        let offered = match self.offer(StageName::Code2Wav, &self.to_code2wav, placeholder) {
-            Offer::Taken => {
-                self.offer(StageName::Thinker, &self.to_thinker, ThinkerMsg::Admit(spec))
-            }
-            Offer::Full(_) => Offer::Full(ThinkerMsg::Admit(spec)),
-            Offer::Stopped => Offer::Stopped,
-        };
-        match offered {
+        match self.offer_code2wav_then_thinker(placeholder, ThinkerMsg::Admit(spec)) {
             Offer::Taken => Ok(()),
             Offer::Full(_) => {
                 // a stage is a whole inbox behind: as at capacity (Code2Wav's step sweeps the
@@ -408,22 +401,14 @@ impl Engine {
         self.reserve_duplex(&spec.session)?;
         let session = spec.session.clone();
         let to_code2wav = Code2WavMsg::DuplexOpen(session.clone());
-        let offered = match self.offer(StageName::Code2Wav, &self.to_code2wav, to_code2wav) {
-            Offer::Taken => {
-                self.offer(StageName::Thinker, &self.to_thinker, ThinkerMsg::DuplexOpen(spec, sink))
-            }
-            Offer::Full(_) => Offer::Full(ThinkerMsg::DuplexOpen(spec, sink)),
-            Offer::Stopped => Offer::Stopped,
-        };
-        if offered.taken() {
-            return Ok(());
+        let offered = self
+            .offer_code2wav_then_thinker(to_code2wav, ThinkerMsg::DuplexOpen(spec, sink))
+            .or_refused("a stage");
+        if offered.is_err() {
+            // (Code2Wav's step forgets a session that holds no place)
+            self.admission.release(&admission::Holder::Duplex(session));
         }
-        // (Code2Wav's step forgets a session that holds no place)
-        self.admission.release(&admission::Holder::Duplex(session));
-        match offered {
-            Offer::Full(_) => bail!("the engine is behind (a stage's inbox is full); try again"),
-            _ => bail!("the engine has stopped"),
-        }
+        offered
     }
 
     /// The next unit of a duplex session: 16 kHz mono, a whole number of 100 ms (1 s by default).
@@ -479,25 +464,16 @@ impl Engine {
             bail!(why);
         }
         let (tx, rx) = mpsc::sync_channel(1);
-        match self.offer(
-            StageName::Code2Wav,
-            &self.to_code2wav,
-            Code2WavMsg::Prepare { voice, reply: tx },
-        ) {
-            Offer::Taken => Ok(rx),
-            Offer::Full(_) => bail!("the engine is behind (Code2Wav's inbox is full); try again"),
-            Offer::Stopped => bail!("the engine has stopped"),
-        }
+        let prepare = Code2WavMsg::Prepare { voice, reply: tx };
+        self.offer(StageName::Code2Wav, &self.to_code2wav, prepare).or_refused("Code2Wav")?;
+        Ok(rx)
     }
 
     /// Hands Code2Wav features prepared by an earlier run (see [`voices::PreparedVoice::tensors`]):
     /// requests with that voice use them instead of preparing it.
     pub fn install_voice(&self, voice: voices::PreparedVoice) -> Result<()> {
-        match self.offer(StageName::Code2Wav, &self.to_code2wav, Code2WavMsg::Install(voice)) {
-            Offer::Taken => Ok(()),
-            Offer::Full(_) => bail!("the engine is behind (Code2Wav's inbox is full); try again"),
-            Offer::Stopped => bail!("the engine has stopped"),
-        }
+        let install = Code2WavMsg::Install(voice);
+        self.offer(StageName::Code2Wav, &self.to_code2wav, install).or_refused("Code2Wav")
     }
 
     /// Code2Wav drops the features it keeps for the voice of this reference key. (With its inbox
@@ -519,6 +495,20 @@ impl Engine {
             self.metrics.inbox_full.at(stage).inc();
         }
         offered
+    }
+
+    /// A new stream's two messages: Code2Wav's first (it learns of the stream before any chunk
+    /// can come), then the Thinker's; the Thinker's comes back unless both were taken.
+    fn offer_code2wav_then_thinker(
+        &self,
+        to_code2wav: Code2WavMsg,
+        to_thinker: ThinkerMsg,
+    ) -> Offer<ThinkerMsg> {
+        match self.offer(StageName::Code2Wav, &self.to_code2wav, to_code2wav) {
+            Offer::Taken => self.offer(StageName::Thinker, &self.to_thinker, to_thinker),
+            Offer::Full(_) => Offer::Full(to_thinker),
+            Offer::Stopped => Offer::Stopped,
+        }
     }
 
     /// Cancels a request at any point: `Done { Cancelled }` is its last event, and every stage

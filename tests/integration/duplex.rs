@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use antiphon_assets::synth::{models_in_memory, Preset};
 use antiphon_engine::metric_labels::{PrefetchEvent, PrefetchSkip, StepKind};
 use antiphon_engine::{
-    DuplexEvent, DuplexPolicy, DuplexSpec, Engine, EngineConfig, EngineEvent, GenerationParams,
-    Mode, RefInput, RequestId, RequestSpec, Status, UserInput,
+    DuplexEnd, DuplexEvent, DuplexPolicy, DuplexSpec, Engine, EngineConfig, EngineEvent,
+    GenerationParams, Mode, RefInput, RequestId, RequestSpec, Status, UserInput,
 };
 use candle_core::{DType, Device};
 
@@ -87,6 +87,19 @@ fn collect(
         }
     }
     out
+}
+
+/// Events until the session's `Closed` (the last of them).
+fn until_closed(rx: &mpsc::Receiver<DuplexEvent>) -> Vec<DuplexEvent> {
+    collect(rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })))
+}
+
+/// Why the session closed (its events end with `Closed`).
+fn closed_reason(ev: &[DuplexEvent]) -> &DuplexEnd {
+    match ev.last() {
+        Some(DuplexEvent::Closed { reason }) => reason,
+        other => panic!("no Closed at the end: {other:?} after {}", summary(ev)),
+    }
 }
 
 fn summary(ev: &[DuplexEvent]) -> String {
@@ -196,11 +209,8 @@ fn speak_every_cadence_and_the_per_unit_token_budget() {
         assert!((35.0 * 40.0..=35.0 * 40.0 + 400.0).contains(&ms), "{t}: {ms} ms");
     }
     e.close_duplex("s");
-    let end = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
-    assert!(matches!(
-        end.last(),
-        Some(DuplexEvent::Closed { reason: antiphon_engine::DuplexEnd::Closed })
-    ));
+    let end = until_closed(&rx);
+    assert_eq!(closed_reason(&end), &DuplexEnd::Closed);
 }
 
 #[test]
@@ -230,7 +240,7 @@ fn consecutive_speaking_units_are_one_turn_and_closing_cancels_it() {
     assert_eq!(speaks.first(), Some(&true));
     assert!(speaks[1..].iter().all(|n| !n), "one turn: {}", summary(&ev));
     e.close_duplex("s");
-    let ev = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
+    let ev = until_closed(&rx);
     let done = dones(&ev);
     assert_eq!(done.len(), 1, "{}", summary(&ev));
     assert_eq!(done[0].1, Status::Cancelled);
@@ -259,7 +269,7 @@ fn later_units_fed_by_rows_give_what_their_prefills_give() {
         };
         let ev = collect(&rx, |ev| audio(ev).len() >= 4);
         e.close_duplex("r");
-        let end = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
+        let end = until_closed(&rx);
         let codes = dones(&end).iter().map(|d| d.2).sum::<usize>() as u64;
         let steps = e.metrics().step_count(StepKind::Talker);
         // (every step samples a code but a row's that is not its segment's last: 4 units made
@@ -314,15 +324,8 @@ fn a_full_context_closes_the_session_with_its_reason() {
     for n in 0..30 {
         e.duplex_unit("c", unit(n)).unwrap();
     }
-    let ev = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
-    assert!(
-        matches!(
-            ev.last(),
-            Some(DuplexEvent::Closed { reason: antiphon_engine::DuplexEnd::ContextFull })
-        ),
-        "{}",
-        summary(&ev)
-    );
+    let ev = until_closed(&rx);
+    assert_eq!(closed_reason(&ev), &DuplexEnd::ContextFull, "{}", summary(&ev));
     let d = decisions(&ev);
     assert!(!d.is_empty() && d.len() < 30);
     // the next unit would not have fit: its markers, audio and a whole spoken unit
@@ -345,12 +348,10 @@ fn a_stream_whose_input_runs_far_ahead_of_the_model_fails_saying_why() {
     for u in units {
         e.duplex_unit("f", u).unwrap();
     }
-    let ev = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
-    match ev.last() {
-        Some(DuplexEvent::Closed { reason: antiphon_engine::DuplexEnd::Failed(why) }) => {
-            assert!(why.contains("30 s ahead"), "{why}")
-        }
-        other => panic!("not failed for running ahead: {other:?} after {}", summary(&ev)),
+    let ev = until_closed(&rx);
+    match closed_reason(&ev) {
+        DuplexEnd::Failed(why) => assert!(why.contains("30 s ahead"), "{why}"),
+        other => panic!("not failed for running ahead: {other} after {}", summary(&ev)),
     }
     assert!(decisions(&ev).len() < 45, "{}", summary(&ev));
     e.close_duplex("f");
@@ -367,15 +368,8 @@ fn a_duplex_stream_goes_with_its_place() {
     // the place alone, as a close whose messages found the inboxes full leaves it
     e.admission().release(&antiphon_engine::admission::Holder::Duplex("p".into()));
     e.duplex_unit("p", unit(1)).unwrap();
-    let ev = collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
-    assert!(
-        matches!(
-            ev.last(),
-            Some(DuplexEvent::Closed { reason: antiphon_engine::DuplexEnd::Closed })
-        ),
-        "{}",
-        summary(&ev)
-    );
+    let ev = until_closed(&rx);
+    assert_eq!(closed_reason(&ev), &DuplexEnd::Closed, "{}", summary(&ev));
     assert_eq!(e.admission().counts().0, 0, "no place held");
 }
 
@@ -434,7 +428,7 @@ fn no_prefetch_while_a_duplex_session_is_live() {
     assert!(m.skip_count(PrefetchSkip::Busy) > 0, "the busy gate said no");
     // once the duplex session closes, prefetch runs again
     e.close_duplex("d");
-    collect(&rx, |ev| ev.iter().any(|e| matches!(e, DuplexEvent::Closed { .. })));
+    until_closed(&rx);
     turn("t2", 410.0);
     assert_eq!(m.prefetch_count(PrefetchEvent::PhaseA), 1);
     assert_eq!(m.prefetch_count(PrefetchEvent::Claimed), 1);

@@ -414,11 +414,7 @@ impl ThinkerStage {
 
     /// Drops the streams that ended (a turn's pooled cache goes back to the pool as it drops).
     fn sweep(&mut self) {
-        let ThinkerStage { ctx, turns, duplex, admission, .. } = self;
-        // a session that holds no place has closed (its close may have found the inbox full)
-        for d in duplex.iter_mut().filter(|d| !admission.holds_duplex(d.session())) {
-            d.end(ctx, crate::DuplexEnd::Closed);
-        }
+        let ThinkerStage { ctx, turns, duplex, .. } = self;
         duplex.retain(|d| !d.ended(ctx));
         turns.retain(|t| !t.ended(ctx));
     }
@@ -503,7 +499,12 @@ impl StageLoop for ThinkerStage {
                 self.turns.push(t);
             }
         }
-        // drop streams that ended elsewhere (cancelled, failed)
+        // drop streams that ended elsewhere (cancelled, failed; a duplex session that holds no
+        // place has closed, though its close may have found the inbox full)
+        let ThinkerStage { ctx, duplex: sessions, admission, .. } = self;
+        for d in sessions.iter_mut().filter(|d| !admission.holds_duplex(d.session())) {
+            d.end(ctx, crate::DuplexEnd::Closed);
+        }
         self.sweep();
         duplex::intake(&mut self.ctx, &mut self.duplex);
         self.sweep();
