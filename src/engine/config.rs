@@ -32,6 +32,9 @@ pub struct EngineConfig {
     /// starts theirs first (a decode step is a few ms; Code2Wav's chunks are hundreds). Off by
     /// default; on in the GPU configuration (docs/performance.md).
     pub stage_priorities: bool,
+    /// With stage priorities, the Talker's graphs one level above the Thinker's (both above
+    /// Code2Wav's kernels): a Talker step (~1-2 ms) that waits beside a Thinker step starts first.
+    pub talker_first: bool,
     /// With stage priorities, a step of at most this many streams is a lightly loaded stage's:
     /// a Talker step this small holds the gate while one of its streams makes its first chunk's
     /// codes (or a text chunk's window), and a Thinker step this small sends a reply's first text
@@ -90,6 +93,7 @@ impl Default for EngineConfig {
             idle_cache_mib: 1024,
             decode_graphs: true,
             stage_priorities: false,
+            talker_first: false,
             gated_streams: 4,
             gpu_tf32: true,
             default_max_text_tokens: 512,

@@ -34,9 +34,14 @@ pub fn prepare(models: &mut Models, cfg: &mut EngineConfig) -> Result<()> {
     };
     if cfg.stage_priorities {
         // before any capture: the Thinker's and the Talker's graphs go ahead of Code2Wav's
-        for (name, d, others) in [("thinker", &d0, [&d1, &d2]), ("talker", &d1, [&d0, &d2])] {
+        // (with `talker_first`, the Talker's one level above the Thinker's: a Talker step is
+        // ~1-2 ms and makes some stream's next codes)
+        let thinker_below = i32::from(cfg.talker_first);
+        for (name, d, others, below) in
+            [("thinker", &d0, [&d1, &d2], thinker_below), ("talker", &d1, [&d0, &d2], 0)]
+        {
             if own_stream(d, others) {
-                match antiphon_models::cuda_graph::raise_priority(d) {
+                match antiphon_models::cuda_graph::raise_priority(d, below) {
                     Some(p) => tracing::info!("{name}: graphs run at stream priority {p}"),
                     None => tracing::warn!(
                         "{name}: no stream priorities on this device; its \

@@ -61,42 +61,54 @@ pub fn can_capture(_dev: &Device) -> bool {
     false
 }
 
-/// The devices (each a stage's stream) whose graphs run at the highest stream priority: when
-/// their kernels wait beside another stage's, the GPU's block scheduler starts theirs first.
+/// The devices (each a stage's stream) whose graphs run at a raised stream priority, and the
+/// levels below the GPU's highest each one runs at: when their kernels wait beside another
+/// stage's, the GPU's block scheduler starts the higher ones first.
 #[cfg(feature = "cuda")]
-static RAISED: std::sync::Mutex<Vec<candle_core::cuda_backend::DeviceId>> =
+static RAISED: std::sync::Mutex<Vec<(candle_core::cuda_backend::DeviceId, i32)>> =
     std::sync::Mutex::new(Vec::new());
 
-/// Graphs captured on `dev` from now on run at the GPU's highest stream priority (kernels outside
-/// graphs, and other devices' graphs, keep the default, the lowest). Returns that priority, or
-/// `None` where there is nothing to raise (no CUDA).
+/// Graphs captured on `dev` from now on run at the GPU's highest stream priority, or `below`
+/// levels under it (at least one above the default; kernels outside graphs, and other devices'
+/// graphs, keep the default, the lowest). Returns that priority, or `None` where there is nothing
+/// to raise (no CUDA).
 #[cfg(feature = "cuda")]
-pub fn raise_priority(dev: &Device) -> Option<i32> {
+pub fn raise_priority(dev: &Device, below: i32) -> Option<i32> {
     let Device::Cuda(d) = dev else { return None };
     // (the range is the current context's: without one bound to this thread the query fails)
     d.cuda_stream().context().bind_to_thread().ok()?;
-    let (_least, greatest) =
+    let (least, greatest) =
         candle_core::cuda_backend::cudarc::driver::result::stream::get_priority_range().ok()?;
     let mut raised = RAISED.lock().unwrap_or_else(|e| e.into_inner());
-    if !raised.contains(&d.id()) {
-        raised.push(d.id());
-    }
-    Some(greatest)
+    raised.retain(|(id, _)| *id != d.id());
+    raised.push((d.id(), below.max(0)));
+    Some(level(least, greatest, below))
 }
 
 #[cfg(not(feature = "cuda"))]
-pub fn raise_priority(_dev: &Device) -> Option<i32> {
+pub fn raise_priority(_dev: &Device, _below: i32) -> Option<i32> {
     None
+}
+
+/// The priority `below` levels under `greatest`, kept above `least` where the range has room
+/// (CUDA: lower numbers are higher priorities).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn level(least: i32, greatest: i32, below: i32) -> i32 {
+    let floor = if least > greatest { least - 1 } else { greatest };
+    (greatest + below.max(0)).min(floor.max(greatest))
 }
 
 #[cfg(feature = "cuda")]
 fn raised_priority(d: &candle_core::cuda_backend::CudaDevice) -> Option<i32> {
-    if !RAISED.lock().unwrap_or_else(|e| e.into_inner()).contains(&d.id()) {
-        return None;
-    }
+    let below = RAISED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .find(|(id, _)| *id == d.id())
+        .map(|(_, b)| *b)?;
     candle_core::cuda_backend::cudarc::driver::result::stream::get_priority_range()
         .ok()
-        .map(|(_, greatest)| greatest)
+        .map(|(least, greatest)| level(least, greatest, below))
 }
 
 /// Sets `priority` on every kernel node of `graph`; the number of nodes set.
@@ -461,5 +473,23 @@ impl Clone for GraphSlot {
 impl std::fmt::Debug for GraphSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "GraphSlot({})", if self.is_on() { "on" } else { "off" })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::level;
+
+    #[test]
+    fn a_stage_below_the_highest_priority_stays_above_the_default() {
+        // CUDA's range on recent GPUs: 0 (the default, the lowest) to -5
+        assert_eq!(level(0, -5, 0), -5);
+        assert_eq!(level(0, -5, 1), -4);
+        assert_eq!(level(0, -5, 9), -1, "never down to the default kernels' level");
+        // a range of two levels: both raised stages share the one above the default
+        assert_eq!(level(0, -1, 1), -1);
+        // no range at all
+        assert_eq!(level(0, 0, 1), 0);
+        assert_eq!(level(0, -5, -3), -5, "never above the highest");
     }
 }

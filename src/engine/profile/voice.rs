@@ -38,7 +38,7 @@ pub(super) fn contended_preparation(
     })?;
     let d0 = m.thinker.llm.decoder().device().clone();
     if ecfg.stage_priorities && !d0.same_device(m.code2wav.device()) {
-        antiphon_models::cuda_graph::raise_priority(&d0);
+        antiphon_models::cuda_graph::raise_priority(&d0, i32::from(ecfg.talker_first));
     }
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
