@@ -29,6 +29,9 @@ fn shipped_configs_parse() {
             && s.engine.code2wav.one_batch_per_step
             && s.engine.code2wav.vocoder_half_columns
     );
+    // ...and the Talker's graphs ahead of the Thinker's, the gate for first-chunk prefills only
+    // (runs 69-73)
+    assert!(s.engine.stage_priorities && s.engine.talker_first && s.engine.gated_streams == 0);
     assert_eq!(
         s.engine.code2wav.pool_attention,
         antiphon_models::code2wav::dit_attention::PoolAttention::InPlace
