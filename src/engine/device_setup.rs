@@ -53,6 +53,7 @@ pub fn prepare(models: &mut Models, cfg: &mut EngineConfig) -> Result<()> {
     }
     if cfg.decode_graphs && own_stream(&d0, [&d1, &d2]) {
         models.thinker.llm.set_decode_mode(DecodeMode::Graph);
+        models.thinker.llm.set_prefill_graph_rows(cfg.thinker.prefill_graph_rows);
         // the references it hears (cut to 6 s) as a graph, captured now rather than at the
         // second new voice
         let n = (16_000.0 * antiphon_models::code2wav::prompt::PROMPT_SECONDS) as usize;

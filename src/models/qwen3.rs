@@ -68,6 +68,11 @@ impl Qwen3 {
         self.model.set_ragged_prefill(on);
     }
 
+    /// See [`Decoder::set_prefill_graph_rows`].
+    pub fn set_prefill_graph_rows(&mut self, rows: usize) {
+        self.model.set_prefill_graph_rows(rows);
+    }
+
     /// Token embeddings `[n, hidden]`; ids outside the vocabulary are an error.
     pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.vocab_size) {

@@ -470,9 +470,14 @@ fn slot_pool_batched_decode_matches_streams_alone() {
             rows
         })
         .collect();
-    for mode in [DecodeMode::Static, DecodeMode::Graph] {
+    // (with prompt rows in a bucket's step of up to 32 rows: the first step's 27 prompt rows go
+    // through it, the second's 35 rows do not fit and run as the ragged step)
+    for (mode, graph_rows) in
+        [(DecodeMode::Static, 0), (DecodeMode::Graph, 0), (DecodeMode::Graph, 32)]
+    {
         let (mut thinker, _) = models();
         thinker.llm.set_decode_mode(mode);
+        thinker.llm.set_prefill_graph_rows(graph_rows);
         // (the default on CUDA; on the CPU it is off, and on here so that the CPU checks it too)
         thinker.llm.set_ragged_prefill(true);
         let llm = &thinker.llm;
@@ -503,6 +508,12 @@ fn slot_pool_batched_decode_matches_streams_alone() {
                 got[i].push(r);
             }
         }
+        assert_eq!(
+            pool.buckets().contains(&32),
+            graph_rows == 32,
+            "{mode:?}, {graph_rows} graph rows: buckets {:?}",
+            pool.buckets()
+        );
         let (a, rest) = c.split_at_mut(1);
         let (b, cc) = rest.split_at_mut(1);
         let mixed = llm
@@ -536,7 +547,8 @@ fn slot_pool_batched_decode_matches_streams_alone() {
         }
         for (i, (g, want)) in got.iter().zip(&alone).enumerate() {
             for (k, row) in g.iter().enumerate() {
-                assert_close(&format!("{mode:?} stream {i} row {k}"), row, &want[k], 1e-5);
+                let what = format!("{mode:?} ({graph_rows} graph rows) stream {i} row {k}");
+                assert_close(&what, row, &want[k], 1e-5);
             }
         }
     }

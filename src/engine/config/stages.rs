@@ -18,6 +18,11 @@ pub struct ThinkerConfig {
     pub max_batch: usize,
     /// Prompt positions a Thinker step prefills at most (chunked prefill).
     pub prefill_tokens: usize,
+    /// With decode graphs: a step with prompt rows, all its streams in slots, runs as the rows of
+    /// a captured step of up to this many rows (a power of two), the prompt chunked to what the
+    /// decoding streams leave of it, instead of op by op for every stream in it (0: never;
+    /// `Decoder::set_prefill_graph_rows`).
+    pub prefill_graph_rows: usize,
     /// KV slots allocated at start-up for Thinker streams (0: none), each with room for
     /// `slot_context` positions: streams in slots decode in one batched step (on CUDA a graph per
     /// batch size); a stream that finds no free slot, or needs more, gets a cache of its own.
@@ -44,6 +49,7 @@ impl Default for ThinkerConfig {
         Self {
             max_batch: 16,
             prefill_tokens: 1024,
+            prefill_graph_rows: 0,
             slots: 16,
             slot_context: 4096,
             prefix_cache: 16,

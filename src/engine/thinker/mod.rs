@@ -180,6 +180,10 @@ pub struct ThinkerStage {
 /// 4096).
 const REF_EMBED_CACHE: usize = 32;
 
+/// With `thinker.prefill_graph_rows`, prompt rows a step takes at least, even where the streams
+/// decoding leave fewer of the captured step's rows (the step then runs op by op, as without it).
+const MIN_GRAPH_ROWS: usize = 16;
+
 /// Thinker caches are made with room for a multiple of this many positions: a conversation
 /// grows by its turns, and a stream that outgrows the pooled caches needs a new one, whose decode
 /// step is captured anew (~10 ms). The static step's attention reads only the held positions, so
@@ -284,7 +288,19 @@ impl ThinkerStage {
     fn run(&mut self) -> Result<()> {
         let ThinkerStage { ctx, turns, duplex, .. } = self;
         let max_batch = ctx.cfg.thinker.max_batch;
-        let mut budget = ctx.cfg.thinker.prefill_tokens;
+        // (with prompt rows in a captured step, what the decoding streams leave of its rows, at
+        // least a few: a step that outgrows it runs op by op)
+        let full = match ctx.thinker.llm.decoder().prefill_graph_rows() {
+            0 => ctx.cfg.thinker.prefill_tokens,
+            rows => {
+                let decoding = turns.len() + duplex.len();
+                ctx.cfg
+                    .thinker
+                    .prefill_tokens
+                    .min(rows.saturating_sub(decoding).max(MIN_GRAPH_ROWS))
+            }
+        };
+        let mut budget = full;
         let mut picked: Vec<(&mut dyn ThinkerStream, Tensor)> = Vec::new();
         let streams = duplex
             .iter_mut()
@@ -392,11 +408,7 @@ impl ThinkerStage {
             s.after_hand_offs(ctx);
         }
         // steps that prefill (prompt rows, duplex units) apart from pure decode steps
-        let label = if budget < ctx.cfg.thinker.prefill_tokens {
-            StepKind::ThinkerPrefill
-        } else {
-            StepKind::Thinker
-        };
+        let label = if budget < full { StepKind::ThinkerPrefill } else { StepKind::Thinker };
         tracing::debug!(
             streams = n,
             rows,

@@ -104,6 +104,15 @@ impl SlotPool {
         }))
     }
 
+    /// The bucket sizes whose batched step exists (made by a step of that many rows, or the
+    /// warm-up), in ascending order.
+    pub fn buckets(&self) -> Vec<usize> {
+        let mut b: Vec<usize> =
+            self.inner.steps.lock().expect("slot pool steps").keys().copied().collect();
+        b.sort_unstable();
+        b
+    }
+
     /// Bytes held by the pool's buffers.
     pub fn bytes(&self) -> usize {
         self.inner
@@ -188,13 +197,15 @@ impl Decoder {
         streams.iter().all(|s| in_pool(s, &first)).then_some(first)
     }
 
-    /// Captures the batched step of every bucket up to the pool's size (a warm-up, so no request
-    /// pays a capture). Uses the scratch slot only.
+    /// Captures the batched step of every bucket up to the pool's size, and up to
+    /// [`Decoder::prefill_graph_rows`] (a warm-up, so no request pays a capture). Uses the scratch
+    /// slot only.
     pub fn warm_pool(&self, pool: &SlotPool) -> Result<()> {
         let inner = &pool.inner;
+        let largest = inner.slots.max(self.prefill_graph_rows);
         let mut b = 1;
         loop {
-            let b_now = b.min(inner.slots);
+            let b_now = b.min(largest);
             let mut steps = inner.steps.lock().expect("slot pool steps");
             let st = match steps.entry(b_now) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
@@ -205,7 +216,7 @@ impl Decoder {
             st.pos.slice_set(&Tensor::new(vec![0u32; b_now].as_slice(), &self.device)?, 0, 0)?;
             self.run_batch_step(inner, st)?;
             self.run_batch_step(inner, st)?;
-            if b_now >= inner.slots {
+            if b_now >= largest {
                 break;
             }
             b *= 2;
@@ -266,22 +277,26 @@ impl Decoder {
         pool: &PoolInner,
         streams: &mut [super::StreamStep<'_>],
     ) -> Result<Vec<Tensor>> {
-        let n = streams.len();
-        let mut slots = Vec::with_capacity(n);
-        let mut pos = Vec::with_capacity(n);
-        for s in streams.iter() {
-            let len = s.cache.len();
-            if len + 1 > pool.cap {
-                candle_core::bail!(
-                    "a stream's slot holds {} positions; position {} does not fit",
-                    pool.cap,
-                    len + 1
-                );
-            }
-            slots.push(s.cache.slot.as_ref().expect("batchable").index as u32);
-            pos.push(len as u32);
+        self.step_rows(pool, streams, pool.slots)
+    }
+
+    /// Streams in slots of `pool`, each advancing by its embeddings' rows (one position when
+    /// decoding, a prompt chunk when prefilling), as the rows of one bucket's step (a power of two
+    /// up to `max_bucket`): its fixed buffers, and on CUDA its graph. The step writes every row's
+    /// K/V before attention reads them, so a prompt chunk attends causally within itself, as in
+    /// [`Self::ragged_batch`].
+    pub(super) fn step_rows(
+        &self,
+        pool: &PoolInner,
+        streams: &mut [super::StreamStep<'_>],
+        max_bucket: usize,
+    ) -> Result<Vec<Tensor>> {
+        let Rows { mut slots, mut pos, spans, .. } = rows_of(pool, streams)?;
+        let rows = slots.len();
+        if rows > max_bucket {
+            candle_core::bail!("a step of {rows} rows does not fit a bucket of {max_bucket}");
         }
-        let b = bucket(n, pool.slots);
+        let b = bucket(rows, max_bucket);
         // the rows beyond the batch: the scratch slot at position 0
         slots.resize(b, pool.slots as u32);
         pos.resize(b, 0);
@@ -290,18 +305,52 @@ impl Decoder {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(self.batch_step(b)?),
         };
-        let rows: Vec<&Tensor> = streams.iter().map(|s| &s.embeds).collect();
-        let x = if rows.len() == 1 { rows[0].contiguous()? } else { Tensor::cat(&rows, 0)? };
+        let x: Vec<&Tensor> = streams.iter().map(|s| &s.embeds).collect();
+        let x = if x.len() == 1 { x[0].contiguous()? } else { Tensor::cat(&x, 0)? };
         st.x_in.slice_set(&x.to_dtype(self.dtype)?, 0, 0)?;
         st.slots.slice_set(&Tensor::new(slots.as_slice(), &self.device)?, 0, 0)?;
         st.pos.slice_set(&Tensor::new(pos.as_slice(), &self.device)?, 0, 0)?;
         self.run_batch_step(pool, st)?;
-        for s in streams.iter_mut() {
-            s.cache.advance(1);
+        for (s, &(_, n)) in streams.iter_mut().zip(&spans) {
+            s.cache.advance(n);
         }
-        let out = st.out.narrow(0, 0, n)?.copy()?;
-        (0..n).map(|i| out.narrow(0, i, 1)).collect()
+        let out = st.out.narrow(0, 0, rows)?.copy()?;
+        spans.iter().map(|&(start, n)| out.narrow(0, start, n)).collect()
     }
+}
+
+/// A step's rows over slots of one pool: each row's slot and position, each stream's span of
+/// rows, and the streams as the ragged attention plans them.
+struct Rows {
+    slots: Vec<u32>,
+    pos: Vec<u32>,
+    spans: Vec<(usize, usize)>,
+    streams: Vec<StreamRows>,
+}
+
+/// [`Rows`] of streams in slots of `pool` advancing by their embeddings' rows. Fails on a stream
+/// with no row or one that outgrows its slot.
+fn rows_of(pool: &PoolInner, streams: &[super::StreamStep<'_>]) -> Result<Rows> {
+    let mut r = Rows { slots: Vec::new(), pos: Vec::new(), spans: Vec::new(), streams: Vec::new() };
+    for s in streams {
+        let (len, n) = (s.cache.len(), s.embeds.dim(0)?);
+        if n == 0 {
+            candle_core::bail!("a stream step needs at least one new position");
+        }
+        if len + n > pool.cap {
+            candle_core::bail!(
+                "a stream's slot holds {} positions; {} do not fit",
+                pool.cap,
+                len + n
+            );
+        }
+        let slot = s.cache.slot.as_ref().expect("in the pool").index as u32;
+        r.streams.push(StreamRows { start: r.slots.len(), n, slot: slot as usize, first: len });
+        r.spans.push((r.slots.len(), n));
+        r.slots.extend(std::iter::repeat_n(slot, n));
+        r.pos.extend((len..len + n).map(|p| p as u32));
+    }
+    Ok(r)
 }
 
 impl Decoder {
@@ -313,8 +362,16 @@ impl Decoder {
         streams: &mut [super::StreamStep<'_>],
     ) -> Result<Vec<Tensor>> {
         use super::StreamStep;
-        // (a lone stream in a slot prefilling runs op by op: measured no faster batched)
-        let ragged = self.ragged && streams.iter().filter(|s| in_slots_of(s, pool)).count() > 1;
+        // (a lone stream in a slot prefilling runs op by op: measured no faster batched; as rows
+        // of a bucket's graph it runs at the graph's priority, `prefill_graph_rows`)
+        let in_slots = streams.iter().filter(|s| in_slots_of(s, pool));
+        let rows: usize = in_slots.clone().map(|s| s.embeds.dim(0).unwrap_or(0)).sum();
+        let prefill_bucket = self.prefill_graph_rows.max(pool.slots);
+        let in_graph = self.prefill_graph_rows > 0
+            && self.mode == DecodeMode::Graph
+            && rows <= prefill_bucket
+            && streams.iter().all(|s| in_slots_of(s, pool));
+        let ragged = in_graph || (self.ragged && in_slots.count() > 1);
         let joins =
             |s: &StreamStep<'_>| if ragged { in_slots_of(s, pool) } else { in_pool(s, pool) };
         if !streams.iter().any(&joins) {
@@ -335,6 +392,8 @@ impl Decoder {
         }
         let a = if batched.iter().all(|s| in_pool(s, pool)) {
             self.decode_batch(pool, &mut batched)?
+        } else if in_graph {
+            self.step_rows(pool, &mut batched, prefill_bucket)?
         } else {
             self.ragged_batch(pool, &mut batched)?
         };
@@ -356,28 +415,7 @@ impl Decoder {
         pool: &PoolInner,
         streams: &mut [super::StreamStep<'_>],
     ) -> Result<Vec<Tensor>> {
-        let mut slots = Vec::new();
-        let mut pos = Vec::new();
-        let mut spans = Vec::with_capacity(streams.len());
-        let mut rows_of = Vec::with_capacity(streams.len());
-        for s in streams.iter() {
-            let (len, n) = (s.cache.len(), s.embeds.dim(0)?);
-            if n == 0 {
-                candle_core::bail!("a stream step needs at least one new position");
-            }
-            if len + n > pool.cap {
-                candle_core::bail!(
-                    "a stream's slot holds {} positions; {} do not fit",
-                    pool.cap,
-                    len + n
-                );
-            }
-            let slot = s.cache.slot.as_ref().expect("in the pool").index as u32;
-            rows_of.push(StreamRows { start: slots.len(), n, slot: slot as usize, first: len });
-            spans.push((slots.len(), n));
-            slots.extend(std::iter::repeat_n(slot, n));
-            pos.extend((len..len + n).map(|p| p as u32));
-        }
+        let Rows { slots, pos, spans, streams: rows_of } = rows_of(pool, streams)?;
         let rows: Vec<&Tensor> = streams.iter().map(|s| &s.embeds).collect();
         let x = if rows.len() == 1 { rows[0].contiguous()? } else { Tensor::cat(&rows, 0)? }
             .to_dtype(self.dtype)?;

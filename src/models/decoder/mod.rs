@@ -269,6 +269,9 @@ pub struct Decoder {
     /// Streams in slots that advance by several positions (prompt chunks) join the batched
     /// step's rows ([`Decoder::set_ragged_prefill`]).
     ragged: bool,
+    /// Steps with prompt rows of at most this many rows, all in slots, run through a bucket's
+    /// fixed buffers (and captured graph) ([`Decoder::set_prefill_graph_rows`]); 0: never.
+    prefill_graph_rows: usize,
 }
 
 impl Decoder {
@@ -305,6 +308,7 @@ impl Decoder {
             dtype: vb.dtype(),
             mode: DecodeMode::Eager,
             ragged,
+            prefill_graph_rows: 0,
         })
     }
 
@@ -319,6 +323,19 @@ impl Decoder {
     /// the batched attention goes row by row and is slower there than attention per stream.
     pub fn set_ragged_prefill(&mut self, on: bool) {
         self.ragged = on;
+    }
+
+    /// With a graph decode mode, a step whose rows are all in slots of one pool, some of them a
+    /// prompt chunk, and at most `rows` of them (or the pool's slots, if more), runs as the rows
+    /// of a bucket's step (powers of two beyond the decode steps' buckets): on CUDA its captured
+    /// graph, at the stage's raised priority, where op by op every stream of the step waited for
+    /// hundreds of kernel launches at the default one. 0: never (the ragged step, op by op).
+    pub fn set_prefill_graph_rows(&mut self, rows: usize) {
+        self.prefill_graph_rows = rows;
+    }
+
+    pub fn prefill_graph_rows(&self) -> usize {
+        self.prefill_graph_rows
     }
 
     pub fn config(&self) -> &DecoderConfig {
