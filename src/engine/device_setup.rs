@@ -74,6 +74,7 @@ pub fn prepare(models: &mut Models, cfg: &mut EngineConfig) -> Result<()> {
     }
     if cfg.decode_graphs && own_stream(&d1, [&d0, &d2]) {
         models.talker.set_decode_mode(DecodeMode::Graph);
+        models.talker.set_prefill_graph_rows(cfg.talker.prefill_graph_rows);
     }
     if cfg.gpu_tf32 && [&d0, &d1, &d2].iter().any(|d| d.is_cuda()) {
         candle_core::cuda::set_gemm_reduced_precision_f32(true);

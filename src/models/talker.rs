@@ -120,6 +120,11 @@ impl Talker {
         self.model.set_decode_mode(mode);
     }
 
+    /// See [`Decoder::set_prefill_graph_rows`].
+    pub fn set_prefill_graph_rows(&mut self, rows: usize) {
+        self.model.set_prefill_graph_rows(rows);
+    }
+
     fn device(&self) -> &candle_core::Device {
         self.emb_text.embeddings().device()
     }

@@ -89,6 +89,11 @@ pub struct TalkerConfig {
     /// Thinker's graphs, and the whole Talker step with it (every stream stalled). A segment of
     /// ~50 rows (a window) or ~15 (a unit) costs as many steps, which the audio before covers.
     pub segment_rows: bool,
+    /// With decode graphs: the Talker's prefills (a reply's condition, a text chunk's window, a
+    /// duplex unit's condition) whose streams are all in slots run as the rows of a captured step
+    /// of up to this many rows, at the Talker's raised priority, instead of op by op at the
+    /// default one behind the Thinker's graphs (0: never; `Decoder::set_prefill_graph_rows`).
+    pub prefill_graph_rows: usize,
     /// Turn mode: a stream's Talker runs at most this many chunks of codes ahead of the audio
     /// Code2Wav has delivered (`"none"`: as fast as it can). On one GPU the stages' steps slow
     /// each other down; codes made long before Code2Wav can use them only slow down its chunk 0.
@@ -123,6 +128,7 @@ impl Default for TalkerConfig {
             text_chunk: 0,
             text_chunk_streams: None,
             segment_rows: false,
+            prefill_graph_rows: 0,
             lead_chunks: Some(1),
             hold_first_chunk: false,
             sampling: SamplingParams::talker(),

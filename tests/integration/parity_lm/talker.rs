@@ -167,3 +167,57 @@ fn parity_talker_batched_streams_match_single() {
         TOL,
     );
 }
+
+#[test]
+fn talker_prefills_as_rows_of_a_captured_step_match_streams_alone() {
+    let (io, tids, codes) = talker_inputs();
+    let (_, mut talker) = models();
+    let h = &io["talker_hidden_in"];
+    let conds = [
+        talker.condition(&tids, h, ConditionMode::Turn).unwrap(),
+        talker.condition(&tids[..5], &h.narrow(0, 0, 5).unwrap(), ConditionMode::Duplex).unwrap(),
+    ];
+    let alone = |cond: &Tensor| {
+        let mut c = talker.new_cache();
+        let mut rows = vec![talker
+            .forward(&mut [StreamStep { cache: &mut c, embeds: cond.clone() }])
+            .unwrap()
+            .pop()
+            .unwrap()];
+        for &code in &codes[..4] {
+            let e = talker.embed_codes(&[code]).unwrap();
+            rows.push(
+                talker.forward(&mut [StreamStep { cache: &mut c, embeds: e }]).unwrap().remove(0),
+            );
+        }
+        Tensor::cat(&rows, 0).unwrap()
+    };
+    let want = [alone(&conds[0]), alone(&conds[1])];
+    talker.set_decode_mode(DecodeMode::Graph);
+    talker.set_prefill_graph_rows(256);
+    let pool = talker.decoder().slot_pool(3, 256).unwrap();
+    let mut ca = pool.take().unwrap().expect("a slot");
+    let mut cb = pool.take().unwrap().expect("a slot");
+    // both conditions in one step: its rows in a bucket beyond the decode steps' (1 to 3)
+    let out = talker
+        .forward(&mut [
+            StreamStep { cache: &mut ca, embeds: conds[0].clone() },
+            StreamStep { cache: &mut cb, embeds: conds[1].clone() },
+        ])
+        .unwrap();
+    assert!(pool.buckets().iter().any(|&b| b > 3), "buckets {:?}", pool.buckets());
+    let (mut ra, mut rb) = (vec![out[0].clone()], vec![out[1].clone()]);
+    for &code in &codes[..4] {
+        let e = talker.embed_codes(&[code]).unwrap();
+        let out = talker
+            .forward(&mut [
+                StreamStep { cache: &mut ca, embeds: e.clone() },
+                StreamStep { cache: &mut cb, embeds: e },
+            ])
+            .unwrap();
+        ra.push(out[0].clone());
+        rb.push(out[1].clone());
+    }
+    assert_close("stream A, prefill in a bucket", &Tensor::cat(&ra, 0).unwrap(), &want[0], 1e-5);
+    assert_close("stream B, prefill in a bucket", &Tensor::cat(&rb, 0).unwrap(), &want[1], 1e-5);
+}
