@@ -16,6 +16,7 @@ use antiphon_engine::{
 use candle_core::{DType, Device};
 use common::engine::{collect, engine, spec, submit, voice, Outcome};
 
+mod captured_prefill;
 mod first_chunk;
 mod inbox;
 
