@@ -30,9 +30,16 @@ struct BatchStep {
     pos: Tensor,
     /// `[bucket, hidden]`: the last layer's output after the final norm.
     out: Tensor,
+    /// The positions its attention covers: the slot's capacity for the decode steps' buckets; for
+    /// a prompt's bucket beyond them, a power of two that holds every row's position (the
+    /// attention kernel's blocks beyond it, most of them for a short prompt, are not launched).
+    span: usize,
     graph: Option<Graph>,
     no_graph: bool,
 }
+
+/// The least span a prompt's bucket attends over (fewer steps to capture).
+const MIN_SPAN: usize = 256;
 
 pub(crate) struct PoolInner {
     /// Per layer: K and V `[slots + 1, hkv, cap, d]`.
@@ -40,7 +47,8 @@ pub(crate) struct PoolInner {
     slots: usize,
     cap: usize,
     free: Mutex<Vec<usize>>,
-    steps: Mutex<HashMap<usize, BatchStep>>,
+    /// By bucket and span.
+    steps: Mutex<HashMap<(usize, usize), BatchStep>>,
 }
 
 /// A stream's hold on its slot; the slot goes back to the pool when the cache drops.
@@ -108,8 +116,9 @@ impl SlotPool {
     /// warm-up), in ascending order.
     pub fn buckets(&self) -> Vec<usize> {
         let mut b: Vec<usize> =
-            self.inner.steps.lock().expect("slot pool steps").keys().copied().collect();
+            self.inner.steps.lock().expect("slot pool steps").keys().map(|k| k.0).collect();
         b.sort_unstable();
+        b.dedup();
         b
     }
 
@@ -197,25 +206,29 @@ impl Decoder {
         streams.iter().all(|s| in_pool(s, &first)).then_some(first)
     }
 
-    /// Captures the batched step of every bucket up to the pool's size, and up to
-    /// [`Decoder::prefill_graph_rows`] (a warm-up, so no request pays a capture). Uses the scratch
-    /// slot only.
+    /// Captures the batched step of every bucket up to the pool's size, and of every prompt
+    /// bucket and span up to [`Decoder::prefill_graph_rows`] (a warm-up, so no request pays a
+    /// capture). Uses the scratch slot only.
     pub fn warm_pool(&self, pool: &SlotPool) -> Result<()> {
         let inner = &pool.inner;
         let largest = inner.slots.max(self.prefill_graph_rows);
         let mut b = 1;
         loop {
             let b_now = b.min(largest);
-            let mut steps = inner.steps.lock().expect("slot pool steps");
-            let st = match steps.entry(b_now) {
-                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => e.insert(self.batch_step(b_now)?),
-            };
-            let scratch = vec![inner.slots as u32; b_now];
-            st.slots.slice_set(&Tensor::new(scratch.as_slice(), &self.device)?, 0, 0)?;
-            st.pos.slice_set(&Tensor::new(vec![0u32; b_now].as_slice(), &self.device)?, 0, 0)?;
-            self.run_batch_step(inner, st)?;
-            self.run_batch_step(inner, st)?;
+            let spans = if b_now > inner.slots { prompt_spans(inner.cap) } else { vec![inner.cap] };
+            for span in spans {
+                let mut steps = inner.steps.lock().expect("slot pool steps");
+                let st = step_entry(&mut steps, b_now, span, || self.batch_step(b_now, span))?;
+                let scratch = vec![inner.slots as u32; b_now];
+                st.slots.slice_set(&Tensor::new(scratch.as_slice(), &self.device)?, 0, 0)?;
+                st.pos.slice_set(
+                    &Tensor::new(vec![0u32; b_now].as_slice(), &self.device)?,
+                    0,
+                    0,
+                )?;
+                self.run_batch_step(inner, st)?;
+                self.run_batch_step(inner, st)?;
+            }
             if b_now >= largest {
                 break;
             }
@@ -224,13 +237,14 @@ impl Decoder {
         self.device.synchronize()
     }
 
-    fn batch_step(&self, bucket: usize) -> Result<BatchStep> {
+    fn batch_step(&self, bucket: usize, span: usize) -> Result<BatchStep> {
         let h = self.cfg.hidden_size;
         Ok(BatchStep {
             x_in: Tensor::zeros((bucket, h), self.dtype, &self.device)?,
             slots: Tensor::zeros(bucket, DType::U32, &self.device)?,
             pos: Tensor::zeros(bucket, DType::U32, &self.device)?,
             out: Tensor::zeros((bucket, h), self.dtype, &self.device)?,
+            span,
             graph: None,
             no_graph: false,
         })
@@ -265,8 +279,9 @@ impl Decoder {
     /// each row's slot and position, and `st.out`.
     fn batch_body(&self, pool: &PoolInner, st: &BatchStep) -> Result<()> {
         let h = self.run_layers(st.x_in.clone(), |li, attn, h| {
-            let none = RowAttention::Kernel { max_pos: None };
-            attn.forward_batch(h, &self.rope, &pool.layers[li], &st.slots, &st.pos, none)
+            let max_pos = (st.span < pool.cap).then(|| st.span - 1);
+            let kernel = RowAttention::Kernel { max_pos };
+            attn.forward_batch(h, &self.rope, &pool.layers[li], &st.slots, &st.pos, kernel)
         })?;
         st.out.slice_set(&h, 0, 0)
     }
@@ -297,14 +312,17 @@ impl Decoder {
             candle_core::bail!("a step of {rows} rows does not fit a bucket of {max_bucket}");
         }
         let b = bucket(rows, max_bucket);
+        let span = if b > pool.slots {
+            let last = pos.iter().max().map_or(0, |&p| p as usize);
+            (last + 1).next_power_of_two().clamp(MIN_SPAN.min(pool.cap), pool.cap)
+        } else {
+            pool.cap
+        };
         // the rows beyond the batch: the scratch slot at position 0
         slots.resize(b, pool.slots as u32);
         pos.resize(b, 0);
         let mut steps = pool.steps.lock().expect("slot pool steps");
-        let st = match steps.entry(b) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.batch_step(b)?),
-        };
+        let st = step_entry(&mut steps, b, span, || self.batch_step(b, span))?;
         let x: Vec<&Tensor> = streams.iter().map(|s| &s.embeds).collect();
         let x = if x.len() == 1 { x[0].contiguous()? } else { Tensor::cat(&x, 0)? };
         st.x_in.slice_set(&x.to_dtype(self.dtype)?, 0, 0)?;
@@ -317,6 +335,29 @@ impl Decoder {
         let out = st.out.narrow(0, 0, rows)?.copy()?;
         spans.iter().map(|&(start, n)| out.narrow(0, start, n)).collect()
     }
+}
+
+/// The bucket's step of `span` positions, made by `make` if there is none yet.
+fn step_entry(
+    steps: &mut HashMap<(usize, usize), BatchStep>,
+    bucket: usize,
+    span: usize,
+    make: impl FnOnce() -> Result<BatchStep>,
+) -> Result<&mut BatchStep> {
+    Ok(match steps.entry((bucket, span)) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => e.insert(make()?),
+    })
+}
+
+/// The spans a prompt's bucket may attend over in slots of `cap` positions: powers of two from
+/// [`MIN_SPAN`], then `cap`.
+fn prompt_spans(cap: usize) -> Vec<usize> {
+    let mut spans: Vec<usize> = std::iter::successors(Some(MIN_SPAN.min(cap)), |&s| Some(s * 2))
+        .take_while(|&s| s < cap)
+        .collect();
+    spans.push(cap);
+    spans
 }
 
 /// A step's rows over slots of one pool: each row's slot and position, each stream's span of
@@ -479,5 +520,17 @@ impl Attention {
             RowAttention::Plan(plan) => plan.attend(&heads, hq, hkv, &kv.0, &kv.1, slots, pos)?,
         };
         self.o_proj.forward(&o.reshape((b, hq * d))?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prompt_spans;
+
+    #[test]
+    fn a_prompt_bucket_attends_over_powers_of_two_up_to_the_slot() {
+        assert_eq!(prompt_spans(4096), [256, 512, 1024, 2048, 4096]);
+        assert_eq!(prompt_spans(3000), [256, 512, 1024, 2048, 3000], "the slot's own size last");
+        assert_eq!(prompt_spans(64), [64], "a slot smaller than the least span");
     }
 }

@@ -195,10 +195,11 @@ fn talker_prefills_as_rows_of_a_captured_step_match_streams_alone() {
     let want = [alone(&conds[0]), alone(&conds[1])];
     talker.set_decode_mode(DecodeMode::Graph);
     talker.set_prefill_graph_rows(256);
-    let pool = talker.decoder().slot_pool(3, 256).unwrap();
+    let pool = talker.decoder().slot_pool(3, 1024).unwrap();
     let mut ca = pool.take().unwrap().expect("a slot");
     let mut cb = pool.take().unwrap().expect("a slot");
-    // both conditions in one step: its rows in a bucket beyond the decode steps' (1 to 3)
+    // both conditions in one step: its rows in a bucket beyond the decode steps' (1 to 3), its
+    // attention over the first 256 positions of the slots' 1024 (on CUDA, the kernel's splits)
     let out = talker
         .forward(&mut [
             StreamStep { cache: &mut ca, embeds: conds[0].clone() },
