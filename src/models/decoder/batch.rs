@@ -41,6 +41,11 @@ struct BatchStep {
 /// The least span a prompt's bucket attends over (fewer steps to capture).
 const MIN_SPAN: usize = 256;
 
+/// A prompt chunk goes through a bucket's step only while it ends within this many positions:
+/// there each of its rows reads its whole history, where the ragged step's plan attends by matrix
+/// products (measured faster for the prompts of long conversations, docs/performance.md run 65).
+const GRAPH_PROMPT_POSITIONS: usize = 2048;
+
 pub(crate) struct PoolInner {
     /// Per layer: K and V `[slots + 1, hkv, cap, d]`.
     layers: Vec<(Tensor, Tensor)>,
@@ -337,6 +342,13 @@ impl Decoder {
     }
 }
 
+/// Whether `n` rows of a stream holding `len` positions may go through a bucket's step: one
+/// position always (a decode row), a prompt chunk while it ends within
+/// [`GRAPH_PROMPT_POSITIONS`].
+fn rows_go_in_a_bucket(len: usize, n: usize) -> bool {
+    n == 1 || len + n <= GRAPH_PROMPT_POSITIONS
+}
+
 /// The bucket's step of `span` positions, made by `make` if there is none yet.
 fn step_entry(
     steps: &mut HashMap<(usize, usize), BatchStep>,
@@ -411,7 +423,10 @@ impl Decoder {
         let in_graph = self.prefill_graph_rows > 0
             && self.mode == DecodeMode::Graph
             && rows <= prefill_bucket
-            && streams.iter().all(|s| in_slots_of(s, pool));
+            && streams.iter().all(|s| in_slots_of(s, pool))
+            && streams
+                .iter()
+                .all(|s| rows_go_in_a_bucket(s.cache.len(), s.embeds.dim(0).unwrap_or(1)));
         let ragged = in_graph || (self.ragged && in_slots.count() > 1);
         let joins =
             |s: &StreamStep<'_>| if ragged { in_slots_of(s, pool) } else { in_pool(s, pool) };
@@ -525,7 +540,14 @@ impl Attention {
 
 #[cfg(test)]
 mod tests {
-    use super::prompt_spans;
+    use super::{prompt_spans, rows_go_in_a_bucket};
+
+    #[test]
+    fn a_long_conversations_prompt_stays_out_of_the_buckets() {
+        assert!(rows_go_in_a_bucket(600, 90), "a short conversation's turn");
+        assert!(rows_go_in_a_bucket(6000, 1), "a decode row at any position");
+        assert!(!rows_go_in_a_bucket(2000, 90), "a prompt ending past 2048 positions");
+    }
 
     #[test]
     fn a_prompt_bucket_attends_over_powers_of_two_up_to_the_slot() {
