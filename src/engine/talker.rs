@@ -448,6 +448,11 @@ impl TalkerStage {
     /// that a prefill beside them does not take the decoding streams off their graph. A batch that
     /// fails runs again stream by stream: one stream's error fails it alone.
     fn forward_step(&self, steps: &mut [StreamStep]) -> Vec<crate::contain::Outcome> {
+        // (with prefills in captured steps, decoding and prefilling streams together as the rows
+        // of one, when they fit its largest bucket: one launch, the weights read once)
+        if self.talker.decoder().rows_fit_a_bucket(steps) {
+            return crate::contain::forward_contained(steps, |s| self.talker.forward(s));
+        }
         let (mut one, mut many, mut at) = (Vec::new(), Vec::new(), Vec::with_capacity(steps.len()));
         for s in steps.iter_mut() {
             let step = StreamStep { cache: &mut *s.cache, embeds: s.embeds.clone() };

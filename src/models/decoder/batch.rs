@@ -417,17 +417,10 @@ impl Decoder {
         use super::StreamStep;
         // (a lone stream in a slot prefilling runs op by op: measured no faster batched; as rows
         // of a bucket's graph it runs at the graph's priority, `prefill_graph_rows`)
-        let in_slots = streams.iter().filter(|s| in_slots_of(s, pool));
-        let rows: usize = in_slots.clone().map(|s| s.embeds.dim(0).unwrap_or(0)).sum();
         let prefill_bucket = self.prefill_graph_rows.max(pool.slots);
-        let in_graph = self.prefill_graph_rows > 0
-            && self.mode == DecodeMode::Graph
-            && rows <= prefill_bucket
-            && streams.iter().all(|s| in_slots_of(s, pool))
-            && streams
-                .iter()
-                .all(|s| rows_go_in_a_bucket(s.cache.len(), s.embeds.dim(0).unwrap_or(1)));
-        let ragged = in_graph || (self.ragged && in_slots.count() > 1);
+        let in_graph = self.in_one_bucket(pool, streams);
+        let ragged = in_graph
+            || (self.ragged && streams.iter().filter(|s| in_slots_of(s, pool)).count() > 1);
         let joins =
             |s: &StreamStep<'_>| if ragged { in_slots_of(s, pool) } else { in_pool(s, pool) };
         if !streams.iter().any(&joins) {
@@ -458,6 +451,24 @@ impl Decoder {
             .into_iter()
             .map(|(fast, i)| if fast { a[i].clone() } else { b[i].clone() })
             .collect())
+    }
+
+    /// Whether a step of `streams` runs as the rows of one bucket's step
+    /// ([`Decoder::set_prefill_graph_rows`]): every stream in slots of one pool, their rows within
+    /// the largest bucket, every prompt chunk short enough ([`rows_go_in_a_bucket`]).
+    pub fn rows_fit_a_bucket(&self, streams: &[super::StreamStep<'_>]) -> bool {
+        pool_of_slots(streams).is_some_and(|pool| self.in_one_bucket(&pool, streams))
+    }
+
+    fn in_one_bucket(&self, pool: &Arc<PoolInner>, streams: &[super::StreamStep<'_>]) -> bool {
+        let rows: usize = streams.iter().map(|s| s.embeds.dim(0).unwrap_or(1)).sum();
+        self.prefill_graph_rows > 0
+            && self.mode == DecodeMode::Graph
+            && rows <= self.prefill_graph_rows.max(pool.slots)
+            && streams.iter().all(|s| {
+                in_slots_of(s, pool)
+                    && rows_go_in_a_bucket(s.cache.len(), s.embeds.dim(0).unwrap_or(1))
+            })
     }
 
     /// Streams in slots of `pool` advancing by any number of positions (prompt chunks beside
