@@ -216,10 +216,7 @@ impl Decoder {
     /// capture). Uses the scratch slot only.
     pub fn warm_pool(&self, pool: &SlotPool) -> Result<()> {
         let inner = &pool.inner;
-        let largest = inner.slots.max(self.prefill_graph_rows);
-        let mut b = 1;
-        loop {
-            let b_now = b.min(largest);
+        for b_now in warm_buckets(inner.slots, self.prefill_graph_rows) {
             let spans = if b_now > inner.slots { prompt_spans(inner.cap) } else { vec![inner.cap] };
             for span in spans {
                 let mut steps = inner.steps.lock().expect("slot pool steps");
@@ -234,10 +231,6 @@ impl Decoder {
                 self.run_batch_step(inner, st)?;
                 self.run_batch_step(inner, st)?;
             }
-            if b_now >= largest {
-                break;
-            }
-            b *= 2;
         }
         self.device.synchronize()
     }
@@ -360,6 +353,21 @@ fn step_entry(
         std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
         std::collections::hash_map::Entry::Vacant(e) => e.insert(make()?),
     })
+}
+
+/// The buckets a pool of `slots` makes steps of: powers of two below `slots`, then `slots` (the
+/// decode steps'), then powers of two beyond it below `prefill_rows`, then `prefill_rows` (a
+/// prompt's, [`bucket`] up to `prefill_rows`).
+fn warm_buckets(slots: usize, prefill_rows: usize) -> Vec<usize> {
+    let below = |top: usize, from: usize| {
+        std::iter::successors(Some(from), |&b| Some(b * 2)).take_while(move |&b| b < top)
+    };
+    let mut buckets: Vec<usize> = below(slots, 1).chain([slots]).collect();
+    if prefill_rows > slots {
+        let first = (slots + 1).next_power_of_two();
+        buckets.extend(below(prefill_rows, first).chain([prefill_rows]));
+    }
+    buckets
 }
 
 /// The spans a prompt's bucket may attend over in slots of `cap` positions: powers of two from
@@ -551,7 +559,25 @@ impl Attention {
 
 #[cfg(test)]
 mod tests {
-    use super::{prompt_spans, rows_go_in_a_bucket};
+    use super::{bucket, prompt_spans, rows_go_in_a_bucket, warm_buckets};
+
+    #[test]
+    fn the_warm_up_makes_every_bucket_a_step_asks_for() {
+        assert_eq!(warm_buckets(16, 0), [1, 2, 4, 8, 16]);
+        assert_eq!(warm_buckets(17, 128), [1, 2, 4, 8, 16, 17, 32, 64, 128]);
+        assert_eq!(warm_buckets(64, 100), [1, 2, 4, 8, 16, 32, 64, 100]);
+        assert_eq!(warm_buckets(64, 32), [1, 2, 4, 8, 16, 32, 64], "prompts within the slots");
+        for (slots, prefill) in [(17, 128), (64, 100), (16, 0), (3, 32)] {
+            let warm = warm_buckets(slots, prefill);
+            for n in 1..=slots {
+                assert!(warm.contains(&bucket(n, slots)), "{n} decode rows of {slots} slots");
+            }
+            for n in 1..=prefill.max(slots) {
+                let b = bucket(n, prefill.max(slots));
+                assert!(warm.contains(&b), "{n} prompt rows: bucket {b}, warmed {warm:?}");
+            }
+        }
+    }
 
     #[test]
     fn a_long_conversations_prompt_stays_out_of_the_buckets() {
