@@ -293,6 +293,8 @@ impl ThinkerStage {
         let full = match ctx.thinker.llm.decoder().prefill_graph_rows() {
             0 => ctx.cfg.thinker.prefill_tokens,
             rows => {
+                // (the largest bucket: those rows, or the slots' decode bucket if larger)
+                let rows = rows.max(ctx.cfg.thinker.slots);
                 let decoding = turns.len() + duplex.len();
                 ctx.cfg
                     .thinker
