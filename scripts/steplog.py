@@ -10,6 +10,7 @@ passes it on), then:
 It reads the engine's debug lines (`talker step`, `thinker step`, `thinker_prefill step`,
 `code2wav batch`, `talker chunk out`) and prints, over the window:
 - each stage's busy fraction (the sum of its step times over the window);
+- the Thinker's decode steps by streams, and its steps with prompt rows by those rows;
 - the Talker's step time by percentile and by streams in the step, and how much of its long steps
   (over 10 ms) and its short ones (up to 3 ms) overlap a Thinker step or a Code2Wav step;
 - chunk 0s: their codes (a small first chunk or a full one), the wait from the Talker's send to
@@ -54,14 +55,11 @@ def read(lines):
             m = re.search(r"streams=(\d+) .*ms=([\d.]+)", line)
             if m:
                 talker.append((t - float(m[2]) / 1000, t, int(m[1])))
-        elif "thinker_prefill step" in line:
-            m = re.search(r"total_ms=([\d.]+)", line)
+        elif "thinker_prefill step" in line or "thinker step (" in line:
+            m = re.search(r"streams=(\d+) rows=(\d+) .*total_ms=([\d.]+)", line)
             if m:
-                prefill.append((t - float(m[1]) / 1000, t))
-        elif "thinker step" in line:
-            m = re.search(r"total_ms=([\d.]+)", line)
-            if m:
-                thinker.append((t - float(m[1]) / 1000, t))
+                step = (t - float(m[3]) / 1000, t, int(m[1]), int(m[2]))
+                (prefill if "thinker_prefill" in line else thinker).append(step)
         elif "talker chunk out" in line:
             m = re.search(r"request=(\S+) seq=(\d+) codes=(\d+)", line)
             if m and m[2] == "0":
@@ -101,6 +99,16 @@ def main():
                         ("talker", talker), ("code2wav", code2wav)):
         busy = sum(b - a for a, b, *_ in spans)
         print(f"  {name:16} {len(spans):6} steps, busy {busy / span:5.0%}")
+    for name, spans, key in (("thinker decode", thinker, lambda st: min(st[2], 9)),
+                             ("thinker prompt", prefill, lambda st: min((st[3] - st[2]) // 64, 4))):
+        by = defaultdict(list)
+        for st in spans:
+            by[key(st)].append((st[1] - st[0]) * 1000)
+        for k in sorted(by):
+            what = (f"{k}{'+' if k == 9 else ' '} streams" if name == "thinker decode"
+                    else f"{k * 64}{'+' if k == 4 else '-' + str(k * 64 + 63)} prompt rows")
+            print(f"  {name} steps, {what:18}: {len(by[k]):5}, median "
+                  f"{statistics.median(by[k]):6.2f} ms, p90 {percentiles(by[k], (0.9,))}")
     ms = [(b - a) * 1000 for a, b, _ in talker]
     print(f"talker step ms p50 / p90 / p95 / p99: {percentiles(ms)}, at most {max(ms):.1f}")
     long_steps = [s for s in talker if (s[1] - s[0]) > 0.010]
@@ -114,7 +122,7 @@ def main():
         print(f"  {label} streams: {len(by[n]):6} steps, median {statistics.median(by[n]):6.2f} ms,"
               f" mean {statistics.mean(by[n]):6.2f}")
     short_steps = [s for s in talker if (s[1] - s[0]) <= 0.003]
-    for name, spans in (("a Thinker step", [(a, b) for a, b in thinker]),
+    for name, spans in (("a Thinker step", [(a, b) for a, b, *_ in thinker]),
                         ("a Code2Wav step", [(a, b) for a, b, _ in code2wav])):
         def share(steps):
             if not steps:
