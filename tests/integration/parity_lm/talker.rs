@@ -8,6 +8,27 @@ fn talker_inputs() -> (HashMap<String, Tensor>, Vec<u32>, Vec<u32>) {
     (load_io(FIX), ids(&meta["talker_ids"]), ids(&meta["talker_codes"]))
 }
 
+/// The fixture's two streams' conditions: A, the fixture's hand-off; B, a shorter one (5 tokens).
+fn two_conditions(talker: &Talker, io: &HashMap<String, Tensor>, tids: &[u32]) -> [Tensor; 2] {
+    let h = &io["talker_hidden_in"];
+    [
+        talker.condition(tids, h, ConditionMode::Turn).unwrap(),
+        talker.condition(&tids[..5], &h.narrow(0, 0, 5).unwrap(), ConditionMode::Duplex).unwrap(),
+    ]
+}
+
+/// One stream alone in a cache of its own: its condition's last rows, then one row per code.
+fn talker_alone(talker: &Talker, cond: &Tensor, codes: &[u32]) -> Tensor {
+    let mut c = talker.new_cache();
+    let mut rows =
+        talker.forward(&mut [StreamStep { cache: &mut c, embeds: cond.clone() }]).unwrap();
+    for &code in codes {
+        let e = talker.embed_codes(&[code]).unwrap();
+        rows.extend(talker.forward(&mut [StreamStep { cache: &mut c, embeds: e }]).unwrap());
+    }
+    Tensor::cat(&rows, 0).unwrap()
+}
+
 #[test]
 fn parity_talker_condition_embeddings() {
     let (io, tids, _) = talker_inputs();
@@ -100,31 +121,9 @@ fn parity_talker_weight_norm_spellings() {
 fn parity_talker_batched_streams_match_single() {
     let (io, tids, codes) = talker_inputs();
     let (_, talker) = models();
-    let h = &io["talker_hidden_in"];
     // stream A: the fixture's hand-off; stream B: a shorter one (5 tokens), decoding the same codes
-    let conds = [
-        talker.condition(&tids, h, ConditionMode::Turn).unwrap(),
-        talker.condition(&tids[..5], &h.narrow(0, 0, 5).unwrap(), ConditionMode::Duplex).unwrap(),
-    ];
-    let run_alone = |cond: &Tensor| {
-        let mut c = talker.new_cache();
-        let mut rows = vec![talker
-            .forward(&mut [StreamStep { cache: &mut c, embeds: cond.clone() }])
-            .unwrap()
-            .pop()
-            .unwrap()];
-        for &code in &codes {
-            let e = talker.embed_codes(&[code]).unwrap();
-            rows.push(
-                talker
-                    .forward(&mut [StreamStep { cache: &mut c, embeds: e }])
-                    .unwrap()
-                    .pop()
-                    .unwrap(),
-            );
-        }
-        Tensor::cat(&rows, 0).unwrap()
-    };
+    let conds = two_conditions(&talker, &io, &tids);
+    let run_alone = |cond: &Tensor| talker_alone(&talker, cond, &codes);
     let mut ca = talker.new_cache();
     let mut cb = talker.new_cache();
     let mut ra = vec![];
@@ -172,27 +171,8 @@ fn parity_talker_batched_streams_match_single() {
 fn talker_prefills_as_rows_of_a_captured_step_match_streams_alone() {
     let (io, tids, codes) = talker_inputs();
     let (_, mut talker) = models();
-    let h = &io["talker_hidden_in"];
-    let conds = [
-        talker.condition(&tids, h, ConditionMode::Turn).unwrap(),
-        talker.condition(&tids[..5], &h.narrow(0, 0, 5).unwrap(), ConditionMode::Duplex).unwrap(),
-    ];
-    let alone = |cond: &Tensor| {
-        let mut c = talker.new_cache();
-        let mut rows = vec![talker
-            .forward(&mut [StreamStep { cache: &mut c, embeds: cond.clone() }])
-            .unwrap()
-            .pop()
-            .unwrap()];
-        for &code in &codes[..4] {
-            let e = talker.embed_codes(&[code]).unwrap();
-            rows.push(
-                talker.forward(&mut [StreamStep { cache: &mut c, embeds: e }]).unwrap().remove(0),
-            );
-        }
-        Tensor::cat(&rows, 0).unwrap()
-    };
-    let want = [alone(&conds[0]), alone(&conds[1])];
+    let conds = two_conditions(&talker, &io, &tids);
+    let want = conds.clone().map(|c| talker_alone(&talker, &c, &codes[..4]));
     talker.set_decode_mode(DecodeMode::Graph);
     talker.set_prefill_graph_rows(256);
     let pool = talker.decoder().slot_pool(3, 1024).unwrap();
