@@ -299,7 +299,18 @@ async fn drain(shared: &Arc<Shared>) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-    tracing::info!(left = shared.sessions.len(), "drained");
+    // a session is gone once its close is queued: its socket sends the close frame (1001) and
+    // hands its permit back after; the server does not exit under a frame still being written
+    let all = shared.config.server.max_connections;
+    let flushed = Instant::now() + Duration::from_secs(2);
+    while shared.connection_permits.available_permits() < all && Instant::now() < flushed {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tracing::info!(
+        left = shared.sessions.len(),
+        sockets = all - shared.connection_permits.available_permits(),
+        "drained"
+    );
 }
 
 async fn warm_up(shared: &Arc<Shared>) -> Result<f64> {
