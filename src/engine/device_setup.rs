@@ -54,6 +54,7 @@ pub fn prepare(models: &mut Models, cfg: &mut EngineConfig) -> Result<()> {
     if cfg.decode_graphs && own_stream(&d0, [&d1, &d2]) {
         models.thinker.llm.set_decode_mode(DecodeMode::Graph);
         models.thinker.llm.set_prefill_graph_rows(cfg.thinker.prefill_graph_rows);
+        models.thinker.llm.set_prefill_graph_raised(cfg.thinker.prefill_graph_raised);
         // the references it hears (cut to 6 s) as a graph, captured now rather than at the
         // second new voice
         let n = (16_000.0 * antiphon_models::code2wav::prompt::PROMPT_SECONDS) as usize;
@@ -75,6 +76,7 @@ pub fn prepare(models: &mut Models, cfg: &mut EngineConfig) -> Result<()> {
     if cfg.decode_graphs && own_stream(&d1, [&d0, &d2]) {
         models.talker.set_decode_mode(DecodeMode::Graph);
         models.talker.set_prefill_graph_rows(cfg.talker.prefill_graph_rows);
+        models.talker.set_prefill_graph_raised(cfg.talker.prefill_graph_raised);
     }
     if cfg.gpu_tf32 && [&d0, &d1, &d2].iter().any(|d| d.is_cuda()) {
         candle_core::cuda::set_gemm_reduced_precision_f32(true);

@@ -166,13 +166,20 @@ unsafe fn set_kernel_priority(
 /// runs at that priority.
 #[cfg(feature = "cuda")]
 pub fn record(dev: &Device, body: impl Fn() -> Result<()>) -> Result<Graph> {
+    record_at(dev, true, body)
+}
+
+/// [`record`], with the graph's kernels at the device's raised priority only if `raised` (else
+/// at the default, the lowest: beside other stages' kernels as if run op by op).
+#[cfg(feature = "cuda")]
+pub fn record_at(dev: &Device, raised: bool, body: impl Fn() -> Result<()>) -> Result<Graph> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     let Device::Cuda(d) = dev else { candle_core::bail!("not a CUDA device") };
     let _uploads = d.enable_cuda_graph_htod_cache();
     body()?;
     let stream = d.cuda_stream();
     // (asked before the capture: no driver query inside it)
-    let raised = raised_priority(d);
+    let raised = if raised { raised_priority(d) } else { None };
     // relaxed: the other stages keep making their own driver calls meanwhile
     stream
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
@@ -244,6 +251,11 @@ fn record_raised(
         candle_core::bail!("cuGraphUpload: {r:?}");
     }
     Ok(g)
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn record_at(dev: &Device, _raised: bool, body: impl Fn() -> Result<()>) -> Result<Graph> {
+    record(dev, body)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -73,6 +73,11 @@ impl Qwen3 {
         self.model.set_prefill_graph_rows(rows);
     }
 
+    /// See [`Decoder::set_prefill_graph_raised`].
+    pub fn set_prefill_graph_raised(&mut self, raised: bool) {
+        self.model.set_prefill_graph_raised(raised);
+    }
+
     /// Token embeddings `[n, hidden]`; ids outside the vocabulary are an error.
     pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.vocab_size) {

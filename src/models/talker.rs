@@ -125,6 +125,11 @@ impl Talker {
         self.model.set_prefill_graph_rows(rows);
     }
 
+    /// See [`Decoder::set_prefill_graph_raised`].
+    pub fn set_prefill_graph_raised(&mut self, raised: bool) {
+        self.model.set_prefill_graph_raised(raised);
+    }
+
     fn device(&self) -> &candle_core::Device {
         self.emb_text.embeddings().device()
     }

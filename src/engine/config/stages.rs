@@ -23,6 +23,10 @@ pub struct ThinkerConfig {
     /// decoding streams leave of it, instead of op by op for every stream in it (0: never;
     /// `Decoder::set_prefill_graph_rows`).
     pub prefill_graph_rows: usize,
+    /// Those captured steps (beyond the decode buckets) at the Thinker's raised priority; false:
+    /// at the default one, beside Code2Wav's kernels as the op-by-op step (run 74: raised, they
+    /// slowed Code2Wav's steps at C16 and under arrivals).
+    pub prefill_graph_raised: bool,
     /// KV slots allocated at start-up for Thinker streams (0: none), each with room for
     /// `slot_context` positions: streams in slots decode in one batched step (on CUDA a graph per
     /// batch size); a stream that finds no free slot, or needs more, gets a cache of its own.
@@ -50,6 +54,7 @@ impl Default for ThinkerConfig {
             max_batch: 16,
             prefill_tokens: 1024,
             prefill_graph_rows: 0,
+            prefill_graph_raised: true,
             slots: 16,
             slot_context: 4096,
             prefix_cache: 16,
@@ -94,6 +99,9 @@ pub struct TalkerConfig {
     /// of up to this many rows, at the Talker's raised priority, instead of op by op at the
     /// default one behind the Thinker's graphs (0: never; `Decoder::set_prefill_graph_rows`).
     pub prefill_graph_rows: usize,
+    /// Those captured steps (beyond the decode buckets) at the Talker's raised priority; false: at
+    /// the default one, as the op-by-op prefill.
+    pub prefill_graph_raised: bool,
     /// Turn mode: a stream's Talker runs at most this many chunks of codes ahead of the audio
     /// Code2Wav has delivered (`"none"`: as fast as it can). On one GPU the stages' steps slow
     /// each other down; codes made long before Code2Wav can use them only slow down its chunk 0.
@@ -129,6 +137,7 @@ impl Default for TalkerConfig {
             text_chunk_streams: None,
             segment_rows: false,
             prefill_graph_rows: 0,
+            prefill_graph_raised: true,
             lead_chunks: Some(1),
             hold_first_chunk: false,
             sampling: SamplingParams::talker(),

@@ -255,7 +255,9 @@ impl Decoder {
             && self.mode == DecodeMode::Graph
             && crate::cuda_graph::can_capture(&self.device)
         {
-            match crate::cuda_graph::record(&self.device, || self.batch_body(pool, st)) {
+            // (a prompt's bucket, beyond the decode buckets, at the raised priority or not)
+            let raised = self.prefill_graph_raised || st.x_in.dim(0)? <= pool.slots;
+            match crate::cuda_graph::record_at(&self.device, raised, || self.batch_body(pool, st)) {
                 Ok(g) => st.graph = Some(g),
                 Err(e) => {
                     tracing::warn!(

@@ -272,6 +272,9 @@ pub struct Decoder {
     /// Steps with prompt rows of at most this many rows, all in slots, run through a bucket's
     /// fixed buffers (and captured graph) ([`Decoder::set_prefill_graph_rows`]); 0: never.
     prefill_graph_rows: usize,
+    /// Whether those buckets' graphs (beyond the decode buckets) run at the stage's raised
+    /// priority ([`Decoder::set_prefill_graph_raised`]).
+    prefill_graph_raised: bool,
 }
 
 impl Decoder {
@@ -309,6 +312,7 @@ impl Decoder {
             mode: DecodeMode::Eager,
             ragged,
             prefill_graph_rows: 0,
+            prefill_graph_raised: true,
         })
     }
 
@@ -332,6 +336,13 @@ impl Decoder {
     /// hundreds of kernel launches at the default one. 0: never (the ragged step, op by op).
     pub fn set_prefill_graph_rows(&mut self, rows: usize) {
         self.prefill_graph_rows = rows;
+    }
+
+    /// Whether the graphs of the buckets beyond the decode buckets
+    /// ([`Decoder::set_prefill_graph_rows`]) run at the stage's raised priority (the default) or at
+    /// the default one, beside the other stages' kernels as an op-by-op step would.
+    pub fn set_prefill_graph_raised(&mut self, raised: bool) {
+        self.prefill_graph_raised = raised;
     }
 
     pub fn prefill_graph_rows(&self) -> usize {
