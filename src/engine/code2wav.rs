@@ -144,6 +144,8 @@ pub struct Code2WavStage {
     admission: Option<super::Admission>,
     /// When the earliest chunk left for a later step is due (the loop wakes a horizon before).
     next_due: Option<Instant>,
+    /// The Talker's inbox, told after each batch (`TalkerMsg::Delivered`).
+    talker_wake: super::TalkerWake,
     /// Held through a step that serves only a few replies' first audio: the Thinker waits for it
     /// (`gate.rs`; Code2Wav's kernels run at the default priority, behind the Thinker's graphs).
     gate: super::gate::PrefillGate,
@@ -186,6 +188,7 @@ impl Code2WavStage {
             prepare_jobs: VecDeque::new(),
             admission: None,
             next_due: None,
+            talker_wake: Default::default(),
             gate: super::gate::PrefillGate::new(false),
             pace: super::pace::StagePace::default(),
         }
@@ -200,6 +203,13 @@ impl Code2WavStage {
     /// The Thinker waits for a step that serves only first audio (gate.rs).
     pub fn with_gate(mut self, gate: super::gate::PrefillGate) -> Self {
         self.gate = gate;
+        self
+    }
+
+    /// After each batch it ran, the Talker is told (`TalkerMsg::Delivered`): a stream held back
+    /// until its audio is delivered may go on.
+    pub fn with_talker_wake(mut self, talker: super::TalkerWake) -> Self {
+        self.talker_wake = talker;
         self
     }
 
@@ -422,6 +432,7 @@ impl Code2WavStage {
                 for c in group {
                     self.finish(&c.id, Status::Failed(msg.clone()));
                 }
+                self.talker_wake.delivered();
                 return;
             }
         };
@@ -470,6 +481,7 @@ impl Code2WavStage {
                 self.live.insert(id, live);
             }
         }
+        self.talker_wake.delivered();
     }
 }
 

@@ -50,7 +50,7 @@ pub use config::{
     legacy_key, Code2WavConfig, DuplexConfig, EngineConfig, PrefetchConfig, TalkerConfig,
     ThinkerConfig,
 };
-pub use messages::{Code2WavMsg, TalkerMsg, ThinkerMsg};
+pub use messages::{Code2WavMsg, TalkerMsg, TalkerWake, ThinkerMsg};
 pub use metrics::EngineMetrics;
 pub use types::*;
 
@@ -168,6 +168,8 @@ pub struct Engine {
     to_thinker: Option<SyncSender<ThinkerMsg>>,
     to_talker: Option<SyncSender<TalkerMsg>>,
     to_code2wav: Option<SyncSender<Code2WavMsg>>,
+    /// Code2Wav's sender to the Talker, taken back at the end.
+    talker_wake: TalkerWake,
     registry: Registry,
     metrics: EngineMetrics,
     admission: Admission,
@@ -226,6 +228,7 @@ impl Engine {
         admission.set_wake(tx0.clone());
         let (tx1, rx1) = mpsc::sync_channel::<TalkerMsg>(cap);
         let (tx2, rx2) = mpsc::sync_channel::<Code2WavMsg>(cap);
+        let talker_wake = TalkerWake::new(tx1.clone());
         let tokenizer = Arc::new(models.tokenizer.clone());
         // (on a GPU whose decode graphs run at a raised priority, see gate.rs)
         let gate = gate::PrefillGate::new(
@@ -259,7 +262,8 @@ impl Engine {
         )
         .with_admission(admission.clone())
         .with_gate(gate.clone())
-        .with_pace(pace);
+        .with_pace(pace)
+        .with_talker_wake(talker_wake.clone());
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new().name(name.to_string()).spawn(f)
         };
@@ -272,6 +276,7 @@ impl Engine {
             to_thinker: Some(tx0),
             to_talker: Some(tx1),
             to_code2wav: Some(tx2),
+            talker_wake,
             registry,
             metrics,
             admission,
@@ -526,8 +531,10 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        // (admission's wake-up sender too: the Thinker ends when its last sender is gone)
+        // (admission's wake-up sender too: the Thinker ends when its last sender is gone; and
+        // Code2Wav's to the Talker, which holds Code2Wav's inbox open)
         self.admission.clear_wake();
+        self.talker_wake.close();
         self.to_thinker.take();
         self.to_talker.take();
         self.to_code2wav.take();

@@ -2,6 +2,7 @@
 //! bounded channel between its steps (`run_stage` in lib.rs).
 
 use std::sync::mpsc::SyncSender;
+use std::sync::{Arc, Mutex};
 
 use anyhow::Result;
 use candle_core::Tensor;
@@ -73,6 +74,11 @@ pub enum TalkerMsg {
         turn_end: bool,
     },
     Cancel(RequestId),
+    /// From Code2Wav, after a step that delivered audio (or ended streams): a stream the Talker
+    /// holds back until its audio is delivered (`talker.lead_chunks`) may go on. The Talker waits
+    /// for this, not for a timer; one lost because the inbox is full is not needed (the Talker
+    /// steps again after the messages it holds).
+    Delivered,
 }
 
 /// What reaches Code2Wav.
@@ -104,4 +110,29 @@ pub enum Code2WavMsg {
     /// A duplex session is live: while any is, no prefetch runs (the busy gate).
     DuplexOpen(String),
     DuplexClose(String),
+}
+
+/// The Talker's inbox as Code2Wav holds it, to say that audio went out (`TalkerMsg::Delivered`).
+/// The engine takes the sender back when it stops: the Talker holds Code2Wav's inbox open, so
+/// with Code2Wav holding the Talker's neither stage would ever see its inbox close.
+#[derive(Clone, Default)]
+pub struct TalkerWake(Arc<Mutex<Option<SyncSender<TalkerMsg>>>>);
+
+impl TalkerWake {
+    pub fn new(to_talker: SyncSender<TalkerMsg>) -> Self {
+        Self(Arc::new(Mutex::new(Some(to_talker))))
+    }
+
+    /// Tells the Talker, without waiting: a full inbox already wakes it, a closed one is an
+    /// engine stopping.
+    pub fn delivered(&self) {
+        if let Some(t) = self.0.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            let _ = t.try_send(TalkerMsg::Delivered);
+        }
+    }
+
+    /// Lets the sender go (the engine stopping).
+    pub fn close(&self) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).take();
+    }
 }

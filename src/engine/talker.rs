@@ -74,7 +74,8 @@ pub struct TalkerStage {
     reqs: HashMap<RequestId, Req>,
     /// Admission order, for fair batching.
     order: Vec<RequestId>,
-    /// The last step held a stream back (pacing): poll again soon, Code2Wav will catch up.
+    /// The last step held a stream back (pacing) until Code2Wav delivers its audio
+    /// (`TalkerMsg::Delivered` wakes the stage then).
     paced: bool,
     /// Caches of finished streams, for the next ones (their decode graphs with them).
     caches: StageCaches,

@@ -1,7 +1,7 @@
 //! Reference prefetch in Code2Wav, one rule per test, driving the stage step by step (no threads,
 //! no timing): the double-idle rule, the busy gate, a burst prefetched together, the pin cap, phase
 //! B off by default, claim / retire / inline / evict at chunk 0, failures, aborts, duplex,
-//! owner/pin separation, and bit-identical chunk 0.
+//! owner/pin separation, and bit-identical chunk 0; and the Talker told after each batch.
 
 use std::sync::{Arc, Mutex};
 
@@ -10,7 +10,8 @@ use antiphon_engine::chunker::Chunker;
 use antiphon_engine::code2wav::{Code2WavStage, IdleOutcome};
 use antiphon_engine::metric_labels::{PrefetchEvent, PrefetchSkip};
 use antiphon_engine::{
-    Code2WavMsg, EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId, StageLoop,
+    Code2WavMsg, EngineConfig, EngineEvent, EngineMetrics, RefInput, Registry, RequestId,
+    StageLoop, TalkerMsg, TalkerWake,
 };
 use antiphon_models::code2wav::prompt::Reference;
 use antiphon_models::code2wav::{Code2Wav, SILENCE_CODE};
@@ -80,6 +81,12 @@ impl Rig {
 
     fn idle(&mut self) -> IdleOutcome {
         self.stage.idle_step()
+    }
+
+    /// The stage tells `talker` after each batch.
+    fn waking(self, talker: std::sync::mpsc::SyncSender<TalkerMsg>) -> Self {
+        let Rig { stage, registry, metrics } = self;
+        Rig { stage: stage.with_talker_wake(TalkerWake::new(talker)), registry, metrics }
     }
 }
 
@@ -468,4 +475,30 @@ fn a_registered_voice_is_served_from_its_kept_features() {
     d.stage.on_message(Code2WavMsg::Forget(prepared.key.clone()));
     run(&mut d, "d");
     assert_eq!(d.metrics.voice_preparations.get(), 1, "forgotten: prepared again");
+}
+
+/// The Talker holds a stream back until its audio is delivered (`talker.lead_chunks`) and waits
+/// for Code2Wav to say so, not for a timer: every batch that delivers audio tells it, an idle step
+/// does not, and a full inbox never blocks the step.
+#[test]
+fn a_batch_that_delivers_audio_tells_the_talker_and_a_full_inbox_does_not_block_it() {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let mut r = Rig::new(EngineConfig::default()).waking(tx.clone());
+    let v = voice(180.0);
+    let log = r.admit("a", Some(v.clone()));
+    r.idle();
+    r.idle();
+    assert!(rx.try_recv().is_err(), "no audio yet: the Talker is not told");
+    r.chunk("a", 0, chunk0_codes(), false, Some(v));
+    assert!(r.stage.step());
+    assert_eq!(audio(&log).len(), 1);
+    assert!(matches!(rx.try_recv(), Ok(TalkerMsg::Delivered)));
+    assert!(rx.try_recv().is_err(), "one word a batch");
+    // the Talker's inbox full: the next batch still runs and delivers
+    tx.try_send(TalkerMsg::Delivered).unwrap();
+    r.chunk("a", 1, chunk0_codes(), true, None);
+    assert!(r.stage.step());
+    assert_eq!(audio(&log).len(), 2);
+    assert!(matches!(rx.try_recv(), Ok(TalkerMsg::Delivered)));
+    assert!(rx.try_recv().is_err());
 }

@@ -153,11 +153,9 @@ impl StageLoop for TalkerStage {
                 self.bridge.extend(hold);
             }
             TalkerMsg::Cancel(id) => self.remove(&id),
+            // (the step after it finds what was delivered)
+            TalkerMsg::Delivered => {}
         }
-    }
-
-    fn idle_wait(&self) -> Option<std::time::Duration> {
-        self.paced.then_some(std::time::Duration::from_millis(2))
     }
 
     fn step(&mut self) -> bool {
