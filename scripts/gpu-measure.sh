@@ -128,6 +128,11 @@ if [ $ready = 1 ]; then
   nvidia-smi --query-gpu=memory.used --format=csv >> "$RES/gpu.txt" 2>&1
 fi
 kill -TERM $SERVER 2>/dev/null; sleep 2; kill -9 $SERVER 2>/dev/null
+# with every step logged (SERVER_LOG=...,antiphon_engine=debug): where the stages' time went, in the
+# results (the device returns 8 files a call: no file of its own)
+if [[ "${SERVER_LOG:-}" == *antiphon_engine=debug* ]]; then
+  python3 scripts/steplog.py "$RES/server.log" > "$RES/steplog.txt" 2>&1 && head -24 "$RES/steplog.txt"
+fi
 cp "$RES/server.log" "$OUT/server.log" 2>/dev/null
 tar czf "$OUT/results.tgz" -C /tmp antiphon-results
 echo "done in $(( $(date +%s) - t0 )) s"
