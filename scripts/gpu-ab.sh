@@ -13,14 +13,20 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/antiphon-gpu}
 BASE=${CONFIG:-configs/minicpmo45-synthetic.toml}
-for v in ${VARIANTS:-base}; do
-  name=${v%%:*}
-  cfg=configs/_ab-$name.toml
-  sets=""
-  [ "$v" = "$name" ] || sets=${v#*:}
-  scripts/engine-variant.sh "$BASE" "$cfg" "$sets"
-  echo "=== variant $name: $(grep -E "^($(echo "${v#*:}" | sed 's/=[^,]*//g; s/[a-z0-9_]*\.//g; s/,/|/g')) = " "$cfg" | tr '\n' ' ')"
-  OUT=$OUT/$name CONFIG=$cfg scripts/gpu-measure.sh
-  rm -f "$cfg"
-  export PARITY=0
+# ROUNDS=n measures the variants n times over, alternating (A B A B: a difference smaller than one
+# machine's spread shows as such); round k > 1 goes to $OUT/<name>.k
+for round in $(seq 1 "${ROUNDS:-1}"); do
+  for v in ${VARIANTS:-base}; do
+    name=${v%%:*}
+    cfg=configs/_ab-$name.toml
+    sets=""
+    [ "$v" = "$name" ] || sets=${v#*:}
+    scripts/engine-variant.sh "$BASE" "$cfg" "$sets"
+    echo "=== variant $name, round $round: $(grep -E "^($(echo "${v#*:}" | sed 's/=[^,]*//g; s/[a-z0-9_]*\.//g; s/,/|/g')) = " "$cfg" | tr '\n' ' ')"
+    dir=$OUT/$name
+    [ "$round" = 1 ] || dir=$OUT/$name.$round
+    OUT=$dir CONFIG=$cfg scripts/gpu-measure.sh
+    rm -f "$cfg"
+    export PARITY=0
+  done
 done
