@@ -2,7 +2,7 @@
 //! text-end and audio-start embeddings), then decode one code per step for every stream at once;
 //! codes are chunked and handed to Code2Wav (chunk 0 with the reference voice).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 use std::time::Instant;
@@ -14,8 +14,8 @@ use super::caches::StageCaches;
 use super::chunker::{Chunker, Payload};
 use super::gate::PrefillGate;
 use super::{
-    Code2WavMsg, EngineConfig, EngineMetrics, Mode, RefInput, Registry, RequestId, StageLoop,
-    Status, TalkerMsg,
+    Code2WavMsg, EngineConfig, EngineMetrics, Mode, Registry, RequestId, StageLoop, Status,
+    TalkerMsg,
 };
 use antiphon_models::decoder::{KvCache, PooledCache, StreamStep};
 use antiphon_models::sampling::{LengthPolicy, Sampler};
@@ -23,47 +23,11 @@ use antiphon_models::talker::{ConditionMode, Talker};
 
 mod chunks;
 mod stage_loop;
+mod stream;
 use crate::metric_labels::{StageName, StepKind};
 use chunks::TextChunks;
 pub use chunks::{chunk_condition, segment_window};
-
-struct Req {
-    mode: Mode,
-    voice: RefInput,
-    cache: PooledCache,
-    /// Condition rows waiting to be prefilled.
-    pending: Vec<Tensor>,
-    /// The text is complete (the closing embeddings are queued).
-    ended: bool,
-    /// Everything up to the audio start is prefilled: decoding.
-    decoding: bool,
-    last_code: Option<u32>,
-    sampler: Sampler,
-    length: LengthPolicy,
-    chunker: Chunker,
-    codes: usize,
-    /// Duplex turns: segments by unit.
-    duplex: Option<DuplexTalk>,
-    /// Turn mode with text chunks: a segment per chunk.
-    chunks: Option<TextChunks>,
-    /// The small first chunk was given on an idle engine: with `talker.hold_first_chunk`, no
-    /// codes beyond it until it is delivered (a small first chunk given on a busy engine keeps
-    /// its lead: its next chunk is what it waits for).
-    hold_first: bool,
-}
-
-/// A duplex turn's Talker side: one segment per spoken unit, each making a unit of codes; the
-/// last one (`turn_end`) drains until the end code. Between segments the stream waits, its last
-/// code not yet fed (it opens the next segment's prefill).
-#[derive(Default)]
-struct DuplexTalk {
-    /// Waiting segments: the condition (`None` when there is no new text) and `turn_end`.
-    queue: VecDeque<(Option<Tensor>, bool)>,
-    /// Codes left in the segment being decoded; `None` while draining the turn's end.
-    left: Option<usize>,
-    /// A segment is being decoded.
-    active: bool,
-}
+use stream::{DuplexTalk, Feed, NewStream, Phase, TalkerStream};
 
 pub struct TalkerStage {
     talker: Talker,
@@ -71,7 +35,7 @@ pub struct TalkerStage {
     registry: Registry,
     metrics: EngineMetrics,
     to_c2w: SyncSender<Code2WavMsg>,
-    reqs: HashMap<RequestId, Req>,
+    reqs: HashMap<RequestId, TalkerStream>,
     /// Admission order, for fair batching.
     order: Vec<RequestId>,
     /// The last step held a stream back (pacing) until Code2Wav delivers its audio
@@ -168,7 +132,7 @@ impl TalkerStage {
         self.remove(id);
     }
 
-    fn send(&self, id: &RequestId, r: &Req, p: Payload) {
+    fn send(&self, id: &RequestId, r: &TalkerStream, p: Payload) {
         let reference = (p.seq == 0).then(|| r.voice.clone());
         if p.seq == 0 {
             // (marked as it leaves: Code2Wav reads its messages only between its steps)
@@ -201,13 +165,11 @@ impl TalkerStage {
         let mut done = Vec::new();
         for id in &self.order {
             let r = self.reqs.get_mut(id).expect("listed");
-            let Some(dx) = r.duplex.as_mut() else {
-                continue;
-            };
-            if dx.active {
+            if r.phase() != Phase::Between {
                 continue;
             }
-            let Some((cond, turn_end)) = dx.queue.pop_front() else {
+            let Some((cond, turn_end)) = r.duplex.as_mut().and_then(|dx| dx.queue.pop_front())
+            else {
                 continue;
             };
             let mut parts = Vec::new();
@@ -219,9 +181,8 @@ impl TalkerStage {
                 done.push(id.clone());
                 continue;
             }
-            r.pending = parts;
-            r.decoding = true;
-            dx.active = true;
+            r.open_segment(parts);
+            let dx = r.duplex.as_mut().expect("a duplex stream");
             dx.left = (!turn_end).then_some(self.cfg.duplex.codes_per_unit());
             if turn_end {
                 r.length =
@@ -250,39 +211,40 @@ impl TalkerStage {
             }
             let r = &self.reqs[id];
             let mut rest = None;
-            let e = if !r.pending.is_empty() {
-                // (one tensor, as a segment fed by rows leaves it: no copy)
-                let all = if let [one] = r.pending.as_slice() {
-                    one.clone()
-                } else {
-                    Tensor::cat(&r.pending, 0)?
-                };
-                let rows = all.dim(0)?;
-                if self.cfg.talker.segment_rows
-                    && (r.chunks.is_some() || r.duplex.is_some())
-                    && r.chunker.sent() > 0
-                    && rows > 1
-                {
-                    rest = Some(all.narrow(0, 1, rows - 1)?);
-                    all.narrow(0, 0, 1)?
-                } else {
-                    all
-                }
-            } else if let (true, Some(c)) = (r.decoding, r.last_code) {
-                if let (Some(lead), None) = (self.cfg.talker.lead_chunks, &r.duplex) {
-                    // (a request that just ended is dropped by the next step's sweep)
-                    let Some(delivered) = self.registry.chunks_if_live(id) else { continue };
-                    if r.codes
-                        >= self.pacing_limit(r.chunker.first(), r.hold_first, delivered, lead)
-                            + r.chunker.held_codes()
+            let e = match r.phase().feed(!r.pending.is_empty(), r.last_code.is_some()) {
+                Some(Feed::Rows) => {
+                    // (one tensor, as a segment fed by rows leaves it: no copy)
+                    let all = if let [one] = r.pending.as_slice() {
+                        one.clone()
+                    } else {
+                        Tensor::cat(&r.pending, 0)?
+                    };
+                    let rows = all.dim(0)?;
+                    if self.cfg.talker.segment_rows
+                        && (r.chunks.is_some() || r.duplex.is_some())
+                        && r.chunker.sent() > 0
+                        && rows > 1
                     {
-                        self.paced = true;
-                        continue;
+                        rest = Some(all.narrow(0, 1, rows - 1)?);
+                        all.narrow(0, 0, 1)?
+                    } else {
+                        all
                     }
                 }
-                self.talker.embed_codes(&[c])?
-            } else {
-                continue;
+                Some(Feed::LastCode) => {
+                    if let (Some(lead), None) = (self.cfg.talker.lead_chunks, &r.duplex) {
+                        // (a request that just ended is dropped by the next step's sweep)
+                        let Some(delivered) = self.registry.chunks_if_live(id) else { continue };
+                        let limit =
+                            self.pacing_limit(r.chunker.first(), r.hold_first, delivered, lead);
+                        if r.codes >= limit + r.chunker.held_codes() {
+                            self.paced = true;
+                            continue;
+                        }
+                    }
+                    self.talker.embed_codes(&[r.last_code.expect("a speaking stream's code")])?
+                }
+                None => continue,
             };
             ids.push(id.clone());
             embeds.push(e);
@@ -354,16 +316,8 @@ impl TalkerStage {
         for ((k, id), rest) in ids.iter().enumerate().zip(rests) {
             let Some(h) = &hidden[k] else { continue };
             let r = self.reqs.get_mut(id).expect("listed");
-            r.pending.clear();
-            if let Some(rest) = rest {
-                // a segment fed by rows: its next row in the next step, no code before its last
-                r.pending.push(rest);
-                continue;
-            }
-            if r.decoding || r.ended {
-                if !r.decoding {
-                    r.decoding = true;
-                }
+            // (a segment fed by rows: its next row in the next step, no code before its last)
+            if r.stepped(rest) {
                 let rows = h.dim(0)?;
                 sample.push((id.clone(), h.narrow(0, rows - 1, 1)?));
             }
@@ -384,22 +338,21 @@ impl TalkerStage {
                     self.remove(&id);
                     continue;
                 }
-                let eos_now = match r.duplex.as_mut() {
-                    // a unit's segment: exactly its codes, then wait for the next segment
+                // a unit's segment: exactly its codes, then wait for the next segment
+                let unit_code = match r.duplex.as_mut() {
                     Some(DuplexTalk { left: Some(left), .. }) => {
-                        let code = r.sampler.sample(&l, &[eos]);
                         *left -= 1;
-                        if *left == 0 {
-                            let dx = r.duplex.as_mut().expect("duplex");
-                            dx.active = false;
-                            r.decoding = false;
-                        }
-                        Some(code)
+                        Some((r.sampler.sample(&l, &[eos]), *left == 0))
                     }
                     _ => None,
                 };
-                let code = match eos_now {
-                    Some(c) => c,
+                let code = match unit_code {
+                    Some((c, unit_over)) => {
+                        if unit_over {
+                            r.segment_over();
+                        }
+                        c
+                    }
                     None => r.length.next(&mut r.sampler, &l, &[]),
                 };
                 // the reply ends on its end code; with text chunks, a segment ends on its end code
@@ -412,9 +365,11 @@ impl TalkerStage {
                     }
                     if segment_over {
                         ch.end_segment();
-                        r.decoding = false;
                     }
                     end_reply = segment_over && ch.finished(r.codes + usize::from(code != eos));
+                    if segment_over {
+                        r.segment_over();
+                    }
                 }
                 if code != eos {
                     r.codes += 1;

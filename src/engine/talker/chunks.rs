@@ -9,6 +9,7 @@ use std::collections::VecDeque;
 use anyhow::Result;
 use candle_core::Tensor;
 
+use super::stream::Phase;
 use super::TalkerStage;
 use crate::RequestId;
 use antiphon_models::sampling::LengthPolicy;
@@ -224,12 +225,12 @@ impl TalkerStage {
         let mut over = Vec::new();
         for id in &self.order {
             let r = self.reqs.get_mut(id).expect("listed");
+            if r.phase() != Phase::Between {
+                continue;
+            }
             let Some(chunks) = r.chunks.as_mut() else {
                 continue;
             };
-            if chunks.active {
-                continue;
-            }
             let Some(start) = chunks.start(r.codes) else {
                 if chunks.finished(r.codes) {
                     over.push(id.clone());
@@ -239,8 +240,7 @@ impl TalkerStage {
             let previous = start.previous.as_ref().map(|(c, codes)| (c, codes.as_slice()));
             let window = segment_window(&self.talker, previous, &start.condition)?;
             r.cache.truncate(0);
-            r.pending = vec![window];
-            r.decoding = true;
+            r.open_segment(vec![window]);
             r.length =
                 LengthPolicy::new(vec![self.talker.eos_code()], start.min_codes, start.max_codes);
         }

@@ -63,24 +63,18 @@ impl StageLoop for TalkerStage {
                         return;
                     }
                 };
-                let r = Req {
+                let r = TalkerStream::new(NewStream {
                     mode,
                     voice,
                     cache,
-                    pending: Vec::new(),
-                    ended: false,
-                    decoding: false,
-                    last_code: None,
                     sampler: Sampler::new(self.cfg.talker.sampling.clone(), seed),
                     length: LengthPolicy::new(vec![self.talker.eos_code()], min_codes, max_codes),
                     chunker: Chunker::for_stream(&self.cfg, first, mode == Mode::Turn),
-                    codes: 0,
-                    duplex: (mode == Mode::Duplex).then(DuplexTalk::default),
                     chunks: chunk
                         .is_some()
                         .then(|| TextChunks::new(text_tokens, min_codes, max_codes)),
                     hold_first: !busy,
-                };
+                });
                 self.remove(&id);
                 self.order.push(id.clone());
                 self.reqs.insert(id, r);
@@ -90,7 +84,7 @@ impl StageLoop for TalkerStage {
                     return;
                 };
                 match self.talker.condition_rows(&ids, &hidden) {
-                    Ok(c) => r.pending.push(c),
+                    Ok(c) => r.condition(c),
                     Err(e) => self.fail(&id, format!("talker condition: {e:#}")),
                 }
             }
@@ -114,15 +108,12 @@ impl StageLoop for TalkerStage {
                     Mode::Duplex => ConditionMode::Duplex,
                 };
                 match self.talker.condition_tail(mode) {
-                    Ok(t) => {
-                        r.pending.push(t);
-                        r.ended = true;
-                    }
+                    Ok(t) => r.end_text(t),
                     Err(e) => self.fail(&id, format!("talker condition: {e:#}")),
                 }
             }
             TalkerMsg::Segment { id, ids, hidden, turn_end } => {
-                let Some(r) = self.reqs.get_mut(&id) else {
+                let Some(r) = self.reqs.get(&id) else {
                     return;
                 };
                 if r.duplex.is_none() {
@@ -144,7 +135,10 @@ impl StageLoop for TalkerStage {
                     _ => Ok(None),
                 };
                 match cond {
-                    Ok(c) => r.duplex.as_mut().expect("duplex").queue.push_back((c, turn_end)),
+                    Ok(c) => {
+                        let r = self.reqs.get_mut(&id).expect("looked up");
+                        r.queue_segment(c, turn_end);
+                    }
                     Err(e) => self.fail(&id, format!("talker condition: {e:#}")),
                 }
             }

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use super::*;
 use crate::pace::StagePace;
+use crate::RefInput;
 
 fn talker_stage(pace: &StagePace, slack: bool) -> TalkerStage {
     let models = antiphon_assets::synth::models_in_memory(
