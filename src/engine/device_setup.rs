@@ -14,7 +14,7 @@ use crate::{capacity, chunker, EngineConfig};
 
 /// Shapes of the vocoder's streaming steps kept as CUDA graphs (chunk 0's, the steady chunks', a
 /// few last chunks'; each graph holds only small buffers).
-const VOCODER_GRAPHS: usize = 64;
+pub(crate) const VOCODER_GRAPHS: usize = 64;
 
 /// Sets the models up for `cfg` on their devices (and sizes `cfg`'s streams from memory when it
 /// asks for that). Blocking: seconds on a GPU.

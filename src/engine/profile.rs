@@ -22,6 +22,9 @@ mod voice;
 /// Positions each Thinker slot holds in the slot rows (a conversation of many turns).
 const SLOT_CONTEXT: usize = 4096;
 
+/// The largest batch of the steady-chunk rows (the GPU configuration's Code2Wav batch).
+const MAX_STEADY_BATCH: usize = 64;
+
 /// Each row's argmax, on the device; only the ids come to the host.
 fn greedy_ids(logits: &Tensor) -> candle_core::Result<Vec<u32>> {
     logits.argmax_keepdim(1)?.flatten_all()?.to_vec1::<u32>()
@@ -384,10 +387,15 @@ pub fn run(
     // chunk 0 whole, flow alone, vocoder alone: op by op, then as CUDA graphs (the server's default
     // on a GPU)
     // (graphs and flow slots as the server sets them, with room for the largest batch)
-    let slots =
-        ecfg.code2wav.slots.max(batches.iter().copied().filter(|&b| b <= 32).max().unwrap_or(1));
+    let steady_max = batches.iter().copied().filter(|&b| b <= MAX_STEADY_BATCH).max().unwrap_or(1);
+    let slots = ecfg.code2wav.slots.max(steady_max);
+    // (pooled solves captured up to the server's batch, or the largest asked for)
+    let pool_batch = ecfg.code2wav.max_batch.max(steady_max).next_power_of_two();
     let mut g2w = c2w.clone();
-    g2w.set_graphs(Some(GraphPolicy { pool_batch: 32, ..GraphPolicy::default() }), Some(32));
+    g2w.set_graphs(
+        Some(GraphPolicy { pool_batch, ..GraphPolicy::default() }),
+        Some(crate::device_setup::VOCODER_GRAPHS),
+    );
     g2w.set_pool_attention(ecfg.code2wav.pool_attention);
     g2w.set_slots(slots, ecfg.code2wav.slot_frames, ecfg.max_chunk_codes())?;
     rows.time("code2wav setup, graph (server config)", 1, iters.min(5), || {
@@ -449,7 +457,7 @@ pub fn run(
         .flat_map(|(_, w)| [w.to_string(), format!("{w}: flow only"), format!("{w}: vocoder only")])
         .collect();
     let steady_rows = rows.wants_any(&names);
-    for &b in batches.iter().filter(|&&b| b <= 32 && steady_rows) {
+    for &b in batches.iter().filter(|&&b| b <= MAX_STEADY_BATCH && steady_rows) {
         for (c, what) in steady_kinds {
             let mut streams = (0..b)
                 .map(|_| {
