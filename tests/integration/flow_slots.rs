@@ -505,3 +505,51 @@ fn masked_softmax_is_the_softmax_of_the_scores_plus_the_mask() {
     let att = Tensor::zeros((2, 1, 1, 8), DType::F32, dev).unwrap();
     assert!(masked_softmax(&att, &Tensor::zeros((2, 1, 1, 7), DType::F32, dev).unwrap()).is_err());
 }
+
+/// `causal_im2col` reads a conv's two cached frames where they lie in the DiT's conv cache
+/// (`[N, 2, 2C]`: conv 1's channels, then conv 2's) and gives each frame with the two before it,
+/// written out by hand: both halves, without a tail, channels in 16-byte pieces (the kernel's
+/// vector path) and not (its scalar path), f32 and bf16 (a copy: exact); a tail the channels do
+/// not fit is refused.
+#[test]
+fn causal_im2col_reads_each_convs_tail_in_place() {
+    use antiphon_models::code2wav::dit_ops::causal_im2col;
+    let dev = device();
+    for c in [16usize, 5] {
+        let (n, t) = (3usize, 4usize);
+        let x: Vec<f32> = (0..n * t * c).map(|i| i as f32).collect();
+        let cache: Vec<f32> = (0..n * 2 * 2 * c).map(|i| -1.0 - i as f32).collect();
+        for dt in [DType::F32, DType::BF16] {
+            let xt = Tensor::from_vec(x.clone(), (n, t, c), dev).unwrap().to_dtype(dt).unwrap();
+            let ct =
+                Tensor::from_vec(cache.clone(), (n, 2, 2 * c), dev).unwrap().to_dtype(dt).unwrap();
+            let (xs, cs) =
+                (flat(&xt.to_dtype(DType::F32).unwrap()), flat(&ct.to_dtype(DType::F32).unwrap()));
+            for off in [None, Some(0), Some(c)] {
+                let mut want = Vec::with_capacity(n * t * 3 * c);
+                for b in 0..n {
+                    for f in 0..t {
+                        for k in 0..3 {
+                            for ch in 0..c {
+                                let j = f as isize + k as isize - 2;
+                                want.push(match (j, off) {
+                                    (j, _) if j >= 0 => xs[(b * t + j as usize) * c + ch],
+                                    (_, None) => 0.0,
+                                    (j, Some(o)) => cs[(b * 2 + (2 + j) as usize) * 2 * c + o + ch],
+                                });
+                            }
+                        }
+                    }
+                }
+                let got = causal_im2col(&xt, off.map(|o| (&ct, o))).unwrap();
+                assert_eq!(got.dims(), [n, t, 3 * c]);
+                assert_eq!(
+                    flat(&got.to_dtype(DType::F32).unwrap()),
+                    want,
+                    "C {c}, {dt:?}, tail from channel {off:?}"
+                );
+            }
+            assert!(causal_im2col(&xt, Some((&ct, c + 1))).is_err(), "past the cache's channels");
+        }
+    }
+}

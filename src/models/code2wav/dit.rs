@@ -129,13 +129,8 @@ impl ConvBlock {
         ends: Option<&Tensor>,
     ) -> Result<Tensor> {
         let c = self.channels;
-        let (t1, t2) = match cache {
-            Some(t) => {
-                (Some(t.narrow(2, 0, c)?.contiguous()?), Some(t.narrow(2, c, c)?.contiguous()?))
-            }
-            None => (None, None),
-        };
-        let y = mm(&dit_ops::causal_im2col(x, t1.as_ref())?, &self.w1)?;
+        // (each conv's two cached frames read where they lie: conv 1's channels, then conv 2's)
+        let y = mm(&dit_ops::causal_im2col(x, cache.map(|t| (t, 0)))?, &self.w1)?;
         let y = dit_ops::bias_ln_mish(
             &y,
             &self.b1,
@@ -143,7 +138,7 @@ impl ConvBlock {
             self.norm.bias().expect("layer_norm has a bias"),
             1e-5,
         )?;
-        let z = mm(&dit_ops::causal_im2col(&y, t2.as_ref())?, &self.w2)?;
+        let z = mm(&dit_ops::causal_im2col(&y, cache.map(|t| (t, c)))?, &self.w2)?;
         let t = x.dim(1)?;
         if t >= 2 {
             dit_ops::conv_tails_into(dst, x, &y, ends)?;
@@ -151,6 +146,10 @@ impl ConvBlock {
             candle_core::bail!("a padded chunk of {t} frames");
         } else {
             // a chunk shorter than the cache: its frames after the cached ones
+            let (t1, t2) = match cache {
+                Some(t) => (Some(t.narrow(2, 0, c)?), Some(t.narrow(2, c, c)?)),
+                None => (None, None),
+            };
             let tail = |x: &Tensor, pre: Option<&Tensor>| -> Result<Tensor> {
                 let pre = match pre {
                     Some(p) => p.clone(),

@@ -168,26 +168,37 @@ pub fn bias_gelu(a: &Tensor, bias: &Tensor) -> Result<Tensor> {
     a.broadcast_add(&bias)?.gelu()
 }
 
-/// The rows of a causal kernel-3 convolution in time-major layout: `x: [N, T, C]`, `tail: [N, 2,
-/// C]` (the two frames before, zeros when `None`) -> `[N, T, 3 C]` with row `t` = `[src(t - 2),
-/// src(t - 1), src(t)]`.
-pub fn causal_im2col(x: &Tensor, tail: Option<&Tensor>) -> Result<Tensor> {
+/// The rows of a causal kernel-3 convolution in time-major layout: `x: [N, T, C]` -> `[N, T, 3 C]`
+/// with row `t` = `[src(t - 2), src(t - 1), src(t)]`, the two frames before `x` from `tail` (zeros
+/// when `None`): `(cache, offset)`, channels `offset..offset + C` of a contiguous `[N, 2, W]`
+/// cache, read where they lie (the DiT's conv cache holds both convs' tails side by side, and
+/// taking one out was a copy kernel per conv).
+pub fn causal_im2col(x: &Tensor, tail: Option<(&Tensor, usize)>) -> Result<Tensor> {
     let (n, t, c) = x.dims3()?;
-    if let Some(p) = tail {
-        if p.dims() != [n, 2, c] {
-            candle_core::bail!("causal_im2col: tail {:?} for x {:?}", p.shape(), x.shape());
+    if let Some((p, off)) = tail {
+        let (pn, two, w) = p.dims3()?;
+        if pn != n || two != 2 || off + c > w {
+            candle_core::bail!(
+                "causal_im2col: tail {:?} from channel {off} for x {:?}",
+                p.shape(),
+                x.shape()
+            );
         }
     }
     #[cfg(feature = "cuda")]
     if on_cuda(x) {
         let total = n * t * 3 * c;
-        let tail = tail.map(|p| p.contiguous()).transpose()?;
+        // (the whole cache, contiguous; the kernel reads its frames at their stride)
+        let (tail, off, stride) = match tail {
+            Some((p, off)) => (Some(p.contiguous()?), off, p.dim(2)?),
+            None => (None, 0, c),
+        };
         let shape = candle_core::Shape::from((n, t, 3 * c));
         return cuda::launch_shaped(
             "causal_im2col",
             x,
             &[tail.as_ref()],
-            &[t as i32, c as i32],
+            &[t as i32, c as i32, off as i32, stride as i32],
             &[total as u64],
             &[],
             cuda::grid(total),
@@ -195,7 +206,7 @@ pub fn causal_im2col(x: &Tensor, tail: Option<&Tensor>) -> Result<Tensor> {
         );
     }
     let pre = match tail {
-        Some(p) => p.clone(),
+        Some((p, off)) => p.narrow(2, off, c)?,
         None => Tensor::zeros((n, 2, c), x.dtype(), x.device())?,
     };
     let xin = Tensor::cat(&[&pre, x], 1)?;

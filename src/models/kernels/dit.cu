@@ -116,16 +116,20 @@ __device__ void bias_gelu(const T* __restrict__ a, const T* __restrict__ bias, T
 }
 
 // The causal k=3 conv's input rows, time-major: out[n, t, k C + c] = src(n, t + k - 2, c) where
-// src(n, j, c) = x[n, j, c] for j >= 0 and tail[n, 2 + j, c] for j < 0 (zero when tail is null);
-// x [N, T, C], tail [N, 2, C], out [N, T, 3 C]
+// src(n, j, c) = x[n, j, c] for j >= 0 and tail[n, 2 + j, tail_off + c] for j < 0 (zero when tail is null);
+// x [N, T, C], tail [N, 2, W] (its channels tail_off .. tail_off + C; frames tail_stride = W apart), out [N, T, 3 C]
 template <typename T>
-__device__ void causal_im2col(const T* __restrict__ x, const T* __restrict__ tail, T* __restrict__ out, int t_len, int c, size_t total) {
+__device__ void causal_im2col(const T* __restrict__ x, const T* __restrict__ tail, T* __restrict__ out, int t_len, int c,
+                              int tail_off, int tail_stride, size_t total) {
+  // (the tail's two frames: channels tail_off.. of frames tail_stride apart)
+  const T* tp = tail ? tail + tail_off : nullptr;
   constexpr int V = 16 / sizeof(T);
-  if (c % V == 0 && aligned16(x) && aligned16(out) && (tail == nullptr || aligned16(tail))) {
+  if (c % V == 0 && aligned16(x) && aligned16(out) && (tp == nullptr || (aligned16(tp) && tail_stride % V == 0))) {
     // 16 bytes a thread: a piece of V channels of one (n, t, k), its indices worked out once
     const unsigned cv = c / V;
+    const unsigned sv = tail_stride / V;
     const uint4* xs = reinterpret_cast<const uint4*>(x);
-    const uint4* ts = reinterpret_cast<const uint4*>(tail);
+    const uint4* ts = reinterpret_cast<const uint4*>(tp);
     uint4* os = reinterpret_cast<uint4*>(out);
     for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total / V; k += (size_t)gridDim.x * blockDim.x) {
       const unsigned piece = (unsigned)(k % cv);
@@ -138,7 +142,7 @@ __device__ void causal_im2col(const T* __restrict__ x, const T* __restrict__ tai
       if (j >= 0) {
         os[k] = xs[(n * t_len + j) * cv + piece];
       } else {
-        os[k] = ts ? ts[(n * 2 + 2 + j) * cv + piece] : make_uint4(0, 0, 0, 0);
+        os[k] = ts ? ts[(n * 2 + 2 + j) * sv + piece] : make_uint4(0, 0, 0, 0);
       }
     }
     return;
@@ -155,7 +159,7 @@ __device__ void causal_im2col(const T* __restrict__ x, const T* __restrict__ tai
     if (j >= 0) {
       v = x[(n * t_len + j) * c + cc];
     } else {
-      v = tail ? tail[(n * 2 + 2 + j) * c + cc] : from_f<T>(0.f);
+      v = tp ? tp[(n * 2 + 2 + j) * (size_t)tail_stride + cc] : from_f<T>(0.f);
     }
     out[k] = v;
   }
@@ -365,9 +369,9 @@ __device__ void kv_join(const T* __restrict__ k, const T* __restrict__ v, T* __r
   extern "C" __global__ void bias_gelu_##SUFFIX(const T* a, const T* bias, T* out, int h, unsigned long long total) {       \
     bias_gelu<T>(a, bias, out, h, (size_t)total);                                                                          \
   }                                                                                                                        \
-  extern "C" __global__ void causal_im2col_##SUFFIX(const T* x, const T* tail, T* out, int t_len, int c,                    \
-                                                    unsigned long long total) {                                            \
-    causal_im2col<T>(x, tail, out, t_len, c, (size_t)total);                                                               \
+  extern "C" __global__ void causal_im2col_##SUFFIX(const T* x, const T* tail, T* out, int t_len, int c, int tail_off,      \
+                                                    int tail_stride, unsigned long long total) {                           \
+    causal_im2col<T>(x, tail, out, t_len, c, tail_off, tail_stride, (size_t)total);                                        \
   }                                                                                                                        \
   extern "C" __global__ void qkv_heads_##SUFFIX(const T* qkv, const T* bias, const T* qw, const T* qb, const T* kw,         \
                                                 const T* kb, T* out, int n, int t_len, int h, int d, float eps) {          \
