@@ -226,26 +226,29 @@ impl Block {
         Ok((block, linear(vb.pp("adaLN_modulation").pp(1), h, 9 * h, true)?))
     }
 
-    /// `x: [N, T, H]`; `m`: this block's modulation, `[1, 9 H]`; `att`: this block's cached keys
-    /// and values (a block's share of [`Att`]); the new caches go into `sink` (this block's share).
+    /// `x: [N, T, H]` and `xm`, its attention input (`x` normed and modulated by this block's
+    /// `shift_msa` / `scale_msa`); `m`: this block's modulation, `[1, 9 H]`; `att`: this block's
+    /// cached keys and values (a block's share of [`Att`]); the new caches go into `sink` (this
+    /// block's share). Returns the block's output and it normed and modulated by `next` (the next
+    /// block's `shift_msa` / `scale_msa`, or the final layer's): the last residual and the next
+    /// norm in one pass.
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         x: &Tensor,
+        xm: &Tensor,
         m: &Tensor,
+        next: (&Tensor, &Tensor),
         cnn: Option<&Tensor>,
         att: Att<'_>,
         sink: &BlockSink<'_>,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Tensor)> {
         let m = m.chunk(9, D::Minus1)?;
-        let (shift_msa, scale_msa, gate_msa) = (&m[0], &m[1], &m[2]);
+        let gate_msa = &m[2];
         let (shift_mlp, scale_mlp, gate_mlp) = (&m[3], &m[4], &m[5]);
         let (shift_conv, scale_conv, gate_conv) = (&m[6], &m[7], &m[8]);
         // attention
-        let o = self.attn_forward(
-            &dit_ops::ln_modulate(x, shift_msa, scale_msa, 1e-6)?,
-            att,
-            sink.att,
-        )?;
+        let o = self.attn_forward(xm, att, sink.att)?;
         // (each residual and the next part's modulated input in one pass)
         let (x, hc) = dit_ops::gate_residual_ln_modulate(
             x,
@@ -269,7 +272,15 @@ impl Block {
         )?;
         // mlp
         let h = dit_ops::bias_gelu(&mm(&hm, &self.w_fc1)?, &self.b_fc1)?;
-        dit_ops::gate_residual(&x, &mm(&h, &self.w_fc2)?, Some(&self.b_fc2), gate_mlp)
+        dit_ops::gate_residual_ln_modulate(
+            &x,
+            &mm(&h, &self.w_fc2)?,
+            Some(&self.b_fc2),
+            gate_mlp,
+            next.0,
+            next.1,
+            1e-6,
+        )
     }
 
     /// Attention over the chunk's new keys and the cache ([`Att`]): returns the heads' output
@@ -491,21 +502,36 @@ impl Dit {
         let s = spks.unsqueeze(2)?.broadcast_as((n, spks.dim(1)?, tl))?;
         let h = Tensor::cat(&[x, mu, &s, cond], 1)?.transpose(1, 2)?.contiguous()?;
         let mut h = self.in_proj.forward(&h)?;
+        // each block's attention input (its `shift_msa`, `scale_msa`: the first two of its nine)
+        // comes out of the block before it; the first block's is made here, the final layer's
+        // comes out of the last block
+        let hs = self.cfg.hidden_size;
+        let msa = |i: usize| -> Result<(Tensor, Tensor)> {
+            Ok((sc.blocks.narrow(1, i * h9, hs)?, sc.blocks.narrow(1, i * h9 + hs, hs)?))
+        };
+        let last = sc.last.chunk(2, D::Minus1)?;
+        let (shift, scale) = msa(0)?;
+        let mut hm = dit_ops::ln_modulate(&h, &shift, &scale, 1e-6)?;
         for (i, b) in self.blocks.iter().enumerate() {
             let cc = cnn.map(|t| t.get(i)).transpose()?;
             let ac = att.block(i)?;
             let (sc_cnn, sc_att) = (sink.cnn.get(i)?, sink.att.map(|a| a.get(i)).transpose()?);
-            h = b.forward(
+            let next = if i + 1 < self.blocks.len() {
+                msa(i + 1)?
+            } else {
+                (last[0].clone(), last[1].clone())
+            };
+            (h, hm) = b.forward(
                 &h,
+                &hm,
                 &sc.blocks.narrow(1, i * h9, h9)?,
+                (&next.0, &next.1),
                 cc.as_ref(),
                 ac.as_att(),
                 &BlockSink { cnn: &sc_cnn, att: sc_att.as_ref(), ends: sink.ends },
             )?;
         }
-        let m = sc.last.chunk(2, D::Minus1)?;
-        let h = dit_ops::ln_modulate(&h, &m[0], &m[1], 1e-6)?;
-        self.final_linear.forward(&h)?.transpose(1, 2)
+        self.final_linear.forward(&hm)?.transpose(1, 2)
     }
 }
 
