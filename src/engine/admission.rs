@@ -58,6 +58,9 @@ pub struct AdmissionLimits {
     pub call_headroom: usize,
     /// Late chunks lower the limit (else it stays at `max_streams`).
     pub adaptive: bool,
+    /// With `adaptive`: a response's first audio later than this after it took its place lowers
+    /// the limit as a late chunk does (`engine.first_audio_target_ms`).
+    pub first_audio_target: Option<Duration>,
 }
 
 /// The online limit: multiplicative decrease on a late chunk, additive increase after a quiet
@@ -325,6 +328,25 @@ impl Admission {
         self.adapt(LoadLimit::late);
     }
 
+    /// A response's first audio went out: when it came later than `first_audio_target` after the
+    /// response took its place, the engine answers too slowly for the streams it runs, and the
+    /// limit falls as on a late chunk. Whether it did.
+    pub fn first_audio(&self, id: &RequestId) -> bool {
+        let mut s = self.state.lock().expect("admission");
+        let (Some(target), true) = (s.limits.first_audio_target, s.limits.adaptive) else {
+            return false;
+        };
+        let now = Instant::now();
+        let Some(&start) = s.started.get(&Holder::Response(id.clone())) else { return false };
+        if now.saturating_duration_since(start) < target {
+            return false;
+        }
+        let running = s.running.len();
+        s.load.late(running, now);
+        self.publish(&s);
+        true
+    }
+
     /// A chunk waits in Code2Wav while its listener's buffer is about to run dry
     /// (`engine.admission_slack_ms`): no new stream starts for now.
     pub fn tight(&self) {
@@ -354,13 +376,61 @@ mod tests {
     use super::*;
 
     fn admission(max_streams: usize, max_queued: usize, call_headroom: usize) -> Admission {
+        admission_with(AdmissionLimits {
+            max_streams,
+            max_queued,
+            call_headroom,
+            adaptive: true,
+            first_audio_target: None,
+        })
+    }
+
+    fn admission_with(limits: AdmissionLimits) -> Admission {
         let g = crate::metric_labels::Labeled::new(
             prometheus::IntGaugeVec::new(prometheus::Opts::new("t", "t"), &["state"]).unwrap(),
         );
-        Admission::new(
-            AdmissionLimits { max_streams, max_queued, call_headroom, adaptive: true },
-            g,
-        )
+        Admission::new(limits, g)
+    }
+
+    /// With a first-audio target, a response whose first audio comes at or past it after the
+    /// response took its place lowers the limit as a late chunk does (7/8 of the streams
+    /// running); in time, with the target off, or for a response that never took a place, it
+    /// does not.
+    #[test]
+    fn a_first_audio_past_the_target_lowers_the_limit() {
+        let running = |target: Option<Duration>| {
+            let a = admission_with(AdmissionLimits {
+                max_streams: 8,
+                max_queued: 8,
+                call_headroom: 0,
+                adaptive: true,
+                first_audio_target: target,
+            });
+            for k in 0..8 {
+                let r = id(&format!("r{k}"));
+                a.enqueue(&r).unwrap();
+                assert!(a.try_start(&r));
+            }
+            a
+        };
+        let off = running(None);
+        assert!(!off.first_audio(&id("r0")));
+        assert_eq!(off.counts(), (8, 0, 8));
+        let in_time = running(Some(Duration::from_secs(86_400)));
+        assert!(!in_time.first_audio(&id("r0")));
+        assert_eq!(in_time.counts(), (8, 0, 8));
+        let slow = running(Some(Duration::ZERO));
+        assert!(!slow.first_audio(&id("never-started")), "no place taken: no sign");
+        assert!(slow.first_audio(&id("r0")));
+        assert_eq!(slow.counts(), (8, 0, 7), "7/8 of the 8 running");
+        slow.enqueue(&id("next")).unwrap();
+        assert!(!slow.try_start(&id("next")), "the next response waits for a place");
+        let mut limits = slow.limits();
+        limits.adaptive = false;
+        let fixed = admission_with(limits);
+        fixed.enqueue(&id("a")).unwrap();
+        assert!(fixed.try_start(&id("a")));
+        assert!(!fixed.first_audio(&id("a")), "a fixed limit takes no signs");
     }
 
     fn id(s: &str) -> RequestId {

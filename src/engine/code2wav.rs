@@ -466,6 +466,9 @@ impl Code2WavStage {
             };
             self.registry.emit(&id, EngineEvent::Audio { samples, chunk: c.seq, last: c.last });
             if first {
+                if let Some(a) = &self.admission {
+                    a.first_audio(&id);
+                }
                 if let Some(t) = self.registry.timings(&id) {
                     if let Some(ms) = t.first_audio_ms() {
                         self.metrics.first_audio_seconds.observe(ms / 1000.0);

@@ -214,6 +214,8 @@ impl Engine {
                 max_queued: cfg.max_queued,
                 call_headroom: cfg.call_headroom,
                 adaptive: cfg.adaptive_stream_limit,
+                first_audio_target: (cfg.first_audio_target_ms > 0)
+                    .then(|| Duration::from_millis(cfg.first_audio_target_ms)),
             },
             metrics.admission.clone(),
         );

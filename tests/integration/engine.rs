@@ -542,3 +542,24 @@ fn requests_beyond_the_places_wait_and_beyond_the_queue_are_refused() {
     // (a place comes back before its request's Done goes out)
     assert_eq!(e.admission().counts(), (0, 0, 2), "every place is back");
 }
+
+/// `engine.first_audio_target_ms`: a reply whose first audio comes later than the target after it
+/// took its place lowers the stream limit (the adaptive limit's sign of load, as a late chunk);
+/// without the target the limit stays at the places.
+#[test]
+fn a_first_audio_past_its_target_lowers_the_stream_limit() {
+    for (target_ms, lowered) in [(1, true), (0, false)] {
+        let e = engine(EngineConfig::default().with(|c| {
+            c.max_streams = Some(4);
+            c.adaptive_stream_limit = true;
+            c.first_audio_target_ms = target_ms;
+        }));
+        assert_eq!(e.admission().counts().2, 4);
+        // (the tiny engine's first audio takes more than a millisecond: a prefill, decode steps
+        // and a Code2Wav chunk)
+        let o = collect(submit(&e, spec("slow", "hello", 6, 60, 1)));
+        assert_eq!(o.status, Status::Completed);
+        let limit = e.admission().counts().2;
+        assert_eq!(limit < 4, lowered, "target {target_ms} ms: the limit is {limit}");
+    }
+}
