@@ -66,10 +66,11 @@ pub struct EngineConfig {
     /// lower the limit). Below the step horizon (300 ms at least) when `code2wav.early_batch`
     /// holds chunks back until they are due.
     pub admission_slack_ms: u64,
-    /// With the adaptive limit: a reply whose first audio comes more than this many ms after it
-    /// took its place lowers the stream limit as a late chunk does (new streams wait or are
-    /// refused while the admitted ones answer slowly); 0: off. From its place, not its arrival:
-    /// a wait in the queue is the limit's doing, and counting it would lower the limit further.
+    /// With the adaptive limit: while the recent replies' first audio (a moving mean, each reply
+    /// 1/8) comes more than this many ms after they took their places, each one lowers the stream
+    /// limit as a late chunk does (new streams wait or are refused while the admitted ones
+    /// answer slowly); 0: off. From the place, not the arrival: a wait in the queue is the
+    /// limit's doing, and counting it would lower the limit further.
     pub first_audio_target_ms: u64,
     /// Places kept free for the next turns of calls already admitted: a new call (session) is
     /// refused while fewer are free or any response waits.
