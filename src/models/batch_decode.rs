@@ -166,8 +166,14 @@ mod cuda {
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/batch_decode.ptx"));
     const MODULE: &str = "antiphon_batch_decode";
-    /// Positions per block of the first attention pass (`CHUNK` in the kernel).
+    /// Positions a block of the first attention pass takes at a time (`CHUNK` in the kernel).
     const CHUNK: usize = 16;
+    /// Blocks the first attention pass aims at (KV heads × splits × streams): a stream's positions
+    /// are cut in as many spans as that allows (each a whole number of `CHUNK`s, one at the least:
+    /// a lone stream's 4096-position slot in 256 spans), each block looping over its span. A split
+    /// count from the capacity alone (one `CHUNK` a block) launched 131 072 blocks a layer in a
+    /// captured step of 64 streams over 4096-position slots, nearly all past the held positions.
+    const SPLIT_BLOCKS: usize = 4096;
 
     pub(super) struct QkStoreBatch {
         pub w: Option<Tensor>,
@@ -282,12 +288,14 @@ mod cuda {
             let slots = view::<u32>(&ss, sl, "slots")?;
             let (ps, pl) = self.pos.storage_and_layout();
             let pos = view::<u32>(&ps, pl, "positions")?;
-            // splits over the capacity, or over the positions up to `max_pos` (every row's
-            // position is below `s * CHUNK` either way)
-            let s = match self.max_pos {
-                Some(m) => (m.min(cap - 1) / CHUNK + 1).min(cap.div_ceil(CHUNK)),
+            // splits: for the blocks the pass aims at, at most one a `CHUNK` of the capacity, or
+            // of the positions up to `max_pos` (the kernels size each split's span from the row's
+            // position, so any count covers it)
+            let most = match self.max_pos {
+                Some(m) => m.min(cap - 1) / CHUNK + 1,
                 None => cap.div_ceil(CHUNK),
             };
+            let s = SPLIT_BLOCKS.div_ceil(hkv * b).clamp(1, most);
             // SAFETY: the combine kernel reads only the splits that hold positions, each written
             // whole by the partial kernel; `out` is written whole by the combine kernel.
             let part_acc = unsafe { dev.alloc::<f32>(b * hq * s * d) }?;

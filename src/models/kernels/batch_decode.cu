@@ -9,7 +9,7 @@
 #include "common.cuh"
 
 #define MAX_GROUP 8  // query heads per KV head
-#define CHUNK 16     // positions per block of the first attention pass
+#define CHUNK 16     // positions a block of the first attention pass takes at a time
 #define WARPS 4      // per block (128 threads)
 
 // grid (hq + 2 hkv, B), 32 threads: head r of stream b normed (q, k; when w is given), rotated at
@@ -64,26 +64,38 @@ __device__ void qk_store(const T* __restrict__ qkv, const T* __restrict__ w, con
   }
 }
 
-// Attention (split-KV, "flash decoding"), pass 1, grid (hkv, cap / CHUNK, B), 128 threads: block
+// The positions each of `splits` blocks covers for a row at position pos: a whole number of CHUNKs,
+// the fewest that let `splits` blocks cover 0..=pos (one CHUNK at least). Pass 1 and pass 2 agree
+// on it: the grid is fixed (a captured graph replays it at any positions) and the work follows
+// the position, not the slot's capacity.
+__device__ __forceinline__ int split_span(int pos, int splits) {
+  const int per = (pos + splits) / splits;  // ceil((pos + 1) / splits)
+  return (per + CHUNK - 1) / CHUNK * CHUNK;
+}
+
+// Attention (split-KV, "flash decoding"), pass 1, grid (hkv, splits, B), 128 threads: block
 // (j, y, b) covers KV head j's query heads of stream b (K and V read once for all of them) over
-// positions [y*CHUNK, (y+1)*CHUNK) of 0..=pos[b] in the stream's slot; for each head it writes the
-// split's max m, its sum of exp(s - m) and its unnormalised weighted sum of V rows (f32) to
-// part_ml / part_acc. Blocks past pos[b] return at once, so the work grows with the position, not
-// the capacity. This position's K and V come from heads, never from the cache (which the q/k
-// kernel has written before, but need not have). Query head h reads KV head h / (hq / hkv).
+// its span of positions (split_span) of 0..=pos[b] in the stream's slot, CHUNK positions at a
+// time with a running max and sum (online softmax); for each head it writes the split's max m,
+// its sum of exp(s - m) and its unnormalised weighted sum of V rows (f32) to part_ml / part_acc.
+// Blocks past pos[b] return at once. This position's K and V come from heads, never from the
+// cache (which the q/k kernel has written before, but need not have). Query head h reads KV head
+// h / (hq / hkv).
 template <typename T>
 __device__ void attn_partial(const T* __restrict__ heads, const T* __restrict__ kc, const T* __restrict__ vc,
                              const uint32_t* __restrict__ slots, const uint32_t* __restrict__ pos_p,
                              float* __restrict__ part_acc, float* __restrict__ part_ml, int hq, int hkv, int cap,
                              int d) {
   __shared__ float sc[MAX_GROUP][CHUNK];
-  __shared__ float ml_sh[MAX_GROUP][2];
+  // per query head: the running max, the running sum, and this chunk's rescale of the earlier ones
+  __shared__ float ml_sh[MAX_GROUP][3];
   const int j = blockIdx.x, y = blockIdx.y, b = blockIdx.z, group = hq / hkv, splits = gridDim.y;
   const int rows = hq + 2 * hkv;
   const int pos = min((int)pos_p[b], cap - 1);
-  const int start = y * CHUNK;
+  const int span = split_span(pos, splits);
+  const int start = y * span;
   if (start > pos) return;  // beyond the held positions: the combine never reads this split
-  const int end = min(start + CHUNK, pos + 1);
+  const int end = min(start + span, pos + 1);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   constexpr int PER = CHUNK / WARPS;
   const T* q = heads + (size_t)b * rows * d;
@@ -94,66 +106,86 @@ __device__ void attn_partial(const T* __restrict__ heads, const T* __restrict__ 
   vc += slot;
   part_acc += (size_t)b * hq * splits * d;
   part_ml += (size_t)b * hq * splits * 2;
-  float qv[MAX_GROUP][4], kv[PER][4], vv[CHUNK];
+  float qv[MAX_GROUP][4], kv[PER][4], vv[CHUNK], acc[MAX_GROUP];
 #pragma unroll
-  for (int r = 0; r < MAX_GROUP; ++r)
+  for (int r = 0; r < MAX_GROUP; ++r) {
+    acc[r] = 0.f;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = lane + 32 * e;
       qv[r][e] = r < group && i < d ? to_f(q[((size_t)j * group + r) * d + i]) : 0.f;
     }
-#pragma unroll
-  for (int k = 0; k < PER; ++k) {
-    const int t = start + warp + WARPS * k;
-    const T* row = t == pos ? k_new + (size_t)j * d : kc + ((size_t)j * cap + t) * d;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = lane + 32 * e;
-      kv[k][e] = t < end && i < d ? to_f(row[i]) : 0.f;
-    }
+  }
+  if (threadIdx.x < MAX_GROUP) {  // (read after the first barrier below)
+    ml_sh[threadIdx.x][0] = -INFINITY;
+    ml_sh[threadIdx.x][1] = 0.f;
   }
   const int di = threadIdx.x;
+  for (int c0 = start; c0 < end; c0 += CHUNK) {
+    const int cend = min(c0 + CHUNK, end);
 #pragma unroll
-  for (int k = 0; k < CHUNK; ++k) {
-    const int t = start + k;
-    const T* row = t == pos ? v_new + (size_t)j * d : vc + ((size_t)j * cap + t) * d;
-    vv[k] = t < end && di < d ? to_f(row[di]) : 0.f;
-  }
+    for (int k = 0; k < PER; ++k) {
+      const int t = c0 + warp + WARPS * k;
+      const T* row = t == pos ? k_new + (size_t)j * d : kc + ((size_t)j * cap + t) * d;
 #pragma unroll
-  for (int k = 0; k < PER; ++k) {
-    const int t = start + warp + WARPS * k;
-#pragma unroll
-    for (int r = 0; r < MAX_GROUP; ++r) {
-      if (r >= group) break;
-      float s = 0.f;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s += qv[r][e] * kv[k][e];
-      s = warp_sum(s);
-      if (lane == 0 && t < end) sc[r][t - start] = s;
+      for (int e = 0; e < 4; ++e) {
+        const int i = lane + 32 * e;
+        kv[k][e] = t < cend && i < d ? to_f(row[i]) : 0.f;
+      }
     }
-  }
-  __syncthreads();
-  const int n = end - start;
-  for (int r = warp; r < group; r += WARPS) {
-    const float v = lane < n ? sc[r][lane] : -INFINITY;
-    const float m = warp_max(v);
-    const float p = lane < n ? expf(v - m) : 0.f;
-    const float l = warp_sum(p);
-    if (lane < n) sc[r][lane] = p;
-    if (lane == 0) {
-      ml_sh[r][0] = m;
-      ml_sh[r][1] = l;
+#pragma unroll
+    for (int k = 0; k < CHUNK; ++k) {
+      const int t = c0 + k;
+      const T* row = t == pos ? v_new + (size_t)j * d : vc + ((size_t)j * cap + t) * d;
+      vv[k] = t < cend && di < d ? to_f(row[di]) : 0.f;
     }
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int t = c0 + warp + WARPS * k;
+#pragma unroll
+      for (int r = 0; r < MAX_GROUP; ++r) {
+        if (r >= group) break;
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s += qv[r][e] * kv[k][e];
+        s = warp_sum(s);
+        if (lane == 0 && t < cend) sc[r][t - c0] = s;
+      }
+    }
+    __syncthreads();
+    const int n = cend - c0;
+    for (int r = warp; r < group; r += WARPS) {
+      const float v = lane < n ? sc[r][lane] : -INFINITY;
+      const float m_old = ml_sh[r][0];
+      const float m = fmaxf(m_old, warp_max(v));
+      const float p = lane < n ? expf(v - m) : 0.f;
+      const float l = warp_sum(p);
+      if (lane < CHUNK) sc[r][lane] = p;  // (0 past the chunk's positions: no stale value read)
+      if (lane == 0) {
+        const float rescale = expf(m_old - m);  // (0 before the first chunk: m_old is -inf)
+        ml_sh[r][0] = m;
+        ml_sh[r][1] = ml_sh[r][1] * rescale + l;
+        ml_sh[r][2] = rescale;
+      }
+    }
+    __syncthreads();
+    if (di < d) {
+#pragma unroll
+      for (int r = 0; r < MAX_GROUP; ++r) {
+        if (r >= group) break;
+        float a = 0.f;
+#pragma unroll
+        for (int k = 0; k < CHUNK; ++k) a += sc[r][k] * vv[k];
+        acc[r] = acc[r] * ml_sh[r][2] + a;
+      }
+    }
+    __syncthreads();  // (the next chunk writes sc and ml_sh again)
   }
-  __syncthreads();
   if (di < d) {
 #pragma unroll
     for (int r = 0; r < MAX_GROUP; ++r) {
       if (r >= group) break;
-      float acc = 0.f;
-#pragma unroll
-      for (int k = 0; k < CHUNK; ++k) acc += sc[r][k] * vv[k];
-      part_acc[((size_t)(j * group + r) * splits + y) * d + di] = acc;
+      part_acc[((size_t)(j * group + r) * splits + y) * d + di] = acc[r];
     }
   }
   if (threadIdx.x < group) {
@@ -172,7 +204,8 @@ __device__ void attn_combine(const float* __restrict__ part_acc, const float* __
   extern __shared__ float w[];  // [splits]: each split's weight
   __shared__ float red[32];
   const int h = blockIdx.x, b = blockIdx.y;
-  const int used = min((int)pos_p[b], cap - 1) / CHUNK + 1;
+  const int pos = min((int)pos_p[b], cap - 1);
+  const int used = pos / split_span(pos, splits) + 1;
   const float* ml = part_ml + ((size_t)b * hq + h) * splits * 2;
   float m = -INFINITY;
   for (int y = threadIdx.x; y < used; y += blockDim.x) m = fmaxf(m, ml[2 * y]);

@@ -1,6 +1,7 @@
 //! The batched decode attention on the test device (on CUDA our kernel) against attention
 //! written out with tensor ops, row by row: a prompt chunk at the end of a long conversation beside
-//! single rows of other streams, in a 4096- and a 12288-position slot.
+//! single rows of other streams, in a 4096- and a 12288-position slot (each block of the kernel
+//! over a span of several chunks), and a lone row (spans of one chunk).
 
 use super::*;
 use antiphon_models::attention::attend;
@@ -75,5 +76,20 @@ fn attention_in_slots_of(cap: usize) {
                     .unwrap();
             assert_close(&format!("{cap}: {dtype:?} {what}"), &got, &want, tol);
         }
+        // a lone row at the slot's end: its positions in spans of one chunk each (the kernel's
+        // split count follows the batch: 42 rows take spans of several chunks above)
+        let last = |t: &Tensor| t.narrow(0, b - 1, 1).unwrap();
+        let got = decode_attention_batch(
+            &last(&on(&heads)),
+            hq,
+            hkv,
+            &on(&kc),
+            &on(&vc),
+            &last(&slots),
+            &last(&pos),
+            None,
+        )
+        .unwrap();
+        assert_close(&format!("{cap}: {dtype:?} lone row"), &got, &last(&want), tol);
     }
 }
