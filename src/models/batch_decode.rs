@@ -169,11 +169,15 @@ mod cuda {
     /// Positions a block of the first attention pass takes at a time (`CHUNK` in the kernel).
     const CHUNK: usize = 16;
     /// Blocks the first attention pass aims at (KV heads × splits × streams): a stream's positions
-    /// are cut in as many spans as that allows (each a whole number of `CHUNK`s, one at the least:
-    /// a lone stream's 4096-position slot in 256 spans), each block looping over its span. A split
-    /// count from the capacity alone (one `CHUNK` a block) launched 131 072 blocks a layer in a
-    /// captured step of 64 streams over 4096-position slots, nearly all past the held positions.
+    /// are cut in as many spans as that allows, [`MAX_SPLITS`] at most (each a whole number of
+    /// `CHUNK`s, one at the least), each block looping over its span. A split count from the
+    /// capacity alone (one `CHUNK` a block) launched 131 072 blocks a layer in a captured step of
+    /// 64 streams over 4096-position slots, nearly all past the held positions.
     const SPLIT_BLOCKS: usize = 4096;
+    /// Spans a row's positions are cut in at most: the second pass reads them one after the other
+    /// (a row at position 8192 in spans of one `CHUNK` had 513 to combine, in 32 blocks for a lone
+    /// stream).
+    const MAX_SPLITS: usize = 64;
 
     pub(super) struct QkStoreBatch {
         pub w: Option<Tensor>,
@@ -295,7 +299,7 @@ mod cuda {
                 Some(m) => m.min(cap - 1) / CHUNK + 1,
                 None => cap.div_ceil(CHUNK),
             };
-            let s = SPLIT_BLOCKS.div_ceil(hkv * b).clamp(1, most);
+            let s = SPLIT_BLOCKS.div_ceil(hkv * b).clamp(1, most.min(MAX_SPLITS));
             // SAFETY: the combine kernel reads only the splits that hold positions, each written
             // whole by the partial kernel; `out` is written whole by the combine kernel.
             let part_acc = unsafe { dev.alloc::<f32>(b * hq * s * d) }?;
@@ -303,8 +307,10 @@ mod cuda {
             let out = unsafe { dev.alloc::<T>(b * hq * d) }?;
             let (hq_i, hkv_i, cap_i, d_i, s_i) =
                 (hq as i32, hkv as i32, cap as i32, d as i32, s as i32);
+            // (the kernel for the fewest query heads per KV head, 1, 2, 4 or 8, that holds them)
+            let group = (hq / hkv).next_power_of_two();
             let partial = dev.get_or_load_custom_func(
-                &kernel("batch_attn_partial", heads.dtype())?,
+                &kernel(&format!("batch_attn_partial_g{group}"), heads.dtype())?,
                 MODULE,
                 PTX,
             )?;

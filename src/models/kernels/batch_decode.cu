@@ -8,8 +8,7 @@
 
 #include "common.cuh"
 
-#define MAX_GROUP 8  // query heads per KV head
-#define CHUNK 16     // positions a block of the first attention pass takes at a time
+#define CHUNK 16     // positions a block of the first attention pass takes at a time (PER_WARP a warp)
 #define WARPS 4      // per block (128 threads)
 
 // grid (hq + 2 hkv, B), 32 threads: head r of stream b normed (q, k; when w is given), rotated at
@@ -75,20 +74,22 @@ __device__ __forceinline__ int split_span(int pos, int splits) {
 
 // Attention (split-KV, "flash decoding"), pass 1, grid (hkv, splits, B), 128 threads: block
 // (j, y, b) covers KV head j's query heads of stream b (K and V read once for all of them) over
-// its span of positions (split_span) of 0..=pos[b] in the stream's slot, CHUNK positions at a
-// time with a running max and sum (online softmax); for each head it writes the split's max m,
-// its sum of exp(s - m) and its unnormalised weighted sum of V rows (f32) to part_ml / part_acc.
-// Blocks past pos[b] return at once. This position's K and V come from heads, never from the
-// cache (which the q/k kernel has written before, but need not have). Query head h reads KV head
-// h / (hq / hkv).
-template <typename T>
+// its span of positions (split_span) of 0..=pos[b] in the stream's slot. Each warp takes PER_WARP
+// consecutive positions of every CHUNK of the span and keeps its own running max, sum and
+// weighted sum of V rows (online softmax, no barrier inside the loop: each warp's loads are in
+// flight together); the warps are merged at the end. For each head the block writes the span's
+// max m, its sum of exp(s - m) and its unnormalised weighted sum of V rows (f32) to part_ml /
+// part_acc. Blocks past pos[b] return at once. This position's K and V come from heads, never
+// from the cache (which the q/k kernel has written before, but need not have). Query head h reads
+// KV head h / (hq / hkv); G (1, 2, 4 or 8) is at least hq / hkv and sizes the per-head registers.
+template <typename T, int G>
 __device__ void attn_partial(const T* __restrict__ heads, const T* __restrict__ kc, const T* __restrict__ vc,
                              const uint32_t* __restrict__ slots, const uint32_t* __restrict__ pos_p,
                              float* __restrict__ part_acc, float* __restrict__ part_ml, int hq, int hkv, int cap,
                              int d) {
-  __shared__ float sc[MAX_GROUP][CHUNK];
-  // per query head: the running max, the running sum, and this chunk's rescale of the earlier ones
-  __shared__ float ml_sh[MAX_GROUP][3];
+  constexpr int PER_WARP = CHUNK / WARPS;
+  __shared__ float w_ml[WARPS][G][2];
+  __shared__ float w_acc[WARPS][G][128];
   const int j = blockIdx.x, y = blockIdx.y, b = blockIdx.z, group = hq / hkv, splits = gridDim.y;
   const int rows = hq + 2 * hkv;
   const int pos = min((int)pos_p[b], cap - 1);
@@ -97,101 +98,103 @@ __device__ void attn_partial(const T* __restrict__ heads, const T* __restrict__ 
   if (start > pos) return;  // beyond the held positions: the combine never reads this split
   const int end = min(start + span, pos + 1);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  constexpr int PER = CHUNK / WARPS;
   const T* q = heads + (size_t)b * rows * d;
   const T* k_new = q + (size_t)hq * d;
   const T* v_new = k_new + (size_t)hkv * d;
   const size_t slot = (size_t)slots[b] * hkv * cap * d;
-  kc += slot;
-  vc += slot;
+  kc += slot + (size_t)j * cap * d;
+  vc += slot + (size_t)j * cap * d;
+  k_new += (size_t)j * d;
+  v_new += (size_t)j * d;
   part_acc += (size_t)b * hq * splits * d;
   part_ml += (size_t)b * hq * splits * 2;
-  float qv[MAX_GROUP][4], kv[PER][4], vv[CHUNK], acc[MAX_GROUP];
+  float qv[G][4], acc[G][4], m[G], l[G];
 #pragma unroll
-  for (int r = 0; r < MAX_GROUP; ++r) {
-    acc[r] = 0.f;
+  for (int r = 0; r < G; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = lane + 32 * e;
       qv[r][e] = r < group && i < d ? to_f(q[((size_t)j * group + r) * d + i]) : 0.f;
+      acc[r][e] = 0.f;
     }
   }
-  if (threadIdx.x < MAX_GROUP) {  // (read after the first barrier below)
-    ml_sh[threadIdx.x][0] = -INFINITY;
-    ml_sh[threadIdx.x][1] = 0.f;
-  }
-  const int di = threadIdx.x;
-  for (int c0 = start; c0 < end; c0 += CHUNK) {
-    const int cend = min(c0 + CHUNK, end);
+  for (int c0 = start + warp * PER_WARP; c0 < end; c0 += CHUNK) {
+    // this warp's positions c0 .. c0 + PER_WARP - 1: every K and V row loaded before any is used
+    float kx[PER_WARP][4], vx[PER_WARP][4];
 #pragma unroll
-    for (int k = 0; k < PER; ++k) {
-      const int t = c0 + warp + WARPS * k;
-      const T* row = t == pos ? k_new + (size_t)j * d : kc + ((size_t)j * cap + t) * d;
+    for (int u = 0; u < PER_WARP; ++u) {
+      const int t = c0 + u;
+      const T* kr = t == pos ? k_new : kc + (size_t)t * d;
+      const T* vr = t == pos ? v_new : vc + (size_t)t * d;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = lane + 32 * e;
-        kv[k][e] = t < cend && i < d ? to_f(row[i]) : 0.f;
+        const bool in = t < end && i < d;
+        kx[u][e] = in ? to_f(kr[i]) : 0.f;
+        vx[u][e] = in ? to_f(vr[i]) : 0.f;
       }
     }
 #pragma unroll
-    for (int k = 0; k < CHUNK; ++k) {
-      const int t = c0 + k;
-      const T* row = t == pos ? v_new + (size_t)j * d : vc + ((size_t)j * cap + t) * d;
-      vv[k] = t < cend && di < d ? to_f(row[di]) : 0.f;
-    }
+    for (int r = 0; r < G; ++r) {
+      if (r >= group) break;
+      float sc[PER_WARP];
+      float mx = m[r];
 #pragma unroll
-    for (int k = 0; k < PER; ++k) {
-      const int t = c0 + warp + WARPS * k;
-#pragma unroll
-      for (int r = 0; r < MAX_GROUP; ++r) {
-        if (r >= group) break;
+      for (int u = 0; u < PER_WARP; ++u) {
         float s = 0.f;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s += qv[r][e] * kv[k][e];
-        s = warp_sum(s);
-        if (lane == 0 && t < cend) sc[r][t - c0] = s;
+        for (int e = 0; e < 4; ++e) s += qv[r][e] * kx[u][e];
+        sc[u] = warp_sum(s);  // (every lane holds it)
+        if (c0 + u < end) mx = fmaxf(mx, sc[u]);
       }
-    }
-    __syncthreads();
-    const int n = cend - c0;
-    for (int r = warp; r < group; r += WARPS) {
-      const float v = lane < n ? sc[r][lane] : -INFINITY;
-      const float m_old = ml_sh[r][0];
-      const float m = fmaxf(m_old, warp_max(v));
-      const float p = lane < n ? expf(v - m) : 0.f;
-      const float l = warp_sum(p);
-      if (lane < CHUNK) sc[r][lane] = p;  // (0 past the chunk's positions: no stale value read)
-      if (lane == 0) {
-        const float rescale = expf(m_old - m);  // (0 before the first chunk: m_old is -inf)
-        ml_sh[r][0] = m;
-        ml_sh[r][1] = ml_sh[r][1] * rescale + l;
-        ml_sh[r][2] = rescale;
+      // (c0 < end: mx is finite; the first rescale is exp(-inf) = 0)
+      const float rescale = expf(m[r] - mx);
+      l[r] *= rescale;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[r][e] *= rescale;
+#pragma unroll
+      for (int u = 0; u < PER_WARP; ++u) {
+        const float p = c0 + u < end ? expf(sc[u] - mx) : 0.f;
+        l[r] += p;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[r][e] += p * vx[u][e];
       }
-    }
-    __syncthreads();
-    if (di < d) {
-#pragma unroll
-      for (int r = 0; r < MAX_GROUP; ++r) {
-        if (r >= group) break;
-        float a = 0.f;
-#pragma unroll
-        for (int k = 0; k < CHUNK; ++k) a += sc[r][k] * vv[k];
-        acc[r] = acc[r] * ml_sh[r][2] + a;
-      }
-    }
-    __syncthreads();  // (the next chunk writes sc and ml_sh again)
-  }
-  if (di < d) {
-#pragma unroll
-    for (int r = 0; r < MAX_GROUP; ++r) {
-      if (r >= group) break;
-      part_acc[((size_t)(j * group + r) * splits + y) * d + di] = acc[r];
+      m[r] = mx;
     }
   }
-  if (threadIdx.x < group) {
-    const size_t at = (size_t)(j * group + threadIdx.x) * splits + y;
-    part_ml[at * 2] = ml_sh[threadIdx.x][0];
-    part_ml[at * 2 + 1] = ml_sh[threadIdx.x][1];
+  // the warps merged (a warp that held no position: max -inf, sum and weights 0, weight 0 here)
+#pragma unroll
+  for (int r = 0; r < G; ++r) {
+    if (lane == 0) {
+      w_ml[warp][r][0] = m[r];
+      w_ml[warp][r][1] = l[r];
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      w_acc[warp][r][lane + 32 * e] = acc[r][e];
+    }
+  }
+  __syncthreads();
+  const int di = threadIdx.x;
+  for (int r = 0; r < group; ++r) {
+    float mm = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, w_ml[w][r][0]);
+    float ll = 0.f, a = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float f = expf(w_ml[w][r][0] - mm);
+      ll += w_ml[w][r][1] * f;
+      if (di < d) a += w_acc[w][r][di] * f;
+    }
+    const size_t at = (size_t)(j * group + r) * splits + y;
+    if (di < d) part_acc[at * d + di] = a;
+    if (di == 0) {
+      part_ml[at * 2] = mm;
+      part_ml[at * 2 + 1] = ll;
+    }
   }
 }
 
@@ -227,18 +230,25 @@ __device__ void attn_combine(const float* __restrict__ part_acc, const float* __
   }
 }
 
+// pass 1 for at most G query heads per KV head: batch_attn_partial_g<G>_<type>
+#define BATCH_ATTN_PARTIAL(SUFFIX, T, G)                                                                           \
+  extern "C" __global__ void batch_attn_partial_g##G##_##SUFFIX(const T* heads, const T* kc, const T* vc,          \
+                                                                const uint32_t* slots, const uint32_t* pos,        \
+                                                                float* part_acc, float* part_ml, int hq, int hkv,  \
+                                                                int cap, int d) {                                  \
+    attn_partial<T, G>(heads, kc, vc, slots, pos, part_acc, part_ml, hq, hkv, cap, d);                             \
+  }
+
 #define BATCH_DECODE(SUFFIX, T)                                                                                    \
   extern "C" __global__ void qk_store_batch_##SUFFIX(const T* qkv, const T* w, const T* cos_t, const T* sin_t,     \
                                                      const uint32_t* slots, const uint32_t* pos, T* out, T* kc,    \
                                                      T* vc, int hq, int hkv, int d, int cap, float eps) {          \
     qk_store<T>(qkv, w, cos_t, sin_t, slots, pos, out, kc, vc, hq, hkv, d, cap, eps);                              \
   }                                                                                                                \
-  extern "C" __global__ void batch_attn_partial_##SUFFIX(const T* heads, const T* kc, const T* vc,                 \
-                                                         const uint32_t* slots, const uint32_t* pos,               \
-                                                         float* part_acc, float* part_ml, int hq, int hkv,         \
-                                                         int cap, int d) {                                         \
-    attn_partial<T>(heads, kc, vc, slots, pos, part_acc, part_ml, hq, hkv, cap, d);                                \
-  }                                                                                                                \
+  BATCH_ATTN_PARTIAL(SUFFIX, T, 1)                                                                                 \
+  BATCH_ATTN_PARTIAL(SUFFIX, T, 2)                                                                                 \
+  BATCH_ATTN_PARTIAL(SUFFIX, T, 4)                                                                                 \
+  BATCH_ATTN_PARTIAL(SUFFIX, T, 8)                                                                                 \
   extern "C" __global__ void batch_attn_combine_##SUFFIX(const float* part_acc, const float* part_ml,              \
                                                          const uint32_t* pos, T* out, int hq, int d, int splits,   \
                                                          int cap) {                                                \
