@@ -170,9 +170,8 @@ mod cuda {
     const CHUNK: usize = 16;
     /// Blocks the first attention pass aims at (KV heads × splits × streams): a stream's positions
     /// are cut in as many spans as that allows, [`MAX_SPLITS`] at most (each a whole number of
-    /// `CHUNK`s, one at the least), each block looping over its span. A split count from the
-    /// capacity alone (one `CHUNK` a block) launched 131 072 blocks a layer in a captured step of
-    /// 64 streams over 4096-position slots, nearly all past the held positions.
+    /// `CHUNK`s, one at the least), each block looping over its span (docs/design/engine.md,
+    /// "Our own CUDA kernels for the decode step").
     const SPLIT_BLOCKS: usize = 4096;
     /// Spans a row's positions are cut in at most: the second pass reads them one after the other
     /// (a row at position 8192 in spans of one `CHUNK` had 513 to combine, in 32 blocks for a lone
