@@ -16,7 +16,7 @@ use timing::Rows;
 pub use timing::Timing;
 use voice::{contended_preparation, prepare_parts};
 
-mod late_decode;
+mod long_call;
 mod timing;
 mod voice;
 
@@ -295,8 +295,8 @@ pub fn run(
             )?;
         }
     }
-    // the same step late in a long call, over slots that hold the whole conversation
-    late_decode::time_late_decode(llm, &mut rows, iters, batches)?;
+    // the decode and prefill steps late in a long call, over slots that hold the whole conversation
+    long_call::time_long_call(llm, &mut rows, iters, batches)?;
     // ---- the Talker
     let talker = &m.talker;
     let hidden = talker.config().hidden_size;
