@@ -24,6 +24,7 @@ mod parity_prompt;
 mod parity_stream;
 mod parity_turn;
 mod prefetch;
+mod profile;
 mod prompt_reuse;
 mod replica;
 mod semantic_turns;

@@ -13,7 +13,8 @@ use antiphon_models::qwen3::Qwen3;
 
 /// Positions each slot holds (a conversation of ~130 turns at ~95 positions a turn).
 const LONG_SLOT_CONTEXT: usize = 12288;
-/// Where each stream decodes (turn ~85 of such a conversation).
+/// Where each stream decodes (turn ~85 of such a conversation), or the last whole 1024 positions
+/// before a smaller model's context ends (its turn and the decode row after it fit).
 const LATE_POSITION: usize = 8192;
 /// Positions a prefill step writes while the caches fill up.
 const FILL_ROWS: usize = 2048;
@@ -22,12 +23,9 @@ const MAX_BATCH: usize = 8;
 /// A new turn's positions in the prefill row (a spoken or text turn of a long call is ~95).
 const TURN_ROWS: usize = 96;
 
-const DECODE_ROW: &str = "thinker decode step (slots, graph) at position 8192 + ids to host";
-const PREFILL_ROW: &str =
-    "thinker prefill step in slots: b prompts x 96 positions at position 8192 + logits";
-
-/// Times [`DECODE_ROW`] and [`PREFILL_ROW`] at each of `batches` up to [`MAX_BATCH`] (those
-/// wanted, when the model's context holds the positions).
+/// Times the rows (the decode step, the prefill step; each named with its position) at each of
+/// `batches` up to [`MAX_BATCH`] (those wanted, when the model's context holds 1024 positions and
+/// a turn).
 pub(super) fn time_long_call(
     llm: &Qwen3,
     rows: &mut Rows,
@@ -35,8 +33,13 @@ pub(super) fn time_long_call(
     batches: &[usize],
 ) -> Result<()> {
     let context = LONG_SLOT_CONTEXT.min(llm.decoder().config().max_positions);
-    let wanted = rows.wants(DECODE_ROW) || rows.wants(PREFILL_ROW);
-    if !wanted || context <= LATE_POSITION + TURN_ROWS {
+    let late = LATE_POSITION.min(context.saturating_sub(TURN_ROWS + 1) / 1024 * 1024);
+    let decode_row = format!("thinker decode step (slots, graph) at position {late} + ids to host");
+    let prefill_row = format!(
+        "thinker prefill step in slots: b prompts x {TURN_ROWS} positions at position {late} \
+        + logits"
+    );
+    if late == 0 || !(rows.wants(&decode_row) || rows.wants(&prefill_row)) {
         return Ok(());
     }
     let mut g = llm.clone();
@@ -53,24 +56,24 @@ pub(super) fn time_long_call(
             .map(|_| pool.take()?.ok_or_else(|| candle_core::Error::Msg("no free slot".into())))
             .collect::<candle_core::Result<_>>()?;
         for c in caches.iter_mut() {
-            while c.len() < LATE_POSITION {
-                let n = FILL_ROWS.min(LATE_POSITION - c.len());
+            while c.len() < late {
+                let n = FILL_ROWS.min(late - c.len());
                 g.forward(&mut [StreamStep { cache: c, embeds: fill.narrow(0, 0, n)? }])?;
             }
         }
-        rows.time(DECODE_ROW, b, iters, || {
+        rows.time(&decode_row, b, iters, || {
             let mut steps: Vec<StreamStep> =
                 caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
             let h = g.forward(&mut steps)?;
             let ids = g.logits(&Tensor::cat(&h, 0)?)?.argmax_keepdim(1)?.flatten_all()?;
             std::hint::black_box(ids.to_vec1::<u32>()?);
             for c in caches.iter_mut() {
-                c.truncate(LATE_POSITION);
+                c.truncate(late);
             }
             Ok(())
         })?;
         let turn = fill.narrow(0, 0, TURN_ROWS)?;
-        rows.time(PREFILL_ROW, b, iters, || {
+        rows.time(&prefill_row, b, iters, || {
             let mut steps: Vec<StreamStep> =
                 caches.iter_mut().map(|c| StreamStep { cache: c, embeds: turn.clone() }).collect();
             let h = g.forward(&mut steps)?;
@@ -82,7 +85,7 @@ pub(super) fn time_long_call(
             let ids = g.logits(&Tensor::cat(&last, 0)?)?.argmax_keepdim(1)?.flatten_all()?;
             std::hint::black_box(ids.to_vec1::<u32>()?);
             for c in caches.iter_mut() {
-                c.truncate(LATE_POSITION);
+                c.truncate(late);
             }
             Ok(())
         })?;
