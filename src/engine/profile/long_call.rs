@@ -32,8 +32,9 @@ pub(super) fn time_long_call(
     iters: usize,
     batches: &[usize],
 ) -> Result<()> {
-    let context = LONG_SLOT_CONTEXT.min(llm.decoder().config().max_positions);
-    let late = LATE_POSITION.min(context.saturating_sub(TURN_ROWS + 1) / 1024 * 1024);
+    // (a profile row's positions, not a request's fit: src/engine/fit.rs has no say here)
+    let slot_positions = LONG_SLOT_CONTEXT.min(llm.decoder().config().max_positions);
+    let late = LATE_POSITION.min(slot_positions.saturating_sub(TURN_ROWS + 1) / 1024 * 1024);
     let decode_row = format!("thinker decode step (slots, graph) at position {late} + ids to host");
     let prefill_row = format!(
         "thinker prefill step in slots: b prompts x {TURN_ROWS} positions at position {late} \
@@ -50,7 +51,7 @@ pub(super) fn time_long_call(
     let fill = llm.embed(&fill)?;
     let tok = llm.embed(&[42])?;
     for &b in batches.iter().filter(|&&b| b <= MAX_BATCH) {
-        let pool = g.decoder().slot_pool(b, context)?;
+        let pool = g.decoder().slot_pool(b, slot_positions)?;
         g.decoder().warm_pool(&pool)?;
         let mut caches: Vec<KvCache> = (0..b)
             .map(|_| pool.take()?.ok_or_else(|| candle_core::Error::Msg("no free slot".into())))
