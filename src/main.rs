@@ -322,6 +322,7 @@ fn main() -> Result<()> {
             if cfg.engine.gpu_tf32 && models.code2wav.device().is_cuda() {
                 candle_core::cuda::set_gemm_reduced_precision_f32(true);
             }
+            antiphon_models::attention::set_causal_softmax_kernel(cfg.engine.causal_softmax_kernel);
             let timings = antiphon_engine::profile::run(
                 &models,
                 &cfg.engine,

@@ -43,6 +43,10 @@ pub struct EngineConfig {
     /// On a GPU, f32 matrix products (the vocoder's convolutions, reference preparation) run on
     /// tensor cores in TF32 (10-bit mantissa products, f32 sums); off: full f32. Process-wide.
     pub gpu_tf32: bool,
+    /// On CUDA, attention under a causal mask (a prompt chunk, op by op or in a ragged step) takes
+    /// its softmax in one kernel that never makes the mask, instead of the mask's add and the
+    /// softmax. Process-wide.
+    pub causal_softmax_kernel: bool,
     pub default_max_text_tokens: usize,
     pub default_min_audio_tokens: usize,
     pub default_max_audio_tokens: usize,
@@ -102,6 +106,7 @@ impl Default for EngineConfig {
             talker_first: false,
             gated_streams: 4,
             gpu_tf32: true,
+            causal_softmax_kernel: false,
             default_max_text_tokens: 512,
             default_min_audio_tokens: 50,
             default_max_audio_tokens: 2048,

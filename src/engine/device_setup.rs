@@ -81,6 +81,7 @@ pub fn prepare(models: &mut Models, cfg: &mut EngineConfig) -> Result<()> {
     if cfg.gpu_tf32 && [&d0, &d1, &d2].iter().any(|d| d.is_cuda()) {
         candle_core::cuda::set_gemm_reduced_precision_f32(true);
     }
+    antiphon_models::attention::set_causal_softmax_kernel(cfg.causal_softmax_kernel);
     if cfg.code2wav.graphs && own_stream(&d2, [&d0, &d1]) {
         let policy = antiphon_models::code2wav::dit::GraphPolicy {
             max_batch: cfg.code2wav.graph_batch,

@@ -1,7 +1,19 @@
 //! Attention primitives shared by every transformer here: rotary position tables and their
 //! application, the causal mask, and masked scaled-dot-product attention over whole tensors.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use candle_core::{DType, Device, Result, Tensor, D};
+
+/// Whether [`attend`]'s causal softmax runs as one kernel on CUDA.
+static CAUSAL_SOFTMAX_KERNEL: AtomicBool = AtomicBool::new(false);
+
+/// Process-wide: on CUDA, [`attend`] with a causal mask runs its softmax as one kernel
+/// ([`crate::fused::causal_softmax`]) instead of adding the mask and taking the softmax (a prompt
+/// chunk late in a long call spent ~87 % of its step there: docs/performance.md, run 85).
+pub fn set_causal_softmax_kernel(on: bool) {
+    CAUSAL_SOFTMAX_KERNEL.store(on, Ordering::Relaxed);
+}
 
 /// Rotary position tables (`cos`, `sin`: `[max_positions, head_dim / 2]`).
 #[derive(Debug, Clone)]
@@ -100,10 +112,17 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Resu
     let qg = q.contiguous()?.reshape((hkv, group * n, d))?;
     // scores in the cache's dtype (as the reference's eager attention); the softmax kernel
     // accumulates in f32 whatever the storage
-    let mut att = qg.matmul(&k.t()?)?;
-    if let Some(mask) = mask {
-        att = att.reshape((hkv, group, n, l))?.broadcast_add(mask)?.reshape((hkv, group * n, l))?;
-    }
-    let att = candle_nn::ops::softmax_last_dim(&att)?;
+    let att = qg.matmul(&k.t()?)?;
+    let att = match mask {
+        // (the mask is causal_mask(n, l): the kernel knows it from n alone)
+        Some(_) if att.device().is_cuda() && CAUSAL_SOFTMAX_KERNEL.load(Ordering::Relaxed) => {
+            crate::fused::causal_softmax(&att, n)?
+        }
+        Some(mask) => {
+            let att = att.reshape((hkv, group, n, l))?.broadcast_add(mask)?;
+            candle_nn::ops::softmax_last_dim(&att.reshape((hkv, group * n, l))?)?
+        }
+        None => candle_nn::ops::softmax_last_dim(&att)?,
+    };
     att.matmul(v)?.reshape((hq, n, d))
 }

@@ -4,6 +4,7 @@
 //!
 //! - [`add_rmsnorm`]: the residual add and the next RMSNorm.
 //! - [`silu_mul`]: SwiGLU's `silu(gate) * up` over the fused gate/up projection.
+//! - [`causal_softmax`]: attention's softmax under the causal mask, the mask never made.
 //! - [`snake`]: the vocoder's activation (`x + sin²(αx) / (α + 1e-9)`, six ops op by op).
 //! - [`qk_norm_rope_store_twin`]: one position's heads after the fused q/k/v projection —
 //!   per-head RMSNorm of q and k (Qwen3) and RoPE (the definition of the batched step's kernel,
@@ -58,6 +59,43 @@ pub fn silu_mul(gu: &Tensor, inter: usize) -> Result<Tensor> {
         return gu.contiguous()?.apply_op1_no_bwd(&cuda::SiluMul { inter });
     }
     candle_nn::ops::silu(&gu.narrow(1, 0, inter)?)? * gu.narrow(1, inter, inter)?
+}
+
+/// Softmax over the last axis of `att: [.., R, L]` whose `R` rows are groups of `n` queries at the
+/// last `n` of `L` positions, each seeing the positions up to its own: the mask of
+/// [`causal_mask`](crate::attention::causal_mask) added, then the softmax. One kernel on CUDA
+/// (no mask made, read or added); elsewhere [`causal_softmax_twin`].
+pub fn causal_softmax(att: &Tensor, n: usize) -> Result<Tensor> {
+    rows_and_positions(att, n)?;
+    #[cfg(feature = "cuda")]
+    if att.device().is_cuda() {
+        return att.contiguous()?.apply_op1_no_bwd(&cuda::CausalSoftmax { n });
+    }
+    causal_softmax_twin(att, n)
+}
+
+/// [`causal_softmax`] as the op-by-op path computes it: the causal mask added, then the softmax.
+pub fn causal_softmax_twin(att: &Tensor, n: usize) -> Result<Tensor> {
+    let (rows, l) = rows_and_positions(att, n)?;
+    let Some(mask) = crate::attention::causal_mask(n, l, att.dtype(), att.device())? else {
+        return candle_nn::ops::softmax_last_dim(att);
+    };
+    let groups = att.elem_count() / (rows * l) * (rows / n);
+    let masked = att.reshape((groups, n, l))?.broadcast_add(&mask.squeeze(0)?)?;
+    candle_nn::ops::softmax_last_dim(&masked.reshape(att.shape())?)
+}
+
+/// `att`'s rows and positions, checked against `n` queries a group.
+fn rows_and_positions(att: &Tensor, n: usize) -> Result<(usize, usize)> {
+    let dims = att.dims();
+    if dims.len() < 2 {
+        candle_core::bail!("causal_softmax: scores of rank {}", dims.len());
+    }
+    let (rows, l) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+    if n == 0 || !rows.is_multiple_of(n) || n > l {
+        candle_core::bail!("causal_softmax: {rows} rows of {l} positions for {n} queries");
+    }
+    Ok((rows, l))
 }
 
 /// Snake, the vocoder's activation: `x + sin²(αx) / (α + 1e-9)` for `x: [B, C, T]`, `alpha:

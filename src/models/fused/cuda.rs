@@ -140,6 +140,59 @@ impl SiluMul {
     }
 }
 
+/// Each row's softmax under the causal mask of its query (`n` queries, the last of `l`
+/// positions): see `kernels/fused.cu`.
+pub(super) struct CausalSoftmax {
+    pub n: usize,
+}
+
+impl CausalSoftmax {
+    fn run<T: CudaDType + DeviceRepr>(
+        &self,
+        x: &CudaStorage,
+        l: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let dev = x.device().clone();
+        let cols = *l.shape().dims().last().expect("rank checked by the caller");
+        let rows = l.shape().elem_count() / cols;
+        let xv = x.as_cuda_slice::<T>()?.slice(l.start_offset()..);
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<T>(rows * cols) }?;
+        let f = dev.get_or_load_custom_func(&kernel("causal_softmax", x.dtype())?, MODULE, PTX)?;
+        let mut b = f.builder();
+        let (cols_i, n_i) = (cols as i32, self.n as i32);
+        b.arg(&xv).arg(&out).arg(&cols_i).arg(&n_i);
+        // SAFETY: arguments as the kernel declares them; a block a row.
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map_err(err)?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev), l.shape().clone()))
+    }
+}
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "causal-softmax"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("causal_softmax: the CUDA op ran on the CPU")
+    }
+
+    fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        super::by_dtype!("causal_softmax", x.dtype(), T => self.run::<T>(x, l))
+    }
+}
+
 pub(super) struct Snake;
 
 impl Snake {

@@ -77,6 +77,26 @@ __device__ void kv_rows_store(const T* __restrict__ k, const T* __restrict__ v, 
   }
 }
 
+// Softmax over each row of att [R, l] (contiguous) where row r holds query i = r % n of the last n
+// of l positions: it sees positions j <= l - n + i (attention.rs's causal mask, which the
+// op-by-op path adds before its softmax), the others get 0. One block a row; f32 arithmetic.
+template <typename T>
+__device__ void causal_softmax(const T* __restrict__ x, T* __restrict__ y, int l, int n) {
+  __shared__ float red[32];
+  const size_t r = blockIdx.x;
+  const int last = l - n + (int)(r % n);
+  const T* xr = x + r * l;
+  T* yr = y + r * l;
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j <= last; j += blockDim.x) m = fmaxf(m, to_f(xr[j]));
+  m = block_reduce<true>(m, red);
+  float s = 0.f;
+  for (int j = threadIdx.x; j <= last; j += blockDim.x) s += expf(to_f(xr[j]) - m);
+  s = block_reduce<false>(s, red);
+  const float inv = 1.f / s;
+  for (int j = threadIdx.x; j < l; j += blockDim.x) yr[j] = from_f<T>(j <= last ? expf(to_f(xr[j]) - m) * inv : 0.f);
+}
+
 #define FUSED(SUFFIX, T)                                                                                          \
   extern "C" __global__ void add_rmsnorm_##SUFFIX(const T* x, const T* a, const T* w, T* xo, T* ho, int h,         \
                                                   float eps) {                                                   \
@@ -84,6 +104,9 @@ __device__ void kv_rows_store(const T* __restrict__ k, const T* __restrict__ v, 
   }                                                                                                              \
   extern "C" __global__ void silu_mul_##SUFFIX(const T* gu, T* out, int inter, unsigned long long total) {        \
     silu_mul<T>(gu, out, inter, (size_t)total);                                                                  \
+  }                                                                                                              \
+  extern "C" __global__ void causal_softmax_##SUFFIX(const T* x, T* y, int l, int n) {                             \
+    causal_softmax<T>(x, y, l, n);                                                                               \
   }                                                                                                              \
   extern "C" __global__ void snake_##SUFFIX(const T* x, const T* a, T* out, int c, int t,                        \
                                             unsigned long long total) {                                          \

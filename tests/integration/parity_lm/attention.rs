@@ -93,3 +93,33 @@ fn attention_in_slots_of(cap: usize) {
         assert_close(&format!("{cap}: {dtype:?} lone row"), &got, &last(&want), tol);
     }
 }
+
+/// The causal softmax (on CUDA one kernel that never makes the mask) against the mask added and
+/// the softmax taken, on the host in f32: rows of several queries late in a long row, and a lone
+/// query; every position a query must not see gets 0, each row sums to 1.
+#[test]
+fn the_causal_softmax_matches_the_mask_and_the_softmax() {
+    use antiphon_models::fused::{causal_softmax, causal_softmax_twin};
+    let dev = common::device();
+    let host = Device::Cpu;
+    for (lead, n, l) in [(3, 5, 40), (2, 96, 1100), (4, 1, 700)] {
+        let att = Tensor::randn(0f32, 2.0, (lead, 4 * n, l), &host).unwrap();
+        // (bf16 where a kernel takes it; the CPU's own bf16 softmax rounds as it goes)
+        let dtypes = if dev.is_cpu() { vec![DType::F32] } else { vec![DType::F32, DType::BF16] };
+        for dtype in dtypes {
+            let att = att.to_dtype(dtype).unwrap();
+            let want = causal_softmax_twin(&att.to_dtype(DType::F32).unwrap(), n).unwrap();
+            let got = causal_softmax(&att.to_device(&dev).unwrap(), n).unwrap();
+            let got = got.to_device(&host).unwrap().to_dtype(DType::F32).unwrap();
+            let tol = if dtype == DType::F32 { 1e-4 } else { 2e-2 };
+            assert_close(&format!("({lead}, {n}, {l}) {dtype:?}"), &got, &want, tol);
+            let rows = got.to_vec3::<f32>().unwrap();
+            for (r, row) in rows.iter().flatten().enumerate() {
+                let last = l - n + r % n;
+                assert!(row[last + 1..].iter().all(|&p| p == 0.0), "row {r} sees past {last}");
+                let sum: f32 = row.iter().sum();
+                assert!((sum - 1.0).abs() < 1e-2, "row {r} sums to {sum}");
+            }
+        }
+    }
+}
