@@ -62,34 +62,27 @@ pub(super) fn time_long_call(
                 g.forward(&mut [StreamStep { cache: c, embeds: fill.narrow(0, 0, n)? }])?;
             }
         }
-        rows.time(&decode_row, b, iters, || {
-            let mut steps: Vec<StreamStep> =
-                caches.iter_mut().map(|c| StreamStep { cache: c, embeds: tok.clone() }).collect();
+        // one step of `embeds` for every stream, each stream's last row to the logits and its id
+        // to the host (as the server samples), then every cache back at the late position
+        let mut step_and_rewind = |embeds: &Tensor| -> Result<()> {
+            let mut steps: Vec<StreamStep> = caches
+                .iter_mut()
+                .map(|c| StreamStep { cache: c, embeds: embeds.clone() })
+                .collect();
             let h = g.forward(&mut steps)?;
-            let ids = g.logits(&Tensor::cat(&h, 0)?)?.argmax_keepdim(1)?.flatten_all()?;
-            std::hint::black_box(ids.to_vec1::<u32>()?);
-            for c in caches.iter_mut() {
-                c.truncate(late);
-            }
-            Ok(())
-        })?;
-        let turn = fill.narrow(0, 0, TURN_ROWS)?;
-        rows.time(&prefill_row, b, iters, || {
-            let mut steps: Vec<StreamStep> =
-                caches.iter_mut().map(|c| StreamStep { cache: c, embeds: turn.clone() }).collect();
-            let h = g.forward(&mut steps)?;
-            // (each prompt's last row to the logits, as the server samples a turn's first token)
             let last: Vec<Tensor> = h
                 .iter()
-                .map(|x| x.narrow(0, TURN_ROWS - 1, 1))
+                .map(|x| x.narrow(0, x.dim(0)? - 1, 1))
                 .collect::<candle_core::Result<_>>()?;
-            let ids = g.logits(&Tensor::cat(&last, 0)?)?.argmax_keepdim(1)?.flatten_all()?;
-            std::hint::black_box(ids.to_vec1::<u32>()?);
+            std::hint::black_box(super::greedy_ids(&g.logits(&Tensor::cat(&last, 0)?)?)?);
             for c in caches.iter_mut() {
                 c.truncate(late);
             }
             Ok(())
-        })?;
+        };
+        rows.time(&decode_row, b, iters, || step_and_rewind(&tok))?;
+        let turn = fill.narrow(0, 0, TURN_ROWS)?;
+        rows.time(&prefill_row, b, iters, || step_and_rewind(&turn))?;
     }
     Ok(())
 }
