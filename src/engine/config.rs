@@ -106,7 +106,7 @@ impl Default for EngineConfig {
             talker_first: false,
             gated_streams: 4,
             gpu_tf32: true,
-            causal_softmax_kernel: false,
+            causal_softmax_kernel: true,
             default_max_text_tokens: 512,
             default_min_audio_tokens: 50,
             default_max_audio_tokens: 2048,

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use candle_core::{DType, Device, Result, Tensor, D};
 
 /// Whether [`attend`]'s causal softmax runs as one kernel on CUDA.
-static CAUSAL_SOFTMAX_KERNEL: AtomicBool = AtomicBool::new(false);
+static CAUSAL_SOFTMAX_KERNEL: AtomicBool = AtomicBool::new(true);
 
 /// Process-wide: on CUDA, [`attend`] with a causal mask runs its softmax as one kernel
 /// ([`crate::fused::causal_softmax`]) instead of adding the mask and taking the softmax (a prompt
@@ -87,24 +87,43 @@ impl Rope {
     }
 }
 
-/// The additive causal mask of `n` new positions at the end of `l` (`[1, 1, n, l]`), or `None`
-/// when one position needs none. The same for every layer: made once per step.
-pub fn causal_mask(n: usize, l: usize, dtype: DType, dev: &Device) -> Result<Option<Tensor>> {
+/// How the `n` new positions of [`attend`] (the last `n` of `L`) see each other.
+#[derive(Debug, Clone)]
+pub enum CausalMask {
+    /// Every position sees the whole history and each other (one new position needs no mask).
+    Open,
+    /// Causally, taken by the softmax kernel from `n` alone: no mask made, uploaded or added.
+    InKernel,
+    /// Causally, through the additive mask `[1, 1, n, L]` (0 or -inf) added before the softmax.
+    Additive(Tensor),
+}
+
+/// The causal mask of `n` new positions at the end of `l`: [`CausalMask::Open`] for one position,
+/// [`CausalMask::InKernel`] on CUDA with the kernel on, else the additive mask. The same for every
+/// layer: made once per step.
+pub fn causal_mask(n: usize, l: usize, dtype: DType, dev: &Device) -> Result<CausalMask> {
     if n <= 1 {
-        return Ok(None);
+        return Ok(CausalMask::Open);
     }
+    if dev.is_cuda() && CAUSAL_SOFTMAX_KERNEL.load(Ordering::Relaxed) {
+        return Ok(CausalMask::InKernel);
+    }
+    Ok(CausalMask::Additive(additive_causal_mask(n, l, dtype, dev)?))
+}
+
+/// The additive causal mask of `n` new positions at the end of `l` (`[1, 1, n, l]`).
+pub fn additive_causal_mask(n: usize, l: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
     let offset = l - n;
     let mask: Vec<f32> = (0..n)
         .flat_map(|i| (0..l).map(move |j| if j > offset + i { f32::NEG_INFINITY } else { 0.0 }))
         .collect();
-    Ok(Some(Tensor::from_vec(mask, (1, 1, n, l), dev)?.to_dtype(dtype)?))
+    Tensor::from_vec(mask, (1, 1, n, l), dev)?.to_dtype(dtype)
 }
 
 /// Softmax attention of one stream: `q: [heads, n, d]` (already scaled) against `k`, `v:
-/// [kv_heads, L, d]`, the new positions being the last `n` of `L`. With a `mask` (from
-/// [`causal_mask`]) they see each other causally; without, they all see the whole history and
-/// each other.
-pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+/// [kv_heads, L, d]`, the new positions being the last `n` of `L`, seeing each other as `mask`
+/// says (from [`causal_mask`], or [`CausalMask::Open`]).
+pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: &CausalMask) -> Result<Tensor> {
     let (hq, n, d) = q.dims3()?;
     let (hkv, l, _) = k.dims3()?;
     let group = hq / hkv;
@@ -114,15 +133,12 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Resu
     // accumulates in f32 whatever the storage
     let att = qg.matmul(&k.t()?)?;
     let att = match mask {
-        // (the mask is causal_mask(n, l): the kernel knows it from n alone)
-        Some(_) if att.device().is_cuda() && CAUSAL_SOFTMAX_KERNEL.load(Ordering::Relaxed) => {
-            crate::fused::causal_softmax(&att, n)?
-        }
-        Some(mask) => {
+        CausalMask::InKernel => crate::fused::causal_softmax(&att, n)?,
+        CausalMask::Additive(mask) => {
             let att = att.reshape((hkv, group, n, l))?.broadcast_add(mask)?;
             candle_nn::ops::softmax_last_dim(&att.reshape((hkv, group * n, l))?)?
         }
-        None => candle_nn::ops::softmax_last_dim(&att)?,
+        CausalMask::Open => candle_nn::ops::softmax_last_dim(&att)?,
     };
     att.matmul(v)?.reshape((hq, n, d))
 }

@@ -73,8 +73,13 @@ mod tests {
             // reference: the cache with this position written, attention over 0..=p
             let k = Tensor::cat(&[kc.narrow(1, 0, p)?, k_new.unsqueeze(1)?], 1)?;
             let v = Tensor::cat(&[vc.narrow(1, 0, p)?, v_new.unsqueeze(1)?], 1)?;
-            let want = crate::attention::attend(&q.reshape((hq, 1, d))?, &k, &v, None)?
-                .reshape((hq, d))?;
+            let want = crate::attention::attend(
+                &q.reshape((hq, 1, d))?,
+                &k,
+                &v,
+                &crate::attention::CausalMask::Open,
+            )?
+            .reshape((hq, d))?;
             // (a NaN anywhere fails: max_all alone could pass over it)
             let diff: Vec<f32> = (got - want)?.abs()?.flatten_all()?.to_vec1()?;
             let diff = diff.iter().fold(0f32, |m, &d| {

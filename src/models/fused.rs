@@ -63,8 +63,8 @@ pub fn silu_mul(gu: &Tensor, inter: usize) -> Result<Tensor> {
 
 /// Softmax over the last axis of `att: [.., R, L]` whose `R` rows are groups of `n` queries at the
 /// last `n` of `L` positions, each seeing the positions up to its own: the mask of
-/// [`causal_mask`](crate::attention::causal_mask) added, then the softmax. One kernel on CUDA
-/// (no mask made, read or added); elsewhere [`causal_softmax_twin`].
+/// [`additive_causal_mask`](crate::attention::additive_causal_mask) added, then the softmax. One
+/// kernel on CUDA (no mask made, read or added); elsewhere [`causal_softmax_twin`].
 pub fn causal_softmax(att: &Tensor, n: usize) -> Result<Tensor> {
     rows_and_positions(att, n)?;
     #[cfg(feature = "cuda")]
@@ -77,9 +77,10 @@ pub fn causal_softmax(att: &Tensor, n: usize) -> Result<Tensor> {
 /// [`causal_softmax`] as the op-by-op path computes it: the causal mask added, then the softmax.
 pub fn causal_softmax_twin(att: &Tensor, n: usize) -> Result<Tensor> {
     let (rows, l) = rows_and_positions(att, n)?;
-    let Some(mask) = crate::attention::causal_mask(n, l, att.dtype(), att.device())? else {
+    if n == 1 {
         return candle_nn::ops::softmax_last_dim(att);
-    };
+    }
+    let mask = crate::attention::additive_causal_mask(n, l, att.dtype(), att.device())?;
     let groups = att.elem_count() / (rows * l) * (rows / n);
     let masked = att.reshape((groups, n, l))?.broadcast_add(&mask.squeeze(0)?)?;
     candle_nn::ops::softmax_last_dim(&masked.reshape(att.shape())?)

@@ -14,7 +14,7 @@
 use candle_core::{Module, Result, Tensor, D};
 use candle_nn::{Conv1d, Conv1dConfig, LayerNorm, Linear, VarBuilder};
 
-use super::attention::attend;
+use super::attention::{attend, CausalMask};
 use super::config::WhisperConfig;
 use super::decoder::KvCache;
 
@@ -257,7 +257,9 @@ impl WhisperEncoder {
                     &k.narrow(0, s, n)?.transpose(0, 1)?,
                     &v.narrow(0, s, n)?.transpose(0, 1)?,
                 )?;
-                outs.push(attend(&qs, &ka, &va, None)?.transpose(0, 1)?.reshape((n, d))?);
+                outs.push(
+                    attend(&qs, &ka, &va, &CausalMask::Open)?.transpose(0, 1)?.reshape((n, d))?,
+                );
             }
             let o = if outs.len() == 1 { outs.pop().expect("one") } else { Tensor::cat(&outs, 0)? };
             x = (x + l.out_proj.forward(&o)?)?;

@@ -22,7 +22,7 @@ pub use batch::SlotPool;
 use candle_nn::{Linear, VarBuilder};
 pub use kv_cache::KvCache;
 
-use super::attention::{attend, causal_mask, Rope};
+use super::attention::{attend, causal_mask, CausalMask, Rope};
 use super::fused::{add_rmsnorm, silu_mul, Norm};
 
 /// Shape of one decoder stack.
@@ -161,7 +161,7 @@ impl Attention {
         layer: usize,
         caches: &mut [&mut KvCache],
         spans: &[(usize, usize)],
-        masks: &[Option<Tensor>],
+        masks: &[CausalMask],
     ) -> Result<Tensor> {
         let (d, hq) = (self.head_dim, self.num_heads);
         let (q, k, v) = self.project(x, cos, sin)?;
@@ -172,7 +172,7 @@ impl Attention {
             let ks = k.narrow(0, start, n)?.transpose(0, 1)?;
             let vs = v.narrow(0, start, n)?.transpose(0, 1)?;
             let (ka, va) = cache.append(layer, &ks, &vs)?;
-            let o = attend(&qs, &ka, &va, mask.as_ref())?;
+            let o = attend(&qs, &ka, &va, mask)?;
             outs.push(o.transpose(0, 1)?.reshape((n, hq * d))?);
         }
         let o = if outs.len() == 1 { outs.pop().expect("one") } else { Tensor::cat(&outs, 0)? };
@@ -435,7 +435,7 @@ impl Decoder {
         let positions = Tensor::from_vec(positions, start, &self.device)?;
         let (cos, sin) = self.rope.tables_fused(&positions)?;
         let mut caches: Vec<&mut KvCache> = streams.iter_mut().map(|s| &mut *s.cache).collect();
-        let masks: Vec<Option<Tensor>> = caches
+        let masks: Vec<CausalMask> = caches
             .iter()
             .zip(&spans)
             .map(|(c, &(_, n))| causal_mask(n, c.len() + n, x.dtype(), &self.device))

@@ -11,7 +11,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use crate::attention::{attend, causal_mask};
+use crate::attention::{attend, causal_mask, CausalMask};
 use crate::batch_decode::decode_attention_batch;
 
 /// A stream that advances by at least this many positions in a step attends by matrix products.
@@ -43,7 +43,7 @@ enum Part {
     Kernel { start: usize, n: usize, max_pos: usize },
     /// Rows `start..start + n` of one stream, attending its slot's first `held` positions; the
     /// rows are the last `n` of them.
-    Block { start: usize, n: usize, slot: usize, held: usize, mask: Option<Tensor> },
+    Block { start: usize, n: usize, slot: usize, held: usize, mask: CausalMask },
 }
 
 impl RaggedPlan {
@@ -119,7 +119,7 @@ impl RaggedPlan {
                     let q = heads.narrow(0, *start, *n)?.narrow(1, 0, hq)?.transpose(0, 1)?;
                     let k = kc.get(*slot)?.narrow(1, 0, *held)?;
                     let v = vc.get(*slot)?.narrow(1, 0, *held)?;
-                    out.push(attend(&q, &k, &v, mask.as_ref())?.transpose(0, 1)?);
+                    out.push(attend(&q, &k, &v, mask)?.transpose(0, 1)?);
                 }
             }
         }

@@ -4,7 +4,7 @@
 //! over a span of several chunks), and a lone row (spans of one chunk).
 
 use super::*;
-use antiphon_models::attention::attend;
+use antiphon_models::attention::{attend, CausalMask};
 use antiphon_models::batch_decode::decode_attention_batch;
 use candle_core::Device;
 
@@ -27,7 +27,10 @@ fn row_attention(heads: &Tensor, kc: &Tensor, vc: &Tensor, slot: usize, p: usize
         1,
     )
     .unwrap();
-    attend(&q.reshape((hq, 1, d)).unwrap(), &k, &v, None).unwrap().reshape((hq, d)).unwrap()
+    attend(&q.reshape((hq, 1, d)).unwrap(), &k, &v, &CausalMask::Open)
+        .unwrap()
+        .reshape((hq, d))
+        .unwrap()
 }
 
 #[test]
