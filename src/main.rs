@@ -323,6 +323,9 @@ fn main() -> Result<()> {
                 candle_core::cuda::set_gemm_reduced_precision_f32(true);
             }
             antiphon_models::attention::set_causal_softmax_kernel(cfg.engine.causal_softmax_kernel);
+            antiphon_models::batch_decode::set_decode_attention_teams(
+                cfg.engine.decode_attention_teams,
+            );
             let timings = antiphon_engine::profile::run(
                 &models,
                 &cfg.engine,

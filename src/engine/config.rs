@@ -47,6 +47,9 @@ pub struct EngineConfig {
     /// its softmax in one kernel that never makes the mask, instead of the mask's add and the
     /// softmax. Process-wide.
     pub causal_softmax_kernel: bool,
+    /// On CUDA, the decode step's attention reads each K and V row with a team of lanes, 16
+    /// bytes a lane (`batch_attn_teams`), instead of a warp a row. Process-wide.
+    pub decode_attention_teams: bool,
     pub default_max_text_tokens: usize,
     pub default_min_audio_tokens: usize,
     pub default_max_audio_tokens: usize,
@@ -107,6 +110,7 @@ impl Default for EngineConfig {
             gated_streams: 4,
             gpu_tf32: true,
             causal_softmax_kernel: true,
+            decode_attention_teams: false,
             default_max_text_tokens: 512,
             default_min_audio_tokens: 50,
             default_max_audio_tokens: 2048,

@@ -82,6 +82,7 @@ pub fn prepare(models: &mut Models, cfg: &mut EngineConfig) -> Result<()> {
         candle_core::cuda::set_gemm_reduced_precision_f32(true);
     }
     antiphon_models::attention::set_causal_softmax_kernel(cfg.causal_softmax_kernel);
+    antiphon_models::batch_decode::set_decode_attention_teams(cfg.decode_attention_teams);
     if cfg.code2wav.graphs && own_stream(&d2, [&d0, &d1]) {
         let policy = antiphon_models::code2wav::dit::GraphPolicy {
             max_batch: cfg.code2wav.graph_batch,

@@ -9,9 +9,22 @@
 //! Contracts: `qkv`, `heads: [B, hq + 2 hkv, d]` (q heads, k heads, v heads); `kc`, `vc:
 //! [slots, hkv, cap, d]`; `slots`, `pos: [B]` u32; `w: [hq + hkv, d]`.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use candle_core::{Result, Tensor};
 
 use super::attention::Rope;
+
+/// Whether [`decode_attention_batch`]'s first pass runs in teams on CUDA.
+static TEAMS: AtomicBool = AtomicBool::new(false);
+
+/// Process-wide: on CUDA, [`decode_attention_batch`]'s first pass reads each K and V row with a
+/// team of lanes, 16 bytes a lane, a score summed over its team (`batch_attn_teams`), instead of
+/// a warp a row, 2 bytes a lane (`batch_attn_partial`, whose loads ran at a third of an H100's
+/// bandwidth late in a long call: docs/performance.md, run 85). Set before any graph is captured.
+pub fn set_decode_attention_teams(on: bool) {
+    TEAMS.store(on, Ordering::Relaxed);
+}
 
 fn host_u32(t: &Tensor) -> Result<Vec<u32>> {
     t.to_device(&candle_core::Device::Cpu)?.to_vec1::<u32>()
@@ -124,6 +137,7 @@ pub fn decode_attention_batch(
     #[cfg(feature = "cuda")]
     if heads.device().is_cuda() {
         let op = cuda::AttnBatch {
+            teams: TEAMS.load(Ordering::Relaxed),
             kc: kc.clone(),
             vc: vc.clone(),
             slots: slots.contiguous()?,
@@ -166,16 +180,20 @@ mod cuda {
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/batch_decode.ptx"));
     const MODULE: &str = "antiphon_batch_decode";
-    /// Positions a block of the first attention pass takes at a time (`CHUNK` in the kernel).
-    const CHUNK: usize = 16;
+    /// Threads a block of the first attention pass has (`THREADS` in the kernel).
+    const THREADS: usize = 128;
+    /// Positions each team of a block's lanes takes at a time (`PER` in the kernel).
+    const PER: usize = 4;
+    /// Positions a block takes at a time in warps (`WARP_CHUNK` in the kernel).
+    const WARP_CHUNK: usize = 16;
     /// Blocks the first attention pass aims at (KV heads × splits × streams): a stream's positions
     /// are cut in as many spans as that allows, [`MAX_SPLITS`] at most (each a whole number of
-    /// `CHUNK`s, one at the least), each block looping over its span (docs/design/engine.md,
+    /// chunks, one at the least), each block looping over its span (docs/design/engine.md,
     /// "Our own CUDA kernels for the decode step").
     const SPLIT_BLOCKS: usize = 4096;
     /// Spans a row's positions are cut in at most: the second pass reads them one after the other
-    /// (a row at position 8192 in spans of one `CHUNK` had 513 to combine, in 32 blocks for a lone
-    /// stream).
+    /// (a row at position 8192 in spans of one 16-position chunk had 513 to combine, in 32 blocks
+    /// for a lone stream).
     const MAX_SPLITS: usize = 64;
 
     pub(super) struct QkStoreBatch {
@@ -271,6 +289,8 @@ mod cuda {
         pub hq: usize,
         pub hkv: usize,
         pub max_pos: Option<usize>,
+        /// The first pass in teams (`batch_attn_teams`), else in warps (`batch_attn_partial`).
+        pub teams: bool,
     }
 
     impl AttnBatch {
@@ -283,20 +303,34 @@ mod cuda {
             let (b, _, d) = l.shape().dims3()?;
             let (hq, hkv) = (self.hq, self.hkv);
             let cap = self.kc.dim(2)?;
-            let hv = heads.as_cuda_slice::<T>()?.slice(l.start_offset()..);
             let g = [&self.kc, &self.vc].map(|t| t.storage_and_layout());
+            // (in teams each lane reads 8 elements of a row at once: every row starts 16-byte
+            // aligned)
+            let aligned = d.is_multiple_of(8)
+                && l.start_offset().is_multiple_of(8)
+                && g.iter().all(|(_, gl)| gl.start_offset().is_multiple_of(8));
+            if self.teams && !aligned {
+                candle_core::bail!(
+                    "decode_attention_batch: head_dim {d} or an offset is not a multiple of 8"
+                );
+            }
+            let hv = heads.as_cuda_slice::<T>()?.slice(l.start_offset()..);
             let kc = view::<T>(&g[0].0, g[0].1, "k pool")?;
             let vc = view::<T>(&g[1].0, g[1].1, "v pool")?;
             let (ss, sl) = self.slots.storage_and_layout();
             let slots = view::<u32>(&ss, sl, "slots")?;
             let (ps, pl) = self.pos.storage_and_layout();
             let pos = view::<u32>(&ps, pl, "positions")?;
-            // splits: for the blocks the pass aims at, at most one a `CHUNK` of the capacity, or
-            // of the positions up to `max_pos` (the kernels size each split's span from the row's
+            // in teams a row is read by a team of `lanes` threads, 8 elements each, and a block
+            // takes a chunk of `PER` positions a team at a time
+            let lanes = (d / 8).next_power_of_two();
+            let chunk = if self.teams { THREADS / lanes * PER } else { WARP_CHUNK };
+            // splits: for the blocks the pass aims at, at most one a chunk of the capacity, or of
+            // the positions up to `max_pos` (the kernels size each split's span from the row's
             // position, so any count covers it)
             let most = match self.max_pos {
-                Some(m) => m.min(cap - 1) / CHUNK + 1,
-                None => cap.div_ceil(CHUNK),
+                Some(m) => m.min(cap - 1) / chunk + 1,
+                None => cap.div_ceil(chunk),
             };
             let s = SPLIT_BLOCKS.div_ceil(hkv * b).clamp(1, most.min(MAX_SPLITS));
             // SAFETY: the combine kernel reads only the splits that hold positions, each written
@@ -306,19 +340,24 @@ mod cuda {
             let out = unsafe { dev.alloc::<T>(b * hq * d) }?;
             let (hq_i, hkv_i, cap_i, d_i, s_i) =
                 (hq as i32, hkv as i32, cap as i32, d as i32, s as i32);
+            let (lanes_i, chunk_i) = (lanes as i32, chunk as i32);
             // (the kernel for the fewest query heads per KV head, 1, 2, 4 or 8, that holds them)
             let group = (hq / hkv).next_power_of_two();
+            let form = if self.teams { "batch_attn_teams" } else { "batch_attn_partial" };
             let partial = dev.get_or_load_custom_func(
-                &kernel(&format!("batch_attn_partial_g{group}"), heads.dtype())?,
+                &kernel(&format!("{form}_g{group}"), heads.dtype())?,
                 MODULE,
                 PTX,
             )?;
             let mut bl = partial.builder();
             bl.arg(&hv).arg(&kc).arg(&vc).arg(&slots).arg(&pos).arg(&part_acc).arg(&part_ml);
             bl.arg(&hq_i).arg(&hkv_i).arg(&cap_i).arg(&d_i);
+            if self.teams {
+                bl.arg(&lanes_i);
+            }
             let cfg = LaunchConfig {
                 grid_dim: (hkv as u32, s as u32, b as u32),
-                block_dim: (128, 1, 1),
+                block_dim: (THREADS as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: the arguments match the kernel's signature; shapes were checked by the
@@ -337,7 +376,8 @@ mod cuda {
                 .arg(&hq_i)
                 .arg(&d_i)
                 .arg(&s_i)
-                .arg(&cap_i);
+                .arg(&cap_i)
+                .arg(&chunk_i);
             let cfg = LaunchConfig {
                 grid_dim: (hq as u32, b as u32, 1),
                 block_dim: (128, 1, 1),

@@ -1,17 +1,19 @@
-//! The batched decode attention on the test device (on CUDA our kernel) against attention
-//! written out with tensor ops, row by row: a prompt chunk at the end of a long conversation beside
-//! single rows of other streams, in a 4096- and a 12288-position slot (each block of the kernel
-//! over a span of several chunks), and a lone row (spans of one chunk).
+//! The batched decode attention on the test device (on CUDA our kernel, in warps and in teams)
+//! against attention written out with tensor ops, row by row: a prompt chunk at the end of a long
+//! conversation beside single rows of other streams, in a 4096- and a 12288-position slot (each
+//! block of the kernel over a span of several chunks), and a lone row (spans of one chunk); four
+//! query heads a KV head of 128 (the Thinker's), and one of 64 (the Talker's).
 
 use super::*;
 use antiphon_models::attention::{attend, CausalMask};
-use antiphon_models::batch_decode::decode_attention_batch;
+use antiphon_models::batch_decode::{decode_attention_batch, set_decode_attention_teams};
 use candle_core::Device;
 
 /// One row's attention over positions `0..p` of its slot and its own K and V, on the host in f32.
 fn row_attention(heads: &Tensor, kc: &Tensor, vc: &Tensor, slot: usize, p: usize) -> Tensor {
-    let (hq, hkv) = (8, 2);
-    let d = heads.dim(1).unwrap();
+    let hkv = kc.dim(1).unwrap();
+    let (rows, d) = heads.dims2().unwrap();
+    let hq = rows - 2 * hkv;
     let (q, k_new, v_new) = (
         heads.narrow(0, 0, hq).unwrap(),
         heads.narrow(0, hq, hkv).unwrap(),
@@ -35,14 +37,21 @@ fn row_attention(heads: &Tensor, kc: &Tensor, vc: &Tensor, slot: usize, p: usize
 
 #[test]
 fn batched_attention_over_a_long_prompt_chunk_matches_attention_row_by_row() {
-    for cap in [4096, 12288] {
-        attention_in_slots_of(cap);
+    // (process-wide; on CUDA both forms are checked, the default restored; elsewhere the twin
+    // runs whatever the form)
+    let forms: &[bool] = if common::device().is_cuda() { &[false, true] } else { &[false] };
+    for &teams in forms {
+        set_decode_attention_teams(teams);
+        for cap in [4096, 12288] {
+            attention_in_slots_of(cap, (8, 2, 128), teams);
+        }
+        attention_in_slots_of(4096, (4, 4, 64), teams);
     }
+    set_decode_attention_teams(false);
 }
 
-fn attention_in_slots_of(cap: usize) {
+fn attention_in_slots_of(cap: usize, (hq, hkv, d): (usize, usize, usize), teams: bool) {
     let dev = common::device();
-    let (hq, hkv, d) = (8, 2, 128);
     // slot 1: a prompt chunk of 40 rows ~1100 positions before the end; slot 0 a row at 17;
     // slot 2 the slot's last position
     let at = cap as u32 - 1096;
@@ -77,7 +86,8 @@ fn attention_in_slots_of(cap: usize) {
             let got =
                 decode_attention_batch(&on(&heads), hq, hkv, &on(&kc), &on(&vc), &slots, &pos, m)
                     .unwrap();
-            assert_close(&format!("{cap}: {dtype:?} {what}"), &got, &want, tol);
+            let what = format!("{cap}, {hq}/{hkv}x{d}, teams {teams}: {dtype:?} {what}");
+            assert_close(&what, &got, &want, tol);
         }
         // a lone row at the slot's end: its positions in spans of one chunk each (the kernel's
         // split count follows the batch: 42 rows take spans of several chunks above)
@@ -93,7 +103,8 @@ fn attention_in_slots_of(cap: usize) {
             None,
         )
         .unwrap();
-        assert_close(&format!("{cap}: {dtype:?} lone row"), &got, &last(&want), tol);
+        let what = format!("{cap}, {hq}/{hkv}x{d}, teams {teams}: {dtype:?} lone row");
+        assert_close(&what, &got, &last(&want), tol);
     }
 }
 
