@@ -2,7 +2,7 @@
 //! against attention written out with tensor ops, row by row: a prompt chunk at the end of a long
 //! conversation beside single rows of other streams, in a 4096- and a 12288-position slot (each
 //! block of the kernel over a span of several chunks), and a lone row (spans of one chunk); four
-//! query heads a KV head of 128 (the Thinker's), and one of 64 (the Talker's).
+//! query heads a KV head of 128 (the Thinker's), one of 64 (the Talker's), and eight of 32.
 
 use super::*;
 use antiphon_models::attention::{attend, CausalMask};
@@ -46,17 +46,19 @@ fn batched_attention_over_a_long_prompt_chunk_matches_attention_row_by_row() {
             attention_in_slots_of(cap, (8, 2, 128), teams);
         }
         attention_in_slots_of(4096, (4, 4, 64), teams);
+        // eight query heads a KV head, 32 wide (a team of four lanes)
+        attention_in_slots_of(4096, (16, 2, 32), teams);
     }
     set_decode_attention_teams(false);
 }
 
 fn attention_in_slots_of(cap: usize, (hq, hkv, d): (usize, usize, usize), teams: bool) {
     let dev = common::device();
-    // slot 1: a prompt chunk of 40 rows ~1100 positions before the end; slot 0 a row at 17;
-    // slot 2 the slot's last position
+    // slot 1: a prompt chunk of 40 rows ~1100 positions before the end; slot 0 rows at 17 and
+    // at 32 (a whole number of chunks); slot 2 the slot's last position
     let at = cap as u32 - 1096;
     let mut rows: Vec<(u32, u32)> = (at..at + 40).map(|p| (1, p)).collect();
-    rows.extend([(0, 17), (2, cap as u32 - 1)]);
+    rows.extend([(0, 17), (0, 32), (2, cap as u32 - 1)]);
     let b = rows.len();
     let max_pos = cap - 1;
     let host = Device::Cpu;
@@ -90,7 +92,7 @@ fn attention_in_slots_of(cap: usize, (hq, hkv, d): (usize, usize, usize), teams:
             assert_close(&what, &got, &want, tol);
         }
         // a lone row at the slot's end: its positions in spans of one chunk each (the kernel's
-        // split count follows the batch: 42 rows take spans of several chunks above)
+        // split count follows the batch: 43 rows take spans of several chunks above)
         let last = |t: &Tensor| t.narrow(0, b - 1, 1).unwrap();
         let got = decode_attention_batch(
             &last(&on(&heads)),
