@@ -18,6 +18,18 @@ pub const PROMPT_ROOM: usize = 256;
 /// Rows the Talker's cache holds beyond a reply's text and codes: the text end and the audio start.
 pub const TALKER_MARKERS: usize = 2;
 
+/// The Thinker's context a conversation may take (its prompt, the turns it keeps and a reply):
+/// the model's `model` positions, or fewer where the configuration says so (`thinker.context`;
+/// 0: the model's). A deployment sets it to its slots' positions so that no conversation outgrows
+/// its slot and leaves the batched step: its oldest turns give way within the slot instead.
+pub fn conversation_context(model: usize, configured: usize) -> usize {
+    if configured == 0 {
+        model
+    } else {
+        configured.min(model)
+    }
+}
+
 /// Whether a prompt of `prompt` positions and a reply of up to `max_reply` tokens fit `context`.
 pub fn prompt_and_reply_fit(prompt: usize, max_reply: usize, context: usize) -> bool {
     prompt
@@ -62,6 +74,41 @@ pub fn talker_rows(text: usize, codes: usize, chunk: Option<usize>) -> usize {
     }
 }
 
+/// The positions a prompt's earlier turns may take beside its `fixed` positions (the system turn
+/// with its voice, and the input) within `budget` ([`prompt_budget`]): at most half the budget, so
+/// a conversation never crowds out a reply, and never more than the fixed part leaves (so an input
+/// within [`max_input`] always fits).
+pub fn history_room(budget: usize, fixed: usize) -> usize {
+    budget.saturating_sub(fixed).min(budget / 2)
+}
+
+/// How many of a conversation's oldest turns (their positions `sizes`, oldest first) a prompt
+/// leaves out so that the rest take at most `room` positions.
+///
+/// The cut falls at whole steps of half the room, counted from the first turn given: while the
+/// conversation grows by less than a step, the turns left out stay the same, so each prompt starts
+/// with the positions of the one before and reuses their KV from the prefix store; only a prompt
+/// that moves the cut prefills its kept turns again, once every half room of conversation, not at
+/// every turn (the purpose of OpenAI Realtime's `retention_ratio` truncation). After a cut the turns
+/// kept take about half the room. A session that drops the turns left out from what it sends next
+/// counts from the new first turn: the next cut is again half a room of conversation away.
+pub fn oldest_turns_left_out(sizes: &[usize], room: usize) -> usize {
+    let total: usize = sizes.iter().sum();
+    if total <= room {
+        return 0;
+    }
+    let step = (room / 2).max(1);
+    let cut = (total - room).div_ceil(step).saturating_mul(step);
+    let mut before = 0;
+    for (i, size) in sizes.iter().enumerate() {
+        if before >= cut {
+            return i;
+        }
+        before += size;
+    }
+    sizes.len()
+}
+
 /// 16 kHz samples a duplex unit's audio position covers (the Thinker hears 10 a second).
 pub const UNIT_SAMPLES_PER_POSITION: usize = 1600;
 
@@ -95,5 +142,51 @@ mod tests {
         assert_eq!(talker_rows(512, 100, None), 614);
         assert_eq!(talker_rows(0, 100, Some(10)), 124);
         assert_eq!(duplex_rows_after_unit(500, 16_000, 20), 500 + 2 + 10 + 20 + 2);
+        assert_eq!(conversation_context(40960, 0), 40960);
+        assert_eq!(conversation_context(40960, 12288), 12288);
+        assert_eq!(conversation_context(4096, 12288), 4096);
+    }
+    #[test]
+    fn the_oldest_turns_give_way_in_steps_of_half_the_room() {
+        assert_eq!(history_room(8000, 500), 4000);
+        assert_eq!(history_room(8000, 5000), 3000);
+        assert_eq!(oldest_turns_left_out(&[100; 10], 1000), 0);
+        assert_eq!(oldest_turns_left_out(&[100; 10], 0), 10);
+        // a conversation growing a turn at a time, sent whole: the turns it keeps fit the room,
+        // and the first of them moves once every five turns (half the room), not at every turn
+        let (room, size) = (1000, 100);
+        let mut firsts = Vec::new();
+        for n in 1..=60 {
+            let sizes = vec![size; n];
+            let first = oldest_turns_left_out(&sizes, room);
+            assert!((n - first) * size <= room, "{n} turns keep {}", n - first);
+            firsts.push(first);
+        }
+        assert!(firsts.windows(2).all(|w| w[0] <= w[1]), "{firsts:?}");
+        let moves = firsts.windows(2).filter(|w| w[0] != w[1]).count();
+        assert_eq!(moves, 10, "{firsts:?}");
+        // right after a cut the turns kept take about half the room
+        assert_eq!(firsts[10], 5, "{firsts:?}");
+        // the same conversation sent by a session that drops the turns left out: after a cut
+        // the next turns all fit until half a room more has been said
+        let mut held: Vec<usize> = Vec::new();
+        let mut cuts = 0;
+        for n in 0..60 {
+            held.push(size + n % 3);
+            let out = oldest_turns_left_out(&held, room);
+            assert!(held[out..].iter().sum::<usize>() <= room);
+            if out > 0 {
+                cuts += 1;
+                held.drain(..out);
+                assert!(held.iter().sum::<usize>() <= room - room / 2 + 2 * size, "{held:?}");
+            }
+        }
+        assert!((9..=12).contains(&cuts), "{cuts} cuts");
+        // turns of any size: what stays always fits
+        let sizes = [700, 20, 1500, 3, 300, 900, 40];
+        for room in [0, 1, 10, 500, 999, 1600, 3000, 4000] {
+            let out = oldest_turns_left_out(&sizes, room);
+            assert!(sizes[out..].iter().sum::<usize>() <= room, "room {room}: {out}");
+        }
     }
 }

@@ -192,7 +192,10 @@ impl Engine {
         // what a request may ask for: a reply (with room for a prompt) that fits the Thinker's
         // context and the Talker's, and codes that fit the Talker's beside the longest default text
         let (ctx0, ctx1) = (
-            models.thinker.llm.decoder().config().max_positions,
+            fit::conversation_context(
+                models.thinker.llm.decoder().config().max_positions,
+                cfg.thinker.context,
+            ),
             models.talker.decoder().config().max_positions,
         );
         let voice_rows = if cfg.thinker.hears_reference {

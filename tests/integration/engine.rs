@@ -18,6 +18,7 @@ use common::engine::{collect, engine, spec, submit, voice, Outcome};
 
 mod captured_prefill;
 mod first_chunk;
+mod history;
 mod inbox;
 
 #[test]
@@ -387,50 +388,6 @@ fn duplicate_live_ids_are_refused() {
         .is_err());
     e.cancel(&RequestId("dup".into()));
     let _ = collect(rx);
-}
-
-#[test]
-fn a_history_longer_than_the_context_loses_its_oldest_turns() {
-    let e = engine(EngineConfig::default());
-    let mut s = spec("long-history", "and now?", 4, 10, 1);
-    s.history = (0..60)
-        .map(|i| {
-            antiphon_engine::Turn::text(format!("question {i} ").repeat(40), "answer ".repeat(60))
-        })
-        .collect();
-    let o = collect(submit(&e, s));
-    assert_eq!(o.status, Status::Completed);
-    // and says how many, before anything else of the reply
-    let trimmed = o.events.iter().position(
-        |ev| matches!(ev, EngineEvent::HistoryTrimmed { turns } if (1..60).contains(turns)),
-    );
-    assert_eq!(
-        trimmed,
-        Some(0),
-        "the first event says how many turns were left out: {:?}",
-        o.events.first()
-    );
-    // an input within `max_input_tokens` fits whatever the history: more of it gives way (here
-    // ~3400 positions of history, within half of what the reply leaves, and an input of 5000)
-    let max = e.max_input_tokens(0);
-    let mut s = spec("big-input", &"b".repeat(max.min(5000)), 4, 10, 1);
-    s.history = (0..12)
-        .map(|i| antiphon_engine::Turn::text(format!("q{i} ").repeat(80), "answer ".repeat(3)))
-        .collect();
-    let o = collect(submit(&e, s));
-    assert_eq!(o.status, Status::Completed, "an input of {} tokens, within {max}", max.min(5000));
-    assert!(
-        matches!(o.events.first(), Some(EngineEvent::HistoryTrimmed { turns }) if *turns > 0),
-        "{:?}",
-        o.events.first()
-    );
-    // a prompt that alone is longer than the context is refused clearly
-    let o = collect(submit(&e, spec("huge", &"la ".repeat(4000), 4, 10, 1)));
-    assert!(
-        matches!(&o.status, Status::Refused(m) if m.contains("context") && m.contains("`text`")),
-        "{:?}",
-        o.status
-    );
 }
 
 /// The GPU runs bf16 weights: the same pipeline in bf16 on the CPU finds dtype mismatches without a

@@ -32,6 +32,10 @@ pub struct ThinkerConfig {
     /// batch size); a stream that finds no free slot, or needs more, gets a cache of its own.
     pub slots: usize,
     pub slot_context: usize,
+    /// Positions a conversation may take of the Thinker's context (its prompt, the turns it keeps
+    /// and a reply; 0: the model's whole context): the oldest turns give way within it
+    /// (`fit::conversation_context`). Set to `slot_context`, no conversation outgrows its slot.
+    pub context: usize,
     /// Prompt prefixes whose KV the Thinker keeps (0 = off): system turns with their voice, and
     /// finished turns (prompt + reply) for their conversation's next prompt. A new prompt starts
     /// from the entry it shares the most leading ids with.
@@ -57,6 +61,7 @@ impl Default for ThinkerConfig {
             prefill_graph_raised: true,
             slots: 16,
             slot_context: 4096,
+            context: 0,
             prefix_cache: 16,
             prefix_mib: 1024,
             gate_spares_new_replies: false,

@@ -126,9 +126,12 @@ impl Ctx {
         self.metrics.step_seconds.at(StepKind::ThinkerHear).observe(t0.elapsed().as_secs_f64());
     }
 
-    /// The Thinker's context, in positions.
+    /// The Thinker's context a conversation may take, in positions (`thinker.context`).
     pub fn context(&self) -> usize {
-        self.thinker.llm.decoder().config().max_positions
+        crate::fit::conversation_context(
+            self.thinker.llm.decoder().config().max_positions,
+            self.cfg.thinker.context,
+        )
     }
 }
 

@@ -125,9 +125,8 @@ pub(super) fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<Prompt> 
     } else {
         messages.push(Message::text(Role::System, instructions.clone()));
     }
-    // the oldest turns give way when the conversation outgrows the context: the history keeps at
-    // most half of what the reply leaves, and never more than the system turn and the input leave
-    // (so an input within `Engine::max_input_tokens` always fits)
+    // the oldest turns give way when the conversation outgrows the context (fit.rs: at most half
+    // of what the reply leaves, in steps of half that, so that the next prompts reuse this one's)
     let budget = crate::fit::prompt_budget(
         ctx.context(),
         spec.generation.max_text_tokens.unwrap_or(ctx.cfg.default_max_text_tokens),
@@ -136,14 +135,8 @@ pub(super) fn build_prompt(ctx: &mut Ctx, spec: &RequestSpec) -> Result<Prompt> 
         + voice_rows
         + crate::SYSTEM_TURN_TOKENS
         + input_size(ctx, &spec.input);
-    let room = budget.saturating_sub(fixed).min(budget / 2);
-    let sizes = turn_sizes(ctx, &spec.history);
-    let mut kept: usize = sizes.iter().sum();
-    let mut first = 0;
-    while first < sizes.len() && kept > room {
-        kept -= sizes[first];
-        first += 1;
-    }
+    let room = crate::fit::history_room(budget, fixed);
+    let first = crate::fit::oldest_turns_left_out(&turn_sizes(ctx, &spec.history), room);
     for t in &spec.history[first..] {
         messages.push(user_message(ctx, &t.user, &mut audio));
         messages.push(Message::text(Role::Assistant, assistant_content(&t.assistant, &t.calls)));
