@@ -89,9 +89,9 @@ pub fn history_room(budget: usize, fixed: usize) -> usize {
 /// conversation grows by less than a step, the turns left out stay the same, so each prompt starts
 /// with the positions of the one before and reuses their KV from the prefix store; only a prompt
 /// that moves the cut prefills its kept turns again, once every half room of conversation, not at
-/// every turn (the purpose of OpenAI Realtime's `retention_ratio` truncation). After a cut the turns
-/// kept take about half the room. A session that drops the turns left out from what it sends next
-/// counts from the new first turn: the next cut is again half a room of conversation away.
+/// every turn (the purpose of OpenAI Realtime's `retention_ratio` truncation). After a cut the
+/// turns kept take about half the room. A session that drops the turns left out from what it sends
+/// next counts from the new first turn: the next cut is again half a room of conversation away.
 pub fn oldest_turns_left_out(sizes: &[usize], room: usize) -> usize {
     let total: usize = sizes.iter().sum();
     if total <= room {
