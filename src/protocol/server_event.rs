@@ -164,8 +164,6 @@ pub enum ServerEvent {
     ResponseCreated { seq: u64, response_id: u32, trigger: Trigger },
     #[serde(rename = "response.text.delta")]
     ResponseTextDelta { seq: u64, response_id: u32, text: String },
-    /// The conversation outgrew its context: its `turns` oldest turns were left out of
-    /// this response's prompt, and the session has let them go.
     /// The response called a tool (sent when the call is written; the response ends after it).
     #[serde(rename = "response.tool_call")]
     ResponseToolCall {
@@ -198,6 +196,8 @@ pub enum ServerEvent {
         reason: TranscriptFailure,
         message: String,
     },
+    /// The conversation outgrew its context: its `turns` oldest turns were left out of
+    /// this response's prompt, and the session has let them go.
     #[serde(rename = "conversation.trimmed")]
     ConversationTrimmed { seq: u64, response_id: u32, turns: usize },
     #[serde(rename = "response.done")]
