@@ -146,6 +146,7 @@ mod tests {
         assert_eq!(conversation_context(40960, 12288), 12288);
         assert_eq!(conversation_context(4096, 12288), 4096);
     }
+
     #[test]
     fn the_oldest_turns_give_way_in_steps_of_half_the_room() {
         assert_eq!(history_room(8000, 500), 4000);
