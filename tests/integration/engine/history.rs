@@ -3,7 +3,15 @@
 
 use antiphon_engine::{EngineConfig, EngineEvent, Status, Turn};
 
-use crate::common::engine::{collect, engine, spec, submit};
+use crate::common::engine::{collect, engine, spec, submit, Outcome};
+
+/// The oldest turns a reply's prompt left out, as its `HistoryTrimmed` event says (none: `None`).
+fn turns_left_out(o: &Outcome) -> Option<usize> {
+    o.events.iter().find_map(|ev| match ev {
+        EngineEvent::HistoryTrimmed { turns } => Some(*turns),
+        _ => None,
+    })
+}
 
 #[test]
 fn a_history_longer_than_the_context_loses_its_oldest_turns() {
@@ -28,20 +36,12 @@ fn a_history_longer_than_the_context_loses_its_oldest_turns() {
     // the next turn, from a session that dropped the turns left out, keeps every turn it sends:
     // the oldest give way in steps of half the room, not one turn at every turn (fit.rs), so its
     // prompt starts with this one's positions
-    let left_out = o.events.iter().find_map(|ev| match ev {
-        EngineEvent::HistoryTrimmed { turns } => Some(*turns),
-        _ => None,
-    });
     let mut s = spec("long-history-next", "and then?", 4, 10, 1);
-    s.history = history[left_out.unwrap_or(0)..].to_vec();
+    s.history = history[turns_left_out(&o).unwrap_or(0)..].to_vec();
     s.history.push(Turn::text("and now?", "answer ".repeat(60)));
     let next = collect(submit(&e, s));
     assert_eq!(next.status, Status::Completed);
-    assert!(
-        !next.events.iter().any(|ev| matches!(ev, EngineEvent::HistoryTrimmed { .. })),
-        "the turn after a cut left out more: {:?}",
-        next.events.first()
-    );
+    assert_eq!(turns_left_out(&next), None, "the turn after a cut left out more");
     // an input within `max_input_tokens` fits whatever the history: more of it gives way (here
     // ~3400 positions of history, within half of what the reply leaves, and an input of 5000)
     let max = e.max_input_tokens(0);
@@ -76,11 +76,7 @@ fn a_configured_context_bounds_the_conversation() {
     s.history = history.clone();
     let o = collect(submit(&whole, s));
     assert_eq!(o.status, Status::Completed);
-    assert!(
-        !o.events.iter().any(|ev| matches!(ev, EngineEvent::HistoryTrimmed { .. })),
-        "{:?}",
-        o.events.first()
-    );
+    assert_eq!(turns_left_out(&o), None, "the model's whole context holds the history");
     drop(whole);
     let mut cfg = EngineConfig::default();
     cfg.thinker.context = 2048;
